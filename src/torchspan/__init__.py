@@ -1,0 +1,51 @@
+"""torchspan: train one PyTorch model across every device a machine has.
+
+Usage::
+
+    import torchspan
+    print(torchspan.devices())                      # what this machine has
+    report = torchspan.doctor(model, x, target=y, loss_fn=criterion)
+    plan = torchspan.plan(model, x, devices="cuda:0,cpu")
+    spanned = torchspan.span(model, plan)
+    loss = spanned.train_step(x, y, criterion)
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (imported on first use, so `import torchspan` stays fast)
+_EXPORTS: dict[str, str] = {
+    "Device": "torchspan.hardware",
+    "devices": "torchspan.hardware",
+    "to_device": "torchspan.hardware",
+    "doctor": "torchspan.diagnosis",
+    "watch": "torchspan.diagnosis",
+    "Report": "torchspan.diagnosis",
+    "DeviceMismatchError": "torchspan.diagnosis",
+    "span": "torchspan.runtime",
+    "Spanned": "torchspan.runtime",
+    "profile": "torchspan.profiler",
+    "Profile": "torchspan.profiler",
+    "plan": "torchspan.planner",
+    "Plan": "torchspan.planner",
+    "PlanError": "torchspan.planner",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torchspan' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

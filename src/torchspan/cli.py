@@ -1,0 +1,63 @@
+"""The ``torchspan`` command line: ``torchspan devices|doctor|plan|run|verify|demo|bench``.
+
+Each subcommand lives in ``torchspan.commands.<name>`` and exposes ``register(subparsers)``,
+which adds its parser and sets ``func(args) -> int``. Tests call ``main([...])`` directly.
+
+Usage: ``torchspan devices --json``; in Python, ``main(["devices", "cpu"])``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from . import __version__
+
+# Order is the order shown in --help.
+COMMANDS = ("devices", "doctor", "plan", "run", "verify", "demo", "bench")
+
+
+class UsageError(ValueError):
+    """Bad command-line input; printed as ``torchspan: error: …`` with exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="torchspan",
+        description="Train one PyTorch model across every device a machine has.",
+    )
+    parser.add_argument("--version", action="version", version=f"torchspan {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"torchspan.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"torchspan.commands.{name}":
+                continue  # command not shipped in this build
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI with ``argv`` (default: ``sys.argv[1:]``) and return the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (UsageError, ValueError) as exc:
+        # Library errors already name the argument, the value and the fix.
+        print(f"torchspan {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # pragma: no cover - interactive
+        print("torchspan: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""One module per ``torchspan`` subcommand; each has ``register(subparsers)``."""

@@ -1,0 +1,82 @@
+"""Helpers shared by subcommands: ``DEV=SIZE`` options and the rich console."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+
+from ..cli import UsageError
+
+
+def parse_memory_options(items: Sequence[str] | None) -> dict[str, str] | None:
+    """``["cuda:0=10GiB", "cpu=32GB"]`` → ``{"cuda:0": "10GiB", "cpu": "32GB"}``."""
+    if not items:
+        return None
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise UsageError(f"--memory {item!r} is not DEV=SIZE; write e.g. --memory cuda:0=10GiB --memory cpu=32GB")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def add_memory_option(parser: Any) -> None:
+    parser.add_argument(
+        "--memory",
+        action="append",
+        metavar="DEV=SIZE",
+        help="memory budget for a device, e.g. cuda:0=10GiB or cpu=32GB (repeatable)",
+    )
+
+
+def console() -> Console:
+    """A console on stdout; plain text (no colour codes) when stdout is not a terminal."""
+    return Console(file=sys.stdout, highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 120)
+
+
+def print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, sort_keys=False))
+
+
+def load_target(target: str) -> Any:
+    """Build the model named by ``package.module:factory`` or ``path/to/file.py:factory``.
+
+    ``factory`` is called with no arguments and must return an ``nn.Module`` (a module-level
+    ``nn.Module`` instance is accepted as is).
+    """
+    import importlib
+    import importlib.util
+    import os
+
+    from torch import nn
+
+    where, sep, attr = target.rpartition(":")
+    if not sep or not where or not attr:
+        raise UsageError(
+            f"TARGET {target!r} is not 'package.module:factory' or 'path/to/file.py:factory'; "
+            "e.g. 'mymodels:build' or 'train.py:make_model'"
+        )
+    if where.endswith(".py") or os.sep in where:
+        if not os.path.isfile(where):
+            raise UsageError(f"TARGET {target!r}: file {where!r} does not exist")
+        spec = importlib.util.spec_from_file_location(f"_torchspan_target_{abs(hash(where))}", where)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as exc:
+            raise UsageError(f"TARGET {target!r}: cannot import module {where!r} ({exc}); check PYTHONPATH") from exc
+    if not hasattr(module, attr):
+        raise UsageError(f"TARGET {target!r}: {where!r} has no attribute {attr!r}")
+    obj = getattr(module, attr)
+    model = obj if isinstance(obj, nn.Module) else obj()
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"TARGET {target!r}: {attr}() returned {type(model).__name__}, not an nn.Module")
+    return model

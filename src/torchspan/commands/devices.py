@@ -1,0 +1,39 @@
+"""``torchspan devices [SPEC] [--memory DEV=SIZE ...] [--json]``: the device inventory."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.table import Table
+
+from ..hardware import devices, format_bytes
+from ._common import add_memory_option, console, parse_memory_options, print_json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("devices", help="list devices with memory and budgets", description=__doc__)
+    p.add_argument("spec", nargs="?", default="auto", help="device spec: auto (default), cpu, cuda, 'cuda:0,1', 'cuda:0,cpu', mps")
+    add_memory_option(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    found = devices(args.spec, memory=parse_memory_options(args.memory))
+    if args.json:
+        print_json([d.to_dict() for d in found])
+        return 0
+    table = Table(title=f"torchspan devices ({args.spec})")
+    for col in ("device", "name", "total", "free", "budget", "logical -> physical"):
+        table.add_column(col, justify="right" if col in ("total", "free", "budget") else "left")
+    for d in found:
+        table.add_row(
+            str(d.device),
+            d.name,
+            format_bytes(d.total_memory),
+            format_bytes(d.free_memory),
+            format_bytes(d.budget) if d.budget is not None else "-",
+            f"{d.device} -> {d.physical}" if d.kind == "cuda" else str(d.physical or "-"),
+        )
+    console().print(table)
+    return 0

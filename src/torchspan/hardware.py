@@ -1,0 +1,539 @@
+"""Find and describe devices, parse device specs and memory budgets, move nested objects.
+
+Usage::
+
+    from torchspan import devices, to_device
+    devs = devices("cuda:0,cpu", memory={"cuda:0": "10GiB"})
+    batch = to_device(batch, devs[0])
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import platform
+import re
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+__all__ = [
+    "Device",
+    "devices",
+    "parse_memory",
+    "format_bytes",
+    "to_device",
+    "resolve_device",
+    "physical_index",
+]
+
+T = TypeVar("T")
+
+_UNITS: dict[str, int] = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_MEMORY_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_memory(value: int | float | str, *, name: str = "memory") -> int:
+    """Parse a memory size (``"10GiB"``, ``"32GB"``, ``"512 MiB"``, ``1024``) into bytes.
+
+    Usage: ``parse_memory("1.5GiB") == 1610612736``.
+    Raises ``ValueError`` naming ``name`` for negative or unparseable values.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} is not a memory size; use bytes (e.g. 1073741824) or a string like '1GiB'")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"{name}={value!r} is negative; a memory size must be >= 0 bytes")
+        return int(value)
+    if not isinstance(value, str):
+        raise ValueError(
+            f"{name}={value!r} ({type(value).__name__}) is not a memory size; use an int of bytes or a string like '10GiB'"
+        )
+    text = value.strip()
+    if text.startswith("-"):
+        raise ValueError(f"{name}={value!r} is negative; a memory size must be >= 0 bytes")
+    m = _MEMORY_RE.match(text)
+    unit = m.group(2).upper() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(
+            f"{name}={value!r} is not a memory size; write a number with an optional unit "
+            "from B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. '10GiB'"
+        )
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def format_bytes(n: int | float | None) -> str:
+    """Human-readable binary size: ``format_bytes(3 * 2**30) == '3.00 GiB'``."""
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"  # pragma: no cover
+
+
+@dataclass
+class Device:
+    """One device torchspan can place work on.
+
+    ``device`` is the ``torch.device``; ``total_memory``/``free_memory`` are bytes (``None`` when
+    unknown); ``budget`` is the user's memory budget in bytes (``None``: use what is free).
+    Devices found on this machine have ``source="found"``; devices described from a catalog
+    (planning for hardware you do not have) carry where their figures come from.
+    """
+
+    device: torch.device
+    name: str
+    total_memory: int | None = None
+    free_memory: int | None = None
+    budget: int | None = None
+    physical: str | None = None
+    peak_flops: float | None = None
+    host_bandwidth: float | None = None
+    source: str = "found"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        """Device type: ``"cpu"``, ``"cuda"``, ``"mps"``, ``"meta"``…"""
+        return self.device.type
+
+    @property
+    def index(self) -> int | None:
+        return self.device.index
+
+    @property
+    def capacity(self) -> int | None:
+        """Bytes torchspan may use here: the budget if one was given, else free (or total) memory."""
+        if self.budget is not None:
+            return self.budget
+        return self.free_memory if self.free_memory is not None else self.total_memory
+
+    @property
+    def present(self) -> bool:
+        """True when the device exists on this machine (not merely described)."""
+        return self.source == "found"
+
+    def __str__(self) -> str:
+        return str(self.device)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device": str(self.device),
+            "kind": self.kind,
+            "name": self.name,
+            "total_memory": self.total_memory,
+            "free_memory": self.free_memory,
+            "budget": self.budget,
+            "physical": self.physical,
+            "peak_flops": self.peak_flops,
+            "host_bandwidth": self.host_bandwidth,
+            "source": self.source,
+        }
+
+
+# --------------------------------------------------------------------------- discovery
+
+
+def _cuda_count() -> int:
+    try:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # pragma: no cover - broken drivers
+        return 0
+
+
+def _mps_available() -> bool:
+    backend = getattr(torch.backends, "mps", None)
+    return bool(backend is not None and backend.is_available())
+
+
+def physical_index(logical: int, env: Mapping[str, str] | None = None) -> str:
+    """The physical GPU behind logical CUDA index ``logical``, per ``CUDA_VISIBLE_DEVICES``.
+
+    Usage: with ``CUDA_VISIBLE_DEVICES=2,3``, ``physical_index(1) == "3"``. Entries may be
+    indices or UUIDs (``GPU-…``/``MIG-…``); without the variable, physical == logical.
+    """
+    env = os.environ if env is None else env
+    raw = env.get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        return str(logical)
+    entries = [e.strip() for e in raw.split(",") if e.strip()]
+    # PyTorch (like the CUDA runtime) stops at the first invalid entry.
+    visible: list[str] = []
+    for e in entries:
+        if e.isdigit() or e.startswith(("GPU-", "MIG-")):
+            visible.append(e)
+        else:
+            break
+    if logical < len(visible):
+        return visible[logical]
+    return "?"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "CPU"
+
+
+def _cpu_memory() -> tuple[int | None, int | None]:
+    total = free = None
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as fh:
+            info = {k.strip(): v for k, v in (line.split(":", 1) for line in fh if ":" in line)}
+        total = int(info["MemTotal"].split()[0]) * 1024
+        free = int(info.get("MemAvailable", info.get("MemFree", "0 kB")).split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            pass
+    return total, free
+
+
+def _describe_found(dev: torch.device) -> Device:
+    if dev.type == "cpu":
+        total, free = _cpu_memory()
+        return Device(torch.device("cpu"), f"{_cpu_name()} ({os.cpu_count()} cores)", total, free, physical="cpu")
+    if dev.type == "cuda":
+        idx = dev.index or 0
+        props = torch.cuda.get_device_properties(idx)
+        try:
+            free, total = torch.cuda.mem_get_info(idx)
+        except Exception:  # pragma: no cover - needs a GPU
+            free, total = None, props.total_memory
+        return Device(torch.device("cuda", idx), props.name, total, free, physical=physical_index(idx))
+    if dev.type == "mps":
+        total = None
+        try:
+            total = int(torch.mps.recommended_max_memory())  # type: ignore[attr-defined]
+        except Exception:
+            pass
+        return Device(torch.device("mps"), "Apple GPU (MPS)", total, total, physical="mps")
+    if dev.type == "meta":
+        return Device(torch.device("meta"), "meta (shapes only, no data)", None, None, physical="meta")
+    raise ValueError(f"device type {dev.type!r} is not supported; use cpu, cuda, mps or meta")
+
+
+def _visible_summary() -> str:
+    names = ["cpu"]
+    n = _cuda_count()
+    if n:
+        names = [f"cuda:{i}" for i in range(n)] + names
+    if _mps_available():
+        names.insert(0, "mps")
+    return ", ".join(names)
+
+
+def resolve_device(device: str | int | torch.device | Device, *, name: str = "device") -> torch.device:
+    """Check that ``device`` exists on this machine and return it as a ``torch.device``.
+
+    Usage: ``resolve_device("cuda")`` → ``torch.device("cuda", 0)`` on a GPU machine; on a CPU-only
+    machine a ``ValueError`` that lists what is visible and how to select it.
+    """
+    if isinstance(device, Device):
+        if not device.present:
+            raise ValueError(
+                f"{name}={str(device)!r} ({device.name}) is described, not present on this machine; "
+                f"it can be planned for but not run on. Visible devices: {_visible_summary()}."
+            )
+        return device.device
+    if isinstance(device, bool):
+        raise ValueError(f"{name}={device!r} is not a device; use e.g. 'cpu', 'cuda:0' or 0")
+    if isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"{name}={device!r}: a CUDA index must be >= 0")
+        dev = torch.device("cuda", device)
+    elif isinstance(device, torch.device):
+        dev = device
+    elif isinstance(device, str):
+        try:
+            dev = torch.device(device.strip())
+        except RuntimeError:
+            raise ValueError(
+                f"{name}={device!r} is not a device spec; use 'cpu', 'cuda', 'cuda:N', 'mps' or 'meta' "
+                f"(visible here: {_visible_summary()})"
+            ) from None
+    else:
+        raise ValueError(f"{name}={device!r} ({type(device).__name__}) is not a device; use a string, int or torch.device")
+
+    if dev.type in ("cpu", "meta"):
+        return torch.device(dev.type)
+    if dev.type == "cuda":
+        n = _cuda_count()
+        cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+        cvd_note = f" (CUDA_VISIBLE_DEVICES={cvd!r})" if cvd is not None else ""
+        if n == 0:
+            why = "this PyTorch build has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(
+                f"{name}={str(device)!r}: {why}{cvd_note}. Visible devices: {_visible_summary()}. "
+                "Use 'cpu' (or 'auto' to take whatever is present), or run on a machine with a GPU."
+            )
+        idx = 0 if dev.index is None else dev.index
+        if idx >= n:
+            listed = ", ".join(f"cuda:{i}" for i in range(n))
+            raise ValueError(
+                f"{name}={str(device)!r} does not exist: {n} CUDA device(s) are visible ({listed}){cvd_note}. "
+                f"Pick one of them, or make the GPU visible with CUDA_VISIBLE_DEVICES."
+            )
+        return torch.device("cuda", idx)
+    if dev.type == "mps":
+        if not _mps_available():
+            raise ValueError(
+                f"{name}={str(device)!r}: MPS (Apple GPU) is not available here. Visible devices: {_visible_summary()}."
+            )
+        return torch.device("mps")
+    raise ValueError(
+        f"{name}={str(device)!r}: device type {dev.type!r} is not supported; use cpu, cuda, mps or meta "
+        f"(visible here: {_visible_summary()})"
+    )
+
+
+_REPEAT_RE = re.compile(r"^(.*?)\s*\*\s*(\d+)$")
+
+
+def _split_spec(spec: str) -> list[str]:
+    """``"cuda:0,1,cpu"`` → ``["cuda:0", "cuda:1", "cpu"]``; ``"cpu*2"`` → ``["cpu", "cpu"]``."""
+    tokens: list[str] = []
+    last_type: str | None = None
+    for raw in spec.split(","):
+        tok = raw.strip()
+        if not tok:
+            raise ValueError(f"devices={spec!r} has an empty entry; separate devices with single commas, e.g. 'cuda:0,cpu'")
+        count = 1
+        m = _REPEAT_RE.match(tok)
+        if m:
+            tok, count = m.group(1).strip(), int(m.group(2))
+            if count < 1:
+                raise ValueError(f"devices={spec!r}: repeat count in {raw.strip()!r} must be >= 1")
+        if tok.isdigit():
+            if last_type != "cuda":
+                raise ValueError(
+                    f"devices={spec!r}: bare index {tok!r} follows no 'cuda:N' entry; write 'cuda:{tok}'"
+                )
+            tok = f"cuda:{tok}"
+        last_type = tok.split(":", 1)[0].lower()
+        tokens.extend([tok] * count)
+    return tokens
+
+
+def _lookup_catalog(token: str) -> Device | None:
+    """A described (not present) device from torchspan's catalog, e.g. ``"a100-40gb"``."""
+    try:
+        from . import catalog
+    except ImportError:  # pragma: no cover - catalog ships with the package
+        return None
+    return catalog.lookup(token)
+
+
+def _expand(item: str | int | torch.device | Device, spec_repr: str) -> list[Device]:
+    if isinstance(item, Device):
+        return [dataclasses.replace(item)]
+    if isinstance(item, str):
+        low = item.strip().lower()
+        if low == "auto":
+            out = [_describe_found(torch.device("cuda", i)) for i in range(_cuda_count())]
+            if _mps_available():
+                out.append(_describe_found(torch.device("mps")))
+            out.append(_describe_found(torch.device("cpu")))
+            return out
+        if low == "cuda":
+            n = _cuda_count()
+            if n == 0:
+                resolve_device("cuda", name="devices")  # raises the helpful error
+            return [_describe_found(torch.device("cuda", i)) for i in range(n)]
+        head = low.split(":", 1)[0]
+        if head not in ("cpu", "cuda", "mps", "meta"):
+            described = _lookup_catalog(low)
+            if described is not None:
+                return [described]
+            raise ValueError(
+                f"devices={spec_repr}: unknown device {item!r}. Use 'auto', 'cpu', 'cuda', 'cuda:N', 'mps', 'meta', "
+                f"a catalog name such as 'a100-40gb' (see torchspan.catalog), or a comma list; visible here: {_visible_summary()}"
+            )
+    return [_describe_found(resolve_device(item, name="devices"))]
+
+
+def devices(
+    spec: str | int | torch.device | Device | Sequence[str | int | torch.device | Device] = "auto",
+    memory: Mapping[str, int | float | str] | None = None,
+) -> list[Device]:
+    """Find, describe and budget the devices named by ``spec``.
+
+    Usage::
+
+        devices()                                   # every accelerator, then the CPU
+        devices("cuda:0,1")                         # two GPUs
+        devices("cuda:0,cpu", memory={"cuda:0": "10GiB", "cpu": "32GB"})
+        devices(["cpu", "cpu"])                     # two CPU stages (testing pipelines)
+
+    Raises ``ValueError`` for devices the machine lacks (saying what is visible), for budgets
+    naming a device not in the list, and for negative or unparseable budgets. A budget above the
+    device's capacity is a ``UserWarning``.
+    """
+    spec_repr = repr(spec)
+    items: list[str | int | torch.device | Device]
+    if isinstance(spec, str):
+        if not spec.strip():
+            raise ValueError("devices='' is empty; use 'auto', 'cpu', 'cuda:0,1', ...")
+        items = list(_split_spec(spec))
+    elif isinstance(spec, (int, torch.device, Device)):
+        items = [spec]
+    elif isinstance(spec, Sequence):
+        items = list(spec)
+        if not items:
+            raise ValueError("devices=[] is empty; name at least one device, e.g. ['cpu']")
+    else:
+        raise ValueError(f"devices={spec_repr} ({type(spec).__name__}) is not a device spec; use a string or a list")
+
+    found: list[Device] = []
+    for item in items:
+        found.extend(_expand(item, spec_repr))
+    if memory:
+        _apply_budgets(found, memory)
+    return found
+
+
+def _budget_key(key: str | torch.device | int) -> str:
+    if isinstance(key, int) and not isinstance(key, bool):
+        return f"cuda:{key}"
+    k = str(key).strip().lower()
+    if k == "cuda":
+        return "cuda:0"
+    return k
+
+
+def _apply_budgets(found: list[Device], memory: Mapping[str, int | float | str]) -> None:
+    if not isinstance(memory, Mapping):
+        raise ValueError(f"memory={memory!r} must be a mapping like {{'cuda:0': '10GiB', 'cpu': '32GB'}}")
+    names = {str(d.device) for d in found}
+    for key, value in memory.items():
+        k = _budget_key(key)
+        if k not in names:
+            raise ValueError(
+                f"memory[{key!r}]={value!r} names a device that is not in the device list "
+                f"({', '.join(sorted(names))}); give budgets only for listed devices, or add {key!r} to the devices"
+            )
+        nbytes = parse_memory(value, name=f"memory[{key!r}]")
+        for d in found:
+            if str(d.device) == k:
+                d.budget = nbytes
+                cap = d.total_memory
+                if cap is not None and nbytes > cap:
+                    warnings.warn(
+                        f"memory[{key!r}]={value!r} ({format_bytes(nbytes)}) is above {k}'s capacity "
+                        f"({format_bytes(cap)}); the budget can never be reached",
+                        UserWarning,
+                        stacklevel=3,
+                    )
+
+
+# --------------------------------------------------------------------------- moving things
+
+
+def _is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(obj, "_fields")
+
+
+def _move_tensor(t: torch.Tensor, dev: torch.device, non_blocking: bool) -> torch.Tensor:
+    if t.device == dev:
+        return t
+    if t.is_meta and dev.type != "meta":
+        raise ValueError(
+            f"cannot move a meta tensor (shape {tuple(t.shape)}, no data) to {dev}; "
+            "materialise the module with module.to_empty(device=...) and load its weights instead"
+        )
+    return t.to(dev, non_blocking=non_blocking)
+
+
+def _move_optimizer(opt: torch.optim.Optimizer, dev: torch.device, non_blocking: bool) -> None:
+    for group in opt.param_groups:
+        keep_step_on_host = not (group.get("capturable", False) or group.get("fused", False))
+        for p in group["params"]:
+            state = opt.state.get(p)
+            if not state:
+                continue
+            for key, value in list(state.items()):
+                if isinstance(value, torch.Tensor):
+                    # PyTorch keeps Adam-style `step` counters on the host unless capturable/fused.
+                    if key == "step" and keep_step_on_host:
+                        continue
+                    state[key] = _move_tensor(value, dev, non_blocking)
+
+
+def to_device(obj: T, device: str | int | torch.device | Device, non_blocking: bool = False) -> T:
+    """Move every tensor inside ``obj`` to ``device``, keeping the structure.
+
+    Handles tensors; dicts, lists, tuples, namedtuples and dataclasses (same type back); ``nn.Module``
+    (parameters **and buffers**, in place, returned); ``torch.optim.Optimizer`` state (in place,
+    returned). Anything else is returned unchanged.
+
+    Usage: ``batch = to_device({"x": x, "y": [y1, y2]}, "cuda:0")``;
+    ``to_device(criterion, "cuda")`` moves a ``CrossEntropyLoss(weight=...)`` buffer too.
+    """
+    dev = resolve_device(device)
+    return _to(obj, dev, non_blocking)
+
+
+def _to(obj: Any, dev: torch.device, non_blocking: bool) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return _move_tensor(obj, dev, non_blocking)
+    if isinstance(obj, nn.Module):
+        for name, t in list(obj.named_parameters()) + list(obj.named_buffers()):
+            if t.is_meta and dev.type != "meta":
+                raise ValueError(
+                    f"cannot move {type(obj).__name__}: {name!r} is on meta (no data); use "
+                    f"module.to_empty(device={str(dev)!r}) and load its weights"
+                )
+        return obj.to(dev, non_blocking=non_blocking)
+    if isinstance(obj, torch.optim.Optimizer):
+        _move_optimizer(obj, dev, non_blocking)
+        return obj
+    if isinstance(obj, (str, bytes)) or obj is None:
+        return obj
+    if _is_namedtuple(obj):
+        return type(obj)(*(_to(v, dev, non_blocking) for v in obj))
+    if isinstance(obj, tuple):
+        return tuple(_to(v, dev, non_blocking) for v in obj)
+    if isinstance(obj, list):
+        return [_to(v, dev, non_blocking) for v in obj]
+    if isinstance(obj, Mapping):
+        moved = {k: _to(v, dev, non_blocking) for k, v in obj.items()}
+        if type(obj) is dict:
+            return moved
+        try:
+            if hasattr(obj, "default_factory"):
+                return type(obj)(obj.default_factory, moved)  # type: ignore[attr-defined]
+            return type(obj)(moved)
+        except TypeError:
+            return moved
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        new = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            object.__setattr__(new, f.name, _to(getattr(obj, f.name), dev, non_blocking))
+        return new
+    return obj

@@ -1,0 +1,182 @@
+"""``Plan``: where each layer runs, how the batch is split and scheduled. Pure data, JSON round-trip.
+
+Usage::
+
+    plan = Plan(stages=[StagePlan("cuda:0", ["embed", "blocks"]), StagePlan("cpu", ["head"])],
+                microbatches=4, schedule="1f1b")
+    Plan.from_json(plan.to_json()) == plan
+    spanned = torchspan.span(model, plan)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["Plan", "StagePlan", "SCHEDULES", "CHECKPOINTS"]
+
+SCHEDULES = ("gpipe", "1f1b")
+CHECKPOINTS = ("never", "except_last", "always")
+_FORMAT = "torchspan.plan/1"
+
+
+@dataclass
+class StagePlan:
+    """One pipeline stage: consecutive ``layers`` placed on ``device``.
+
+    Byte figures are predictions for this stage's device under the plan's schedule;
+    times are predicted seconds per micro-batch.
+    """
+
+    device: str
+    layers: list[str]
+    device_name: str = ""
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
+    activation_bytes: int = 0
+    buffer_bytes: int = 0
+    forward_time: float = 0.0
+    backward_time: float = 0.0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes + self.buffer_bytes
+
+
+@dataclass
+class Plan:
+    """A placement of a model's layers on devices, with micro-batching, schedule and checkpointing."""
+
+    stages: list[StagePlan]
+    microbatches: int = 1
+    schedule: str = "gpipe"
+    checkpoint: str = "never"
+    batch_size: int | None = None
+    predicted_step_time: float | None = None
+    peak_memory: dict[str, int] = field(default_factory=dict)
+    strategy: str = "torchspan"
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.stages = [s if isinstance(s, StagePlan) else StagePlan(**s) for s in self.stages]
+        if not self.stages:
+            raise ValueError("Plan(stages=[]) is empty; a plan needs at least one stage")
+        if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ValueError(f"Plan(microbatches={self.microbatches!r}) must be an int >= 1")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"Plan(schedule={self.schedule!r}) is not one of {', '.join(SCHEDULES)}")
+        if self.checkpoint not in CHECKPOINTS:
+            raise ValueError(f"Plan(checkpoint={self.checkpoint!r}) is not one of {', '.join(CHECKPOINTS)}")
+        seen: dict[str, int] = {}
+        for i, s in enumerate(self.stages):
+            if not s.layers:
+                raise ValueError(f"Plan stage {i} on {s.device} has no layers; drop the stage or give it layers")
+            for name in s.layers:
+                if name in seen:
+                    raise ValueError(f"Plan: layer {name!r} is in stage {seen[name]} and stage {i}; each layer belongs to one stage")
+                seen[name] = i
+
+    # ------------------------------------------------------------------ views
+    @property
+    def devices(self) -> list[str]:
+        """Device of each stage, in stage order."""
+        return [s.device for s in self.stages]
+
+    @property
+    def balance(self) -> list[int]:
+        """Number of layers in each stage (``span(..., balance=...)`` form)."""
+        return [len(s.layers) for s in self.stages]
+
+    @property
+    def layers(self) -> list[str]:
+        return [name for s in self.stages for name in s.layers]
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": _FORMAT, **asdict(self)}
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        data = dict(data)
+        fmt = data.pop("format", _FORMAT)
+        if fmt != _FORMAT:
+            raise ValueError(f"plan format {fmt!r} is not {_FORMAT!r}; re-create the plan with this torchspan version")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"plan has unknown fields {unknown}; expected only {sorted(known)}")
+        data["stages"] = [StagePlan(**s) for s in data.get("stages", [])]
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the plan as JSON atomically (temporary file, then rename)."""
+        path = os.fspath(path)
+        directory = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".json", dir=directory)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(self.to_json())
+                fh.write("\n")
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        with open(path, encoding="utf-8") as fh:
+            return cls.from_json(fh.read())
+
+    # ------------------------------------------------------------------ text
+    def __str__(self) -> str:
+        from ..hardware import format_bytes
+
+        head = (
+            f"Plan ({self.strategy}): {len(self.stages)} stage(s), {self.microbatches} micro-batch(es), "
+            f"schedule={self.schedule}, checkpoint={self.checkpoint}"
+        )
+        if self.batch_size is not None:
+            head += f", batch={self.batch_size}"
+        if self.predicted_step_time is not None:
+            head += f", predicted step {self.predicted_step_time * 1e3:.2f} ms"
+        rows = [("stage", "device", "layers", "params", "grads", "optim", "activ.", "buffers", "fwd ms", "bwd ms")]
+        for i, s in enumerate(self.stages):
+            names = s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]} .. {s.layers[-1]} ({len(s.layers)})"
+            dev = f"{s.device} {s.device_name}".strip()
+            rows.append(
+                (
+                    str(i),
+                    dev,
+                    names,
+                    format_bytes(s.param_bytes),
+                    format_bytes(s.grad_bytes),
+                    format_bytes(s.optimizer_bytes),
+                    format_bytes(s.activation_bytes),
+                    format_bytes(s.buffer_bytes),
+                    f"{s.forward_time * 1e3:.2f}",
+                    f"{s.backward_time * 1e3:.2f}",
+                )
+            )
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        lines = [head]
+        for j, r in enumerate(rows):
+            lines.append("  ".join(cell.ljust(w) if c < 3 else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, widths))))
+            if j == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        if self.peak_memory:
+            peaks = ", ".join(f"{d}: {format_bytes(b)}" for d, b in self.peak_memory.items())
+            lines.append(f"peak memory per device: {peaks}")
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
