@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 from collections.abc import Sequence
+from typing import Any
 
 from . import __version__
 
@@ -48,6 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    previous = warnings.showwarning
+    warnings.showwarning = _show_warning
     try:
         return int(args.func(args) or 0)
     except (UsageError, ValueError) as exc:
@@ -57,6 +61,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # pragma: no cover - interactive
         print("torchspan: interrupted", file=sys.stderr)
         return 130
+    finally:
+        warnings.showwarning = previous
+
+
+def _show_warning(message: Any, category: type[Warning], filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+    print(f"torchspan: warning: {message}", file=sys.stderr)
 
 
 if __name__ == "__main__":  # pragma: no cover
