@@ -1,0 +1,114 @@
+"""Tests for ``torchspan bench``: RATIO parsing, goals, the table, with a fake benchmarks folder."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from torchspan.cli import main
+from torchspan.commands import bench
+
+
+def write(directory: Path, name: str, body: str) -> Path:
+    path = directory / name
+    path.write_text(textwrap.dedent(body), encoding="utf-8")
+    return path
+
+
+@pytest.fixture()
+def fake_benchmarks(tmp_path: Path) -> Path:
+    d = tmp_path / "benchmarks"
+    d.mkdir()
+    write(
+        d,
+        "pipeline_fake.py",
+        """
+        import sys
+        quick = "--quick" in sys.argv
+        print("some log line")
+        print(f"RATIO step_time_vs_torchgpipe {0.5 if quick else 0.7} <=0.8 torchgpipe 0.0.7, 2 stages")
+        print("RATIO step_time_vs_plain 1.25 <=1.1 plain loop")
+        """,
+    )
+    write(d, "quality_fake.py", "print('RATIO throughput_vs_best_baseline 1.4 >=1.3 greedy fill')\n")
+    write(d, "_helper.py", "raise SystemExit('helpers must not run')\n")
+    return d
+
+
+def test_goal_met_and_parse():
+    assert bench.goal_met(0.7, "<=0.8") is True
+    assert bench.goal_met(0.9, "<=0.8") is False
+    assert bench.goal_met(1.3, ">=1.3") is True and bench.goal_met(1.3, ">1.3") is False
+    assert bench.goal_met(5.0, "-") is None
+    with pytest.raises(ValueError, match="goal='about 1'"):
+        bench.goal_met(1.0, "about 1")
+    ratios = bench.parse_ratios("noise\nRATIO a 0.5 <=1 anchor words here\n  RATIO b 2 - \nRATIOS are fun? no\n")
+    assert [(r.name, r.value, r.goal, r.anchor) for r in ratios][:2] == [("a", 0.5, "<=1", "anchor words here"), ("b", 2.0, "-", "")]
+    with pytest.raises(ValueError, match="is not 'RATIO <name>"):
+        bench.parse_ratios("RATIO lonely")
+    with pytest.raises(ValueError, match="'fast' is not a number"):
+        bench.parse_ratios("RATIO x fast <=1")
+
+
+def test_find_scripts_skips_helpers_and_filters(fake_benchmarks: Path):
+    names = [p.name for p in bench.find_scripts(fake_benchmarks)]
+    assert names == ["pipeline_fake.py", "quality_fake.py"]
+    assert [p.stem for p in bench.find_scripts(fake_benchmarks, ["quality_fake"])] == ["quality_fake"]
+    with pytest.raises(ValueError, match="--only nope: no such benchmark"):
+        bench.find_scripts(fake_benchmarks, ["nope"])
+
+
+def test_bench_quick_prints_table(fake_benchmarks: Path, capsys):
+    rc = main(["bench", "--quick", "--dir", str(fake_benchmarks)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "step_time_vs_torchgpipe" in out and "0.500" in out  # --quick reached the script
+    assert "1.250" in out and "no" in out  # a missed goal is shown as missed
+    assert "throughput_vs_best_baseline" in out and "1.400" in out
+    assert "machine:" in out and "torch" in out
+
+
+def test_bench_json_and_failures(tmp_path: Path, capsys):
+    d = tmp_path / "benchmarks"
+    d.mkdir()
+    write(d, "broken.py", "import sys\nprint('RATIO x 1 <=2')\nsys.exit(3)\n")
+    write(d, "silent.py", "print('done, but no ratios')\n")
+    write(d, "ok.py", "print('RATIO fine 0.9 <=1 anchor')\n")
+    rc = main(["bench", "--dir", str(d), "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 1
+    by = {r["script"]: r for r in data["results"]}
+    assert by["broken"]["returncode"] == 3 and not by["broken"]["ok"]
+    assert by["silent"]["ratios"] == [] and not by["silent"]["ok"]
+    assert by["ok"]["ok"] and by["ok"]["ratios"][0]["met"] is True
+    assert data["quick"] is False and data["machine"]
+
+
+def test_run_benchmarks_with_fake_runner_and_timeout(tmp_path: Path):
+    script = write(tmp_path, "slow.py", "")
+    seen: list[list[str]] = []
+
+    def fake(cmd, cwd, timeout):
+        seen.append(cmd)
+        if len(seen) == 1:
+            raise subprocess.TimeoutExpired(cmd, timeout)
+        return subprocess.CompletedProcess(cmd, 0, stdout="RATIO r 1.0 >=1 a\n", stderr="")
+
+    timed_out, fine = bench.run_benchmarks([script, script], quick=True, timeout=5, runner=fake)
+    assert seen[0] == [sys.executable, str(script), "--quick"]
+    assert timed_out.returncode == 124 and "timed out after 5 s" in timed_out.tail
+    assert fine.ok and fine.ratios[0].met is True
+
+
+def test_bench_bad_arguments(tmp_path: Path, capsys):
+    assert main(["bench", "--dir", str(tmp_path / "missing")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["bench", "--dir", str(tmp_path / "empty")]) == 2
+    assert "no benchmark scripts" in capsys.readouterr().err
+    assert main(["bench", "--dir", str(tmp_path / "empty"), "--timeout", "0"]) == 2
