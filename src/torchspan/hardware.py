@@ -350,6 +350,14 @@ def _lookup_catalog(token: str) -> Device | None:
     return catalog.lookup(token)
 
 
+def _catalog_names() -> str:
+    try:
+        from . import catalog
+    except ImportError:  # pragma: no cover - catalog ships with the package
+        return "see torchspan.catalog"
+    return ", ".join(catalog.names())
+
+
 def _expand(item: str | int | torch.device | Device, spec_repr: str) -> list[Device]:
     if isinstance(item, Device):
         return [dataclasses.replace(item)]
@@ -373,9 +381,25 @@ def _expand(item: str | int | torch.device | Device, spec_repr: str) -> list[Dev
                 return [described]
             raise ValueError(
                 f"devices={spec_repr}: unknown device {item!r}. Use 'auto', 'cpu', 'cuda', 'cuda:N', 'mps', 'meta', "
-                f"a catalog name such as 'a100-40gb' (see torchspan.catalog), or a comma list; visible here: {_visible_summary()}"
+                f"a catalog name ({_catalog_names()}), or a comma list; visible here: {_visible_summary()}"
             )
     return [_describe_found(resolve_device(item, name="devices"))]
+
+
+def _number_described(found: list[Device]) -> None:
+    """Give described accelerators from the catalog (CUDA index ``None``) distinct ``cuda:N`` names.
+
+    They are numbered in order of appearance, skipping indices already used by present GPUs in the
+    list: ``"a100-40gb*2,cpu"`` → ``cuda:0, cuda:1, cpu``; budgets then use those keys.
+    """
+    used = {d.device.index for d in found if d.kind == "cuda" and d.device.index is not None}
+    nxt = 0
+    for d in found:
+        if d.kind == "cuda" and d.device.index is None and not d.present:
+            while nxt in used:
+                nxt += 1
+            d.device = torch.device("cuda", nxt)
+            used.add(nxt)
 
 
 def devices(
@@ -413,6 +437,7 @@ def devices(
     found: list[Device] = []
     for item in items:
         found.extend(_expand(item, spec_repr))
+    _number_described(found)
     if memory:
         _apply_budgets(found, memory)
     return found
