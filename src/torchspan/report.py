@@ -39,6 +39,11 @@ __all__ = [
     "normalize_memory",
     "MEMORY_KINDS",
     "ReportFiles",
+    "plan_rows",
+    "plan_summary",
+    "device_rows",
+    "PLAN_COLUMNS",
+    "DEVICE_COLUMNS",
 ]
 
 COLORS = {
@@ -424,13 +429,23 @@ def _md_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]
     return lines
 
 
-def _plan_section(plan: Plan) -> list[str]:
+PLAN_COLUMNS = ("stage", "device", "layers", "params", "grads", "optim", "activ.", "fwd ms", "bwd ms")
+DEVICE_COLUMNS = ("device", "name", "total", "free", "budget")
+
+
+def plan_summary(plan: Plan) -> str:
+    """One line: stages, micro-batches, schedule, checkpointing and predicted step time."""
     head = (
-        f"{len(plan.stages)} stage(s), {plan.microbatches} micro-batch(es), schedule `{plan.schedule}`, "
-        f"checkpoint `{plan.checkpoint}`"
+        f"{len(plan.stages)} stage(s), {plan.microbatches} micro-batch(es), schedule {plan.schedule}, "
+        f"checkpoint {plan.checkpoint}"
     )
     if plan.predicted_step_time is not None:
         head += f", predicted step {plan.predicted_step_time * 1e3:.1f} ms"
+    return head
+
+
+def plan_rows(plan: Plan) -> list[tuple[str, ...]]:
+    """One row of text per stage, in ``PLAN_COLUMNS`` order (for Markdown and rich tables)."""
     rows = []
     for i, s in enumerate(plan.stages):
         names = s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]} .. {s.layers[-1]} ({len(s.layers)})"
@@ -447,18 +462,26 @@ def _plan_section(plan: Plan) -> list[str]:
                 f"{s.backward_time * 1e3:.2f}",
             )
         )
-    lines = ["## Plan", "", head, ""]
-    lines += _md_table(("stage", "device", "layers", "params", "grads", "optim", "activ.", "fwd ms", "bwd ms"), rows)
+    return rows
+
+
+def device_rows(devs: Sequence[Device]) -> list[tuple[str, ...]]:
+    """One row of text per device, in ``DEVICE_COLUMNS`` order."""
+    return [
+        (str(d.device), d.name, format_bytes(d.total_memory), format_bytes(d.free_memory), format_bytes(d.budget) if d.budget is not None else "-")
+        for d in devs
+    ]
+
+
+def _plan_section(plan: Plan) -> list[str]:
+    lines = ["## Plan", "", plan_summary(plan), ""]
+    lines += _md_table(PLAN_COLUMNS, plan_rows(plan))
     lines += [f"- note: {n}" for n in plan.notes]
     return lines + [""]
 
 
 def _devices_section(devs: Sequence[Device]) -> list[str]:
-    rows = [
-        (str(d.device), d.name, format_bytes(d.total_memory), format_bytes(d.free_memory), format_bytes(d.budget) if d.budget is not None else "-")
-        for d in devs
-    ]
-    return ["## Devices", "", *_md_table(("device", "name", "total", "free", "budget"), rows), ""]
+    return ["## Devices", "", *_md_table(DEVICE_COLUMNS, device_rows(devs)), ""]
 
 
 def write_report(

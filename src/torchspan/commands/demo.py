@@ -1,0 +1,35 @@
+"""``torchspan demo [--devices SPEC] [--memory DEV=SIZE ...] [--steps N] [--out DIR]``: see torchspan work.
+
+Trains a small character-level transformer on torchspan's own source code, planned for the given
+devices and run pipelined with ``span``; shows the devices, the plan and live training figures,
+prints a text sample, and writes plan.json, loss.png, timeline.png, memory.png and report.md to DIR.
+
+Usage: ``torchspan demo``; ``torchspan demo --devices cpu,cpu --steps 100 --out /tmp/demo``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..cli import UsageError
+from ._common import add_memory_option, console, parse_memory_options
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from ..demo.run import DEFAULT_STEPS
+
+    p = sub.add_parser("demo", help="train a small language model across your devices and draw what happened", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--devices", default="auto", metavar="SPEC", help="device spec: auto (default), cpu, 'cpu,cpu' (two-stage pipeline), 'cuda:0,cpu', ...")
+    add_memory_option(p)
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"training steps (default {DEFAULT_STEPS})")
+    p.add_argument("--out", default="torchspan-demo", metavar="DIR", help="folder for plan.json, the pictures and report.md (default ./torchspan-demo)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..demo.run import run_demo
+
+    if args.steps < 1:
+        raise UsageError(f"--steps {args.steps} must be >= 1")
+    run_demo(devices=args.devices, memory=parse_memory_options(args.memory), steps=args.steps, out=args.out, console=console())
+    return 0

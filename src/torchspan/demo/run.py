@@ -1,0 +1,241 @@
+"""The demo driver: plan a small language model for this machine's devices, train it, draw what happened.
+
+Usage::
+
+    from torchspan.demo import run_demo
+    result = run_demo(devices="cpu,cpu", steps=300, out="torchspan-demo")
+    result.losses[0], result.losses[-1], result.files["timeline"]
+
+Writes ``plan.json``, ``loss.png``, ``timeline.png``, ``memory.png`` and ``report.md`` into ``out``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.panel import Panel
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from .. import report
+from ..hardware import Device, devices as find_devices, format_bytes
+from ..planner.plan import Plan
+from ..timeline import Event
+from .corpus import Corpus, build_corpus
+from .model import CharTransformer, generate, lm_loss
+
+__all__ = ["run_demo", "DemoResult", "DemoConfig", "DEFAULT_STEPS"]
+
+DEFAULT_STEPS = 300
+
+
+@dataclass
+class DemoConfig:
+    """Sizes of the demo run. The defaults train in about a minute on a 2-core CPU."""
+
+    steps: int = DEFAULT_STEPS
+    batch_size: int = 32
+    seq_len: int = 64
+    dim: int = 128
+    depth: int = 4
+    heads: int = 4
+    lr: float = 3e-3
+    seed: int = 0
+    corpus: str = "package"
+    sample_chars: int = 240
+    prompt: str = "def "
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "dim", "depth", "heads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if self.sample_chars < 0:
+            raise ValueError(f"sample_chars={self.sample_chars!r} must be >= 0")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr={self.lr!r} must be a finite number > 0")
+
+
+@dataclass
+class DemoResult:
+    """What the demo did: the plan it ran, the losses, speed, the sample and the files it wrote."""
+
+    out: Path
+    plan: Plan
+    devices: list[Device]
+    losses: list[float]
+    seconds: float
+    tokens_per_second: float
+    sample: str
+    events: list[Event]
+    memory: Any
+    files: dict[str, Path] = field(default_factory=dict)
+
+
+def _device_table(devs: list[Device], title: str) -> Table:
+    table = Table(title=title)
+    for col in report.DEVICE_COLUMNS:
+        table.add_column(col, justify="right" if col in ("total", "free", "budget") else "left")
+    for row in report.device_rows(devs):
+        table.add_row(*row)
+    return table
+
+
+def _plan_table(plan: Plan) -> Table:
+    table = Table(title="plan", caption=report.plan_summary(plan))
+    for col in report.PLAN_COLUMNS:
+        table.add_column(col, justify="left" if col in ("device", "layers") else "right")
+    for row in report.plan_rows(plan):
+        table.add_row(*row)
+    return table
+
+
+def _memory_text(memory: Any) -> str:
+    try:
+        rows = report.normalize_memory(memory)
+    except ValueError:
+        return "-"
+    return "  ".join(f"{label.replace(chr(10), ' ')}: {format_bytes(sum(kinds.values()))}" for label, kinds in rows.items())
+
+
+def _budgets(devs: list[Device]) -> dict[str, int]:
+    return {str(d.device): d.budget for d in devs if d.budget is not None}
+
+
+def run_demo(
+    devices: str | list[str] = "auto",
+    memory: Mapping[str, str | int] | None = None,
+    steps: int = DEFAULT_STEPS,
+    out: str | Path = "torchspan-demo",
+    *,
+    console: Console | None = None,
+    config: DemoConfig | None = None,
+) -> DemoResult:
+    """Train the demo language model with ``torchspan.plan`` + ``span`` and write the report to ``out``.
+
+    ``devices``/``memory`` are as for ``torchspan.devices``; a tight budget on the first device
+    pushes layers to the next one. Returns a :class:`DemoResult`; raises ``ValueError`` for bad
+    input and ``torchspan.PlanError`` when the model fits nowhere.
+    """
+    import torchspan
+
+    cfg = config or DemoConfig()
+    if steps != cfg.steps:
+        cfg = DemoConfig(**{**cfg.__dict__, "steps": steps})
+    con = console or Console()
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    devs = find_devices(devices, memory=memory)
+    con.print(_device_table(devs, f"devices ({devices if isinstance(devices, str) else ','.join(devices)})"))
+
+    torch.manual_seed(cfg.seed)
+    corpus: Corpus = build_corpus(cfg.corpus, seed=cfg.seed)
+    model = CharTransformer(corpus.vocab_size, dim=cfg.dim, depth=cfg.depth, heads=cfg.heads, seq_len=cfg.seq_len)
+    n_params = sum(p.numel() for p in model.parameters())
+    con.print(
+        f"corpus: {len(corpus.text):,} characters of torchspan's own {cfg.corpus} text; "
+        f"model: {n_params:,} parameters in {len(list(model.children()))} layers"
+    )
+
+    gen = torch.Generator().manual_seed(cfg.seed)
+    example, _ = corpus.batch(cfg.batch_size, cfg.seq_len, gen)
+    with con.status("profiling the model and planning ..."):
+        plan = torchspan.plan(model, example, devices=devs, optimizer="adam")  # budgets ride on devs
+    plan.save(out_dir / "plan.json")
+    con.print(_plan_table(plan))
+
+    spanned = torchspan.span(model, plan)
+    optimizer = torch.optim.AdamW(spanned.parameters(), lr=cfg.lr)
+    losses: list[float] = []
+    tokens = cfg.batch_size * cfg.seq_len
+    mem_text = "-"
+    columns = (
+        TextColumn("[bold]training"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[speed]} tok/s"),
+        TextColumn("{task.fields[mem]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+    t_start = time.perf_counter()
+    with Progress(*columns, console=con, transient=False) as progress:
+        task = progress.add_task("train", total=cfg.steps, loss="-", speed="-", mem="-")
+        for step in range(cfg.steps):
+            x, y = corpus.batch(cfg.batch_size, cfg.seq_len, gen)
+            optimizer.zero_grad(set_to_none=True)
+            loss = spanned.train_step(x, y, lm_loss)
+            optimizer.step()
+            value = float(loss)
+            if not math.isfinite(value):
+                raise FloatingPointError(f"loss became {value} at step {step}; lower the learning rate (lr={cfg.lr})")
+            losses.append(value)
+            elapsed = time.perf_counter() - t_start
+            if step == 0 or step % 10 == 9 or step == cfg.steps - 1:
+                mem_text = _memory_text(spanned.memory())
+            progress.update(task, advance=1, loss=f"{value:.3f}", speed=f"{tokens * (step + 1) / elapsed:,.0f}", mem=mem_text)
+    seconds = time.perf_counter() - t_start
+    tokens_per_second = tokens * cfg.steps / seconds
+
+    events = list(spanned.timeline())
+    mem = spanned.memory()
+    sample = ""
+    if cfg.sample_chars:
+        ids = generate(spanned.module, corpus.encode(cfg.prompt), cfg.sample_chars, generator=gen)
+        sample = cfg.prompt + corpus.decode(ids)
+        con.print(Panel(sample, title="sample from the trained model", expand=False))
+
+    summary = {
+        "devices": ", ".join(str(d.device) for d in devs),
+        "steps": cfg.steps,
+        "batch": f"{cfg.batch_size} x {cfg.seq_len} characters",
+        "model": f"{n_params:,} parameters, {cfg.depth} blocks, dim {cfg.dim}",
+        "loss": f"{losses[0]:.3f} -> {losses[-1]:.3f}",
+        "training time": f"{seconds:.1f} s",
+        "tokens/s": f"{tokens_per_second:,.0f}",
+    }
+    with con.status("drawing the report ..."):
+        files = report.write_report(
+            out_dir,
+            title="torchspan demo",
+            plan=plan,
+            devices=devs,
+            events=events,
+            memory=mem,
+            losses=losses,
+            budgets=_budgets(devs),
+            summary=summary,
+            sample=sample or None,
+        )
+    (out_dir / "losses.json").write_text(json.dumps(losses), encoding="utf-8")
+    written = {"plan": out_dir / "plan.json", "report": files.report, "losses": out_dir / "losses.json"}
+    for name in ("loss", "timeline", "memory"):
+        path = getattr(files, name)
+        if path is not None:
+            written[name] = path
+    con.print(
+        f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {cfg.steps} steps, {seconds:.1f} s, "
+        f"{tokens_per_second:,.0f} tokens/s. Report: {files.report}"
+    )
+    return DemoResult(
+        out=out_dir,
+        plan=plan,
+        devices=devs,
+        losses=losses,
+        seconds=seconds,
+        tokens_per_second=tokens_per_second,
+        sample=sample,
+        events=events,
+        memory=mem,
+        files=written,
+    )
