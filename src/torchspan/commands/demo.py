@@ -1,4 +1,6 @@
-"""``torchspan demo [--devices SPEC] [--memory DEV=SIZE ...] [--steps N] [--out DIR]``: see torchspan work.
+"""``torchspan demo [--devices SPEC] [--memory DEV=SIZE ...] [--steps N] [--out DIR]``: watch torchspan train across your devices.
+
+Also ``--schedule gpipe|1f1b`` and ``--microbatches N`` to override the planner's choice.
 
 Trains a small character-level transformer on torchspan's own source code, planned for the given
 devices and run pipelined with ``span``; shows the devices, the plan and live training figures,
@@ -23,6 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_memory_option(p)
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"training steps (default {DEFAULT_STEPS})")
     p.add_argument("--out", default="torchspan-demo", metavar="DIR", help="folder for plan.json, the pictures and report.md (default ./torchspan-demo)")
+    p.add_argument("--schedule", choices=("auto", "gpipe", "1f1b"), default="auto", help="pipeline schedule (default: the planner's choice)")
+    p.add_argument("--microbatches", default="auto", metavar="N", help="micro-batches per step (default: the planner's choice)")
     p.set_defaults(func=run)
 
 
@@ -31,5 +35,21 @@ def run(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps} must be >= 1")
-    run_demo(devices=args.devices, memory=parse_memory_options(args.memory), steps=args.steps, out=args.out, console=console())
+    microbatches: int | str = args.microbatches
+    if microbatches != "auto":
+        try:
+            microbatches = int(microbatches)
+        except ValueError:
+            raise UsageError(f"--microbatches {args.microbatches!r} must be 'auto' or an int >= 1") from None
+        if microbatches < 1:
+            raise UsageError(f"--microbatches {microbatches} must be >= 1")
+    run_demo(
+        devices=args.devices,
+        memory=parse_memory_options(args.memory),
+        steps=args.steps,
+        out=args.out,
+        console=console(),
+        schedule=args.schedule,
+        microbatches=microbatches,
+    )
     return 0

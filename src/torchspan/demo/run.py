@@ -52,12 +52,20 @@ class DemoConfig:
     corpus: str = "package"
     sample_chars: int = 240
     prompt: str = "def "
+    microbatches: int | str = "auto"
+    schedule: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "dim", "depth", "heads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if self.microbatches != "auto" and (
+            isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1
+        ):
+            raise ValueError(f"microbatches={self.microbatches!r} must be 'auto' or an int >= 1")
+        if self.schedule not in ("auto", "gpipe", "1f1b"):
+            raise ValueError(f"schedule={self.schedule!r} is not one of auto, gpipe, 1f1b")
         if self.sample_chars < 0:
             raise ValueError(f"sample_chars={self.sample_chars!r} must be >= 0")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
@@ -98,12 +106,25 @@ def _plan_table(plan: Plan) -> Table:
     return table
 
 
+def _short_bytes(n: float) -> str:
+    for unit in ("B", "K", "M", "G"):
+        if n < 1024 or unit == "G":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}G"  # pragma: no cover
+
+
 def _memory_text(memory: Any) -> str:
+    """Compact memory per lane for the progress bar: ``s0 cpu 7.4M  s1 cpu 7.2M``."""
     try:
         rows = report.normalize_memory(memory)
     except ValueError:
         return "-"
-    return "  ".join(f"{label.replace(chr(10), ' ')}: {format_bytes(sum(kinds.values()))}" for label, kinds in rows.items())
+    parts = []
+    for label, kinds in rows.items():
+        short = label.replace("stage ", "s").replace("\n", " ")
+        parts.append(f"{short} {_short_bytes(sum(kinds.values()))}")
+    return "mem " + "  ".join(parts)
 
 
 def _budgets(devs: list[Device]) -> dict[str, int]:
@@ -118,18 +139,23 @@ def run_demo(
     *,
     console: Console | None = None,
     config: DemoConfig | None = None,
+    schedule: str | None = None,
+    microbatches: int | str | None = None,
 ) -> DemoResult:
     """Train the demo language model with ``torchspan.plan`` + ``span`` and write the report to ``out``.
 
     ``devices``/``memory`` are as for ``torchspan.devices``; a tight budget on the first device
-    pushes layers to the next one. Returns a :class:`DemoResult`; raises ``ValueError`` for bad
+    pushes layers to the next one. ``schedule``/``microbatches`` override the planner's choice
+    (``"gpipe"``/``"1f1b"``, an int); ``config`` sets sizes. Returns a :class:`DemoResult`; raises ``ValueError`` for bad
     input and ``torchspan.PlanError`` when the model fits nowhere.
     """
     import torchspan
 
     cfg = config or DemoConfig()
-    if steps != cfg.steps:
-        cfg = DemoConfig(**{**cfg.__dict__, "steps": steps})
+    overrides = {"steps": steps, "schedule": schedule, "microbatches": microbatches}
+    overrides = {k: v for k, v in overrides.items() if v is not None and v != getattr(cfg, k)}
+    if overrides:
+        cfg = DemoConfig(**{**cfg.__dict__, **overrides})
     con = console or Console()
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -149,7 +175,9 @@ def run_demo(
     gen = torch.Generator().manual_seed(cfg.seed)
     example, _ = corpus.batch(cfg.batch_size, cfg.seq_len, gen)
     with con.status("profiling the model and planning ..."):
-        plan = torchspan.plan(model, example, devices=devs, optimizer="adam")  # budgets ride on devs
+        plan = torchspan.plan(
+            model, example, devices=devs, optimizer="adam", microbatches=cfg.microbatches, schedule=cfg.schedule
+        )  # budgets ride on devs
     plan.save(out_dir / "plan.json")
     con.print(_plan_table(plan))
 
@@ -160,7 +188,7 @@ def run_demo(
     mem_text = "-"
     columns = (
         TextColumn("[bold]training"),
-        BarColumn(),
+        BarColumn(bar_width=24),
         MofNCompleteColumn(),
         TextColumn("loss {task.fields[loss]}"),
         TextColumn("{task.fields[speed]} tok/s"),
@@ -201,7 +229,8 @@ def run_demo(
         "batch": f"{cfg.batch_size} x {cfg.seq_len} characters",
         "model": f"{n_params:,} parameters, {cfg.depth} blocks, dim {cfg.dim}",
         "loss": f"{losses[0]:.3f} -> {losses[-1]:.3f}",
-        "training time": f"{seconds:.1f} s",
+        "training time": f"{seconds:.1f} s ({seconds / cfg.steps * 1e3:.1f} ms per step"
+        + (f"; plan predicted {plan.predicted_step_time * 1e3:.1f} ms)" if plan.predicted_step_time else ")"),
         "tokens/s": f"{tokens_per_second:,.0f}",
     }
     with con.status("drawing the report ..."):
