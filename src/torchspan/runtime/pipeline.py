@@ -1,0 +1,280 @@
+"""Run a schedule over stages: forward and backward of every micro-batch, stage by stage.
+
+Stages are connected by explicit gradients: a stage's outputs cross to the next device detached,
+the next stage treats them as leaves, and after its backward it sends their ``.grad`` back, where
+``torch.autograd.backward(outputs, grads)`` continues. Each stage's backward therefore runs in
+the worker that owns its device, and a schedule (GPipe, 1F1B) decides the order.
+
+Usage (``Spanned`` does this)::
+
+    pipe = Pipeline(devices, checkpoint="never", precision="32", recorder=Recorder(), meter=ActivationMeter(2))
+    loss = pipe.train(stage_fns, mb_inputs, mb_targets, loss_fn, weights, "gpipe")
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..hardware import to_device
+from .. import schedule as sched
+from .memory import ActivationMeter
+from .record import Recorder
+from .stream import Ready, transfer, use_device, wait_ready
+from .worker import Mailbox, run_workers
+
+__all__ = ["Pipeline", "autocast_for", "CHECKPOINTS", "PRECISIONS"]
+
+CHECKPOINTS = ("never", "except_last", "always")
+PRECISIONS = ("32", "bf16", "fp16")
+
+
+def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
+    """The autocast context of one stage: none for ``"32"``, bf16/fp16 autocast on its device type."""
+    if precision == "32" or device.type == "meta":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _needs_grad(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+@dataclass
+class _Saved:
+    """What a stage keeps between a micro-batch's forward and its backward."""
+
+    inputs: list[Any]  # flattened input leaves (tensors made leaves that require grad)
+    spec: Any
+    outputs: list[Any] = field(default_factory=list)  # flattened output leaves (not last stage)
+    loss: torch.Tensor | None = None  # last stage
+    stash: list[Any] = field(default_factory=list)  # checkpointed: holders that count the kept inputs
+    rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+
+class Pipeline:
+    """Executes stage functions on their devices by a schedule. One instance per ``Spanned``."""
+
+    def __init__(
+        self,
+        devices: Sequence[torch.device],
+        *,
+        checkpoint: str,
+        precision: str,
+        recorder: Recorder,
+        meter: ActivationMeter,
+        groups: Sequence[Sequence[int]] | None = None,
+    ) -> None:
+        self.devices = list(devices)
+        self.checkpoint = checkpoint
+        self.precision = precision
+        self.recorder = recorder
+        self.meter = meter
+        if groups is None:  # one worker per distinct device
+            by_dev: dict[torch.device, list[int]] = {}
+            for s, d in enumerate(self.devices):
+                by_dev.setdefault(d, []).append(s)
+            groups = list(by_dev.values())
+        self.groups = [list(g) for g in groups]
+
+    # ------------------------------------------------------------------ helpers
+    def _ckpt(self, mb: int, m: int) -> bool:
+        return self.checkpoint == "always" or (self.checkpoint == "except_last" and mb < m - 1)
+
+    def _send(self, box: Mailbox, key: tuple[str, int, int], values: list[Any], spec: Any, src: int, dst: int, mb: int) -> None:
+        sdev, ddev = self.devices[src], self.devices[dst]
+        if sdev == ddev:
+            box.put(key, ([v.detach() if isinstance(v, torch.Tensor) else v for v in values], spec, Ready()))
+            return
+        with self.recorder.block(src, sdev, mb, "transfer"):
+            moved, ready = transfer(values, sdev, ddev)
+        box.put(key, (moved, spec, ready))
+
+    def _receive(self, box: Mailbox, key: tuple[str, int, int], stage: int) -> tuple[list[Any], Any]:
+        values, spec, ready = box.get(key)
+        wait_ready(ready, self.devices[stage], values)
+        return values, spec
+
+    def _run(self, schedule: list[list[sched.Action]], do: Callable[[Mailbox, sched.Action], None]) -> None:
+        def job(stages: list[int]) -> Callable[[Mailbox], None]:
+            order = sched.merged_order(schedule, stages)
+
+            def run(box: Mailbox) -> None:
+                for action in order:
+                    with use_device(self.devices[action.stage]):
+                        try:
+                            do(box, action)
+                        except BaseException as exc:
+                            if hasattr(exc, "add_note") and not getattr(exc, "_torchspan_noted", False):
+                                exc.add_note(
+                                    f"(raised by torchspan in stage {action.stage} on {self.devices[action.stage]}, "
+                                    f"{action.kind} of micro-batch {action.microbatch})"
+                                )
+                                exc._torchspan_noted = True  # type: ignore[attr-defined]
+                            raise
+
+            return run
+
+        names = [f"torchspan-{self.devices[g[0]]}-stages-{'-'.join(map(str, g))}" for g in self.groups]
+        run_workers([job(g) for g in self.groups], names=names)
+
+    # ------------------------------------------------------------------ training
+    def train(
+        self,
+        fns: Sequence[Callable[..., Any]],
+        inputs: Sequence[Sequence[Any]],
+        targets: Sequence[Any],
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        weights: Sequence[float],
+        schedule: str,
+        scaler: Any = None,
+    ) -> torch.Tensor:
+        """Forward and backward of every micro-batch; returns the summed weighted loss (detached)."""
+        n, m = len(fns), len(inputs)
+        plan = sched.build(schedule, m, n)
+        saved: dict[tuple[int, int], _Saved] = {}
+        losses: list[torch.Tensor | None] = [None] * m
+        last = n - 1
+
+        def forward_of(s: int, mb: int, leaves: list[Any], spec: Any) -> tuple[Any, torch.Tensor | None]:
+            dev = self.devices[s]
+            with autocast_for(dev, self.precision):
+                out = fns[s](*tree_unflatten(leaves, spec))
+                loss = None
+                if s == last:
+                    loss = loss_fn(out, to_device(targets[mb], dev)) * weights[mb]
+            return out, loss
+
+        def do(box: Mailbox, a: sched.Action) -> None:
+            s, mb, dev = a.stage, a.microbatch, self.devices[a.stage]
+            ckpt = self._ckpt(mb, m)
+            if a.kind == sched.FORWARD:
+                if s == 0:
+                    leaves, spec = tree_flatten(to_device(list(inputs[mb]), dev))
+                else:
+                    leaves, spec = self._receive(box, ("fwd", s, mb), s)
+                    leaves = [v.requires_grad_(True) if _needs_grad(v) and not ckpt else v for v in leaves]
+                st = _Saved(leaves, spec)
+                with self.recorder.block(s, dev, mb, "forward"):
+                    if ckpt:
+                        st.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
+                        st.stash = [self.meter.hold(s, v) for v in leaves if isinstance(v, torch.Tensor)]
+                        with torch.no_grad():
+                            out, loss = forward_of(s, mb, leaves, spec)
+                    else:
+                        with self.meter.saving(s):
+                            out, loss = forward_of(s, mb, leaves, spec)
+                if s == last:
+                    assert loss is not None
+                    if loss.dim() != 0:
+                        raise ValueError(
+                            f"loss_fn returned a tensor of shape {tuple(loss.shape)}; it must return a scalar "
+                            "(use reduction='mean' or 'sum')"
+                        )
+                    st.loss = loss
+                    losses[mb] = loss.detach()
+                else:
+                    outs, out_spec = tree_flatten(out)
+                    st.outputs = outs
+                    self._send(box, ("fwd", s + 1, mb), outs, out_spec, s, s + 1, mb)
+                saved[(s, mb)] = st
+                return
+            # backward
+            st = saved.pop((s, mb))
+            if ckpt:
+                with self.recorder.block(s, dev, mb, "recompute"):
+                    leaves = [v.detach().requires_grad_(True) if _needs_grad(v) else v for v in st.inputs]
+                    st.inputs = leaves
+                    devs = [dev] if dev.type == "cuda" else []
+                    with torch.random.fork_rng(devices=devs):
+                        assert st.rng is not None
+                        torch.set_rng_state(st.rng[0])
+                        if st.rng[1] is not None:  # pragma: no cover - needs a GPU
+                            torch.cuda.set_rng_state(st.rng[1], dev)
+                        with torch.enable_grad(), self.meter.saving(s):
+                            out, loss = forward_of(s, mb, leaves, st.spec)
+                    st.stash = []
+                    if s == last:
+                        st.loss = loss
+                    else:
+                        st.outputs = tree_flatten(out)[0]
+            if s == last:
+                grads_in: list[Any] = []
+            else:
+                grads_in, _ = self._receive(box, ("bwd", s, mb), s)
+            with self.recorder.block(s, dev, mb, "backward"):
+                if s == last:
+                    assert st.loss is not None
+                    target = scaler.scale(st.loss) if scaler is not None else st.loss
+                    if target.requires_grad:
+                        target.backward()
+                else:
+                    pairs = [
+                        (o, g)
+                        for o, g in zip(st.outputs, grads_in)
+                        if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
+                    ]
+                    if pairs:
+                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            if s > 0:
+                grads = [v.grad if isinstance(v, torch.Tensor) and v.requires_grad else None for v in st.inputs]
+                self._send(box, ("bwd", s - 1, mb), grads, None, s, s - 1, mb)
+
+        try:
+            self._run(plan, do)
+        finally:
+            saved.clear()
+        total = torch.stack([t.float() for t in losses if t is not None]).sum()
+        return total
+
+    # ------------------------------------------------------------------ forward only
+    def forward(self, fns: Sequence[Callable[..., Any]], inputs: Sequence[Sequence[Any]]) -> list[Any]:
+        """Pipelined forward of every micro-batch, autograd kept across stages; outputs per micro-batch.
+
+        Copies here stay in autograd (``loss.backward()`` on the result reaches every stage), and
+        checkpointed micro-batches use ``torch.utils.checkpoint`` so that backward recomputes them.
+        """
+        n, m = len(fns), len(inputs)
+        plan = sched.forward_only(m, n)
+        outputs: list[Any] = [None] * m
+        grad = torch.is_grad_enabled()
+
+        def do(box: Mailbox, a: sched.Action) -> None:
+            s, mb, dev = a.stage, a.microbatch, self.devices[a.stage]
+            if s == 0:
+                args = to_device(list(inputs[mb]), dev)
+            else:
+                args = box.get(("fwd", s, mb))
+            with self.recorder.block(s, dev, mb, "forward"), autocast_for(dev, self.precision):
+                if grad and self._ckpt(mb, m):
+                    out = torch.utils.checkpoint.checkpoint(fns[s], *args, use_reentrant=False)
+                elif grad:
+                    with self.meter.saving(s):
+                        out = fns[s](*args)
+                else:
+                    out = fns[s](*args)
+            if s == n - 1:
+                outputs[mb] = out
+                return
+            nxt = self.devices[s + 1]
+            if nxt != dev:
+                with self.recorder.block(s, dev, mb, "transfer"):
+                    out = _move_keep_graph(out, nxt)
+            box.put(("fwd", s + 1, mb), list(out))
+
+        self._run(plan, do)
+        return outputs
+
+
+def _move_keep_graph(value: Any, dev: torch.device) -> Any:
+    leaves, spec = tree_flatten(value)
+    moved = [v.to(dev, non_blocking=dev.type == "cuda") if isinstance(v, torch.Tensor) else v for v in leaves]
+    return tree_unflatten(moved, spec)
+

@@ -1,0 +1,135 @@
+"""Decide which stage each layer belongs to and move the layers' parameters there.
+
+Usage (``span`` does this)::
+
+    stages = stages_from_balance(["a", "b", "c"], [cpu, cpu], [2, 1])   # [["a", "b"], ["c"]]
+    place(model, {"a": 0, "b": 0, "c": 1}, [cpu, cpu], root_attrs={})
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..hardware import resolve_device, to_device
+
+__all__ = ["parse_devices", "even_balance", "stages_from_balance", "stages_from_plan", "check_shared", "place"]
+
+
+def parse_devices(devices: Any) -> list[torch.device]:
+    """``devices`` as given to ``span`` (list, or a comma string like ``"cuda:0,cpu"``) → devices."""
+    if isinstance(devices, (str, torch.device, int)):
+        items: list[Any] = [d.strip() for d in devices.split(",")] if isinstance(devices, str) else [devices]
+    elif isinstance(devices, Sequence):
+        items = list(devices)
+    else:
+        raise ValueError(f"devices={devices!r} must be a list like ['cuda:0', 'cpu'] or a string like 'cuda:0,cpu'")
+    if not items:
+        raise ValueError("devices=[] is empty; give at least one device, e.g. devices=['cpu']")
+    return [resolve_device(d, name=f"devices[{i}]") for i, d in enumerate(items)]
+
+
+def even_balance(layers: int, stages: int) -> list[int]:
+    """Layers per stage, as even as possible (earlier stages get the extra ones)."""
+    base, extra = divmod(layers, stages)
+    return [base + (1 if i < extra else 0) for i in range(stages)]
+
+
+def stages_from_balance(order: Sequence[str], devices: Sequence[torch.device], balance: Sequence[int] | None) -> list[list[str]]:
+    """Consecutive runs of ``order`` with ``balance[i]`` layers in stage ``i``."""
+    n = len(order)
+    if len(devices) > n:
+        raise ValueError(
+            f"devices has {len(devices)} entries but the model has only {n} layer(s) ({', '.join(order)}); "
+            f"use at most {n} devices, or split the model into more top-level children"
+        )
+    if balance is None:
+        balance = even_balance(n, len(devices))
+    balance = list(balance)
+    if len(balance) != len(devices):
+        raise ValueError(
+            f"balance={balance} has {len(balance)} entries but devices has {len(devices)}; give one layer count per device"
+        )
+    for i, b in enumerate(balance):
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"balance[{i}]={b!r} must be an int >= 1 (layers in stage {i})")
+    if sum(balance) != n:
+        raise ValueError(
+            f"balance={balance} places {sum(balance)} layers but the model has {n} ({', '.join(order)}); "
+            f"the counts must add up to {n}"
+        )
+    out, k = [], 0
+    for b in balance:
+        out.append(list(order[k : k + b]))
+        k += b
+    return out
+
+
+def stages_from_plan(plan: Any, layer_names: Sequence[str], order: Sequence[str] | None) -> tuple[list[list[str]], list[torch.device]]:
+    """The plan's layer groups and devices, checked against the model's layers (and order, if known)."""
+    known = set(layer_names)
+    for i, st in enumerate(plan.stages):
+        for name in st.layers:
+            if name not in known:
+                raise ValueError(
+                    f"plan stage {i} names layer {name!r}, which the model does not have; its layers are "
+                    f"{', '.join(layer_names)}. Re-plan for this model (torchspan.plan(model, x, ...))"
+                )
+    planned = plan.layers
+    missing = [n for n in layer_names if n not in planned]
+    if missing:
+        raise ValueError(
+            f"plan does not place layer(s) {', '.join(map(repr, missing))}; every top-level child needs a stage. "
+            "Re-plan for this model"
+        )
+    if order is not None:
+        for i, (want, got) in enumerate(zip(order, planned)):
+            if want != got:
+                raise ValueError(
+                    f"plan puts layer {got!r} at position {i}, but the model runs {want!r} there "
+                    f"(execution order: {', '.join(order)}); stages must follow execution order. Re-plan for this model"
+                )
+    devs = []
+    for i, st in enumerate(plan.stages):
+        try:
+            devs.append(resolve_device(st.device, name=f"plan stage {i} device"))
+        except ValueError as exc:
+            raise ValueError(f"{exc} (the plan was made for devices {', '.join(plan.devices)})") from None
+    return [list(st.layers) for st in plan.stages], devs
+
+
+def check_shared(model: nn.Module, stage_of: dict[str, int]) -> None:
+    """Raise if one parameter or buffer belongs to layers in different stages (tied weights)."""
+    owner: dict[int, tuple[str, int]] = {}
+    for name, child in model.named_children():
+        if name not in stage_of:
+            continue
+        for pname, t in list(child.named_parameters()) + list(child.named_buffers()):
+            prev = owner.get(id(t))
+            if prev is not None and prev[1] != stage_of[name]:
+                raise ValueError(
+                    f"{name}.{pname} is shared with layer {prev[0]!r}: layers {prev[0]!r} (stage {prev[1]}) and "
+                    f"{name!r} (stage {stage_of[name]}) use the same tensor, which can live on one device only. "
+                    "Put both layers in the same stage"
+                )
+            owner.setdefault(id(t), (name, stage_of[name]))
+
+
+def place(model: nn.Module, stage_of: dict[str, int], devices: Sequence[torch.device], root_attrs: dict[str, int]) -> None:
+    """Move each layer to its stage's device; the model's own parameters/buffers to ``root_attrs``' stage (else 0)."""
+    for name, child in model.named_children():
+        to_device(child, devices[stage_of[name]])
+    for pname, p in list(model._parameters.items()):
+        if p is not None:
+            dev = devices[root_attrs.get(pname, 0)]
+            if p.device != dev:
+                with torch.no_grad():
+                    p.data = to_device(p.data, dev)
+    for bname, b in list(model._buffers.items()):
+        if b is not None:
+            dev = devices[root_attrs.get(bname, 0)]
+            if b.device != dev:
+                model._buffers[bname] = to_device(b, dev)

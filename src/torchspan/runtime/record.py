@@ -1,0 +1,93 @@
+"""Timeline recording: cheap, always on, one list of ``Event`` per step.
+
+CPU blocks are timed with ``time.perf_counter``. CUDA blocks record timing events on the stream
+doing the work and are converted to seconds when the step ends (after its work is complete), so
+blocks show when the GPU really ran them, not when the host queued them.
+
+Usage::
+
+    rec = Recorder()
+    rec.start_step([torch.device("cpu")])
+    with rec.block(0, torch.device("cpu"), 0, "forward"):
+        y = layer(x)
+    rec.finish_step(); rec.events
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ..timeline import Event
+
+__all__ = ["Recorder"]
+
+
+class Recorder:
+    """Collects the timeline ``Event``s of the current step (``events`` holds the last step's)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.events: list[Event] = []
+        self._t0 = time.perf_counter()
+        self._cuda_ref: dict[torch.device, tuple[Any, float]] = {}
+        self._pending: list[tuple[int, str, int, str, Any, Any, torch.device]] = []
+        self._lock = threading.Lock()
+
+    def start_step(self, devices: Sequence[torch.device]) -> None:
+        """Begin a new step: forget the previous step's events; time 0 is now."""
+        self.step += 1
+        self.events = []
+        self._pending = []
+        self._cuda_ref = {}
+        self._t0 = time.perf_counter()
+        for dev in dict.fromkeys(devices):
+            if dev.type == "cuda":  # pragma: no cover - needs a GPU
+                ref = torch.cuda.Event(enable_timing=True)
+                ref.record(torch.cuda.current_stream(dev))
+                self._cuda_ref[dev] = (ref, time.perf_counter() - self._t0)
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def add(self, stage: int, device: torch.device | str, microbatch: int, kind: str, start: float, end: float) -> None:
+        """Record a block timed by the caller (seconds from step start)."""
+        with self._lock:
+            self.events.append(Event(self.step, stage, str(device), microbatch, kind, start, end))
+
+    @contextlib.contextmanager
+    def block(self, stage: int, device: torch.device, microbatch: int, kind: str, stream: Any = None) -> Iterator[None]:
+        """Time the work done inside the ``with`` as one block of ``kind``."""
+        if device.type == "cuda" and device in self._cuda_ref:  # pragma: no cover - needs a GPU
+            stream = stream or torch.cuda.current_stream(device)
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            try:
+                yield
+            finally:
+                end.record(stream)
+                with self._lock:
+                    self._pending.append((stage, str(device), microbatch, kind, start, end, device))
+            return
+        t = self.now()
+        try:
+            yield
+        finally:
+            self.add(stage, device, microbatch, kind, t, self.now())
+
+    def finish_step(self) -> None:
+        """Resolve CUDA blocks into seconds (waits for their work) and sort the events by start."""
+        for stage, dev_name, mb, kind, start, end, dev in self._pending:  # pragma: no cover - needs a GPU
+            ref, offset = self._cuda_ref[dev]
+            end.synchronize()
+            s = offset + ref.elapsed_time(start) / 1e3
+            e = offset + ref.elapsed_time(end) / 1e3
+            self.events.append(Event(self.step, stage, dev_name, mb, kind, s, e))
+        self._pending = []
+        self.events.sort(key=lambda e: (e.start, e.stage))

@@ -1,0 +1,494 @@
+"""``span(model, ...)`` → ``Spanned``: one model trained across local devices, exact gradients.
+
+Usage::
+
+    spanned = torchspan.span(model, devices=["cuda:0", "cpu"], balance=[3, 1], microbatches=4)
+    opt = torch.optim.SGD(spanned.parameters(), lr=0.1)
+    opt.zero_grad()
+    loss = spanned.train_step(x, y, torch.nn.functional.mse_loss)   # grads as on one device
+    opt.step()
+    spanned.timeline(); spanned.memory(opt)
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import split
+from ..schedule import SCHEDULES
+from .hooks import HookPlacement
+from .memory import ActivationMeter
+from .microbatch import batch_size, gather, split_batch, split_sizes, split_value
+from .pipeline import CHECKPOINTS, PRECISIONS, Pipeline, autocast_for
+from .placement import check_shared, parse_devices, place, stages_from_balance, stages_from_plan
+from .record import Recorder
+
+__all__ = ["span", "Spanned"]
+
+_PLACEMENT_MSG = (
+    "torchspan owns the placement of a Spanned model: each stage's layers already live on their "
+    "device. To run elsewhere, build a new one: torchspan.span(spanned.module, devices=[...]) or with a plan"
+)
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
+    return str(value)
+
+
+def span(
+    model: nn.Module,
+    plan: Any = None,
+    *,
+    devices: Any = None,
+    balance: list[int] | None = None,
+    microbatches: int = 1,
+    schedule: str = "gpipe",
+    checkpoint: str = "never",
+    precision: str = "32",
+    workers: str = "device",
+) -> Spanned:
+    """Place ``model``'s layers (top-level children) on devices and return a pipelined ``Spanned``.
+
+    Placement comes from ``plan`` (a ``torchspan.Plan``: exactly its layers on its devices; its
+    microbatches/schedule/checkpoint unless you pass other values here), or from ``devices`` plus
+    ``balance`` (layers per stage, in execution order; even split when omitted), or else one stage
+    on the model's current device. ``workers="device"`` runs one thread per distinct device
+    (stages sharing a device take turns, which is fastest when they share the same cores);
+    ``"stage"`` gives every stage its own thread.
+
+    Usage: ``span(model, devices=["cpu", "cpu"], balance=[2, 2], microbatches=4, schedule="1f1b")``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"span(model=...) needs an nn.Module, got {type(model).__name__}")
+    if isinstance(model, Spanned):
+        raise TypeError("model is already a Spanned; pass spanned.module to span it again")
+    if plan is not None:
+        from ..planner.plan import Plan
+
+        if not isinstance(plan, Plan):
+            raise TypeError(
+                f"plan={type(plan).__name__} is not a torchspan Plan; pass torchspan.plan(...)'s result, "
+                "Plan.load(path), or use devices=[...] and balance=[...] instead"
+            )
+        if devices is not None or balance is not None:
+            raise ValueError("pass either plan or devices/balance, not both: the plan already says where each layer goes")
+        microbatches = plan.microbatches if microbatches == 1 else microbatches
+        schedule = plan.schedule if schedule == "gpipe" else schedule
+        checkpoint = plan.checkpoint if checkpoint == "never" else checkpoint
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches={microbatches!r} must be an int >= 1")
+    _choice("schedule", schedule, SCHEDULES)
+    _choice("checkpoint", checkpoint, CHECKPOINTS)
+    precision = _choice("precision", str(precision), PRECISIONS)
+    _choice("workers", workers, ("device", "stage"))
+
+    mode, why = split.choose_mode(model)
+    names = [n for n, _ in split.top_level_layers(model)]
+    graph = None
+    if mode == "fx":
+        graph = split.trace(model, split.default_concrete_args(model))
+        order: list[str] | None = split.graph_layer_order(graph, names)
+    elif mode == "sequential":
+        order = names
+    else:
+        order = None  # known after a recording forward
+
+    if plan is not None:
+        groups, devs = stages_from_plan(plan, names, order)
+    else:
+        if devices is None:
+            first = next(iter(model.parameters()), None)
+            devs = [first.device if first is not None else torch.device("cpu")]
+            if balance is not None and len(balance) != 1:
+                raise ValueError(f"balance={balance} needs devices=[...] with {len(balance)} entries")
+        else:
+            devs = parse_devices(devices)
+        groups = stages_from_balance(order or names, devs, balance)
+    if workers == "stage" and checkpoint != "never" and len(set(devs)) < len(devs) and any(d.type == "cpu" for d in devs):
+        raise ValueError(
+            "workers='stage' with checkpoint != 'never' would replay dropout masks from the CPU random generator "
+            "while another stage's thread draws from it; use workers='device' (the default) or checkpoint='never'"
+        )
+    return Spanned(
+        model,
+        mode=mode,
+        why=why,
+        groups=groups,
+        devices=devs,
+        microbatches=microbatches,
+        schedule=schedule,
+        checkpoint=checkpoint,
+        precision=precision,
+        workers=workers,
+        balance_given=plan is None,
+        graph=graph,
+    )
+
+
+class Spanned(nn.Module):
+    """A model whose layers live on several devices, trained with micro-batch pipelining.
+
+    ``module`` is the original model; ``mode`` is ``"sequential"``, ``"fx"`` or ``"hooks"``;
+    ``stages`` lists each stage's ``(device, layers)``. Outputs of ``spanned(...)`` are the
+    micro-batch outputs concatenated on dim 0 on the last stage's device.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        mode: str,
+        why: str,
+        groups: list[list[str]],
+        devices: list[torch.device],
+        microbatches: int,
+        schedule: str,
+        checkpoint: str,
+        precision: str,
+        workers: str,
+        balance_given: bool,
+        graph: Any,
+    ) -> None:
+        super().__init__()
+        self.module = model
+        self.mode = mode
+        self.mode_reason = why
+        self.microbatches = microbatches
+        self.schedule = schedule
+        self.checkpoint = checkpoint
+        self.precision = precision
+        self.workers = workers
+        self._devices = list(devices)
+        self._groups = [list(g) for g in groups]
+        self._recorder = Recorder()
+        self._meter = ActivationMeter(len(devices))
+        self._graphs: dict[Any, list[Any]] = {}
+        self._hooks: HookPlacement | None = None
+        self._placed = False
+        self._order_checked = False
+        self.scaler: Any = None
+        if precision == "fp16":
+            self.scaler = torch.amp.GradScaler(self._devices[-1].type)
+        groups_idx = [[s] for s in range(len(devices))] if workers == "stage" else None
+        self._pipeline = Pipeline(
+            self._devices, checkpoint=checkpoint, precision=precision, recorder=self._recorder, meter=self._meter, groups=groups_idx
+        )
+        if mode == "hooks":
+            warnings.warn(
+                f"torchspan: {why}; using hook placement. Each layer lives on its device and inputs are moved to "
+                "it, but micro-batches run one after another (no pipelining). Make the model an nn.Sequential "
+                "or fx-traceable to pipeline it.",
+                UserWarning,
+                stacklevel=3,
+            )
+            self._lazy_balance = balance_given and len(devices) > 1
+            if not self._lazy_balance:
+                self._place(graph=None)
+        else:
+            self._lazy_balance = False
+            self._place(graph=graph)
+
+    # ------------------------------------------------------------------ placement
+    @property
+    def stage_of(self) -> dict[str, int]:
+        return {name: s for s, g in enumerate(self._groups) for name in g}
+
+    @property
+    def stages(self) -> list[tuple[str, list[str]]]:
+        """``[(device, [layer names]), ...]`` in stage order."""
+        return [(str(d), list(g)) for d, g in zip(self._devices, self._groups)]
+
+    @property
+    def devices(self) -> list[str]:
+        return [str(d) for d in self._devices]
+
+    @property
+    def balance(self) -> list[int]:
+        return [len(g) for g in self._groups]
+
+    def _place(self, graph: Any) -> None:
+        stage_of = self.stage_of
+        check_shared(self.module, stage_of)
+        root_attrs: dict[str, int] = {}
+        if graph is not None:
+            # Where the model's own parameters are first read decides their stage.
+            _, root_attrs = split.split_graph(self.module, graph, stage_of, len(self._devices))
+        place(self.module, stage_of, self._devices, root_attrs)
+        if self.mode == "hooks":
+            self._hooks = HookPlacement(self.module, stage_of, self._devices, self._recorder, self._meter, self.precision)
+            self._hooks.install()
+        self._placed = True
+
+    def _sequential_fns(self) -> list[Callable[..., Any]]:
+        """One callable per stage running its layers in order (non-last stages return a 1-tuple)."""
+        n = len(self._devices)
+        layers = dict(self.module.named_children())
+
+        def make(group: list[str], last: bool) -> Callable[..., Any]:
+            mods = [layers[name] for name in group]
+
+            def run(x: Any) -> Any:
+                for mod in mods:
+                    x = mod(x)
+                return x if last else (x,)
+
+            return run
+
+        return [make(g, s == n - 1) for s, g in enumerate(self._groups)]
+
+    def _fx_fns(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Callable[..., Any]], list[Any]]:
+        values, concrete, key = split.concrete_key(self.module, args, kwargs)
+        mods = self._graphs.get(key)
+        if mods is None:
+            graph = split.trace(self.module, concrete)
+            mods, _ = split.split_graph(self.module, graph, self.stage_of, len(self._devices))
+            self._graphs[key] = mods
+        return list(mods), values
+
+    # ------------------------------------------------------------------ running
+    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Callable[..., Any]] | None, list[Any]]:
+        """Stage functions (None in hook mode) and per-micro-batch inputs."""
+        if self.mode == "sequential":
+            if kwargs or len(args) != 1:
+                raise TypeError(
+                    f"an nn.Sequential takes one positional input; got {len(args)} positional and {sorted(kwargs)} keyword "
+                    "argument(s)"
+                )
+            fns = self._sequential_fns()
+            chunks = split_batch(args, {}, self.microbatches)
+            return fns, [list(a) for a, _ in chunks]
+        if self.mode == "fx":
+            fns, values = self._fx_fns(args, kwargs)
+            total = batch_size(tuple(values), {})
+            split_sizes(total, self.microbatches)
+            return fns, split_value(values, self.microbatches, total, name="inputs")
+        chunks = split_batch(args, kwargs, self.microbatches)
+        return None, chunks
+
+    def _begin(self) -> None:
+        self._recorder.start_step(self._devices)
+        self._meter.reset(list(self.module.parameters()) + list(self.module.buffers()))
+        for d in dict.fromkeys(self._devices):
+            if d.type == "cuda":  # pragma: no cover - needs a GPU
+                torch.cuda.reset_peak_memory_stats(d)
+
+    def _ensure_placed(self, first_args: tuple[Any, ...], first_kwargs: dict[str, Any]) -> None:
+        """Hook mode with a balance: find the execution order with one recording forward, then place."""
+        if self._placed:
+            return
+        order = split.execution_order(self.module, *first_args, **first_kwargs)
+        self._groups = stages_from_balance(order, self._devices, self.balance)
+        self._place(graph=None)
+        self._order_checked = True
+
+    def _check_hook_order(self) -> None:
+        if self._order_checked or self._hooks is None or not self._hooks.order:
+            return
+        planned = [n for g in self._groups for n in g if n in self._hooks.order]
+        for i, (want, got) in enumerate(zip(self._hooks.order, planned)):
+            if want != got:
+                raise ValueError(
+                    f"the placement puts layer {got!r} at position {i}, but the model runs {want!r} there "
+                    f"(execution order: {', '.join(self._hooks.order)}); stages must follow execution order. "
+                    "Re-plan with torchspan.plan(model, x, ...) or pass devices and balance"
+                )
+        self._order_checked = True
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Pipelined forward; outputs concatenated on dim 0 on the last stage's device."""
+        fns, chunks = self._prepare(args, kwargs)
+        last = self._devices[-1]
+        if fns is None:
+            self._ensure_placed(*chunks[0])
+            assert self._hooks is not None
+            self._begin()
+            outs = []
+            try:
+                for i, (a, k) in enumerate(chunks):
+                    with self._hooks.recording(i, self._ckpt(i)):
+                        outs.append(self.module(*a, **k))
+            finally:
+                self._recorder.finish_step()
+            self._check_hook_order()
+            return gather(outs, last)
+        self._begin()
+        try:
+            outs = self._pipeline.forward(fns, chunks)
+        finally:
+            self._recorder.finish_step()
+        return gather(outs, last)
+
+    def _ckpt(self, mb: int) -> bool:
+        return self.checkpoint == "always" or (self.checkpoint == "except_last" and mb < self.microbatches - 1)
+
+    def train_step(
+        self,
+        inputs: Any,
+        target: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        loss_reduction: str = "mean",
+    ) -> torch.Tensor:
+        """Forward and backward of every micro-batch by the schedule; returns the full-batch loss (detached).
+
+        ``inputs``: a tensor (one argument), a tuple (positional arguments) or a dict (keyword
+        arguments). Gradients are *added* to ``.grad`` exactly as ``loss_fn(model(inputs),
+        target).backward()`` would on one device: with ``loss_reduction="mean"`` each
+        micro-batch's loss is weighted by its share of the batch; use ``"sum"`` for summed losses.
+        Call ``optimizer.zero_grad()`` first as usual; with ``precision="fp16"`` step with
+        ``spanned.step(optimizer)``.
+        """
+        _choice("loss_reduction", loss_reduction, ("mean", "sum"))
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn={loss_fn!r} is not callable; pass e.g. torch.nn.functional.mse_loss")
+        if isinstance(inputs, tuple):
+            args, kwargs = inputs, {}
+        elif isinstance(inputs, Mapping):
+            args, kwargs = (), dict(inputs)
+        else:
+            args, kwargs = (inputs,), {}
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_step runs backward, but gradients are disabled here (torch.no_grad()); call it outside no_grad")
+        fns, chunks = self._prepare(args, kwargs)
+        total = batch_size(args, kwargs)
+        sizes = split_sizes(total, self.microbatches)
+        weights = [n / total for n in sizes] if loss_reduction == "mean" else [1.0] * len(sizes)
+        targets = split_value(target, self.microbatches, total, name="target")
+        if isinstance(loss_fn, nn.Module):
+            loss_fn.to(self._devices[-1])
+        if fns is None:
+            return self._train_hooks(chunks, targets, loss_fn, weights)
+        self._begin()
+        try:
+            return self._pipeline.train(fns, chunks, targets, loss_fn, weights, self.schedule, self.scaler)
+        finally:
+            self._recorder.finish_step()
+
+    def _train_hooks(self, chunks: list[Any], targets: list[Any], loss_fn: Callable[..., Any], weights: list[float]) -> torch.Tensor:
+        from ..hardware import to_device
+
+        self._ensure_placed(*chunks[0])
+        hp = self._hooks
+        assert hp is not None
+        self._begin()
+        losses = []
+        try:
+            for i, (a, k) in enumerate(chunks):
+                with hp.recording(i, self._ckpt(i)):
+                    out = self.module(*a, **k)
+                self._check_hook_order()
+                leaf = next((t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)), None)
+                dev = leaf.device if leaf is not None else self._devices[-1]
+                with autocast_for(dev, self.precision):
+                    loss = loss_fn(out, to_device(targets[i], dev)) * weights[i]
+                if loss.dim() != 0:
+                    raise ValueError(f"loss_fn returned a tensor of shape {tuple(loss.shape)}; it must return a scalar")
+                hp.backward(i, self.scaler.scale(loss) if self.scaler is not None else loss)
+                losses.append(loss.detach().to(self._devices[-1]).float())
+        finally:
+            self._recorder.finish_step()
+        return torch.stack(losses).sum()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.step()``; with ``precision="fp16"`` through the gradient scaler (unscale, skip on inf, update)."""
+        if self.scaler is None:
+            optimizer.step()
+            return
+        self.scaler.step(optimizer)
+        self.scaler.update()
+
+    # ------------------------------------------------------------------ observing
+    def timeline(self) -> list[Any]:
+        """The ``torchspan.timeline.Event``s of the most recent step (forward call or ``train_step``)."""
+        return list(self._recorder.events)
+
+    def memory(self, optimizer: torch.optim.Optimizer | None = None) -> list[dict[str, Any]]:
+        """Bytes per stage: ``params``, ``grads``, ``buffers``, ``optimizer``, ``activations``, ``device_peak``.
+
+        ``activations`` is the peak of live saved activations during the last step, counted
+        exactly (saved-tensor hooks). ``optimizer`` is 0 unless you pass the optimizer, which
+        torchspan does not otherwise see. ``device_peak`` is ``torch.cuda.max_memory_allocated``
+        since the last step began (CUDA stages; ``None`` elsewhere).
+        """
+        stage_of = self.stage_of
+        per_stage: list[dict[str, Any]] = []
+        owned: list[list[torch.Tensor]] = [[] for _ in self._devices]
+        bufs: list[list[torch.Tensor]] = [[] for _ in self._devices]
+        seen: set[int] = set()
+        for name, child in self.module.named_children():
+            s = stage_of.get(name, 0)
+            for p in child.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    owned[s].append(p)
+            for b in child.buffers():
+                bufs[s].append(b)
+        for p in self.module._parameters.values():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                s = next((i for i, d in enumerate(self._devices) if d == p.device), 0)
+                owned[s].append(p)
+        state = optimizer.state if optimizer is not None else {}
+        for s, dev in enumerate(self._devices):
+            opt_bytes = 0
+            for p in owned[s]:
+                for v in state.get(p, {}).values():
+                    if isinstance(v, torch.Tensor):
+                        opt_bytes += v.numel() * v.element_size()
+            per_stage.append(
+                {
+                    "stage": s,
+                    "device": str(dev),
+                    "layers": list(self._groups[s]),
+                    "params": sum(p.numel() * p.element_size() for p in owned[s]),
+                    "grads": sum(p.grad.numel() * p.grad.element_size() for p in owned[s] if p.grad is not None),
+                    "buffers": sum(b.numel() * b.element_size() for b in bufs[s]),
+                    "optimizer": opt_bytes,
+                    "activations": self._meter.peak[s],
+                    "device_peak": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
+                }
+            )
+        return per_stage
+
+    # ------------------------------------------------------------------ state and placement
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:  # type: ignore[override]
+        """The original model's state dict (same keys as ``spanned.module.state_dict()``)."""
+        if args:
+            raise TypeError("Spanned.state_dict takes keyword arguments only (destination=, prefix=, keep_vars=)")
+        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+        """Load the original model's keys; keys with a ``module.`` prefix (DataParallel/DDP) work too.
+
+        Values are copied into the placed parameters, whatever device they were saved from.
+        """
+        if assign:
+            raise ValueError(
+                "load_state_dict(assign=True) would replace the placed parameters with the loaded tensors on their "
+                "saved devices; torchspan owns placement, so use assign=False (values are copied in place)"
+            )
+        if state_dict and all(k.startswith("module.") for k in state_dict):
+            state_dict = {k[len("module.") :]: v for k, v in state_dict.items()}
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    def to(self, *args: Any, **kwargs: Any) -> Spanned:  # type: ignore[override]
+        raise TypeError(f"Spanned.to(...) is not supported: {_PLACEMENT_MSG}")
+
+    def cuda(self, device: Any = None) -> Spanned:  # type: ignore[override]
+        raise TypeError(f"Spanned.cuda() is not supported: {_PLACEMENT_MSG}")
+
+    def cpu(self) -> Spanned:  # type: ignore[override]
+        raise TypeError(f"Spanned.cpu() is not supported: {_PLACEMENT_MSG}")
+
+    def extra_repr(self) -> str:
+        stages = "; ".join(f"{d}: {', '.join(g)}" for d, g in self.stages)
+        return (
+            f"mode={self.mode}, microbatches={self.microbatches}, schedule={self.schedule}, "
+            f"checkpoint={self.checkpoint}, precision={self.precision}, stages=[{stages}]"
+        )

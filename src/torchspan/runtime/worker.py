@@ -1,0 +1,109 @@
+"""Workers: one thread per device, a mailbox between them, and errors that never hang.
+
+``run_workers(jobs)`` runs each job (a function taking the shared ``Mailbox``) in its own thread,
+except that a single job runs in the caller's thread. When any job raises, the mailbox is
+aborted so every other job stops at its next ``get``; once all have stopped, the first error is
+re-raised in the caller with its original traceback.
+
+Usage::
+
+    def producer(box): box.put(("act", 1, 0), tensor)
+    def consumer(box): use(box.get(("act", 1, 0)))
+    run_workers([producer, consumer])
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["Mailbox", "Aborted", "run_workers"]
+
+
+class Aborted(Exception):
+    """Raised inside a worker waiting on a mailbox that another worker's failure aborted."""
+
+
+class Mailbox:
+    """Values handed between workers by key; ``get`` blocks until the value is there."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._items: dict[Hashable, Any] = {}
+        self._aborted = False
+
+    def put(self, key: Hashable, value: Any) -> None:
+        with self._cond:
+            self._items[key] = value
+            self._cond.notify_all()
+
+    def get(self, key: Hashable) -> Any:
+        with self._cond:
+            while key not in self._items:
+                if self._aborted:
+                    raise Aborted(f"step aborted while waiting for {key!r}")
+                self._cond.wait()
+            return self._items.pop(key)
+
+    def abort(self) -> None:
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
+
+    def clear(self) -> None:
+        with self._cond:
+            self._items.clear()
+
+
+def run_workers(jobs: Sequence[Callable[[Mailbox], None]], mailbox: Mailbox | None = None, names: Sequence[str] | None = None) -> None:
+    """Run ``jobs`` concurrently (one in the caller's thread if there is only one)."""
+    box = mailbox or Mailbox()
+    if len(jobs) == 1:
+        try:
+            jobs[0](box)
+        finally:
+            box.clear()
+        return
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    num_threads = torch.get_num_threads()
+    grad_enabled = torch.is_grad_enabled()
+
+    def target(job: Callable[[Mailbox], None]) -> None:
+        if torch.get_num_threads() != num_threads:
+            torch.set_num_threads(num_threads)
+        try:
+            with torch.set_grad_enabled(grad_enabled):
+                job(box)
+        except Aborted:
+            pass
+        except BaseException as exc:  # re-raised in the caller below
+            with lock:
+                errors.append(exc)
+            box.abort()
+
+    threads = [
+        threading.Thread(target=target, args=(job,), name=(names[i] if names else f"torchspan-worker-{i}"), daemon=True)
+        for i, job in enumerate(jobs)
+    ]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            while t.is_alive():
+                t.join(timeout=0.1)
+    except BaseException:  # KeyboardInterrupt in the caller: stop the workers, then re-raise
+        box.abort()
+        for t in threads:
+            t.join()
+        raise
+    finally:
+        box.clear()
+    if errors:
+        exc = errors[0]
+        raise exc.with_traceback(exc.__traceback__)
+    if box._aborted:  # pragma: no cover - defensive: an abort without a recorded error
+        raise RuntimeError("a torchspan worker stopped the step without an error")

@@ -1,0 +1,151 @@
+"""Pipeline schedules as pure data: which stage runs which micro-batch, forward or backward, when.
+
+A schedule is a list with one entry per stage: that stage's actions in the order it runs them.
+Each action carries the *clock* (time slot, in units of one action) it would run at if every
+action took the same time; the runtime uses it to interleave stages that share one worker.
+
+- ``gpipe(m, n)``: every stage runs all forwards, then all backwards (activations of all ``m``
+  micro-batches are alive at once on every stage).
+- ``one_f_one_b(m, n)``: after a warm-up of ``n - s - 1`` forwards, stage ``s`` alternates one
+  forward with one backward, so at most ``n - s`` micro-batches' activations are alive on it.
+
+Usage: ``for a in gpipe(4, 2)[0]: print(a.clock, a.kind, a.microbatch)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "Action",
+    "FORWARD",
+    "BACKWARD",
+    "SCHEDULES",
+    "gpipe",
+    "one_f_one_b",
+    "forward_only",
+    "build",
+    "merged_order",
+    "max_live",
+]
+
+FORWARD = "forward"
+BACKWARD = "backward"
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class Action:
+    """Run ``kind`` (``"forward"``/``"backward"``) of ``microbatch`` on ``stage`` at ``clock``."""
+
+    clock: int
+    stage: int
+    microbatch: int
+    kind: str
+
+
+def _check(microbatches: int, stages: int) -> None:
+    for name, value in (("microbatches", microbatches), ("stages", stages)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an int >= 1")
+
+
+def _with_clocks(orders: list[list[tuple[str, int]]]) -> list[list[Action]]:
+    """Give each (kind, microbatch) its earliest clock respecting stage order and data dependencies.
+
+    Dependencies: forward(s, i) needs forward(s-1, i); backward(s, i) needs forward(s, i) and
+    backward(s+1, i). Raises ``ValueError`` if the orders can never complete (a cycle).
+    """
+    n = len(orders)
+    clock: dict[tuple[str, int, int], int] = {}
+    pos = [0] * n
+    last = [-1] * n
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for s in range(n):
+            while pos[s] < len(orders[s]):
+                kind, i = orders[s][pos[s]]
+                deps = []
+                if kind == FORWARD and s > 0:
+                    deps.append((FORWARD, s - 1, i))
+                if kind == BACKWARD:
+                    deps.append((FORWARD, s, i))
+                    if s < n - 1:
+                        deps.append((BACKWARD, s + 1, i))
+                if any(d not in clock for d in deps):
+                    break
+                t = max([last[s] + 1] + [clock[d] + 1 for d in deps])
+                clock[(kind, s, i)] = t
+                last[s] = t
+                pos[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ValueError("schedule orders have a dependency cycle; they can never complete")
+    return [[Action(clock[(k, s, i)], s, i, k) for k, i in orders[s]] for s in range(n)]
+
+
+def gpipe(microbatches: int, stages: int) -> list[list[Action]]:
+    """GPipe: all forwards (micro-batch 0 first), then all backwards, on every stage."""
+    _check(microbatches, stages)
+    m = microbatches
+    orders = [[(FORWARD, i) for i in range(m)] + [(BACKWARD, i) for i in range(m)] for _ in range(stages)]
+    return _with_clocks(orders)
+
+
+def one_f_one_b(microbatches: int, stages: int) -> list[list[Action]]:
+    """1F1B (PipeDream-flush): warm-up forwards, then one forward / one backward, then cool-down."""
+    _check(microbatches, stages)
+    m, n = microbatches, stages
+    orders: list[list[tuple[str, int]]] = []
+    for s in range(n):
+        warmup = min(n - s - 1, m)
+        order = [(FORWARD, i) for i in range(warmup)]
+        f, b = warmup, 0
+        while f < m:
+            order.append((FORWARD, f))
+            f += 1
+            order.append((BACKWARD, b))
+            b += 1
+        order.extend((BACKWARD, i) for i in range(b, m))
+        orders.append(order)
+    return _with_clocks(orders)
+
+
+def forward_only(microbatches: int, stages: int) -> list[list[Action]]:
+    """Forwards only (inference, or a forward whose backward the caller runs)."""
+    _check(microbatches, stages)
+    return _with_clocks([[(FORWARD, i) for i in range(microbatches)] for _ in range(stages)])
+
+
+def build(name: str, microbatches: int, stages: int) -> list[list[Action]]:
+    """The schedule called ``name`` (``"gpipe"`` or ``"1f1b"``)."""
+    if name == "gpipe":
+        return gpipe(microbatches, stages)
+    if name == "1f1b":
+        return one_f_one_b(microbatches, stages)
+    raise ValueError(f"schedule={name!r} is not one of {', '.join(SCHEDULES)}; pick 'gpipe' or '1f1b'")
+
+
+def merged_order(schedule: list[list[Action]], stages: list[int]) -> list[Action]:
+    """The actions of several ``stages`` run by one worker, in clock order (ties: lower stage first).
+
+    Every dependency of an action has a strictly smaller clock, so running each worker's merged
+    list in this order never deadlocks.
+    """
+    picked = [a for s in stages for a in schedule[s]]
+    return sorted(picked, key=lambda a: (a.clock, a.stage))
+
+
+def max_live(actions: list[Action]) -> int:
+    """Most micro-batches whose forward has run but whose backward has not, over ``actions``."""
+    live: set[int] = set()
+    peak = 0
+    for a in actions:
+        if a.kind == FORWARD:
+            live.add(a.microbatch)
+            peak = max(peak, len(live))
+        else:
+            live.discard(a.microbatch)
+    return peak
