@@ -1,5 +1,14 @@
-"""Planner: place a model's layers on devices under memory budgets (``torchspan.plan``)."""
+"""Planner: place a model's layers on devices under memory budgets (``torchspan.plan``).
+
+Usage::
+
+    plan = torchspan.plan(model, x, devices="cuda:0,cpu")      # profile + search
+    plan = search(profile)                                      # search only (pure data)
+"""
 
 from .plan import CHECKPOINTS, SCHEDULES, Plan, StagePlan
+from .errors import PlanError
+from .search import search
+from .api import plan  # bound last: the function, not the ``plan`` submodule
 
-__all__ = ["Plan", "StagePlan", "SCHEDULES", "CHECKPOINTS"]
+__all__ = ["plan", "search", "Plan", "StagePlan", "PlanError", "SCHEDULES", "CHECKPOINTS"]

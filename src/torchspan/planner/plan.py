@@ -41,10 +41,18 @@ class StagePlan:
     buffer_bytes: int = 0
     forward_time: float = 0.0
     backward_time: float = 0.0
+    workspace_bytes: int = 0  # transfer/working buffers for one micro-batch (planner's estimate)
 
     @property
     def total_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes + self.buffer_bytes
+        return (
+            self.param_bytes
+            + self.grad_bytes
+            + self.optimizer_bytes
+            + self.activation_bytes
+            + self.buffer_bytes
+            + self.workspace_bytes
+        )
 
 
 @dataclass
@@ -151,7 +159,7 @@ class Plan:
             head += f", batch={self.batch_size}"
         if self.predicted_step_time is not None:
             head += f", predicted step {self.predicted_step_time * 1e3:.2f} ms"
-        rows = [("stage", "device", "layers", "params", "grads", "optim", "activ.", "buffers", "fwd ms", "bwd ms")]
+        rows = [("stage", "device", "layers", "params", "grads", "optim", "activ.", "buffers", "work", "fwd ms", "bwd ms")]
         for i, s in enumerate(self.stages):
             names = s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]} .. {s.layers[-1]} ({len(s.layers)})"
             dev = f"{s.device} {s.device_name}".strip()
@@ -165,6 +173,7 @@ class Plan:
                     format_bytes(s.optimizer_bytes),
                     format_bytes(s.activation_bytes),
                     format_bytes(s.buffer_bytes),
+                    format_bytes(s.workspace_bytes),
                     f"{s.forward_time * 1e3:.2f}",
                     f"{s.backward_time * 1e3:.2f}",
                 )

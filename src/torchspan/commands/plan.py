@@ -1,0 +1,113 @@
+"""``torchspan plan TARGET --input-shape 32,512``: profile a model and print (or save) its plan.
+
+TARGET is ``package.module:factory`` or ``path/to/file.py:factory`` returning the model. Examples::
+
+    torchspan plan mymodels:build --input-shape 32,512 --devices cuda:0,cpu --memory cuda:0=8GiB
+    torchspan plan train.py:make_model --input-shape 8,128 --dtype int64 --devices "a100-40gb*2,cpu" --json
+    torchspan plan train.py:make_model --input-shape 32,512 --out plan.json
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from ..cli import UsageError
+from ._common import add_memory_option, load_target, parse_memory_options, print_json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="place a model's layers on devices within memory budgets",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("target", metavar="TARGET", help="package.module:factory or path/to/file.py:factory returning the model")
+    p.add_argument("--input-shape", required=True, metavar="B,D...", help="shape of one training batch, batch first, e.g. 32,512")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        help="input dtype (default float32); a floating dtype also profiles the model as if cast to it, "
+        "an integer dtype (e.g. int64 token ids) feeds ids 0 and 1",
+    )
+    p.add_argument("--devices", default="auto", metavar="SPEC", help="device spec, e.g. auto, 'cuda:0,cpu', 'a100-40gb*2,cpu'")
+    add_memory_option(p)
+    p.add_argument("--optimizer", default="adam", help="optimizer whose state to budget: sgd, sgd-momentum, adam, adamw, ... (default adam)")
+    p.add_argument("--microbatches", default="auto", metavar="N", help="micro-batches per step (default: search)")
+    p.add_argument("--schedule", default="auto", choices=("auto", "gpipe", "1f1b"), help="pipeline schedule (default: search)")
+    p.add_argument(
+        "--checkpoint",
+        default="auto",
+        choices=("auto", "never", "except_last", "always"),
+        help="activation checkpointing per micro-batch (default: search)",
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--out", metavar="FILE", help="also write the plan as JSON to FILE (atomically)")
+    p.set_defaults(func=run)
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(x) for x in text.replace("x", ",").split(","))
+    except ValueError:
+        dims = ()
+    if not dims or any(d < 1 for d in dims):
+        raise UsageError(f"--input-shape {text!r} is not a shape; write positive sizes separated by commas, batch first, e.g. 32,512")
+    return dims
+
+
+def _dtype(text: str) -> torch.dtype:
+    value = getattr(torch, text.strip().removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype):
+        raise UsageError(f"--dtype {text!r} is not a torch dtype; use e.g. float32, bfloat16, float16 or int64")
+    return value
+
+
+def _microbatches(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise UsageError(f"--microbatches {text!r} must be 'auto' or an integer >= 1")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..planner import plan
+
+    shape = _shape(args.input_shape)
+    dtype = _dtype(args.dtype)
+    microbatches = _microbatches(args.microbatches)
+    memory = parse_memory_options(args.memory)
+    model = load_target(args.target)
+    if dtype.is_floating_point or dtype.is_complex:
+        example = torch.randn(shape, dtype=dtype)
+        profile_dtype: torch.dtype | None = dtype
+    else:
+        example = torch.randint(0, 2, shape, dtype=dtype)
+        profile_dtype = None
+    result = plan(
+        model,
+        example,
+        devices=args.devices,
+        memory=memory,
+        microbatches=microbatches,
+        schedule=args.schedule,
+        checkpoint=args.checkpoint,
+        optimizer=args.optimizer,
+        dtype=profile_dtype,
+    )
+    if args.out:
+        result.save(args.out)
+    if args.json:
+        print_json(result.to_dict())
+    else:
+        print(result)
+        if args.out:
+            print(f"plan written to {args.out}")
+    return 0

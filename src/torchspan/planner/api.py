@@ -1,0 +1,53 @@
+"""``torchspan.plan``: profile a model on devices, then search the fastest placement that fits.
+
+Usage::
+
+    plan = torchspan.plan(model, torch.randn(32, 512), devices="cuda:0,cpu", memory={"cuda:0": "8GiB"})
+    print(plan)                     # one row per stage, predicted step time, peak memory per device
+    spanned = torchspan.span(model, plan)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..hardware import devices as find_devices
+from .plan import Plan
+from .search import search
+
+__all__ = ["plan"]
+
+
+def plan(
+    model: nn.Module,
+    example_inputs: Any,
+    devices: Any = "auto",
+    memory: Mapping[str, int | float | str] | None = None,
+    microbatches: int | str = "auto",
+    schedule: str = "auto",
+    checkpoint: str = "auto",
+    optimizer: Any = "adam",
+    *,
+    dtype: torch.dtype | str | None = None,
+) -> Plan:
+    """The fastest placement of ``model``'s layers on ``devices`` within every memory budget.
+
+    ``example_inputs``: one training batch (a tensor, or a tuple of forward arguments; dim 0 is the
+    batch). ``devices``/``memory``: as ``torchspan.devices`` (described devices such as
+    ``"a100-40gb*2,cpu"`` are planned from FLOP estimates). ``microbatches`` (int or ``"auto"``),
+    ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"auto"``), ``checkpoint`` (``"never"``,
+    ``"except_last"``, ``"always"``, ``"auto"``): fix a setting or let the search choose.
+    ``optimizer`` sizes optimizer state (e.g. ``"sgd"``, ``"adam"``).
+
+    Raises ``PlanError`` (a ``ValueError``) when nothing fits, with needed vs available memory per
+    device and checked ways to make it fit.
+    """
+    from ..profiler import profile
+
+    devs = find_devices(devices, memory)
+    prof = profile(model, example_inputs, devs, optimizer=optimizer, dtype=dtype)
+    return search(prof, microbatches=microbatches, schedule=schedule, checkpoint=checkpoint)

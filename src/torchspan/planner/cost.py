@@ -1,0 +1,392 @@
+"""The planner's cost model: predicted step time and per-device memory of a pipeline placement.
+
+Usage::
+
+    cm = CostModel(profile, microbatches=8, schedule="1f1b", checkpoint="never")
+    ev = cm.evaluate([Stage(device=0, start=0, end=3), Stage(device=2, start=3, end=7)])
+    ev.step_time, ev.fits, ev.memory[0].total
+
+Notation: ``B`` samples per step split into ``M`` micro-batches of ``b = ceil(B / M)`` samples;
+stage ``s`` (of ``S``) runs layers ``[i, j)`` on device ``d``. Per micro-batch on ``d``:
+``F_s = sum forward_seconds(d, b)`` and ``Bw_s = sum backward_seconds(d, b)`` over its layers.
+
+Time. Checkpointing recomputes a stage's forward before its backward:
+
+=============  =====================  ======================
+checkpoint     latency  ``lat_s``     steady  ``st_s``
+=============  =====================  ======================
+never          ``F + Bw``             ``F + Bw``
+except_last    ``F + Bw``             ``2F + Bw``
+always         ``2F + Bw``            ``2F + Bw``
+=============  =====================  ======================
+
+Links are pipeline resources too. Boundary ``j`` between stages on devices ``d`` and ``d'`` carries
+the activation forward and its gradient back: ``c_j = 2 * out_{j-1} / bw(d, d')`` (bytes of one
+micro-batch); the batch enters the first stage from the host: ``c_in = in_0 / bw(host, d_0)``. ``bw`` is the
+smaller host bandwidth of the two devices (device-to-device copies go through the host); the CPU
+*is* the host (infinite bandwidth), and a device listed twice talks to itself for free.
+
+    step_time = sum_s lat_s + c_in + sum_j c_j  +  (M - 1) * max(max_s st_s, max_j c_j, c_in)
+
+i.e. one micro-batch's trip through the whole pipeline (fill and drain: the bubble) plus ``M - 1``
+further micro-batches paced by the slowest resource. GPipe and 1F1B share this time (same bubble);
+they differ in memory. The optimizer step and Python overheads are not modelled.
+
+Memory of stage ``s`` on its device (bytes), with ``k`` micro-batches in flight (GPipe: ``k = M``;
+1F1B: ``k = min(M, S - s)``), and per micro-batch (``fixed + b * per_sample`` from the profile)
+``A`` the stage's saved activations, ``in`` its input boundary and ``out_max`` its largest layer
+output:
+
+    state       = params + grads + optimizer state + buffers
+    activations = never: k*A;  except_last: (k-1)*in + A;  always: k*in + A
+    workspace   = in + 2 * out_max      (received input, largest output and its gradient)
+
+A placement fits when ``state + activations + workspace <= capacity`` on every device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..hardware import Device
+from ..profiler import Profile
+from .plan import CHECKPOINTS, SCHEDULES, Plan, StagePlan
+
+__all__ = ["Stage", "StageMemory", "Evaluation", "CostModel", "link_bandwidth", "identity", "time_tables", "DEFAULT_HOST_BANDWIDTH"]
+
+# Host link assumed when a found device does not report one (bytes/s): PCIe 3.0 x16, effective.
+DEFAULT_HOST_BANDWIDTH: dict[str, float] = {"cuda": 12e9}
+INF = math.inf
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Layers ``[start, end)`` on ``profile.devices[device]``."""
+
+    device: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Predicted bytes of one stage on its device."""
+
+    params: int
+    grads: int
+    optimizer: int
+    buffers: int
+    activations: int
+    workspace: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.buffers + self.activations + self.workspace
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """The cost model's verdict on one placement (see the module docstring for the formula)."""
+
+    stages: tuple[Stage, ...]
+    forward: tuple[float, ...]  # F_s, seconds per micro-batch
+    backward: tuple[float, ...]  # Bw_s, seconds per micro-batch (without recompute)
+    links: tuple[float, ...]  # c_in, then c_j for each boundary between stages
+    memory: tuple[StageMemory, ...]
+    capacity: tuple[float, ...]
+    latency_sum: float  # sum of lat_s and link times: the bubble part
+    bottleneck: float  # slowest resource per micro-batch
+    step_time: float
+
+    @property
+    def fits(self) -> bool:
+        return all(m.total <= c for m, c in zip(self.memory, self.capacity))
+
+
+def _host_bandwidth(dev: Device) -> float:
+    if dev.kind in ("cpu", "meta"):
+        return INF
+    if dev.host_bandwidth is not None and dev.host_bandwidth > 0:
+        return float(dev.host_bandwidth)
+    return DEFAULT_HOST_BANDWIDTH.get(dev.kind, INF)
+
+
+def identity(devs: Sequence[Device], index: int) -> str | None:
+    """A key shared by list entries that are the same physical device (``['cpu', 'cpu']``)."""
+    dev = devs[index]
+    if dev.kind == "cpu":
+        return "cpu"
+    if dev.present:
+        key = str(dev.device)
+        if sum(1 for d in devs if d.present and str(d.device) == key) > 1:
+            return key
+    return None
+
+
+def link_bandwidth(devs: Sequence[Device], a: int, b: int) -> float:
+    """Bytes/s between ``devs[a]`` and ``devs[b]``: through the host at the slower host link."""
+    ia, ib = identity(devs, a), identity(devs, b)
+    if ia is not None and ia == ib:
+        return INF
+    return min(_host_bandwidth(devs[a]), _host_bandwidth(devs[b]))
+
+
+def _prefix(values: Sequence[float] | np.ndarray) -> np.ndarray:
+    out = np.zeros(len(values) + 1, dtype=np.float64)
+    np.cumsum(np.asarray(values, dtype=np.float64), out=out[1:])
+    return out
+
+
+def time_tables(profile: Profile) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(forward_fixed, forward_per_sample, backward_fixed, backward_per_sample)``, each ``(devices, layers)``.
+
+    Raises ``ValueError`` when a layer lacks a time for some device or a time is negative.
+    """
+    D = len(profile.devices)
+    out = []
+    for attr in ("forward_fixed", "forward_per_sample", "backward_fixed", "backward_per_sample"):
+        rows = []
+        for lay in profile.layers:
+            vals = getattr(lay, attr)
+            if len(vals) != D:
+                raise ValueError(
+                    f"profile layer {lay.name!r} has {len(vals)} {attr} entries for {D} devices; "
+                    "re-profile with the same device list"
+                )
+            rows.append(vals)
+        arr = np.asarray(rows, dtype=np.float64).T.reshape(D, len(profile.layers))
+        if not np.all(np.isfinite(arr)) or (arr < 0).any():
+            raise ValueError(f"profile has a negative or non-finite {attr}; times must be finite seconds >= 0")
+        out.append(np.ascontiguousarray(arr))
+    return out[0], out[1], out[2], out[3]
+
+
+class CostModel:
+    """Prefix sums over a ``Profile`` for one micro-batch count, schedule and checkpoint mode."""
+
+    def __init__(self, profile: Profile, microbatches: int, schedule: str, checkpoint: str) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if checkpoint not in CHECKPOINTS:
+            raise ValueError(f"checkpoint={checkpoint!r} is not one of {', '.join(CHECKPOINTS)}")
+        if not profile.layers:
+            raise ValueError("profile has no layers; profile a model with at least one child module")
+        if not profile.devices:
+            raise ValueError("profile has no devices; profile with at least one device, e.g. devices='cpu'")
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches={microbatches!r} must be an int >= 1")
+        if microbatches > profile.batch_size:
+            raise ValueError(
+                f"microbatches={microbatches} is more than the batch size {profile.batch_size}; "
+                f"use at most {profile.batch_size} micro-batches (one sample each)"
+            )
+        self.profile = profile
+        self.M = microbatches
+        self.schedule = schedule
+        self.checkpoint = checkpoint
+        self.L = len(profile.layers)
+        self.D = len(profile.devices)
+        self.b = math.ceil(profile.batch_size / microbatches)
+        layers = profile.layers
+        tables = time_tables(profile)
+        self.fwd = tables[0] + self.b * tables[1]
+        self.bwd = tables[2] + self.b * tables[3]
+        lat = self.fwd + self.bwd if checkpoint != "always" else 2 * self.fwd + self.bwd
+        steady = self.fwd + self.bwd if checkpoint == "never" else 2 * self.fwd + self.bwd
+        self.lat = lat
+        self.steady = steady
+        self.PL = np.stack([_prefix(row) for row in lat])  # (D, L+1)
+        self.PS = np.stack([_prefix(row) for row in steady])
+        self.PF = np.stack([_prefix(row) for row in self.fwd])
+        self.PB = np.stack([_prefix(row) for row in self.bwd])
+        self.P_param = _prefix([lay.param_bytes for lay in layers])
+        self.P_grad = _prefix([lay.grad_bytes for lay in layers])
+        self.P_opt = _prefix([lay.optimizer_bytes for lay in layers])
+        self.P_buf = _prefix([lay.buffer_bytes for lay in layers])
+        self.P_state = self.P_param + self.P_grad + self.P_opt + self.P_buf
+        b = self.b
+        # bytes per micro-batch: per-sample figures times b plus any per-call part
+        self.P_act = _prefix([getattr(lay, "activation_fixed_bytes", 0.0) + b * lay.activation_bytes for lay in layers])
+        self.out = np.array([getattr(lay, "output_fixed_bytes", 0.0) + b * lay.output_bytes for lay in layers])
+        # input boundary of a stage starting at layer i
+        self.inb = np.concatenate([[b * float(profile.input_bytes)], self.out[:-1]])
+        self.capacity = [float(d.capacity) if d.capacity is not None else INF for d in profile.devices]
+        self.host_bw = [_host_bandwidth(d) for d in profile.devices]
+        # sparse table of layer output bytes, for the largest output inside [i, j)
+        self._out_max = [self.out]
+        while (1 << len(self._out_max)) <= self.L:
+            prev = self._out_max[-1]
+            half = 1 << (len(self._out_max) - 1)
+            nxt = prev.copy()
+            nxt[: self.L - half] = np.maximum(prev[: self.L - half], prev[half:])
+            self._out_max.append(nxt)
+
+    # ------------------------------------------------------------------ pieces
+    def in_flight(self, stage_index: int, num_stages: int) -> int:
+        """Micro-batches whose activations a stage holds at once under the schedule."""
+        if self.schedule == "gpipe":
+            return self.M
+        return min(self.M, num_stages - stage_index)
+
+    def max_output(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """Largest per-sample layer output over layers ``[i, j)`` (``j > i``), vectorised."""
+        i = np.asarray(i, dtype=np.int64)
+        j = np.asarray(j, dtype=np.int64)
+        length = np.maximum(j - i, 1)
+        p = np.floor(np.log2(length)).astype(np.int64)
+        table = np.stack(self._out_max)
+        return np.maximum(table[p, i], table[p, j - (1 << p)])
+
+    def memory_total(self, i: np.ndarray, j: np.ndarray, k: int) -> np.ndarray:
+        """Predicted bytes of stages ``[i, j)`` (``j > i``) holding ``k`` micro-batches, vectorised."""
+        i = np.asarray(i, dtype=np.int64)
+        j = np.asarray(j, dtype=np.int64)
+        act = self.P_act[j] - self.P_act[i]
+        inb = self.inb[i]
+        if self.checkpoint == "never":
+            acts = k * act
+        elif self.checkpoint == "except_last":
+            acts = (k - 1) * inb + act
+        else:
+            acts = k * inb + act
+        work = inb + 2 * self.max_output(i, j)
+        return (self.P_state[j] - self.P_state[i]) + acts + work
+
+    def stage_memory(self, start: int, end: int, k: int) -> StageMemory:
+        """Bytes by kind for layers ``[start, end)`` holding ``k`` micro-batches."""
+        act = self.P_act[end] - self.P_act[start]
+        inb = self.inb[start]
+        if self.checkpoint == "never":
+            acts = k * act
+        elif self.checkpoint == "except_last":
+            acts = (k - 1) * inb + act
+        else:
+            acts = k * inb + act
+        work = inb + 2 * float(self.max_output(np.array([start]), np.array([end]))[0])
+        return StageMemory(
+            params=int(round(self.P_param[end] - self.P_param[start])),
+            grads=int(round(self.P_grad[end] - self.P_grad[start])),
+            optimizer=int(round(self.P_opt[end] - self.P_opt[start])),
+            buffers=int(round(self.P_buf[end] - self.P_buf[start])),
+            activations=int(math.ceil(acts)),
+            workspace=int(math.ceil(work)),
+        )
+
+    def max_end(self, capacity: float, k: int) -> np.ndarray:
+        """For each start ``i`` in ``0..L-1``: the largest ``j`` whose stage ``[i, j)`` fits ``capacity``.
+
+        ``j == i`` means not even layer ``i`` alone fits. Memory grows with ``j``, so this is a
+        vectorised binary search.
+        """
+        L = self.L
+        i = np.arange(L, dtype=np.int64)
+        lo = i.copy()  # known to fit (empty stage)
+        hi = np.full(L, L, dtype=np.int64)
+        while True:
+            open_ = lo < hi
+            if not open_.any():
+                return lo
+            mid = np.where(open_, (lo + hi + 1) // 2, lo + 1)
+            mid = np.minimum(mid, L)
+            ok = self.memory_total(i, mid, k) <= capacity
+            lo = np.where(open_ & ok, mid, lo)
+            hi = np.where(open_ & ~ok, mid - 1, hi)
+
+    def link_time(self, boundary: int, a: int, b: int) -> float:
+        """Seconds per micro-batch over boundary ``j`` (activation forward plus gradient back)."""
+        bw = link_bandwidth(self.profile.devices, a, b)
+        return 0.0 if bw == INF else 2.0 * float(self.out[boundary - 1]) / bw
+
+    def input_time(self, device: int) -> float:
+        """Seconds per micro-batch to bring the input from the host to ``device``."""
+        bw = self.host_bw[device]
+        return 0.0 if bw == INF else float(self.inb[0]) / bw
+
+    # ------------------------------------------------------------------ whole placements
+    def check_stages(self, stages: Sequence[Stage]) -> None:
+        """Raise ``ValueError`` unless ``stages`` cover the layers contiguously on distinct devices."""
+        if not stages:
+            raise ValueError("a placement needs at least one stage")
+        pos = 0
+        seen: set[int] = set()
+        for s in stages:
+            if s.start != pos or s.end <= s.start:
+                raise ValueError(f"stages {list(stages)} do not cover layers 0..{self.L} contiguously")
+            if not 0 <= s.device < self.D or s.device in seen:
+                raise ValueError(f"stages {list(stages)} reuse a device or name one outside 0..{self.D - 1}")
+            seen.add(s.device)
+            pos = s.end
+        if pos != self.L:
+            raise ValueError(f"stages {list(stages)} do not cover layers 0..{self.L} contiguously")
+
+    def evaluate(self, stages: Sequence[Stage]) -> Evaluation:
+        """Step time and memory of a placement (see the module docstring for the formula)."""
+        stages = tuple(stages)
+        self.check_stages(stages)
+        S = len(stages)
+        fwd, bwd, lat, st, mem, cap = [], [], [], [], [], []
+        for idx, s in enumerate(stages):
+            d = s.device
+            fwd.append(float(self.PF[d, s.end] - self.PF[d, s.start]))
+            bwd.append(float(self.PB[d, s.end] - self.PB[d, s.start]))
+            lat.append(float(self.PL[d, s.end] - self.PL[d, s.start]))
+            st.append(float(self.PS[d, s.end] - self.PS[d, s.start]))
+            mem.append(self.stage_memory(s.start, s.end, self.in_flight(idx, S)))
+            cap.append(self.capacity[d])
+        links = [self.input_time(stages[0].device)]
+        links += [self.link_time(a.end, a.device, nb.device) for a, nb in zip(stages, stages[1:])]
+        latency = sum(lat) + sum(links)
+        bottleneck = max(max(st), max(links))
+        return Evaluation(
+            stages=stages,
+            forward=tuple(fwd),
+            backward=tuple(bwd),
+            links=tuple(links),
+            memory=tuple(mem),
+            capacity=tuple(cap),
+            latency_sum=latency,
+            bottleneck=bottleneck,
+            step_time=latency + (self.M - 1) * bottleneck,
+        )
+
+    def to_plan(self, ev: Evaluation, strategy: str, notes: Sequence[str] = ()) -> Plan:
+        """A ``Plan`` holding this placement and its predictions."""
+        devs = self.profile.devices
+        names = [lay.name for lay in self.profile.layers]
+        stage_plans = []
+        peak: dict[str, int] = {}
+        for s, f, bw_, m in zip(ev.stages, ev.forward, ev.backward, ev.memory):
+            dev = devs[s.device]
+            key = str(dev.device)
+            stage_plans.append(
+                StagePlan(
+                    device=key,
+                    layers=names[s.start : s.end],
+                    device_name=dev.name,
+                    param_bytes=m.params,
+                    grad_bytes=m.grads,
+                    optimizer_bytes=m.optimizer,
+                    activation_bytes=m.activations,
+                    buffer_bytes=m.buffers,
+                    workspace_bytes=m.workspace,
+                    forward_time=f,
+                    backward_time=bw_,
+                )
+            )
+            peak[key] = peak.get(key, 0) + m.total
+        return Plan(
+            stages=stage_plans,
+            microbatches=self.M,
+            schedule=self.schedule,
+            checkpoint=self.checkpoint,
+            batch_size=self.profile.batch_size,
+            predicted_step_time=ev.step_time,
+            peak_memory=peak,
+            strategy=strategy,
+            notes=list(notes),
+        )
+

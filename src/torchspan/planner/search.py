@@ -1,0 +1,363 @@
+"""Exact placement search over a ``Profile`` (no model, no devices needed): ``search(profile) -> Plan``.
+
+Usage::
+
+    plan = search(profile, microbatches="auto", schedule="auto", checkpoint="auto")
+
+What is searched: contiguous stages over any subset and order of the profile's devices, the
+micro-batch count, the schedule and the checkpoint mode; what is minimised: the step time of
+``cost.py`` (``sum lat + links + (M - 1) * bottleneck``) with every device within its budget.
+
+How (exact for the cost model, up to a relative ``rtol``, default 1e-9):
+
+* For a bottleneck cap ``tau`` the best placement minimises the additive part ``sum lat + links``
+  with every stage and link at most ``tau``. A dynamic programme solves that: its state is
+  (first layer of the suffix still to place, how many devices of each *type* the suffix uses, type
+  of the suffix's first stage). Identical devices form one type and are interchangeable, so 8 equal
+  GPUs are 9 counts, not 8! orders. Stage costs are prefix-sum differences, so each transition is a
+  sliding-window minimum, computed for all starts at once with a sparse table (numpy).
+  Working from the last stage backwards, a stage knows how many stages follow it, which fixes its
+  1F1B in-flight count and thus its memory.
+* ``minsum(tau)`` is a non-increasing step function; the step time is ``minsum(tau) + (M-1)*tau``.
+  A branch and bound over ``tau`` (evaluate, bound each interval by ``minsum(top) + (M-1)*low``,
+  bisect) finds its minimum. Micro-batch counts are bounded the same way and pruned.
+* Dominated settings are skipped under ``"auto"``: 1F1B has GPipe's time with no more memory, and
+  ``except_last`` has ``always``'s memory saving at less recompute (``tests/test_planner_search.py``
+  checks both against brute force over every setting).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import numpy as np
+
+from ..profiler import Profile
+from .cost import INF, CostModel, Evaluation, Stage, identity, link_bandwidth
+from .plan import CHECKPOINTS, SCHEDULES, Plan
+
+__all__ = ["search", "microbatch_candidates", "device_groups", "solve", "settings_grid"]
+
+
+def microbatch_candidates(batch_size: int) -> list[int]:
+    """Micro-batch counts tried under ``microbatches="auto"``: divisors and powers of two up to the batch."""
+    out = {d for d in range(1, int(math.isqrt(batch_size)) + 1) if batch_size % d == 0}
+    out |= {batch_size // d for d in out}
+    p = 1
+    while p <= batch_size:
+        out.add(p)
+        p *= 2
+    return sorted(out)
+
+
+def device_groups(cm: CostModel) -> list[list[int]]:
+    """Indices of interchangeable devices (same budget, link and per-layer times), in list order."""
+    keys: dict[tuple, list[int]] = {}
+    devs = cm.profile.devices
+    for d in range(cm.D):
+        key = (cm.capacity[d], cm.host_bw[d], identity(devs, d), cm.fwd[d].tobytes(), cm.bwd[d].tobytes())
+        keys.setdefault(key, []).append(d)
+    return sorted(keys.values(), key=lambda g: g[0])
+
+
+def _window_min(V: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """``out[:, i] = min(V[:, i+1 .. hi[i]])`` for ``i`` in ``0..L-1`` (``inf`` for empty windows)."""
+    m, n = V.shape
+    L = n - 1
+    a = np.arange(1, L + 1)
+    length = hi - a + 1
+    valid = length >= 1
+    if not valid.any():
+        return np.full((m, L), INF)
+    ln = np.where(valid, length, 1)
+    p = np.floor(np.log2(ln)).astype(np.int64)
+    tables = [V]
+    maxlen = int(ln.max())
+    while (1 << len(tables)) <= maxlen:
+        prev = tables[-1]
+        half = 1 << (len(tables) - 1)
+        nxt = prev.copy()
+        np.minimum(prev[:, : n - half], prev[:, half:], out=nxt[:, : n - half])
+        tables.append(nxt)
+    st = np.stack(tables)
+    right = np.where(valid, hi - (1 << p) + 1, a)
+    res = np.minimum(st[p, :, a], st[p, :, right])  # (L, m)
+    res[~valid] = INF
+    return res.T
+
+
+class _Solver:
+    """Min ``sum lat + links`` placement under a bottleneck cap, for one ``CostModel``."""
+
+    def __init__(self, cm: CostModel) -> None:
+        self.cm = cm
+        groups = device_groups(cm)
+        self.groups = groups
+        T = len(groups)
+        L = cm.L
+        rep = [g[0] for g in groups]
+        self.PL = cm.PL[rep]
+        self.PS = cm.PS[rep]
+        self.steady = cm.steady[rep]
+        self.cap = [cm.capacity[r] for r in rep]
+        self.sizes = [len(g) for g in groups]
+        devs = cm.profile.devices
+        base = np.zeros(L + 1)
+        base[1:L] = 2.0 * cm.out[: L - 1]
+        link = np.full((T, T, L + 1), INF)
+        for t in range(T):
+            for t2 in range(T):
+                if t == t2 and self.sizes[t] < 2:
+                    continue
+                a, z = groups[t][0], (groups[t2][0] if t != t2 else groups[t][1])
+                bw = link_bandwidth(devs, a, z)
+                link[t, t2, 1:L] = 0.0 if bw == INF else base[1:L] / bw
+        self.link = link
+        self.cin = np.array([cm.input_time(r) for r in rep])
+        levels: list[list[tuple[int, ...]]] = [[tuple(0 for _ in range(T))]]
+        for _ in range(min(cm.D, L)):
+            nxt = sorted(
+                {u[:t] + (u[t] + 1,) + u[t + 1 :] for u in levels[-1] for t in range(T) if u[t] < self.sizes[t]}
+            )
+            if not nxt:
+                break
+            levels.append(nxt)
+        self.levels = levels
+        self.index = [{u: i for i, u in enumerate(lv)} for lv in levels]
+        # transitions: level n -> n+1 by adding a stage of type t in front
+        self.moves: list[list[tuple[list[int], list[int]]]] = []
+        for n in range(len(levels) - 1):
+            per_t = []
+            for t in range(T):
+                src, dst = [], []
+                for si, u in enumerate(levels[n]):
+                    if u[t] < self.sizes[t]:
+                        src.append(si)
+                        dst.append(self.index[n + 1][u[:t] + (u[t] + 1,) + u[t + 1 :]])
+                per_t.append((src, dst))
+            self.moves.append(per_t)
+        self._max_end: dict[tuple[int, int], np.ndarray] = {}
+        self.evaluations = 0
+
+    def max_end(self, t: int, k: int) -> np.ndarray:
+        key = (t, k)
+        if key not in self._max_end:
+            self._max_end[key] = self.cm.max_end(self.cap[t], k)
+        return self._max_end[key]
+
+    def in_flight(self, stages_after: int) -> int:
+        cm = self.cm
+        return cm.M if cm.schedule == "gpipe" else min(cm.M, stages_after + 1)
+
+    def run(self, tau: float) -> list[Stage] | None:
+        """Best placement with every stage and link time ``<= tau``, or ``None`` if none fits."""
+        self.evaluations += 1
+        cm = self.cm
+        L = cm.L
+        T = len(self.groups)
+        cap_tau = tau * (1 + 1e-12) if tau != INF else INF
+        link = np.where(self.link <= cap_tau, self.link, INF)
+        cin = np.where(self.cin <= cap_tau, self.cin, INF)
+        if tau == INF:
+            hi_time = [np.full(L, L, dtype=np.int64) for _ in range(T)]
+        else:
+            hi_time = [np.searchsorted(self.PS[t], self.PS[t][:L] + cap_tau, side="right") - 1 for t in range(T)]
+        G: list[np.ndarray] = [np.zeros((1, T, L + 1))]
+        best, best_at = INF, None
+        for n in range(len(self.levels) - 1):
+            k = self.in_flight(n)
+            nxt = np.full((len(self.levels[n + 1]), T, L + 1), INF)
+            for t in range(T):
+                src, dst = self.moves[n][t]
+                if not src:
+                    continue
+                if n == 0:
+                    V = np.full((1, L + 1), INF)
+                    V[0, L] = self.PL[t][L]
+                else:
+                    V = (G[n][src] + link[t][None]).min(axis=1) + self.PL[t][None, :]
+                hi = np.minimum(self.max_end(t, k), hi_time[t])
+                nxt[dst, t, :L] = _window_min(V, hi) - self.PL[t][None, :L]
+            G.append(nxt)
+            total = nxt[:, :, 0] + cin[None, :]
+            flat = int(np.argmin(total))
+            if total.flat[flat] < best:
+                best, best_at = float(total.flat[flat]), (n + 1, *divmod(flat, T))
+            if not np.isfinite(nxt).any():
+                break
+        if best_at is None:
+            return None
+        return self._rebuild(G, best_at, link, hi_time)
+
+    def _rebuild(self, G: list[np.ndarray], at: tuple[int, int, int], link: np.ndarray, hi_time: list[np.ndarray]) -> list[Stage]:
+        L = self.cm.L
+        n, ui, t = at
+        u = self.levels[n][ui]
+        i = 0
+        typed: list[tuple[int, int, int]] = []
+        while True:
+            hi = int(min(self.max_end(t, self.in_flight(n - 1))[i], hi_time[t][i]))
+            if n == 1:
+                typed.append((t, i, L))
+                break
+            prev_u = u[:t] + (u[t] - 1,) + u[t + 1 :]
+            si = self.index[n - 1][prev_u]
+            V = (G[n - 1][si] + link[t]).min(axis=0) + self.PL[t]
+            j = i + 1 + int(np.argmin(V[i + 1 : hi + 1]))
+            t_next = int(np.argmin(G[n - 1][si][:, j] + link[t][:, j]))
+            typed.append((t, i, j))
+            u, ui, t, i, n = prev_u, si, t_next, j, n - 1
+        used = [0] * len(self.groups)
+        stages = []
+        for t, i, j in typed:
+            stages.append(Stage(self.groups[t][used[t]], i, j))
+            used[t] += 1
+        return stages
+
+    def bottleneck_floor(self) -> float:
+        """A lower bound on any placement's bottleneck (for pruning)."""
+        cm = self.cm
+        best_layer = self.steady.min(axis=0)
+        stages = min(cm.D, cm.L)
+        return float(max(best_layer.max(), best_layer.sum() / stages))
+
+    def latency_floor(self) -> float:
+        return float(self.cm.lat.min(axis=0).sum())
+
+
+def solve(cm: CostModel, *, incumbent: float = INF, rtol: float = 1e-9) -> tuple[Evaluation | None, int]:
+    """Best placement for one setting, or ``None`` when nothing fits or nothing beats ``incumbent``.
+
+    Returns ``(evaluation, dynamic programmes run)``.
+    """
+    solver = _Solver(cm)
+    M1 = cm.M - 1
+    if solver.latency_floor() + M1 * solver.bottleneck_floor() >= incumbent * (1 - rtol):
+        return None, 0
+    first = solver.run(INF)
+    if first is None:
+        return None, solver.evaluations
+    best = cm.evaluate(first)
+    if M1 == 0:
+        return best, solver.evaluations
+    bound = min(incumbent, best.step_time)
+    floor = solver.bottleneck_floor()
+    # intervals [lo, hi) of tau, with sigma a lower bound of minsum there: (bound, lo, hi, sigma)
+    heap = [(best.latency_sum + M1 * floor, floor, best.bottleneck, best.latency_sum)]
+    while heap:
+        lb, lo, hi, sigma = heapq.heappop(heap)
+        if lb >= bound * (1 - rtol) or hi <= lo:
+            continue
+        mid = 0.5 * (lo + hi)
+        stages = solver.run(mid)
+        if stages is None:
+            heapq.heappush(heap, (sigma + M1 * mid, mid, hi, sigma))
+            continue
+        ev = cm.evaluate(stages)
+        if ev.step_time < best.step_time:
+            best = ev
+            bound = min(bound, ev.step_time)
+        heapq.heappush(heap, (sigma + M1 * mid, mid, hi, sigma))
+        heapq.heappush(heap, (ev.latency_sum + M1 * lo, lo, min(ev.bottleneck, mid), ev.latency_sum))
+    if best.step_time >= incumbent:
+        return None, solver.evaluations
+    return best, solver.evaluations
+
+
+def settings_grid(
+    batch_size: int, microbatches: int | str, schedule: str, checkpoint: str
+) -> list[tuple[int, str, str]]:
+    """``(microbatches, schedule, checkpoint)`` settings to search, validated, in preference order."""
+    if microbatches == "auto":
+        ms = microbatch_candidates(batch_size)
+    elif isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches={microbatches!r} must be 'auto' or an int >= 1")
+    elif microbatches > batch_size:
+        raise ValueError(
+            f"microbatches={microbatches} is more than the batch size {batch_size}; use at most {batch_size} or 'auto'"
+        )
+    else:
+        ms = [microbatches]
+    if schedule == "auto":
+        schedules = ["1f1b"]  # GPipe is never faster in the model and never uses less memory
+    elif schedule in SCHEDULES:
+        schedules = [schedule]
+    else:
+        raise ValueError(f"schedule={schedule!r} is not one of auto, {', '.join(SCHEDULES)}")
+    if checkpoint == "auto":
+        checkpoints = ["never", "except_last"]  # 'always' saves no more memory than except_last, at more time
+    elif checkpoint in CHECKPOINTS:
+        checkpoints = [checkpoint]
+    else:
+        raise ValueError(f"checkpoint={checkpoint!r} is not one of auto, {', '.join(CHECKPOINTS)}")
+    return [(m, s, c) for c in checkpoints for s in schedules for m in ms]
+
+
+def search(
+    profile: Profile,
+    *,
+    microbatches: int | str = "auto",
+    schedule: str = "auto",
+    checkpoint: str = "auto",
+    rtol: float = 1e-9,
+) -> Plan:
+    """The fastest plan for ``profile`` under its devices' budgets (see the module docstring).
+
+    Usage: ``search(profile, microbatches=8, schedule="1f1b")``. Raises ``PlanError`` (listing
+    needed vs available memory and what would make it fit) when no placement fits.
+    """
+    grid = settings_grid(profile.batch_size, microbatches, schedule, checkpoint)
+    best: Evaluation | None = None
+    best_cm: CostModel | None = None
+    programmes = 0
+    for m, s, c in grid:
+        cm = CostModel(profile, m, s, c)
+        ev, runs = solve(cm, incumbent=best.step_time if best else INF, rtol=rtol)
+        programmes += runs
+        if ev is not None and (best is None or ev.step_time < best.step_time):
+            best, best_cm = ev, cm
+    if best is None or best_cm is None:
+        from .diagnose import explain_no_fit
+
+        raise explain_no_fit(profile, grid)
+    return best_cm.to_plan(best, "torchspan", notes=plan_notes(best_cm, best, programmes, len(grid)))
+
+
+def plan_notes(cm: CostModel, ev: Evaluation, programmes: int, settings: int) -> list[str]:
+    """Human-readable reasons for a plan: spills, skipped devices, bottleneck."""
+    devs = cm.profile.devices
+    notes = []
+    used = {s.device for s in ev.stages}
+    cpu_stages = [s for s in ev.stages if devs[s.device].kind == "cpu"]
+    accel = [d for d in range(cm.D) if devs[d].kind != "cpu"]
+    if cpu_stages and accel:
+        names = [cm.profile.layers[k].name for s in cpu_stages for k in range(s.start, s.end)]
+        full = all(d in used for d in accel)
+        why = (
+            "the accelerators' budgets are full"
+            if full
+            else "predicted faster than placing them on the remaining accelerators"
+        )
+        notes.append(f"{len(names)} layer(s) run on the CPU ({names[0]} .. {names[-1]}): {why}")
+    used_names = {str(devs[d].device) for d in used}
+    unused = [str(devs[d].device) for d in range(cm.D) if str(devs[d].device) not in used_names]
+    if unused:
+        notes.append(f"not used (no faster placement with them): {', '.join(unused)}")
+    slow = int(np.argmax([ev.forward[i] + ev.backward[i] for i in range(len(ev.stages))]))
+    notes.append(
+        f"bottleneck {ev.bottleneck * 1e3:.3f} ms per micro-batch; pipeline fill/drain {ev.latency_sum * 1e3:.3f} ms; "
+        f"slowest stage {slow} on {devs[ev.stages[slow].device].device}"
+    )
+    seen: dict[str, int] = {}
+    for d in devs:
+        if d.present:
+            seen[str(d.device)] = seen.get(str(d.device), 0) + 1
+    for key, count in seen.items():
+        if count > 1:
+            notes.append(
+                f"{key} is listed {count} times; each entry was planned with the full budget and speed "
+                "(fine for testing pipelines; list each device once to plan real hardware)"
+            )
+    notes.append(f"searched {settings} setting(s) with {programmes} dynamic programme(s)")
+    return notes
+
