@@ -18,6 +18,7 @@ Usage: ``execution_order(model, x)`` → ``["embed", "blocks", "head"]``.
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -89,12 +90,15 @@ class LayerTracer(fx.Tracer):
         return "." not in module_qualified_name and module_qualified_name != ""
 
 
-def concrete_key(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any], tuple[Any, ...]]:
+def concrete_key(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], tensor_like: tuple[type, ...] = ()
+) -> tuple[list[Any], dict[str, Any], tuple[Any, ...]]:
     """Bind a call to ``model.forward``'s signature.
 
     Returns ``(values, concrete, key)``: every parameter's value in signature order (defaults
     filled in), the non-tensor values that fx must specialise on (``None``, flags, ints…), and a
-    hashable key for caching the trace made for those values.
+    hashable key for caching the trace made for those values. Instances of ``tensor_like`` count
+    as tensors (wrappers the caller unwraps before running).
     Usage: ``values, concrete, key = concrete_key(model, (x,), {"mask": None})``.
     """
     sig = inspect.signature(model.forward)
@@ -110,7 +114,7 @@ def concrete_key(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     concrete: dict[str, Any] = {}
     key: list[Any] = []
     for name, value in zip(sig.parameters, values):
-        if _has_tensor(value):
+        if isinstance(value, tensor_like) or _has_tensor(value):
             key.append((name, "tensor"))
         else:
             concrete[name] = value
@@ -136,7 +140,11 @@ def default_concrete_args(model: nn.Module) -> dict[str, Any]:
 
 def trace(model: nn.Module, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
     """Trace ``model`` with its top-level children as leaves. Raises whatever fx raises."""
-    return LayerTracer().trace(model, concrete_args=concrete_args or None)
+    with warnings.catch_warnings():
+        # fx warns that it cannot guard specialised non-None constants; the runtime re-traces per
+        # distinct constant values (``concrete_key``), so the guard is not needed.
+        warnings.filterwarnings("ignore", message="Was not able to add assertion")
+        return LayerTracer().trace(model, concrete_args=concrete_args or None)
 
 
 def choose_mode(model: nn.Module) -> tuple[str, str]:

@@ -23,7 +23,7 @@ from .. import split
 from ..schedule import SCHEDULES
 from .hooks import HookPlacement
 from .memory import ActivationMeter
-from .microbatch import batch_size, gather, split_batch, split_sizes, split_value
+from .microbatch import NoSplit, batch_size, gather, split_batch, split_sizes, split_value
 from .pipeline import CHECKPOINTS, PRECISIONS, Pipeline, autocast_for
 from .placement import check_shared, parse_devices, place, stages_from_balance, stages_from_plan
 from .record import Recorder
@@ -244,7 +244,7 @@ class Spanned(nn.Module):
         return [make(g, s == n - 1) for s, g in enumerate(self._groups)]
 
     def _fx_fns(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Callable[..., Any]], list[Any]]:
-        values, concrete, key = split.concrete_key(self.module, args, kwargs)
+        values, concrete, key = split.concrete_key(self.module, args, kwargs, tensor_like=(NoSplit,))
         mods = self._graphs.get(key)
         if mods is None:
             graph = split.trace(self.module, concrete)
