@@ -750,12 +750,17 @@ def profile(
     notes: list[str] = []
 
     # ---- sizes, FLOPs and traffic from fake passes
-    small = max(1, batch // 4)
+    # a second, smaller batch for the time fit (>= 2 samples: BatchNorm refuses one in training)
+    small = min(batch, max(2, batch // 4))
     sizes_at: dict[int, _Sizes] = {}
-    for s in sorted({small, batch, 2 * batch}):
+    for s in sorted({small, batch, 2 * batch}, reverse=True):
         try:
             sizes_at[s] = _sizing_pass(model, args, batch, s, dtype)
         except Exception as exc:
+            if s == small and small != batch:
+                notes.append(f"the model does not run at batch {small} ({type(exc).__name__}); times are fit through 0 from batch {batch} alone")
+                small = batch
+                continue
             raise ValueError(
                 f"could not size {type(model).__name__} with fake tensors at batch {s} "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); data-dependent Python "
