@@ -1,0 +1,211 @@
+"""``torchspan doctor [--json] SCRIPT.py [-- script args]``: run a training script under the device watcher.
+
+The script runs unmodified, as ``python SCRIPT.py args`` would run it (``__name__ == "__main__"``,
+``sys.argv`` set, its folder first on ``sys.path``). At the first op whose tensors sit on different
+devices the run stops and the report names the op, the module, every tensor and the fix.
+
+Exit status: 0 when the script ran to the end with no device problem; 3 on a device error; the
+script's own status when it exits with ``sys.exit(n)``; 1 when it fails for another reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import runpy
+import sys
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..cli import UsageError
+from ..diagnosis.audit import audit_dataparallel, audit_modules, audit_optimizer, looks_like_device_error
+from ..diagnosis.mismatch import DeviceMismatchError
+from ..diagnosis.naming import find_in_frames, traceback_frames
+from ..diagnosis.report import Finding, Report
+from ..diagnosis.watch import watch
+from ._common import console, print_json
+
+__all__ = ["register", "run", "run_script", "ScriptOutcome", "EXIT_DEVICE_ERROR"]
+
+EXIT_DEVICE_ERROR = 3
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="run a training script and name the module, parameter and fix behind any device error",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--json", action="store_true", help="print a JSON report (the script's own output goes to stderr)")
+    p.add_argument("script", help="the Python script to run, e.g. train.py")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script (after an optional --)")
+    p.set_defaults(func=run)
+
+
+@dataclass
+class ScriptOutcome:
+    """What happened when the script ran: ``status`` is ok, device-error, script-error or script-exit."""
+
+    status: str
+    exit_code: int
+    report: Report = field(default_factory=Report)
+    modules_run: int = 0
+    error: BaseException | None = None
+
+
+def _script_traceback(exc: BaseException, script: str) -> str:
+    tb = exc.__traceback__
+    target = os.path.abspath(script)
+    probe = tb
+    while probe is not None and os.path.abspath(probe.tb_frame.f_code.co_filename) != target:
+        probe = probe.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, probe or tb))
+
+
+def _where(exc: BaseException) -> str | None:
+    frames = traceback_frames(exc.__traceback__)
+    if not frames:
+        return None
+    f = frames[0]
+    import linecache
+
+    line = linecache.getline(f.f_code.co_filename, f.f_lineno).strip()
+    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}: {line}"
+
+
+def _audit_objects(objects: dict[str, Any]) -> list[Finding]:
+    """Static checks on the modules and optimizers a script left behind (by variable name)."""
+    modules = {k: v for k, v in objects.items() if isinstance(v, nn.Module)}
+    # keep top-level modules only: a submodule is reported through its root
+    inner: set[int] = set()
+    for m in modules.values():
+        inner.update(id(s) for s in m.modules() if s is not m)
+    roots = {k: m for k, m in modules.items() if id(m) not in inner}
+    findings: list[Finding] = []
+    for name, mod in roots.items():
+        findings.extend(audit_modules(mod, names=(name, "loss_fn")))
+        findings.extend(audit_dataparallel(mod, name=name))
+    for oname, opt in objects.items():
+        if not isinstance(opt, torch.optim.Optimizer) or not roots:
+            continue
+        ids = {id(p) for g in opt.param_groups for p in g["params"]}
+        mname, mod = max(roots.items(), key=lambda kv: sum(id(p) in ids for p in kv[1].parameters()))
+        findings.extend(f for f in audit_optimizer(opt, mod, names=(oname, mname)) if f.code == "optimizer-state-device")
+    return findings
+
+
+def run_script(script: str, script_args: list[str], *, quiet_stdout: bool = False) -> ScriptOutcome:
+    """Run ``script`` as ``__main__`` under :func:`torchspan.watch` and collect a report.
+
+    Usage: ``outcome = run_script("train.py", ["--epochs", "1"])``; ``outcome.report``.
+    """
+    if not os.path.isfile(script):
+        raise UsageError(f"SCRIPT {script!r} does not exist; give the path of a Python file, e.g. train.py")
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    sys.argv = [script, *script_args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    w = watch()
+    outcome = ScriptOutcome("ok", 0)
+    leftovers: dict[str, Any] = {}
+    redirect = contextlib.redirect_stdout(sys.stderr) if quiet_stdout else contextlib.nullcontext()
+    try:
+        with redirect, w:
+            leftovers = runpy.run_path(script, run_name="__main__")
+    except DeviceMismatchError as err:
+        outcome = ScriptOutcome("device-error", EXIT_DEVICE_ERROR, error=err)
+        outcome.report.add(err.finding())
+        leftovers = find_in_frames(traceback_frames(err.__traceback__), (nn.Module, torch.optim.Optimizer))
+    except SystemExit as exc:
+        code = exc.code
+        if code is None or code == 0:
+            outcome = ScriptOutcome("ok", 0)
+        else:
+            if not isinstance(code, int):
+                print(code, file=sys.stderr)
+                code = 1
+            outcome = ScriptOutcome("script-exit", int(code), error=exc)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        leftovers = find_in_frames(traceback_frames(exc.__traceback__), (nn.Module, torch.optim.Optimizer))
+        if looks_like_device_error(exc):
+            outcome = ScriptOutcome("device-error", EXIT_DEVICE_ERROR, error=exc)
+            outcome.report.add(
+                Finding(
+                    code="device-error",
+                    severity="error",
+                    title=f"PyTorch raised a device error outside any op the watcher sees: {str(exc).strip().splitlines()[0]}",
+                    details=[f"code: {_where(exc)}"] if _where(exc) else [],
+                    fix="see the findings below for the module, parameter or buffer on the wrong device",
+                )
+            )
+        else:
+            outcome = ScriptOutcome("script-error", 1, error=exc)
+            sys.stderr.write(_script_traceback(exc, script))
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    report = outcome.report
+    report.ran = True
+    report.ops_checked = w.ops
+    outcome.modules_run = w.modules_run
+    objects = {k: v for k, v in leftovers.items() if isinstance(v, (nn.Module, torch.optim.Optimizer)) and not k.startswith("_")}
+    have = {(f.code, f.where) for f in report.findings}
+    for f in list(w.findings) + _audit_objects(objects):
+        if (f.code, f.where) not in have:
+            have.add((f.code, f.where))
+            report.add(f)
+    return outcome
+
+
+def _headline(outcome: ScriptOutcome, script: str) -> str:
+    name = os.path.basename(script)
+    stats = f"{outcome.report.ops_checked} ops and {outcome.modules_run} module calls checked"
+    if outcome.status == "ok":
+        return f"torchspan doctor: no device problem seen in {name} ({stats}, forward and backward)"
+    if outcome.status == "device-error":
+        return f"torchspan doctor: device error in {name} ({stats} before it)"
+    if outcome.status == "script-exit":
+        return f"torchspan doctor: {name} exited with status {outcome.exit_code}; no device problem seen before that ({stats})"
+    err = outcome.error
+    return (
+        f"torchspan doctor: {name} failed with {type(err).__name__}, which is not a device error "
+        f"(traceback above); no device problem seen before it ({stats})"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    script_args = list(args.script_args)
+    if script_args and script_args[0] == "--":
+        script_args = script_args[1:]
+    outcome = run_script(args.script, script_args, quiet_stdout=args.json)
+    if args.json:
+        print_json(
+            {
+                "script": args.script,
+                "args": script_args,
+                "status": outcome.status,
+                "exit_code": outcome.exit_code,
+                "modules_run": outcome.modules_run,
+                "report": outcome.report.to_dict(),
+            }
+        )
+        return outcome.exit_code
+    headline = _headline(outcome, args.script)
+    if sys.stdout.isatty():
+        from rich.text import Text
+
+        con = console()
+        con.print(Text(headline, style="bold red" if outcome.status == "device-error" else "bold green"))
+        if outcome.report.findings:
+            outcome.report.render(con)
+    else:
+        print(headline)
+        for f in outcome.report.findings:
+            print(f.format())
+    return outcome.exit_code

@@ -1,0 +1,547 @@
+"""``torchspan.doctor``: audit a model, loss, optimizer, batch and checkpoint for device problems.
+
+The static part only reads devices, names and keys; nothing runs. With example inputs (or
+``run=True``) it then runs one forward — and a backward when ``loss_fn`` is given — under
+:func:`torchspan.watch`, restoring gradients and buffers afterwards.
+
+Usage::
+
+    report = torchspan.doctor(model, x, target=y, loss_fn=criterion, optimizer=opt)
+    print(report)            # findings with severity and fix
+    report.ok                # False when any error was found
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .mismatch import DeviceMismatchError
+from .report import Finding, Report
+from .watch import dataparallel_inert_finding, watch
+
+__all__ = [
+    "doctor",
+    "audit_modules",
+    "audit_batch",
+    "audit_optimizer",
+    "audit_dataparallel",
+    "audit_state_dict",
+    "looks_like_device_error",
+]
+
+_SHOW = 6  # names listed per group before "+N more"
+_PREFIXES = ("module.", "_orig_mod.")
+
+
+def _names(items: list[str]) -> str:
+    more = f" (+{len(items) - _SHOW} more)" if len(items) > _SHOW else ""
+    return ", ".join(items[:_SHOW]) + more
+
+
+def _is_cpu_scalar(t: torch.Tensor) -> bool:
+    return t.dim() == 0 and t.device.type == "cpu"
+
+
+def _tensors_of(module: nn.Module, prefix: str) -> list[tuple[str, str, torch.Tensor]]:
+    """``(kind, qualified name, tensor)`` for every parameter and buffer (shared ones once)."""
+    out: list[tuple[str, str, torch.Tensor]] = []
+    for name, p in module.named_parameters():
+        out.append(("parameter", f"{prefix}.{name}", p))
+    for name, b in module.named_buffers():
+        out.append(("buffer", f"{prefix}.{name}", b))
+    return out
+
+
+def _majority(devices: list[str]) -> str | None:
+    return Counter(devices).most_common(1)[0][0] if devices else None
+
+
+def _first_layer(model: nn.Module, prefix: str) -> tuple[str, nn.Module, str] | None:
+    """The first module (registration order) that owns a parameter or buffer, with its device."""
+    for path, mod in model.named_modules():
+        own = list(mod.parameters(recurse=False)) + [b for b in mod.buffers(recurse=False) if b is not None]
+        if own:
+            return (f"{prefix}.{path}" if path else prefix), mod, str(own[0].device)
+    return None
+
+
+def _last_layer(model: nn.Module, prefix: str) -> tuple[str, nn.Module, str] | None:
+    last = None
+    for path, mod in model.named_modules():
+        own = list(mod.parameters(recurse=False))
+        if own:
+            last = (f"{prefix}.{path}" if path else prefix), mod, str(own[0].device)
+    return last
+
+
+# ---------------------------------------------------------------------- modules and loss
+
+
+def audit_modules(
+    model: nn.Module, loss_fn: Any = None, target_device: str | None = None, *, names: tuple[str, str] = ("model", "loss_fn")
+) -> list[Finding]:
+    """Parameters/buffers of ``model`` split over devices; ``loss_fn`` tensors off the loss's device.
+
+    Usage: ``audit_modules(model, criterion, target_device="cuda:0")``.
+    """
+    mname, lname = names
+    findings: list[Finding] = []
+    tensors = _tensors_of(model, mname)
+    groups: dict[str, list[str]] = {}
+    for _, qual, t in tensors:
+        groups.setdefault(str(t.device), []).append(qual)
+    if len(groups) > 1:
+        main = max(groups, key=lambda d: len(groups[d]))
+        odd = [d for d in groups if d != main]
+        findings.append(
+            Finding(
+                code="model-split",
+                severity="warning",
+                title=f"{mname} has parameters and buffers on {len(groups)} devices ({', '.join(sorted(groups))})",
+                where=mname,
+                details=[f"{dev}: {_names(groups[dev])}" for dev in sorted(groups, key=lambda d: d != main)],
+                fix=(
+                    f"if the split is deliberate (model parallel), move activations between the parts in forward "
+                    f"(`x = x.to('{odd[0]}')` before the first layer on {odd[0]}); otherwise move the whole model: "
+                    f"`{mname}.to('{main}')`"
+                ),
+            )
+        )
+    findings.extend(_tensor_attributes(model, mname))
+
+    if isinstance(loss_fn, nn.Module):
+        ltensors = _tensors_of(loss_fn, lname)
+        ref, why = target_device, "the target"
+        if ref is None:
+            last = _last_layer(model, mname)
+            if last is not None:
+                ref, why = last[2], f"the model's output (last layer `{last[0]}`)"
+        stray = [(k, q, t) for k, q, t in ltensors if ref is not None and str(t.device) != ref]
+        if stray:
+            kind, qual, t = stray[0]
+            findings.append(
+                Finding(
+                    code="loss-device",
+                    severity="error" if target_device is not None else "warning",
+                    title=f"{lname} {kind} `{qual}` is on {t.device} but {why} is on {ref}",
+                    where=f"{lname} ({type(loss_fn).__name__})",
+                    details=[f"{t.device}: {_names([q for _, q, _ in stray])}"],
+                    fix=(
+                        f"call `{lname}.to('{ref}')`: a loss's buffers (e.g. CrossEntropyLoss(weight=...)) stay where "
+                        f"they were made until the loss module itself is moved"
+                    ),
+                )
+            )
+        findings.extend(_tensor_attributes(loss_fn, lname))
+    return findings
+
+
+def _tensor_attributes(root: nn.Module, prefix: str) -> list[Finding]:
+    """Plain tensor attributes (not buffers) on another device than their module's parameters."""
+    out: list[Finding] = []
+    for path, mod in root.named_modules():
+        own = [str(t.device) for t in list(mod.parameters()) + list(mod.buffers())]
+        home = _majority(own)
+        if home is None:
+            continue
+        for attr, val in vars(mod).items():
+            if isinstance(val, torch.Tensor) and not attr.startswith("_") and not _is_cpu_scalar(val) and str(val.device) != home:
+                qual = f"{prefix}.{path}.{attr}" if path else f"{prefix}.{attr}"
+                out.append(
+                    Finding(
+                        code="tensor-attribute",
+                        severity="warning",
+                        title=f"`{qual}` is a plain tensor attribute on {val.device} while its module is on {home}",
+                        where=qual,
+                        fix=(
+                            f"`.to()` moves parameters and buffers only: register it in __init__ with "
+                            f"`self.register_buffer('{attr}', tensor)`"
+                        ),
+                    )
+                )
+    return out
+
+
+# ---------------------------------------------------------------------- batch
+
+
+def _leaves(obj: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            yield from _leaves(v, f"{path}[{k!r}]")
+    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        for k in obj._fields:  # type: ignore[attr-defined]
+            yield from _leaves(getattr(obj, k), f"{path}.{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _leaves(v, f"{path}[{i}]")
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _leaves(getattr(obj, f.name), f"{path}.{f.name}")
+
+
+def audit_batch(
+    model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], target: Any = None, *, name: str = "model"
+) -> list[Finding]:
+    """Batch tensors (any nesting) not on the device of the first layer; a target not on the last layer's.
+
+    Usage: ``audit_batch(model, (x,), {}, target=y)``.
+    """
+    findings: list[Finding] = []
+    first = _first_layer(model, name)
+    if first is not None:
+        fpath, fmod, fdev = first
+        stray = [
+            (p, t)
+            for p, t in list(_leaves(args, "args")) + list(_leaves(dict(kwargs), "kwargs"))
+            if not _is_cpu_scalar(t) and str(t.device) != fdev
+        ]
+        for path, t in stray:
+            findings.append(
+                Finding(
+                    code="batch-device",
+                    severity="error",
+                    title=(
+                        f"batch tensor {path} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')} is on {t.device} "
+                        f"but the first layer `{fpath}` ({type(fmod).__name__}) is on {fdev}"
+                    ),
+                    where=path,
+                    fix=(
+                        f"move the batch before calling the model: `torchspan.to_device(batch, '{fdev}')` "
+                        f"(or `x = x.to('{fdev}')`), or move the model: `{name}.to('{t.device}')`"
+                    ),
+                )
+            )
+    last = _last_layer(model, name)
+    if target is not None and last is not None:
+        lpath, lmod, ldev = last
+        for path, t in _leaves(target, "target"):
+            if not _is_cpu_scalar(t) and str(t.device) != ldev:
+                findings.append(
+                    Finding(
+                        code="target-device",
+                        severity="error",
+                        title=f"{path} {tuple(t.shape)} is on {t.device} but the model's output (last layer `{lpath}`) is on {ldev}",
+                        where=path,
+                        fix=f"move the target with `target = target.to('{ldev}')` before computing the loss",
+                    )
+                )
+    return findings
+
+
+# ---------------------------------------------------------------------- optimizer
+
+
+def audit_optimizer(
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    loss_fn: Any = None,
+    *,
+    names: tuple[str, str] = ("optimizer", "model"),
+) -> list[Finding]:
+    """Optimizer state off its parameter's device; param groups holding tensors the model no longer owns.
+
+    Usage: ``audit_optimizer(opt, model)``.
+    """
+    oname, mname = names
+    findings: list[Finding] = []
+    qual = {id(p): f"{mname}.{n}" for n, p in model.named_parameters()}
+    known = set(qual)
+    if isinstance(loss_fn, nn.Module):
+        known |= {id(p) for p in loss_fn.parameters()}
+    in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    orphans = [(n, p) for n, p in model.named_parameters() if id(p) not in in_opt]
+
+    for g, group in enumerate(optimizer.param_groups):
+        stale = [(i, p) for i, p in enumerate(group["params"]) if id(p) not in known]
+        if not stale:
+            continue
+        orphan_shapes = Counter(tuple(p.shape) for _, p in orphans)
+        matched = [p for _, p in stale if orphan_shapes.get(tuple(p.shape))]
+        listed = [f"params[{i}] {tuple(p.shape)} on {p.device}" for i, p in stale]
+        details = [f"{len(stale)} of {len(group['params'])} tensors: {_names(listed)}"]
+        if orphans:
+            details.append(f"{len(orphans)} parameter(s) of {mname} are in no param group: {_names([f'{mname}.{n}' for n, _ in orphans])}")
+        findings.append(
+            Finding(
+                code="optimizer-stale-params",
+                severity="error" if matched else "warning",
+                title=(
+                    f"{oname}.param_groups[{g}] holds {len(stale)} tensor(s) that are not parameters of {mname}"
+                    + (" - it was probably built before the parameters were replaced" if matched else "")
+                ),
+                where=f"{oname}.param_groups[{g}]",
+                details=details,
+                fix=(
+                    f"build the optimizer after moving the model: `{mname}.to(device)` first, then "
+                    f"`{oname} = torch.optim.{type(optimizer).__name__}({mname}.parameters(), ...)` (moving to or from "
+                    f"'meta', `to_empty()`, `load_state_dict(assign=True)` and "
+                    f"`torch.__future__.set_overwrite_module_params_on_conversion(True)` create new Parameter objects)"
+                    + ("" if matched else "; ignore this if those tensors belong to another module on purpose")
+                ),
+            )
+        )
+
+    stray: list[str] = []
+    devices: set[str] = set()
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            pname = qual.get(id(p), f"param_groups[{g}]['params'][{i}]")
+            for key, val in optimizer.state.get(p, {}).items():
+                if isinstance(val, torch.Tensor) and not _is_cpu_scalar(val) and val.device != p.device:
+                    stray.append(f"{oname}.state[{pname}][{key!r}] on {val.device}, parameter on {p.device}")
+                    devices.add(str(p.device))
+    if stray:
+        dev = sorted(devices)[0]
+        findings.append(
+            Finding(
+                code="optimizer-state-device",
+                severity="error",
+                title=f"{len(stray)} optimizer state tensor(s) are not on their parameter's device",
+                where=oname,
+                details=[_names(stray)],
+                fix=(
+                    f"move the state next to the parameters: `torchspan.to_device({oname}, '{dev}')`, or load the "
+                    f"checkpoint with `torch.load(path, map_location='{dev}')` after `{mname}.to('{dev}')` and before "
+                    f"`{oname}.load_state_dict(...)`"
+                ),
+            )
+        )
+    return findings
+
+
+# ---------------------------------------------------------------------- DataParallel
+
+
+def audit_dataparallel(model: nn.Module, *, name: str = "model") -> list[Finding]:
+    """``nn.DataParallel`` without CUDA, or whose wrapped parameters are not on ``device_ids[0]``.
+
+    Usage: ``audit_dataparallel(model)``.
+    """
+    findings: list[Finding] = []
+    for path, mod in model.named_modules():
+        if not isinstance(mod, nn.DataParallel):
+            continue
+        qual = f"{name}.{path}" if path else name
+        if not mod.device_ids or not torch.cuda.is_available():
+            findings.append(dataparallel_inert_finding(qual))
+            continue
+        src = mod.src_device_obj
+        stray = [(k, q, t) for k, q, t in _tensors_of(mod.module, f"{qual}.module") if t.device != src]
+        if stray:
+            kind, first, t = stray[0]
+            findings.append(
+                Finding(
+                    code="dataparallel-device",
+                    severity="error",
+                    title=(
+                        f"nn.DataParallel `{qual}` needs the wrapped module on {src} (device_ids[0]), but {kind} "
+                        f"`{first}` is on {t.device}" + (f" (and {len(stray) - 1} more)" if len(stray) > 1 else "")
+                    ),
+                    where=qual,
+                    details=[_names([f"{q} on {x.device}" for _, q, x in stray])],
+                    fix=(
+                        f"call `{qual}.module.to('{src}')` before the first forward (or `model.to('{src}')` before "
+                        f"wrapping); in CPU mode remove the wrapper: `{qual} = {qual}.module`"
+                    ),
+                )
+            )
+    return findings
+
+
+# ---------------------------------------------------------------------- state dict
+
+
+def audit_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, name: str = "model") -> list[Finding]:
+    """Keys with a ``module.`` (or ``_orig_mod.``) prefix the model lacks, and the reverse.
+
+    Usage: ``audit_state_dict(model, torch.load("ckpt.pt"))``.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise ValueError(
+            f"state_dict={type(state_dict).__name__} is not a mapping of names to tensors; pass "
+            f"`torch.load(path)` (or its ['model'] entry if the checkpoint bundles several things)"
+        )
+    findings: list[Finding] = []
+    sd_keys = set(state_dict)
+    model_keys = set(model.state_dict())
+    if not sd_keys or sd_keys == model_keys:
+        return findings
+    for prefix in _PREFIXES:
+        if all(k.startswith(prefix) for k in sd_keys) and not all(k.startswith(prefix) for k in model_keys):
+            stripped = {k[len(prefix):] for k in sd_keys}
+            if len(stripped & model_keys) >= max(1, len(stripped) // 2):
+                example = sorted(sd_keys)[0]
+                findings.append(
+                    Finding(
+                        code="state-dict-prefix",
+                        severity="error",
+                        title=(
+                            f"state dict keys carry a '{prefix}' prefix (e.g. {example!r}) that {name}'s keys lack"
+                            + (" - it was saved from nn.DataParallel / DistributedDataParallel" if prefix == "module." else " - it was saved from a torch.compile'd model")
+                        ),
+                        where="state_dict",
+                        details=[f"{len(stripped & model_keys)} of {len(sd_keys)} keys match once the prefix is removed"],
+                        fix=(
+                            f"strip it before loading: `torch.nn.modules.utils.consume_prefix_in_state_dict_if_present("
+                            f"state_dict, '{prefix}')`, then `{name}.load_state_dict(state_dict)`; next time save "
+                            f"`{name}.{prefix.rstrip('.')}.state_dict()`"
+                        ),
+                    )
+                )
+                return findings
+        if all(k.startswith(prefix) for k in model_keys) and not any(k.startswith(prefix) for k in sd_keys):
+            added = {prefix + k for k in sd_keys}
+            if len(added & model_keys) >= max(1, len(added) // 2):
+                findings.append(
+                    Finding(
+                        code="state-dict-prefix",
+                        severity="error",
+                        title=f"{name} is wrapped (its keys start with '{prefix}') but the state dict's keys do not",
+                        where="state_dict",
+                        details=[f"{len(added & model_keys)} of {len(sd_keys)} keys match once the prefix is added"],
+                        fix=f"load into the wrapped module: `{name}.{prefix.rstrip('.')}.load_state_dict(state_dict)`",
+                    )
+                )
+                return findings
+    return findings
+
+
+# ---------------------------------------------------------------------- running
+
+
+_DEVICE_WORDS = (
+    "same device",
+    "expected device",
+    "on device",
+    "device type",
+    "different device",
+    "parameters and buffers on device",
+    "expected type torch.cuda",
+    "invalid gradient",
+)
+
+
+def looks_like_device_error(exc: BaseException) -> bool:
+    """True for PyTorch errors about tensors on the wrong device."""
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(w in text for w in _DEVICE_WORDS)
+
+
+def _run(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    target: Any,
+    loss_fn: Any,
+    optimizer: Any,
+    report: Report,
+) -> None:
+    grads = {id(p): (p, p.grad) for p in model.parameters()}
+    if isinstance(loss_fn, nn.Module):
+        grads.update({id(p): (p, p.grad) for p in loss_fn.parameters()})
+    buffers = [(b, b.detach().clone()) for b in model.buffers() if b is not None and not b.is_meta]
+    named: dict[str, Any] = {"model": model}
+    if isinstance(loss_fn, nn.Module):
+        named["loss_fn"] = loss_fn
+    if isinstance(optimizer, torch.optim.Optimizer):
+        named["optimizer"] = optimizer
+    w = watch(**named)
+    try:
+        with w:
+            out = model(*args, **kwargs)
+            if loss_fn is not None:
+                loss = loss_fn(out, target) if target is not None else loss_fn(out)
+                if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                    (loss if loss.dim() == 0 else loss.sum()).backward()
+    except DeviceMismatchError as err:
+        report.add(err.finding())
+    except Exception as exc:  # the example run failed for another reason: report it, do not crash the audit
+        device = looks_like_device_error(exc)
+        report.add(
+            Finding(
+                code="run-device-error" if device else "run-failed",
+                severity="error",
+                title=f"the example {'forward/backward' if loss_fn is not None else 'forward'} failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
+                fix=(
+                    "see the static findings above for the tensor on the wrong device"
+                    if device
+                    else "check the example inputs match what the model's forward expects (shapes, dtypes, arguments)"
+                ),
+            )
+        )
+    finally:
+        with torch.no_grad():
+            for p, g in grads.values():
+                p.grad = g
+            for b, saved in buffers:
+                b.copy_(saved)
+    report.ran = True
+    report.ops_checked = w.ops
+    have = {(f.code, f.where) for f in report.findings}
+    report.add([f for f in w.findings if (f.code, f.where) not in have])
+
+
+def doctor(
+    model: nn.Module,
+    *example_args: Any,
+    target: Any = None,
+    loss_fn: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    state_dict: Mapping[str, Any] | None = None,
+    run: bool | None = None,
+    **example_kwargs: Any,
+) -> Report:
+    """Audit ``model`` (and its loss, optimizer, batch, checkpoint) for device problems.
+
+    Static checks (nothing runs): parameters/buffers of ``model`` and ``loss_fn`` grouped by
+    device; batch tensors (any nesting) off the first layer's device; ``target`` off the last
+    layer's; optimizer state off its parameter's device and param groups holding tensors that are
+    no longer the model's parameters; ``nn.DataParallel`` without CUDA or with parameters off
+    ``device_ids[0]``; ``state_dict`` keys with a ``module.`` prefix the model lacks (or the reverse).
+
+    ``run`` (default: True when example inputs are given) then runs one forward — and a backward
+    when ``loss_fn`` is given — under :func:`torchspan.watch`; gradients and buffers are restored.
+    The names ``target``, ``loss_fn``, ``optimizer``, ``state_dict`` and ``run`` are reserved and
+    cannot be forwarded to the model as keyword arguments.
+
+    Usage::
+
+        report = torchspan.doctor(model, x, target=y, loss_fn=nn.CrossEntropyLoss(weight=w))
+        print(report)
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"doctor(model=...) got a {type(model).__name__}; pass the nn.Module to check")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"doctor(optimizer=...) got a {type(optimizer).__name__}; pass a torch.optim.Optimizer or None")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(f"doctor(loss_fn=...) got a non-callable {type(loss_fn).__name__}; pass e.g. nn.CrossEntropyLoss()")
+    if run is None:
+        run = bool(example_args or example_kwargs)
+    if run and not (example_args or example_kwargs):
+        raise ValueError("doctor(run=True) needs example inputs to run the model with: doctor(model, x, run=True)")
+
+    report = Report()
+    target_dev = None
+    for _, t in _leaves(target, "target"):
+        if not _is_cpu_scalar(t):
+            target_dev = str(t.device)
+            break
+    report.add(audit_modules(model, loss_fn, target_dev))
+    report.add(audit_batch(model, example_args, example_kwargs, target))
+    if optimizer is not None:
+        report.add(audit_optimizer(optimizer, model, loss_fn))
+    report.add(audit_dataparallel(model))
+    if state_dict is not None:
+        report.add(audit_state_dict(model, state_dict))
+    if run:
+        _run(model, example_args, example_kwargs, target, loss_fn, optimizer, report)
+    return report

@@ -1,0 +1,262 @@
+"""``DeviceMismatchError``: a device error that names the op, the module, every tensor and the fix.
+
+Usage::
+
+    try:
+        with torchspan.watch():
+            loss = criterion(model(x), y)
+    except torchspan.DeviceMismatchError as err:
+        print(err)            # op, module path, each tensor (device, shape, dtype, name), fix
+        err.module            # "criterion (CrossEntropyLoss)"
+        err.__cause__         # PyTorch's own error, when PyTorch raised one
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .naming import Location, Namer, op_name
+from .report import Finding, TensorArg
+
+__all__ = ["DeviceMismatchError", "describe_tensors", "expected_device", "build_fix", "SRC_ATTR", "FACTORY_NAMES", "is_factory", "py_path"]
+
+SRC_ATTR = "_torchspan_src"  # set on op outputs by the watcher: (func, module or None)
+
+FACTORY_NAMES = frozenset(
+    "tensor as_tensor ones zeros full empty rand randn randint arange linspace eye scalar_tensor".split()
+)
+
+
+def is_factory(func: Any) -> bool:
+    """True for ops that make a new tensor from sizes or data (``torch.full``, ``aten.ones``...)."""
+    if isinstance(func, torch._ops.OpOverload):
+        name = func._schema.name.split("::", 1)[-1]
+    else:
+        name = getattr(func, "__name__", "") or ""
+    return name in FACTORY_NAMES or (name.endswith("_like") and name[:-5] in FACTORY_NAMES)
+
+
+class DeviceMismatchError(RuntimeError):
+    """An op got tensors on different devices. A ``RuntimeError``, so existing handlers still work.
+
+    Attributes: ``op`` (e.g. ``"torch.nn.functional.linear"``), ``phase`` (``"forward"`` or
+    ``"backward"``), ``module`` (``"model.net2 (Linear)"`` or None), ``tensors``
+    (:class:`TensorArg` list, the odd ones marked), ``expected`` (the device the odd tensors
+    should be on), ``fix`` (what to change), ``location`` (the user's line, when known).
+    ``__cause__`` is PyTorch's original error when PyTorch raised one.
+    """
+
+    def __init__(
+        self,
+        *,
+        op: str,
+        phase: str,
+        module: str | None,
+        tensors: Sequence[TensorArg],
+        expected: str,
+        fix: str,
+        location: Location | None = None,
+        headline: str | None = None,
+        original: str | None = None,
+        code: str = "device-mismatch",
+    ) -> None:
+        self.op = op
+        self.phase = phase
+        self.module = module
+        self.tensors = list(tensors)
+        self.expected = expected
+        self.fix = fix
+        self.location = location
+        self.original = original
+        self.code = code
+        devs = sorted({t.device for t in self.tensors})
+        self.headline = headline or f"{op} got tensors on different devices ({', '.join(devs)}) during {phase}"
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        lines = [self.headline]
+        if self.module:
+            lines.append(f"  module: {self.module}")
+        if self.location:
+            lines.append(f"  code:   {self.location}")
+        if self.tensors:
+            lines.append("  tensors:")
+            lines.extend(f"  {'!' if t.odd else ' '} {t.describe()}" for t in self.tensors)
+        lines.append(f"  fix: {self.fix}")
+        if self.original:
+            lines.append(f"  PyTorch said: {self.original}")
+        return "\n".join(lines)
+
+    def finding(self) -> Finding:
+        """This error as a report :class:`Finding` (severity ``error``)."""
+        details = [f"op: {self.op} ({self.phase})"]
+        if self.location:
+            details.append(f"code: {self.location}")
+        if self.original:
+            details.append(f"PyTorch said: {self.original}")
+        return Finding(
+            code=self.code,
+            severity="error",
+            title=self.headline,
+            fix=self.fix,
+            where=self.module,
+            details=details,
+            tensors=list(self.tensors),
+        )
+
+    def __reduce__(self) -> Any:  # keep it picklable (multiprocessing, pytest-xdist)
+        return (RuntimeError, (str(self),))
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _is_cpu_scalar(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dim() == 0
+
+
+def describe_tensors(
+    pairs: Sequence[tuple[str, torch.Tensor]], namer: Namer, phase: str
+) -> tuple[list[TensorArg], dict[int, Any]]:
+    """Describe each ``(label, tensor)``; also return ``{index: producing op}`` for factory-made tensors."""
+    out: list[TensorArg] = []
+    factories: dict[int, Any] = {}
+    for i, (label, t) in enumerate(pairs):
+        kind, name, origin = "tensor", None, None
+        named = namer.tensor(t)
+        var = namer.variable(t)
+        src = getattr(t, SRC_ATTR, None)
+        if named is not None:
+            kind, name = named
+        elif src is not None:
+            func, mod = src
+            if is_factory(func):
+                kind, origin = "tensor", f"created by {factory_name(func)}"
+                factories[i] = func
+            else:
+                kind = "activation"
+                where = f"in {namer.module_label(mod)}" if mod is not None else "outside any module"
+                origin = f"produced by {op_name(func)} {where}"
+            if var is not None:
+                name = var[0]
+        elif var is not None:
+            kind, name, origin = "variable", var[0], f"in {var[1].function} ({var[1].short})"
+        elif phase == "backward":
+            kind, origin = "gradient", "computed by autograd"
+        else:
+            kind, origin = "input", "made before the watcher started"
+        out.append(TensorArg(label, str(t.device), tuple(t.shape), _dtype(t), kind, name, origin))
+    return out, factories
+
+
+def expected_device(args: Sequence[TensorArg], module: nn.Module | None) -> str:
+    """The device the odd tensors should move to: the majority; ties go to parameters, then the module."""
+    counted = [a for a in args if not (a.device == "cpu" and a.shape == ())]
+    counts = Counter(a.device for a in counted)
+    if not counts:
+        return args[0].device if args else "cpu"
+    best = max(counts.values())
+    top = [d for d, c in counts.items() if c == best]
+    if len(top) == 1:
+        return top[0]
+    for a in counted:
+        if a.kind in ("parameter", "buffer") and a.device in top:
+            return a.device
+    if module is not None:
+        for p in module.parameters():
+            if str(p.device) in top:
+                return str(p.device)
+    return next(a.device for a in counted if a.device in top)
+
+
+def py_path(name: str) -> str:
+    """A qualified name as Python code: ``model.0.weight`` -> ``model[0].weight``."""
+    parts = name.split(".")
+    out = parts[0]
+    for part in parts[1:]:
+        out += f"[{part}]" if part.isdigit() else f".{part}"
+    return out
+
+
+def factory_name(func: Any) -> str:
+    """``torch.full`` for both ``torch.full`` and ``aten.full.default``."""
+    if isinstance(func, torch._ops.OpOverload):
+        base = func._schema.name.split("::", 1)[-1]
+        return f"torch.{base}" if hasattr(torch, base) else str(func)
+    return op_name(func)
+
+
+def _owner(name: str) -> tuple[str, str]:
+    owner, _, leaf = name.rpartition(".")
+    return py_path(owner or name), leaf
+
+
+def build_fix(
+    args: Sequence[TensorArg],
+    expected: str,
+    module_path: str | None,
+    module: nn.Module | None,
+    location: Location | None,
+    factories: dict[int, Any],
+) -> str:
+    """One sentence per odd tensor saying how to put it on ``expected``."""
+    at = f" (at {location.short})" if location else ""
+    ref = next((a.name for a in args if not a.odd and a.name and a.kind in ("activation", "variable")), None)
+    ref_expr = f"{ref}.device" if ref else f"'{expected}'"
+    module_path = py_path(module_path) if module_path else None
+    module_has_params_there = module is not None and any(str(p.device) == expected for p in module.parameters())
+    fixes: list[str] = []
+    for i, a in enumerate(args):
+        if not a.odd:
+            continue
+        if a.kind == "buffer" and a.name:
+            owner, leaf = _owner(a.name)
+            fixes.append(
+                f"call `{owner}.to('{expected}')`: its buffer `{leaf}` stays on {a.device} until the module itself is moved"
+            )
+        elif a.kind == "parameter" and a.name:
+            owner, _ = _owner(a.name)
+            fixes.append(f"move the layer with `{owner}.to('{expected}')`, or move its input to {a.device} before calling it")
+        elif a.kind == "attribute" and a.name:
+            owner, leaf = _owner(a.name)
+            fixes.append(
+                f"`{a.name}` is a plain tensor attribute, which `.to()` does not move: register it in __init__ with "
+                f"`self.register_buffer('{leaf}', tensor)` so `{owner}.to('{expected}')` takes it along"
+            )
+        elif a.kind == "optimizer state" and a.name:
+            opt = py_path(a.name.split(".state[", 1)[0])
+            fixes.append(
+                f"move the optimizer state next to its parameters with `torchspan.to_device({opt}, '{expected}')`, or "
+                f"load the checkpoint with `torch.load(path, map_location='{expected}')` before `{opt}.load_state_dict(...)`"
+            )
+        elif i in factories:
+            fixes.append(
+                f"{factory_name(factories[i])} made this tensor on {a.device} because no device was given: "
+                f"pass `device={ref_expr}`{at}"
+            )
+        elif a.kind == "gradient":
+            fixes.append(
+                f"a gradient arrived on {a.device}: a tensor hook or custom autograd Function returned it there; "
+                f"return `grad.to('{expected}')` instead"
+            )
+        else:
+            var = a.name or a.label
+            if module_path and module_has_params_there:
+                fixes.append(
+                    f"move the input with `{var} = {var}.to('{expected}')` before `{module_path}` runs{at}, "
+                    f"or place `{module_path}` on {a.device} with `{module_path}.to('{a.device}')`"
+                )
+            else:
+                fixes.append(f"move `{var}` with `{var}.to('{expected}')`{at}")
+    if not fixes:
+        fixes.append(f"put every tensor of this op on {expected}")
+    # keep order, drop repeats (e.g. weight and bias of the same layer)
+    seen: set[str] = set()
+    uniq = [f for f in fixes if not (f in seen or seen.add(f))]
+    return "; ".join(uniq)
