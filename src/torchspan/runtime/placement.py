@@ -126,10 +126,19 @@ def place(model: nn.Module, stage_of: dict[str, int], devices: Sequence[torch.de
         if p is not None:
             dev = devices[root_attrs.get(pname, 0)]
             if p.device != dev:
-                with torch.no_grad():
-                    p.data = to_device(p.data, dev)
+                _move_parameter(p, dev)
     for bname, b in list(model._buffers.items()):
         if b is not None:
             dev = devices[root_attrs.get(bname, 0)]
             if b.device != dev:
                 model._buffers[bname] = to_device(b, dev)
+
+
+def _move_parameter(p: nn.Parameter, dev: torch.device) -> None:
+    """Move ``p`` to ``dev`` in place, keeping the same ``Parameter`` object (optimizers hold it)."""
+    moved = to_device(p.detach(), dev)
+    try:
+        with torch.no_grad():
+            p.data = moved
+    except RuntimeError:  # e.g. cpu -> meta ("incompatible tensor type"): swap the payload instead
+        torch.utils.swap_tensors(p, nn.Parameter(moved, requires_grad=p.requires_grad))

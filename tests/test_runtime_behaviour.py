@@ -1,0 +1,275 @@
+"""Runtime behaviour: errors never hang, state dicts, placement by plan, memory and timeline records."""
+
+from __future__ import annotations
+
+import copy
+import traceback
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import torchspan
+from torchspan.planner.plan import Plan, StagePlan
+from torchspan.runtime import NoSplit
+from runtime_models import dict_loss, residual, sequential, untraceable
+
+
+class Boom(nn.Module):
+    def __init__(self, when: str = "forward") -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.when = when
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.when == "forward":
+            raise_in_stage()
+        return _FailBackward.apply(self.lin(x)) if self.when == "backward" else self.lin(x)
+
+
+def raise_in_stage() -> None:
+    raise KeyError("boom in stage")
+
+
+class _FailBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
+        raise FloatingPointError("boom in backward")
+
+
+def _boom_model(when: str) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), Boom(when), nn.Linear(16, 3))
+
+
+@pytest.mark.parametrize("workers", ["device", "stage"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_exception_in_stage_is_reraised_with_traceback(workers: str, schedule: str) -> None:
+    spanned = torchspan.span(_boom_model("forward"), devices=["cpu"] * 3, balance=[1, 2, 1], microbatches=4, schedule=schedule, workers=workers)
+    with pytest.raises(KeyError, match="boom in stage") as info:
+        spanned.train_step(torch.randn(8, 6), torch.randn(8, 3), nn.functional.mse_loss)
+    frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert "raise_in_stage" in frames  # the original traceback, from inside the worker
+    assert any("stage 1 on cpu, forward of micro-batch 0" in n for n in getattr(info.value, "__notes__", []))
+
+
+@pytest.mark.parametrize("workers", ["device", "stage"])
+def test_exception_in_backward_stops_step_and_next_step_works(workers: str) -> None:
+    model = _boom_model("backward")
+    spanned = torchspan.span(model, devices=["cpu"] * 3, balance=[1, 2, 1], microbatches=3, schedule="1f1b", workers=workers)
+    x, y = torch.randn(6, 6), torch.randn(6, 3)
+    with pytest.raises(FloatingPointError, match="boom in backward"):
+        spanned.train_step(x, y, nn.functional.mse_loss)
+    model[2].when = "none"  # fix the layer; the same Spanned trains again
+    model.zero_grad()
+    spanned.train_step(x, y, nn.functional.mse_loss)
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_state_dict_round_trips() -> None:
+    model = residual()
+    keys = list(model.state_dict())
+    spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=2)
+    assert list(spanned.state_dict()) == keys
+    other = residual(seed=1)
+    spanned.load_state_dict(other.state_dict())
+    for k, v in other.state_dict().items():
+        torch.testing.assert_close(spanned.state_dict()[k], v)
+    ddp_style = {f"module.{k}": v * 2 for k, v in other.state_dict().items()}  # DataParallel/DDP checkpoint keys
+    spanned.load_state_dict(ddp_style)
+    torch.testing.assert_close(model.head.weight, other.head.weight * 2)
+    fresh = residual(seed=3)
+    fresh.load_state_dict(spanned.state_dict())  # a spanned checkpoint loads into the plain model
+    torch.testing.assert_close(fresh.embed.bias, model.embed.bias)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        spanned.load_state_dict({"embed.weight": other.embed.weight})
+    with pytest.raises(ValueError, match="assign=True"):
+        spanned.load_state_dict(other.state_dict(), assign=True)
+
+
+def test_spanned_refuses_to_move_and_exposes_module() -> None:
+    model = sequential()
+    spanned = torchspan.span(model, devices=["cpu", "cpu"])
+    assert spanned.module is model
+    for call in (lambda: spanned.to("cpu"), lambda: spanned.cuda(), lambda: spanned.cpu()):
+        with pytest.raises(TypeError, match="torchspan owns the placement"):
+            call()
+    assert "mode=sequential" in repr(spanned)
+
+
+def test_plan_places_each_layer_on_its_device() -> None:
+    model = sequential()
+    plan = Plan(stages=[StagePlan("cpu", ["0", "1", "2"]), StagePlan("meta", ["3", "4", "5", "6"])], microbatches=2, schedule="1f1b")
+    spanned = torchspan.span(model, plan)
+    assert spanned.microbatches == 2 and spanned.schedule == "1f1b" and spanned.devices == ["cpu", "meta"]
+    for name, child in model.named_children():
+        want = "cpu" if name in ("0", "1", "2") else "meta"
+        assert all(p.device.type == want for p in child.parameters()), name
+
+
+def test_plan_for_fx_model_puts_model_owned_parameter_where_first_read() -> None:
+    model = residual()
+    plan = Plan(stages=[StagePlan("cpu", ["embed"]), StagePlan("meta", ["block1", "block2", "head"])])
+    torchspan.span(model, plan)
+    assert model.scale.device.type == "meta" and model.embed.weight.device.type == "cpu"
+
+
+def test_plan_mismatch_errors_name_the_layer() -> None:
+    with pytest.raises(ValueError, match="layer 'decoder'"):
+        torchspan.span(sequential(), Plan(stages=[StagePlan("cpu", ["0", "1", "2"]), StagePlan("cpu", ["decoder"])]))
+    with pytest.raises(ValueError, match="does not place layer.*'6'"):
+        torchspan.span(sequential(), Plan(stages=[StagePlan("cpu", ["0", "1", "2", "3", "4", "5"])]))
+    with pytest.raises(ValueError, match="puts layer '1' at position 0.*runs '0' there"):
+        torchspan.span(sequential(), Plan(stages=[StagePlan("cpu", ["1", "0"]), StagePlan("cpu", ["2", "3", "4", "5", "6"])]))
+    with pytest.raises(ValueError, match="plan stage 1 device='cuda:7'"):
+        torchspan.span(sequential(), Plan(stages=[StagePlan("cpu", ["0", "1", "2"]), StagePlan("cuda:7", ["3", "4", "5", "6"])]))
+    with pytest.raises(ValueError, match="either plan or devices"):
+        torchspan.span(sequential(), Plan(stages=[StagePlan("cpu", [str(i) for i in range(7)])]), devices=["cpu"])
+
+
+def test_argument_errors() -> None:
+    with pytest.raises(ValueError, match="balance=\\[3, 3\\] places 6 layers but the model has 7"):
+        torchspan.span(sequential(), devices=["cpu", "cpu"], balance=[3, 3])
+    with pytest.raises(ValueError, match="balance=\\[7\\] has 1 entries but devices has 2"):
+        torchspan.span(sequential(), devices=["cpu", "cpu"], balance=[7])
+    with pytest.raises(ValueError, match="schedule='pipedream'"):
+        torchspan.span(sequential(), schedule="pipedream")
+    with pytest.raises(ValueError, match="precision='16'"):
+        torchspan.span(sequential(), precision="16")
+    with pytest.raises(ValueError, match="devices\\[1\\]='gpu'"):
+        torchspan.span(sequential(), devices=["cpu", "gpu"])
+    with pytest.raises(ValueError, match="only 7 layer"):
+        torchspan.span(sequential(), devices=["cpu"] * 8)
+    spanned = torchspan.span(residual(), devices=["cpu", "cpu"], microbatches=4)
+    x, e, y = torch.randn(8, 6), torch.randn(8, 16), torch.randn(8, 3)
+    with pytest.raises(ValueError, match="shape \\(16,\\).*NoSplit"):
+        spanned.train_step((x, e), y, nn.functional.mse_loss, loss_reduction="mean") if False else spanned(x, e, mask=torch.ones(16))
+    with pytest.raises(ValueError, match="microbatches=4 is more than the batch size 3"):
+        spanned(x[:3], e[:3])
+    with pytest.raises(ValueError, match="loss_reduction='avg'"):
+        spanned.train_step((x, e), y, nn.functional.mse_loss, loss_reduction="avg")
+    with torch.no_grad(), pytest.raises(RuntimeError, match="gradients are disabled"):
+        spanned.train_step((x, e), y, nn.functional.mse_loss)
+    seq = torchspan.span(sequential(), devices=["cpu", "cpu"])
+    with pytest.raises(TypeError, match="one positional input"):
+        seq(x, e)
+
+
+def test_hook_mode_balance_follows_execution_order_and_trains_everything() -> None:
+    class Backwards(nn.Module):  # registered c, b, a, runs a, b, c; fx cannot trace it
+        def __init__(self) -> None:
+            super().__init__()
+            self.c = nn.Linear(8, 2)
+            self.b = nn.Linear(8, 8)
+            self.a = nn.Linear(5, 8)
+
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            h = self.a(x)
+            if bool(h.isnan().any()):
+                raise ValueError("nan")
+            return {"out": self.c(torch.relu(self.b(h))), "aux": h}
+
+    torch.manual_seed(0)
+    model = Backwards()
+    before = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="hook placement"):
+        spanned = torchspan.span(model, devices=["cpu", "cpu"], balance=[2, 1], microbatches=3)
+    opt = torch.optim.SGD(spanned.parameters(), lr=0.1)
+    spanned.train_step(torch.randn(6, 5), torch.randn(6, 2), dict_loss)
+    assert spanned.stages == [("cpu", ["a", "b"]), ("cpu", ["c"])]  # placed after a recording forward
+    spanned.step(opt)
+    for (name, p), q in zip(model.named_parameters(), before.parameters()):
+        assert not torch.equal(p, q), f"{name} did not train"
+
+
+def test_hook_mode_plan_in_wrong_order_is_reported() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        spanned = torchspan.span(untraceable(), Plan(stages=[StagePlan("cpu", ["b"]), StagePlan("cpu", ["a", "c"])]))
+    with pytest.raises(ValueError, match="puts layer 'b' at position 0, but the model runs 'a' there"):
+        spanned.train_step(torch.randn(4, 5), torch.randn(4, 2), dict_loss)
+
+
+def test_memory_counts_saved_activations_exactly() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
+    x, y = torch.randn(8, 4), torch.randn(8, 8)  # 4 micro-batches of 2 samples
+    f32 = 4
+    relu_out = 2 * 8 * f32  # what each ReLU saves per micro-batch
+    expected = {
+        # stage 0 keeps its input batch (one storage: micro-batches are views of x) + one ReLU output per live micro-batch;
+        # stage 1 keeps its input (the previous ReLU's output, same storage on the same device) + its ReLU output,
+        # and the loss saves the target (views of y: one storage)
+        "gpipe": [8 * 4 * f32 + 4 * relu_out, 4 * 2 * relu_out + 8 * 8 * f32],
+        "1f1b": [8 * 4 * f32 + 2 * relu_out, 1 * 2 * relu_out + 8 * 8 * f32],
+    }
+    for schedule, (s0, s1) in expected.items():
+        spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=4, schedule=schedule)
+        spanned.train_step(x, y, nn.functional.mse_loss)
+        mem = spanned.memory()
+        assert [m["activations"] for m in mem] == [s0, s1], schedule
+        assert spanned._meter.live == [0, 0]  # everything was released after backward
+    assert mem[0]["params"] == (4 * 8 + 8) * f32 and mem[1]["params"] == (8 * 8 + 8) * f32
+    assert mem[0]["grads"] == mem[0]["params"] and mem[0]["optimizer"] == 0 and mem[0]["device_peak"] is None
+    opt = torch.optim.Adam(spanned.parameters())
+    opt.step()
+    mem = spanned.memory(opt)
+    assert mem[1]["optimizer"] >= 2 * mem[1]["params"]  # exp_avg + exp_avg_sq (+ step counters)
+
+
+def _check_timeline(events: list, stages: int, microbatches: int) -> None:
+    assert events and len({e.step for e in events}) == 1
+    for s in range(stages):
+        lane = sorted((e for e in events if e.stage == s), key=lambda e: e.start)
+        for a, b in zip(lane, lane[1:]):
+            assert b.start >= a.end, f"stage {s}: {a} overlaps {b}"
+        for mb in range(microbatches):
+            fwd = [e for e in lane if e.microbatch == mb and e.kind == "forward"]
+            bwd = [e for e in lane if e.microbatch == mb and e.kind == "backward"]
+            assert len(fwd) >= 1 and len(bwd) >= 1, f"stage {s}, micro-batch {mb}"
+            assert fwd[0].end <= bwd[0].start
+    assert all(e.kind in ("forward", "backward", "transfer", "recompute") and 0 <= e.start <= e.end for e in events)
+
+
+@pytest.mark.parametrize("workers", ["device", "stage"])
+def test_timeline_is_consistent_and_1f1b_differs_from_gpipe(workers: str) -> None:
+    orders = {}
+    for schedule in ("gpipe", "1f1b"):
+        spanned = torchspan.span(sequential(), devices=["cpu", "cpu"], microbatches=4, schedule=schedule, workers=workers)
+        x, y = torch.randn(8, 6), torch.randn(8, 3)
+        spanned.train_step(x, y, nn.functional.mse_loss)
+        spanned.train_step(x, y, nn.functional.mse_loss)
+        events = spanned.timeline()
+        assert {e.step for e in events} == {2}  # only the most recent step
+        _check_timeline(events, 2, 4)
+        orders[schedule] = [(e.kind, e.microbatch) for e in sorted(events, key=lambda e: e.start) if e.stage == 0]
+    assert orders["gpipe"][:4] == [("forward", i) for i in range(4)]
+    assert orders["1f1b"][:3] == [("forward", 0), ("forward", 1), ("backward", 0)]
+
+
+def test_timeline_records_recompute_and_hook_mode_blocks() -> None:
+    spanned = torchspan.span(sequential(), devices=["cpu", "cpu"], microbatches=3, checkpoint="except_last")
+    spanned.train_step(torch.randn(6, 6), torch.randn(6, 3), nn.functional.mse_loss)
+    recomputes = {(e.stage, e.microbatch) for e in spanned.timeline() if e.kind == "recompute"}
+    assert recomputes == {(s, mb) for s in (0, 1) for mb in (0, 1)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hooked = torchspan.span(untraceable(), devices=["cpu", "cpu"], balance=[2, 1], microbatches=3)
+    hooked.train_step(torch.randn(6, 5), torch.randn(6, 2), dict_loss)
+    _check_timeline(hooked.timeline(), 2, 3)
+    out = hooked(torch.randn(6, 5))
+    assert {e.kind for e in hooked.timeline()} == {"forward"} and out["out"].shape == (6, 2)
+
+
+def test_nosplit_and_uneven_forward_outputs() -> None:
+    spanned = torchspan.span(residual(), devices=["cpu", "cpu"], microbatches=3)
+    x, e, mask = torch.randn(5, 6), torch.randn(5, 16), torch.rand(16)
+    out, mean = spanned(x, e, mask=NoSplit(mask))
+    ref, ref_mean = spanned.module(x, e, mask=mask)
+    torch.testing.assert_close(out, ref)
+    assert len(spanned.timeline()) == 6  # 3 micro-batches x 2 stages, forward only

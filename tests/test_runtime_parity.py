@@ -1,0 +1,134 @@
+"""Gradient parity: every mode, schedule and checkpoint setting vs single-device full-batch training."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import torchspan
+from torchspan.runtime import NoSplit
+from runtime_models import dict_loss, residual, residual_loss, sequential, untraceable
+
+
+def _reference(model: nn.Module, loss_fn: Callable[..., torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, Any], y: torch.Tensor) -> tuple[nn.Module, torch.Tensor]:
+    ref = copy.deepcopy(model)
+    loss = loss_fn(ref(*args, **kwargs), y)
+    loss.backward()
+    return ref, loss.detach()
+
+
+def _assert_same_grads(model: nn.Module, ref: nn.Module, atol: float = 1e-6, rtol: float = 1e-5) -> None:
+    named = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{name} got no gradient"
+        torch.testing.assert_close(p.grad.cpu(), named[name].grad, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+@pytest.mark.parametrize("devices,balance", [(["cpu", "cpu"], [3, 4]), (["cpu", "cpu", "cpu"], [2, 2, 3])])
+def test_sequential_parity(schedule: str, checkpoint: str, devices: list[str], balance: list[int]) -> None:
+    model = sequential()
+    x, y = torch.randn(10, 6), torch.randn(10, 3)  # 10 samples in 4 micro-batches: 3, 3, 2, 2
+    ref, ref_loss = _reference(model, nn.functional.mse_loss, (x,), {}, y)
+    spanned = torchspan.span(model, devices=devices, balance=balance, microbatches=4, schedule=schedule, checkpoint=checkpoint)
+    assert spanned.mode == "sequential"
+    loss = spanned.train_step(x, y, nn.functional.mse_loss)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, ref_loss)
+    _assert_same_grads(model, ref)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_threads_per_stage_parity(schedule: str) -> None:
+    """workers='stage': each stage in its own thread, really concurrent, same gradients."""
+    model = sequential()
+    x, y = torch.randn(9, 6), torch.randn(9, 3)
+    ref, _ = _reference(model, nn.functional.mse_loss, (x,), {}, y)
+    spanned = torchspan.span(model, devices=["cpu"] * 3, balance=[3, 2, 2], microbatches=4, schedule=schedule, workers="stage")
+    spanned.train_step(x, y, nn.functional.mse_loss)
+    _assert_same_grads(model, ref)
+
+
+@pytest.mark.parametrize("schedule,checkpoint", [("gpipe", "never"), ("1f1b", "except_last"), ("gpipe", "always")])
+def test_fx_residual_parity(schedule: str, checkpoint: str) -> None:
+    model = residual()
+    x, extra, y, mask = torch.randn(7, 6), torch.randn(7, 16), torch.randn(7, 3), torch.rand(16)
+    ref, ref_loss = _reference(model, residual_loss, (x, extra), {"mask": mask, "gain": 2.0}, y)
+    spanned = torchspan.span(model, devices="cpu,cpu,cpu", balance=[1, 2, 1], microbatches=3, schedule=schedule, checkpoint=checkpoint)
+    assert spanned.mode == "fx"
+    loss = spanned.train_step({"x": x, "extra": extra, "mask": NoSplit(mask), "gain": 2.0}, y, residual_loss)
+    torch.testing.assert_close(loss, ref_loss)
+    _assert_same_grads(model, ref)  # `scale` (owned by the model itself, carried across a cut) included
+
+
+def test_fx_forward_call_then_backward_matches() -> None:
+    model = residual()
+    x, extra, y = torch.randn(6, 6), torch.randn(6, 16), torch.randn(6, 3)
+    ref, _ = _reference(model, residual_loss, (x, extra), {}, y)
+    spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=3, checkpoint="except_last")
+    out = spanned(x, extra)  # tuple of two outputs, each concatenated over micro-batches
+    assert out[0].shape == (6, 3) and out[1].shape == (6, 1)
+    residual_loss(out, y).backward()
+    _assert_same_grads(model, ref)
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_hook_mode_parity_trains_every_parameter(checkpoint: str) -> None:
+    model = untraceable()
+    x, y = torch.randn(9, 5), torch.randn(9, 2)
+    ref, ref_loss = _reference(model, dict_loss, (x,), {}, y)
+    with pytest.warns(UserWarning, match="hook placement.*no pipelining"):
+        spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=4, checkpoint=checkpoint)
+    assert spanned.mode == "hooks"
+    loss = spanned.train_step(x, y, dict_loss)
+    torch.testing.assert_close(loss, ref_loss)
+    _assert_same_grads(model, ref)
+    assert spanned.stages == [("cpu", ["a", "b"]), ("cpu", ["c"])]
+    out = spanned(x)
+    assert set(out) == {"out", "aux"} and out["out"].shape == (9, 2)
+
+
+def test_loss_reduction_sum() -> None:
+    model = sequential()
+    x, y = torch.randn(7, 6), torch.randn(7, 3)
+    sum_loss = lambda o, t: nn.functional.mse_loss(o, t, reduction="sum")  # noqa: E731
+    ref, ref_loss = _reference(model, sum_loss, (x,), {}, y)
+    spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=3, schedule="1f1b")
+    loss = spanned.train_step(x, y, sum_loss, loss_reduction="sum")
+    torch.testing.assert_close(loss, ref_loss)
+    _assert_same_grads(model, ref)
+
+
+def test_bf16_matches_single_device_autocast() -> None:
+    model = sequential()
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    ref = copy.deepcopy(model)
+    for xm, ym in zip(x.tensor_split(2), y.tensor_split(2)):  # same micro-batches, one device, bf16 autocast
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            (nn.functional.mse_loss(ref(xm), ym) * 0.5).backward()
+    spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=2, precision="bf16", schedule="1f1b")
+    loss = spanned.train_step(x, y, nn.functional.mse_loss)
+    assert loss.dtype == torch.float32
+    _assert_same_grads(model, ref, atol=1e-2, rtol=2e-2)
+
+
+def test_fp16_with_grad_scaler_trains() -> None:
+    model = sequential()
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    ref, _ = _reference(model, nn.functional.mse_loss, (x,), {}, y)
+    spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=2, precision="fp16")
+    assert spanned.scaler is not None
+    opt = torch.optim.SGD(spanned.parameters(), lr=0.0)
+    spanned.train_step(x, y, nn.functional.mse_loss)
+    spanned.scaler.unscale_(opt)  # grads come back unscaled, close to the fp32 reference
+    _assert_same_grads(model, ref, atol=2e-2, rtol=5e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        spanned.step(opt)

@@ -1,0 +1,87 @@
+"""Schedules are pure data: checked without devices."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torchspan import schedule as sched
+from torchspan.schedule import BACKWARD, FORWARD
+
+
+def _check_valid(plan: list[list[sched.Action]], m: int, n: int) -> None:
+    assert len(plan) == n
+    clock = {(a.kind, a.stage, a.microbatch): a.clock for s in plan for a in s}
+    assert len(clock) == 2 * m * n  # every forward and backward exactly once
+    for s, actions in enumerate(plan):
+        assert all(a.stage == s for a in actions)
+        clocks = [a.clock for a in actions]
+        assert clocks == sorted(clocks) and len(set(clocks)) == len(clocks)  # one action per clock
+        for a in actions:
+            if a.kind == FORWARD and s > 0:
+                assert a.clock > clock[(FORWARD, s - 1, a.microbatch)]
+            if a.kind == BACKWARD:
+                assert a.clock > clock[(FORWARD, s, a.microbatch)]
+                if s < n - 1:
+                    assert a.clock > clock[(BACKWARD, s + 1, a.microbatch)]
+
+
+def test_gpipe_shape_two_stages() -> None:
+    plan = sched.gpipe(3, 2)
+    assert [(a.kind[0], a.microbatch, a.clock) for a in plan[0]] == [
+        ("f", 0, 0), ("f", 1, 1), ("f", 2, 2), ("b", 0, 5), ("b", 1, 6), ("b", 2, 7)
+    ]
+    assert [(a.kind[0], a.microbatch, a.clock) for a in plan[1]] == [
+        ("f", 0, 1), ("f", 1, 2), ("f", 2, 3), ("b", 0, 4), ("b", 1, 5), ("b", 2, 6)
+    ]
+
+
+def test_1f1b_order_two_stages() -> None:
+    plan = sched.one_f_one_b(4, 2)
+    assert [(a.kind[0], a.microbatch) for a in plan[0]] == [
+        ("f", 0), ("f", 1), ("b", 0), ("f", 2), ("b", 1), ("f", 3), ("b", 2), ("b", 3)
+    ]
+    assert [(a.kind[0], a.microbatch) for a in plan[1]] == [
+        ("f", 0), ("b", 0), ("f", 1), ("b", 1), ("f", 2), ("b", 2), ("f", 3), ("b", 3)
+    ]
+
+
+@settings(max_examples=60, deadline=None)
+@given(m=st.integers(1, 12), n=st.integers(1, 6))
+def test_both_schedules_valid_and_1f1b_bounds_live_activations(m: int, n: int) -> None:
+    g, f = sched.gpipe(m, n), sched.one_f_one_b(m, n)
+    _check_valid(g, m, n)
+    _check_valid(f, m, n)
+    for s in range(n):
+        assert sched.max_live(g[s]) == m
+        assert sched.max_live(f[s]) <= min(n - s, m)
+    # both finish in the same number of clocks (same bubble), 1f1b only reorders
+    assert max(a.clock for s in g for a in s) == max(a.clock for s in f for a in s) == 2 * (m + n - 1) - 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 8), n=st.integers(1, 5), name=st.sampled_from(["gpipe", "1f1b"]))
+def test_merged_order_respects_dependencies(m: int, n: int, name: str) -> None:
+    plan = sched.build(name, m, n)
+    order = sched.merged_order(plan, list(range(n)))  # one worker runs every stage
+    done: set[tuple[str, int, int]] = set()
+    for a in order:
+        if a.kind == FORWARD and a.stage > 0:
+            assert (FORWARD, a.stage - 1, a.microbatch) in done
+        if a.kind == BACKWARD:
+            assert (FORWARD, a.stage, a.microbatch) in done
+            if a.stage < n - 1:
+                assert (BACKWARD, a.stage + 1, a.microbatch) in done
+        done.add((a.kind, a.stage, a.microbatch))
+
+
+def test_forward_only_and_errors() -> None:
+    plan = sched.forward_only(2, 3)
+    assert [a.clock for a in plan[2]] == [2, 3] and all(a.kind == FORWARD for s in plan for a in s)
+    with pytest.raises(ValueError, match="schedule='zigzag'"):
+        sched.build("zigzag", 2, 2)
+    with pytest.raises(ValueError, match="microbatches=0"):
+        sched.gpipe(0, 2)
+    with pytest.raises(ValueError, match="stages=True"):
+        sched.one_f_one_b(2, True)  # type: ignore[arg-type]
