@@ -1,0 +1,89 @@
+"""``torchspan plan TARGET --input-shape ...`` through ``main(argv)``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from torchspan.cli import main
+from torchspan.planner import Plan
+
+FACTORY = '''
+import torch
+from torch import nn
+
+def build():
+    return nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8))
+
+def tokens():
+    return nn.Sequential(nn.Embedding(100, 16), nn.Flatten(), nn.Linear(16 * 12, 4))
+
+def not_a_model():
+    return 42
+'''
+
+
+@pytest.fixture()
+def target(tmp_path: Path) -> str:
+    path = tmp_path / "models.py"
+    path.write_text(FACTORY)
+    return str(path)
+
+
+def test_plan_prints_a_table(target: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", f"{target}:build", "--input-shape", "16,32", "--devices", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "Plan (torchspan)" in out and "peak memory per device" in out and "cpu" in out
+
+
+def test_plan_json_and_out_file(target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_file = tmp_path / "plan.json"
+    argv = ["plan", f"{target}:build", "--input-shape", "16,32", "--devices", "cpu,cpu", "--memory", "cpu=1GiB"]
+    argv += ["--microbatches", "4", "--schedule", "gpipe", "--checkpoint", "except_last", "--json", "--out", str(out_file)]
+    assert main(argv) == 0
+    printed = json.loads(capsys.readouterr().out)
+    saved = Plan.load(out_file)
+    assert Plan.from_dict(printed) == saved
+    assert (saved.microbatches, saved.schedule, saved.checkpoint, saved.batch_size) == (4, "gpipe", "except_last", 16)
+    assert saved.layers == ["0", "1", "2", "3", "4"]
+
+
+def test_plan_spills_to_the_cpu_for_a_described_gpu(target: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", f"{target}:build", "--input-shape", "16,32", "--devices", "a100-40gb,cpu", "--memory", "cuda:0=400KB"]
+    assert main(argv + ["--json"]) == 0
+    plan = Plan.from_dict(json.loads(capsys.readouterr().out))
+    assert set(plan.devices) == {"cuda:0", "cpu"}
+    assert all(s.total_bytes <= 400_000 for s in plan.stages if s.device == "cuda:0")
+
+
+def test_integer_inputs(target: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", f"{target}:tokens", "--input-shape", "4,12", "--dtype", "int64", "--devices", "cpu", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["batch_size"] == 4
+
+
+def test_nothing_fits_exits_2_with_the_plan_error(target: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", f"{target}:build", "--input-shape", "16,32", "--devices", "cpu", "--memory", "cpu=10KB"]) == 2
+    err = capsys.readouterr().err
+    assert "torchspan plan: error: no placement" in err and "What would make it fit" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--input-shape", "16,x"], "--input-shape '16,x'"),
+        (["--input-shape", "16,32", "--dtype", "float33"], "--dtype 'float33'"),
+        (["--input-shape", "16,32", "--microbatches", "0"], "--microbatches '0'"),
+        (["--input-shape", "16,32", "--microbatches", "17"], "more than the batch size 16"),
+        (["--input-shape", "16,32", "--memory", "cpu"], "DEV=SIZE"),
+    ],
+)
+def test_bad_arguments_are_named(target: str, extra: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", f"{target}:build", "--devices", "cpu", *extra]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_bad_target(target: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", f"{target}:not_a_model", "--input-shape", "2,32"]) == 2
+    assert "not an nn.Module" in capsys.readouterr().err

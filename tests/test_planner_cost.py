@@ -1,0 +1,128 @@
+"""The cost model's formulas, checked by hand on tiny profiles (no model, no devices)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from planner_synth import device, layer
+from torchspan.planner.cost import CostModel, Stage, link_bandwidth
+from torchspan.profiler import Profile
+
+
+def two_layer_profile(batch: int = 8) -> Profile:
+    gpu = device("cuda", "gpu", 10**6, bandwidth=1e6, index=0)
+    cpu = device("cpu", "cpu", 10**7)
+    layers = [
+        layer("a", params=100, act=10.0, out=4.0, speeds=[1.0, 0.1], fixed=0.0),
+        layer("b", params=300, act=20.0, out=2.0, speeds=[1.0, 0.1], fixed=0.0),
+    ]
+    return Profile(layers=layers, devices=[gpu, cpu], batch_size=batch, input_bytes=5.0, optimizer="adam")
+
+
+def test_step_time_formula_by_hand() -> None:
+    prof = two_layer_profile()
+    cm = CostModel(prof, microbatches=4, schedule="1f1b", checkpoint="never")
+    ev = cm.evaluate([Stage(0, 0, 1), Stage(1, 1, 2)])
+    b = 2  # 8 samples / 4 micro-batches
+    f0, bw0 = b * 1e-4, b * 2e-4  # gpu, speed 1
+    f1, bw1 = b * 1e-3, b * 2e-3  # cpu, speed 0.1
+    c_in = b * 5.0 / 1e6  # host -> gpu
+    c_01 = 2 * b * 4.0 / 1e6  # gpu -> cpu at the gpu's host bandwidth, forward + backward
+    latency = f0 + bw0 + f1 + bw1 + c_in + c_01
+    bottleneck = max(f0 + bw0, f1 + bw1, c_in, c_01)
+    assert ev.latency_sum == pytest.approx(latency)
+    assert ev.bottleneck == pytest.approx(bottleneck)
+    assert ev.step_time == pytest.approx(latency + 3 * bottleneck)
+    assert ev.links == pytest.approx((c_in, c_01))
+
+
+def test_checkpoint_modes_trade_memory_for_recompute() -> None:
+    prof = two_layer_profile()
+    stages = [Stage(0, 0, 2)]
+    never = CostModel(prof, 4, "gpipe", "never").evaluate(stages)
+    last = CostModel(prof, 4, "gpipe", "except_last").evaluate(stages)
+    always = CostModel(prof, 4, "gpipe", "always").evaluate(stages)
+    f = 2 * 2e-4  # forward of both layers per micro-batch of 2
+    assert last.latency_sum == pytest.approx(never.latency_sum)
+    assert last.bottleneck == pytest.approx(never.bottleneck + f)
+    assert always.latency_sum == pytest.approx(never.latency_sum + f)
+    b, A, inp = 2, 30.0, 5.0
+    assert never.memory[0].activations == math.ceil(4 * b * A)
+    assert last.memory[0].activations == math.ceil(3 * b * inp + b * A)
+    assert always.memory[0].activations == math.ceil(4 * b * inp + b * A)
+
+
+def test_memory_by_kind_and_in_flight_per_schedule() -> None:
+    prof = two_layer_profile()
+    stages = [Stage(0, 0, 1), Stage(1, 1, 2)]
+    gpipe = CostModel(prof, 4, "gpipe", "never").evaluate(stages)
+    ofob = CostModel(prof, 4, "1f1b", "never").evaluate(stages)
+    m = gpipe.memory[0]
+    assert (m.params, m.grads, m.optimizer, m.buffers) == (100, 100, 200, 0)
+    assert m.workspace == math.ceil(2 * 5.0 + 2 * 2 * 4.0)  # input + largest output and its gradient
+    assert gpipe.memory[0].activations == 4 * 2 * 10  # all 4 micro-batches in flight
+    assert ofob.memory[0].activations == 2 * 2 * 10  # first of 2 stages: 2 in flight
+    assert ofob.memory[1].activations == 1 * 2 * 20  # last stage: 1 in flight
+    assert gpipe.memory[1].activations == 4 * 2 * 20
+
+
+def test_fits_compares_each_stage_with_its_device_budget() -> None:
+    prof = two_layer_profile()
+    prof.devices[0].budget = 500
+    cm = CostModel(prof, 1, "gpipe", "never")
+    assert not cm.evaluate([Stage(0, 0, 2)]).fits  # 1600 bytes of state alone
+    assert cm.evaluate([Stage(1, 0, 2)]).fits
+
+
+def test_link_bandwidth_rules() -> None:
+    fast = device("cuda", "fast", None, bandwidth=32e9, index=0)
+    slow = device("cuda", "slow", None, bandwidth=8e9, index=1)
+    cpu = device("cpu", "cpu", None)
+    devs = [fast, slow, cpu, cpu]
+    assert link_bandwidth(devs, 0, 1) == 8e9  # through the host, at the slower link
+    assert link_bandwidth(devs, 0, 2) == 32e9  # the CPU is the host
+    assert link_bandwidth(devs, 2, 3) == math.inf  # the same device listed twice
+
+
+@pytest.mark.parametrize(
+    "stages, needle",
+    [
+        ([Stage(0, 0, 1)], "contiguously"),
+        ([Stage(0, 0, 1), Stage(0, 1, 2)], "reuse a device"),
+        ([Stage(0, 0, 1), Stage(5, 1, 2)], "outside"),
+        ([Stage(0, 1, 2)], "contiguously"),
+    ],
+)
+def test_evaluate_rejects_bad_placements(stages: list[Stage], needle: str) -> None:
+    cm = CostModel(two_layer_profile(), 1, "gpipe", "never")
+    with pytest.raises(ValueError, match=needle):
+        cm.evaluate(stages)
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(microbatches=0, schedule="gpipe", checkpoint="never"), "microbatches=0"),
+        (dict(microbatches=9, schedule="gpipe", checkpoint="never"), "batch size 8"),
+        (dict(microbatches=1, schedule="zigzag", checkpoint="never"), "schedule='zigzag'"),
+        (dict(microbatches=1, schedule="gpipe", checkpoint="sometimes"), "checkpoint='sometimes'"),
+    ],
+)
+def test_cost_model_rejects_bad_settings(kwargs: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        CostModel(two_layer_profile(), **kwargs)
+
+
+def test_missing_device_times_are_named() -> None:
+    prof = two_layer_profile()
+    prof.layers[1].forward_fixed = [0.0]
+    with pytest.raises(ValueError, match="'b' has 1 forward_fixed entries for 2 devices"):
+        CostModel(prof, 1, "gpipe", "never")
+
+
+def test_uneven_microbatches_use_the_largest_chunk() -> None:
+    prof = two_layer_profile(batch=7)
+    cm = CostModel(prof, 2, "gpipe", "never")
+    assert cm.b == 4

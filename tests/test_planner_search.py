@@ -1,0 +1,161 @@
+"""The search: optimal against brute force, within budgets, spills to the CPU, fast (no model needed)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from planner_synth import brute_force, close, device, layer, random_profile
+from torchspan.planner import PlanError, search
+from torchspan.planner.cost import CostModel, Stage
+from torchspan.planner.plan import CHECKPOINTS, SCHEDULES
+from torchspan.planner.search import microbatch_candidates, solve
+from torchspan.profiler import Profile
+
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def small_profiles(draw: st.DrawFn) -> Profile:
+    seed = draw(st.integers(0, 2**31))
+    rng = random.Random(seed)
+    n_dev = draw(st.integers(1, 3))
+    devs = []
+    cpu_cap = draw(st.one_of(st.none(), st.integers(3_000, 60_000)))  # 'cpu' listed twice is one budget
+    for k in range(n_dev):
+        kind = draw(st.sampled_from(["cuda", "cuda", "cpu"]))
+        cap = cpu_cap if kind == "cpu" else draw(st.one_of(st.none(), st.integers(3_000, 60_000)))
+        bw = draw(st.sampled_from([None, 1e6, 1e8]))
+        devs.append(device(kind, draw(st.sampled_from(["x", "y"])), cap, bw, index=k))
+    return random_profile(rng, draw(st.integers(1, 6)), devs, batch=draw(st.sampled_from([1, 2, 6, 8])))
+
+
+@SETTINGS
+@given(small_profiles(), st.data())
+def test_search_matches_brute_force(prof: Profile, data: st.DataObject) -> None:
+    m = data.draw(st.sampled_from(microbatch_candidates(prof.batch_size)))
+    cm = CostModel(prof, m, data.draw(st.sampled_from(SCHEDULES)), data.draw(st.sampled_from(CHECKPOINTS)))
+    ref = brute_force(cm)
+    got, _ = solve(cm)
+    assert (ref is None) == (got is None)
+    if ref is not None and got is not None:
+        assert close(got.step_time, ref.step_time, 1e-7), (got.stages, ref.stages)
+        assert got.fits
+
+
+@SETTINGS
+@given(small_profiles())
+def test_auto_settings_match_brute_force_over_every_setting(prof: Profile) -> None:
+    """Skipping GPipe and 'always' under 'auto' loses nothing (they are dominated)."""
+    best = None
+    for m, s, c in itertools.product(microbatch_candidates(prof.batch_size), SCHEDULES, CHECKPOINTS):
+        ev = brute_force(CostModel(prof, m, s, c))
+        if ev is not None and (best is None or ev.step_time < best):
+            best = ev.step_time
+    if best is None:
+        with pytest.raises(PlanError):
+            search(prof)
+        return
+    plan = search(prof)
+    assert plan.predicted_step_time is not None
+    assert close(plan.predicted_step_time, best, 1e-7)
+
+
+@SETTINGS
+@given(small_profiles())
+def test_returned_plans_never_exceed_a_budget(prof: Profile) -> None:
+    try:
+        plan = search(prof)
+    except PlanError:
+        return
+    capacity = {str(d.device): d.capacity for d in prof.devices}
+    for stage in plan.stages:
+        cap = capacity[stage.device]
+        assert cap is None or stage.total_bytes <= cap
+    assert plan.layers == [x.name for x in prof.layers]
+
+
+def spill_profile() -> Profile:
+    """Three 4 KB layers; the GPU holds about one and a half: the rest must go to the CPU."""
+    gpu = device("cuda", "gpu", 24_000, bandwidth=1e9, index=0)
+    cpu = device("cpu", "cpu", 10**9)
+    layers = [layer(f"l{i}", params=4000, act=10.0, out=10.0, speeds=[1.0, 0.05]) for i in range(3)]
+    return Profile(layers=layers, devices=[gpu, cpu], batch_size=8, input_bytes=10.0, optimizer="adam")
+
+
+def test_layers_spill_to_the_cpu_when_the_accelerator_is_full() -> None:
+    plan = search(spill_profile())
+    placed = {s.device: s for s in plan.stages}
+    assert sorted(placed) == ["cpu", "cuda:0"]
+    assert len(placed["cuda:0"].layers) == 1 and len(placed["cpu"].layers) == 2
+    assert placed["cuda:0"].total_bytes <= 24_000
+    assert any("CPU" in n and "budgets are full" in n for n in plan.notes)
+
+
+def test_a_cpu_stage_is_chosen_when_pipelining_hides_its_time() -> None:
+    # a big GPU layer and a small tail: the CPU takes the tail in parallel with the GPU
+    gpu = device("cuda", "gpu", None, bandwidth=1e12, index=0)
+    cpu = device("cpu", "cpu", None)
+    layers = [layer(f"big{i}", 0, 1.0, 1.0, [1.0, 0.1], fixed=0.0) for i in range(8)]
+    layers.append(layer("tail", 0, 1.0, 1.0, [1.0, 0.5], fixed=0.0))
+    prof = Profile(layers=layers, devices=[gpu, cpu], batch_size=64, input_bytes=1.0, optimizer="sgd")
+    plan = search(prof, microbatches=16)
+    assert plan.devices == ["cuda:0", "cpu"] and plan.layers[-1] == "tail" and plan.stages[1].layers == ["tail"]
+    alone = CostModel(prof, 16, plan.schedule, plan.checkpoint).evaluate([Stage(0, 0, 9)])
+    assert plan.predicted_step_time < alone.step_time
+
+
+def test_identical_devices_are_interchangeable_and_all_used_when_it_pays() -> None:
+    devs = [device("cuda", "gpu", None, bandwidth=1e12, index=i) for i in range(4)]
+    layers = [layer(f"l{i}", 0, 1.0, 1.0, [1.0] * 4, fixed=0.0) for i in range(12)]
+    prof = Profile(layers=layers, devices=devs, batch_size=32, input_bytes=1.0, optimizer="sgd")
+    plan = search(prof, microbatches=32)
+    assert plan.balance == [3, 3, 3, 3]
+    assert sorted(plan.devices) == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+
+
+def test_fixed_settings_are_respected() -> None:
+    plan = search(spill_profile(), microbatches=2, schedule="gpipe", checkpoint="always")
+    assert (plan.microbatches, plan.schedule, plan.checkpoint) == (2, "gpipe", "always")
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(microbatches=0), "microbatches=0"),
+        (dict(microbatches=99), "more than the batch size 8"),
+        (dict(schedule="zigzag"), "schedule='zigzag'"),
+        (dict(checkpoint="maybe"), "checkpoint='maybe'"),
+    ],
+)
+def test_bad_settings_name_the_argument(kwargs: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        search(spill_profile(), **kwargs)
+
+
+def test_microbatch_candidates() -> None:
+    assert microbatch_candidates(12) == [1, 2, 3, 4, 6, 8, 12]
+    assert microbatch_candidates(1) == [1]
+
+
+def test_thousand_layers_on_eight_devices_is_fast() -> None:
+    """Order-of-magnitude guard; the figure itself is in benchmarks/plan_quality.py."""
+    rng = random.Random(0)
+    devs = [device("cuda", "a100", 40 * 2**30, 25e9, i) for i in range(4)]
+    devs += [device("cuda", "v100", 16 * 2**30, 12e9, i + 4) for i in range(3)] + [device("cpu", "cpu", 64 * 2**30)]
+    speeds = [1.0] * 4 + [0.4] * 3 + [0.05]
+    layers = [
+        layer(f"l{k}", rng.randint(0, 2 * 10**6), 5e4, rng.uniform(1e3, 5e4), [s * rng.uniform(0.5, 2) for s in speeds])
+        for k in range(1000)
+    ]
+    prof = Profile(layers=layers, devices=devs, batch_size=64, input_bytes=1e4, optimizer="adam")
+    start = time.perf_counter()
+    plan = search(prof, microbatches=8, schedule="1f1b", checkpoint="never")
+    elapsed = time.perf_counter() - start
+    assert len(plan.layers) == 1000
+    assert elapsed < 10.0, f"search took {elapsed:.2f}s for 1,000 layers on 8 devices"
