@@ -331,7 +331,7 @@ def audit_dataparallel(model: nn.Module, *, name: str = "model") -> list[Finding
         if not isinstance(mod, nn.DataParallel):
             continue
         qual = f"{name}.{path}" if path else name
-        if not mod.device_ids or not torch.cuda.is_available():
+        if not mod.device_ids:
             findings.append(dataparallel_inert_finding(qual))
             continue
         src = mod.src_device_obj

@@ -166,8 +166,12 @@ def expected_device(args: Sequence[TensorArg], module: nn.Module | None) -> str:
     if len(top) == 1:
         return top[0]
     for a in counted:
-        if a.kind in ("parameter", "buffer") and a.device in top:
+        if a.kind == "parameter" and a.device in top:
             return a.device
+    # tensors that are easily left behind (state, buffers, plain attributes) lose ties
+    fresh = [a for a in counted if a.device in top and a.kind not in ("optimizer state", "buffer", "attribute")]
+    if len({a.device for a in fresh}) == 1:
+        return fresh[0].device
     if module is not None:
         for p in module.parameters():
             if str(p.device) in top:

@@ -130,6 +130,7 @@ class Namer:
         self._named = dict(named or {})
         self._extra_roots = [r for r in roots if isinstance(r, nn.Module)]
         self._frames = user_frames(frame)
+        self._all_frames_from = frame
         self._modules: dict[int, str] | None = None
         self._tensors: dict[int, tuple[str, str]] = {}
         self._optimizers: list[tuple[str, torch.optim.Optimizer]] = []
@@ -170,6 +171,8 @@ class Namer:
                 self._modules[id(mod)] = qual
                 for pname, p in mod.named_parameters(recurse=False):
                     self._tensors.setdefault(id(p), ("parameter", f"{qual}.{pname}"))
+                    if p.grad is not None:
+                        self._tensors.setdefault(id(p.grad), ("gradient", f"{qual}.{pname}.grad"))
                 for bname, b in mod.named_buffers(recurse=False):
                     if b is not None:
                         self._tensors.setdefault(id(b), ("buffer", f"{qual}.{bname}"))
@@ -211,6 +214,20 @@ class Namer:
                         loc = loc or _location(frame)
                         self._variables[id(val)] = (var, loc)
         return self._variables.get(id(t))
+
+    def optimizer_running(self) -> tuple[str, torch.optim.Optimizer] | None:
+        """``(name, optimizer)`` when the error happened inside ``optimizer.step()``."""
+        frame = self._all_frames_from
+        while frame is not None:
+            obj = frame.f_locals.get("self")
+            if isinstance(obj, torch.optim.Optimizer):
+                self._build()
+                for name, opt in self._optimizers:
+                    if opt is obj:
+                        return name, obj
+                return type(obj).__name__, obj
+            frame = frame.f_back
+        return None
 
     @property
     def location(self) -> Location | None:

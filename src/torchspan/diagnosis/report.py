@@ -45,6 +45,8 @@ class TensorArg:
             what += f" {self.name}"
         if self.origin:
             what += f", {self.origin}"
+        if self.dtype == "?":  # known only by device (e.g. from an autograd engine message)
+            return f"{self.label}: {self.device} - {what}"
         shape = "(" + ", ".join(str(s) for s in self.shape) + ("," if len(self.shape) == 1 else "") + ")"
         return f"{self.label}: {self.device} {shape} {self.dtype} - {what}"
 

@@ -41,16 +41,17 @@ def node_module(node: Any) -> nn.Module | None:
 
 
 def _tag(output: Any, module: nn.Module) -> None:
+    # Post-hooks run innermost first; setdefault keeps the innermost module for a shared output.
     if isinstance(output, _Tensor):
         gf = output.grad_fn
         if gf is not None:
-            gf.metadata[NODE_KEY] = module
+            gf.metadata.setdefault(NODE_KEY, module)
     elif type(output) in (tuple, list):
         for o in output:
             if isinstance(o, _Tensor):
                 gf = o.grad_fn
                 if gf is not None:
-                    gf.metadata[NODE_KEY] = module
+                    gf.metadata.setdefault(NODE_KEY, module)
 
 
 class ModuleTracker:

@@ -501,10 +501,13 @@ class Watcher:
     ) -> DeviceMismatchError:
         namer = self._namer(sys._getframe())
         node = torch._C._current_autograd_node() if phase == "backward" else None
+        running_opt = namer.optimizer_running() if phase == "forward" else None
         if phase == "backward":
             module, exact = self._node_module(node)
         else:
             module, exact = self.tracker.current(), True
+        if running_opt is not None and module is None:
+            phase = "optimizer step"
         tensors, factories = describe_tensors(_label_pairs(func, args, kwargs), namer, phase)
         expected = expected_device(tensors, module)
         for t in tensors:
@@ -516,6 +519,8 @@ class Watcher:
             where = f"backward of {node_name}"
             if module is not None:
                 where += f" {'in' if exact else 'inside or feeding'} {namer.module_label(module)}"
+        elif running_opt is not None and module is None:
+            where = f"{running_opt[0]}.step() ({type(running_opt[1]).__name__})"
         else:
             where = namer.module_label(module) if module is not None else None
         fix = build_fix(tensors, expected, module_path, module, location, factories)
