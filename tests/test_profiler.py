@@ -285,10 +285,10 @@ def test_any_model_with_tuple_inputs_uses_execution_order() -> None:
 
 
 def test_fit_of_two_timing_points() -> None:
-    assert profiler._fit({4: 3.0, 16: 6.0}) == (pytest.approx(2.0), pytest.approx(0.25))
-    assert profiler._fit({4: 5.0, 16: 4.0}) == (4.0, 0.0)  # larger batch faster: noise, keep it fixed
-    assert profiler._fit({4: 1.0, 16: 8.0}) == (0.0, 0.5)  # negative intercept: through the origin
-    assert profiler._fit({1: 2.0}) == (0.0, 2.0)
+    assert profiler.fit({4: 3.0, 16: 6.0}) == (pytest.approx(2.0), pytest.approx(0.25))
+    assert profiler.fit({4: 5.0, 16: 4.0}) == (4.0, 0.0)  # larger batch faster: noise, keep it fixed
+    assert profiler.fit({4: 1.0, 16: 8.0}) == (0.0, 0.5)  # negative intercept: through the origin
+    assert profiler.fit({1: 2.0}) == (0.0, 2.0)
 
 
 @pytest.mark.parametrize(
