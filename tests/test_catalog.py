@@ -105,3 +105,33 @@ def test_host_speed_is_measured_once() -> None:
     assert first is again
     assert first.flops > 1e8 and first.memory_bandwidth > 1e8 and 0 < first.op_overhead < 1e-3
     assert first.method.startswith("measured")
+
+
+@pytest.mark.parametrize(
+    ("cuda_name", "key"),
+    [
+        ("NVIDIA H100 80GB HBM3", "h100-80gb"),
+        ("NVIDIA H100 PCIe", "h100-pcie"),
+        ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
+        ("NVIDIA A100 80GB PCIe", "a100-80gb"),
+        ("Tesla V100-SXM2-32GB", "v100-32gb"),
+        ("Tesla T4", "t4"),
+        ("NVIDIA L4", "l4"),
+        ("NVIDIA GeForce RTX 4090", "rtx-4090"),
+        ("NVIDIA L40S", None),
+        ("NVIDIA GeForce RTX 3090", None),
+    ],
+)
+def test_present_gpu_names_match_catalog_entries(cuda_name: str, key: str | None) -> None:
+    found = catalog.match_name(cuda_name)
+    assert (found.key if found else None) == key
+
+
+def test_with_figures_fills_a_present_gpu_without_touching_others() -> None:
+    gpu = torchspan.Device(torch.device("cuda", 0), "NVIDIA A100-SXM4-40GB", total_memory=40 * 2**30)
+    filled = catalog.with_figures(gpu)
+    assert filled.present and filled.peak_flops == pytest.approx(19.5e12)
+    assert filled.extra["memory_bandwidth"] == pytest.approx(1555e9)
+    assert gpu.peak_flops is None  # a copy
+    cpu = torchspan.devices("cpu")[0]
+    assert catalog.with_figures(cpu) is cpu

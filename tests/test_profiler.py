@@ -333,3 +333,22 @@ def test_hand_built_layer_costs_keep_working() -> None:
     assert lay.state_bytes == 40 and lay.saved_bytes(3) == 12.0
     assert prof.step_seconds(0) == pytest.approx(0.1 + 0.04 + 0.2 + 0.08)
     assert prof.to_dict()["layers"][0]["name"] == "a"
+
+
+def test_present_gpu_without_measurement_is_estimated_from_its_catalog_match() -> None:
+    gpu = torchspan.Device(torch.device("cuda", 0), "NVIDIA L4", total_memory=24 * 2**30)
+    prof = torchspan.profile(nn.Sequential(nn.Linear(64, 64)), torch.randn(8, 64), [gpu], measure=False)
+    assert prof.layers[0].time_source[0].startswith("estimated: FP32 dense 30.3 TFLOP/s")
+    unknown = torchspan.Device(torch.device("cuda", 0), "Mystery GPU")
+    with pytest.raises(ValueError, match=r"devices\[0\]='cuda:0'.*no FLOP/s figure"):
+        torchspan.profile(nn.Sequential(nn.Linear(4, 4)), torch.randn(2, 4), [unknown], measure=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_measures_on_a_present_gpu_and_puts_the_model_back() -> None:
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8))
+    prof = torchspan.profile(model, torch.randn(64, 256), "cuda:0,cpu", **FAST)
+    assert [lay.time_source for lay in prof.layers][0] == ["measured", "measured"]
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert prof.layers[0].forward_seconds(0, 64) > 0

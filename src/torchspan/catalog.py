@@ -32,6 +32,7 @@ process (cached), so estimates and measurements are on the same footing (see ``p
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 import statistics
@@ -43,7 +44,7 @@ import torch
 
 from .hardware import Device
 
-__all__ = ["Entry", "ENTRIES", "names", "lookup", "entry", "flops_for", "HostSpeed", "measure_host"]
+__all__ = ["Entry", "ENTRIES", "names", "lookup", "entry", "match_name", "with_figures", "flops_for", "HostSpeed", "measure_host"]
 
 GIB = 2**30
 TERA = 1e12
@@ -233,6 +234,46 @@ def lookup(token: str) -> Device | None:
         raise ValueError(f"device {token!r} is ambiguous in torchspan's catalog; name one of {choices}")
     found = _TABLE.get(key)
     return None if found is None else found.device()
+
+
+# (substrings that must all appear in a CUDA device name, catalog key); first match wins
+_NAME_RULES: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("h100", "pcie"), "h100-pcie"),
+    (("h100",), "h100-80gb"),
+    (("a100", "80g"), "a100-80gb"),
+    (("a100",), "a100-40gb"),
+    (("v100", "32g"), "v100-32gb"),
+    (("v100",), "v100-16gb"),
+    (("rtx", "4090"), "rtx-4090"),
+    (("l4",), "l4"),
+    (("t4",), "t4"),
+)
+
+
+def match_name(name: str) -> Entry | None:
+    """The catalog entry for a GPU name as CUDA reports it (``"NVIDIA A100-SXM4-80GB"``), or ``None``."""
+    words = re.split(r"[\s_-]+", name.lower())
+    text = " ".join(words)
+    for needles, key in _NAME_RULES:
+        if all((n in words) if n in ("l4", "t4") else (n in text) for n in needles):
+            return _TABLE[key]
+    return None
+
+
+def with_figures(device: Device) -> Device:
+    """``device`` with speed figures from its catalog match filled in where it has none (a copy).
+
+    Usage: ``with_figures(torchspan.devices("cuda:0")[0])`` on an A100 machine gets the A100's
+    peak FLOP/s and memory bandwidth, so its times can be estimated. Unmatched devices come back as is.
+    """
+    if device.peak_flops or device.kind != "cuda":
+        return device
+    found = match_name(device.name)
+    if found is None:
+        return device
+    described = found.device()
+    extra = {**described.extra, **device.extra}
+    return dataclasses.replace(device, peak_flops=described.peak_flops, host_bandwidth=device.host_bandwidth or described.host_bandwidth, extra=extra)
 
 
 _DTYPE_PRECISION = {

@@ -44,6 +44,7 @@ from torch import nn
 from ._optim_state import OPTIMIZERS, optimizer_spec, optimizer_state_bytes, param_state_bytes
 from ._sizing import Sizes, as_args, batch_size_of, bytes_of, float_dtype, resize_batch, sizing_pass
 from ._timing import Speed, capture, estimate, fit, host_speed_device, on_device, preserved, speed_of, time_layer
+from . import catalog
 from .hardware import Device, format_bytes
 from .split import top_level_layers
 
@@ -322,7 +323,7 @@ def profile(
                 _append_times(lay, ff, fp, bf, bp, "measured")
             continue
         try:
-            speed = speed_of(dd, compute_dtype)
+            speed = speed_of(catalog.with_figures(dd), compute_dtype)
         except ValueError as exc:
             raise ValueError(f"devices[{i}]={key!r}: {exc}") from None
         label = speed.label + (" (meta has no speed of its own; this CPU's figures)" if d.kind == "meta" else "")
