@@ -240,9 +240,11 @@ def build_fix(
                 f"load the checkpoint with `torch.load(path, map_location='{expected}')` before `{opt}.load_state_dict(...)`"
             )
         elif i in factories:
+            made = f"`{a.name}` was" if a.name else "this tensor was"
+            move = f"; or move it before use{at}: `{a.name} = {a.name}.to('{expected}')`" if a.name else ""
             fixes.append(
-                f"{factory_name(factories[i])} made this tensor on {a.device} because no device was given: "
-                f"pass `device={ref_expr}`{at}"
+                f"{made} made by {factory_name(factories[i])} on {a.device} because no device was given: "
+                f"create it with `device={ref_expr}`{move}"
             )
         elif a.kind == "gradient":
             fixes.append(

@@ -1,0 +1,167 @@
+"""``torchspan doctor SCRIPT.py``: the seeds' device errors diagnosed from unmodified scripts."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from torchspan.cli import main
+from torchspan.commands.doctor import EXIT_DEVICE_ERROR
+
+
+def write(tmp_path: Path, name: str, body: str) -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+TOY = """
+    import torch
+    import torch.nn as nn
+    import torch.optim as optim
+
+    class ToyModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net1 = nn.Linear(10, 10)
+            self.relu = nn.ReLU()
+            self.net2 = nn.Linear(10, 5).to('meta')   # placed by hand on the other device
+
+        def forward(self, x):
+            x = self.relu(self.net1(x))
+            return self.net2(x)
+
+    model = ToyModel()
+    loss_fn = nn.MSELoss()
+    optimizer = optim.SGD(model.parameters(), lr=0.001)
+    optimizer.zero_grad()
+    outputs = model(torch.randn(20, 10))
+    print("not reached")
+"""
+
+LOSS_WEIGHT = """
+    import torch as t
+    criterion = t.nn.CrossEntropyLoss(weight=t.Tensor([1, 3]))
+    inp = t.randn(4, 2).to('meta')
+    target = t.Tensor([1, 0, 0, 1]).long().to('meta')
+    loss = criterion(inp, target)
+"""
+
+DATA_MODEL = """
+    import torch, torch.nn as nn
+
+    def main():
+        model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1)).to('meta')
+        data = torch.rand(8, 2)          # forgot data.to(device)
+        return model(data)
+
+    if __name__ == "__main__":
+        main()
+"""
+
+DATAPARALLEL = """
+    import torch, torch.nn as nn
+    model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+    model = nn.DataParallel(model)
+    # what DataParallel sets up when GPUs are visible (meta stands for cuda:0)
+    model.device_ids, model.output_device, model.src_device_obj = [0, 1], 0, torch.device('meta')
+    out = model(torch.rand(4, 2))
+"""
+
+CLEAN = """
+    import sys, torch, torch.nn as nn
+    assert __name__ == "__main__"
+    steps = int(sys.argv[1])
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    crit = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0]))
+    opt = torch.optim.Adam(model.parameters())
+    for step in range(steps):
+        x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+        loss = crit(model(x), y)
+        opt.zero_grad(); loss.backward(); opt.step()
+    print("trained", steps, "steps with", sys.argv[1:])
+"""
+
+
+def test_layer_placed_by_hand(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["doctor", write(tmp_path, "toy.py", TOY)])
+    out = capsys.readouterr().out
+    assert code == EXIT_DEVICE_ERROR
+    assert "device error in toy.py" in out and "not reached" not in out
+    assert "where: model.net2 (Linear)" in out
+    assert "parameter model.net2.weight" in out
+    assert "produced by torch.nn.functional.relu in model.relu (ReLU)" in out
+    assert "fix: move the input with `x = x.to('meta')` before `model.net2`" in out
+    assert "model has parameters and buffers on 2 devices" in out  # static context from the script's objects
+
+
+def test_loss_weight_left_behind(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["doctor", write(tmp_path, "loss.py", LOSS_WEIGHT)])
+    out = capsys.readouterr().out
+    assert code == EXIT_DEVICE_ERROR
+    assert "where: criterion (CrossEntropyLoss)" in out
+    assert "buffer criterion.weight" in out and "fix: call `criterion.to('meta')`" in out
+
+
+def test_data_and_model_on_different_devices(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["doctor", write(tmp_path, "data.py", DATA_MODEL)])
+    out = capsys.readouterr().out
+    assert code == EXIT_DEVICE_ERROR
+    assert "where: model.0 (Linear)" in out and "parameter model.0.weight" in out
+    assert "tensor data, created by torch.rand" in out and "data = data.to('meta')" in out
+
+
+def test_dataparallel_cpu_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["doctor", write(tmp_path, "dp.py", DATAPARALLEL)])
+    out = capsys.readouterr().out
+    assert code == EXIT_DEVICE_ERROR
+    assert "model.module.0.weight is on cpu" in out
+    assert "model = model.module" in out
+
+
+def test_clean_script_runs_to_the_end_with_its_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv_before = sys.argv[:]
+    code = main(["doctor", write(tmp_path, "train.py", CLEAN), "--", "2", "--flag"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "trained 2 steps with ['2', '--flag']" in out
+    assert "no device problem seen in train.py" in out and "forward and backward" in out
+    assert sys.argv == argv_before
+
+
+def test_json_report_keeps_stdout_clean(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["doctor", "--json", write(tmp_path, "toy.py", TOY)])
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    assert code == EXIT_DEVICE_ERROR and data["status"] == "device-error" and data["exit_code"] == EXIT_DEVICE_ERROR
+    first = data["report"]["findings"][0]
+    assert first["code"] == "device-mismatch" and first["where"] == "model.net2 (Linear)"
+    assert any(t["name"] == "model.net2.weight" for t in first["tensors"])
+    ok = main(["doctor", "--json", write(tmp_path, "train.py", CLEAN), "1"])
+    captured = capsys.readouterr()
+    assert ok == 0 and json.loads(captured.out)["status"] == "ok"
+    assert "trained 1 steps" in captured.err  # the script's prints go to stderr with --json
+
+
+def test_script_failing_for_another_reason(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    script = write(tmp_path, "bad.py", "import torch\nx = torch.randn(2, 3) @ torch.randn(2, 3)\n")
+    code = main(["doctor", script])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "not a device error" in captured.out
+    assert "bad.py" in captured.err and "RuntimeError" in captured.err
+
+
+def test_script_exit_status_passes_through(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", write(tmp_path, "exit.py", "import sys\nsys.exit(4)\n")]) == 4
+    assert "exited with status 4" in capsys.readouterr().out
+    assert main(["doctor", write(tmp_path, "exit0.py", "raise SystemExit(0)\n")]) == 0
+
+
+def test_missing_script_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", str(tmp_path / "nope.py")]) == 2
+    assert "does not exist" in capsys.readouterr().err
