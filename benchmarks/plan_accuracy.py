@@ -10,7 +10,8 @@ split), this script
    warm-up steps (``optimizer.zero_grad()``, ``train_step`` with an MSE loss, ``Adam.step()``),
 3. compares the plan's ``predicted_step_time`` with the median measured ``train_step`` time (the
    planner does not model the optimizer step), and each stage's predicted bytes (parameters,
-   gradients, optimizer state, buffers, saved activations: ``StagePlan.total_bytes``) with
+   gradients, optimizer state, buffers, saved activations: ``StagePlan.total_bytes`` less the
+   planner's transient ``workspace_bytes``, which nothing meters) with
    ``spanned.memory(optimizer)`` for that stage (same kinds; activations are the measured peak of
    live saved tensors during the step), and, as a diagnostic, each stage's predicted compute
    (micro-batches x (forward + backward) per micro-batch) with the forward/backward blocks of
@@ -121,7 +122,8 @@ def run_case(name: str, devices: list[str], memory: dict[str, int] | None, steps
             {
                 "device": sp.device,
                 "layers": len(sp.layers),
-                "predicted": sp.total_bytes,
+                "predicted": sp.total_bytes - sp.workspace_bytes,  # the kinds spanned.memory() counts
+                "workspace": sp.workspace_bytes,
                 "measured": measured,
                 "predicted_act": sp.activation_bytes,
                 "measured_act": ms["activations"],
@@ -167,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   step: predicted {res['predicted_step'] * 1e3:.2f} ms, measured median {res['measured_step'] * 1e3:.2f} ms "
                   f"(min {lo * 1e3:.2f}, max {hi * 1e3:.2f})")
             for i, st in enumerate(res["stages"]):
-                print(f"   stage {i} on {st['device']} ({st['layers']} layers): predicted {format_bytes(st['predicted'])}, "
+                print(f"   stage {i} on {st['device']} ({st['layers']} layers): predicted {format_bytes(st['predicted'])} "
+                      f"(+ {format_bytes(st['workspace'])} transient workspace, not metered), "
                       f"measured {format_bytes(st['measured'])}; saved activations predicted "
                       f"{format_bytes(st['predicted_act'])}, measured {format_bytes(st['measured_act'])}; "
                       f"compute (fwd+bwd of all micro-batches, from spanned.timeline()) predicted "
