@@ -8,11 +8,13 @@ Usage::
 Strategies (each picks layer splits by its own rule; all get the best micro-batch count, schedule
 and checkpoint mode for that split, so the comparison is about placement alone):
 
-``uniform``     equal layer counts over the accelerators (all devices if there are none).
-``parameters``  contiguous split of the accelerators minimising the largest parameter bytes per
-                device, like DeepSpeed's ``partition_method="parameters"``.
-``greedy``      fill devices in list order with parameter + buffer bytes up to each budget, then move
-                on, like accelerate's ``infer_auto_device_map`` (accelerators first, then the CPU).
+``uniform``       equal layer counts over the listed devices, in order (torchgpipe's even balance).
+``parameters``    contiguous split of the listed devices minimising the largest parameter bytes per
+                  device, like DeepSpeed's ``partition_method="parameters"``.
+``greedy``        fill devices in list order with parameter + buffer bytes up to each budget, then
+                  move on, like accelerate's ``infer_auto_device_map``.
+``greedy_state``  the same fill counting gradients and optimizer state too: what a careful user gets
+                  by lowering accelerate's ``max_memory`` for training (a stronger baseline).
 """
 
 from __future__ import annotations
@@ -27,12 +29,7 @@ from .search import settings_grid
 
 __all__ = ["STRATEGIES", "baseline", "uniform_split", "parameter_split", "greedy_split"]
 
-STRATEGIES = ("uniform", "parameters", "greedy")
-
-
-def _accelerators(profile: Profile) -> list[int]:
-    acc = [d for d, dev in enumerate(profile.devices) if dev.kind != "cpu"]
-    return acc or list(range(len(profile.devices)))
+STRATEGIES = ("uniform", "parameters", "greedy", "greedy_state")
 
 
 def uniform_split(n_layers: int, devices: Sequence[int]) -> list[Stage]:
@@ -95,13 +92,16 @@ def greedy_split(sizes: Sequence[float], capacities: Sequence[float], devices: S
 
 def _stages(profile: Profile, strategy: str) -> list[Stage]:
     L = len(profile.layers)
+    everyone = list(range(len(profile.devices)))
+    caps = [float(d.capacity) if d.capacity is not None else INF for d in profile.devices]
     if strategy == "uniform":
-        return uniform_split(L, _accelerators(profile))
+        return uniform_split(L, everyone)
     if strategy == "parameters":
-        return parameter_split([float(x.param_bytes) for x in profile.layers], _accelerators(profile))
+        return parameter_split([float(x.param_bytes) for x in profile.layers], everyone)
     if strategy == "greedy":
-        caps = [float(d.capacity) if d.capacity is not None else INF for d in profile.devices]
-        return greedy_split([float(x.param_bytes + x.buffer_bytes) for x in profile.layers], caps, list(range(len(profile.devices))))
+        return greedy_split([float(x.param_bytes + x.buffer_bytes) for x in profile.layers], caps, everyone)
+    if strategy == "greedy_state":
+        return greedy_split([float(x.state_bytes) for x in profile.layers], caps, everyone)
     raise ValueError(f"strategy={strategy!r} is not one of {', '.join(STRATEGIES)}")
 
 

@@ -168,7 +168,15 @@ def time_tables(profile: Profile) -> tuple[np.ndarray, np.ndarray, np.ndarray, n
 class CostModel:
     """Prefix sums over a ``Profile`` for one micro-batch count, schedule and checkpoint mode."""
 
-    def __init__(self, profile: Profile, microbatches: int, schedule: str, checkpoint: str) -> None:
+    def __init__(
+        self,
+        profile: Profile,
+        microbatches: int,
+        schedule: str,
+        checkpoint: str,
+        tables: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
+    ) -> None:
+        """``tables``: ``time_tables(profile)`` when the caller already has them (saves the work)."""
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
         if checkpoint not in CHECKPOINTS:
@@ -192,7 +200,7 @@ class CostModel:
         self.D = len(profile.devices)
         self.b = math.ceil(profile.batch_size / microbatches)
         layers = profile.layers
-        tables = time_tables(profile)
+        tables = time_tables(profile) if tables is None else tables
         self.fwd = tables[0] + self.b * tables[1]
         self.bwd = tables[2] + self.b * tables[3]
         lat = self.fwd + self.bwd if checkpoint != "always" else 2 * self.fwd + self.bwd
@@ -224,6 +232,7 @@ class CostModel:
             nxt = prev.copy()
             nxt[: self.L - half] = np.maximum(prev[: self.L - half], prev[half:])
             self._out_max.append(nxt)
+        self._out_table = np.stack(self._out_max)
 
     # ------------------------------------------------------------------ pieces
     def in_flight(self, stage_index: int, num_stages: int) -> int:
@@ -238,7 +247,7 @@ class CostModel:
         j = np.asarray(j, dtype=np.int64)
         length = np.maximum(j - i, 1)
         p = np.floor(np.log2(length)).astype(np.int64)
-        table = np.stack(self._out_max)
+        table = self._out_table
         return np.maximum(table[p, i], table[p, j - (1 << p)])
 
     def memory_total(self, i: np.ndarray, j: np.ndarray, k: int) -> np.ndarray:

@@ -33,7 +33,7 @@ import math
 import numpy as np
 
 from ..profiler import Profile
-from .cost import INF, CostModel, Evaluation, Stage, identity, link_bandwidth
+from .cost import INF, CostModel, Evaluation, Stage, identity, link_bandwidth, time_tables
 from .plan import CHECKPOINTS, SCHEDULES, Plan
 
 __all__ = ["search", "microbatch_candidates", "device_groups", "solve", "settings_grid"]
@@ -71,15 +71,13 @@ def _window_min(V: np.ndarray, hi: np.ndarray) -> np.ndarray:
         return np.full((m, L), INF)
     ln = np.where(valid, length, 1)
     p = np.floor(np.log2(ln)).astype(np.int64)
-    tables = [V]
-    maxlen = int(ln.max())
-    while (1 << len(tables)) <= maxlen:
-        prev = tables[-1]
-        half = 1 << (len(tables) - 1)
-        nxt = prev.copy()
-        np.minimum(prev[:, : n - half], prev[:, half:], out=nxt[:, : n - half])
-        tables.append(nxt)
-    st = np.stack(tables)
+    levels = int(ln.max()).bit_length()
+    st = np.empty((levels, m, n))
+    st[0] = V
+    for lev in range(1, levels):
+        half = 1 << (lev - 1)
+        st[lev, :, n - half :] = st[lev - 1, :, n - half :]
+        np.minimum(st[lev - 1, :, : n - half], st[lev - 1, :, half:], out=st[lev, :, : n - half])
     right = np.where(valid, hi - (1 << p) + 1, a)
     res = np.minimum(st[p, :, a], st[p, :, right])  # (L, m)
     res[~valid] = INF
@@ -215,14 +213,70 @@ class _Solver:
         return stages
 
     def bottleneck_floor(self) -> float:
-        """A lower bound on any placement's bottleneck (for pruning)."""
-        cm = self.cm
+        """A lower bound on any placement's bottleneck (for pruning).
+
+        No stage is faster than its slowest layer on its best device; and in time ``beta`` device
+        ``d`` can do at most ``beta * r_d`` of the layers' best-device work, ``r_d`` being its
+        best relative speed over all layers, so ``beta >= total / sum(r_d)``.
+        """
         best_layer = self.steady.min(axis=0)
-        stages = min(cm.D, cm.L)
-        return float(max(best_layer.max(), best_layer.sum() / stages))
+        total = float(best_layer.sum())
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rel = np.where(self.steady > 0, best_layer[None, :] / self.steady, 1.0).max(axis=1)
+        capacity = float(sum(r * n for r, n in zip(rel, self.sizes)))
+        return float(max(best_layer.max(), total / capacity if capacity > 0 else 0.0))
 
     def latency_floor(self) -> float:
         return float(self.cm.lat.min(axis=0).sum())
+
+
+class _Setting:
+    """One (micro-batches, schedule, checkpoint) setting: its solver and best placement so far."""
+
+    def __init__(self, cm: CostModel) -> None:
+        self.cm = cm
+        self.solver = _Solver(cm)
+        self.best: Evaluation | None = None
+        self.floor = self.solver.bottleneck_floor()
+        self.sigma = self.solver.latency_floor()  # raised to the exact min sum by root()
+
+    @property
+    def bound(self) -> float:
+        """No placement under this setting is faster than this."""
+        return self.sigma + (self.cm.M - 1) * self.floor
+
+    def root(self) -> None:
+        """Best placement ignoring the bottleneck: feasibility, and the exact min-sum lower bound."""
+        stages = self.solver.run(INF)
+        if stages is not None:
+            self.best = self.cm.evaluate(stages)
+            self.sigma = self.best.latency_sum
+
+    def refine(self, incumbent: float, rtol: float) -> None:
+        """Branch and bound over the bottleneck cap ``tau`` until nothing can beat the incumbent."""
+        if self.best is None:
+            return
+        cm, solver, M1 = self.cm, self.solver, self.cm.M - 1
+        if M1 == 0:
+            return  # step time is the min sum: root() found it
+        bound = min(incumbent, self.best.step_time)
+        # intervals [lo, hi) of tau, sigma a lower bound of minsum there: (lower bound, lo, hi, sigma)
+        heap = [(self.best.latency_sum + M1 * self.floor, self.floor, self.best.bottleneck, self.best.latency_sum)]
+        while heap:
+            lb, lo, hi, sigma = heapq.heappop(heap)
+            if lb >= bound * (1 - rtol) or hi <= lo:
+                continue
+            mid = 0.5 * (lo + hi)
+            stages = solver.run(mid)
+            heapq.heappush(heap, (sigma + M1 * mid, mid, hi, sigma))
+            if stages is None:
+                continue
+            ev = cm.evaluate(stages)
+            if ev.step_time < self.best.step_time:
+                self.best = ev
+                bound = min(bound, ev.step_time)
+            top = min(ev.bottleneck, mid)
+            heapq.heappush(heap, (ev.latency_sum + M1 * lo, lo, top, ev.latency_sum))
 
 
 def solve(cm: CostModel, *, incumbent: float = INF, rtol: float = 1e-9) -> tuple[Evaluation | None, int]:
@@ -230,38 +284,15 @@ def solve(cm: CostModel, *, incumbent: float = INF, rtol: float = 1e-9) -> tuple
 
     Returns ``(evaluation, dynamic programmes run)``.
     """
-    solver = _Solver(cm)
-    M1 = cm.M - 1
-    if solver.latency_floor() + M1 * solver.bottleneck_floor() >= incumbent * (1 - rtol):
+    setting = _Setting(cm)
+    if setting.bound >= incumbent * (1 - rtol):
         return None, 0
-    first = solver.run(INF)
-    if first is None:
-        return None, solver.evaluations
-    best = cm.evaluate(first)
-    if M1 == 0:
-        return best, solver.evaluations
-    bound = min(incumbent, best.step_time)
-    floor = solver.bottleneck_floor()
-    # intervals [lo, hi) of tau, with sigma a lower bound of minsum there: (bound, lo, hi, sigma)
-    heap = [(best.latency_sum + M1 * floor, floor, best.bottleneck, best.latency_sum)]
-    while heap:
-        lb, lo, hi, sigma = heapq.heappop(heap)
-        if lb >= bound * (1 - rtol) or hi <= lo:
-            continue
-        mid = 0.5 * (lo + hi)
-        stages = solver.run(mid)
-        if stages is None:
-            heapq.heappush(heap, (sigma + M1 * mid, mid, hi, sigma))
-            continue
-        ev = cm.evaluate(stages)
-        if ev.step_time < best.step_time:
-            best = ev
-            bound = min(bound, ev.step_time)
-        heapq.heappush(heap, (sigma + M1 * mid, mid, hi, sigma))
-        heapq.heappush(heap, (ev.latency_sum + M1 * lo, lo, min(ev.bottleneck, mid), ev.latency_sum))
-    if best.step_time >= incumbent:
-        return None, solver.evaluations
-    return best, solver.evaluations
+    setting.root()
+    setting.refine(incumbent, rtol)
+    runs = setting.solver.evaluations
+    if setting.best is None or setting.best.step_time >= incumbent:
+        return None, runs
+    return setting.best, runs
 
 
 def settings_grid(
@@ -307,20 +338,30 @@ def search(
     needed vs available memory and what would make it fit) when no placement fits.
     """
     grid = settings_grid(profile.batch_size, microbatches, schedule, checkpoint)
-    best: Evaluation | None = None
-    best_cm: CostModel | None = None
-    programmes = 0
-    for m, s, c in grid:
-        cm = CostModel(profile, m, s, c)
-        ev, runs = solve(cm, incumbent=best.step_time if best else INF, rtol=rtol)
-        programmes += runs
-        if ev is not None and (best is None or ev.step_time < best.step_time):
-            best, best_cm = ev, cm
-    if best is None or best_cm is None:
+    tables = time_tables(profile)
+    settings = [_Setting(CostModel(profile, m, s, c, tables)) for m, s, c in grid]
+    for st in settings:
+        st.root()
+    feasible = [st for st in settings if st.best is not None]
+    if not feasible:
         from .diagnose import explain_no_fit
 
         raise explain_no_fit(profile, grid)
-    return best_cm.to_plan(best, "torchspan", notes=plan_notes(best_cm, best, programmes, len(grid)))
+
+    def incumbent() -> _Setting:
+        # the fastest; among equals the earliest in preference order (min keeps the first)
+        return min(feasible, key=lambda st: st.best.step_time if st.best else INF)
+
+    for st in sorted(feasible, key=lambda st: st.bound):
+        inc = incumbent().best
+        assert inc is not None
+        if st.bound >= inc.step_time * (1 - rtol):
+            break  # sorted by bound: no later setting can win either
+        st.refine(inc.step_time, rtol)
+    winner = incumbent()
+    assert winner.best is not None
+    programmes = sum(st.solver.evaluations for st in settings)
+    return winner.cm.to_plan(winner.best, "torchspan", notes=plan_notes(winner.cm, winner.best, programmes, len(grid)))
 
 
 def plan_notes(cm: CostModel, ev: Evaluation, programmes: int, settings: int) -> list[str]:

@@ -1,0 +1,197 @@
+"""Plan quality: torchspan's planned throughput over the baselines', on simulated clusters, one run.
+
+For each model (uneven MLP, transformer stack, conv net) and cluster of *described* devices from
+``torchspan.catalog`` (so no GPU is needed):
+
+* homogeneous   ``a100-40gb*4``
+* mixed         ``h100-80gb,a100-40gb,v100-16gb,t4`` (four GPU generations)
+* tight + CPU   ``t4*2,cpu`` with each T4's budget set to 35% of the model's training state
+                (parameters, gradients, Adam state), so part of the model must live on the CPU
+
+the script profiles the model once (``torchspan.profile(..., measure=False)``: FLOP/byte estimates
+for the described GPUs, and for this CPU from its measured speed), then plans with
+``torchspan.planner.search`` and with each baseline of ``torchspan.planner.baselines`` (uniform
+layer counts; DeepSpeed-style parameter balance; accelerate-style greedy fill by parameter bytes;
+the same greedy fill counting training state). Every plan is scored by the same cost model and
+each baseline gets its own best micro-batch count / schedule / checkpointing, so the ratios compare
+placement alone. A baseline whose placement exceeds a budget (out of memory in training) is shown
+as OOM and left out of "best baseline".
+
+It also times the search on a synthetic 1,000-layer profile over 8 devices of 3 types.
+
+Prints ``RATIO <name> <value> <goal> <anchor>`` lines (read by ``torchspan bench``):
+``plan_quality_<model>_<cluster>`` = torchspan's predicted throughput / best fitting baseline's
+(goal >= 1.3 on heterogeneous clusters, >= 1.0 on homogeneous ones), and
+``plan_search_1000x8_seconds`` (goal <= 1.0).
+Usage: ``python benchmarks/plan_quality.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+import torchspan
+from torchspan.hardware import format_bytes
+from torchspan.planner.baselines import STRATEGIES, baseline
+from torchspan.planner.search import search
+from torchspan.profiler import LayerCost, Profile
+
+# ----------------------------------------------------------------------------- models
+
+
+class MeanPool(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=1)
+
+
+def uneven_mlp(quick: bool) -> tuple[nn.Module, torch.Tensor]:
+    widths = [1024, 4096, 256, 8192, 512, 2048, 128, 4096, 1024]
+    if quick:
+        widths = [w // 4 for w in widths]
+    layers: list[nn.Module] = []
+    for a, b in zip(widths, widths[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    layers.append(nn.Linear(widths[-1], 10))
+    return nn.Sequential(*layers), torch.randn(256, widths[0])
+
+
+def transformer(quick: bool) -> tuple[nn.Module, torch.Tensor]:
+    d, blocks, vocab, seq = (256, 4, 2000, 64) if quick else (512, 12, 8000, 256)
+    layers: list[nn.Module] = [nn.Embedding(vocab, d)]
+    layers += [nn.TransformerEncoderLayer(d, 8, 4 * d, dropout=0.0, batch_first=True) for _ in range(blocks)]
+    layers += [nn.LayerNorm(d), nn.Linear(d, vocab)]
+    return nn.Sequential(*layers), torch.randint(0, vocab, (16, seq))
+
+
+def conv_net(quick: bool) -> tuple[nn.Module, torch.Tensor]:
+    chans = [3, 32, 64, 128, 256] if quick else [3, 64, 128, 256, 512]
+    layers: list[nn.Module] = []
+    for a, b in zip(chans, chans[1:]):
+        layers += [nn.Sequential(nn.Conv2d(a, b, 3, padding=1), nn.ReLU()), nn.Sequential(nn.Conv2d(b, b, 3, padding=1), nn.ReLU()), nn.MaxPool2d(2)]
+    side = (32 if quick else 64) // 2 ** (len(chans) - 1)
+    layers += [nn.Flatten(), nn.Linear(chans[-1] * side * side, 1024), nn.ReLU(), nn.Linear(1024, 10)]
+    size = 32 if quick else 64
+    return nn.Sequential(*layers), torch.randn(64, 3, size, size)
+
+
+MODELS: dict[str, Callable[[bool], tuple[nn.Module, torch.Tensor]]] = {
+    "uneven_mlp": uneven_mlp,
+    "transformer": transformer,
+    "conv_net": conv_net,
+}
+
+CLUSTERS = {
+    "homogeneous": ("a100-40gb*4", None),
+    "mixed": ("h100-80gb,a100-40gb,v100-16gb,t4", None),
+    "tight_cpu": ("t4*2,cpu", 0.35),
+}
+HETEROGENEOUS = {"mixed", "tight_cpu"}
+
+
+# ----------------------------------------------------------------------------- one case
+
+
+def run_case(model_name: str, cluster: str, quick: bool) -> None:
+    model, x = MODELS[model_name](quick)
+    spec, share = CLUSTERS[cluster]
+    devs = torchspan.devices(spec)
+    t0 = time.perf_counter()
+    prof = torchspan.profile(model, x, devs, optimizer="adam", measure=False)
+    t_profile = time.perf_counter() - t0
+    if share is not None:
+        state = sum(lay.state_bytes for lay in prof.layers)
+        for d in prof.devices:
+            if d.kind != "cpu":
+                d.budget = int(share * state)
+    t0 = time.perf_counter()
+    plan = search(prof)
+    t_search = time.perf_counter() - t0
+    assert plan.predicted_step_time is not None
+    ours = plan.batch_size / plan.predicted_step_time
+    print(f"\n== {model_name} on {cluster} ({spec}); {len(prof.layers)} layers, batch {prof.batch_size}, "
+          f"profile {t_profile:.1f}s, search {t_search * 1e3:.0f} ms")
+    budgets = ", ".join(f"{d.device}={format_bytes(d.capacity)}" for d in prof.devices)
+    print(f"   budgets: {budgets}")
+    print(f"   {'strategy':<13} {'samples/s':>11} {'vs torchspan':>12}  {'M':>3} {'sched':>5} {'ckpt':>11}  balance (devices)")
+    print(f"   {'torchspan':<13} {ours:>11.1f} {'1.00x':>12}  {plan.microbatches:>3} {plan.schedule:>5} {plan.checkpoint:>11}  "
+          f"{plan.balance} ({', '.join(plan.devices)})")
+    best_name, best_tp = None, 0.0
+    for strategy in STRATEGIES:
+        bplan, ev = baseline(prof, strategy)
+        tp = bplan.batch_size / ev.step_time
+        tag = f"{ours / tp:.2f}x" if ev.fits else "OOM"
+        print(f"   {strategy:<13} {tp:>11.1f} {tag:>12}  {bplan.microbatches:>3} {bplan.schedule:>5} {bplan.checkpoint:>11}  "
+              f"{bplan.balance} ({', '.join(bplan.devices)})")
+        if ev.fits and tp > best_tp:
+            best_name, best_tp = strategy, tp
+    goal = ">=1.3" if cluster in HETEROGENEOUS else ">=1.0"
+    if best_name is None:
+        print("   every baseline runs out of memory; torchspan's plan fits")
+        print(f"RATIO plan_quality_{model_name}_{cluster} inf {goal} all baselines OOM")
+    else:
+        print(f"RATIO plan_quality_{model_name}_{cluster} {ours / best_tp:.3f} {goal} best baseline: {best_name}")
+
+
+# ----------------------------------------------------------------------------- search speed
+
+
+def synthetic_profile(n_layers: int) -> Profile:
+    rng = random.Random(0)
+    devs = torchspan.devices("a100-40gb*4,v100-16gb*3,cpu")
+    speeds = [1.0] * 4 + [0.6] * 3 + [0.02]
+    layers = []
+    for k in range(n_layers):
+        j = rng.uniform(0.5, 2.0)
+        params = rng.randint(0, 8 * 2**20)
+        layers.append(
+            LayerCost(
+                name=f"l{k}", kind="Linear", param_bytes=params, grad_bytes=params, optimizer_bytes=2 * params,
+                buffer_bytes=0, activation_bytes=rng.uniform(1e4, 1e5), output_bytes=rng.uniform(1e3, 5e4), flops=1e9,
+                forward_fixed=[2e-5] * 8, forward_per_sample=[1e-5 * j / s for s in speeds],
+                backward_fixed=[4e-5] * 8, backward_per_sample=[2e-5 * j / s for s in speeds],
+                time_source=["synthetic"] * 8,
+            )
+        )
+    return Profile(layers=layers, devices=devs, batch_size=64, input_bytes=1e4, optimizer="adam")
+
+
+def time_search() -> None:
+    prof = synthetic_profile(1000)
+    print("\n== search speed: 1,000 synthetic layers on 8 devices (4 x A100, 3 x V100, CPU)")
+    worst = 0.0
+    for label, kwargs in [("fixed M=8, 1f1b, never", dict(microbatches=8, schedule="1f1b", checkpoint="never")),
+                          ("auto (M, schedule, checkpoint)", {})]:
+        runs = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            plan = search(prof, **kwargs)  # type: ignore[arg-type]
+            runs.append(time.perf_counter() - t0)
+        best = min(runs)
+        worst = max(worst, best)
+        print(f"   {label:<32} {best:.3f} s (best of 3)  -> M={plan.microbatches}, stages {plan.balance}; {plan.notes[-1]}")
+    print(f"RATIO plan_search_1000x8_seconds {worst:.3f} <=1.0 one-second target (slowest of the two searches)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smaller models")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    print(f"plan_quality on {platform.processor() or platform.machine()} ({os.cpu_count()} cores), torch {torch.__version__}")
+    for model_name in MODELS:
+        for cluster in CLUSTERS:
+            run_case(model_name, cluster, args.quick)
+    time_search()
+
+
+if __name__ == "__main__":
+    main()
