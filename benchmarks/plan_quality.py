@@ -5,8 +5,13 @@ For each model (uneven MLP, transformer stack, conv net) and cluster of *describ
 
 * homogeneous   ``a100-40gb*4``
 * mixed         ``h100-80gb,a100-40gb,v100-16gb,t4`` (four GPU generations)
-* tight + CPU   ``t4*2,cpu`` with each T4's budget set to 35% of the model's training state
-                (parameters, gradients, Adam state), so part of the model must live on the CPU
+* tight_cpu     ``t4*2,cpu``
+
+The models are small enough to profile here, so budgets are scaled to make them behave like
+models that need several devices: the accelerators' budgets are proportional to their datasheet
+memory and add up to ``share`` x the model's training state (parameters + gradients + Adam state):
+1.5x on homogeneous and mixed (the model needs two or more GPUs), 0.7x on tight_cpu (at least 30%
+of the state must live on the CPU, the situation of ``seeds/000``). The CPU keeps its real memory.
 
 the script profiles the model once (``torchspan.profile(..., measure=False)``: FLOP/byte estimates
 for the described GPUs, and for this CPU from its measured speed), then plans with
@@ -88,10 +93,10 @@ MODELS: dict[str, Callable[[bool], tuple[nn.Module, torch.Tensor]]] = {
     "conv_net": conv_net,
 }
 
-CLUSTERS = {
-    "homogeneous": ("a100-40gb*4", None),
-    "mixed": ("h100-80gb,a100-40gb,v100-16gb,t4", None),
-    "tight_cpu": ("t4*2,cpu", 0.35),
+CLUSTERS = {  # name: (device spec, accelerators' budgets in total as a share of the training state)
+    "homogeneous": ("a100-40gb*4", 1.5),
+    "mixed": ("h100-80gb,a100-40gb,v100-16gb,t4", 1.5),
+    "tight_cpu": ("t4*2,cpu", 0.7),
 }
 HETEROGENEOUS = {"mixed", "tight_cpu"}
 
@@ -106,11 +111,11 @@ def run_case(model_name: str, cluster: str, quick: bool) -> None:
     t0 = time.perf_counter()
     prof = torchspan.profile(model, x, devs, optimizer="adam", measure=False)
     t_profile = time.perf_counter() - t0
-    if share is not None:
-        state = sum(lay.state_bytes for lay in prof.layers)
-        for d in prof.devices:
-            if d.kind != "cpu":
-                d.budget = int(share * state)
+    state = sum(lay.state_bytes for lay in prof.layers)
+    accel = [d for d in prof.devices if d.kind != "cpu"]
+    sheet = sum(d.total_memory or 0 for d in accel)
+    for d in accel:
+        d.budget = int(share * state * (d.total_memory or 0) / sheet)
     t0 = time.perf_counter()
     plan = search(prof)
     t_search = time.perf_counter() - t0
@@ -123,15 +128,17 @@ def run_case(model_name: str, cluster: str, quick: bool) -> None:
     print(f"   {'strategy':<13} {'samples/s':>11} {'vs torchspan':>12}  {'M':>3} {'sched':>5} {'ckpt':>11}  balance (devices)")
     print(f"   {'torchspan':<13} {ours:>11.1f} {'1.00x':>12}  {plan.microbatches:>3} {plan.schedule:>5} {plan.checkpoint:>11}  "
           f"{plan.balance} ({', '.join(plan.devices)})")
-    best_name, best_tp = None, 0.0
+    best_name, best_tp, any_tp = None, 0.0, 0.0
     for strategy in STRATEGIES:
         bplan, ev = baseline(prof, strategy)
         tp = bplan.batch_size / ev.step_time
         tag = f"{ours / tp:.2f}x" if ev.fits else "OOM"
         print(f"   {strategy:<13} {tp:>11.1f} {tag:>12}  {bplan.microbatches:>3} {bplan.schedule:>5} {bplan.checkpoint:>11}  "
               f"{bplan.balance} ({', '.join(bplan.devices)})")
+        any_tp = max(any_tp, tp)
         if ev.fits and tp > best_tp:
             best_name, best_tp = strategy, tp
+    print(f"   (for reference: torchspan / fastest baseline if its budget overruns were allowed = {ours / any_tp:.2f}x)")
     goal = ">=1.3" if cluster in HETEROGENEOUS else ">=1.0"
     if best_name is None:
         print("   every baseline runs out of memory; torchspan's plan fits")
