@@ -47,7 +47,10 @@ def step(model: nn.Module, criterion: nn.Module, x: torch.Tensor, y: torch.Tenso
     loss.backward()
 
 
-def measure(width: int, depth: int, batch: int, tokens: int, steps: int, warmup: int = 3) -> tuple[float, float, int]:
+def measure(
+    width: int, depth: int, batch: int, tokens: int, steps: int, warmup: int = 3, clock: str = "wall"
+) -> tuple[float, float, int]:
+    now = time.perf_counter if clock == "wall" else time.process_time
     torch.manual_seed(0)
     model = make_model(width, depth)
     criterion = nn.CrossEntropyLoss(weight=torch.rand(10) + 0.5)
@@ -61,14 +64,14 @@ def measure(width: int, depth: int, batch: int, tokens: int, steps: int, warmup:
     watched: list[float] = []
     ops = 0
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0 = now()
         step(model, criterion, x, y)
-        plain.append(time.perf_counter() - t0)
+        plain.append(now() - t0)
         w = torchspan.watch()
-        t0 = time.perf_counter()
+        t0 = now()
         with w:
             step(model, criterion, x, y)
-        watched.append(time.perf_counter() - t0)
+        watched.append(now() - t0)
         ops = w.ops
     return statistics.median(plain), statistics.median(watched), ops
 
@@ -81,16 +84,20 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: PyTorch's default)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall time, or this process's CPU time")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, threads={torch.get_num_threads()}")
+    print(
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, threads={torch.get_num_threads()}, "
+        f"clock={args.clock}"
+    )
     cases = [
         ("realistic", args.width, args.depth, args.batch, args.tokens),
         ("tiny (ops ~free)", 16, 2, 2, 4),
     ]
     for label, width, depth, batch, tokens in cases:
-        plain, watched, ops = measure(width, depth, batch, tokens, args.steps)
+        plain, watched, ops = measure(width, depth, batch, tokens, args.steps, clock=args.clock)
         print(
             f"{label:18s} width={width} depth={depth} batch={batch}x{tokens}: plain {plain * 1e3:8.2f} ms, "
             f"watched {watched * 1e3:8.2f} ms, ratio {watched / plain:5.2f}x, {ops} ops checked/step"

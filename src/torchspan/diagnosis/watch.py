@@ -59,6 +59,7 @@ _SKIP_NAMES = frozenset(
 _SKIP_PREFIXES = ("_has_", "is_", "_is_", "_parse_to")
 _BACKWARD_FUNCS: set[Any] = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad}
 
+_KINDS: dict[Any, int] = {}  # op -> kind, shared by all watchers (an op's kind never changes)
 _ACTIVE: list[Watcher] = []
 _ACTIVE_LOCK = threading.Lock()
 
@@ -289,7 +290,7 @@ class Watcher:
         self.ops = 0
         self.findings: list[Finding] = []
         self.tracker = ModuleTracker(on_enter=self._on_enter)
-        self._kinds: dict[Any, int] = {}
+        self._kinds = _KINDS
         self._fmode = _FunctionWatcher(self)
         self._dmode = _DispatchWatcher(self)
         self._bw_roots: list[Any] = []
