@@ -10,7 +10,8 @@ Cases (step-time medians over interleaved rounds, so machine noise hits all of t
 - ``torchgpipe``: ``GPipe(model, balance=[8, 8], devices=['cpu', 'cpu'], chunks=8)`` with its
   default ``checkpoint='except_last'``, and with ``checkpoint='never'`` (like-for-like).
 - ``torchspan``: ``span(model, devices=['cpu', 'cpu'], balance=[8, 8], microbatches=8)``,
-  schedules gpipe and 1f1b, ``checkpoint='never'`` (torchspan's default) and ``'except_last'``.
+  schedules gpipe and 1f1b, ``checkpoint='never'`` (torchspan's default) and ``'except_last'``;
+  and ``workers='stage'`` (a thread per stage, intra-op threads split between them).
 
 With a GPU it also runs ``['cpu', 'cuda:0']`` and ``['cuda:0']`` for torchspan and the plain loop.
 
@@ -73,10 +74,14 @@ def torchgpipe_step(model: nn.Module, checkpoint: str) -> Callable[[torch.Tensor
     return step
 
 
-def torchspan_step(model: nn.Module, devices: list[str], schedule: str, checkpoint: str) -> Callable[[torch.Tensor, torch.Tensor], None]:
+def torchspan_step(
+    model: nn.Module, devices: list[str], schedule: str, checkpoint: str, workers: str = "device"
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
     half = len(model) // 2
     balance = [half, len(model) - half] if len(devices) == 2 else [len(model)]
-    spanned = torchspan.span(model, devices=devices, balance=balance, microbatches=CHUNKS, schedule=schedule, checkpoint=checkpoint)
+    spanned = torchspan.span(
+        model, devices=devices, balance=balance, microbatches=CHUNKS, schedule=schedule, checkpoint=checkpoint, workers=workers
+    )
     cuda = [torch.device(d) for d in devices if d.startswith("cuda")]
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -120,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         "torchspan gpipe never": torchspan_step(copy.deepcopy(base), ["cpu", "cpu"], "gpipe", "never"),
         "torchspan 1f1b never": torchspan_step(copy.deepcopy(base), ["cpu", "cpu"], "1f1b", "never"),
         "torchspan gpipe except_last": torchspan_step(copy.deepcopy(base), ["cpu", "cpu"], "gpipe", "except_last"),
+        # one thread per stage, 1 intra-op thread each: real overlap, but slower than intra-op parallelism on one CPU
+        "torchspan gpipe workers=stage": torchspan_step(copy.deepcopy(base), ["cpu", "cpu"], "gpipe", "never", "stage"),
     }
     for ck in ("except_last", "never"):
         fn = torchgpipe_step(copy.deepcopy(base), ck)
@@ -135,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:32s} {sec * 1e3:8.1f} ms")
     print()
     print(f"RATIO torchspan_gpipe/plain_loop {t['torchspan gpipe never'] / t['plain']:.3f} <=1.1 plain micro-batch loop, cpu")
+    print(f"RATIO torchspan_stage_threads/plain_loop {t['torchspan gpipe workers=stage'] / t['plain']:.3f} - plain loop, cpu (workers='stage')")
     print(f"RATIO torchspan_1f1b/plain_loop {t['torchspan 1f1b never'] / t['plain']:.3f} <=1.1 plain micro-batch loop, cpu")
     if "torchgpipe except_last" in t:
         print(

@@ -26,7 +26,7 @@ from ..hardware import to_device
 from .. import schedule as sched
 from .memory import ActivationMeter
 from .record import Recorder
-from .stream import Ready, transfer, use_device, wait_ready
+from .stream import Ready, copy_stream, transfer, use_device, wait_ready
 from .worker import Mailbox, run_workers
 
 __all__ = ["Pipeline", "autocast_for", "CHECKPOINTS", "PRECISIONS"]
@@ -93,7 +93,8 @@ class Pipeline:
         if sdev == ddev:
             box.put(key, ([v.detach() if isinstance(v, torch.Tensor) else v for v in values], spec, Ready()))
             return
-        with self.recorder.block(src, sdev, mb, "transfer"):
+        # On a GPU the copy runs on the source's copy stream: time it there, not on the compute stream.
+        with self.recorder.block(src, sdev, mb, "transfer", stream=copy_stream(sdev)):
             moved, ready = transfer(values, sdev, ddev)
         box.put(key, (moved, spec, ready))
 
@@ -107,6 +108,8 @@ class Pipeline:
             order = sched.merged_order(schedule, stages)
 
             def run(box: Mailbox) -> None:
+                if threads is not None and self.devices[stages[0]].type == "cpu":
+                    torch.set_num_threads(threads)
                 for action in order:
                     with use_device(self.devices[action.stage]):
                         try:
@@ -122,6 +125,9 @@ class Pipeline:
 
             return run
 
+        # Several CPU workers share the cores: split the intra-op threads between them (no oversubscription).
+        cpu_workers = sum(1 for g in self.groups if self.devices[g[0]].type == "cpu")
+        threads = max(1, torch.get_num_threads() // cpu_workers) if len(self.groups) > 1 and cpu_workers > 1 else None
         names = [f"torchspan-{self.devices[g[0]]}-stages-{'-'.join(map(str, g))}" for g in self.groups]
         run_workers([job(g) for g in self.groups], names=names)
 

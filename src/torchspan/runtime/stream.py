@@ -12,6 +12,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,17 +21,19 @@ import torch
 __all__ = ["copy_stream", "use_device", "transfer", "wait_ready", "Ready"]
 
 _copy_streams: dict[torch.device, Any] = {}
+_lock = threading.Lock()
 
 
 def copy_stream(device: torch.device) -> Any:
     """The dedicated copy stream of a CUDA ``device`` (created once); ``None`` elsewhere."""
     if device.type != "cuda":
         return None
-    stream = _copy_streams.get(device)
-    if stream is None:
-        stream = torch.cuda.Stream(device=device)
-        _copy_streams[device] = stream
-    return stream
+    with _lock:  # pragma: no cover - needs a GPU
+        stream = _copy_streams.get(device)
+        if stream is None:
+            stream = torch.cuda.Stream(device=device)
+            _copy_streams[device] = stream
+        return stream
 
 
 @contextlib.contextmanager

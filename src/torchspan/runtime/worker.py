@@ -102,6 +102,8 @@ def run_workers(jobs: Sequence[Callable[[Mailbox], None]], mailbox: Mailbox | No
         raise
     finally:
         box.clear()
+        # Workers may set their intra-op threads and MKL's count is process-wide: restore the caller's.
+        torch.set_num_threads(num_threads)
     if errors:
         exc = errors[0]
         raise exc.with_traceback(exc.__traceback__)
