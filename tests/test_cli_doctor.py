@@ -165,3 +165,12 @@ def test_script_exit_status_passes_through(tmp_path: Path, capsys: pytest.Captur
 def test_missing_script_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", str(tmp_path / "nope.py")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_terminal_output_uses_rich(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    code = main(["doctor", write(tmp_path, "loss.py", LOSS_WEIGHT)])
+    out = capsys.readouterr().out
+    assert code == EXIT_DEVICE_ERROR
+    assert "╭" in out or "┌" in out  # a rich panel, not the plain layout
+    assert "criterion.weight" in out and "criterion.to('meta')" in out

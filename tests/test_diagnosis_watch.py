@@ -325,3 +325,17 @@ def test_real_cuda_mismatch_and_legal_mixes() -> None:
         x * torch.tensor(2.0)  # CPU scalar: legal
         x[torch.tensor([0, 1])]  # CPU index: legal
         nn.utils.rnn.pack_padded_sequence(seq, torch.tensor([5, 4, 2]), batch_first=True)  # CPU lengths: legal
+
+
+def test_producers_are_kept_beside_tensors_not_on_them() -> None:
+    model = nn.Linear(2, 2)
+    with watch() as w:
+        out = model(torch.randn(1, 2))
+        w._prune_at = 10
+        for _ in range(50):
+            torch.randn(3) * 2  # short-lived tensors: their entries get pruned
+    assert vars(out) == {}  # nothing pickled or deep-copied along with the output
+    op, module = w.producer(out)
+    assert module is model and op is torch.nn.functional.linear
+    assert len(w._src) <= 20
+    assert w.producer(torch.randn(1)) is None

@@ -14,7 +14,7 @@ Usage::
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -23,9 +23,7 @@ from torch import nn
 from .naming import Location, Namer, op_name
 from .report import Finding, TensorArg
 
-__all__ = ["DeviceMismatchError", "describe_tensors", "expected_device", "build_fix", "SRC_ATTR", "FACTORY_NAMES", "is_factory", "py_path"]
-
-SRC_ATTR = "_torchspan_src"  # set on op outputs by the watcher: (func, module or None)
+__all__ = ["DeviceMismatchError", "describe_tensors", "expected_device", "build_fix", "FACTORY_NAMES", "is_factory", "py_path"]
 
 FACTORY_NAMES = frozenset(
     "tensor as_tensor ones zeros full empty rand randn randint arange linspace eye scalar_tensor".split()
@@ -122,16 +120,22 @@ def _is_cpu_scalar(t: torch.Tensor) -> bool:
 
 
 def describe_tensors(
-    pairs: Sequence[tuple[str, torch.Tensor]], namer: Namer, phase: str
+    pairs: Sequence[tuple[str, torch.Tensor]],
+    namer: Namer,
+    phase: str,
+    producer: Callable[[torch.Tensor], tuple[Any, nn.Module | None] | None] = lambda t: None,
 ) -> tuple[list[TensorArg], dict[int, Any]]:
-    """Describe each ``(label, tensor)``; also return ``{index: producing op}`` for factory-made tensors."""
+    """Describe each ``(label, tensor)``; also return ``{index: producing op}`` for factory-made tensors.
+
+    ``producer(t)`` gives ``(op, module)`` for tensors made while watching.
+    """
     out: list[TensorArg] = []
     factories: dict[int, Any] = {}
     for i, (label, t) in enumerate(pairs):
         kind, name, origin = "tensor", None, None
         named = namer.tensor(t)
         var = namer.variable(t)
-        src = getattr(t, SRC_ATTR, None)
+        src = producer(t)
         if named is not None:
             kind, name = named
         elif src is not None:

@@ -25,6 +25,7 @@ import re
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -33,7 +34,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .mismatch import SRC_ATTR, DeviceMismatchError, build_fix, describe_tensors, expected_device, is_factory, py_path
+from .mismatch import DeviceMismatchError, build_fix, describe_tensors, expected_device, is_factory, py_path
 from .naming import Namer, op_name
 from .report import Finding, TensorArg
 from .tracking import ModuleTracker, node_module
@@ -59,6 +60,8 @@ _SKIP_NAMES = frozenset(
 _SKIP_PREFIXES = ("_has_", "is_", "_is_", "_parse_to")
 _BACKWARD_FUNCS: set[Any] = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad}
 
+_PRUNE_AT = 50_000
+_ref = weakref.ref
 _KINDS: dict[Any, int] = {}  # op -> kind, shared by all watchers (an op's kind never changes)
 _ACTIVE: list[Watcher] = []
 _ACTIVE_LOCK = threading.Lock()
@@ -222,14 +225,17 @@ class _FunctionWatcher(TorchFunctionMode):
         out = func(*args, **kwargs)
         if kind != _NOTAG:
             stack = owner.tracker.stack
-            src = (func, stack[-1] if stack else None)
+            mod = stack[-1] if stack else None
+            src = owner._src
             if type(out) is _Tensor:
                 if not args or out is not args[0]:
-                    setattr(out, SRC_ATTR, src)
+                    src[id(out)] = (_ref(out), func, mod)
             elif type(out) is tuple:
                 for o in out:
                     if type(o) is _Tensor:
-                        setattr(o, SRC_ATTR, src)
+                        src[id(o)] = (_ref(o), func, mod)
+            if len(src) > owner._prune_at:
+                owner._prune()
         return out
 
 
@@ -254,7 +260,7 @@ class _DispatchWatcher(TorchDispatchMode):
             return owner._on_mismatch(func, args, kwargs, "backward")
         out = func(*args, **kwargs)
         if kind == _FACTORY and type(out) is _Tensor:
-            setattr(out, SRC_ATTR, (func, None))
+            owner._src[id(out)] = (_ref(out), func, None)
         return out
 
 
@@ -294,9 +300,25 @@ class Watcher:
         self._fmode = _FunctionWatcher(self)
         self._dmode = _DispatchWatcher(self)
         self._bw_roots: list[Any] = []
+        # id(tensor) -> (weakref, producing op, running module): who made each activation. Kept
+        # beside the tensor, not on it, so pickling or deep-copying outputs never drags modules along.
+        self._src: dict[int, tuple[Any, Any, nn.Module | None]] = {}
+        self._prune_at = _PRUNE_AT
         self._dp_warned: set[int] = set()
         self._outer: Watcher | None = None
         self._thread = threading.get_ident()
+
+    def _prune(self) -> None:
+        """Forget producers of tensors that no longer exist; grow the bound if most are alive."""
+        self._src = {k: v for k, v in self._src.items() if v[0]() is not None}
+        self._prune_at = max(_PRUNE_AT, 2 * len(self._src))
+
+    def producer(self, t: _Tensor) -> tuple[Any, nn.Module | None] | None:
+        """``(op, module)`` that produced ``t`` while watching, or None."""
+        entry = self._src.get(id(t))
+        if entry is not None and entry[0]() is t:
+            return entry[1], entry[2]
+        return None
 
     @property
     def modules_run(self) -> int:
@@ -314,6 +336,7 @@ class Watcher:
                 # Nested watch (e.g. torchspan.doctor(run=True) inside `torchspan doctor script.py`):
                 # the outer watcher keeps checking; we only add our names to it.
                 self._outer = outer
+                self._src = outer._src
                 outer.named.update({k: v for k, v in self.named.items() if k not in outer.named})
                 return self
             _ACTIVE.append(self)
@@ -509,7 +532,7 @@ class Watcher:
             module, exact = self.tracker.current(), True
         if running_opt is not None and module is None:
             phase = "optimizer step"
-        tensors, factories = describe_tensors(_label_pairs(func, args, kwargs), namer, phase)
+        tensors, factories = describe_tensors(_label_pairs(func, args, kwargs), namer, phase, self.producer)
         expected = expected_device(tensors, module)
         for t in tensors:
             t.odd = t.device != expected and not (t.device == "cpu" and t.shape == ())
