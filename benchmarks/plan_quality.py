@@ -9,9 +9,12 @@ For each model (uneven MLP, transformer stack, conv net) and cluster of *describ
 
 The models are small enough to profile here, so budgets are scaled to make them behave like
 models that need several devices: the accelerators' budgets are proportional to their datasheet
-memory and add up to ``share`` x the model's training state (parameters + gradients + Adam state):
-1.5x on homogeneous and mixed (the model needs two or more GPUs), 0.7x on tight_cpu (at least 30%
-of the state must live on the CPU, the situation of ``seeds/000``). The CPU keeps its real memory.
+memory and add up to ``share`` x what the whole model needs on one device at its most frugal
+setting (parameters, gradients, Adam state, buffers, and activations with the most micro-batches,
+1F1B and checkpointing: the figure a ``PlanError`` prints): 1.5x on homogeneous and mixed (no
+single GPU holds the model, not even the largest), 0.7x on tight_cpu (part of it must live on the
+CPU, the situation of ``seeds/000``); but never less than 1.1x the largest layer's need, so that
+every device can hold some layer. The CPU keeps its real memory.
 
 the script profiles the model once (``torchspan.profile(..., measure=False)``: FLOP/byte estimates
 for the described GPUs, and for this CPU from its measured speed), then plans with
@@ -45,7 +48,10 @@ from torch import nn
 
 import torchspan
 from torchspan.hardware import format_bytes
+from torchspan.planner import PlanError
 from torchspan.planner.baselines import STRATEGIES, baseline
+from torchspan.planner.diagnose import frugal_needs
+from torchspan.planner.search import settings_grid
 from torchspan.planner.search import search
 from torchspan.profiler import LayerCost, Profile
 
@@ -81,8 +87,7 @@ def conv_net(quick: bool) -> tuple[nn.Module, torch.Tensor]:
     layers: list[nn.Module] = []
     for a, b in zip(chans, chans[1:]):
         layers += [nn.Sequential(nn.Conv2d(a, b, 3, padding=1), nn.ReLU()), nn.Sequential(nn.Conv2d(b, b, 3, padding=1), nn.ReLU()), nn.MaxPool2d(2)]
-    side = (32 if quick else 64) // 2 ** (len(chans) - 1)
-    layers += [nn.Flatten(), nn.Linear(chans[-1] * side * side, 1024), nn.ReLU(), nn.Linear(1024, 10)]
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(chans[-1], 1024), nn.ReLU(), nn.Linear(1024, 10)]
     size = 32 if quick else 64
     return nn.Sequential(*layers), torch.randn(64, 3, size, size)
 
@@ -111,13 +116,19 @@ def run_case(model_name: str, cluster: str, quick: bool) -> None:
     t0 = time.perf_counter()
     prof = torchspan.profile(model, x, devs, optimizer="adam", measure=False)
     t_profile = time.perf_counter() - t0
-    state = sum(lay.state_bytes for lay in prof.layers)
+    # what the whole model needs on one device at its most frugal setting (most micro-batches, 1F1B,
+    # checkpointing): the same figure a PlanError prints
+    need, largest, _ = frugal_needs(prof, settings_grid(prof.batch_size, "auto", "auto", "auto"))
     accel = [d for d in prof.devices if d.kind != "cpu"]
     sheet = sum(d.total_memory or 0 for d in accel)
-    for d in accel:
-        d.budget = int(share * state * (d.total_memory or 0) / sheet)
+    for d in accel:  # ... but every device holds the largest layer, so that every placement rule has a chance
+        d.budget = int(max(share * need * (d.total_memory or 0) / sheet, 1.1 * largest))
     t0 = time.perf_counter()
-    plan = search(prof)
+    try:
+        plan = search(prof)
+    except PlanError as err:
+        print(f"\n== {model_name} on {cluster}: no plan fits these budgets\n{err}")
+        return
     t_search = time.perf_counter() - t0
     assert plan.predicted_step_time is not None
     ours = plan.batch_size / plan.predicted_step_time

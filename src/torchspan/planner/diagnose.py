@@ -18,7 +18,7 @@ from .cost import INF, CostModel
 from .errors import PlanError
 from .search import _Solver, microbatch_candidates
 
-__all__ = ["explain_no_fit", "fits"]
+__all__ = ["explain_no_fit", "fits", "frugal_needs"]
 
 Setting = tuple[int, str, str]
 
@@ -72,7 +72,7 @@ def _smallest(lo: int, hi: int, ok) -> int | None:  # type: ignore[no-untyped-de
     return hi
 
 
-def _frugal_needs(profile: Profile, settings: Sequence[Setting]) -> tuple[int, int, str]:
+def frugal_needs(profile: Profile, settings: Sequence[Setting]) -> tuple[int, int, str]:
     """(whole model on one device, largest single layer, its name) at the most frugal setting."""
     whole, largest, name = None, None, ""
     L = len(profile.layers)
@@ -104,7 +104,7 @@ def explain_no_fit(profile: Profile, settings: Sequence[Setting]) -> PlanError:
     """A ``PlanError`` with needed vs available memory per device and checked ways to make it fit."""
     devs = profile.devices
     L = len(profile.layers)
-    whole, largest, largest_name = _frugal_needs(profile, settings)
+    whole, largest, largest_name = frugal_needs(profile, settings)
     ms = sorted({m for m, _, _ in settings})
     scheds = sorted({s for _, s, _ in settings})
     ckpts = sorted({c for _, _, c in settings})
