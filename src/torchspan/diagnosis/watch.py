@@ -550,8 +550,8 @@ class Watcher:
         fix = build_fix(tensors, expected, module_path, module, location, factories)
         if original is None:
             fix += (
-                f" (PyTorch did not refuse this op because one side is on 'meta', whose kernels skip device checks; "
-                f"on real devices it raises)"
+                " (PyTorch did not refuse this op because one side is on 'meta', whose kernels skip device checks; "
+                "on real devices it raises)"
             )
         return DeviceMismatchError(
             op=op_name(func),
