@@ -44,16 +44,17 @@ def random_profile(rng: random.Random, n_layers: int, devices: list[Device], bat
     layers = []
     for k in range(n_layers):
         jitter = [s * rng.uniform(0.5, 2.0) for s in speeds]
-        layers.append(
-            layer(
-                f"l{k}",
-                params=rng.randint(0, 4000),
-                act=rng.uniform(0, 400),
-                out=rng.uniform(1, 200),
-                speeds=jitter,
-                fixed=rng.uniform(0, 1e-4),
-            )
+        lay = layer(
+            f"l{k}",
+            params=rng.randint(0, 4000),
+            act=rng.uniform(0, 400),
+            out=rng.uniform(1, 200),
+            speeds=jitter,
+            fixed=rng.uniform(0, 1e-4),
         )
+        lay.shared_activation_bytes = rng.uniform(0, 100)
+        lay.activation_fixed_bytes = rng.uniform(0, 50)
+        layers.append(lay)
     return Profile(layers=layers, devices=devices, batch_size=batch, input_bytes=rng.uniform(1, 100), optimizer="adam")
 
 

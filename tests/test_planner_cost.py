@@ -126,3 +126,15 @@ def test_uneven_microbatches_use_the_largest_chunk() -> None:
     prof = two_layer_profile(batch=7)
     cm = CostModel(prof, 2, "gpipe", "never")
     assert cm.b == 4
+
+
+def test_a_stage_starting_mid_model_holds_its_copy_of_shared_saved_tensors() -> None:
+    prof = two_layer_profile()
+    prof.layers[1].shared_activation_bytes = 3.0  # per sample, also saved by layer 'a'
+    prof.layers[1].activation_fixed_bytes = 7.0  # per call
+    cm = CostModel(prof, 4, "gpipe", "never")
+    split = cm.evaluate([Stage(0, 0, 1), Stage(1, 1, 2)])
+    whole = cm.evaluate([Stage(0, 0, 2)])
+    b = 2
+    assert split.memory[1].activations == 4 * (7.0 + b * 20.0 + b * 3.0)
+    assert whole.memory[0].activations == 4 * (b * 10.0 + 7.0 + b * 20.0)  # shared bytes counted once

@@ -34,8 +34,9 @@ they differ in memory. The optimizer step and Python overheads are not modelled.
 
 Memory of stage ``s`` on its device (bytes), with ``k`` micro-batches in flight (GPipe: ``k = M``;
 1F1B: ``k = min(M, S - s)``), and per micro-batch (``fixed + b * per_sample`` from the profile)
-``A`` the stage's saved activations, ``in`` its input boundary and ``out_max`` its largest layer
-output:
+``A`` the stage's saved activations (plus, for a stage that does not start at layer 0, the copy of
+saved tensors its first layer shares with the layer before: ``shared_activation_bytes``), ``in``
+its input boundary and ``out_max`` its largest layer output:
 
     state       = params + grads + optimizer state + buffers
     activations = never: k*A;  except_last: (k-1)*in + A;  always: k*in + A
@@ -219,6 +220,9 @@ class CostModel:
         b = self.b
         # bytes per micro-batch: per-sample figures times b plus any per-call part
         self.P_act = _prefix([getattr(lay, "activation_fixed_bytes", 0.0) + b * lay.activation_bytes for lay in layers])
+        # saved tensors a layer shares with earlier layers: a stage starting there holds its own copy
+        self.shared = np.array([b * getattr(lay, "shared_activation_bytes", 0.0) for lay in layers] + [0.0])
+        self.shared[0] = 0.0
         self.out = np.array([getattr(lay, "output_fixed_bytes", 0.0) + b * lay.output_bytes for lay in layers])
         # input boundary of a stage starting at layer i
         self.inb = np.concatenate([[b * float(profile.input_bytes)], self.out[:-1]])
@@ -254,7 +258,7 @@ class CostModel:
         """Predicted bytes of stages ``[i, j)`` (``j > i``) holding ``k`` micro-batches, vectorised."""
         i = np.asarray(i, dtype=np.int64)
         j = np.asarray(j, dtype=np.int64)
-        act = self.P_act[j] - self.P_act[i]
+        act = self.P_act[j] - self.P_act[i] + self.shared[i]
         inb = self.inb[i]
         if self.checkpoint == "never":
             acts = k * act
@@ -267,7 +271,7 @@ class CostModel:
 
     def stage_memory(self, start: int, end: int, k: int) -> StageMemory:
         """Bytes by kind for layers ``[start, end)`` holding ``k`` micro-batches."""
-        act = self.P_act[end] - self.P_act[start]
+        act = self.P_act[end] - self.P_act[start] + self.shared[start]
         inb = self.inb[start]
         if self.checkpoint == "never":
             acts = k * act
