@@ -50,7 +50,8 @@ class ActivationMeter:
         self.peak = [0] * stages
         self._refs: list[dict[tuple[int, str], list[int]]] = [{} for _ in range(stages)]
         self._exclude: set[tuple[int, str]] = set()
-        self._lock = threading.Lock()
+        # re-entrant: a garbage collection inside ``hold`` may finalize another holder in this thread
+        self._lock = threading.RLock()
 
     def reset(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         """Start a new peak from what is alive now; ``exclude`` (parameters, buffers) is never counted."""
