@@ -48,3 +48,25 @@ def test_budget_too_small_for_any_split_raises_plan_error() -> None:
     net = model()
     with pytest.raises(PlanError, match="no placement"):
         torchspan.plan(net, torch.randn(8, 16), devices=["cpu", "cpu"], memory={"cpu": "4KiB"})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_budget_too_small_spills_to_the_cpu_and_trains() -> None:
+    net = model()
+    reference = copy.deepcopy(net)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    roomy = torchspan.plan(net, x, devices="cuda:0,cpu")
+    whole = sum(s.total_bytes for s in roomy.stages)
+    budget = int(whole * 0.6)
+    plan = torchspan.plan(net, x, devices="cuda:0,cpu", memory={"cuda:0": budget})
+    assert set(plan.devices) == {"cuda:0", "cpu"}
+    assert all(s.total_bytes <= budget for s in plan.stages if s.device == "cuda:0")
+    spanned = torchspan.span(net, plan)
+    assert spanned.stages == [(s.device, s.layers) for s in plan.stages]
+    loss = spanned.train_step(x, y, nn.functional.mse_loss)
+    ref_loss = nn.functional.mse_loss(reference(x), y)
+    ref_loss.backward()
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-4)
+    for (name, p), (_, q) in zip(net.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-3, atol=1e-5, msg=name)
