@@ -53,9 +53,11 @@ def test_budget_too_small_for_any_split_raises_plan_error() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_budget_too_small_spills_to_the_cpu_and_trains() -> None:
-    net = model()
+    torch.manual_seed(0)
+    # wide layers, so that the GPU is clearly faster and the planner uses it as far as the budget allows
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(2048, 2048), nn.Tanh()) for _ in range(4)], nn.Linear(2048, 4))
     reference = copy.deepcopy(net)
-    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    x, y = torch.randn(64, 2048), torch.randn(64, 4)
     roomy = torchspan.plan(net, x, devices="cuda:0,cpu")
     whole = sum(s.total_bytes for s in roomy.stages)
     budget = int(whole * 0.6)
