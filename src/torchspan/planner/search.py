@@ -20,7 +20,8 @@ How (exact for the cost model, up to a relative ``rtol``, default 1e-9):
   1F1B in-flight count and thus its memory.
 * ``minsum(tau)`` is a non-increasing step function; the step time is ``minsum(tau) + (M-1)*tau``.
   A branch and bound over ``tau`` (evaluate, bound each interval by ``minsum(top) + (M-1)*low``,
-  bisect) finds its minimum. Micro-batch counts are bounded the same way and pruned.
+  bisect) finds its minimum. Settings (micro-batch counts, checkpoint modes) are visited in order
+  of their lower bound (exact min sum + (M-1) * bottleneck floor) and pruned against the best so far.
 * Dominated settings are skipped under ``"auto"``: 1F1B has GPipe's time with no more memory, and
   ``except_last`` has ``always``'s memory saving at less recompute (``tests/test_planner_search.py``
   checks both against brute force over every setting).
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import heapq
 import math
+
 import numpy as np
 
 from ..profiler import Profile
