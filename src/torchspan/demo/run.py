@@ -31,6 +31,7 @@ from ..planner.plan import Plan
 from ..timeline import Event
 from .corpus import Corpus, build_corpus
 from .model import CharTransformer, generate, lm_loss
+from .placement import demo_plan
 
 __all__ = ["run_demo", "DemoResult", "DemoConfig", "DEFAULT_STEPS"]
 
@@ -142,7 +143,10 @@ def run_demo(
     schedule: str | None = None,
     microbatches: int | str | None = None,
 ) -> DemoResult:
-    """Train the demo language model with ``torchspan.plan`` + ``span`` and write the report to ``out``.
+    """Train the demo language model with the planner + ``span`` and write the report to ``out``.
+
+    With several devices listed explicitly (``"cpu,cpu"``) the model is spread over all of them,
+    as ``demo.placement`` explains, so the pipeline shows even where one device would be faster.
 
     ``devices``/``memory`` are as for ``torchspan.devices``; a tight budget on the first device
     pushes layers to the next one. ``schedule``/``microbatches`` override the planner's choice
@@ -175,11 +179,12 @@ def run_demo(
     gen = torch.Generator().manual_seed(cfg.seed)
     example, _ = corpus.batch(cfg.batch_size, cfg.seq_len, gen)
     with con.status("profiling the model and planning ..."):
-        plan = torchspan.plan(
-            model, example, devices=devs, optimizer="adam", microbatches=cfg.microbatches, schedule=cfg.schedule
-        )  # budgets ride on devs
+        spread = len(devs) > 1 and not (isinstance(devices, str) and devices.strip().lower() == "auto")
+        plan = demo_plan(model, example, devs, spread=spread, microbatches=cfg.microbatches, schedule=cfg.schedule)
     plan.save(out_dir / "plan.json")
     con.print(_plan_table(plan))
+    for note in plan.notes:
+        con.print(f"[dim]note: {note}[/dim]")
 
     spanned = torchspan.span(model, plan)
     optimizer = torch.optim.AdamW(spanned.parameters(), lr=cfg.lr)
@@ -210,13 +215,13 @@ def run_demo(
             losses.append(value)
             elapsed = time.perf_counter() - t_start
             if step == 0 or step % 10 == 9 or step == cfg.steps - 1:
-                mem_text = _memory_text(spanned.memory())
+                mem_text = _memory_text(spanned.memory(optimizer))
             progress.update(task, advance=1, loss=f"{value:.3f}", speed=f"{tokens * (step + 1) / elapsed:,.0f}", mem=mem_text)
     seconds = time.perf_counter() - t_start
     tokens_per_second = tokens * cfg.steps / seconds
 
     events = list(spanned.timeline())
-    mem = spanned.memory()
+    mem = spanned.memory(optimizer)
     sample = ""
     if cfg.sample_chars:
         ids = generate(spanned.module, corpus.encode(cfg.prompt), cfg.sample_chars, generator=gen)

@@ -1,0 +1,80 @@
+"""The demo's plan: ``torchspan.plan``'s choice, spread over every listed device when asked.
+
+On a machine whose listed devices share the same cores (``--devices cpu,cpu``) the planner rightly
+keeps the whole model on one of them: a pipeline cannot be faster there. The demo exists to show
+the pipeline, so when several devices are listed it also finds, with the planner's own cost model,
+the fastest placement that uses every one of them in the order given, runs that, and says in the
+plan's notes what the planner alone chose and what each is predicted to cost.
+
+Usage: ``plan = demo_plan(model, example, devs, spread=True)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from torch import nn
+
+from ..hardware import Device
+from ..planner.cost import CostModel, Stage
+from ..planner.plan import Plan
+from ..planner.search import search, settings_grid
+from ..profiler import Profile, profile
+
+__all__ = ["demo_plan", "spread_plan"]
+
+
+def spread_plan(prof: Profile, *, microbatches: int | str = "auto", schedule: str = "auto", checkpoint: str = "auto") -> Plan | None:
+    """The fastest fitting plan with one stage on each of ``prof.devices``, in order; ``None`` if none fits.
+
+    Exhaustive over contiguous cuts and the planner's settings grid, scored by ``CostModel`` (the
+    demo's models have a handful of layers, so this is small).
+    """
+    n_layers, n_devs = len(prof.layers), len(prof.devices)
+    if n_devs < 2 or n_layers < n_devs:
+        return None
+    best: tuple[float, CostModel, Any] | None = None
+    settings = settings_grid(prof.batch_size, microbatches, schedule, checkpoint)
+    for cuts in itertools.combinations(range(1, n_layers), n_devs - 1):
+        bounds = (0, *cuts, n_layers)
+        stages = [Stage(d, bounds[d], bounds[d + 1]) for d in range(n_devs)]
+        for m, s, c in settings:
+            cm = CostModel(prof, m, s, c)
+            ev = cm.evaluate(stages)
+            if ev.fits and (best is None or ev.step_time < best[0]):
+                best = (ev.step_time, cm, ev)
+    if best is None:
+        return None
+    _, cm, ev = best
+    return cm.to_plan(ev, "torchspan")
+
+
+def demo_plan(
+    model: nn.Module,
+    example: Any,
+    devs: list[Device],
+    *,
+    spread: bool,
+    microbatches: int | str = "auto",
+    schedule: str = "auto",
+    optimizer: str = "adam",
+) -> Plan:
+    """``torchspan.plan``'s plan for ``devs``; with ``spread`` and fewer stages than devices, one using them all."""
+    prof = profile(model, example, devs, optimizer=optimizer)
+    chosen = search(prof, microbatches=microbatches, schedule=schedule)
+    if not spread or len(chosen.stages) >= len(devs):
+        return chosen
+    wide = spread_plan(prof, microbatches=microbatches, schedule=schedule)
+    if wide is None:
+        chosen.notes.append(f"demo: no placement over all {len(devs)} listed devices fits their budgets; running the planner's choice")
+        return chosen
+    ms = lambda p: f"{p.predicted_step_time * 1e3:.1f} ms" if p.predicted_step_time is not None else "?"
+    wide.notes.append(
+        f"demo: spread over all {len(devs)} listed devices to show the pipeline (predicted {ms(wide)} per step); "
+        f"torchspan.plan alone keeps {len(chosen.stages)} stage(s) (predicted {ms(chosen)}) because these devices share cores"
+        if len({str(d.device) for d in devs}) < len(devs)
+        else f"demo: spread over all {len(devs)} listed devices (predicted {ms(wide)} per step); "
+        f"torchspan.plan alone picks {len(chosen.stages)} stage(s) (predicted {ms(chosen)})"
+    )
+    return wide

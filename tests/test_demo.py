@@ -1,0 +1,136 @@
+"""Tests for the demo: corpus, model, and ``run_demo`` end to end into a temporary folder."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+from torchspan import report
+from torchspan.cli import main
+from torchspan.demo.corpus import ALPHABET, build_corpus, grammar_text, package_text
+from torchspan.demo.model import CharTransformer, generate, lm_loss
+from torchspan.demo.run import DemoConfig, run_demo
+from torchspan.planner.plan import Plan
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SMALL = dict(batch_size=8, seq_len=16, dim=32, depth=2, heads=2, sample_chars=20, lr=1e-2)
+
+
+def quiet() -> Console:
+    return Console(file=io.StringIO(), width=120)
+
+
+# --------------------------------------------------------------------------- corpus and model
+
+
+def test_package_corpus_is_torchspans_own_source():
+    text = package_text()
+    assert "# file: torchspan/report.py" in text
+    assert "# file: torchspan/demo/corpus.py" in text
+    assert "def package_text" in text  # this very function is part of the corpus
+    corpus = build_corpus("package")
+    assert corpus.vocab_size == len(ALPHABET)
+    assert corpus.decode(corpus.data[:200]) == "".join(c if c in ALPHABET else "?" for c in text[:200])
+
+
+def test_grammar_is_deterministic_and_batches_shift_by_one():
+    assert grammar_text(50, seed=1) == grammar_text(50, seed=1) != grammar_text(50, seed=2)
+    corpus = build_corpus("grammar")
+    x, y = corpus.batch(4, 12, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (4, 12)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    with pytest.raises(ValueError, match="source='poems'"):
+        build_corpus("poems")
+    with pytest.raises(ValueError, match="seq_len=10000000"):
+        corpus.batch(1, 10_000_000, torch.Generator())
+
+
+def test_model_layers_are_top_level_children_and_generate_runs():
+    model = CharTransformer(len(ALPHABET), dim=16, depth=3, heads=2, seq_len=8)
+    assert [n for n, _ in model.named_children()] == ["embed", "block0", "block1", "block2", "norm", "head"]
+    ids = torch.randint(0, len(ALPHABET), (2, 8))
+    logits = model(ids)
+    assert logits.shape == (2, 8, len(ALPHABET))
+    assert lm_loss(logits, ids).item() > 0
+    new = generate(model, ids[0, :3], 12, generator=torch.Generator().manual_seed(0))
+    assert new.shape == (12,) and int(new.max()) < len(ALPHABET)
+    with pytest.raises(ValueError, match="dim=10 must divide by heads=3"):
+        CharTransformer(10, dim=10, heads=3)
+    with pytest.raises(ValueError, match=r"CharTransformer\(depth=0\)"):
+        CharTransformer(10, depth=0)
+    with pytest.raises(ValueError, match="seq_len <= 8"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_demo_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="steps=0"):
+        DemoConfig(steps=0)
+    with pytest.raises(ValueError, match="lr=nan"):
+        DemoConfig(lr=float("nan"))
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def check_outputs(out: Path) -> None:
+    plan = Plan.load(out / "plan.json")
+    assert plan.layers[0] == "embed" and plan.layers[-1] == "head"
+    json.loads((out / "losses.json").read_text())
+    text = (out / "report.md").read_text()
+    for name in ("loss.png", "timeline.png", "memory.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == PNG_MAGIC, f"{name} is not a PNG"
+        assert f"]({name})" in text
+
+
+def check_timeline(result) -> None:
+    events = result.events
+    assert events, "the runtime recorded no timeline events"
+    assert report.timeline_problems(events) == []
+    last = max(e.step for e in events)
+    step_events = [e for e in events if e.step == last]
+    stages = {e.stage for e in step_events}
+    assert stages == set(range(len(result.plan.stages)))
+    for s in stages:
+        fwd = {e.microbatch for e in step_events if e.stage == s and e.kind == "forward"}
+        bwd = {e.microbatch for e in step_events if e.stage == s and e.kind == "backward"}
+        assert fwd == bwd and len(fwd) == min(result.plan.microbatches, SMALL["batch_size"])
+
+
+def test_run_demo_two_stage_pipeline_writes_everything(tmp_path):
+    result = run_demo(devices="cpu,cpu", steps=3, out=tmp_path / "demo", console=quiet(), config=DemoConfig(**SMALL))
+    check_outputs(tmp_path / "demo")
+    check_timeline(result)
+    assert len(result.losses) == 3 and result.tokens_per_second > 0
+    assert result.sample.startswith("def ") and len(result.sample) == 4 + SMALL["sample_chars"]
+    assert set(result.files) >= {"plan", "report", "loss", "timeline", "memory"}
+
+
+def test_run_demo_loss_falls(tmp_path):
+    result = run_demo(devices="cpu", steps=40, out=tmp_path, console=quiet(), config=DemoConfig(**SMALL))
+    first, last = result.losses[0], sum(result.losses[-5:]) / 5
+    assert last < first - 0.5, f"loss did not fall: {first:.3f} -> {last:.3f}"
+
+
+def test_tight_budget_spills_to_second_device(tmp_path):
+    model = CharTransformer(len(ALPHABET), dim=SMALL["dim"], depth=SMALL["depth"], heads=SMALL["heads"], seq_len=SMALL["seq_len"])
+    state = sum(p.numel() for p in model.parameters()) * 4 * 4  # params, grads, two Adam moments
+    budget = int(state * 0.7)
+    result = run_demo(
+        devices="cpu,cpu", memory={"cpu": budget}, steps=2, out=tmp_path, console=quiet(), config=DemoConfig(**SMALL)
+    )
+    assert len(result.plan.stages) == 2, str(result.plan)
+    for stage in result.plan.stages:
+        assert stage.total_bytes <= budget, str(result.plan)
+
+
+def test_cli_demo(tmp_path, capsys):
+    assert main(["demo", "--steps", "0", "--out", str(tmp_path)]) == 2
+    assert "--steps 0 must be >= 1" in capsys.readouterr().err
+    assert main(["demo", "--devices", "cpu", "--memory", "cuda:0=1GiB", "--steps", "1", "--out", str(tmp_path)]) == 2
+    assert "memory['cuda:0']" in capsys.readouterr().err
