@@ -2,6 +2,7 @@
 
 One run, both measured interleaved (plain, watched, plain, watched, ...) so machine noise hits
 both alike; prints the median times and their ratio. The goal is <= 1.5x on a realistic model.
+Also prints ``RATIO <name> <value> <goal> <anchor>`` lines (read by ``torchspan bench``; ``--quick``).
 A tiny model is measured too, to show the fixed per-op cost where ops are almost free.
 
 Usage::
@@ -85,7 +86,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: PyTorch's default)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall time, or this process's CPU time")
+    ap.add_argument("--quick", action="store_true", help="at most 10 steps (for torchspan bench --quick)")
     args = ap.parse_args()
+    if args.quick:
+        args.steps = min(args.steps, 10)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(
@@ -102,6 +106,8 @@ def main() -> None:
             f"{label:18s} width={width} depth={depth} batch={batch}x{tokens}: plain {plain * 1e3:8.2f} ms, "
             f"watched {watched * 1e3:8.2f} ms, ratio {watched / plain:5.2f}x, {ops} ops checked/step"
         )
+        goal = "<=1.5" if label == "realistic" else "-"
+        print(f"RATIO doctor_watch/plain_{label.split()[0]} {watched / plain:.3f} {goal} plain forward+backward, same model")
 
 
 if __name__ == "__main__":
