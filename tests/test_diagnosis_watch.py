@@ -11,7 +11,7 @@ from torch import nn
 
 import torchspan
 from torchspan.diagnosis import DeviceMismatchError, watch
-from torchspan.diagnosis.watch import active_watcher
+from torchspan.diagnosis.watcher import active_watcher
 
 
 class ToyModel(nn.Module):
@@ -327,11 +327,13 @@ def test_real_cuda_mismatch_and_legal_mixes() -> None:
         nn.utils.rnn.pack_padded_sequence(seq, torch.tensor([5, 4, 2]), batch_first=True)  # CPU lengths: legal
 
 
-def test_producers_are_kept_beside_tensors_not_on_them() -> None:
+def test_producers_are_kept_beside_tensors_not_on_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torchspan.diagnosis.watcher as watch_module
+
+    monkeypatch.setattr(watch_module, "_PRUNE_AT", 10)  # prune often, and keep pruning after the first time
     model = nn.Linear(2, 2)
     with watch() as w:
         out = model(torch.randn(1, 2))
-        w._prune_at = 10
         for _ in range(50):
             torch.randn(3) * 2  # short-lived tensors: their entries get pruned
     assert vars(out) == {}  # nothing pickled or deep-copied along with the output

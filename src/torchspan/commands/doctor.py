@@ -27,7 +27,7 @@ from ..diagnosis.audit import audit_dataparallel, audit_modules, audit_optimizer
 from ..diagnosis.mismatch import DeviceMismatchError
 from ..diagnosis.naming import find_in_frames, traceback_frames
 from ..diagnosis.report import Finding, Report
-from ..diagnosis.watch import watch
+from ..diagnosis.watcher import watch
 from ._common import console, print_json
 
 __all__ = ["register", "run", "run_script", "ScriptOutcome", "EXIT_DEVICE_ERROR"]

@@ -13,6 +13,6 @@ from __future__ import annotations
 from .audit import doctor
 from .mismatch import DeviceMismatchError
 from .report import Finding, Report, TensorArg
-from .watch import watch
+from .watcher import watch
 
 __all__ = ["doctor", "watch", "Report", "Finding", "TensorArg", "DeviceMismatchError"]

@@ -23,7 +23,7 @@ from torch import nn
 
 from .mismatch import DeviceMismatchError
 from .report import Finding, Report
-from .watch import dataparallel_inert_finding, watch
+from .watcher import dataparallel_inert_finding, watch
 
 __all__ = [
     "doctor",
