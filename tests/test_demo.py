@@ -134,3 +134,17 @@ def test_cli_demo(tmp_path, capsys):
     assert "--steps 0 must be >= 1" in capsys.readouterr().err
     assert main(["demo", "--devices", "cpu", "--memory", "cuda:0=1GiB", "--steps", "1", "--out", str(tmp_path)]) == 2
     assert "memory['cuda:0']" in capsys.readouterr().err
+
+
+def test_spread_plan_uses_every_device_as_a_real_pipeline():
+    from torchspan.demo.placement import spread_plan
+    from torchspan.hardware import devices
+    from torchspan.profiler import profile
+
+    model = CharTransformer(len(ALPHABET), dim=16, depth=2, heads=2, seq_len=8)
+    prof = profile(model, torch.randint(0, len(ALPHABET), (8, 8)), devices("cpu,cpu"), measure=False)
+    plan = spread_plan(prof)
+    assert plan is not None and plan.devices == ["cpu", "cpu"]
+    assert plan.layers == ["embed", "block0", "block1", "norm", "head"]
+    assert plan.microbatches >= 4  # at least two per stage, so the pipeline shows
+    assert spread_plan(profile(model, torch.zeros(8, 8, dtype=torch.long), devices("cpu"), measure=False)) is None

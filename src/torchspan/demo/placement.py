@@ -29,13 +29,18 @@ def spread_plan(prof: Profile, *, microbatches: int | str = "auto", schedule: st
     """The fastest fitting plan with one stage on each of ``prof.devices``, in order; ``None`` if none fits.
 
     Exhaustive over contiguous cuts and the planner's settings grid, scored by ``CostModel`` (the
-    demo's models have a handful of layers, so this is small).
+    demo's models have a handful of layers, so this is small). With ``microbatches="auto"`` only
+    counts of at least two per device are considered, so the result is a real pipeline.
     """
     n_layers, n_devs = len(prof.layers), len(prof.devices)
     if n_devs < 2 or n_layers < n_devs:
         return None
     best: tuple[float, CostModel, Any] | None = None
     settings = settings_grid(prof.batch_size, microbatches, schedule, checkpoint)
+    if microbatches == "auto":
+        # A pipeline shows (and pays off) only with at least two micro-batches per stage in flight.
+        piped = [st for st in settings if st[0] >= 2 * n_devs]
+        settings = piped or settings
     for cuts in itertools.combinations(range(1, n_layers), n_devs - 1):
         bounds = (0, *cuts, n_layers)
         stages = [Stage(d, bounds[d], bounds[d + 1]) for d in range(n_devs)]
