@@ -136,7 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         cases["plain cuda"] = plain_step(copy.deepcopy(base), torch.device("cuda:0"))
         cases["torchspan cuda"] = torchspan_step(copy.deepcopy(base), ["cuda:0"], "gpipe", "never")
         cases["torchspan cpu+cuda"] = torchspan_step(copy.deepcopy(base), ["cpu", "cuda:0"], "gpipe", "never")
+    load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     t = measure(cases, rounds, per_round)
+    load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"1-minute load average: {load0:.2f} before, {load1:.2f} after (above the core count means a noisy run)")
     print(f"\nstep time, median of {rounds} rounds x {per_round} steps (batch {BATCH}, {CHUNKS} micro-batches):")
     for name, sec in t.items():
         print(f"  {name:32s} {sec * 1e3:8.1f} ms")

@@ -32,7 +32,7 @@ class _Held:
 
     __slots__ = ("tensor", "_meter", "_stage", "_key", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor, meter: ActivationMeter, stage: int, key: tuple[int, str]) -> None:
+    def __init__(self, tensor: torch.Tensor, meter: ActivationMeter, stage: int, key: tuple[int, torch.device]) -> None:
         self.tensor = tensor
         self._meter = meter
         self._stage = stage
@@ -48,8 +48,8 @@ class ActivationMeter:
     def __init__(self, stages: int) -> None:
         self.live = [0] * stages
         self.peak = [0] * stages
-        self._refs: list[dict[tuple[int, str], list[int]]] = [{} for _ in range(stages)]
-        self._exclude: set[tuple[int, str]] = set()
+        self._refs: list[dict[tuple[int, torch.device], list[int]]] = [{} for _ in range(stages)]
+        self._exclude: set[tuple[int, torch.device]] = set()
         # re-entrant: a garbage collection inside ``hold`` may finalize another holder in this thread
         self._lock = threading.RLock()
 
@@ -65,31 +65,34 @@ class ActivationMeter:
             self.peak = list(self.live)
 
     @staticmethod
-    def _key(t: torch.Tensor) -> tuple[int, str] | None:
+    def _key(t: torch.Tensor) -> tuple[int, torch.device] | None:
         try:
-            storage = t.untyped_storage()
-            return (storage.data_ptr(), str(t.device))
+            return (t.untyped_storage().data_ptr(), t.device)
         except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, some subclasses
             return None
 
     def hold(self, stage: int, t: torch.Tensor) -> Any:
         """Count ``t`` as a live activation of ``stage`` until the returned holder is dropped."""
-        key = self._key(t)
-        if key is None or key in self._exclude or t.device.type == "meta":
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, some subclasses
             return t
-        nbytes = t.untyped_storage().nbytes()
+        key = (storage.data_ptr(), t.device)
+        if key in self._exclude or t.is_meta:
+            return t
         with self._lock:
             entry = self._refs[stage].get(key)
             if entry is None:
+                nbytes = storage.nbytes()
                 self._refs[stage][key] = [nbytes, 1]
-                self.live[stage] += nbytes
-                if self.live[stage] > self.peak[stage]:
-                    self.peak[stage] = self.live[stage]
+                live = self.live[stage] = self.live[stage] + nbytes
+                if live > self.peak[stage]:
+                    self.peak[stage] = live
             else:
                 entry[1] += 1
         return _Held(t, self, stage, key)
 
-    def _release(self, stage: int, key: tuple[int, str]) -> None:
+    def _release(self, stage: int, key: tuple[int, torch.device]) -> None:
         with self._lock:
             entry = self._refs[stage].get(key)
             if entry is None:  # pragma: no cover - defensive
