@@ -183,7 +183,8 @@ def render(results: Sequence[ScriptResult], machine: str, quick: bool) -> Table:
     """The ratio table: one row per ratio, or per script that gave none."""
     table = Table(title=f"torchspan bench{' --quick' if quick else ''}", caption=f"machine: {machine}", caption_justify="left")
     for col, justify in (("benchmark", "left"), ("ratio", "left"), ("value", "right"), ("goal", "right"), ("met", "center"), ("anchor", "left"), ("s", "right")):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+        # Ratio names are identifiers people grep for: fold them rather than cut them short.
+        table.add_column(col, justify=justify, overflow="fold" if col == "ratio" else "ellipsis", no_wrap=col in ("value", "goal", "met", "s"))  # type: ignore[arg-type]
     for r in results:
         if not r.ratios:
             why = f"failed (exit {r.returncode})" if r.returncode else "printed no RATIO lines"
