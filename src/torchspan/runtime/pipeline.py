@@ -93,8 +93,11 @@ class Pipeline:
         if sdev == ddev:
             box.put(key, ([v.detach() if isinstance(v, torch.Tensor) else v for v in values], spec, Ready()))
             return
-        # On a GPU the copy runs on the source's copy stream: time it there, not on the compute stream.
-        with self.recorder.block(src, sdev, mb, "transfer", stream=copy_stream(sdev)):
+        # On a GPU the copy runs on the source's copy stream: time it there (after the compute it waits for).
+        stream = copy_stream(sdev)
+        if stream is not None:  # pragma: no cover - needs a GPU
+            stream.wait_stream(torch.cuda.current_stream(sdev))
+        with self.recorder.block(src, sdev, mb, "transfer", stream=stream):
             moved, ready = transfer(values, sdev, ddev)
         box.put(key, (moved, spec, ready))
 
