@@ -22,6 +22,7 @@ import torch
 import torch.utils.checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .lossweights import weighted_loss
 from ..hardware import to_device
 from .. import schedule as sched
 from .memory import ActivationMeter
@@ -158,7 +159,7 @@ class Pipeline:
                 out = fns[s](*tree_unflatten(leaves, spec))
                 loss = None
                 if s == last:
-                    loss = loss_fn(out, to_device(targets[mb], dev)) * weights[mb]
+                    loss = weighted_loss(loss_fn, out, to_device(targets[mb], dev), weights[mb])
             return out, loss
 
         def do(box: Mailbox, a: sched.Action) -> None:

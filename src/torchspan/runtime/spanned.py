@@ -25,6 +25,7 @@ from .hooks import HookPlacement
 from .memory import ActivationMeter
 from .microbatch import NoSplit, batch_size, gather, split_batch, split_sizes, split_value
 from .pipeline import CHECKPOINTS, PRECISIONS, Pipeline, autocast_for
+from .lossweights import microbatch_weights, resolve_reduction, weighted_loss
 from .placement import check_shared, parse_devices, place, stages_from_balance, stages_from_plan
 from .record import Recorder
 
@@ -333,18 +334,19 @@ class Spanned(nn.Module):
         inputs: Any,
         target: Any,
         loss_fn: Callable[[Any, Any], torch.Tensor],
-        loss_reduction: str = "mean",
+        loss_reduction: str | None = None,
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch by the schedule; returns the full-batch loss (detached).
 
         ``inputs``: a tensor (one argument), a tuple (positional arguments) or a dict (keyword
         arguments). Gradients are *added* to ``.grad`` exactly as ``loss_fn(model(inputs),
-        target).backward()`` would on one device: with ``loss_reduction="mean"`` each
-        micro-batch's loss is weighted by its share of the batch; use ``"sum"`` for summed losses.
+        target).backward()`` would on one device. The reduction is read from ``loss_fn.reduction``
+        (``loss_reduction="mean"``/``"sum"`` for plain functions): each micro-batch's mean loss is
+        weighted by its share of the loss's normalizer, i.e. of the samples, or for
+        ``CrossEntropyLoss``/``NLLLoss`` of the class weights of the non-ignored targets.
         Call ``optimizer.zero_grad()`` first as usual; with ``precision="fp16"`` step with
         ``spanned.step(optimizer)``.
         """
-        _choice("loss_reduction", loss_reduction, ("mean", "sum"))
         if not callable(loss_fn):
             raise TypeError(f"loss_fn={loss_fn!r} is not callable; pass e.g. torch.nn.functional.mse_loss")
         if isinstance(inputs, tuple):
@@ -358,8 +360,9 @@ class Spanned(nn.Module):
         fns, chunks = self._prepare(args, kwargs)
         total = batch_size(args, kwargs)
         sizes = split_sizes(total, self.microbatches)
-        weights = [n / total for n in sizes] if loss_reduction == "mean" else [1.0] * len(sizes)
+        reduction = resolve_reduction(loss_fn, loss_reduction)
         targets = split_value(target, self.microbatches, total, name="target")
+        weights = microbatch_weights(loss_fn, targets, sizes, reduction)
         if isinstance(loss_fn, nn.Module):
             loss_fn.to(self._devices[-1])
         if fns is None:
@@ -386,7 +389,7 @@ class Spanned(nn.Module):
                 leaf = next((t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)), None)
                 dev = leaf.device if leaf is not None else self._devices[-1]
                 with autocast_for(dev, self.precision):
-                    loss = loss_fn(out, to_device(targets[i], dev)) * weights[i]
+                    loss = weighted_loss(loss_fn, out, to_device(targets[i], dev), weights[i])
                 if loss.dim() != 0:
                     raise ValueError(f"loss_fn returned a tensor of shape {tuple(loss.shape)}; it must return a scalar")
                 hp.backward(i, self.scaler.scale(loss) if self.scaler is not None else loss)
