@@ -15,7 +15,6 @@ Usage: ``torchspan bench --quick``; in Python, ``main(["bench", "--quick"])``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import operator
 import os

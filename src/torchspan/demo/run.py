@@ -26,7 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .. import report
-from ..hardware import Device, devices as find_devices, format_bytes
+from ..hardware import Device, devices as find_devices
 from ..planner.plan import Plan
 from ..timeline import Event
 from .corpus import Corpus, build_corpus
