@@ -135,3 +135,18 @@ def test_all_ignored_microbatch_adds_exactly_zero() -> None:
     loss = spanned.train_step(X, y, nn.CrossEntropyLoss())
     assert torch.isfinite(loss)
     _check(spanned, model, ref, loss)
+
+
+def test_batchnorm_with_microbatches_warns_once_and_names_the_layer() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    spanned = torchspan.span(model, devices=["cpu", "cpu"], balance=[2, 1], microbatches=2)
+    with pytest.warns(UserWarning, match=r"BatchNorm layer\(s\) '1' in training mode .* microbatches=2"):
+        spanned.train_step(torch.randn(8, 4), torch.randn(8, 2), nn.MSELoss())
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        spanned.train_step(torch.randn(8, 4), torch.randn(8, 2), nn.MSELoss())  # only once
+        model[1].eval()
+        one = torchspan.span(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)), devices=["cpu"], microbatches=1)
+        one.train_step(torch.randn(8, 4), torch.randn(8, 8), nn.MSELoss())  # one micro-batch: exact, no warning

@@ -37,6 +37,27 @@ _PLACEMENT_MSG = (
 )
 
 
+def _warn_batchnorm(spanned: Any) -> None:
+    """Warn once: BatchNorm in training mode normalises per micro-batch, not over the full batch."""
+    if spanned.microbatches == 1 or getattr(spanned, "_bn_warned", False) or not torch.is_grad_enabled():
+        return
+    names = [
+        name
+        for name, m in spanned.module.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and (m.track_running_stats or m.running_mean is None)
+    ]
+    if names:
+        spanned._bn_warned = True
+        shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        warnings.warn(
+            f"BatchNorm layer(s) {shown} in training mode normalise over each micro-batch, not the full batch, so "
+            f"with microbatches={spanned.microbatches} gradients and running statistics differ from single-device "
+            "training. For identical results use microbatches=1, GroupNorm/LayerNorm, or put those layers in eval mode.",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
@@ -274,6 +295,7 @@ class Spanned(nn.Module):
         return None, chunks
 
     def _begin(self) -> None:
+        _warn_batchnorm(self)
         self._recorder.start_step(self._devices)
         self._meter.reset(list(self.module.parameters()) + list(self.module.buffers()))
         for d in dict.fromkeys(self._devices):
