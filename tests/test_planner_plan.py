@@ -102,3 +102,20 @@ def test_greedy_fill_counts_only_parameters_so_it_can_overflow() -> None:
 def test_unknown_strategy_is_named() -> None:
     with pytest.raises(ValueError, match="strategy='best'"):
         baseline(mixed_profile(), "best")
+
+
+def test_save_is_atomic_and_leaves_an_ordinary_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import os
+    import stat
+
+    from torchspan.planner.plan import Plan as _Plan, StagePlan as _StagePlan
+
+    plan = _Plan([_StagePlan("cpu", ["a"])])
+    target = tmp_path / "plan.json"
+    plan.save(target)
+    mode = stat.S_IMODE(os.stat(target).st_mode)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert mode == 0o666 & ~umask
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]  # no temporary file left behind
+    assert _Plan.load(target) == plan

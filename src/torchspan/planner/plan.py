@@ -136,6 +136,9 @@ class Plan:
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
                 fh.write(self.to_json())
                 fh.write("\n")
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a plan is an ordinary file
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):
