@@ -13,10 +13,13 @@ from torchspan.planner.cost import CostModel, Evaluation, Stage
 from torchspan.profiler import LayerCost, Profile
 
 
-def device(kind: str, name: str, capacity: int | None, bandwidth: float | None = None, index: int = 0) -> Device:
-    """A described device (not present here) with a budget and a host link."""
+def device(
+    kind: str, name: str, capacity: int | None, bandwidth: float | None = None, index: int = 0, *, present: bool = False
+) -> Device:
+    """A described device (``present``: one found here, so that listing it twice is one device) with a budget and a host link."""
     dev = torch.device("cpu") if kind == "cpu" else torch.device(kind, index)
-    return Device(dev, name, total_memory=capacity, free_memory=capacity, host_bandwidth=bandwidth, source="test")
+    source = "found" if present else "test"
+    return Device(dev, name, total_memory=capacity, free_memory=capacity, host_bandwidth=bandwidth, source=source)
 
 
 def layer(name: str, params: int, act: float, out: float, speeds: list[float], fixed: float = 1e-5) -> LayerCost:
@@ -58,12 +61,24 @@ def random_profile(rng: random.Random, n_layers: int, devices: list[Device], bat
     return Profile(layers=layers, devices=devices, batch_size=batch, input_bytes=rng.uniform(1, 100), optimizer="adam")
 
 
+def adjacent(names: list[str]) -> bool:
+    """True when equal names form one run (``a a b``, not ``a b a``)."""
+    runs = [n for k, n in enumerate(names) if k == 0 or names[k - 1] != n]
+    return len(runs) == len(set(runs))
+
+
 def brute_force(cm: CostModel) -> Evaluation | None:
-    """Best fitting placement by enumerating every device sequence and every split (tiny cases only)."""
+    """Best fitting placement by enumerating every device sequence and every split (tiny cases only).
+
+    Every sequence of distinct list entries, duplicates of one physical device included, as long as
+    each physical device's stages are adjacent (the search space: one run of layers per device).
+    """
     L, D = cm.L, cm.D
     best: Evaluation | None = None
     for S in range(1, min(L, D) + 1):
         for devs in itertools.permutations(range(D), S):
+            if not adjacent([cm.names[d] for d in devs]):
+                continue
             for cuts in itertools.combinations(range(1, L), S - 1):
                 bounds = (0, *cuts, L)
                 stages = [Stage(devs[s], bounds[s], bounds[s + 1]) for s in range(S)]

@@ -7,7 +7,8 @@ import math
 import pytest
 
 from planner_synth import device, layer
-from torchspan.planner.cost import CostModel, Stage, link_bandwidth
+from torchspan.planner.cost import CostModel, Stage, link_bandwidth, physical_names
+from torchspan.planner.plan import Plan, StagePlan
 from torchspan.profiler import Profile
 
 
@@ -90,7 +91,6 @@ def test_link_bandwidth_rules() -> None:
     "stages, needle",
     [
         ([Stage(0, 0, 1)], "contiguously"),
-        ([Stage(0, 0, 1), Stage(0, 1, 2)], "reuse a device"),
         ([Stage(0, 0, 1), Stage(5, 1, 2)], "outside"),
         ([Stage(0, 1, 2)], "contiguously"),
     ],
@@ -138,3 +138,97 @@ def test_a_stage_starting_mid_model_holds_its_copy_of_shared_saved_tensors() -> 
     b = 2
     assert split.memory[1].activations == 4 * (7.0 + b * 20.0 + b * 3.0)
     assert whole.memory[0].activations == 4 * (b * 10.0 + 7.0 + b * 20.0)  # shared bytes counted once
+
+
+# ---------------------------------------------------------------- one physical device listed twice
+
+
+def shared_profile(cpu_budget: int | None = None, batch: int = 8) -> Profile:
+    """'cpu' listed twice (two entries, one CPU; the second entry slower on paper): three layers."""
+    layers = [
+        layer("a", params=100, act=10.0, out=4.0, speeds=[1.0, 0.5], fixed=1e-5),
+        layer("b", params=300, act=20.0, out=2.0, speeds=[0.5, 0.25], fixed=2e-5),
+        layer("c", params=200, act=5.0, out=1.0, speeds=[2.0, 1.0], fixed=0.0),
+    ]
+    devs = [device("cpu", "cpu", cpu_budget), device("cpu", "cpu", cpu_budget)]
+    return Profile(layers=layers, devices=devs, batch_size=batch, input_bytes=5.0, optimizer="adam")
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+def test_stages_sharing_a_device_run_one_after_another(checkpoint: str) -> None:
+    prof = shared_profile()
+    M = 4
+    cm = CostModel(prof, M, "1f1b", checkpoint)
+    split = cm.evaluate([Stage(0, 0, 1), Stage(1, 1, 3)])
+    whole = cm.evaluate([Stage(0, 0, 3)])
+    b = 2
+    # the first entry's times for both entries: one CPU, one speed
+    f = sum(lay.forward_seconds(0, b) for lay in prof.layers)
+    bw = sum(lay.backward_seconds(0, b) for lay in prof.layers)
+    serial = {"never": M * (f + bw), "except_last": M * (f + bw) + (M - 1) * f, "always": M * (2 * f + bw)}[checkpoint]
+    assert split.step_time == pytest.approx(serial, rel=1e-12)
+    assert whole.step_time == pytest.approx(serial, rel=1e-12)
+    assert split.devices == ("cpu",) and split.device_busy[0] == pytest.approx(split.bottleneck)
+    assert split.links == (0.0, 0.0)  # the CPU is the host; the hand-over is in place
+
+
+def test_stages_sharing_a_device_share_its_budget() -> None:
+    prof = shared_profile()
+    cm = CostModel(prof, 4, "1f1b", "never")
+    split = cm.evaluate([Stage(0, 0, 1), Stage(1, 1, 3)])
+    whole = cm.evaluate([Stage(0, 0, 3)])
+    total = sum(m.total for m in split.memory)
+    assert split.device_memory == (total,)
+    assert whole.memory[0].total < total  # one stage holds less: one workspace, fewer micro-batches in flight
+    largest = max(m.total for m in split.memory)
+    prof.devices[0].budget = prof.devices[1].budget = (largest + total) // 2  # each stage alone would fit
+    cm = CostModel(prof, 4, "1f1b", "never")
+    ev = cm.evaluate([Stage(0, 0, 1), Stage(1, 1, 3)])
+    assert not ev.fits and ev.over_budget() == [("cpu", total, (largest + total) // 2)]
+    prof.devices[1].budget = 10**9  # two budgets for one device: the smaller one holds
+    assert CostModel(prof, 4, "1f1b", "never").capacity == [(largest + total) // 2] * 2
+
+
+def test_a_device_visited_twice_adds_both_stages_to_its_busy_time() -> None:
+    gpu = device("cuda", "gpu", None, bandwidth=1e6, index=0)
+    cpu = device("cpu", "cpu", None)
+    layers = [layer(k, params=0, act=1.0, out=1.0, speeds=[1.0, 0.1, 0.5], fixed=0.0) for k in "abc"]
+    prof = Profile(layers=layers, devices=[cpu, gpu, cpu], batch_size=8, input_bytes=1.0, optimizer="sgd")
+    M, b = 8, 1
+    cm = CostModel(prof, M, "1f1b", "never")
+    ev = cm.evaluate([Stage(0, 0, 1), Stage(1, 1, 2), Stage(2, 2, 3)])
+    cpu_layer = b * 1e-4 + b * 2e-4  # speed 1.0 entry: the first 'cpu' entry's times
+    gpu_layer = (b * 1e-4 + b * 2e-4) / 0.1
+    link = 2 * b * 1.0 / 1e6
+    assert ev.devices == ("cpu", "cuda:0")
+    assert ev.device_busy == pytest.approx((2 * cpu_layer, gpu_layer))
+    assert ev.bottleneck == pytest.approx(max(2 * cpu_layer, gpu_layer, link))
+    assert ev.step_time == pytest.approx(2 * cpu_layer + gpu_layer + 2 * link + (M - 1) * ev.bottleneck)
+    # the same placement naming entry 0 twice is the same prediction
+    again = cm.evaluate([Stage(0, 0, 1), Stage(1, 1, 2), Stage(0, 2, 3)])
+    assert again.step_time == ev.step_time and again.device_memory == ev.device_memory
+
+
+def test_stages_for_maps_a_hand_made_plan() -> None:
+    prof = shared_profile()
+    cm = CostModel(prof, 2, "gpipe", "never")
+    ev = cm.evaluate([Stage(0, 0, 2), Stage(1, 2, 3)])
+    plan = cm.to_plan(ev, "hand")
+    assert plan.peak_memory == {"cpu": sum(m.total for m in ev.memory)}
+    again = cm.evaluate(cm.stages_for(plan))
+    assert again.step_time == ev.step_time and again.device_memory == ev.device_memory
+    hand = Plan([StagePlan("cpu", ["a"]), StagePlan("cpu", ["b"]), StagePlan("cpu", ["c"])], microbatches=2)
+    three = cm.evaluate(cm.stages_for(hand))
+    assert len(three.stages) == 3 and three.step_time == pytest.approx(ev.step_time)
+    with pytest.raises(ValueError, match="'cuda:3', which is not among"):
+        cm.stages_for(Plan([StagePlan("cuda:3", ["a", "b", "c"])]))
+    with pytest.raises(ValueError, match="profile the same model"):
+        cm.stages_for(Plan([StagePlan("cpu", ["a", "c", "b"])]))
+
+
+def test_physical_names() -> None:
+    cpu = device("cpu", "cpu", None)
+    found = device("cuda", "gpu", None, index=0, present=True)
+    described = device("cuda", "gpu", None, index=0)
+    assert physical_names([cpu, cpu, found, found]) == ["cpu", "cpu", "cuda:0", "cuda:0"]
+    assert physical_names([described, described]) == ["cuda:0", "cuda:0#1"]  # two described GPUs are two devices

@@ -85,3 +85,26 @@ def test_a_layer_larger_than_every_device_is_named() -> None:
     assert "largest layer 'huge' alone needs" in text
     assert any("layer 'huge' needs" in t and "split that layer" in t for t in info.value.suggestions)
     assert format_bytes(3_000) in text
+
+
+def test_a_device_listed_twice_has_one_budget_in_the_diagnosis() -> None:
+    # each layer's state is 4,000 bytes: 10,000 bytes would hold half the model on each of two CPUs,
+    # but 'cpu' listed twice is one CPU with one 10,000-byte budget
+    devs = [device("cpu", "cpu", 10_000), device("cpu", "cpu", 10_000)]
+    layers = [layer(f"l{i}", params=1000, act=10.0, out=10.0, speeds=[1.0, 1.0]) for i in range(4)]
+    prof = Profile(layers=layers, devices=devs, batch_size=8, input_bytes=10.0, optimizer="adam")
+    with pytest.raises(PlanError) as info:
+        search(prof)
+    err = info.value
+    assert err.available == {"cpu": 10_000}
+    assert "listed 2 times: one device, one budget for all its entries" in str(err)
+    assert not any(t.startswith("another device") for t in err.suggestions)  # another 'cpu' entry is the same CPU
+    tips = [t for t in err.suggestions if t.startswith("a larger budget on cpu: ")]
+    assert len(tips) == 1, err.suggestions
+    shown = re.search(r"cpu: ([0-9.]+) KiB", tips[0])
+    assert shown is not None
+    budget = int(float(shown.group(1)) * 1024) + 16
+    for d in prof.devices:
+        d.budget = budget
+    plan = search(prof)
+    assert plan.devices == ["cpu"] and plan.stages[0].total_bytes <= budget

@@ -14,7 +14,7 @@ from planner_synth import brute_force, close, device, layer, random_profile
 from torchspan.planner import PlanError, search
 from torchspan.planner.cost import CostModel, Stage
 from torchspan.planner.plan import CHECKPOINTS, SCHEDULES
-from torchspan.planner.search import microbatch_candidates, solve
+from torchspan.planner.search import device_groups, microbatch_candidates, solve
 from torchspan.profiler import Profile
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -26,12 +26,18 @@ def small_profiles(draw: st.DrawFn) -> Profile:
     rng = random.Random(seed)
     n_dev = draw(st.integers(1, 3))
     devs = []
-    cpu_cap = draw(st.one_of(st.none(), st.integers(3_000, 60_000)))  # 'cpu' listed twice is one budget
+    # 'cpu' and the found 'cuda:0' listed twice are one device each (one budget, one speed)
+    cpu_cap = draw(st.one_of(st.none(), st.integers(3_000, 60_000)))
+    gpu0_cap = draw(st.one_of(st.none(), st.integers(3_000, 60_000)))
+    gpu0_bw = draw(st.sampled_from([None, 1e6, 1e8]))
     for k in range(n_dev):
-        kind = draw(st.sampled_from(["cuda", "cuda", "cpu"]))
+        kind = draw(st.sampled_from(["cuda", "cuda", "cpu", "found cuda:0"]))
+        if kind == "found cuda:0":
+            devs.append(device("cuda", "gpu0", gpu0_cap, gpu0_bw, index=0, present=True))
+            continue
         cap = cpu_cap if kind == "cpu" else draw(st.one_of(st.none(), st.integers(3_000, 60_000)))
         bw = draw(st.sampled_from([None, 1e6, 1e8]))
-        devs.append(device(kind, draw(st.sampled_from(["x", "y"])), cap, bw, index=k))
+        devs.append(device(kind, draw(st.sampled_from(["x", "y"])), cap, bw, index=k + 1))
     return random_profile(rng, draw(st.integers(1, 6)), devs, batch=draw(st.sampled_from([1, 2, 6, 8])))
 
 
@@ -74,9 +80,13 @@ def test_returned_plans_never_exceed_a_budget(prof: Profile) -> None:
     except PlanError:
         return
     capacity = {str(d.device): d.capacity for d in prof.devices}
+    held: dict[str, int] = {}
     for stage in plan.stages:
-        cap = capacity[stage.device]
-        assert cap is None or stage.total_bytes <= cap
+        held[stage.device] = held.get(stage.device, 0) + stage.total_bytes  # stages sharing a device share its budget
+    for dev, total in held.items():
+        cap = capacity[dev]
+        assert cap is None or total <= cap
+        assert plan.peak_memory[dev] == total
     assert plan.layers == [x.name for x in prof.layers]
 
 
@@ -159,3 +169,47 @@ def test_thousand_layers_on_eight_devices_is_fast() -> None:
     elapsed = time.perf_counter() - start
     assert len(plan.layers) == 1000
     assert elapsed < 10.0, f"search took {elapsed:.2f}s for 1,000 layers on 8 devices"
+
+
+# ---------------------------------------------------------------- one physical device listed twice
+
+
+def twice_listed(cpu_budget: int | None) -> Profile:
+    devs = [device("cpu", "cpu", cpu_budget), device("cpu", "cpu", cpu_budget)]
+    layers = [layer(f"l{i}", params=1000, act=40.0, out=8.0, speeds=[1.0, 1.0], fixed=1e-5) for i in range(4)]
+    return Profile(layers=layers, devices=devs, batch_size=8, input_bytes=8.0, optimizer="adam")
+
+
+def test_a_device_listed_twice_is_planned_as_one_device() -> None:
+    prof = twice_listed(None)
+    plan = search(prof)
+    assert plan.devices == ["cpu"] and plan.balance == [4]
+    assert any("cpu is listed 2 times" in n and "planned as one device" in n for n in plan.notes), plan.notes
+    # brute force over every placement on both entries, two-stage splits included, and every setting
+    best = min(
+        ev.step_time
+        for m, s, c in itertools.product(microbatch_candidates(8), SCHEDULES, CHECKPOINTS)
+        if (ev := brute_force(CostModel(prof, m, s, c))) is not None
+    )
+    assert plan.predicted_step_time is not None and close(plan.predicted_step_time, best, 1e-9)
+
+
+def test_splitting_over_entries_of_one_device_never_helps() -> None:
+    """Every split over the two entries costs at least the one-stage plan, in time and in memory."""
+    prof = twice_listed(None)
+    for m, s, c in itertools.product([1, 2, 8], SCHEDULES, CHECKPOINTS):
+        cm = CostModel(prof, m, s, c)
+        one = cm.evaluate([Stage(0, 0, 4)])
+        for cut in range(1, 4):
+            two = cm.evaluate([Stage(0, 0, cut), Stage(1, cut, 4)])
+            assert two.step_time >= one.step_time * (1 - 1e-12)
+            assert two.device_memory[0] >= one.device_memory[0]
+
+
+def test_device_groups_hold_each_physical_device_once() -> None:
+    found = [device("cuda", "gpu", None, 1e9, index=0, present=True) for _ in range(2)]
+    other = device("cuda", "gpu", None, 1e9, index=1)
+    prof = random_profile(random.Random(0), 3, [found[0], device("cpu", "cpu", None), found[1], other, device("cpu", "cpu", None)])
+    cm = CostModel(prof, 1, "1f1b", "never")
+    groups = device_groups(cm)
+    assert sorted(d for g in groups for d in g) == [0, 1, 3]

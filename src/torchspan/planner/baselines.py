@@ -6,7 +6,9 @@ Usage::
     plan.predicted_step_time, ev.fits
 
 Strategies (each picks layer splits by its own rule; all get the best micro-batch count, schedule
-and checkpoint mode for that split, so the comparison is about placement alone):
+and checkpoint mode for that split, so the comparison is about placement alone). Devices are taken
+as listed, as those tools take them: a device listed twice gets a stage per entry, and the cost
+model scores those stages as sharing one device (its time and its budget).
 
 ``uniform``       equal layer counts over the listed devices, in order (torchgpipe's even balance).
 ``parameters``    contiguous split of the listed devices minimising the largest parameter bytes per
@@ -130,10 +132,6 @@ def baseline(
     _, _, cm, ev = best
     notes = [f"baseline '{strategy}' scored with torchspan's cost model"]
     if not ev.fits:
-        over = [
-            f"{profile.devices[s.device].device} needs {format_bytes(m.total)} of {format_bytes(c)}"
-            for s, m, c in zip(ev.stages, ev.memory, ev.capacity)
-            if m.total > c
-        ]
+        over = [f"{name} needs {format_bytes(m)} of {format_bytes(c)}" for name, m, c in ev.over_budget()]
         notes.append("does not fit: " + "; ".join(over))
     return cm.to_plan(ev, strategy, notes=notes), ev

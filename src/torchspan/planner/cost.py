@@ -4,11 +4,19 @@ Usage::
 
     cm = CostModel(profile, microbatches=8, schedule="1f1b", checkpoint="never")
     ev = cm.evaluate([Stage(device=0, start=0, end=3), Stage(device=2, start=3, end=7)])
-    ev.step_time, ev.fits, ev.memory[0].total
+    ev.step_time, ev.fits, ev.memory[0].total, ev.device_memory
+    ev = cm.evaluate(cm.stages_for(plan))          # any Plan over these devices, e.g. a hand-made one
 
 Notation: ``B`` samples per step split into ``M`` micro-batches of ``b = ceil(B / M)`` samples;
 stage ``s`` (of ``S``) runs layers ``[i, j)`` on device ``d``. Per micro-batch on ``d``:
 ``F_s = sum forward_seconds(d, b)`` and ``Bw_s = sum backward_seconds(d, b)`` over its layers.
+
+Physical devices. List entries that are the same physical device (``['cpu', 'cpu']``, a present GPU
+listed twice; see ``identity``) are ONE device ``p``: the model takes its times and host link from
+its first entry and its budget ``capacity_p`` as the smallest among its entries (``memory={'cpu':
+X}`` gives every ``'cpu'`` entry ``X``; ``X`` then bounds all of them together). The runtime
+(``span``, default ``workers="device"``) runs every stage of one device in one worker, one action
+after another: stages on distinct devices overlap, stages on one device never do.
 
 Time. Checkpointing recomputes a stage's forward before its backward:
 
@@ -24,15 +32,21 @@ Links are pipeline resources too. Boundary ``j`` between stages on devices ``d``
 the activation forward and its gradient back: ``c_j = 2 * out_{j-1} / bw(d, d')`` (bytes of one
 micro-batch); the batch enters the first stage from the host: ``c_in = in_0 / bw(host, d_0)``. ``bw`` is the
 smaller host bandwidth of the two devices (device-to-device copies go through the host); the CPU
-*is* the host (infinite bandwidth), and a device listed twice talks to itself for free.
+*is* the host (infinite bandwidth), and stages on one physical device hand over for free.
 
-    step_time = sum_s lat_s + c_in + sum_j c_j  +  (M - 1) * max(max_s st_s, max_j c_j, c_in)
+A physical device's busy time per micro-batch is the sum over its stages, ``R_p = sum_{s on p} st_s``:
 
-i.e. one micro-batch's trip through the whole pipeline (fill and drain: the bubble) plus ``M - 1``
-further micro-batches paced by the slowest resource. GPipe and 1F1B share this time (same bubble);
-they differ in memory. The optimizer step and Python overheads are not modelled.
+    step_time = sum_s lat_s + c_in + sum_j c_j  +  (M - 1) * max(max_p R_p, max_j c_j, c_in)
 
-Memory of stage ``s`` on its device (bytes), with ``k`` micro-batches in flight (GPipe: ``k = M``;
+i.e. one micro-batch's trip through the whole pipeline (fill and drain: the bubble; the trip visits
+the stages one after another, so it is serial whether or not stages share a device) plus ``M - 1``
+further micro-batches paced by the slowest resource: a physical device working through all of its
+stages, or a link. So a device that holds every stage costs exactly ``M`` times its whole forward
++ backward (+ recompute), a serial run however many stages it is cut into, and merging adjacent
+stages of one device changes no time. GPipe and 1F1B share this time (same bubble); they differ in
+memory. The optimizer step and Python overheads are not modelled.
+
+Memory of stage ``s`` (bytes), with ``k`` micro-batches in flight (GPipe: ``k = M``;
 1F1B: ``k = min(M, S - s)``), and per micro-batch (``fixed + b * per_sample`` from the profile)
 ``A`` the stage's saved activations (plus, for a stage that does not start at layer 0, the copy of
 saved tensors its first layer shares with the layer before: ``shared_activation_bytes``), ``in``
@@ -42,7 +56,9 @@ its input boundary and ``out_max`` its largest layer output:
     activations = never: k*A;  except_last: (k-1)*in + A;  always: k*in + A
     workspace   = in + 2 * out_max      (received input, largest output and its gradient)
 
-A placement fits when ``state + activations + workspace <= capacity`` on every device.
+A placement fits when on every physical device ``p`` the SUM over its stages of
+``state + activations + workspace`` is at most ``capacity_p`` (stages sharing a device share its
+memory; the sum of their peaks bounds their joint peak from above).
 """
 
 from __future__ import annotations
@@ -57,7 +73,17 @@ from ..hardware import Device
 from ..profiler import Profile
 from .plan import CHECKPOINTS, SCHEDULES, Plan, StagePlan
 
-__all__ = ["Stage", "StageMemory", "Evaluation", "CostModel", "link_bandwidth", "identity", "time_tables", "DEFAULT_HOST_BANDWIDTH"]
+__all__ = [
+    "Stage",
+    "StageMemory",
+    "Evaluation",
+    "CostModel",
+    "link_bandwidth",
+    "identity",
+    "physical_names",
+    "time_tables",
+    "DEFAULT_HOST_BANDWIDTH",
+]
 
 # Host link assumed when a found device does not report one (bytes/s): PCIe 3.0 x16, effective.
 DEFAULT_HOST_BANDWIDTH: dict[str, float] = {"cuda": 12e9}
@@ -66,7 +92,7 @@ INF = math.inf
 
 @dataclass(frozen=True)
 class Stage:
-    """Layers ``[start, end)`` on ``profile.devices[device]``."""
+    """Layers ``[start, end)`` on ``profile.devices[device]`` (an index into the device list)."""
 
     device: int
     start: int
@@ -98,14 +124,24 @@ class Evaluation:
     backward: tuple[float, ...]  # Bw_s, seconds per micro-batch (without recompute)
     links: tuple[float, ...]  # c_in, then c_j for each boundary between stages
     memory: tuple[StageMemory, ...]
-    capacity: tuple[float, ...]
+    capacity: tuple[float, ...]  # per stage: the budget of its physical device (shared with its other stages)
     latency_sum: float  # sum of lat_s and link times: the bubble part
     bottleneck: float  # slowest resource per micro-batch
     step_time: float
+    # per physical device, in order of first use (names from ``physical_names``)
+    devices: tuple[str, ...] = ()
+    device_busy: tuple[float, ...] = ()  # R_p: seconds per micro-batch, summed over its stages
+    device_memory: tuple[int, ...] = ()  # bytes, summed over its stages
+    device_capacity: tuple[float, ...] = ()
 
     @property
     def fits(self) -> bool:
-        return all(m.total <= c for m, c in zip(self.memory, self.capacity))
+        """Every physical device holds the sum of its stages' bytes."""
+        return all(m <= c for m, c in zip(self.device_memory, self.device_capacity))
+
+    def over_budget(self) -> list[tuple[str, int, float]]:
+        """``(device, bytes needed, capacity)`` for each physical device whose stages do not fit."""
+        return [(d, m, c) for d, m, c in zip(self.devices, self.device_memory, self.device_capacity) if m > c]
 
 
 def _host_bandwidth(dev: Device) -> float:
@@ -126,6 +162,24 @@ def identity(devs: Sequence[Device], index: int) -> str | None:
         if sum(1 for d in devs if d.present and str(d.device) == key) > 1:
             return key
     return None
+
+
+def physical_names(devs: Sequence[Device]) -> list[str]:
+    """Per list entry, the name of its physical device: shared by entries that are one device.
+
+    ``str(device)`` normally (``'cpu'``, ``'cuda:0'``); distinct devices that print alike get
+    ``'#index'`` appended so that no two physical devices share a name.
+    """
+    out: list[str] = []
+    owner: dict[str, str | None] = {}  # printed name -> identity key of the entry that took it
+    for d, dev in enumerate(devs):
+        ident = identity(devs, d)
+        name = str(dev.device)
+        if name in owner and (ident is None or owner[name] != ident):
+            name = f"{name}#{d}"
+        owner.setdefault(name, ident)
+        out.append(name)
+    return out
 
 
 def link_bandwidth(devs: Sequence[Device], a: int, b: int) -> float:
@@ -201,9 +255,14 @@ class CostModel:
         self.D = len(profile.devices)
         self.b = math.ceil(profile.batch_size / microbatches)
         layers = profile.layers
+        devs = profile.devices
+        # physical devices: entries that are one device share its first entry's times and link
+        self.names = physical_names(devs)
+        first: dict[str, int] = {}
+        self.rep = [first.setdefault(name, d) for d, name in enumerate(self.names)]
         tables = time_tables(profile) if tables is None else tables
-        self.fwd = tables[0] + self.b * tables[1]
-        self.bwd = tables[2] + self.b * tables[3]
+        self.fwd = (tables[0] + self.b * tables[1])[self.rep]
+        self.bwd = (tables[2] + self.b * tables[3])[self.rep]
         lat = self.fwd + self.bwd if checkpoint != "always" else 2 * self.fwd + self.bwd
         steady = self.fwd + self.bwd if checkpoint == "never" else 2 * self.fwd + self.bwd
         self.lat = lat
@@ -226,8 +285,10 @@ class CostModel:
         self.out = np.array([getattr(lay, "output_fixed_bytes", 0.0) + b * lay.output_bytes for lay in layers])
         # input boundary of a stage starting at layer i
         self.inb = np.concatenate([[b * float(profile.input_bytes)], self.out[:-1]])
-        self.capacity = [float(d.capacity) if d.capacity is not None else INF for d in profile.devices]
-        self.host_bw = [_host_bandwidth(d) for d in profile.devices]
+        own = [float(d.capacity) if d.capacity is not None else INF for d in devs]
+        shared = {name: min(c for c, n in zip(own, self.names) if n == name) for name in first}
+        self.capacity = [shared[name] for name in self.names]  # per entry: its physical device's budget
+        self.host_bw = [_host_bandwidth(devs[r]) for r in self.rep]
         # sparse table of layer output bytes, for the largest output inside [i, j)
         self._out_max = [self.out]
         while (1 << len(self._out_max)) <= self.L:
@@ -311,7 +372,9 @@ class CostModel:
 
     def link_time(self, boundary: int, a: int, b: int) -> float:
         """Seconds per micro-batch over boundary ``j`` (activation forward plus gradient back)."""
-        bw = link_bandwidth(self.profile.devices, a, b)
+        if self.names[a] == self.names[b]:
+            return 0.0  # one physical device: the next stage reads the tensor in place
+        bw = link_bandwidth(self.profile.devices, self.rep[a], self.rep[b])
         return 0.0 if bw == INF else 2.0 * float(self.out[boundary - 1]) / bw
 
     def input_time(self, device: int) -> float:
@@ -321,39 +384,45 @@ class CostModel:
 
     # ------------------------------------------------------------------ whole placements
     def check_stages(self, stages: Sequence[Stage]) -> None:
-        """Raise ``ValueError`` unless ``stages`` cover the layers contiguously on distinct devices."""
+        """Raise ``ValueError`` unless ``stages`` cover the layers contiguously on listed devices.
+
+        Several stages may name one device (or entries of one physical device): they share it.
+        """
         if not stages:
             raise ValueError("a placement needs at least one stage")
         pos = 0
-        seen: set[int] = set()
         for s in stages:
             if s.start != pos or s.end <= s.start:
                 raise ValueError(f"stages {list(stages)} do not cover layers 0..{self.L} contiguously")
-            if not 0 <= s.device < self.D or s.device in seen:
-                raise ValueError(f"stages {list(stages)} reuse a device or name one outside 0..{self.D - 1}")
-            seen.add(s.device)
+            if not 0 <= s.device < self.D:
+                raise ValueError(f"stages {list(stages)} name a device outside 0..{self.D - 1}")
             pos = s.end
         if pos != self.L:
             raise ValueError(f"stages {list(stages)} do not cover layers 0..{self.L} contiguously")
 
     def evaluate(self, stages: Sequence[Stage]) -> Evaluation:
-        """Step time and memory of a placement (see the module docstring for the formula)."""
+        """Step time and memory of any placement, physical devices shared (see the module docstring)."""
         stages = tuple(stages)
         self.check_stages(stages)
         S = len(stages)
-        fwd, bwd, lat, st, mem, cap = [], [], [], [], [], []
+        fwd, bwd, lat, mem, cap = [], [], [], [], []
+        busy: dict[str, float] = {}
+        held: dict[str, int] = {}
         for idx, s in enumerate(stages):
             d = s.device
             fwd.append(float(self.PF[d, s.end] - self.PF[d, s.start]))
             bwd.append(float(self.PB[d, s.end] - self.PB[d, s.start]))
             lat.append(float(self.PL[d, s.end] - self.PL[d, s.start]))
-            st.append(float(self.PS[d, s.end] - self.PS[d, s.start]))
             mem.append(self.stage_memory(s.start, s.end, self.in_flight(idx, S)))
             cap.append(self.capacity[d])
+            name = self.names[d]
+            busy[name] = busy.get(name, 0.0) + float(self.PS[d, s.end] - self.PS[d, s.start])
+            held[name] = held.get(name, 0) + mem[-1].total
         links = [self.input_time(stages[0].device)]
         links += [self.link_time(a.end, a.device, nb.device) for a, nb in zip(stages, stages[1:])]
         latency = sum(lat) + sum(links)
-        bottleneck = max(max(st), max(links))
+        bottleneck = max(max(busy.values()), max(links))
+        where = {self.names[s.device]: self.capacity[s.device] for s in stages}
         return Evaluation(
             stages=stages,
             forward=tuple(fwd),
@@ -364,14 +433,44 @@ class CostModel:
             latency_sum=latency,
             bottleneck=bottleneck,
             step_time=latency + (self.M - 1) * bottleneck,
+            devices=tuple(busy),
+            device_busy=tuple(busy.values()),
+            device_memory=tuple(held[n] for n in busy),
+            device_capacity=tuple(where[n] for n in busy),
         )
+
+    def stages_for(self, plan: Plan) -> list[Stage]:
+        """``plan``'s stages as ``Stage``s of this profile (any plan over its devices, by device name).
+
+        Usage: ``cm.evaluate(cm.stages_for(plan))`` predicts a hand-made or ``balance`` plan.
+        Raises ``ValueError`` when the plan names a device or layer order this profile lacks.
+        """
+        by_device: dict[str, int] = {}
+        for d, dev in enumerate(self.profile.devices):
+            by_device.setdefault(str(dev.device), d)
+            by_device.setdefault(self.names[d], d)
+        names = [lay.name for lay in self.profile.layers]
+        if plan.layers != names:
+            raise ValueError(
+                f"plan places layers {plan.layers} but the profile has {names} in this order; "
+                "profile the same model the plan was made for"
+            )
+        out, pos = [], 0
+        for i, sp in enumerate(plan.stages):
+            if sp.device not in by_device:
+                raise ValueError(
+                    f"plan stage {i} is on {sp.device!r}, which is not among the profile's devices "
+                    f"{sorted(by_device)}; profile with that device listed"
+                )
+            out.append(Stage(by_device[sp.device], pos, pos + len(sp.layers)))
+            pos += len(sp.layers)
+        return out
 
     def to_plan(self, ev: Evaluation, strategy: str, notes: Sequence[str] = ()) -> Plan:
         """A ``Plan`` holding this placement and its predictions."""
         devs = self.profile.devices
         names = [lay.name for lay in self.profile.layers]
         stage_plans = []
-        peak: dict[str, int] = {}
         for s, f, bw_, m in zip(ev.stages, ev.forward, ev.backward, ev.memory):
             dev = devs[s.device]
             key = str(dev.device)
@@ -390,7 +489,7 @@ class CostModel:
                     backward_time=bw_,
                 )
             )
-            peak[key] = peak.get(key, 0) + m.total
+        peak = dict(zip(ev.devices, ev.device_memory))  # per physical device: the sum of its stages
         return Plan(
             stages=stage_plans,
             microbatches=self.M,

@@ -2,7 +2,8 @@
 
 Usage: ``raise explain_no_fit(profile, settings)`` where ``settings`` is ``search``'s grid of
 ``(microbatches, schedule, checkpoint)``. Every suggestion is checked with the same search
-(a larger budget, another device, other settings) before it is printed.
+(a larger budget, another device, other settings) before it is printed. Figures are per physical
+device: entries of one device (``['cpu', 'cpu']``) share one budget and are reported once.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 
 from ..hardware import Device, format_bytes
 from ..profiler import LayerCost, Profile
-from .cost import INF, CostModel
+from .cost import INF, CostModel, physical_names
 from .errors import PlanError
 from .search import _Solver, microbatch_candidates
 
@@ -32,17 +33,19 @@ def fits(profile: Profile, settings: Sequence[Setting]) -> bool:
 
 
 def _with_capacity(profile: Profile, index: int, capacity: int) -> Profile:
-    devs = list(profile.devices)
-    devs[index] = dataclasses.replace(devs[index], budget=capacity)
+    """``profile`` with ``capacity`` on device ``index`` and every other entry of that physical device."""
+    names = physical_names(profile.devices)
+    devs = [
+        dataclasses.replace(dev, budget=capacity) if names[d] == names[index] else dev
+        for d, dev in enumerate(profile.devices)
+    ]
     return dataclasses.replace(profile, devices=devs)
 
 
 def _with_extra(profile: Profile, like: int, capacity: int) -> Profile:
-    """``profile`` plus a described copy of device ``like`` with ``capacity`` bytes."""
+    """``profile`` plus a described (so distinct) copy of accelerator ``like`` with ``capacity`` bytes."""
     src = profile.devices[like]
     extra = dataclasses.replace(src, budget=capacity, source=f"described: another {src.device}")
-    if extra.kind == "cpu":
-        extra = dataclasses.replace(extra, device=src.device)
 
     def grow(lay: LayerCost) -> LayerCost:
         return dataclasses.replace(
@@ -117,41 +120,47 @@ def explain_no_fit(profile: Profile, settings: Sequence[Setting]) -> PlanError:
     )
     frugal = max(settings, key=lambda t: (t[2] != "never", t[1] == "1f1b", t[0]))
     cm = CostModel(profile, *frugal)
+    names = cm.names
+    physical = sorted(set(cm.rep))  # first entry of each physical device
+    capacity = {d: (None if cm.capacity[d] == INF else int(cm.capacity[d])) for d in physical}
     rows = []
     needed: dict[str, int] = {}
     available: dict[str, int | None] = {}
-    for d, dev in enumerate(devs):
-        cap = dev.capacity
+    for d in physical:
+        cap = capacity[d]
         run, start = _longest_run(cm, cap if cap is not None else INF)
         held = f"{run} of {L} layers" + (f" ({profile.layers[start].name} ..)" if run else "")
-        rows.append(f"  {_describe(dev)}: available {format_bytes(cap)}, holds at most {held}")
-        key = str(dev.device) if str(dev.device) not in needed else f"{dev.device}#{d}"
-        needed[key] = whole
-        available[key] = cap
+        count = names.count(names[d])
+        shared = f" (listed {count} times: one device, one budget for all its entries)" if count > 1 else ""
+        rows.append(f"  {_describe(devs[d])}: available {format_bytes(cap)}, holds at most {held}{shared}")
+        needed[names[d]] = whole
+        available[names[d]] = cap
     head += "\nPer device (needed: the whole model, " + format_bytes(whole) + "):\n" + "\n".join(rows)
 
     tips: list[str] = []
-    finite = [d for d, dev in enumerate(devs) if dev.capacity is not None]
-    if largest > max((devs[d].capacity or 0) for d in finite) if finite else False:
+    finite = [d for d in physical if capacity[d] is not None]
+    if largest > max((capacity[d] or 0) for d in finite) if finite else False:
         tips.append(
             f"layer {largest_name!r} needs {format_bytes(largest)} by itself, more than any device offers: "
             f"a device with at least {format_bytes(largest)} free, or split that layer into smaller child modules"
         )
     # a larger budget on one device
     for d in finite:
-        cap = int(devs[d].capacity or 0)
+        cap = int(capacity[d] or 0)
         need = _smallest(cap, max(whole, cap + 1), lambda c, d=d: fits(_with_capacity(profile, d, c), settings))
         if need is not None:
-            tips.append(f"a larger budget on {devs[d].device}: {format_bytes(need)} (now {format_bytes(cap)}) fits")
-    # another device
-    like = max(range(len(devs)), key=lambda d: (devs[d].kind != "cpu", devs[d].capacity or 0))
-    cap = int(devs[like].capacity or whole)
-    if fits(_with_extra(profile, like, cap), settings):
-        tips.append(f"another device like {_describe(devs[like])} with {format_bytes(cap)} fits")
-    else:
-        need = _smallest(0, max(whole, 1), lambda c: fits(_with_extra(profile, like, c), settings))
-        if need is not None:
-            tips.append(f"another device like {devs[like].device} with at least {format_bytes(need)} free fits")
+            tips.append(f"a larger budget on {names[d]}: {format_bytes(need)} (now {format_bytes(cap)}) fits")
+    # another device: an accelerator like the largest listed one (another entry of the CPU would be the same CPU)
+    accels = [d for d in physical if devs[d].kind != "cpu"]
+    if accels:
+        like = max(accels, key=lambda d: capacity[d] or 0)
+        cap = int(capacity[like] or whole)
+        if fits(_with_extra(profile, like, cap), settings):
+            tips.append(f"another device like {_describe(devs[like])} with {format_bytes(cap)} fits")
+        else:
+            need = _smallest(0, max(whole, 1), lambda c: fits(_with_extra(profile, like, c), settings))
+            if need is not None:
+                tips.append(f"another device like {devs[like].device} with at least {format_bytes(need)} free fits")
     # other settings than the ones the caller fixed
     all_ms = microbatch_candidates(profile.batch_size)
     if "1f1b" not in scheds and fits(profile, [(m, "1f1b", c) for m, _, c in settings]):

@@ -4,9 +4,20 @@ Usage::
 
     plan = search(profile, microbatches="auto", schedule="auto", checkpoint="auto")
 
-What is searched: contiguous stages over any subset and order of the profile's devices, the
-micro-batch count, the schedule and the checkpoint mode; what is minimised: the step time of
-``cost.py`` (``sum lat + links + (M - 1) * bottleneck``) with every device within its budget.
+What is searched: contiguous stages over any subset and order of the profile's *physical* devices,
+each holding one contiguous run of layers, the micro-batch count, the schedule and the checkpoint
+mode; what is minimised: the step time of ``cost.py`` (``sum lat + links + (M - 1) * bottleneck``)
+with every device within its budget.
+
+Entries that are one physical device (``['cpu', 'cpu']``) are collapsed to their first entry. In the
+cost model they share one budget and their stages run one after another in one worker, so cutting
+a device's run of layers into several stages on its entries never lowers the step time (same
+serial work, same bubble, free hand-overs) and never lowers memory (the parts' sum holds as much,
+plus an earlier in-flight count under 1F1B and a second workspace). The search space therefore
+loses nothing by the collapse; ``tests/test_planner_search.py`` checks it against brute force over
+every placement on the uncollapsed list in which each physical device's stages are adjacent.
+Not searched: one device visited twice with another in between (``cpu, cuda:0, cpu``), which
+``CostModel.evaluate`` scores but the dynamic programme's per-stage state cannot express.
 
 How (exact for the cost model, up to a relative ``rtol``, default 1e-9):
 
@@ -53,10 +64,13 @@ def microbatch_candidates(batch_size: int) -> list[int]:
 
 
 def device_groups(cm: CostModel) -> list[list[int]]:
-    """Indices of interchangeable devices (same budget, link and per-layer times), in list order."""
+    """Interchangeable physical devices (same budget, link and per-layer times), as list indices.
+
+    Each physical device appears once, as its first entry: further entries of it are collapsed.
+    """
     keys: dict[tuple, list[int]] = {}
     devs = cm.profile.devices
-    for d in range(cm.D):
+    for d in sorted(set(cm.rep)):
         key = (cm.capacity[d], cm.host_bw[d], identity(devs, d), cm.fwd[d].tobytes(), cm.bwd[d].tobytes())
         keys.setdefault(key, []).append(d)
     return sorted(keys.values(), key=lambda g: g[0])
@@ -115,7 +129,7 @@ class _Solver:
         self.link = link
         self.cin = np.array([cm.input_time(r) for r in rep])
         levels: list[list[tuple[int, ...]]] = [[tuple(0 for _ in range(T))]]
-        for _ in range(min(cm.D, L)):
+        for _ in range(min(sum(self.sizes), L)):
             nxt = sorted(
                 {u[:t] + (u[t] + 1,) + u[t + 1 :] for u in levels[-1] for t in range(T) if u[t] < self.sizes[t]}
             )
@@ -367,40 +381,49 @@ def search(
 
 
 def plan_notes(cm: CostModel, ev: Evaluation, programmes: int, settings: int) -> list[str]:
-    """Human-readable reasons for a plan: spills, skipped devices, bottleneck."""
+    """Human-readable reasons for a plan: spills, skipped devices, collapsed duplicates, bottleneck."""
     devs = cm.profile.devices
     notes = []
-    used = {s.device for s in ev.stages}
+    used = {cm.names[s.device] for s in ev.stages}
     cpu_stages = [s for s in ev.stages if devs[s.device].kind == "cpu"]
-    accel = [d for d in range(cm.D) if devs[d].kind != "cpu"]
+    accel = {cm.names[d] for d in range(cm.D) if devs[d].kind != "cpu"}
     if cpu_stages and accel:
         names = [cm.profile.layers[k].name for s in cpu_stages for k in range(s.start, s.end)]
-        full = all(d in used for d in accel)
         why = (
             "the accelerators' budgets are full"
-            if full
+            if accel <= used
             else "predicted faster than placing them on the remaining accelerators"
         )
         notes.append(f"{len(names)} layer(s) run on the CPU ({names[0]} .. {names[-1]}): {why}")
-    used_names = {str(devs[d].device) for d in used}
-    unused = [str(devs[d].device) for d in range(cm.D) if str(devs[d].device) not in used_names]
+    unused = [n for n in dict.fromkeys(cm.names) if n not in used]
     if unused:
         notes.append(f"not used (no faster placement with them): {', '.join(unused)}")
-    slow = int(np.argmax([ev.forward[i] + ev.backward[i] for i in range(len(ev.stages))]))
+    busiest = ev.devices[int(np.argmax(ev.device_busy))]
     notes.append(
         f"bottleneck {ev.bottleneck * 1e3:.3f} ms per micro-batch; pipeline fill/drain {ev.latency_sum * 1e3:.3f} ms; "
-        f"slowest stage {slow} on {devs[ev.stages[slow].device].device}"
+        f"busiest device {busiest}"
     )
-    seen: dict[str, int] = {}
-    for d in devs:
-        if d.present:
-            seen[str(d.device)] = seen.get(str(d.device), 0) + 1
-    for key, count in seen.items():
-        if count > 1:
-            notes.append(
-                f"{key} is listed {count} times; each entry was planned with the full budget and speed "
-                "(fine for testing pipelines; list each device once to plan real hardware)"
-            )
+    notes.extend(collapse_notes(cm))
     notes.append(f"searched {settings} setting(s) with {programmes} dynamic programme(s)")
     return notes
 
+
+def collapse_notes(cm: CostModel) -> list[str]:
+    """One note per physical device listed more than once: why the search planned it as one."""
+    from ..hardware import format_bytes
+
+    out = []
+    for name in dict.fromkeys(cm.names):
+        count = cm.names.count(name)
+        if count < 2:
+            continue
+        cap = cm.capacity[cm.names.index(name)]
+        budget = "no budget" if cap == INF else f"one budget of {format_bytes(cap)}"
+        out.append(
+            f"{name} is listed {count} times: the entries are one device ({budget} for all of them; their stages "
+            f"would run one after another in one worker), so it was planned as one device - splitting the model "
+            f"across its entries is never faster and never needs less memory. To run a pipeline on it anyway "
+            f"(e.g. to test one), pass span(model, devices=[...], balance=[...]) or a hand-made Plan; "
+            f"CostModel.evaluate(cm.stages_for(plan)) predicts its time"
+        )
+    return out
