@@ -80,3 +80,37 @@ def load_target(target: str) -> Any:
     if not isinstance(model, nn.Module):
         raise UsageError(f"TARGET {target!r}: {attr}() returned {type(model).__name__}, not an nn.Module")
     return model
+
+
+def parse_shape(text: str, option: str = "--input-shape") -> tuple[int, ...]:
+    """``"32,512"`` (or ``"32x512"``) → ``(32, 512)``; positive sizes only, batch first."""
+    try:
+        dims = tuple(int(x) for x in text.replace("x", ",").split(","))
+    except ValueError:
+        dims = ()
+    if not dims or any(d < 1 for d in dims):
+        raise UsageError(f"{option} {text!r} is not a shape; write positive sizes separated by commas, batch first, e.g. 32,512")
+    return dims
+
+
+def parse_dtype(text: str, option: str = "--dtype") -> Any:
+    """``"float32"`` / ``"torch.int64"`` → the ``torch.dtype``."""
+    import torch
+
+    value = getattr(torch, text.strip().removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype):
+        raise UsageError(f"{option} {text!r} is not a torch dtype; use e.g. float32, bfloat16, float16 or int64")
+    return value
+
+
+def parse_microbatches(text: str, option: str = "--microbatches") -> int | str:
+    """``"auto"`` or an integer >= 1."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise UsageError(f"{option} {text!r} must be 'auto' or an integer >= 1")
+    return value

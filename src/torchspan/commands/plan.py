@@ -13,8 +13,10 @@ import argparse
 
 import torch
 
-from ..cli import UsageError
 from ._common import add_memory_option, load_target, parse_memory_options, print_json
+from ._common import parse_dtype as _dtype
+from ._common import parse_microbatches as _microbatches
+from ._common import parse_shape as _shape
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -46,35 +48,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--out", metavar="FILE", help="also write the plan as JSON to FILE (atomically)")
     p.set_defaults(func=run)
-
-
-def _shape(text: str) -> tuple[int, ...]:
-    try:
-        dims = tuple(int(x) for x in text.replace("x", ",").split(","))
-    except ValueError:
-        dims = ()
-    if not dims or any(d < 1 for d in dims):
-        raise UsageError(f"--input-shape {text!r} is not a shape; write positive sizes separated by commas, batch first, e.g. 32,512")
-    return dims
-
-
-def _dtype(text: str) -> torch.dtype:
-    value = getattr(torch, text.strip().removeprefix("torch."), None)
-    if not isinstance(value, torch.dtype):
-        raise UsageError(f"--dtype {text!r} is not a torch dtype; use e.g. float32, bfloat16, float16 or int64")
-    return value
-
-
-def _microbatches(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise UsageError(f"--microbatches {text!r} must be 'auto' or an integer >= 1")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:

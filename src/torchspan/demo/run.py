@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from rich.console import Console
 from rich.panel import Panel
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from .. import report
 from ..hardware import Device, devices as find_devices
 from ..planner.plan import Plan
+from ..progress import TrainingProgress
 from ..timeline import Event
 from .corpus import Corpus, build_corpus
 from .model import CharTransformer, generate, lm_loss
@@ -107,27 +107,6 @@ def _plan_table(plan: Plan) -> Table:
     return table
 
 
-def _short_bytes(n: float) -> str:
-    for unit in ("B", "K", "M", "G"):
-        if n < 1024 or unit == "G":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    return f"{n:.1f}G"  # pragma: no cover
-
-
-def _memory_text(memory: Any) -> str:
-    """Compact memory per lane for the progress bar: ``s0 cpu 7.4M  s1 cpu 7.2M``."""
-    try:
-        rows = report.normalize_memory(memory)
-    except ValueError:
-        return "-"
-    parts = []
-    for label, kinds in rows.items():
-        short = label.replace("stage ", "s").replace("\n", " ")
-        parts.append(f"{short} {_short_bytes(sum(kinds.values()))}")
-    return "mem " + "  ".join(parts)
-
-
 def _tail_mean(values: list[float], n: int = 20) -> float:
     tail = values[-n:]
     return sum(tail) / len(tail)
@@ -195,20 +174,8 @@ def run_demo(
     optimizer = torch.optim.AdamW(spanned.parameters(), lr=cfg.lr)
     losses: list[float] = []
     tokens = cfg.batch_size * cfg.seq_len
-    mem_text = "-"
-    columns = (
-        TextColumn("[bold]training"),
-        BarColumn(bar_width=24),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]}"),
-        TextColumn("{task.fields[speed]} tok/s"),
-        TextColumn("{task.fields[mem]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    )
     t_start = time.perf_counter()
-    with Progress(*columns, console=con, transient=False) as progress:
-        task = progress.add_task("train", total=cfg.steps, loss="-", speed="-", mem="-")
+    with TrainingProgress(con, cfg.steps, speed_unit="tok/s") as progress:
         for step in range(cfg.steps):
             x, y = corpus.batch(cfg.batch_size, cfg.seq_len, gen)
             optimizer.zero_grad(set_to_none=True)
@@ -219,9 +186,8 @@ def run_demo(
                 raise FloatingPointError(f"loss became {value} at step {step}; lower the learning rate (lr={cfg.lr})")
             losses.append(value)
             elapsed = time.perf_counter() - t_start
-            if step == 0 or step % 10 == 9 or step == cfg.steps - 1:
-                mem_text = _memory_text(spanned.memory(optimizer))
-            progress.update(task, advance=1, loss=f"{value:.3f}", speed=f"{tokens * (step + 1) / elapsed:,.0f}", mem=mem_text)
+            show_memory = step == 0 or step % 10 == 9 or step == cfg.steps - 1
+            progress.step(loss=value, speed=tokens * (step + 1) / elapsed, memory=spanned.memory(optimizer) if show_memory else None)
     seconds = time.perf_counter() - t_start
     tokens_per_second = tokens * cfg.steps / seconds
 
