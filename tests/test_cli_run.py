@@ -159,6 +159,8 @@ def test_plan_for_another_model_and_conflicting_options(models: str, tmp_path: P
     assert "drop --devices" in err
     err = _error([f"{models}:build", "--input-shape", "1,32", "--plan", str(plan_file)], capsys)
     assert "2 micro-batches" in err
+    err = _error([f"{models}:build", "--input-shape", "16,32", "--out", str(plan_file)], capsys)
+    assert "is a file" in err
     plan_file.write_text("not json")
     err = _error([f"{models}:build", "--input-shape", "16,32", "--plan", str(plan_file)], capsys)
     assert "is not a torchspan plan" in err

@@ -87,6 +87,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--lr {args.lr} must be a finite number > 0, e.g. --lr 1e-3")
     if args.vocab < 1:
         raise UsageError(f"--vocab {args.vocab} must be >= 1 (token ids are drawn from [0, VOCAB))")
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out!r} is a file; name a folder (it is created if missing), e.g. --out run-out")
     if args.plan:
         given = [f"--{name}" for name in _PLANNING_OPTIONS if getattr(args, name) not in (None, False)]
         if given:
@@ -141,9 +143,11 @@ def _probe_output(model: torch.nn.Module, x: torch.Tensor, args: argparse.Namesp
 
 def _targets_and_loss(out: Any, kind: str) -> tuple[Any, Any]:
     """Random targets for the probe output ``out`` and the loss function to train with."""
-    from torch.utils._pytree import tree_map
+    from torch.utils._pytree import tree_leaves, tree_map
 
     if kind == "mse":
+        if not any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tree_leaves(out)):
+            raise UsageError(f"--loss mse needs a floating-point tensor in the model's output; it returned {type(out).__name__} without one")
         target = tree_map(lambda t: torch.randn(t.shape) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out)
         return target, mse_to(target)
     if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.dim() < 2:
@@ -373,7 +377,7 @@ def run(args: argparse.Namespace) -> int:
         notes = _check_plan_devices(plan, args.plan, args.target, argv_hint)
 
     model = _build_model(args.target)
-    floating = dtype.is_floating_point or dtype.is_complex
+    floating = dtype.is_floating_point
     if floating:
         model.to(dtype)
     torch.manual_seed(args.seed)
