@@ -14,12 +14,24 @@ from torchspan.profiler import LayerCost, Profile
 
 
 def device(
-    kind: str, name: str, capacity: int | None, bandwidth: float | None = None, index: int = 0, *, present: bool = False
+    kind: str,
+    name: str,
+    capacity: int | None,
+    bandwidth: float | None = None,
+    index: int = 0,
+    *,
+    present: bool = False,
+    memory_bandwidth: float | None = None,
 ) -> Device:
-    """A described device (``present``: one found here, so that listing it twice is one device) with a budget and a host link."""
+    """A described device with a budget and a host link.
+
+    ``present``: one found here, so that listing it twice is one device. ``memory_bandwidth``
+    (bytes/s) prices gradient accumulation.
+    """
     dev = torch.device("cpu") if kind == "cpu" else torch.device(kind, index)
     source = "found" if present else "test"
-    return Device(dev, name, total_memory=capacity, free_memory=capacity, host_bandwidth=bandwidth, source=source)
+    extra = {"memory_bandwidth": memory_bandwidth} if memory_bandwidth else {}
+    return Device(dev, name, total_memory=capacity, free_memory=capacity, host_bandwidth=bandwidth, source=source, extra=extra)
 
 
 def layer(name: str, params: int, act: float, out: float, speeds: list[float], fixed: float = 1e-5) -> LayerCost:

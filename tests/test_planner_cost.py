@@ -232,3 +232,17 @@ def test_physical_names() -> None:
     described = device("cuda", "gpu", None, index=0)
     assert physical_names([cpu, cpu, found, found]) == ["cpu", "cpu", "cuda:0", "cuda:0"]
     assert physical_names([described, described]) == ["cuda:0", "cuda:0#1"]  # two described GPUs are two devices
+
+
+def test_gradient_accumulation_is_paid_by_every_micro_batch_after_the_first() -> None:
+    prof = two_layer_profile()
+    prof.devices[0].extra = {"memory_bandwidth": 2e9, "memory_efficiency": 0.5}  # 1e9 bytes/s effective
+    stages = [Stage(0, 0, 2)]
+    plain = CostModel(two_layer_profile(), 4, "1f1b", "never").evaluate(stages)  # no bandwidth figure: no term
+    ev = CostModel(prof, 4, "1f1b", "never").evaluate(stages)
+    g = 3 * (100 + 300) / 1e9  # read both gradients, write one, for both layers' 400 gradient bytes
+    assert ev.latency_sum == pytest.approx(plain.latency_sum)  # the first micro-batch sets .grad
+    assert ev.bottleneck == pytest.approx(plain.bottleneck + g)
+    assert ev.step_time == pytest.approx(plain.step_time + 3 * g)
+    one = CostModel(prof, 1, "1f1b", "never").evaluate(stages)
+    assert one.step_time == pytest.approx(CostModel(two_layer_profile(), 1, "1f1b", "never").evaluate(stages).step_time)

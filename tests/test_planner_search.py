@@ -37,7 +37,8 @@ def small_profiles(draw: st.DrawFn) -> Profile:
             continue
         cap = cpu_cap if kind == "cpu" else draw(st.one_of(st.none(), st.integers(3_000, 60_000)))
         bw = draw(st.sampled_from([None, 1e6, 1e8]))
-        devs.append(device(kind, draw(st.sampled_from(["x", "y"])), cap, bw, index=k + 1))
+        membw = draw(st.sampled_from([None, 1e7, 1e9]))  # gradient accumulation: 3 * grad bytes / membw
+        devs.append(device(kind, draw(st.sampled_from(["x", "y"])), cap, bw, index=k + 1, memory_bandwidth=membw))
     return random_profile(rng, draw(st.integers(1, 6)), devs, batch=draw(st.sampled_from([1, 2, 6, 8])))
 
 

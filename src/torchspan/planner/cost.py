@@ -23,10 +23,17 @@ Time. Checkpointing recomputes a stage's forward before its backward:
 =============  =====================  ======================
 checkpoint     latency  ``lat_s``     steady  ``st_s``
 =============  =====================  ======================
-never          ``F + Bw``             ``F + Bw``
-except_last    ``F + Bw``             ``2F + Bw``
-always         ``2F + Bw``            ``2F + Bw``
+never          ``F + Bw``             ``F + Bw + G``
+except_last    ``F + Bw``             ``2F + Bw + G``
+always         ``2F + Bw``            ``2F + Bw + G``
 =============  =====================  ======================
+
+``G_s = 3 * grad_bytes_s / membw(d)``: every micro-batch after the first adds its gradients into
+``.grad`` (reads both, writes one) at the device's memory bandwidth (``extra["memory_bandwidth"]``
+times ``extra["memory_efficiency"]``: measured for a present CPU, from the catalog for a described
+GPU; 0 without a figure). The profile times each layer's backward with ``.grad`` unset, so this
+is the part of a real multi-micro-batch step it does not see (about 25% of an MLP's time at 32
+samples per micro-batch on a CPU).
 
 Links are pipeline resources too. Boundary ``j`` between stages on devices ``d`` and ``d'`` carries
 the activation forward and its gradient back: ``c_j = 2 * out_{j-1} / bw(d, d')`` (bytes of one
@@ -152,6 +159,16 @@ def _host_bandwidth(dev: Device) -> float:
     return DEFAULT_HOST_BANDWIDTH.get(dev.kind, INF)
 
 
+def _memory_bandwidth(dev: Device) -> float:
+    """Effective device-memory bytes/s (``extra``'s figure times its efficiency), 0 when unknown."""
+    extra = dev.extra if isinstance(dev.extra, dict) else {}
+    try:
+        bw = float(extra.get("memory_bandwidth") or 0.0) * float(extra.get("memory_efficiency", 1.0))
+    except (TypeError, ValueError):
+        return 0.0
+    return bw if math.isfinite(bw) and bw > 0 else 0.0
+
+
 def identity(devs: Sequence[Device], index: int) -> str | None:
     """A key shared by list entries that are the same physical device (``['cpu', 'cpu']``)."""
     dev = devs[index]
@@ -265,6 +282,11 @@ class CostModel:
         self.bwd = (tables[2] + self.b * tables[3])[self.rep]
         lat = self.fwd + self.bwd if checkpoint != "always" else 2 * self.fwd + self.bwd
         steady = self.fwd + self.bwd if checkpoint == "never" else 2 * self.fwd + self.bwd
+        # G: gradient accumulation of every micro-batch after the first (read both, write one)
+        membw = [_memory_bandwidth(devs[r]) for r in self.rep]
+        grads = np.array([float(lay.grad_bytes) for lay in layers])
+        self.accumulate = np.stack([3.0 * grads / bw if bw > 0 else np.zeros(self.L) for bw in membw])
+        steady = steady + self.accumulate
         self.lat = lat
         self.steady = steady
         self.PL = np.stack([_prefix(row) for row in lat])  # (D, L+1)
@@ -328,7 +350,8 @@ class CostModel:
         else:
             acts = k * inb + act
         work = inb + 2 * self.max_output(i, j)
-        return (self.P_state[j] - self.P_state[i]) + acts + work
+        # whole bytes, rounded up as ``stage_memory`` reports them, so that fitting here means fitting there
+        return np.round(self.P_state[j] - self.P_state[i]) + np.ceil(acts) + np.ceil(work)
 
     def stage_memory(self, start: int, end: int, k: int) -> StageMemory:
         """Bytes by kind for layers ``[start, end)`` holding ``k`` micro-batches."""
