@@ -3,8 +3,8 @@
 For each model (uneven MLP, transformer stack, conv net) and device list this script
 
 1. makes a plan with its prediction:
-   ``['cpu']``: ``torchspan.plan(model, batch, "cpu", optimizer="adam")`` (which profiles the model
-   on this machine);
+   ``['cpu']``: the planner's plan (``torchspan.profile`` on this machine, then
+   ``torchspan.planner.search``: what ``torchspan.plan(model, batch, "cpu", optimizer="adam")`` does);
    ``['cpu', 'cpu']`` (the usual way to run a pipeline on a CPU-only machine): the planner itself
    keeps one stage there (both entries are one CPU, so a split cannot be faster), so the two-stage
    pipeline is built explicitly: ``torchspan.profile`` on ``['cpu', 'cpu']``, the cut that balances
@@ -19,8 +19,9 @@ For each model (uneven MLP, transformer stack, conv net) and device list this sc
    planner's transient ``workspace_bytes``, which nothing meters) with
    ``spanned.memory(optimizer)`` for that stage (same kinds; activations are the measured peak of
    live saved tensors during the step), and, as a diagnostic, each stage's predicted compute
-   (micro-batches x (forward + backward) per micro-batch) with the forward/backward blocks of
-   ``spanned.timeline()``: it separates the profile's error from the schedule's.
+   (micro-batches x (forward + backward) per micro-batch, plus the gradient accumulation of every
+   micro-batch after the first) with the forward/backward blocks of ``spanned.timeline()``: it
+   separates the profile's error from the schedule's.
 
 The anchor is the measurement. Each ratio line reports the error factor ``max(p/m, m/p)``
 (goal: <= 1.15, i.e. within 15% either way); the text after it gives ``predicted/measured``.
@@ -38,6 +39,7 @@ import os
 import platform
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +50,11 @@ import torchspan
 from torchspan.hardware import format_bytes
 from torchspan.planner.cost import CostModel, Stage
 from torchspan.planner.plan import Plan
+from torchspan.planner.search import search
+from torchspan.profiler import Profile
+
+# The conv net's BatchNorm sees micro-batches, not the batch: a numerics note that does not bear on time or memory.
+warnings.filterwarnings("ignore", message="BatchNorm layer")
 
 
 class MeanPool(nn.Module):
@@ -104,9 +111,8 @@ def error_factor(predicted: float, measured: float) -> float:
     return max(predicted / measured, measured / predicted)
 
 
-def two_stage_plan(model: nn.Module, x: torch.Tensor, microbatches: int = 4) -> Plan:
+def two_stage_plan(prof: Profile, microbatches: int = 4) -> Plan:
     """Two stages on ``['cpu', 'cpu']`` at the cut balancing their compute, scored by the cost model."""
-    prof = torchspan.profile(model, x, torchspan.devices(["cpu", "cpu"]), optimizer="adam")
     cm = CostModel(prof, microbatches, "1f1b", "never")
     L = len(prof.layers)
     evs = [cm.evaluate([Stage(0, 0, cut), Stage(1, cut, L)]) for cut in range(1, L)]
@@ -117,10 +123,17 @@ def two_stage_plan(model: nn.Module, x: torch.Tensor, microbatches: int = 4) -> 
 def run_case(name: str, devices: list[str], steps: int) -> dict[str, Any]:
     model, x, y = build(name)
     model.train()
-    if len(devices) == 1:
-        plan = torchspan.plan(model, x, torchspan.devices(devices), optimizer="adam")
-    else:
-        plan = two_stage_plan(model, x)
+    prof = torchspan.profile(model, x, torchspan.devices(devices), optimizer="adam")
+    # one device: the planner's own choice (torchspan.plan = profile + search); two entries of the CPU:
+    # the planner keeps one stage, so the two-stage pipeline is built by hand and scored by the cost model
+    plan = search(prof) if len(devices) == 1 else two_stage_plan(prof)
+    cm = CostModel(prof, plan.microbatches, plan.schedule, plan.checkpoint)
+    placed = cm.stages_for(plan)
+    again = cm.evaluate(placed).step_time
+    if abs(again - float(plan.predicted_step_time or 0.0)) > 1e-9 * again:
+        raise RuntimeError(f"CostModel.evaluate gives {again} s for the plan, which predicts {plan.predicted_step_time} s")
+    # gradient accumulation (micro-batches after the first) runs inside the backward blocks
+    accumulate = [float(cm.accumulate[st.device, st.start : st.end].sum()) for st in placed]
     spanned = torchspan.span(model, plan)  # default workers="device"
     opt = torch.optim.Adam(model.parameters())
     loss_fn = nn.functional.mse_loss
@@ -151,7 +164,8 @@ def run_case(name: str, devices: list[str], steps: int) -> dict[str, Any]:
                 "measured": measured,
                 "predicted_act": sp.activation_bytes,
                 "measured_act": ms["activations"],
-                "predicted_busy": plan.microbatches * (sp.forward_time + sp.backward_time),
+                "predicted_busy": plan.microbatches * (sp.forward_time + sp.backward_time)
+                + (plan.microbatches - 1) * accumulate[len(stages)],
                 "measured_busy": statistics.median(busy[len(stages)]),
             }
         )
