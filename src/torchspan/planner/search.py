@@ -12,12 +12,16 @@ with every device within its budget.
 Entries that are one physical device (``['cpu', 'cpu']``) are collapsed to their first entry. In the
 cost model they share one budget and their stages run one after another in one worker, so cutting
 a device's run of layers into several stages on its entries never lowers the step time (same
-serial work, same bubble, free hand-overs) and never lowers memory (the parts' sum holds as much,
-plus an earlier in-flight count under 1F1B and a second workspace). The search space therefore
+serial work, same bubble, free hand-overs) and never lowers memory (the parts together hold at
+least as much: under 1F1B the earlier part keeps one more micro-batch in flight, and each part has
+its own workspace and its own copy of tensors shared across the cut). The search space therefore
 loses nothing by the collapse; ``tests/test_planner_search.py`` checks it against brute force over
 every placement on the uncollapsed list in which each physical device's stages are adjacent.
 Not searched: one device visited twice with another in between (``cpu, cuda:0, cpu``), which
-``CostModel.evaluate`` scores but the dynamic programme's per-stage state cannot express.
+``CostModel.evaluate`` scores but the dynamic programme's per-stage state cannot express (the
+device's busy time would be a sum over non-adjacent stages). On small random profiles such a
+placement beats the search's in about 1% of cases (26 of 2,400 tried), typically a CPU holding
+both ends around an accelerator too small for them.
 
 How (exact for the cost model, up to a relative ``rtol``, default 1e-9):
 
