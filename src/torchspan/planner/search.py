@@ -20,8 +20,8 @@ every placement on the uncollapsed list in which each physical device's stages a
 Not searched: one device visited twice with another in between (``cpu, cuda:0, cpu``), which
 ``CostModel.evaluate`` scores but the dynamic programme's per-stage state cannot express (the
 device's busy time would be a sum over non-adjacent stages). On small random profiles such a
-placement beats the search's in about 1% of cases (26 of 2,400 tried), typically a CPU holding
-both ends around an accelerator too small for them.
+placement beats the search's in about 1% of cases (26 of 2,400 tried; in all of them the CPU
+holds both ends with an accelerator in the middle).
 
 How (exact for the cost model, up to a relative ``rtol``, default 1e-9):
 
