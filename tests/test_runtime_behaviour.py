@@ -201,12 +201,13 @@ def test_memory_counts_saved_activations_exactly() -> None:
     x, y = torch.randn(8, 4), torch.randn(8, 8)  # 4 micro-batches of 2 samples
     f32 = 4
     relu_out = 2 * 8 * f32  # what each ReLU saves per micro-batch
+    x_slice, y_slice = 2 * 4 * f32, 2 * 8 * f32  # a micro-batch's slice of x and of y
     expected = {
-        # stage 0 keeps its input batch (one storage: micro-batches are views of x) + one ReLU output per live micro-batch;
-        # stage 1 keeps its input (the previous ReLU's output, same storage on the same device) + its ReLU output,
-        # and the loss saves the target (views of y: one storage)
-        "gpipe": [8 * 4 * f32 + 4 * relu_out, 4 * 2 * relu_out + 8 * 8 * f32],
-        "1f1b": [8 * 4 * f32 + 2 * relu_out, 1 * 2 * relu_out + 8 * 8 * f32],
+        # per live micro-batch, stage 0 keeps its slice of x (counted as the slice, not the whole batch) and
+        # one ReLU output; stage 1 keeps its input (the previous ReLU's output), its ReLU output, and the
+        # loss's saved slice of the target. GPipe keeps all 4 micro-batches alive, 1F1B at most S - s.
+        "gpipe": [4 * (x_slice + relu_out), 4 * (2 * relu_out + y_slice)],
+        "1f1b": [2 * (x_slice + relu_out), 1 * (2 * relu_out + y_slice)],
     }
     for schedule, (s0, s1) in expected.items():
         spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=4, schedule=schedule)

@@ -1,7 +1,8 @@
 """Exact count of saved activations per stage, with ``torch.autograd.graph.saved_tensors_hooks``.
 
 Every tensor autograd saves for backward while a stage's forward runs is packed into a small
-holder; its storage is counted once per stage while any holder refers to it, and the holder's
+holder; the bytes it spans in its storage (a micro-batch slice of the input batch counts as the
+slice, not the whole batch) are counted once per stage while any holder refers to them, and the holder's
 finalizer (run when autograd frees the saved tensor) takes it off. Parameters and buffers are
 not activations and are not counted. ``peak[s]`` is the most bytes alive at once on stage ``s``
 since ``reset``.
@@ -32,7 +33,7 @@ class _Held:
 
     __slots__ = ("tensor", "_meter", "_stage", "_key", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor, meter: ActivationMeter, stage: int, key: tuple[int, torch.device]) -> None:
+    def __init__(self, tensor: torch.Tensor, meter: ActivationMeter, stage: int, key: tuple[Any, ...]) -> None:
         self.tensor = tensor
         self._meter = meter
         self._stage = stage
@@ -48,7 +49,7 @@ class ActivationMeter:
     def __init__(self, stages: int) -> None:
         self.live = [0] * stages
         self.peak = [0] * stages
-        self._refs: list[dict[tuple[int, torch.device], list[int]]] = [{} for _ in range(stages)]
+        self._refs: list[dict[tuple[Any, ...], list[int]]] = [{} for _ in range(stages)]
         self._exclude: set[tuple[int, torch.device]] = set()
         # re-entrant: a garbage collection inside ``hold`` may finalize another holder in this thread
         self._lock = threading.RLock()
@@ -71,19 +72,31 @@ class ActivationMeter:
         except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, some subclasses
             return None
 
+    @staticmethod
+    def _extent(t: torch.Tensor, storage_bytes: int) -> tuple[int, int]:
+        """(first byte offset, bytes spanned) of ``t`` inside its storage."""
+        size = t.element_size()
+        start = t.storage_offset() * size
+        if t.numel() == 0:
+            return start, 0
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+        return start, min((last + 1) * size, storage_bytes - start)
+
     def hold(self, stage: int, t: torch.Tensor) -> Any:
         """Count ``t`` as a live activation of ``stage`` until the returned holder is dropped."""
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, some subclasses
             return t
-        key = (storage.data_ptr(), t.device)
-        if key in self._exclude or t.is_meta:
+        if (storage.data_ptr(), t.device) in self._exclude or t.is_meta:
             return t
+        start, span = self._extent(t, storage.nbytes())
+        # Views of one storage at the same place count once; distinct slices (micro-batches) each count.
+        key = (storage.data_ptr() + start, span, t.device)
         with self._lock:
             entry = self._refs[stage].get(key)
             if entry is None:
-                nbytes = storage.nbytes()
+                nbytes = span
                 self._refs[stage][key] = [nbytes, 1]
                 live = self.live[stage] = self.live[stage] + nbytes
                 if live > self.peak[stage]:
@@ -92,7 +105,7 @@ class ActivationMeter:
                 entry[1] += 1
         return _Held(t, self, stage, key)
 
-    def _release(self, stage: int, key: tuple[int, torch.device]) -> None:
+    def _release(self, stage: int, key: tuple[Any, ...]) -> None:
         with self._lock:
             entry = self._refs[stage].get(key)
             if entry is None:  # pragma: no cover - defensive
