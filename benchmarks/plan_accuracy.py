@@ -49,8 +49,8 @@ from torch import nn
 import torchspan
 from torchspan.hardware import format_bytes
 from torchspan.planner.cost import CostModel, Stage
-from torchspan.planner.plan import Plan
-from torchspan.planner.search import search
+from torchspan.planner.plans import Plan
+from torchspan.planner.optimize import search
 from torchspan.profiler import Profile
 
 # The conv net's BatchNorm sees micro-batches, not the batch: a numerics note that does not bear on time or memory.

@@ -51,8 +51,8 @@ from torchspan.hardware import format_bytes
 from torchspan.planner import PlanError
 from torchspan.planner.baselines import STRATEGIES, baseline
 from torchspan.planner.diagnose import frugal_needs
-from torchspan.planner.search import settings_grid
-from torchspan.planner.search import search
+from torchspan.planner.optimize import settings_grid
+from torchspan.planner.optimize import search
 from torchspan.profiler import LayerCost, Profile
 
 # ----------------------------------------------------------------------------- models

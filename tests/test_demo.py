@@ -15,7 +15,7 @@ from torchspan.cli import main
 from torchspan.demo.corpus import ALPHABET, build_corpus, grammar_text, package_text
 from torchspan.demo.model import CharTransformer, generate, lm_loss
 from torchspan.demo.run import DemoConfig, run_demo
-from torchspan.planner.plan import Plan
+from torchspan.planner.plans import Plan
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SMALL = dict(batch_size=8, seq_len=16, dim=32, depth=2, heads=2, sample_chars=20, lr=1e-2)

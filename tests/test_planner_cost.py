@@ -8,7 +8,7 @@ import pytest
 
 from planner_synth import device, layer
 from torchspan.planner.cost import CostModel, Stage, link_bandwidth, physical_names
-from torchspan.planner.plan import Plan, StagePlan
+from torchspan.planner.plans import Plan, StagePlan
 from torchspan.profiler import Profile
 
 

@@ -108,7 +108,7 @@ def test_save_is_atomic_and_leaves_an_ordinary_file(tmp_path) -> None:  # type: 
     import os
     import stat
 
-    from torchspan.planner.plan import Plan as _Plan, StagePlan as _StagePlan
+    from torchspan.planner.plans import Plan as _Plan, StagePlan as _StagePlan
 
     plan = _Plan([_StagePlan("cpu", ["a"])])
     target = tmp_path / "plan.json"

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from planner_synth import brute_force, close, device, layer, random_profile
 from torchspan.planner import PlanError, search
 from torchspan.planner.cost import CostModel, Stage
-from torchspan.planner.plan import CHECKPOINTS, SCHEDULES
-from torchspan.planner.search import device_groups, microbatch_candidates, solve
+from torchspan.planner.plans import CHECKPOINTS, SCHEDULES
+from torchspan.planner.optimize import device_groups, microbatch_candidates, solve
 from torchspan.profiler import Profile
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

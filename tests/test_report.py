@@ -9,7 +9,7 @@ import pytest
 
 from torchspan import report
 from torchspan.hardware import devices
-from torchspan.planner.plan import Plan, StagePlan
+from torchspan.planner.plans import Plan, StagePlan
 from torchspan.timeline import Event
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import torchspan
-from torchspan.planner.plan import Plan, StagePlan
+from torchspan.planner.plans import Plan, StagePlan
 from torchspan.runtime import NoSplit
 from runtime_models import dict_loss, residual, sequential, untraceable
 

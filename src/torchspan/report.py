@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
 
     from .hardware import Device
-    from .planner.plan import Plan
+    from .planner.plans import Plan
 
 __all__ = [
     "timeline_png",

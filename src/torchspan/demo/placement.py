@@ -18,8 +18,8 @@ from torch import nn
 
 from ..hardware import Device
 from ..planner.cost import CostModel, Stage
-from ..planner.plan import Plan
-from ..planner.search import search, settings_grid
+from ..planner.plans import Plan
+from ..planner.optimize import search, settings_grid
 from ..profiler import Profile, profile
 
 __all__ = ["demo_plan", "spread_plan"]

@@ -26,7 +26,7 @@ from rich.table import Table
 
 from .. import report
 from ..hardware import Device, devices as find_devices
-from ..planner.plan import Plan
+from ..planner.plans import Plan
 from ..progress import TrainingProgress
 from ..timeline import Event
 from .corpus import Corpus, build_corpus

@@ -6,9 +6,9 @@ Usage::
     plan = search(profile)                                      # search only (pure data)
 """
 
-from .plan import CHECKPOINTS, SCHEDULES, Plan, StagePlan
+from .plans import CHECKPOINTS, SCHEDULES, Plan, StagePlan
 from .errors import PlanError
-from .search import search
+from .optimize import search
 from .api import plan  # bound last: the function, not the ``plan`` submodule
 
 __all__ = ["plan", "search", "Plan", "StagePlan", "PlanError", "SCHEDULES", "CHECKPOINTS"]

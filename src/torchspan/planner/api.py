@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from ..hardware import devices as find_devices
-from .plan import Plan
-from .search import search
+from .plans import Plan
+from .optimize import search
 
 __all__ = ["plan"]
 

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from ..hardware import format_bytes
 from ..profiler import Profile
 from .cost import INF, CostModel, Evaluation, Stage
-from .plan import Plan
-from .search import settings_grid
+from .plans import Plan
+from .optimize import settings_grid
 
 __all__ = ["STRATEGIES", "baseline", "uniform_split", "parameter_split", "greedy_split"]
 

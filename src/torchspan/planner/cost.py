@@ -78,7 +78,7 @@ import numpy as np
 
 from ..hardware import Device
 from ..profiler import Profile
-from .plan import CHECKPOINTS, SCHEDULES, Plan, StagePlan
+from .plans import CHECKPOINTS, SCHEDULES, Plan, StagePlan
 
 __all__ = [
     "Stage",

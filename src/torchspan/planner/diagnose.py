@@ -17,7 +17,7 @@ from ..hardware import Device, format_bytes
 from ..profiler import LayerCost, Profile
 from .cost import INF, CostModel, physical_names
 from .errors import PlanError
-from .search import _Solver, microbatch_candidates
+from .optimize import _Solver, microbatch_candidates
 
 __all__ = ["explain_no_fit", "fits", "frugal_needs"]
 

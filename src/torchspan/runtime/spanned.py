@@ -92,7 +92,7 @@ def span(
     if isinstance(model, Spanned):
         raise TypeError("model is already a Spanned; pass spanned.module to span it again")
     if plan is not None:
-        from ..planner.plan import Plan
+        from ..planner.plans import Plan
 
         if not isinstance(plan, Plan):
             raise TypeError(

@@ -51,7 +51,7 @@ import numpy as np
 
 from ..profiler import Profile
 from .cost import INF, CostModel, Evaluation, Stage, identity, link_bandwidth, time_tables
-from .plan import CHECKPOINTS, SCHEDULES, Plan
+from .plans import CHECKPOINTS, SCHEDULES, Plan
 
 __all__ = ["search", "microbatch_candidates", "device_groups", "solve", "settings_grid"]
 
