@@ -314,7 +314,7 @@ def profile(
         can_measure = measure and d.present and d.kind != "meta" and not meta_params
         key = str(d.device)
         if can_measure and key not in measured:
-            measured[key] = _measure(model, args, batch, small, order, base, d.device, dtype, warmup, repeats)
+            measured[key] = _measure(model, args, batch, small, order, base, d.device, dtype, warmup, repeats, notes)
     for i, (d, dd) in enumerate(zip(devs, out_devices)):
         key = str(d.device)
         if key in measured:
@@ -386,10 +386,15 @@ def _measure(
     dtype: torch.dtype | None,
     warmup: int,
     repeats: int,
+    notes: list[str] | None = None,
 ) -> dict[str, tuple[float, float, float, float]]:
     children = dict(top_level_layers(model))
     fwd: dict[str, dict[int, float]] = {n: {} for n in order}
     bwd: dict[str, dict[int, float]] = {n: {} for n in order}
+    # Layers timed alone run with warm caches and miss the glue between them; when the whole model
+    # already lives on `dev`, one whole forward/backward per batch size rescales them (see _calibrate).
+    whole_model = dtype is None and all(t.device == dev for t in list(model.parameters()) + list(model.buffers()))
+    scales: list[tuple[int, float, float]] = []
     with preserved(model):
         for s in sorted({small, batch}):
             sub = args if s == batch else resize_batch(args, batch, s, lambda t, shape: t[: shape[0]] if tuple(t.shape) != shape else t)
@@ -401,12 +406,49 @@ def _measure(
                 with on_device(children[name], dev, dtype) as module:
                     fwd[name][s], bwd[name][s] = time_layer(module, calls[name], base.requires_grad[name], dev, dtype, warmup, repeats)
             del calls
+            if whole_model:
+                _calibrate(model, sub, order, fwd, bwd, s, dev, warmup, repeats, scales)
+    if notes is not None and scales:
+        shown = ", ".join(f"batch {b}: forward x{f:.2f}, backward x{k:.2f}" for b, f, k in scales)
+        notes.append(f"{dev}: per-layer times scaled to match a whole-model pass ({shown})")
     out = {}
     for name in order:
         ff, fp = fit(fwd[name])
         bf, bp = fit(bwd[name])
         out[name] = (ff, fp, bf, bp)
     return out
+
+
+_SCALE_LIMITS = (0.5, 2.0)
+
+
+def _calibrate(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    order: list[str],
+    fwd: dict[str, dict[int, float]],
+    bwd: dict[str, dict[int, float]],
+    samples: int,
+    dev: torch.device,
+    warmup: int,
+    repeats: int,
+    scales: list[tuple[int, float, float]],
+) -> None:
+    """Scale the layers' times at ``samples`` so they add up to one whole-model forward/backward.
+
+    The factor is clamped to ``_SCALE_LIMITS``: beyond that the per-layer figures are not trusted to
+    be fixed by a single factor, and the clamped value is what the note reports.
+    """
+    whole_f, whole_b = time_layer(model, [(args, {})], [], dev, None, warmup, repeats)
+    sum_f = sum(fwd[n][samples] for n in order)
+    sum_b = sum(bwd[n][samples] for n in order)
+    lo, hi = _SCALE_LIMITS
+    kf = min(hi, max(lo, whole_f / sum_f)) if sum_f > 0 and whole_f > 0 else 1.0
+    kb = min(hi, max(lo, whole_b / sum_b)) if sum_b > 0 and whole_b > 0 else 1.0
+    for n in order:
+        fwd[n][samples] *= kf
+        bwd[n][samples] *= kb
+    scales.append((samples, kf, kb))
 
 
 def _per_sample(sizes_at: dict[int, Sizes], batch: int, get: Callable[[Sizes], float]) -> tuple[float, float]:
