@@ -352,3 +352,23 @@ def test_measures_on_a_present_gpu_and_puts_the_model_back() -> None:
     assert [lay.time_source for lay in prof.layers][0] == ["measured", "measured"]
     assert all(p.device.type == "cpu" for p in model.parameters())
     assert prof.layers[0].forward_seconds(0, 64) > 0
+
+
+def test_calibration_scales_layer_times_to_the_whole_model(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import torchspan.profiler as prof_mod
+
+    # the whole model takes 1.5x the layers' forward sum and 5x their backward sum (clamped to 2x)
+    monkeypatch.setattr(prof_mod, "time_layer", lambda *a, **k: (3.0, 30.0))
+    fwd = {"a": {8: 1.0}, "b": {8: 1.0}}
+    bwd = {"a": {8: 2.0}, "b": {8: 1.0}}
+    scales: list = []
+    prof_mod._calibrate(torch.nn.Linear(1, 1), (torch.zeros(8, 1),), ["a", "b"], fwd, bwd, 8, torch.device("cpu"), 0, 1, scales)
+    assert fwd == {"a": {8: 1.5}, "b": {8: 1.5}}
+    assert bwd == {"a": {8: 4.0}, "b": {8: 2.0}}
+    assert scales == [(8, 1.5, 2.0)]
+
+
+def test_profile_notes_the_calibration_on_a_present_cpu() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    prof = torchspan.profile(model, torch.randn(8, 16), "cpu", warmup=0, repeats=1)
+    assert any("scaled to match a whole-model pass" in n for n in prof.notes)
