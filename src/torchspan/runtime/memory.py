@@ -1,8 +1,9 @@
 """Exact count of saved activations per stage, with ``torch.autograd.graph.saved_tensors_hooks``.
 
 Every tensor autograd saves for backward while a stage's forward runs is packed into a small
-holder; the bytes it spans in its storage (a micro-batch slice of the input batch counts as the
-slice, not the whole batch) are counted once per stage while any holder refers to them, and the holder's
+holder; per storage, the union of the byte ranges its saved views cover is counted once per stage
+while any holder refers to them (a micro-batch slice of the input counts as the slice; q, k and v
+views of one fused projection count its storage once), and the holder's
 finalizer (run when autograd frees the saved tensor) takes it off. Parameters and buffers are
 not activations and are not counted. ``peak[s]`` is the most bytes alive at once on stage ``s``
 since ``reset``.
@@ -31,16 +32,38 @@ __all__ = ["ActivationMeter"]
 class _Held:
     """A saved tensor plus the bookkeeping that un-counts it when autograd lets go of it."""
 
-    __slots__ = ("tensor", "_meter", "_stage", "_key", "__weakref__")
+    __slots__ = ("tensor", "_meter", "_stage", "_key", "_span", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor, meter: ActivationMeter, stage: int, key: tuple[Any, ...]) -> None:
+    def __init__(self, tensor: torch.Tensor, meter: ActivationMeter, stage: int, key: tuple[Any, ...], span: tuple[int, int]) -> None:
         self.tensor = tensor
         self._meter = meter
         self._stage = stage
         self._key = key
+        self._span = span
 
     def __del__(self) -> None:
-        self._meter._release(self._stage, self._key)
+        self._meter._release(self._stage, self._key, self._span)
+
+
+def _union_bytes(spans: dict[tuple[int, int], int]) -> int:
+    """Bytes covered by the union of ``[start, end)`` byte ranges."""
+    total, reach = 0, -1
+    for start, end in sorted(spans):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total
+
+
+class _Storage:
+    """Live byte ranges of one storage held by one stage, and the bytes their union covers."""
+
+    __slots__ = ("spans", "bytes")
+
+    def __init__(self) -> None:
+        self.spans: dict[tuple[int, int], int] = {}
+        self.bytes = 0
 
 
 class ActivationMeter:
@@ -49,7 +72,7 @@ class ActivationMeter:
     def __init__(self, stages: int) -> None:
         self.live = [0] * stages
         self.peak = [0] * stages
-        self._refs: list[dict[tuple[Any, ...], list[int]]] = [{} for _ in range(stages)]
+        self._refs: list[dict[tuple[Any, ...], _Storage]] = [{} for _ in range(stages)]
         self._exclude: set[tuple[int, torch.device]] = set()
         # re-entrant: a garbage collection inside ``hold`` may finalize another holder in this thread
         self._lock = threading.RLock()
@@ -74,46 +97,57 @@ class ActivationMeter:
 
     @staticmethod
     def _extent(t: torch.Tensor, storage_bytes: int) -> tuple[int, int]:
-        """(first byte offset, bytes spanned) of ``t`` inside its storage."""
+        """``[start, end)`` byte range of ``t`` inside its storage."""
         size = t.element_size()
         start = t.storage_offset() * size
         if t.numel() == 0:
-            return start, 0
+            return start, start
         last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-        return start, min((last + 1) * size, storage_bytes - start)
+        return start, min(start + (last + 1) * size, storage_bytes)
 
     def hold(self, stage: int, t: torch.Tensor) -> Any:
-        """Count ``t`` as a live activation of ``stage`` until the returned holder is dropped."""
+        """Count ``t`` as a live activation of ``stage`` until the returned holder is dropped.
+
+        Per storage, what counts is the union of the byte ranges its live saved views cover: a
+        micro-batch slice of the input batch counts as the slice, and several views into one
+        storage (q, k, v of a fused projection) count it once.
+        """
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, some subclasses
             return t
-        if (storage.data_ptr(), t.device) in self._exclude or t.is_meta:
+        key = (storage.data_ptr(), t.device)
+        if key in self._exclude or t.is_meta:
             return t
-        start, span = self._extent(t, storage.nbytes())
-        # Views of one storage at the same place count once; distinct slices (micro-batches) each count.
-        key = (storage.data_ptr() + start, span, t.device)
+        span = self._extent(t, storage.nbytes())
         with self._lock:
             entry = self._refs[stage].get(key)
             if entry is None:
-                nbytes = span
-                self._refs[stage][key] = [nbytes, 1]
-                live = self.live[stage] = self.live[stage] + nbytes
+                entry = self._refs[stage][key] = _Storage()
+            count = entry.spans.get(span, 0)
+            entry.spans[span] = count + 1
+            if count == 0:
+                before, entry.bytes = entry.bytes, _union_bytes(entry.spans)
+                live = self.live[stage] = self.live[stage] + entry.bytes - before
                 if live > self.peak[stage]:
                     self.peak[stage] = live
-            else:
-                entry[1] += 1
-        return _Held(t, self, stage, key)
+        # Keep a detached alias: holding `t` itself (an op's output still carrying its grad_fn) would
+        # form a cycle through the C++ graph (grad_fn -> saved variable -> holder -> t -> grad_fn) that
+        # no garbage collection frees when backward never runs. Autograd restores the link on unpack.
+        return _Held(t.detach(), self, stage, key, span)
 
-    def _release(self, stage: int, key: tuple[Any, ...]) -> None:
+    def _release(self, stage: int, key: tuple[Any, ...], span: tuple[int, int]) -> None:
         with self._lock:
             entry = self._refs[stage].get(key)
-            if entry is None:  # pragma: no cover - defensive
+            if entry is None or span not in entry.spans:  # pragma: no cover - defensive
                 return
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self._refs[stage][key]
-                self.live[stage] -= entry[0]
+            entry.spans[span] -= 1
+            if entry.spans[span] == 0:
+                del entry.spans[span]
+                before, entry.bytes = entry.bytes, _union_bytes(entry.spans)
+                self.live[stage] -= before - entry.bytes
+                if not entry.spans:
+                    del self._refs[stage][key]
 
     @staticmethod
     def unwrap(x: Any) -> Any:
