@@ -152,3 +152,17 @@ def test_spread_plan_uses_every_device_as_a_real_pipeline():
     assert plan.layers == ["embed", "block0", "block1", "norm", "head"]
     assert plan.microbatches >= 4  # at least two per stage, so the pipeline shows
     assert spread_plan(profile(model, torch.zeros(8, 8, dtype=torch.long), devices("cpu"), measure=False)) is None
+
+
+def test_spread_plan_on_one_cpu_is_balanced():
+    """Two entries of one CPU cost the same however the layers are cut; the demo shows the balanced cut."""
+    from torchspan.demo.placement import spread_plan
+    from torchspan.hardware import devices
+    from torchspan.profiler import profile
+
+    model = CharTransformer(len(ALPHABET), dim=32, depth=4, heads=2, seq_len=16)
+    prof = profile(model, torch.randint(0, len(ALPHABET), (8, 16)), devices("cpu,cpu"), measure=False)
+    plan = spread_plan(prof)
+    assert plan is not None and len(plan.stages) == 2
+    blocks = [sum(name.startswith("block") for name in stage.layers) for stage in plan.stages]
+    assert min(blocks) >= 1, str(plan)  # not "embed alone on stage 0"

@@ -35,24 +35,38 @@ def spread_plan(prof: Profile, *, microbatches: int | str = "auto", schedule: st
     n_layers, n_devs = len(prof.layers), len(prof.devices)
     if n_devs < 2 or n_layers < n_devs:
         return None
-    best: tuple[float, CostModel, Any] | None = None
     settings = settings_grid(prof.batch_size, microbatches, schedule, checkpoint)
     if microbatches == "auto":
         # A pipeline shows (and pays off) only with at least two micro-batches per stage in flight.
         piped = [st for st in settings if st[0] >= 2 * n_devs]
         settings = piped or settings
+    fitting: list[tuple[float, float, CostModel, Any]] = []
     for cuts in itertools.combinations(range(1, n_layers), n_devs - 1):
         bounds = (0, *cuts, n_layers)
         stages = [Stage(d, bounds[d], bounds[d + 1]) for d in range(n_devs)]
         for m, s, c in settings:
             cm = CostModel(prof, m, s, c)
             ev = cm.evaluate(stages)
-            if ev.fits and (best is None or ev.step_time < best[0]):
-                best = (ev.step_time, cm, ev)
-    if best is None:
+            if ev.fits:
+                fitting.append((ev.step_time, _slowest_stage(prof, bounds, m), cm, ev))
+    if not fitting:
         return None
-    _, cm, ev = best
+    # Stages sharing one device cost the same however the layers are cut; among plans within 2% of
+    # the fastest, take the most balanced one (slowest stage fastest): the one that pipelines on
+    # separate devices, and the one whose timeline shows a pipeline.
+    fastest = min(f[0] for f in fitting)
+    _, _, cm, ev = min((f for f in fitting if f[0] <= fastest * 1.02), key=lambda f: (f[1], f[0]))
     return cm.to_plan(ev, "torchspan")
+
+
+def _slowest_stage(prof: Profile, bounds: tuple[int, ...], microbatches: int) -> float:
+    """The slowest stage's share of all stages' forward+backward time (1/stages when balanced)."""
+    samples = prof.batch_size / microbatches
+    times = [
+        sum(lay.forward_seconds(d, samples) + lay.backward_seconds(d, samples) for lay in prof.layers[bounds[d] : bounds[d + 1]])
+        for d in range(len(bounds) - 1)
+    ]
+    return max(times) / sum(times) if sum(times) > 0 else 1.0
 
 
 def demo_plan(
