@@ -28,7 +28,8 @@ from torch.utils._pytree import tree_leaves
 
 from ..hardware import to_device
 from .memory import ActivationMeter
-from .pipeline import autocast_for
+from .buffers import buffer_slots
+from .pipeline import autocast_for, once_context
 from .record import Recorder
 
 __all__ = ["HookPlacement"]
@@ -170,11 +171,12 @@ class HookPlacement:
             dev = self.devices[self.stage_of[name]]
             original = child.forward
             had = child.__dict__.get("forward")
+            context_fn = once_context(buffer_slots([child]))  # a recompute must not update BatchNorm stats again
 
-            def forward(*args: Any, _f: Any = original, _d: torch.device = dev, **kwargs: Any) -> Any:
+            def forward(*args: Any, _f: Any = original, _d: torch.device = dev, _c: Any = context_fn, **kwargs: Any) -> Any:
                 with autocast_for(_d, self.precision):
                     if checkpointed and torch.is_grad_enabled():
-                        return torch.utils.checkpoint.checkpoint(_f, *args, use_reentrant=False, **kwargs)
+                        return torch.utils.checkpoint.checkpoint(_f, *args, use_reentrant=False, context_fn=_c, **kwargs)
                     return _f(*args, **kwargs)
 
             child.forward = forward  # type: ignore[method-assign]

@@ -22,6 +22,7 @@ import torch
 import torch.utils.checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .buffers import Slot, kept
 from .lossweights import weighted_loss
 from ..hardware import to_device
 from .. import schedule as sched
@@ -30,7 +31,7 @@ from .record import Recorder
 from .stream import Ready, copy_stream, transfer, use_device, wait_ready
 from .worker import Mailbox, run_workers
 
-__all__ = ["Pipeline", "autocast_for", "CHECKPOINTS", "PRECISIONS"]
+__all__ = ["Pipeline", "autocast_for", "once_context", "CHECKPOINTS", "PRECISIONS"]
 
 CHECKPOINTS = ("never", "except_last", "always")
 PRECISIONS = ("32", "bf16", "fp16")
@@ -145,9 +146,15 @@ class Pipeline:
         weights: Sequence[float],
         schedule: str,
         scaler: Any = None,
+        buffers: Sequence[Sequence[Slot]] | None = None,
     ) -> torch.Tensor:
-        """Forward and backward of every micro-batch; returns the summed weighted loss (detached)."""
+        """Forward and backward of every micro-batch; returns the summed weighted loss (detached).
+
+        ``buffers[s]`` are stage ``s``'s buffer slots: a recompute (checkpointing) leaves them as
+        the real forward left them (BatchNorm statistics are updated once per micro-batch).
+        """
         n, m = len(fns), len(inputs)
+        slots: Sequence[Sequence[Slot]] = buffers if buffers is not None else [[] for _ in fns]
         plan = sched.build(schedule, m, n)
         saved: dict[tuple[int, int], _Saved] = {}
         losses: list[torch.Tensor | None] = [None] * m
@@ -208,7 +215,7 @@ class Pipeline:
                         torch.set_rng_state(st.rng[0])
                         if st.rng[1] is not None:  # pragma: no cover - needs a GPU
                             torch.cuda.set_rng_state(st.rng[1], dev)
-                        with torch.enable_grad(), self.meter.saving(s):
+                        with torch.enable_grad(), self.meter.saving(s), kept(slots[s]):
                             out, loss = forward_of(s, mb, leaves, st.spec)
                     st.stash = []
                     if s == last:
@@ -245,13 +252,17 @@ class Pipeline:
         return total
 
     # ------------------------------------------------------------------ forward only
-    def forward(self, fns: Sequence[Callable[..., Any]], inputs: Sequence[Sequence[Any]]) -> list[Any]:
+    def forward(
+        self, fns: Sequence[Callable[..., Any]], inputs: Sequence[Sequence[Any]], buffers: Sequence[Sequence[Slot]] | None = None
+    ) -> list[Any]:
         """Pipelined forward of every micro-batch, autograd kept across stages; outputs per micro-batch.
 
         Copies here stay in autograd (``loss.backward()`` on the result reaches every stage), and
-        checkpointed micro-batches use ``torch.utils.checkpoint`` so that backward recomputes them.
+        checkpointed micro-batches use ``torch.utils.checkpoint`` so that backward recomputes them
+        (leaving ``buffers[s]`` as the real forward left them).
         """
         n, m = len(fns), len(inputs)
+        slots: Sequence[Sequence[Slot]] = buffers if buffers is not None else [[] for _ in fns]
         plan = sched.forward_only(m, n)
         outputs: list[Any] = [None] * m
         grad = torch.is_grad_enabled()
@@ -264,7 +275,9 @@ class Pipeline:
                 args = box.get(("fwd", s, mb))
             with self.recorder.block(s, dev, mb, "forward"), autocast_for(dev, self.precision):
                 if grad and self._ckpt(mb, m):
-                    out = torch.utils.checkpoint.checkpoint(fns[s], *args, use_reentrant=False)
+                    out = torch.utils.checkpoint.checkpoint(
+                        fns[s], *args, use_reentrant=False, context_fn=once_context(slots[s])
+                    )
                 elif grad:
                     with self.meter.saving(s):
                         out = fns[s](*args)
@@ -281,6 +294,15 @@ class Pipeline:
 
         self._run(plan, do)
         return outputs
+
+
+def once_context(slots: Sequence[Slot]) -> Callable[[], tuple[Any, Any]]:
+    """``context_fn`` for ``torch.utils.checkpoint``: the recompute undoes the buffer updates the forward made."""
+
+    def make() -> tuple[Any, Any]:
+        return contextlib.nullcontext(), kept(slots)
+
+    return make
 
 
 def _move_keep_graph(value: Any, dev: torch.device) -> Any:

@@ -21,6 +21,7 @@ from torch import nn
 
 from .. import split
 from ..schedule import SCHEDULES
+from .buffers import Slot, buffer_slots, kept
 from .hooks import HookPlacement
 from .memory import ActivationMeter
 from .microbatch import NoSplit, batch_size, gather, split_batch, split_sizes, split_value
@@ -193,6 +194,7 @@ class Spanned(nn.Module):
         self._meter = ActivationMeter(len(devices))
         self._graphs: dict[Any, list[Any]] = {}
         self._hooks: HookPlacement | None = None
+        self._root_attrs: dict[str, int] = {}
         self._placed = False
         self._order_checked = False
         self.scaler: Any = None
@@ -243,10 +245,22 @@ class Spanned(nn.Module):
             # Where the model's own parameters are first read decides their stage.
             _, root_attrs = split.split_graph(self.module, graph, stage_of, len(self._devices))
         place(self.module, stage_of, self._devices, root_attrs)
+        self._root_attrs = root_attrs
         if self.mode == "hooks":
             self._hooks = HookPlacement(self.module, stage_of, self._devices, self._recorder, self._meter, self.precision)
             self._hooks.install()
         self._placed = True
+
+    def _stage_buffers(self) -> list[list[Slot]] | None:
+        """Each stage's buffer slots, which a checkpoint recompute must leave unchanged (None: no recompute)."""
+        if self.checkpoint == "never":
+            return None
+        children = dict(self.module.named_children())
+        own: list[list[Slot]] = [[] for _ in self._devices]
+        for name, b in self.module._buffers.items():
+            if b is not None:
+                own[self._root_attrs.get(name, 0)].append((self.module, name))
+        return [buffer_slots([children[n] for n in g], own[s]) for s, g in enumerate(self._groups)]
 
     def _sequential_fns(self) -> list[Callable[..., Any]]:
         """One callable per stage running its layers in order (non-last stages return a 1-tuple)."""
@@ -306,7 +320,11 @@ class Spanned(nn.Module):
         """Hook mode with a balance: find the execution order with one recording forward, then place."""
         if self._placed:
             return
-        order = split.execution_order(self.module, *first_args, **first_kwargs)
+        # The recording forward must leave no trace: BatchNorm statistics, counters and the random
+        # state (dropout masks of the real step) stay as they were.
+        cuda = sorted({d.index if d.index is not None else 0 for d in self._devices if d.type == "cuda"})
+        with torch.random.fork_rng(devices=cuda), kept(buffer_slots([self.module])):
+            order = split.execution_order(self.module, *first_args, **first_kwargs)
         self._groups = stages_from_balance(order, self._devices, self.balance)
         self._place(graph=None)
         self._order_checked = True
@@ -343,7 +361,7 @@ class Spanned(nn.Module):
             return gather(outs, last)
         self._begin()
         try:
-            outs = self._pipeline.forward(fns, chunks)
+            outs = self._pipeline.forward(fns, chunks, self._stage_buffers())
         finally:
             self._recorder.finish_step()
         return gather(outs, last)
@@ -391,7 +409,7 @@ class Spanned(nn.Module):
             return self._train_hooks(chunks, targets, loss_fn, weights)
         self._begin()
         try:
-            return self._pipeline.train(fns, chunks, targets, loss_fn, weights, self.schedule, self.scaler)
+            return self._pipeline.train(fns, chunks, targets, loss_fn, weights, self.schedule, self.scaler, self._stage_buffers())
         finally:
             self._recorder.finish_step()
 
