@@ -341,3 +341,17 @@ def test_producers_are_kept_beside_tensors_not_on_them(monkeypatch: pytest.Monke
     assert module is model and op is torch.nn.functional.linear
     assert len(w._src) <= 20
     assert w.producer(torch.randn(1)) is None
+
+
+def test_compiled_module_is_watched_eagerly_and_named() -> None:
+    # dynamo would trace the watcher into its graph and let PyTorch's bare error escape
+    model = torch.compile(ToyModel(), backend="eager")
+    with pytest.raises(DeviceMismatchError) as info:
+        with watch(model=model):
+            model(torch.randn(2, 10))
+    assert info.value.module is not None and info.value.module.endswith("net2 (Linear)")
+    assert "model._orig_mod.net2.weight" in str(info.value)
+    clean = torch.compile(nn.Linear(3, 2), backend="eager")
+    with watch():
+        clean(torch.randn(2, 3)).sum().backward()
+    assert torch.compiler.is_compiling() is False

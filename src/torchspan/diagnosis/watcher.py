@@ -5,6 +5,8 @@ step) with its real arguments; a ``TorchDispatchMode`` is added only while a bac
 hooks, custom autograd Functions and autograd's own formulas are checked too. Module tracking
 (global forward hooks, see ``tracking.py``) says which module is running. The hot path compares
 devices and nothing else; names, producers and the fix are worked out only on a mismatch.
+``torch.compile``'d code runs eagerly while watched (``set_stance("force_eager")``), so its ops
+are checked one by one like any other.
 
 On a mismatch the op is first handed to PyTorch: its error (if any) becomes the ``__cause__``.
 PyTorch accepting a mix of real devices (CPU scalars, CPU lengths for ``pack_padded_sequence``)
@@ -307,6 +309,7 @@ class Watcher:
         self._dp_warned: set[int] = set()
         self._outer: Watcher | None = None
         self._thread = threading.get_ident()
+        self._stance: Any = None
 
     def _prune(self) -> None:
         """Forget producers of tensors that no longer exist; grow the bound if most are alive."""
@@ -340,6 +343,9 @@ class Watcher:
                 outer.named.update({k: v for k, v in self.named.items() if k not in outer.named})
                 return self
             _ACTIVE.append(self)
+        # torch.compile'd code runs eagerly while watched: dynamo would otherwise trace the watcher
+        # into its graph, where the check fails and PyTorch's bare error escapes unexplained.
+        self._stance = torch.compiler.set_stance("force_eager")
         self.tracker.install()
         self._fmode.__enter__()
         return self
@@ -350,6 +356,9 @@ class Watcher:
             return
         self._fmode.__exit__(*exc)
         self.tracker.uninstall()
+        if self._stance is not None:
+            self._stance.__exit__(None, None, None)
+            self._stance = None
         with _ACTIVE_LOCK:
             if self in _ACTIVE:
                 _ACTIVE.remove(self)
