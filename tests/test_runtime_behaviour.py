@@ -274,3 +274,46 @@ def test_nosplit_and_uneven_forward_outputs() -> None:
     ref, ref_mean = spanned.module(x, e, mask=mask)
     torch.testing.assert_close(out, ref)
     assert len(spanned.timeline()) == 6  # 3 micro-batches x 2 stages, forward only
+
+
+def test_spanned_inside_another_module_saves_loads_and_refuses_to_move() -> None:
+    class Wrapper(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.net = inner
+            self.temperature = nn.Parameter(torch.ones(()))
+
+    saved = Wrapper(sequential(seed=1)).state_dict()
+    outer = Wrapper(torchspan.span(sequential(seed=0), devices=["cpu", "cpu"]))
+    assert list(outer.state_dict()) == list(saved)
+    outer.load_state_dict(saved)  # keys as Spanned.state_dict writes them: no "module." inside
+    for key, value in saved.items():
+        assert torch.equal(outer.state_dict()[key], value), key
+    outer.double()  # dtype changes keep the placement
+    assert outer.net.module[0].weight.dtype == torch.float64
+    with pytest.raises(TypeError, match="torchspan owns the placement"):
+        outer.to("meta")  # a parent's .to() would move every stage to one device
+    assert outer.net.module[0].weight.device.type == "cpu"
+
+
+def test_pickling_a_spanned_fails_clearly_and_hook_mode_module_saves() -> None:
+    import io
+    import pickle
+
+    spanned = torchspan.span(sequential(), devices=["cpu", "cpu"])
+    for attempt in (lambda: pickle.dumps(spanned), lambda: copy.deepcopy(spanned)):
+        with pytest.raises(TypeError, match="state_dict"):
+            attempt()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hooked = torchspan.span(untraceable(), devices=["cpu", "cpu"], microbatches=2)
+    x = torch.randn(4, 5)
+    hooked(x)
+    buf = io.BytesIO()
+    torch.save(hooked.module, buf)  # torchspan's input-moving hooks do not travel
+    buf.seek(0)
+    plain = torch.load(buf, weights_only=False)
+    twin = copy.deepcopy(hooked.module)
+    for m in (plain, twin):
+        torch.testing.assert_close(m(x)["out"], hooked.module(x)["out"])
+        assert all(h(m.a, (x,), {}) is None for h in m.a._forward_pre_hooks.values())

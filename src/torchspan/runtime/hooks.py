@@ -35,6 +35,33 @@ from .record import Recorder
 __all__ = ["HookPlacement"]
 
 
+def _inert(*_args: Any, **_kwargs: Any) -> None:
+    """What a torchspan hook becomes in a pickled or deep-copied model: nothing."""
+    return None
+
+
+class _Hook:
+    """A hook that does not travel: ``torch.save(spanned.module)`` and ``copy.deepcopy`` give a plain model."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self) -> Any:
+        return (_inert_hook, ())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return _inert
+
+
+def _inert_hook() -> Any:
+    return _inert
+
+
 class HookPlacement:
     """Input-moving hooks on a model's top-level children, plus per-step recording."""
 
@@ -69,8 +96,8 @@ class HookPlacement:
         for name, child in self.model.named_children():
             if name not in self.stage_of:
                 continue
-            self._handles.append(child.register_forward_pre_hook(self._pre(name), with_kwargs=True))
-            self._handles.append(child.register_forward_hook(self._post(name)))
+            self._handles.append(child.register_forward_pre_hook(_Hook(self._pre(name)), with_kwargs=True))
+            self._handles.append(child.register_forward_hook(_Hook(self._post(name))))
 
     def remove(self) -> None:
         for h in self._handles:

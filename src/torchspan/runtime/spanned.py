@@ -155,6 +155,15 @@ def span(
     )
 
 
+def _load_under_module(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, *_rest: Any
+) -> None:
+    """Load-state-dict pre-hook: ``{prefix}key`` (as ``Spanned.state_dict`` writes it) → ``{prefix}module.key``."""
+    inner = prefix + "module."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
+
+
 class Spanned(nn.Module):
     """A model whose layers live on several devices, trained with micro-batch pipelining.
 
@@ -204,6 +213,8 @@ class Spanned(nn.Module):
         self._pipeline = Pipeline(
             self._devices, checkpoint=checkpoint, precision=precision, recorder=self._recorder, meter=self._meter, groups=groups_idx
         )
+        # A Spanned nested in another module loads that module's checkpoints (keys without ``module.``).
+        self._register_load_state_dict_pre_hook(_load_under_module, with_module=True)  # public name needs torch>=2.5
         if mode == "hooks":
             warnings.warn(
                 f"torchspan: {why}; using hook placement. Each layer lives on its device and inputs are moved to "
@@ -519,6 +530,21 @@ class Spanned(nn.Module):
         if state_dict and all(k.startswith("module.") for k in state_dict):
             state_dict = {k[len("module.") :]: v for k, v in state_dict.items()}
         return self.module.load_state_dict(state_dict, strict=strict)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Spanned:  # type: ignore[override]
+        """``half()``/``float()`` work; anything that would move a stage off its device (``parent.cuda()``) raises."""
+        for t in list(self.module.parameters()) + list(self.module.buffers()):
+            moved = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+            if isinstance(moved, torch.Tensor) and moved.device != t.device:
+                raise TypeError(f"moving a Spanned's tensors from {t.device} to {moved.device} is not supported: {_PLACEMENT_MSG}")
+        return super()._apply(fn, recurse)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "a Spanned cannot be pickled, saved whole or deep-copied (it holds worker state and a device placement). "
+            "Save spanned.state_dict() (or torch.save(spanned.module)); to copy, span a copy of the model: "
+            "torchspan.span(copy.deepcopy(spanned.module), devices=spanned.devices, balance=spanned.balance)"
+        )
 
     def to(self, *args: Any, **kwargs: Any) -> Spanned:  # type: ignore[override]
         raise TypeError(f"Spanned.to(...) is not supported: {_PLACEMENT_MSG}")
