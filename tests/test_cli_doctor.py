@@ -174,3 +174,13 @@ def test_terminal_output_uses_rich(tmp_path: Path, capsys: pytest.CaptureFixture
     assert code == EXIT_DEVICE_ERROR
     assert "╭" in out or "┌" in out  # a rich panel, not the plain layout
     assert "criterion.weight" in out and "criterion.to('meta')" in out
+
+
+def test_unrelated_error_mentioning_a_device_is_not_called_a_device_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = write(tmp_path, "disk.py", "raise RuntimeError('No space left on device while writing a device type table')\n")
+    code = main(["doctor", script])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "not a device error" in captured.out and "No space left on device" in captured.err

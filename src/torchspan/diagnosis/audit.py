@@ -14,6 +14,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -418,22 +419,27 @@ def audit_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, name: s
 # ---------------------------------------------------------------------- running
 
 
-_DEVICE_WORDS = (
-    "same device",
-    "expected device",
-    "on device",
-    "device type",
-    "different device",
-    "parameters and buffers on device",
-    "expected type torch.cuda",
-    "invalid gradient",
+# PyTorch's own wordings of a device error (phrases, not single words: "on device" alone also
+# matches unrelated messages such as "no space left on device").
+_DEVICE_ERROR = re.compile(
+    r"to be on the same device"
+    r"|not (at|on) the same device"
+    r"|on the same device as"
+    r"|is not on the expected device"
+    r"|expected device \S+ but got"
+    r"|device type \w+ but got device type"
+    r"|parameters and buffers on device"
+    r"|expected type torch\.cuda"
+    r"|Input type \(\S*cuda\S*\) and weight type|Input type \(\S+\) and weight type \(\S*cuda",
 )
 
 
 def looks_like_device_error(exc: BaseException) -> bool:
-    """True for PyTorch errors about tensors on the wrong device."""
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(w in text for w in _DEVICE_WORDS)
+    """True for PyTorch errors about tensors on the wrong device.
+
+    Usage: ``looks_like_device_error(RuntimeError("Expected all tensors to be on the same device..."))``.
+    """
+    return isinstance(exc, RuntimeError) and _DEVICE_ERROR.search(str(exc)) is not None
 
 
 def _run(
