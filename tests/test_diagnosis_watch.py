@@ -355,3 +355,42 @@ def test_compiled_module_is_watched_eagerly_and_named() -> None:
     with watch():
         clean(torch.randn(2, 3)).sum().backward()
     assert torch.compiler.is_compiling() is False
+
+
+def _resume(move_model_first: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Resume from a checkpoint; `.to()` keeps the Parameter objects, as it does for CPU -> CUDA."""
+    old = nn.Linear(3, 2)
+    opt = torch.optim.Adam(old.parameters())
+    old(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    ckpt = opt.state_dict()
+    model = nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        if move_model_first:
+            model.to("meta")
+        opt.load_state_dict(ckpt)
+        model.to("meta")
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    model(torch.randn(2, 3, device="meta")).sum().backward()
+    return model, opt
+
+
+def test_optimizer_state_fix_works_when_applied() -> None:
+    model, opt = _resume(move_model_first=False)
+    with pytest.raises(DeviceMismatchError) as info:
+        with watch(model=model, opt=opt):
+            opt.step()
+    fix = info.value.fix
+    assert "map_location" not in fix  # load_state_dict casts to the parameter's device anyway: no help
+    assert "torchspan.to_device(opt, 'meta')" in fix and "before `opt.load_state_dict(...)`" in fix
+    model, opt = _resume(move_model_first=True)  # the second fix
+    with watch():
+        opt.step()
+    model, opt = _resume(move_model_first=False)  # the first fix
+    torchspan.to_device(opt, "meta")
+    with watch():
+        opt.step()

@@ -310,9 +310,9 @@ def audit_optimizer(
                 where=oname,
                 details=[_names(stray)],
                 fix=(
-                    f"move the state next to the parameters: `torchspan.to_device({oname}, '{dev}')`, or load the "
-                    f"checkpoint with `torch.load(path, map_location='{dev}')` after `{mname}.to('{dev}')` and before "
-                    f"`{oname}.load_state_dict(...)`"
+                    f"move the state next to the parameters: `torchspan.to_device({oname}, '{dev}')`, or call "
+                    f"`{mname}.to('{dev}')` before `{oname}.load_state_dict(...)` (it puts the state on each "
+                    f"parameter's device at that moment)"
                 ),
             )
         )

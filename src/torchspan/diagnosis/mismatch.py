@@ -240,8 +240,9 @@ def build_fix(
         elif a.kind == "optimizer state" and a.name:
             opt = py_path(a.name.split(".state[", 1)[0])
             fixes.append(
-                f"move the optimizer state next to its parameters with `torchspan.to_device({opt}, '{expected}')`, or "
-                f"load the checkpoint with `torch.load(path, map_location='{expected}')` before `{opt}.load_state_dict(...)`"
+                f"move the optimizer state next to its parameters with `torchspan.to_device({opt}, '{expected}')` after "
+                f"the model has moved, or move the model to '{expected}' before `{opt}.load_state_dict(...)` "
+                f"(it puts the state on each parameter's device at that moment)"
             )
         elif i in factories:
             made = f"`{a.name}` was" if a.name else "this tensor was"
