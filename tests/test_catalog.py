@@ -107,6 +107,14 @@ def test_host_speed_is_measured_once() -> None:
     assert first.method.startswith("measured")
 
 
+def test_measuring_the_host_leaves_the_global_random_state_alone() -> None:
+    # profile() measures the host on first use; a caller's seeded run must not shift because of it
+    catalog._measure_host.cache_clear()
+    before = torch.get_rng_state()
+    catalog.measure_host()
+    assert torch.equal(before, torch.get_rng_state())
+
+
 @pytest.mark.parametrize(
     ("cuda_name", "key"),
     [
