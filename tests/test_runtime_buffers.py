@@ -112,3 +112,49 @@ def test_hook_mode_recording_forward_leaves_no_trace() -> None:
         torch.testing.assert_close(got, want, msg=f"{name} after the first hook-mode step")
     for (name, p), q in zip(ref.named_parameters(), model.parameters()):
         torch.testing.assert_close(q.grad, p.grad, msg=f"grad of {name} (same dropout mask)")
+
+
+class RootOwned(nn.Module):
+    """fx cannot trace it; the model itself owns ``gain`` (read after ``b``) and ``shift`` (read first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 2)
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+        self.register_buffer("shift", torch.full((4,), 0.1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x + self.shift)
+        if h.sum() > 1e9:
+            h = h * 0
+        return self.c(torch.tanh(self.b(h)) * self.gain)
+
+
+@pytest.mark.parametrize("balance, gain_on", [([1, 2], "meta"), (None, "cpu")])
+def test_hook_mode_puts_model_owned_tensors_where_first_read(balance: list[int] | None, gain_on: str) -> None:
+    """``meta`` stands for a second device: ``gain`` must live with ``b``, ``shift`` with ``a``."""
+    torch.manual_seed(0)
+    model = RootOwned()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        spanned = torchspan.span(model, devices=["cpu", "meta"], balance=balance, microbatches=2)
+    out = spanned(torch.randn(4, 4))
+    assert spanned.stages[0][0] == "cpu" and model.b.weight.device.type == gain_on
+    assert out.device.type == "meta" and out.shape == (4, 2)
+    assert model.gain.device.type == gain_on and model.shift.device.type == "cpu"
+
+
+def test_hook_mode_model_owned_parameter_trains_exactly() -> None:
+    torch.manual_seed(0)
+    model = RootOwned()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(5, 4), torch.randn(5, 2)
+    nn.functional.mse_loss(ref(x), y).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        spanned = torchspan.span(model, devices=["cpu", "cpu", "cpu"], microbatches=2)
+    spanned.train_step(x, y, nn.functional.mse_loss)
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=f"grad of {name}")

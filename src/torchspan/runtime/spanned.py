@@ -22,7 +22,7 @@ from torch import nn
 from .. import split
 from ..schedule import SCHEDULES
 from .buffers import Slot, buffer_slots, kept
-from .hooks import HookPlacement
+from .hooks import HookPlacement, record_forward
 from .memory import ActivationMeter
 from .microbatch import NoSplit, batch_size, gather, split_batch, split_sizes, split_value
 from .pipeline import CHECKPOINTS, PRECISIONS, Pipeline, autocast_for
@@ -224,7 +224,9 @@ class Spanned(nn.Module):
                 stacklevel=3,
             )
             self._lazy_balance = balance_given and len(devices) > 1
-            if not self._lazy_balance:
+            # Tensors the model owns directly go where its forward first reads them: found by recording.
+            owns = any(t is not None for t in list(model._parameters.values()) + list(model._buffers.values()))
+            if not (self._lazy_balance or (owns and len(set(devices)) > 1)):
                 self._place(graph=None)
         else:
             self._lazy_balance = False
@@ -248,10 +250,10 @@ class Spanned(nn.Module):
     def balance(self) -> list[int]:
         return [len(g) for g in self._groups]
 
-    def _place(self, graph: Any) -> None:
+    def _place(self, graph: Any, root_attrs: dict[str, int] | None = None) -> None:
         stage_of = self.stage_of
         check_shared(self.module, stage_of)
-        root_attrs: dict[str, int] = {}
+        root_attrs = dict(root_attrs or {})
         if graph is not None:
             # Where the model's own parameters are first read decides their stage.
             _, root_attrs = split.split_graph(self.module, graph, stage_of, len(self._devices))
@@ -328,17 +330,20 @@ class Spanned(nn.Module):
                 torch.cuda.reset_peak_memory_stats(d)
 
     def _ensure_placed(self, first_args: tuple[Any, ...], first_kwargs: dict[str, Any]) -> None:
-        """Hook mode with a balance: find the execution order with one recording forward, then place."""
+        """Hook mode: one recording forward finds the execution order (to apply a balance) and where the
+        model's own parameters are first read (they are placed on that stage), then places."""
         if self._placed:
             return
         # The recording forward must leave no trace: BatchNorm statistics, counters and the random
         # state (dropout masks of the real step) stay as they were.
         cuda = sorted({d.index if d.index is not None else 0 for d in self._devices if d.type == "cuda"})
         with torch.random.fork_rng(devices=cuda), kept(buffer_slots([self.module])):
-            order = split.execution_order(self.module, *first_args, **first_kwargs)
-        self._groups = stages_from_balance(order, self._devices, self.balance)
-        self._place(graph=None)
-        self._order_checked = True
+            order, uses = record_forward(self.module, first_args, first_kwargs)
+        if self._lazy_balance:
+            self._groups = stages_from_balance(order, self._devices, self.balance)
+            self._order_checked = True
+        stage_of = self.stage_of
+        self._place(graph=None, root_attrs={attr: stage_of.get(child, 0) if child else 0 for attr, child in uses.items()})
 
     def _check_hook_order(self) -> None:
         if self._order_checked or self._hooks is None or not self._hooks.order:
