@@ -184,3 +184,50 @@ def test_unrelated_error_mentioning_a_device_is_not_called_a_device_error(
     captured = capsys.readouterr()
     assert code == 1
     assert "not a device error" in captured.out and "No space left on device" in captured.err
+
+
+STALE_OPTIMIZER = """
+    import torch, torch.nn as nn
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.to_empty(device='meta')      # new Parameter objects: opt keeps updating the old ones
+    model(torch.randn(3, 4, device='meta')).sum().backward()
+    opt.step()
+"""
+
+TWO_MODELS = """
+    import torch, torch.nn as nn
+    gen, disc = nn.Linear(4, 4), nn.Linear(4, 4)
+    frozen = nn.Linear(4, 4).requires_grad_(False)
+    opt_g, opt_d = torch.optim.Adam(gen.parameters()), torch.optim.Adam(disc.parameters())
+    both = torch.optim.SGD(list(gen.parameters()) + list(disc.parameters()), lr=0.1)
+    disc(frozen(gen(torch.randn(2, 4)))).sum().backward()
+    opt_g.step(); opt_d.step(); both.step()
+"""
+
+PREFIX = """
+    import torch, torch.nn as nn
+    sd = nn.DataParallel(nn.Linear(2, 3)).state_dict()
+    fresh = nn.Linear(2, 3)
+    {fix}fresh.load_state_dict(sd)
+"""
+
+
+def test_optimizer_holding_replaced_parameters_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["doctor", write(tmp_path, "stale.py", STALE_OPTIMIZER)])
+    out = capsys.readouterr().out
+    assert code == EXIT_DEVICE_ERROR and "ran to the end without a device error" in out
+    assert "opt.param_groups[0] holds 2 tensor(s) that are not parameters of model" in out
+    assert "model.weight, model.bias" in out
+    assert main(["doctor", write(tmp_path, "gan.py", TWO_MODELS)]) == 0  # optimizers over other modules are fine
+    assert "no device problem seen" in capsys.readouterr().out
+
+
+def test_state_dict_prefix_named_with_a_fix_that_works(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["doctor", write(tmp_path, "load.py", PREFIX.format(fix=""))])
+    out = capsys.readouterr().out
+    assert code == 1 and "not a device error" in out
+    assert "'module.' prefix" in out
+    fix = "torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(sd, 'module.')"
+    assert fix in out and "fresh.load_state_dict(sd)" in out
+    assert main(["doctor", write(tmp_path, "fixed.py", PREFIX.format(fix=fix + "\n    "))]) == 0

@@ -4,7 +4,8 @@ The script runs unmodified, as ``python SCRIPT.py args`` would run it (``__name_
 ``sys.argv`` set, its folder first on ``sys.path``). At the first op whose tensors sit on different
 devices the run stops and the report names the op, the module, every tensor and the fix.
 
-Exit status: 0 when the script ran to the end with no device problem; 3 on a device error; the
+Exit status: 0 when the script ran to the end with no device problem; 3 on a device error (or when
+the script's objects have one, e.g. an optimizer built before ``.to()`` replaced the parameters); the
 script's own status when it exits with ``sys.exit(n)``; 1 when it fails for another reason.
 """
 
@@ -16,6 +17,7 @@ import os
 import runpy
 import sys
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +25,13 @@ import torch
 from torch import nn
 
 from ..cli import UsageError
-from ..diagnosis.audit import audit_dataparallel, audit_modules, audit_optimizer, looks_like_device_error
+from ..diagnosis.audit import (
+    audit_dataparallel,
+    audit_modules,
+    audit_optimizer,
+    audit_state_dict,
+    looks_like_device_error,
+)
 from ..diagnosis.mismatch import DeviceMismatchError
 from ..diagnosis.naming import find_in_frames, traceback_frames
 from ..diagnosis.report import Finding, Report
@@ -50,7 +58,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 @dataclass
 class ScriptOutcome:
-    """What happened when the script ran: ``status`` is ok, device-error, script-error or script-exit."""
+    """What happened when the script ran: ``status`` is ok, device-error, device-problem (ran to the end,
+    but the audit of its objects found an error, e.g. an optimizer holding replaced parameters),
+    script-error or script-exit."""
 
     status: str
     exit_code: int
@@ -91,13 +101,40 @@ def _audit_objects(objects: dict[str, Any]) -> list[Finding]:
     for name, mod in roots.items():
         findings.extend(audit_modules(mod, names=(name, "loss_fn")))
         findings.extend(audit_dataparallel(mod, name=name))
+    owned = {id(p) for m in roots.values() for p in m.parameters()}
     for oname, opt in objects.items():
         if not isinstance(opt, torch.optim.Optimizer) or not roots:
             continue
         ids = {id(p) for g in opt.param_groups for p in g["params"]}
         mname, mod = max(roots.items(), key=lambda kv: sum(id(p) in ids for p in kv[1].parameters()))
-        findings.extend(f for f in audit_optimizer(opt, mod, names=(oname, mname)) if f.code == "optimizer-state-device")
+        # tensors no module of the script owns, shaped like parameters no optimizer holds: the optimizer
+        # was built before `.to()` / `to_empty()` / `load_state_dict(assign=True)` replaced them
+        mine = {id(p) for p in mod.parameters()}
+        foreign = any(i in owned and i not in mine for i in ids)
+        for f in audit_optimizer(opt, mod, names=(oname, mname)):
+            if f.code == "optimizer-state-device" or (f.code == "optimizer-stale-params" and f.severity == "error" and not foreign):
+                findings.append(f)
     return findings
+
+
+def _load_state_dict_findings(exc: BaseException) -> list[Finding]:
+    """For a failed ``module.load_state_dict(sd)``: a ``module.`` / ``_orig_mod.`` prefix mismatch and its fix."""
+    tb, frames = exc.__traceback__, []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in frames:
+        if frame.f_code is not nn.Module.load_state_dict.__code__:
+            continue
+        module, sd = frame.f_locals.get("self"), frame.f_locals.get("state_dict")
+        if not isinstance(module, nn.Module) or not isinstance(sd, Mapping):
+            return []
+        names = find_in_frames(traceback_frames(exc.__traceback__), (nn.Module, Mapping))
+        name = next((k for k, v in names.items() if v is module), "model")
+        keys = list(sd)  # load_state_dict works on a copy: find the user's dict by its keys
+        sd_name = next((k for k, v in names.items() if isinstance(v, Mapping) and v is not sd and list(v) == keys), "state_dict")
+        return audit_state_dict(module, sd, name=name, sd_name=sd_name)
+    return []
 
 
 def run_script(script: str, script_args: list[str], *, quiet_stdout: bool = False) -> ScriptOutcome:
@@ -148,6 +185,7 @@ def run_script(script: str, script_args: list[str], *, quiet_stdout: bool = Fals
         else:
             outcome = ScriptOutcome("script-error", 1, error=exc)
             sys.stderr.write(_script_traceback(exc, script))
+            outcome.report.add(_load_state_dict_findings(exc))
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
     report = outcome.report
@@ -160,6 +198,8 @@ def run_script(script: str, script_args: list[str], *, quiet_stdout: bool = Fals
         if (f.code, f.where) not in have:
             have.add((f.code, f.where))
             report.add(f)
+    if outcome.status == "ok" and report.errors:
+        outcome.status, outcome.exit_code = "device-problem", EXIT_DEVICE_ERROR
     return outcome
 
 
@@ -170,6 +210,8 @@ def _headline(outcome: ScriptOutcome, script: str) -> str:
         return f"torchspan doctor: no device problem seen in {name} ({stats}, forward and backward)"
     if outcome.status == "device-error":
         return f"torchspan doctor: device error in {name} ({stats} before it)"
+    if outcome.status == "device-problem":
+        return f"torchspan doctor: {name} ran to the end without a device error, but its objects have a problem ({stats})"
     if outcome.status == "script-exit":
         return f"torchspan doctor: {name} exited with status {outcome.exit_code}; no device problem seen before that ({stats})"
     err = outcome.error

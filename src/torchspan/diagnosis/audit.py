@@ -361,8 +361,12 @@ def audit_dataparallel(model: nn.Module, *, name: str = "model") -> list[Finding
 # ---------------------------------------------------------------------- state dict
 
 
-def audit_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, name: str = "model") -> list[Finding]:
+def audit_state_dict(
+    model: nn.Module, state_dict: Mapping[str, Any], *, name: str = "model", sd_name: str = "state_dict"
+) -> list[Finding]:
     """Keys with a ``module.`` (or ``_orig_mod.``) prefix the model lacks, and the reverse.
+
+    ``name`` and ``sd_name`` are the variable names used in the fix.
 
     Usage: ``audit_state_dict(model, torch.load("ckpt.pt"))``.
     """
@@ -393,8 +397,8 @@ def audit_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, name: s
                         details=[f"{len(stripped & model_keys)} of {len(sd_keys)} keys match once the prefix is removed"],
                         fix=(
                             f"strip it before loading: `torch.nn.modules.utils.consume_prefix_in_state_dict_if_present("
-                            f"state_dict, '{prefix}')`, then `{name}.load_state_dict(state_dict)`; next time save "
-                            f"`{name}.{prefix.rstrip('.')}.state_dict()`"
+                            f"{sd_name}, '{prefix}')`, then `{name}.load_state_dict({sd_name})`; next time save the "
+                            f"unwrapped model: `.{prefix.rstrip('.')}.state_dict()` of the wrapper"
                         ),
                     )
                 )
@@ -409,7 +413,7 @@ def audit_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, name: s
                         title=f"{name} is wrapped (its keys start with '{prefix}') but the state dict's keys do not",
                         where="state_dict",
                         details=[f"{len(added & model_keys)} of {len(sd_keys)} keys match once the prefix is added"],
-                        fix=f"load into the wrapped module: `{name}.{prefix.rstrip('.')}.load_state_dict(state_dict)`",
+                        fix=f"load into the wrapped module: `{name}.{prefix.rstrip('.')}.load_state_dict({sd_name})`",
                     )
                 )
                 return findings
