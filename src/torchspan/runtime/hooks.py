@@ -41,7 +41,9 @@ class _RootUses(TorchFunctionMode):
 
     def __init__(self, owned: dict[int, str], last: list[str | None]) -> None:
         super().__init__()
-        self.owned, self.last, self.uses = owned, last, {}  # type: dict[int, str], list[str | None], dict[str, str | None]
+        self.owned = owned
+        self.last = last
+        self.uses: dict[str, str | None] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
