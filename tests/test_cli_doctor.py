@@ -231,3 +231,13 @@ def test_state_dict_prefix_named_with_a_fix_that_works(tmp_path: Path, capsys: p
     fix = "torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(sd, 'module.')"
     assert fix in out and "fresh.load_state_dict(sd)" in out
     assert main(["doctor", write(tmp_path, "fixed.py", PREFIX.format(fix=fix + "\n    "))]) == 0
+
+
+def test_json_names_the_error_that_ended_the_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    script = write(tmp_path, "bad.py", "def f():\n    raise ValueError('bad value 42')\nf()\n")
+    assert main(["doctor", "--json", script]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["status"] == "script-error"
+    assert data["error"] == {"type": "ValueError", "message": "bad value 42", "where": "bad.py:2: raise ValueError('bad value 42')"}
+    assert main(["doctor", "--json", write(tmp_path, "ok.py", "x = 1\n")]) == 0
+    assert json.loads(capsys.readouterr().out)["error"] is None

@@ -221,6 +221,13 @@ def _headline(outcome: ScriptOutcome, script: str) -> str:
     )
 
 
+def _error_dict(err: BaseException | None) -> dict[str, Any] | None:
+    """The exception that ended the script, for ``--json``: type, message and the script's line."""
+    if err is None or (isinstance(err, SystemExit) and err.code in (None, 0)):
+        return None
+    return {"type": type(err).__name__, "message": str(err).strip(), "where": _where(err)}
+
+
 def run(args: argparse.Namespace) -> int:
     script_args = list(args.script_args)
     if script_args and script_args[0] == "--":
@@ -234,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
                 "status": outcome.status,
                 "exit_code": outcome.exit_code,
                 "modules_run": outcome.modules_run,
+                "error": _error_dict(outcome.error),
                 "report": outcome.report.to_dict(),
             }
         )
