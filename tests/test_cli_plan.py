@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,43 @@ def test_bad_arguments_are_named(target: str, extra: list[str], needle: str, cap
 def test_bad_target(target: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", f"{target}:not_a_model", "--input-shape", "2,32"]) == 2
     assert "not an nn.Module" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "source, attr, needle",
+    [
+        ("def build():\n    raise RuntimeError('no weights here')\n", "build", "building the model failed with RuntimeError: no weights here"),
+        ("def build(:\n    pass\n", "build", "failed with SyntaxError"),
+        ("build = 3\n", "build", "build is a int; name a function returning the model"),
+    ],
+)
+def test_a_failing_target_is_one_line_not_a_traceback(
+    tmp_path: Path, source: str, attr: str, needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "broken.py"
+    path.write_text(source)
+    assert main(["plan", f"{path}:{attr}", "--input-shape", "2,32", "--devices", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_inputs_the_model_rejects_are_a_usage_error(
+    target: str, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    # int64 ids into a Linear: the fake sizing pass lets it through, the real forward does not
+    assert main(["plan", f"{target}:build", "--input-shape", "4,32", "--dtype", "int64", "--devices", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "Sequential fails on example_inputs" in err and "Traceback" not in err
+    # a wrong feature size: one message, and no traceback logged by FakeTensorMode (20 lines on stderr)
+    with caplog.at_level(logging.DEBUG):
+        assert main(["plan", f"{target}:build", "--input-shape", "4,31", "--devices", "cpu"]) == 2
+    assert "example_inputs" in capsys.readouterr().err
+    assert not [r for r in caplog.records if r.name.startswith("torch._subclasses")]
+
+
+def test_out_into_a_missing_folder_creates_it(target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_file = tmp_path / "plans" / "new" / "plan.json"
+    assert main(["plan", f"{target}:build", "--input-shape", "4,32", "--devices", "cpu", "--out", str(out_file)]) == 0
+    assert Plan.load(out_file).layers == ["0", "1", "2", "3", "4"]
+    assert main(["plan", f"{target}:build", "--input-shape", "4,32", "--devices", "cpu", "--out", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err

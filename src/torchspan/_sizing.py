@@ -11,6 +11,7 @@ Usage: ``sizes = sizing_pass(model, (x,), batch=32, size=64, dtype=None)``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -179,6 +180,10 @@ def sizing_pass(model: nn.Module, args: tuple[Any, ...], batch: int, size: int, 
 
     counter = FlopCounterMode(display=False)
     recorder = _OpRecorder(counter, sink)
+    # FakeTensorMode logs a full traceback (at ERROR) for every op that raises, e.g. on a wrong input
+    # shape; the caller turns the exception into one clear message, so keep the log quiet meanwhile.
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    was_disabled, fake_log.disabled = fake_log.disabled, True
     try:
         with fake_mode, counter, recorder.mode:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -188,6 +193,7 @@ def sizing_pass(model: nn.Module, args: tuple[Any, ...], batch: int, size: int, 
             if roots:
                 torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
     finally:
+        fake_log.disabled = was_disabled
         for h in handles:
             h.remove()
     if isinstance(model, nn.Sequential) or not sizes.order:

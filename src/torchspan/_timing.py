@@ -79,6 +79,13 @@ def capture(model: nn.Module, args: tuple[Any, ...], names: list[str]) -> dict[s
     try:
         with torch.no_grad():
             model(*args)
+    except Exception as exc:
+        text = str(exc).strip()
+        why = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+        raise ValueError(
+            f"{type(model).__name__} fails on example_inputs ({why}); pass inputs its forward accepts "
+            "(shape, dtype, e.g. integer token ids for an Embedding)"
+        ) from exc
     finally:
         for h in handles:
             h.remove()

@@ -244,8 +244,9 @@ def profile(
                 continue
             raise ValueError(
                 f"could not size {type(model).__name__} with fake tensors at batch {s} "
-                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); data-dependent Python "
-                "control flow (e.g. `if x.sum() > 0`, `.item()`) or ops without fake/meta kernels prevent sizing"
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); check that example_inputs "
+                "fit the forward (shape, dtype); otherwise data-dependent Python control flow (e.g. `if x.sum() > 0`, "
+                "`.item()`) or ops without fake/meta kernels prevent sizing"
             ) from exc
     base = sizes_at[batch]
     order = base.order

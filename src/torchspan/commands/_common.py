@@ -67,19 +67,34 @@ def load_target(target: str) -> Any:
         spec = importlib.util.spec_from_file_location(f"_torchspan_target_{abs(hash(where))}", where)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:  # a syntax error or a failing import in the user's file: one line, not a traceback
+            raise UsageError(f"TARGET {target!r}: running {where!r} failed with {_one_line(exc)}") from exc
     else:
         try:
             module = importlib.import_module(where)
         except ImportError as exc:
             raise UsageError(f"TARGET {target!r}: cannot import module {where!r} ({exc}); check PYTHONPATH") from exc
+        except Exception as exc:
+            raise UsageError(f"TARGET {target!r}: importing {where!r} failed with {_one_line(exc)}") from exc
     if not hasattr(module, attr):
         raise UsageError(f"TARGET {target!r}: {where!r} has no attribute {attr!r}")
     obj = getattr(module, attr)
-    model = obj if isinstance(obj, nn.Module) else obj()
+    if not isinstance(obj, nn.Module) and not callable(obj):
+        raise UsageError(f"TARGET {target!r}: {attr} is a {type(obj).__name__}; name a function returning the model, or an nn.Module")
+    try:
+        model = obj if isinstance(obj, nn.Module) else obj()
+    except Exception as exc:
+        raise UsageError(f"TARGET {target!r}: building the model failed with {_one_line(exc)}") from exc
     if not isinstance(model, nn.Module):
         raise UsageError(f"TARGET {target!r}: {attr}() returned {type(model).__name__}, not an nn.Module")
     return model
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 def parse_shape(text: str, option: str = "--input-shape") -> tuple[int, ...]:

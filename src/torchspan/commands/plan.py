@@ -10,8 +10,11 @@ TARGET is ``package.module:factory`` or ``path/to/file.py:factory`` returning th
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
+
+from ..cli import UsageError
 
 from ._common import add_memory_option, load_target, parse_memory_options, print_json
 from ._common import parse_dtype as _dtype
@@ -57,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
     dtype = _dtype(args.dtype)
     microbatches = _microbatches(args.microbatches)
     memory = parse_memory_options(args.memory)
+    if args.out:
+        _prepare_out(args.out)
     model = load_target(args.target)
     if dtype.is_floating_point or dtype.is_complex:
         example = torch.randn(shape, dtype=dtype)
@@ -84,3 +89,14 @@ def run(args: argparse.Namespace) -> int:
         if args.out:
             print(f"plan written to {args.out}")
     return 0
+
+
+def _prepare_out(out: str) -> None:
+    """Check ``--out`` before the (slow) profiling; create its folder if missing."""
+    path = Path(out)
+    if path.is_dir():
+        raise UsageError(f"--out {out!r} is a folder; name a file, e.g. --out {path / 'plan.json'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out {out!r}: cannot create its folder {str(path.parent)!r} ({exc.strerror or exc})") from exc
