@@ -84,6 +84,7 @@ def test_buffers_shared_parameters_and_dtype() -> None:
     assert half.dtype == "bfloat16"
     assert half.layers[0].param_bytes == prof.layers[0].param_bytes // 2
     assert half.layers[1].buffer_bytes == 8 * 2 * 2 + 8  # the int64 counter is not cast
+    assert (prof.input_bytes, half.input_bytes) == (8 * 4, 8 * 2)  # the float32 batch is profiled as cast
     tied = nn.Linear(8, 8)
     shared = nn.Sequential(tied, nn.ReLU(), tied)  # one child module that runs twice
     prof2 = torchspan.profile(shared, torch.randn(4, 8), "l4")
@@ -298,6 +299,7 @@ def test_fit_of_two_timing_points() -> None:
         ({"optimizer": 3}, "is not an optimizer"),
         ({"repeats": 0}, "repeats=0"),
         ({"dtype": "float33"}, "dtype='float33'"),
+        ({"dtype": "int64"}, "dtype='int64' is not a floating dtype"),
         ({"devices": "b200"}, "unknown device 'b200'"),
     ],
 )

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from ._optim_state import OPTIMIZERS, optimizer_spec, optimizer_state_bytes, param_state_bytes
-from ._sizing import Sizes, as_args, batch_size_of, bytes_of, float_dtype, resize_batch, sizing_pass
+from ._sizing import Sizes, as_args, batch_size_of, float_dtype, resize_batch, sizing_pass
 from ._timing import Speed, capture, estimate, fit, host_speed_device, on_device, preserved, speed_of, time_layer
 from . import catalog
 from .hardware import Device, format_bytes
@@ -345,7 +345,7 @@ def profile(
         layers=layers,
         devices=out_devices,
         batch_size=batch,
-        input_bytes=bytes_of(args) / batch,
+        input_bytes=_input_bytes(args, dtype) / batch,
         optimizer=spec.label,
         dtype=str(compute_dtype).replace("torch.", ""),
         notes=notes,
@@ -470,15 +470,27 @@ def _linear(sizes_at: dict[int, Sizes], small: int, batch: int, get: Callable[[S
     return abs(predicted - actual) <= 0.01 * max(predicted, actual) + 64
 
 
+def _input_bytes(args: tuple[Any, ...], dtype: torch.dtype | None) -> int:
+    """Bytes of the example inputs as profiled: floating tensors counted in ``dtype`` when one is given."""
+    from torch.utils._pytree import tree_leaves
+
+    tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * (_itemsize(dtype) if dtype is not None and t.is_floating_point() else t.element_size()) for t in tensors)
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
 def _parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if isinstance(dtype, str):
-        value = getattr(torch, dtype.strip().replace("torch.", ""), None)
-        if isinstance(value, torch.dtype):
-            return value
-    raise ValueError(f"dtype={dtype!r} is not a torch dtype; use e.g. torch.bfloat16 or 'float32'")
+    if dtype is None:
+        return None
+    value = getattr(torch, dtype.strip().replace("torch.", ""), None) if isinstance(dtype, str) else dtype
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"dtype={dtype!r} is not a torch dtype; use e.g. torch.bfloat16 or 'float32'")
+    if not value.is_floating_point:
+        raise ValueError(
+            f"dtype={dtype!r} is not a floating dtype; dtype casts floating parameters and inputs (e.g. 'bfloat16'). "
+            "For integer inputs such as token ids, pass them as example_inputs and leave dtype unset"
+        )
+    return value
