@@ -43,6 +43,36 @@ def test_plans_written_before_workspace_bytes_still_load() -> None:
     assert Plan.from_dict(data).stages[0].workspace_bytes == 0
 
 
+def _edited(change) -> dict:  # type: ignore[no-untyped-def]
+    data = search(mixed_profile()).to_dict()
+    change(data)
+    return data
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda d: d["stages"][0].update(layers="l0l1"), r"layers='l0l1'\) on .* must be a list of layer names"),
+        (lambda d: d["stages"][0].update(device=0), r"device=0\) must be a device string"),
+        (lambda d: d["stages"][0].pop("device"), "plan stage 0 lacks device"),
+        (lambda d: d["stages"][0].update(colour="red"), r"plan stage 0 has unknown fields \['colour'\]"),
+        (lambda d: d["stages"][0].update(param_bytes="1 GiB"), r"param_bytes='1 GiB'\) on .* must be a number"),
+        (lambda d: d.update(stages={"0": []}), "'stages' must be a list"),
+        (lambda d: d.update(peak_memory=[1]), "'peak_memory' must be a JSON object"),
+    ],
+)
+def test_hand_edited_json_is_rejected_at_load_with_the_field(change, match: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=match):
+        Plan.from_json(json.dumps(_edited(change)))
+
+
+def test_json_that_is_not_a_plan_object_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="plan is not valid JSON"):
+        Plan.from_json("{stages: []")
+    with pytest.raises(ValueError, match="a plan is a JSON object"):
+        Plan.from_json("[1, 2]")
+
+
 def test_str_is_a_table_with_every_stage_and_peaks() -> None:
     plan = search(mixed_profile())
     text = str(plan)

@@ -43,6 +43,20 @@ class StagePlan:
     backward_time: float = 0.0
     workspace_bytes: int = 0  # transfer/working buffers for one micro-batch (planner's estimate)
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, str) or not self.device.strip():
+            raise ValueError(f"StagePlan(device={self.device!r}) must be a device string such as 'cuda:0' or 'cpu'")
+        if not isinstance(self.layers, (list, tuple)) or not all(isinstance(n, str) for n in self.layers):
+            raise ValueError(
+                f"StagePlan(layers={self.layers!r}) on {self.device} must be a list of layer names, e.g. ['embed', 'blocks']"
+            )
+        self.layers = list(self.layers)
+        for name in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "buffer_bytes", "workspace_bytes",
+                     "forward_time", "backward_time"):  # fmt: skip
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"StagePlan({name}={value!r}) on {self.device} must be a number")
+
     @property
     def total_bytes(self) -> int:
         return (
@@ -112,6 +126,8 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
+        if not isinstance(data, dict):
+            raise ValueError(f"a plan is a JSON object with 'stages', not {type(data).__name__}; write one with Plan.save")
         data = dict(data)
         fmt = data.pop("format", _FORMAT)
         if fmt != _FORMAT:
@@ -120,12 +136,31 @@ class Plan:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"plan has unknown fields {unknown}; expected only {sorted(known)}")
-        data["stages"] = [StagePlan(**s) for s in data.get("stages", [])]
+        stages = data.get("stages", [])
+        if not isinstance(stages, list):
+            raise ValueError(f"plan 'stages' must be a list of stages, not {type(stages).__name__}")
+        stage_fields = set(StagePlan.__dataclass_fields__)
+        for i, st in enumerate(stages):
+            if not isinstance(st, dict):
+                raise ValueError(f"plan stage {i} must be an object with 'device' and 'layers', not {type(st).__name__}")
+            if "device" not in st or "layers" not in st:
+                raise ValueError(f"plan stage {i} lacks {'device' if 'device' not in st else 'layers'}; every stage needs 'device' and 'layers'")
+            odd = sorted(set(st) - stage_fields)
+            if odd:
+                raise ValueError(f"plan stage {i} has unknown fields {odd}; expected only {sorted(stage_fields)}")
+        data["stages"] = [StagePlan(**s) for s in stages]
+        for name, kind in (("peak_memory", dict), ("notes", list)):
+            if name in data and not isinstance(data[name], kind):
+                raise ValueError(f"plan {name!r} must be a JSON {'object' if kind is dict else 'list'}, not {type(data[name]).__name__}")
         return cls(**data)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        return cls.from_dict(json.loads(text))
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"plan is not valid JSON ({exc}); write one with Plan.save or `torchspan plan --out`") from None
+        return cls.from_dict(data)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the plan as JSON atomically (temporary file, then rename)."""
