@@ -7,7 +7,7 @@ import re
 import pytest
 
 from planner_synth import device, layer
-from torchspan.hardware import format_bytes
+from torchspan.hardware import format_bytes, parse_memory
 from torchspan.planner import PlanError, search
 from torchspan.planner.cost import CostModel, Stage
 from torchspan.profiler import Profile
@@ -50,6 +50,22 @@ def test_suggested_budgets_really_fit() -> None:
     prof.devices[0].budget = int(budget * 0.97)
     with pytest.raises(PlanError):
         search(prof)
+
+
+@pytest.mark.parametrize("n_layers", [3, 4, 5, 6])
+def test_suggested_budgets_fit_exactly_as_printed(n_layers: int) -> None:
+    # the printed figure is rounded up, never down: typing it back (--memory cuda:0=11.93KiB) must fit
+    prof = tight(6_000, 6_000, n_layers)
+    with pytest.raises(PlanError) as info:
+        search(prof)
+    tips = [re.match(r"a larger budget on (\S+): ([0-9.]+) (\w+) ", t) for t in info.value.suggestions]
+    shown = [(m.group(1), parse_memory(m.group(2) + m.group(3))) for m in tips if m]
+    assert shown, info.value.suggestions
+    for name, budget in shown:
+        index = [str(d.device) for d in prof.devices].index(name)
+        prof.devices[index].budget = budget
+        search(prof)  # fits
+        prof.devices[index].budget = 6_000
 
 
 def test_another_device_is_suggested_with_numbers() -> None:

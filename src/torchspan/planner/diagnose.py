@@ -9,6 +9,7 @@ device: entries of one device (``['cpu', 'cpu']``) share one budget and are repo
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -99,6 +100,16 @@ def _longest_run(cm: CostModel, capacity: float) -> tuple[int, int]:
     return int(lengths[i]), i
 
 
+def _at_least(n: float) -> str:
+    """``format_bytes`` rounded UP in its last digit, so a budget typed as printed is never short."""
+    text = format_bytes(n)
+    number, unit = text.split()
+    if unit == "B":
+        return text
+    scale = 1024 ** ("KiB", "MiB", "GiB", "TiB").index(unit) * 1024
+    return f"{math.ceil(n / scale * 100 - 1e-9) / 100:.2f} {unit}"
+
+
 def _describe(dev: Device) -> str:
     return f"{dev.device} ({dev.name})" if dev.name else str(dev.device)
 
@@ -115,8 +126,8 @@ def explain_no_fit(profile: Profile, settings: Sequence[Setting]) -> PlanError:
         f"no placement of the {L} layer(s) fits the memory budgets "
         f"(tried microbatches {ms[0]}..{ms[-1]}, schedule {'/'.join(scheds)}, checkpoint {'/'.join(ckpts)}, "
         f"optimizer {profile.optimizer}, batch {profile.batch_size}).\n"
-        f"The whole model needs {format_bytes(whole)} on one device at its most frugal setting; "
-        f"its largest layer {largest_name!r} alone needs {format_bytes(largest)}."
+        f"The whole model needs {_at_least(whole)} on one device at its most frugal setting; "
+        f"its largest layer {largest_name!r} alone needs {_at_least(largest)}."
     )
     frugal = max(settings, key=lambda t: (t[2] != "never", t[1] == "1f1b", t[0]))
     cm = CostModel(profile, *frugal)
@@ -135,32 +146,32 @@ def explain_no_fit(profile: Profile, settings: Sequence[Setting]) -> PlanError:
         rows.append(f"  {_describe(devs[d])}: available {format_bytes(cap)}, holds at most {held}{shared}")
         needed[names[d]] = whole
         available[names[d]] = cap
-    head += "\nPer device (needed: the whole model, " + format_bytes(whole) + "):\n" + "\n".join(rows)
+    head += "\nPer device (needed: the whole model, " + _at_least(whole) + "):\n" + "\n".join(rows)
 
     tips: list[str] = []
     finite = [d for d in physical if capacity[d] is not None]
     if largest > max((capacity[d] or 0) for d in finite) if finite else False:
         tips.append(
-            f"layer {largest_name!r} needs {format_bytes(largest)} by itself, more than any device offers: "
-            f"a device with at least {format_bytes(largest)} free, or split that layer into smaller child modules"
+            f"layer {largest_name!r} needs {_at_least(largest)} by itself, more than any device offers: "
+            f"a device with at least {_at_least(largest)} free, or split that layer into smaller child modules"
         )
     # a larger budget on one device
     for d in finite:
         cap = int(capacity[d] or 0)
         need = _smallest(cap, max(whole, cap + 1), lambda c, d=d: fits(_with_capacity(profile, d, c), settings))
         if need is not None:
-            tips.append(f"a larger budget on {names[d]}: {format_bytes(need)} (now {format_bytes(cap)}) fits")
+            tips.append(f"a larger budget on {names[d]}: {_at_least(need)} (now {format_bytes(cap)}) fits")
     # another device: an accelerator like the largest listed one (another entry of the CPU would be the same CPU)
     accels = [d for d in physical if devs[d].kind != "cpu"]
     if accels:
         like = max(accels, key=lambda d: capacity[d] or 0)
         cap = int(capacity[like] or whole)
         if fits(_with_extra(profile, like, cap), settings):
-            tips.append(f"another device like {_describe(devs[like])} with {format_bytes(cap)} fits")
+            tips.append(f"another device like {_describe(devs[like])} with {_at_least(cap)} fits")
         else:
             need = _smallest(0, max(whole, 1), lambda c: fits(_with_extra(profile, like, c), settings))
             if need is not None:
-                tips.append(f"another device like {devs[like].device} with at least {format_bytes(need)} free fits")
+                tips.append(f"another device like {devs[like].device} with at least {_at_least(need)} free fits")
     # other settings than the ones the caller fixed
     all_ms = microbatch_candidates(profile.batch_size)
     if "1f1b" not in scheds and fits(profile, [(m, "1f1b", c) for m, _, c in settings]):
@@ -179,5 +190,5 @@ def explain_no_fit(profile: Profile, settings: Sequence[Setting]) -> PlanError:
     if not settings_tips and set(settings) != set(relaxed) and fits(profile, relaxed):
         tips.append("letting torchspan choose (microbatches, schedule and checkpoint 'auto') fits")
     if not tips:
-        tips.append(f"a smaller batch than {profile.batch_size}, or a device with {format_bytes(whole)} free for the whole model")
+        tips.append(f"a smaller batch than {profile.batch_size}, or a device with {_at_least(whole)} free for the whole model")
     return PlanError(head, needed=needed, available=available, suggestions=tips)
