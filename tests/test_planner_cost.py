@@ -49,7 +49,8 @@ def test_checkpoint_modes_trade_memory_for_recompute() -> None:
     assert last.latency_sum == pytest.approx(never.latency_sum)
     assert last.bottleneck == pytest.approx(never.bottleneck + f)
     assert always.latency_sum == pytest.approx(never.latency_sum + f)
-    b, A, inp = 2, 30.0, 5.0
+    b, inp = 2, 5.0
+    A = 30.0 + 2.0  # both layers' saved bytes plus the loss's saved input (the last layer's output)
     assert never.memory[0].activations == math.ceil(4 * b * A)
     assert last.memory[0].activations == math.ceil(3 * b * inp + b * A)
     assert always.memory[0].activations == math.ceil(4 * b * inp + b * A)
@@ -65,8 +66,9 @@ def test_memory_by_kind_and_in_flight_per_schedule() -> None:
     assert m.workspace == math.ceil(2 * 5.0 + 2 * 2 * 4.0)  # input + largest output and its gradient
     assert gpipe.memory[0].activations == 4 * 2 * 10  # all 4 micro-batches in flight
     assert ofob.memory[0].activations == 2 * 2 * 10  # first of 2 stages: 2 in flight
-    assert ofob.memory[1].activations == 1 * 2 * 20  # last stage: 1 in flight
-    assert gpipe.memory[1].activations == 4 * 2 * 20
+    loss = 2 * 2.0  # the last stage also holds the loss's saved input: one model output per micro-batch
+    assert ofob.memory[1].activations == 1 * (2 * 20 + loss)  # last stage: 1 in flight
+    assert gpipe.memory[1].activations == 4 * (2 * 20 + loss)
 
 
 def test_fits_compares_each_stage_with_its_device_budget() -> None:
@@ -135,9 +137,9 @@ def test_a_stage_starting_mid_model_holds_its_copy_of_shared_saved_tensors() -> 
     cm = CostModel(prof, 4, "gpipe", "never")
     split = cm.evaluate([Stage(0, 0, 1), Stage(1, 1, 2)])
     whole = cm.evaluate([Stage(0, 0, 2)])
-    b = 2
-    assert split.memory[1].activations == 4 * (7.0 + b * 20.0 + b * 3.0)
-    assert whole.memory[0].activations == 4 * (b * 10.0 + 7.0 + b * 20.0)  # shared bytes counted once
+    b, loss = 2, 2 * 2.0  # loss: its saved input, one model output per micro-batch
+    assert split.memory[1].activations == 4 * (7.0 + b * 20.0 + b * 3.0 + loss)
+    assert whole.memory[0].activations == 4 * (b * 10.0 + 7.0 + b * 20.0 + loss)  # shared bytes counted once
 
 
 # ---------------------------------------------------------------- one physical device listed twice

@@ -109,3 +109,33 @@ def test_gpu_budget_too_small_spills_to_the_cpu_and_trains() -> None:
     assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-4)
     for (name, p), (_, q) in zip(net.named_parameters(), reference.named_parameters()):
         torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("schedule, microbatches", [("1f1b", 2), ("gpipe", 4)])
+def test_the_last_stage_is_charged_the_loss_saved_input(schedule: str, microbatches: int) -> None:
+    """One output-sized tensor per micro-batch in flight: what cross-entropy and MSE save of their input."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 50))
+    x = torch.randn(8, 16)
+    prof = torchspan.profile(net, x, torchspan.devices(["cpu", "cpu"]), optimizer="adam", measure=False)
+    cm = CostModel(prof, microbatches, schedule, "never")
+    plan = cm.to_plan(cm.evaluate([Stage(0, 0, 2), Stage(1, 2, 3)]), "hand")
+    b, k = 8 // microbatches, cm.in_flight(1, 2)
+    out = b * 50 * 4  # one micro-batch of the model's output, float32
+    assert cm.loss_saved == out
+    model_only = k * (prof.layers[2].activation_bytes * b + b * prof.layers[2].shared_activation_bytes)
+    assert plan.stages[1].activation_bytes == pytest.approx(model_only + k * out, abs=1)
+    measured = {}
+    for name, loss_fn, y in [
+        ("ce", nn.CrossEntropyLoss(), torch.randint(0, 50, (8,))),
+        ("mse", nn.MSELoss(), torch.randn(8, 50)),
+    ]:
+        spanned = torchspan.span(net, plan)
+        spanned.train_step(x, y, loss_fn)
+        measured[name] = spanned.memory()[1]["activations"]
+        net.zero_grad()
+    predicted = plan.stages[1].activation_bytes
+    # cross-entropy: its log-softmax is charged; its class indices (int64) and scalars are not
+    assert 0 <= measured["ce"] - predicted <= k * (8 * b + 16)
+    # MSE also keeps its target, another output-sized tensor: documented as not charged
+    assert measured["mse"] - predicted == k * out

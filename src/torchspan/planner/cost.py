@@ -56,12 +56,22 @@ memory. The optimizer step and Python overheads are not modelled.
 Memory of stage ``s`` (bytes), with ``k`` micro-batches in flight (GPipe: ``k = M``;
 1F1B: ``k = min(M, S - s)``), and per micro-batch (``fixed + b * per_sample`` from the profile)
 ``A`` the stage's saved activations (plus, for a stage that does not start at layer 0, the copy of
-saved tensors its first layer shares with the layer before: ``shared_activation_bytes``), ``in``
-its input boundary and ``out_max`` its largest layer output:
+saved tensors its first layer shares with the layer before: ``shared_activation_bytes``; plus, for
+the last stage, the loss's saved input ``loss = out_{L-1}``, see below), ``in`` its input boundary
+and ``out_max`` its largest layer output:
 
     state       = params + grads + optimizer state + buffers
     activations = never: k*A;  except_last: (k-1)*in + A;  always: k*in + A
     workspace   = in + 2 * out_max      (received input, largest output and its gradient)
+
+Assumption about the loss: the profile sizes the model only, but the runtime computes the loss
+on the last stage, inside that stage's forward (and its checkpoint), and autograd keeps what the
+loss saves until that micro-batch's backward. The model charges one tensor the size of the model's
+output per micro-batch (``loss = output_fixed_bytes + b * output_bytes`` of the last layer): a
+loss that saves its input, as cross-entropy (its log-softmax) and MSE do. Not charged: what a
+loss saves besides (cross-entropy's class indices, a few bytes per sample; MSE's target, another
+output-sized tensor when the target is a float tensor of the output's shape, so MSE's last stage
+is under-predicted by one output per micro-batch in flight) and losses that save nothing.
 
 A placement fits when on every physical device ``p`` the SUM over its stages of
 ``state + activations + workspace`` is at most ``capacity_p`` (stages sharing a device share its
@@ -305,6 +315,10 @@ class CostModel:
         self.shared = np.array([b * getattr(lay, "shared_activation_bytes", 0.0) for lay in layers] + [0.0])
         self.shared[0] = 0.0
         self.out = np.array([getattr(lay, "output_fixed_bytes", 0.0) + b * lay.output_bytes for lay in layers])
+        # the loss's saved input (one model output per micro-batch), held by the stage ending at layer L
+        self.loss_saved = float(self.out[-1])
+        self.tail = np.zeros(self.L + 1)
+        self.tail[self.L] = self.loss_saved
         # input boundary of a stage starting at layer i
         self.inb = np.concatenate([[b * float(profile.input_bytes)], self.out[:-1]])
         own = [float(d.capacity) if d.capacity is not None else INF for d in devs]
@@ -341,7 +355,7 @@ class CostModel:
         """Predicted bytes of stages ``[i, j)`` (``j > i``) holding ``k`` micro-batches, vectorised."""
         i = np.asarray(i, dtype=np.int64)
         j = np.asarray(j, dtype=np.int64)
-        act = self.P_act[j] - self.P_act[i] + self.shared[i]
+        act = self.P_act[j] - self.P_act[i] + self.shared[i] + self.tail[j]
         inb = self.inb[i]
         if self.checkpoint == "never":
             acts = k * act
@@ -355,7 +369,7 @@ class CostModel:
 
     def stage_memory(self, start: int, end: int, k: int) -> StageMemory:
         """Bytes by kind for layers ``[start, end)`` holding ``k`` micro-batches."""
-        act = self.P_act[end] - self.P_act[start] + self.shared[start]
+        act = self.P_act[end] - self.P_act[start] + self.shared[start] + self.tail[end]
         inb = self.inb[start]
         if self.checkpoint == "never":
             acts = k * act
