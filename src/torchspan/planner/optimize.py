@@ -273,30 +273,40 @@ class _Setting:
             self.sigma = self.best.latency_sum
 
     def refine(self, incumbent: float, rtol: float) -> None:
-        """Branch and bound over the bottleneck cap ``tau`` until nothing can beat the incumbent."""
+        """Branch and bound over the bottleneck cap ``tau`` until nothing can beat the incumbent.
+
+        A piece ``[lo, hi)`` of ``tau`` knows ``f(hi) = top`` (the min sum of a placement whose
+        bottleneck is ``hi``) and ``f >= top`` below ``hi``, so no placement in it beats
+        ``top + (M - 1) * lo``. A piece is either bisected (run at ``mid``: ``f`` is then known on
+        ``[b, mid]``, ``b`` the returned bottleneck) or cut just below ``hi`` (run at ``hi - 0``:
+        the next step of ``f``, exactly, which closes the piece an incumbent sits on top of; bisection
+        alone would need ~30 halvings to get within ``rtol`` of it). The two alternate.
+        """
         if self.best is None:
             return
         cm, solver, M1 = self.cm, self.solver, self.cm.M - 1
         if M1 == 0:
             return  # step time is the min sum: root() found it
         bound = min(incumbent, self.best.step_time)
-        # intervals [lo, hi) of tau, sigma a lower bound of minsum there: (lower bound, lo, hi, sigma)
-        heap = [(self.best.latency_sum + M1 * self.floor, self.floor, self.best.bottleneck, self.best.latency_sum)]
+        below = 1.0 - rtol / 10  # "strictly below hi": ties within this are priced within rtol
+        # (lower bound, lo, hi, top, bisect next?)
+        heap = [(self.best.latency_sum + M1 * self.floor, self.floor, self.best.bottleneck, self.best.latency_sum, False)]
         while heap:
-            lb, lo, hi, sigma = heapq.heappop(heap)
+            lb, lo, hi, top, bisect = heapq.heappop(heap)
             if lb >= bound * (1 - rtol) or hi <= lo:
                 continue
-            mid = 0.5 * (lo + hi)
-            stages = solver.run(mid)
-            heapq.heappush(heap, (sigma + M1 * mid, mid, hi, sigma))
+            tau = 0.5 * (lo + hi) if bisect else hi * below
+            stages = solver.run(tau)
+            if bisect:  # [mid, hi) keeps what it knew; [lo, mid] is settled below
+                heapq.heappush(heap, (top + M1 * tau, tau, hi, top, False))
             if stages is None:
-                continue
+                continue  # nothing has a bottleneck <= tau
             ev = cm.evaluate(stages)
             if ev.step_time < self.best.step_time:
                 self.best = ev
                 bound = min(bound, ev.step_time)
-            top = min(ev.bottleneck, mid)
-            heapq.heappush(heap, (ev.latency_sum + M1 * lo, lo, top, ev.latency_sum))
+            b = min(ev.bottleneck, tau)  # f == ev.latency_sum on [b, tau]
+            heapq.heappush(heap, (ev.latency_sum + M1 * lo, lo, b, ev.latency_sum, not bisect))
 
 
 def solve(cm: CostModel, *, incumbent: float = INF, rtol: float = 1e-9) -> tuple[Evaluation | None, int]:
