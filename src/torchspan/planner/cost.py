@@ -387,23 +387,25 @@ class CostModel:
             workspace=int(math.ceil(work)),
         )
 
-    def max_end(self, capacity: float, k: int) -> np.ndarray:
+    def max_end(self, capacity: float | np.ndarray, k: int) -> np.ndarray:
         """For each start ``i`` in ``0..L-1``: the largest ``j`` whose stage ``[i, j)`` fits ``capacity``.
 
         ``j == i`` means not even layer ``i`` alone fits. Memory grows with ``j``, so this is a
-        vectorised binary search.
+        vectorised binary search. An array of capacities gives one row per capacity.
         """
         L = self.L
-        i = np.arange(L, dtype=np.int64)
+        caps = np.asarray(capacity, dtype=np.float64)
+        i = np.broadcast_to(np.arange(L, dtype=np.int64), (*caps.shape, L))
+        cap = caps[..., None]
         lo = i.copy()  # known to fit (empty stage)
-        hi = np.full(L, L, dtype=np.int64)
+        hi = np.full(i.shape, L, dtype=np.int64)
         while True:
             open_ = lo < hi
             if not open_.any():
                 return lo
             mid = np.where(open_, (lo + hi + 1) // 2, lo + 1)
             mid = np.minimum(mid, L)
-            ok = self.memory_total(i, mid, k) <= capacity
+            ok = self.memory_total(i, mid, k) <= cap
             lo = np.where(open_ & ok, mid, lo)
             hi = np.where(open_ & ~ok, mid - 1, hi)
 

@@ -44,6 +44,7 @@ How (exact for the cost model, up to a relative ``rtol``, default 1e-9):
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 
@@ -80,16 +81,18 @@ def device_groups(cm: CostModel) -> list[list[int]]:
     return sorted(keys.values(), key=lambda g: g[0])
 
 
-def _window_min(V: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """``out[:, i] = min(V[:, i+1 .. hi[i]])`` for ``i`` in ``0..L-1`` (``inf`` for empty windows)."""
+def _window_min(V: np.ndarray, left: np.ndarray, right: np.ndarray) -> np.ndarray:
+    """``out[r, q] = min(V[r, left[q] .. right[q]])`` (``inf`` where ``right[q] < left[q]``), by a sparse table."""
     m, n = V.shape
-    L = n - 1
-    a = np.arange(1, L + 1)
-    length = hi - a + 1
-    valid = length >= 1
+    valid = right >= left
     if not valid.any():
-        return np.full((m, L), INF)
-    ln = np.where(valid, length, 1)
+        return np.full((m, len(left)), INF)
+    if (right[valid] == n - 1).all():  # every window runs to the end: a suffix minimum
+        suffix = np.minimum.accumulate(V[:, ::-1], axis=1)[:, ::-1]
+        res = suffix[:, np.where(valid, left, 0)]
+        res[:, ~valid] = INF
+        return res
+    ln = np.where(valid, right - left + 1, 1)
     p = np.floor(np.log2(ln)).astype(np.int64)
     levels = int(ln.max()).bit_length()
     st = np.empty((levels, m, n))
@@ -98,14 +101,53 @@ def _window_min(V: np.ndarray, hi: np.ndarray) -> np.ndarray:
         half = 1 << (lev - 1)
         st[lev, :, n - half :] = st[lev - 1, :, n - half :]
         np.minimum(st[lev - 1, :, : n - half], st[lev - 1, :, half:], out=st[lev, :, : n - half])
-    right = np.where(valid, hi - (1 << p) + 1, a)
-    res = np.minimum(st[p, :, a], st[p, :, right])  # (L, m)
+    lo = np.where(valid, left, 0)
+    hi = np.where(valid, right - (1 << p) + 1, 0)
+    res = np.minimum(st[p, :, lo], st[p, :, hi])  # (len(left), m)
     res[~valid] = INF
     return res.T
 
 
+@functools.lru_cache(maxsize=16)
+def _state_graph(
+    sizes: tuple[int, ...], L: int
+) -> tuple[list[list[tuple[int, ...]]], list[dict[tuple[int, ...], int]], list[list[tuple[np.ndarray, np.ndarray]]]]:
+    """States per level (devices of each type used), their indices, and the moves between levels.
+
+    ``moves[n][t] = (src, dst)``: adding a stage of type ``t`` in front of level-``n`` states ``src``
+    gives level-``n+1`` states ``dst``.
+    """
+    T = len(sizes)
+    levels: list[list[tuple[int, ...]]] = [[tuple(0 for _ in range(T))]]
+    for _ in range(min(sum(sizes), L)):
+        nxt = sorted({u[:t] + (u[t] + 1,) + u[t + 1 :] for u in levels[-1] for t in range(T) if u[t] < sizes[t]})
+        if not nxt:
+            break
+        levels.append(nxt)
+    index = [{u: i for i, u in enumerate(lv)} for lv in levels]
+    moves: list[list[tuple[np.ndarray, np.ndarray]]] = []
+    for n in range(len(levels) - 1):
+        per_t = []
+        for t in range(T):
+            src, dst = [], []
+            for si, u in enumerate(levels[n]):
+                if u[t] < sizes[t]:
+                    src.append(si)
+                    dst.append(index[n + 1][u[:t] + (u[t] + 1,) + u[t + 1 :]])
+            per_t.append((np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)))
+        moves.append(per_t)
+    return levels, index, moves
+
+
 class _Solver:
-    """Min ``sum lat + links`` placement under a bottleneck cap, for one ``CostModel``."""
+    """Min ``sum lat + links`` placement under a bottleneck cap, for one ``CostModel``.
+
+    Each level's table ``G[n]`` (suffix cost by state, type of the suffix's first stage, first
+    layer) is kept only over the band of first layers where some value is finite, and the best
+    link into the next stage's type is found for every type at once: a link costs
+    ``2 * out / min(bw_t, bw_t')``, so sorting the types by host bandwidth turns the minimum over
+    ``t'`` into a prefix minimum and a suffix minimum.
+    """
 
     def __init__(self, cm: CostModel) -> None:
         self.cm = cm
@@ -120,52 +162,37 @@ class _Solver:
         self.cap = [cm.capacity[r] for r in rep]
         self.sizes = [len(g) for g in groups]
         devs = cm.profile.devices
-        base = np.zeros(L + 1)
-        base[1:L] = 2.0 * cm.out[: L - 1]
-        link = np.full((T, T, L + 1), INF)
+        self.base = np.zeros(L + 1)
+        self.base[1:L] = 2.0 * cm.out[: L - 1]
+        # one physical device per group member, so a link is the slower host link of the two (cost.py)
+        self.bw = np.array([cm.host_bw[r] for r in rep])
         for t in range(T):
             for t2 in range(T):
-                if t == t2 and self.sizes[t] < 2:
-                    continue
-                a, z = groups[t][0], (groups[t2][0] if t != t2 else groups[t][1])
-                bw = link_bandwidth(devs, a, z)
-                link[t, t2, 1:L] = 0.0 if bw == INF else base[1:L] / bw
-        self.link = link
+                if t != t2 or self.sizes[t] > 1:
+                    a, z = groups[t][0], (groups[t2][0] if t != t2 else groups[t][1])
+                    assert link_bandwidth(devs, a, z) == min(self.bw[t], self.bw[t2])
+        self.order = np.argsort(self.bw, kind="stable")
+        self.pos = np.empty(T, dtype=np.int64)
+        self.pos[self.order] = np.arange(T)
         self.cin = np.array([cm.input_time(r) for r in rep])
-        levels: list[list[tuple[int, ...]]] = [[tuple(0 for _ in range(T))]]
-        for _ in range(min(sum(self.sizes), L)):
-            nxt = sorted(
-                {u[:t] + (u[t] + 1,) + u[t + 1 :] for u in levels[-1] for t in range(T) if u[t] < self.sizes[t]}
-            )
-            if not nxt:
-                break
-            levels.append(nxt)
-        self.levels = levels
-        self.index = [{u: i for i, u in enumerate(lv)} for lv in levels]
-        # transitions: level n -> n+1 by adding a stage of type t in front
-        self.moves: list[list[tuple[list[int], list[int]]]] = []
-        for n in range(len(levels) - 1):
-            per_t = []
-            for t in range(T):
-                src, dst = [], []
-                for si, u in enumerate(levels[n]):
-                    if u[t] < self.sizes[t]:
-                        src.append(si)
-                        dst.append(self.index[n + 1][u[:t] + (u[t] + 1,) + u[t + 1 :]])
-                per_t.append((src, dst))
-            self.moves.append(per_t)
-        self._max_end: dict[tuple[int, int], np.ndarray] = {}
+        self.levels, self.index, self.moves = _state_graph(tuple(self.sizes), L)
+        self._max_end: dict[int, np.ndarray] = {}
         self.evaluations = 0
 
     def max_end(self, t: int, k: int) -> np.ndarray:
-        key = (t, k)
-        if key not in self._max_end:
-            self._max_end[key] = self.cm.max_end(self.cap[t], k)
-        return self._max_end[key]
+        if k not in self._max_end:  # every type's budget in one search
+            self._max_end[k] = self.cm.max_end(np.array(self.cap), k)
+        return self._max_end[k][t]
 
     def in_flight(self, stages_after: int) -> int:
         cm = self.cm
         return cm.M if cm.schedule == "gpipe" else min(cm.M, stages_after + 1)
+
+    def _link_weights(self, cap_tau: float) -> np.ndarray:
+        """``(T, L+1)``: seconds of a link at each boundary at type ``t``'s host bandwidth, ``inf`` above the cap."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            w = np.where(np.isinf(self.bw)[:, None], 0.0, self.base[None, :] / self.bw[:, None])
+        return np.where(w <= cap_tau, w, INF)
 
     def run(self, tau: float) -> list[Stage] | None:
         """Best placement with every stage and link time ``<= tau``, or ``None`` if none fits."""
@@ -174,55 +201,100 @@ class _Solver:
         L = cm.L
         T = len(self.groups)
         cap_tau = tau * (1 + 1e-12) if tau != INF else INF
-        link = np.where(self.link <= cap_tau, self.link, INF)
+        wl = self._link_weights(cap_tau)
         cin = np.where(self.cin <= cap_tau, self.cin, INF)
+        ar = np.arange(L, dtype=np.int64)
         if tau == INF:
             hi_time = [np.full(L, L, dtype=np.int64) for _ in range(T)]
         else:
             hi_time = [np.searchsorted(self.PS[t], self.PS[t][:L] + cap_tau, side="right") - 1 for t in range(T)]
-        G: list[np.ndarray] = [np.zeros((1, T, L + 1))]
+        his = [np.minimum(self.max_end(t, self.in_flight(n)), hi_time[t]) for n in range(len(self.levels) - 1) for t in range(T)]
+        order, pos = self.order, self.pos
+        # reach[r]: no r stages from layer 0 get past it (any type, the widest window at each start)
+        widest = np.maximum.accumulate(np.max(np.stack(his), axis=0))
+        depth = len(self.levels) - 1
+        reach = [0]
+        for _ in range(depth):
+            reach.append(L if reach[-1] >= L else int(widest[reach[-1]]))
+        G: list[tuple[np.ndarray, int]] = []  # per level >= 1: (values over columns c0.., c0)
         best, best_at = INF, None
         for n in range(len(self.levels) - 1):
-            k = self.in_flight(n)
-            nxt = np.full((len(self.levels[n + 1]), T, L + 1), INF)
-            for t in range(T):
-                src, dst = self.moves[n][t]
-                if not src:
-                    continue
-                if n == 0:
-                    V = np.full((1, L + 1), INF)
-                    V[0, L] = self.PL[t][L]
-                else:
-                    V = (G[n][src] + link[t][None]).min(axis=1) + self.PL[t][None, :]
-                hi = np.minimum(self.max_end(t, k), hi_time[t])
-                nxt[dst, t, :L] = _window_min(V, hi) - self.PL[t][None, :L]
-            G.append(nxt)
-            total = nxt[:, :, 0] + cin[None, :]
-            flat = int(np.argmin(total))
-            if total.flat[flat] < best:
-                best, best_at = float(total.flat[flat]), (n + 1, *divmod(flat, T))
-            if not np.isfinite(nxt).any():
+            k_his = his[n * T : (n + 1) * T]
+            if n == 0:  # the last stage ends at layer L
+                i0, i1 = 0, L - 1
+                nxt = np.full((len(self.levels[1]), T, L), INF)
+                for t in range(T):
+                    src, dst = self.moves[0][t]
+                    if len(src):
+                        nxt[dst, t, :] = np.where(k_his[t] >= L, self.PL[t][L] - self.PL[t][:L], INF)
+            else:
+                arr, c0 = G[-1]
+                w = arr.shape[2]
+                cols = slice(c0, c0 + w)
+                wlc = wl[:, cols]
+                srt = arr[:, order, :]
+                A = srt + wlc[order][None]
+                prefix = A  # minimum over types of lower bandwidth (inclusive), in place
+                suffix = srt.copy()  # minimum over types of higher bandwidth (inclusive)
+                for r in range(1, T):
+                    np.minimum(prefix[:, r - 1], prefix[:, r], out=prefix[:, r])
+                    np.minimum(suffix[:, T - r], suffix[:, T - r - 1], out=suffix[:, T - r - 1])
+                maxlen = max(int((h - ar).max()) for h in k_his)
+                # a suffix of n + 1 stages must leave a prefix the other stages can cover
+                i0, i1 = max(0, c0 - maxlen), min(c0 + w - 2, L - 1, reach[depth - n - 1])
+                if i1 < i0:
+                    break
+                rows = np.arange(i0, i1 + 1)
+                nxt = np.full((len(self.levels[n + 1]), T, i1 - i0 + 1), INF)
+                left = np.maximum(rows + 1, c0) - c0
+                for t in range(T):
+                    src, dst = self.moves[n][t]
+                    if not len(src):
+                        continue
+                    r = pos[t]
+                    H = suffix[src, r, :] + wlc[t][None, :]
+                    if r > 0:
+                        np.minimum(H, prefix[src, r - 1, :], out=H)
+                    H += self.PL[t][None, cols]
+                    right = np.minimum(k_his[t][i0 : i1 + 1], c0 + w - 1) - c0
+                    nxt[dst, t, :] = _window_min(H, left, right) - self.PL[t][None, i0 : i1 + 1]
+            finite = np.isfinite(nxt).any(axis=(0, 1))
+            if not finite.any():
                 break
+            a = int(np.argmax(finite))
+            z = len(finite) - int(np.argmax(finite[::-1]))
+            G.append((nxt[:, :, a:z], i0 + a))
+            if i0 + a == 0:
+                total = nxt[:, :, 0] + cin[None, :]
+                flat = int(np.argmin(total))
+                if total.flat[flat] < best:
+                    best, best_at = float(total.flat[flat]), (n + 1, *divmod(flat, T))
         if best_at is None:
             return None
-        return self._rebuild(G, best_at, link, hi_time)
+        return self._rebuild(G, best_at, wl, his)
 
-    def _rebuild(self, G: list[np.ndarray], at: tuple[int, int, int], link: np.ndarray, hi_time: list[np.ndarray]) -> list[Stage]:
+    def _rebuild(self, G: list[tuple[np.ndarray, int]], at: tuple[int, int, int], wl: np.ndarray, his: list[np.ndarray]) -> list[Stage]:
         L = self.cm.L
+        T = len(self.groups)
         n, ui, t = at
         u = self.levels[n][ui]
         i = 0
         typed: list[tuple[int, int, int]] = []
         while True:
-            hi = int(min(self.max_end(t, self.in_flight(n - 1))[i], hi_time[t][i]))
+            hi = int(his[(n - 1) * T + t][i])
             if n == 1:
                 typed.append((t, i, L))
                 break
             prev_u = u[:t] + (u[t] - 1,) + u[t + 1 :]
             si = self.index[n - 1][prev_u]
-            V = (G[n - 1][si] + link[t]).min(axis=0) + self.PL[t]
-            j = i + 1 + int(np.argmin(V[i + 1 : hi + 1]))
-            t_next = int(np.argmin(G[n - 1][si][:, j] + link[t][:, j]))
+            arr, c0 = G[n - 2]
+            w = arr.shape[2]
+            link = np.where((self.bw[t] <= self.bw)[:, None], wl[t][None, :], wl)[:, c0 : c0 + w]  # (T', w)
+            cand = arr[si] + link  # (T', w)
+            V = cand.min(axis=0) + self.PL[t][c0 : c0 + w]
+            lo, top = max(i + 1, c0), min(hi, c0 + w - 1)
+            j = lo + int(np.argmin(V[lo - c0 : top - c0 + 1]))
+            t_next = int(np.argmin(cand[:, j - c0]))
             typed.append((t, i, j))
             u, ui, t, i, n = prev_u, si, t_next, j, n - 1
         used = [0] * len(self.groups)
@@ -370,26 +442,32 @@ def search(
     grid = settings_grid(profile.batch_size, microbatches, schedule, checkpoint)
     tables = time_tables(profile)
     settings = [_Setting(CostModel(profile, m, s, c, tables)) for m, s, c in grid]
-    for st in settings:
+    feasible: list[_Setting] = []
+
+    def incumbent() -> _Setting | None:
+        # the fastest; among equals the earliest in preference order (min keeps the first)
+        ordered = sorted(feasible, key=settings.index)
+        return min(ordered, key=lambda st: st.best.step_time if st.best else INF) if ordered else None
+
+    # settings in order of a cheap lower bound; one whose bound cannot beat the incumbent needs no
+    # programme at all (sorted: nor do the ones after it)
+    for st in sorted(settings, key=lambda st: st.bound):
+        inc = incumbent()
+        if inc is not None and inc.best is not None and st.bound >= inc.best.step_time * (1 - rtol):
+            break
         st.root()
-    feasible = [st for st in settings if st.best is not None]
+        if st.best is None:
+            continue
+        feasible.append(st)
+        inc = incumbent()
+        assert inc is not None and inc.best is not None
+        st.refine(inc.best.step_time, rtol)
     if not feasible:
         from .diagnose import explain_no_fit
 
         raise explain_no_fit(profile, grid)
-
-    def incumbent() -> _Setting:
-        # the fastest; among equals the earliest in preference order (min keeps the first)
-        return min(feasible, key=lambda st: st.best.step_time if st.best else INF)
-
-    for st in sorted(feasible, key=lambda st: st.bound):
-        inc = incumbent().best
-        assert inc is not None
-        if st.bound >= inc.step_time * (1 - rtol):
-            break  # sorted by bound: no later setting can win either
-        st.refine(inc.step_time, rtol)
     winner = incumbent()
-    assert winner.best is not None
+    assert winner is not None and winner.best is not None
     programmes = sum(st.solver.evaluations for st in settings)
     return winner.cm.to_plan(winner.best, "torchspan", notes=plan_notes(winner.cm, winner.best, programmes, len(grid)))
 
