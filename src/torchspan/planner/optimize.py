@@ -68,15 +68,33 @@ def microbatch_candidates(batch_size: int) -> list[int]:
     return sorted(out)
 
 
-def device_groups(cm: CostModel) -> list[list[int]]:
-    """Interchangeable physical devices (same budget, link and per-layer times), as list indices.
+def in_flight_counts(cm: CostModel) -> list[int]:
+    """The in-flight counts a stage can have under ``cm``'s schedule (GPipe: ``M``; 1F1B: ``1..M``)."""
+    stages = len(set(cm.rep))
+    return [cm.M] if cm.schedule == "gpipe" else list(range(1, min(cm.M, stages) + 1))
 
-    Each physical device appears once, as its first entry: further entries of it are collapsed.
+
+def physical_ends(cm: CostModel) -> tuple[list[int], dict[int, np.ndarray]]:
+    """``(physical devices as their first entries, {k: max_end rows for their budgets})``."""
+    phys = sorted(set(cm.rep))
+    caps = np.array([cm.capacity[d] for d in phys], dtype=np.float64)
+    return phys, {k: cm.max_end(caps, k) for k in in_flight_counts(cm)}
+
+
+def device_groups(cm: CostModel, ends: tuple[list[int], dict[int, np.ndarray]] | None = None) -> list[list[int]]:
+    """Interchangeable physical devices (same link, per-layer times and fitting stages), as list indices.
+
+    Budgets enter the search only through which stages fit (``CostModel.max_end`` for each
+    in-flight count), so devices whose budgets differ but admit exactly the same stages are
+    interchangeable too: grouping them is exact. Each physical device appears once, as its first
+    entry: further entries of it are collapsed.
     """
+    phys, by_k = physical_ends(cm) if ends is None else ends
     keys: dict[tuple, list[int]] = {}
     devs = cm.profile.devices
-    for d in sorted(set(cm.rep)):
-        key = (cm.capacity[d], cm.host_bw[d], identity(devs, d), cm.fwd[d].tobytes(), cm.bwd[d].tobytes())
+    for row, d in enumerate(phys):
+        fitting = tuple(by_k[k][row].tobytes() for k in sorted(by_k))
+        key = (fitting, cm.host_bw[d], identity(devs, d), cm.fwd[d].tobytes(), cm.bwd[d].tobytes())
         keys.setdefault(key, []).append(d)
     return sorted(keys.values(), key=lambda g: g[0])
 
@@ -151,7 +169,8 @@ class _Solver:
 
     def __init__(self, cm: CostModel) -> None:
         self.cm = cm
-        groups = device_groups(cm)
+        ends = physical_ends(cm)
+        groups = device_groups(cm, ends)
         self.groups = groups
         T = len(groups)
         L = cm.L
@@ -176,7 +195,8 @@ class _Solver:
         self.pos[self.order] = np.arange(T)
         self.cin = np.array([cm.input_time(r) for r in rep])
         self.levels, self.index, self.moves = _state_graph(tuple(self.sizes), L)
-        self._max_end: dict[int, np.ndarray] = {}
+        rows = [ends[0].index(g[0]) for g in groups]
+        self._max_end: dict[int, np.ndarray] = {k: v[rows] for k, v in ends[1].items()}
         self.evaluations = 0
 
     def max_end(self, t: int, k: int) -> np.ndarray:
@@ -304,22 +324,20 @@ class _Solver:
             used[t] += 1
         return stages
 
-    def bottleneck_floor(self) -> float:
-        """A lower bound on any placement's bottleneck (for pruning).
+def bottleneck_floor(cm: CostModel) -> float:
+    """A lower bound on any placement's bottleneck (for pruning).
 
-        No stage is faster than its slowest layer on its best device; and in time ``beta`` device
-        ``d`` can do at most ``beta * r_d`` of the layers' best-device work, ``r_d`` being its
-        best relative speed over all layers, so ``beta >= total / sum(r_d)``.
-        """
-        best_layer = self.steady.min(axis=0)
-        total = float(best_layer.sum())
-        with np.errstate(divide="ignore", invalid="ignore"):
-            rel = np.where(self.steady > 0, best_layer[None, :] / self.steady, 1.0).max(axis=1)
-        capacity = float(sum(r * n for r, n in zip(rel, self.sizes)))
-        return float(max(best_layer.max(), total / capacity if capacity > 0 else 0.0))
-
-    def latency_floor(self) -> float:
-        return float(self.cm.lat.min(axis=0).sum())
+    No stage is faster than its slowest layer on its best device; and in time ``beta`` device
+    ``d`` can do at most ``beta * r_d`` of the layers' best-device work, ``r_d`` being its
+    best relative speed over all layers, so ``beta >= total / sum(r_d)``.
+    """
+    steady = cm.steady[sorted(set(cm.rep))]  # one row per physical device
+    best_layer = steady.min(axis=0)
+    total = float(best_layer.sum())
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = np.where(steady > 0, best_layer[None, :] / steady, 1.0).max(axis=1)
+    capacity = float(rel.sum())
+    return float(max(best_layer.max(), total / capacity if capacity > 0 else 0.0))
 
 
 class _Setting:
@@ -327,10 +345,21 @@ class _Setting:
 
     def __init__(self, cm: CostModel) -> None:
         self.cm = cm
-        self.solver = _Solver(cm)
+        self._solver: _Solver | None = None
         self.best: Evaluation | None = None
-        self.floor = self.solver.bottleneck_floor()
-        self.sigma = self.solver.latency_floor()  # raised to the exact min sum by root()
+        self.floor = bottleneck_floor(cm)
+        self.sigma = float(cm.lat.min(axis=0).sum())  # raised to the exact min sum by root()
+
+    @property
+    def solver(self) -> _Solver:
+        """Built on first use: a setting pruned by its bound never needs one."""
+        if self._solver is None:
+            self._solver = _Solver(self.cm)
+        return self._solver
+
+    @property
+    def programmes(self) -> int:
+        return 0 if self._solver is None else self._solver.evaluations
 
     @property
     def bound(self) -> float:
@@ -391,7 +420,7 @@ def solve(cm: CostModel, *, incumbent: float = INF, rtol: float = 1e-9) -> tuple
         return None, 0
     setting.root()
     setting.refine(incumbent, rtol)
-    runs = setting.solver.evaluations
+    runs = setting.programmes
     if setting.best is None or setting.best.step_time >= incumbent:
         return None, runs
     return setting.best, runs
@@ -468,7 +497,7 @@ def search(
         raise explain_no_fit(profile, grid)
     winner = incumbent()
     assert winner is not None and winner.best is not None
-    programmes = sum(st.solver.evaluations for st in settings)
+    programmes = sum(st.programmes for st in settings)
     return winner.cm.to_plan(winner.best, "torchspan", notes=plan_notes(winner.cm, winner.best, programmes, len(grid)))
 
 
