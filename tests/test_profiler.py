@@ -222,6 +222,28 @@ def test_duplicate_present_devices_are_measured_once(monkeypatch: pytest.MonkeyP
     assert prof.devices[0].peak_flops and prof.devices[0].extra["speed_source"].startswith("measured")
 
 
+def test_present_gpus_of_one_model_are_measured_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuda:0 and cuda:1 of one model share times (noise would make them distinct types to the planner)."""
+    calls: list[str] = []
+
+    def fake(model, args, batch, small, order, base, dev, *rest, **kw):  # type: ignore[no-untyped-def]
+        calls.append(str(dev))
+        k = 1.0 + len(calls)  # a different figure per measurement
+        return {name: (k * 1e-5, k * 1e-6, k * 2e-5, k * 2e-6) for name in order}
+
+    monkeypatch.setattr(profiler, "_measure", fake)
+    gpus = [torchspan.Device(torch.device("cuda", i), "NVIDIA L4", total_memory=24 * 2**30) for i in range(2)]
+    other = torchspan.Device(torch.device("cuda", 2), "NVIDIA T4", total_memory=16 * 2**30)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    prof = torchspan.profile(model, torch.randn(8, 16), [*gpus, other], **FAST)
+    assert calls == ["cuda:0", "cuda:2"]
+    for lay in prof.layers:
+        assert lay.time_source == ["measured"] * 3
+        assert lay.forward_fixed[0] == lay.forward_fixed[1] != lay.forward_fixed[2]
+        assert lay.backward_per_sample[0] == lay.backward_per_sample[1] != lay.backward_per_sample[2]
+    assert any("cuda:1 (NVIDIA L4) takes the times measured on cuda:0" in n for n in prof.notes), prof.notes
+
+
 def test_mixed_described_and_present_devices() -> None:
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
     prof = torchspan.profile(model, torch.randn(8, 16), "a100-40gb*2,cpu", **FAST)

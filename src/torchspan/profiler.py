@@ -26,7 +26,9 @@ How each figure is obtained
     times            present devices: each layer is run alone on the inputs it received in a real
         forward (captured by hooks on the top-level children), forward then backward, after
         ``warmup`` runs, median of ``repeats``, at batch B and B/4; the line through the two
-        points gives ``fixed`` and ``per_sample``. Described devices: per aten op,
+        points gives ``fixed`` and ``per_sample``. Once per device model (kind and name): two
+        present GPUs of one model share the first one's times, so that timing noise does not make
+        identical devices look different to the planner. Described devices: per aten op,
         ``max(flops / (peak * compute_efficiency), bytes / (bandwidth * memory_efficiency))`` plus a
         per-op overhead (see ``torchspan.catalog``), evaluated at the same two batch sizes.
 """
@@ -307,18 +309,25 @@ def profile(
     if meta_params and measure:
         notes.append("parameters are on meta (no data): times on present devices are estimated, not measured")
     out_devices: list[Device] = []
-    measured: dict[str, dict[str, tuple[float, float, float, float]]] = {}
+    measured: dict[tuple[str, str], dict[str, tuple[float, float, float, float]]] = {}
+    measured_on: dict[tuple[str, str], str] = {}
     for d in devs:
         present_cpu = d.present and d.kind in ("cpu", "meta")
         dd = host_speed_device(d) if present_cpu else d
         out_devices.append(dd)
         can_measure = measure and d.present and d.kind != "meta" and not meta_params
-        key = str(d.device)
+        key = _model_key(d)
         if can_measure and key not in measured:
             measured[key] = _measure(model, args, batch, small, order, base, d.device, dtype, warmup, repeats, notes)
+            measured_on[key] = str(d.device)
     for i, (d, dd) in enumerate(zip(devs, out_devices)):
-        key = str(d.device)
+        key = _model_key(d)
         if key in measured:
+            if measured_on[key] != str(d.device):
+                notes.append(
+                    f"{d.device} ({d.name}) takes the times measured on {measured_on[key]}, the same model: "
+                    "one set of times per model keeps the planner's devices interchangeable, not split by timing noise"
+                )
             for lay in layers:
                 ff, fp, bf, bp = measured[key][lay.name]
                 _append_times(lay, ff, fp, bf, bp, "measured")
@@ -326,7 +335,7 @@ def profile(
         try:
             speed = speed_of(catalog.with_figures(dd), compute_dtype)
         except ValueError as exc:
-            raise ValueError(f"devices[{i}]={key!r}: {exc}") from None
+            raise ValueError(f"devices[{i}]={str(d.device)!r}: {exc}") from None
         label = speed.label + (" (meta has no speed of its own; this CPU's figures)" if d.kind == "meta" else "")
         for lay in layers:
             _append_times(lay, *_estimate_layer(sizes_at, small, batch, lay.name, speed), label)
@@ -335,7 +344,7 @@ def profile(
     calibration: dict[str, float] = {}
     for i, (d, dd) in enumerate(zip(devs, out_devices)):
         key = str(d.device)
-        if key in measured and d.kind == "cpu" and key not in calibration:
+        if _model_key(d) in measured and d.kind == "cpu" and key not in calibration:
             speed = speed_of(dd, compute_dtype)
             est = sum(sum(_estimate_pair(sizes_at, batch, lay.name, speed)) for lay in layers)
             meas = sum(lay.forward_seconds(i, batch) + lay.backward_seconds(i, batch) for lay in layers)
@@ -351,6 +360,13 @@ def profile(
         notes=notes,
         calibration=calibration,
     )
+
+
+def _model_key(d: Device) -> tuple[str, str]:
+    """Present devices measured once per model: ``('cpu', 'cpu')``, or the kind and name (``'NVIDIA H100 80GB HBM3'``)."""
+    if d.kind in ("cpu", "meta"):
+        return (d.kind, str(d.device))
+    return (d.kind, d.name)
 
 
 def _append_times(lay: LayerCost, ff: float, fp: float, bf: float, bp: float, source: str) -> None:
