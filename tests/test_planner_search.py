@@ -214,3 +214,54 @@ def test_device_groups_hold_each_physical_device_once() -> None:
     cm = CostModel(prof, 1, "1f1b", "never")
     groups = device_groups(cm)
     assert sorted(d for g in groups for d in g) == [0, 1, 3]
+
+
+# ---------------------------------------------------------------- all-distinct devices
+
+
+@st.composite
+def distinct_devices(draw: st.DrawFn) -> Profile:
+    """Up to 4 devices, every one distinct: same speed but each its own budget (some binding, some
+    not: those whose budgets admit the same stages are grouped), or each its own speed too."""
+    rng = random.Random(draw(st.integers(0, 2**31)))
+    n_dev = draw(st.integers(2, 4))
+    same_speed = draw(st.booleans())
+    devs = [
+        device("cuda", f"g{k}", draw(st.one_of(st.integers(3_000, 40_000), st.integers(10**6, 10**7))), 1e7, index=k)
+        for k in range(n_dev)
+    ]
+    if draw(st.booleans()):
+        devs[-1] = device("cpu", "cpu", draw(st.integers(3_000, 10**7)))
+    n_layers = draw(st.integers(1, 6))
+    base = [1.0 if d.kind != "cpu" else 0.1 for d in devs]
+    layers = []
+    for k in range(n_layers):
+        speeds = base if same_speed else [s * rng.uniform(0.5, 2.0) for s in base]
+        lay = layer(f"l{k}", rng.randint(0, 4000), rng.uniform(0, 400), rng.uniform(1, 200), speeds, fixed=1e-5)
+        layers.append(lay)
+    return Profile(layers=layers, devices=devs, batch_size=8, input_bytes=10.0, optimizer="adam")
+
+
+@SETTINGS
+@given(distinct_devices(), st.data())
+def test_search_matches_brute_force_on_all_distinct_devices(prof: Profile, data: st.DataObject) -> None:
+    m = data.draw(st.sampled_from([1, 2, 4, 8]))
+    cm = CostModel(prof, m, data.draw(st.sampled_from(SCHEDULES)), data.draw(st.sampled_from(CHECKPOINTS)))
+    ref = brute_force(cm)
+    got, _ = solve(cm)
+    assert (ref is None) == (got is None)
+    if ref is not None and got is not None:
+        assert close(got.step_time, ref.step_time, 1e-7), (got.stages, ref.stages)
+        assert got.fits
+
+
+def test_budgets_that_admit_the_same_stages_make_one_type() -> None:
+    """Two roomy budgets that differ are one type; a budget that binds is a type of its own."""
+    devs = [device("cuda", "g", cap, 1e9, index=k) for k, cap in enumerate([10**9, 2 * 10**9, 9_000])]
+    layers = [layer(f"l{i}", 1000, 10.0, 10.0, [1.0] * 3) for i in range(4)]
+    prof = Profile(layers=layers, devices=devs, batch_size=8, input_bytes=10.0, optimizer="adam")
+    cm = CostModel(prof, 2, "1f1b", "never")
+    assert device_groups(cm) == [[0, 1], [2]]
+    ref = brute_force(cm)
+    got, _ = solve(cm)
+    assert ref is not None and got is not None and close(got.step_time, ref.step_time, 1e-9)
