@@ -28,15 +28,24 @@ How (exact for the cost model, up to a relative ``rtol``, default 1e-9):
 * For a bottleneck cap ``tau`` the best placement minimises the additive part ``sum lat + links``
   with every stage and link at most ``tau``. A dynamic programme solves that: its state is
   (first layer of the suffix still to place, how many devices of each *type* the suffix uses, type
-  of the suffix's first stage). Identical devices form one type and are interchangeable, so 8 equal
-  GPUs are 9 counts, not 8! orders. Stage costs are prefix-sum differences, so each transition is a
-  sliding-window minimum, computed for all starts at once with a sparse table (numpy).
-  Working from the last stage backwards, a stage knows how many stages follow it, which fixes its
-  1F1B in-flight count and thus its memory.
+  of the suffix's first stage). Devices with the same per-layer times and host link whose budgets
+  admit exactly the same stages (``CostModel.max_end`` for every in-flight count: the only way a
+  budget enters the programme) form one type and are interchangeable, so 8 equal GPUs are 9
+  counts, not 8! orders, and GPUs whose free memory differs by a few megabytes that no stage
+  boundary notices stay one type. Stage costs are prefix-sum differences, so each transition is a
+  sliding-window minimum, computed for all starts at once with a sparse table (numpy). Working
+  from the last stage backwards, a stage knows how many stages follow it, which fixes its 1F1B
+  in-flight count and thus its memory. Each level keeps only the band of first layers where it
+  can be finite (reachable from the end within the cap, and leaving a prefix the remaining stages
+  can cover), and the best link into the next stage is found for all types at once (a link costs
+  ``2 * out / min(bw, bw')``: sorted by bandwidth, a prefix and a suffix minimum).
 * ``minsum(tau)`` is a non-increasing step function; the step time is ``minsum(tau) + (M-1)*tau``.
-  A branch and bound over ``tau`` (evaluate, bound each interval by ``minsum(top) + (M-1)*low``,
-  bisect) finds its minimum. Settings (micro-batch counts, checkpoint modes) are visited in order
-  of their lower bound (exact min sum + (M-1) * bottleneck floor) and pruned against the best so far.
+  A branch and bound over ``tau`` finds its minimum: a piece ``[lo, hi)`` whose top value is known
+  is bounded by ``minsum(hi) + (M-1)*lo`` and is either bisected or cut just below ``hi`` (one
+  programme gives the next step of ``minsum`` exactly; bisection alone needs ~30 halvings to close
+  the piece under the incumbent). Settings (micro-batch counts, checkpoint modes) are visited in
+  order of a cheap lower bound (sum of each layer's fastest latency + (M-1) * bottleneck floor);
+  a setting whose bound cannot beat the best so far gets no programme at all.
 * Dominated settings are skipped under ``"auto"``: 1F1B has GPipe's time with no more memory, and
   ``except_last`` has ``always``'s memory saving at less recompute (``tests/test_planner_search.py``
   checks both against brute force over every setting).
