@@ -83,6 +83,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -351,18 +352,25 @@ class CostModel:
         table = self._out_table
         return np.maximum(table[p, i], table[p, j - (1 << p)])
 
+    def _in_flight(self, act: Any, inb: Any, k: int) -> Any:
+        """Saved-activation bytes with ``k`` micro-batches in flight (arrays or floats alike).
+
+        ``act``: one micro-batch's saved bytes in the stage; ``inb``: its input bytes, all that a
+        checkpointed micro-batch keeps. ``except_last`` keeps the last micro-batch's full set.
+        """
+        if self.checkpoint == "never":
+            return k * act
+        if self.checkpoint == "except_last":
+            return (k - 1) * inb + act
+        return k * inb + act
+
     def memory_total(self, i: np.ndarray, j: np.ndarray, k: int) -> np.ndarray:
         """Predicted bytes of stages ``[i, j)`` (``j > i``) holding ``k`` micro-batches, vectorised."""
         i = np.asarray(i, dtype=np.int64)
         j = np.asarray(j, dtype=np.int64)
         act = self.P_act[j] - self.P_act[i] + self.shared[i] + self.tail[j]
         inb = self.inb[i]
-        if self.checkpoint == "never":
-            acts = k * act
-        elif self.checkpoint == "except_last":
-            acts = (k - 1) * inb + act
-        else:
-            acts = k * inb + act
+        acts = self._in_flight(act, inb, k)
         work = inb + 2 * self.max_output(i, j)
         # whole bytes, rounded up as ``stage_memory`` reports them, so that fitting here means fitting there
         return np.round(self.P_state[j] - self.P_state[i]) + np.ceil(acts) + np.ceil(work)
@@ -371,12 +379,7 @@ class CostModel:
         """Bytes by kind for layers ``[start, end)`` holding ``k`` micro-batches."""
         act = self.P_act[end] - self.P_act[start] + self.shared[start] + self.tail[end]
         inb = self.inb[start]
-        if self.checkpoint == "never":
-            acts = k * act
-        elif self.checkpoint == "except_last":
-            acts = (k - 1) * inb + act
-        else:
-            acts = k * inb + act
+        acts = self._in_flight(act, inb, k)
         work = inb + 2 * float(self.max_output(np.array([start]), np.array([end]))[0])
         return StageMemory(
             params=int(round(self.P_param[end] - self.P_param[start])),
