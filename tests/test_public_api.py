@@ -27,7 +27,7 @@ def test_public_functions_stay_functions_after_every_submodule_is_imported() -> 
             importlib.import_module(info.name)
     for name in ("devices", "to_device", "doctor", "watch", "span", "profile", "plan"):
         assert callable(getattr(torchspan, name)) and not isinstance(getattr(torchspan, name), type(torchspan)), name
-    for name in ("Device", "Report", "DeviceMismatchError", "Spanned", "Profile", "Plan", "PlanError"):
+    for name in ("Device", "Report", "DeviceMismatchError", "Spanned", "NoSplit", "Profile", "Plan", "PlanError"):
         assert isinstance(getattr(torchspan, name), type), name
     assert issubclass(torchspan.DeviceMismatchError, RuntimeError)
     assert issubclass(torchspan.PlanError, ValueError)

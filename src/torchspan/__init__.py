@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "DeviceMismatchError": "torchspan.diagnosis",
     "span": "torchspan.runtime",
     "Spanned": "torchspan.runtime",
+    "NoSplit": "torchspan.runtime",
     "profile": "torchspan.profiler",
     "Profile": "torchspan.profiler",
     "plan": "torchspan.planner",
