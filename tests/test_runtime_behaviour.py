@@ -317,3 +317,32 @@ def test_pickling_a_spanned_fails_clearly_and_hook_mode_module_saves() -> None:
     for m in (plain, twin):
         torch.testing.assert_close(m(x)["out"], hooked.module(x)["out"])
         assert all(h(m.a, (x,), {}) is None for h in m.a._forward_pre_hooks.values())
+
+
+def test_hook_mode_moves_inputs_to_stage_0_before_the_models_own_code() -> None:
+    """The model's forward uses the input (and a root parameter) before calling its first child."""
+    seen: list[torch.device] = []
+
+    class Shifted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shift = nn.Parameter(torch.zeros(4))
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(x.device)
+            if x.sum() > 1e9:  # data-dependent: fx cannot trace it, so span uses hooks
+                x = x * 0
+            return self.b(self.a(x + self.shift))
+
+    model = Shifted()
+    with pytest.warns(UserWarning):
+        spanned = torchspan.span(model, devices=["meta", "cpu"], balance=[1, 1], microbatches=2)
+    seen.clear()  # span's fx attempt called forward with proxies
+    # hook mode places at the first call; the meta stage makes the device of every input visible
+    with pytest.raises(Exception):
+        spanned(torch.randn(4, 4))  # a data-dependent branch cannot run on meta; what matters is below
+    # seen[0]: the order-finding forward, which runs before placement where the model already is (cpu);
+    # after placement, the model's own code receives its input on stage 0's device
+    assert seen[0].type == "cpu" and len(seen) >= 2 and all(d.type == "meta" for d in seen[1:]), seen

@@ -369,6 +369,7 @@ class Spanned(nn.Module):
             outs = []
             try:
                 for i, (a, k) in enumerate(chunks):
+                    a, k = self._to_first_stage(a, k)
                     with self._hooks.recording(i, self._ckpt(i)):
                         outs.append(self.module(*a, **k))
             finally:
@@ -429,6 +430,14 @@ class Spanned(nn.Module):
         finally:
             self._recorder.finish_step()
 
+    def _to_first_stage(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Hook mode: inputs go to stage 0's device before the model's own forward touches them
+        (its code may use them before calling the first child, e.g. ``x + self.shift``)."""
+        from ..hardware import to_device
+
+        dev = self._devices[0]
+        return to_device(args, dev, non_blocking=dev.type == "cuda"), to_device(kwargs, dev, non_blocking=dev.type == "cuda")
+
     def _train_hooks(self, chunks: list[Any], targets: list[Any], loss_fn: Callable[..., Any], weights: list[float]) -> torch.Tensor:
         from ..hardware import to_device
 
@@ -439,6 +448,7 @@ class Spanned(nn.Module):
         losses = []
         try:
             for i, (a, k) in enumerate(chunks):
+                a, k = self._to_first_stage(a, k)
                 with hp.recording(i, self._ckpt(i)):
                     out = self.module(*a, **k)
                 self._check_hook_order()
