@@ -29,9 +29,10 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from .hardware import Device
 from .split import top_level_layers
 
-__all__ = ["Speed", "capture", "estimate", "fit", "host_speed_device", "on_device", "preserved", "speed_of", "time_layer"]
+__all__ = ["Speed", "capture", "estimate", "fit", "host_speed_device", "on_device", "preserved", "speed_of", "synchronize", "time_layer"]
 
-def _sync(dev: torch.device) -> None:
+def synchronize(dev: torch.device) -> None:
+    """Wait for queued work on ``dev`` (CUDA, MPS); nothing to wait for on the CPU."""
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     elif dev.type == "mps":  # pragma: no cover - Apple only
@@ -151,18 +152,18 @@ def time_layer(
             inputs.append(tree_unflatten(fresh, spec))
         for p in params:
             p.grad = None
-        _sync(dev)
+        synchronize(dev)
         t0 = time.perf_counter()
         outs = [module(*a, **kw) for a, kw in inputs]
-        _sync(dev)
+        synchronize(dev)
         t1 = time.perf_counter()
         roots = [t for t in tree_flatten(outs)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         seeds = [torch.ones_like(t) for t in roots]
-        _sync(dev)
+        synchronize(dev)
         t2 = time.perf_counter()
         if roots:
             torch.autograd.backward(roots, seeds)
-        _sync(dev)
+        synchronize(dev)
         t3 = time.perf_counter()
         if it >= warmup:
             fwd.append(t1 - t0)

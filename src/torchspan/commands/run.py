@@ -254,9 +254,10 @@ def _make_plan(model: torch.nn.Module, x: torch.Tensor, args: argparse.Namespace
 
 
 def _synchronize(devices: list[torch.device]) -> None:
+    from .._timing import synchronize
+
     for d in devices:
-        if d.type == "cuda":  # pragma: no cover - needs a GPU
-            torch.cuda.synchronize(d)
+        synchronize(d)
 
 
 def _train(spanned: Any, optimizer: Any, x: Any, target: Any, loss_fn: Any, args: argparse.Namespace, con: Console) -> dict[str, Any]:

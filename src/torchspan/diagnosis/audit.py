@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .mismatch import DeviceMismatchError
+from .mismatch import DeviceMismatchError, is_cpu_scalar
 from .report import Finding, Report
 from .watcher import dataparallel_inert_finding, watch
 
@@ -43,10 +43,6 @@ _PREFIXES = ("module.", "_orig_mod.")
 def _names(items: list[str]) -> str:
     more = f" (+{len(items) - _SHOW} more)" if len(items) > _SHOW else ""
     return ", ".join(items[:_SHOW]) + more
-
-
-def _is_cpu_scalar(t: torch.Tensor) -> bool:
-    return t.dim() == 0 and t.device.type == "cpu"
 
 
 def _tensors_of(module: nn.Module, prefix: str) -> list[tuple[str, str, torch.Tensor]]:
@@ -152,7 +148,7 @@ def _tensor_attributes(root: nn.Module, prefix: str) -> list[Finding]:
         if home is None:
             continue
         for attr, val in vars(mod).items():
-            if isinstance(val, torch.Tensor) and not attr.startswith("_") and not _is_cpu_scalar(val) and str(val.device) != home:
+            if isinstance(val, torch.Tensor) and not attr.startswith("_") and not is_cpu_scalar(val) and str(val.device) != home:
                 qual = f"{prefix}.{path}.{attr}" if path else f"{prefix}.{attr}"
                 out.append(
                     Finding(
@@ -203,7 +199,7 @@ def audit_batch(
         stray = [
             (p, t)
             for p, t in list(_leaves(args, "args")) + list(_leaves(dict(kwargs), "kwargs"))
-            if not _is_cpu_scalar(t) and str(t.device) != fdev
+            if not is_cpu_scalar(t) and str(t.device) != fdev
         ]
         for path, t in stray:
             findings.append(
@@ -225,7 +221,7 @@ def audit_batch(
     if target is not None and last is not None:
         lpath, lmod, ldev = last
         for path, t in _leaves(target, "target"):
-            if not _is_cpu_scalar(t) and str(t.device) != ldev:
+            if not is_cpu_scalar(t) and str(t.device) != ldev:
                 findings.append(
                     Finding(
                         code="target-device",
@@ -297,7 +293,7 @@ def audit_optimizer(
         for i, p in enumerate(group["params"]):
             pname = qual.get(id(p), f"param_groups[{g}]['params'][{i}]")
             for key, val in optimizer.state.get(p, {}).items():
-                if isinstance(val, torch.Tensor) and not _is_cpu_scalar(val) and val.device != p.device:
+                if isinstance(val, torch.Tensor) and not is_cpu_scalar(val) and val.device != p.device:
                     stray.append(f"{oname}.state[{pname}][{key!r}] on {val.device}, parameter on {p.device}")
                     devices.add(str(p.device))
     if stray:
@@ -542,7 +538,7 @@ def doctor(
     report = Report()
     target_dev = None
     for _, t in _leaves(target, "target"):
-        if not _is_cpu_scalar(t):
+        if not is_cpu_scalar(t):
             target_dev = str(t.device)
             break
     report.add(audit_modules(model, loss_fn, target_dev))

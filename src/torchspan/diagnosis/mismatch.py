@@ -115,7 +115,8 @@ def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).replace("torch.", "")
 
 
-def _is_cpu_scalar(t: torch.Tensor) -> bool:
+def is_cpu_scalar(t: torch.Tensor) -> bool:
+    """A 0-dim CPU tensor: PyTorch lets it mix with tensors on any device."""
     return t.device.type == "cpu" and t.dim() == 0
 
 

@@ -213,10 +213,6 @@ class _Solver:
             self._max_end[k] = self.cm.max_end(np.array(self.cap), k)
         return self._max_end[k][t]
 
-    def in_flight(self, stages_after: int) -> int:
-        cm = self.cm
-        return cm.M if cm.schedule == "gpipe" else min(cm.M, stages_after + 1)
-
     def _link_weights(self, cap_tau: float) -> np.ndarray:
         """``(T, L+1)``: seconds of a link at each boundary at type ``t``'s host bandwidth, ``inf`` above the cap."""
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -237,7 +233,8 @@ class _Solver:
             hi_time = [np.full(L, L, dtype=np.int64) for _ in range(T)]
         else:
             hi_time = [np.searchsorted(self.PS[t], self.PS[t][:L] + cap_tau, side="right") - 1 for t in range(T)]
-        his = [np.minimum(self.max_end(t, self.in_flight(n)), hi_time[t]) for n in range(len(self.levels) - 1) for t in range(T)]
+        # level n: a stage with n stages after it holds what stage 0 of n + 1 stages holds
+        his = [np.minimum(self.max_end(t, self.cm.in_flight(0, n + 1)), hi_time[t]) for n in range(len(self.levels) - 1) for t in range(T)]
         order, pos = self.order, self.pos
         # reach[r]: no r stages from layer 0 get past it (any type, the widest window at each start)
         widest = np.maximum.accumulate(np.max(np.stack(his), axis=0))

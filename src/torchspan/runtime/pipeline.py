@@ -61,6 +61,11 @@ class _Saved:
     rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
 
+
+def checkpointed(checkpoint: str, mb: int, microbatches: int) -> bool:
+    """Whether micro-batch ``mb`` of ``microbatches`` recomputes its forward in backward."""
+    return checkpoint == "always" or (checkpoint == "except_last" and mb < microbatches - 1)
+
 class Pipeline:
     """Executes stage functions on their devices by a schedule. One instance per ``Spanned``."""
 
@@ -87,9 +92,6 @@ class Pipeline:
         self.groups = [list(g) for g in groups]
 
     # ------------------------------------------------------------------ helpers
-    def _ckpt(self, mb: int, m: int) -> bool:
-        return self.checkpoint == "always" or (self.checkpoint == "except_last" and mb < m - 1)
-
     def _send(self, box: Mailbox, key: tuple[str, int, int], values: list[Any], spec: Any, src: int, dst: int, mb: int) -> None:
         sdev, ddev = self.devices[src], self.devices[dst]
         if sdev == ddev:
@@ -171,7 +173,7 @@ class Pipeline:
 
         def do(box: Mailbox, a: sched.Action) -> None:
             s, mb, dev = a.stage, a.microbatch, self.devices[a.stage]
-            ckpt = self._ckpt(mb, m)
+            ckpt = checkpointed(self.checkpoint, mb, m)
             if a.kind == sched.FORWARD:
                 if s == 0:
                     leaves, spec = tree_flatten(to_device(list(inputs[mb]), dev))
@@ -274,7 +276,7 @@ class Pipeline:
             else:
                 args = box.get(("fwd", s, mb))
             with self.recorder.block(s, dev, mb, "forward"), autocast_for(dev, self.precision):
-                if grad and self._ckpt(mb, m):
+                if grad and checkpointed(self.checkpoint, mb, m):
                     out = torch.utils.checkpoint.checkpoint(
                         fns[s], *args, use_reentrant=False, context_fn=once_context(slots[s])
                     )

@@ -25,7 +25,7 @@ from .buffers import Slot, buffer_slots, kept
 from .hooks import HookPlacement, record_forward
 from .memory import ActivationMeter
 from .microbatch import NoSplit, batch_size, gather, split_batch, split_sizes, split_value
-from .pipeline import CHECKPOINTS, PRECISIONS, Pipeline, autocast_for
+from .pipeline import CHECKPOINTS, PRECISIONS, Pipeline, autocast_for, checkpointed
 from .lossweights import microbatch_weights, resolve_reduction, weighted_loss
 from .placement import check_shared, parse_devices, place, stages_from_balance, stages_from_plan
 from .record import Recorder
@@ -370,7 +370,7 @@ class Spanned(nn.Module):
             try:
                 for i, (a, k) in enumerate(chunks):
                     a, k = self._to_first_stage(a, k)
-                    with self._hooks.recording(i, self._ckpt(i)):
+                    with self._hooks.recording(i, checkpointed(self.checkpoint, i, self.microbatches)):
                         outs.append(self.module(*a, **k))
             finally:
                 self._recorder.finish_step()
@@ -382,9 +382,6 @@ class Spanned(nn.Module):
         finally:
             self._recorder.finish_step()
         return gather(outs, last)
-
-    def _ckpt(self, mb: int) -> bool:
-        return self.checkpoint == "always" or (self.checkpoint == "except_last" and mb < self.microbatches - 1)
 
     def train_step(
         self,
@@ -449,7 +446,7 @@ class Spanned(nn.Module):
         try:
             for i, (a, k) in enumerate(chunks):
                 a, k = self._to_first_stage(a, k)
-                with hp.recording(i, self._ckpt(i)):
+                with hp.recording(i, checkpointed(self.checkpoint, i, self.microbatches)):
                     out = self.module(*a, **k)
                 self._check_hook_order()
                 leaf = next((t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)), None)
