@@ -241,3 +241,22 @@ def test_json_names_the_error_that_ended_the_script(tmp_path: Path, capsys: pyte
     assert data["error"] == {"type": "ValueError", "message": "bad value 42", "where": "bad.py:2: raise ValueError('bad value 42')"}
     assert main(["doctor", "--json", write(tmp_path, "ok.py", "x = 1\n")]) == 0
     assert json.loads(capsys.readouterr().out)["error"] is None
+
+
+def test_script_ending_in_sys_exit_0_is_still_audited(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """The optimizer-before-.to() trap must be reported whether the script ends or calls sys.exit(0)."""
+    script = tmp_path / "exits.py"
+    script.write_text(
+        "import sys, torch\n"
+        "from torch import nn\n"
+        "model = nn.Linear(4, 2)\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "model.to_empty(device='meta')  # new parameters: the optimizer still holds the old ones\n"
+        "sys.exit(0)\n"
+    )
+    from torchspan.cli import main
+
+    code = main(["doctor", str(script)])
+    out = capsys.readouterr().out
+    assert code == 3, out
+    assert "optimizer" in out

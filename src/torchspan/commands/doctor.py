@@ -33,7 +33,7 @@ from ..diagnosis.audit import (
     looks_like_device_error,
 )
 from ..diagnosis.mismatch import DeviceMismatchError
-from ..diagnosis.naming import find_in_frames, traceback_frames
+from ..diagnosis.naming import find_in_frames, location, tb_frames, traceback_frames
 from ..diagnosis.report import Finding, Report
 from ..diagnosis.watcher import watch
 from ._common import console, print_json
@@ -82,11 +82,8 @@ def _where(exc: BaseException) -> str | None:
     frames = traceback_frames(exc.__traceback__)
     if not frames:
         return None
-    f = frames[0]
-    import linecache
-
-    line = linecache.getline(f.f_code.co_filename, f.f_lineno).strip()
-    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}: {line}"
+    loc = location(frames[0])
+    return f"{loc.short}: {loc.code}"
 
 
 def _audit_objects(objects: dict[str, Any]) -> list[Finding]:
@@ -119,11 +116,7 @@ def _audit_objects(objects: dict[str, Any]) -> list[Finding]:
 
 def _load_state_dict_findings(exc: BaseException) -> list[Finding]:
     """For a failed ``module.load_state_dict(sd)``: a ``module.`` / ``_orig_mod.`` prefix mismatch and its fix."""
-    tb, frames = exc.__traceback__, []
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    for frame in frames:
+    for frame in tb_frames(exc.__traceback__):
         if frame.f_code is not nn.Module.load_state_dict.__code__:
             continue
         module, sd = frame.f_locals.get("self"), frame.f_locals.get("state_dict")
@@ -159,6 +152,8 @@ def run_script(script: str, script_args: list[str], *, quiet_stdout: bool = Fals
         outcome.report.add(err.finding())
         leftovers = find_in_frames(traceback_frames(err.__traceback__), (nn.Module, torch.optim.Optimizer))
     except SystemExit as exc:
+        # what the script holds when it exits is audited as when it runs to its end
+        leftovers = find_in_frames(traceback_frames(exc.__traceback__), (nn.Module, torch.optim.Optimizer))
         code = exc.code
         if code is None or code == 0:
             outcome = ScriptOutcome("ok", 0)
@@ -173,12 +168,13 @@ def run_script(script: str, script_args: list[str], *, quiet_stdout: bool = Fals
         leftovers = find_in_frames(traceback_frames(exc.__traceback__), (nn.Module, torch.optim.Optimizer))
         if looks_like_device_error(exc):
             outcome = ScriptOutcome("device-error", EXIT_DEVICE_ERROR, error=exc)
+            where = _where(exc)
             outcome.report.add(
                 Finding(
                     code="device-error",
                     severity="error",
                     title=f"PyTorch raised a device error outside any op the watcher sees: {str(exc).strip().splitlines()[0]}",
-                    details=[f"code: {_where(exc)}"] if _where(exc) else [],
+                    details=[f"code: {where}"] if where else [],
                     fix="see the findings below for the module, parameter or buffer on the wrong device",
                 )
             )
@@ -193,11 +189,7 @@ def run_script(script: str, script_args: list[str], *, quiet_stdout: bool = Fals
     report.ops_checked = w.ops
     outcome.modules_run = w.modules_run
     objects = {k: v for k, v in leftovers.items() if isinstance(v, (nn.Module, torch.optim.Optimizer)) and not k.startswith("_")}
-    have = {(f.code, f.where) for f in report.findings}
-    for f in list(w.findings) + _audit_objects(objects):
-        if (f.code, f.where) not in have:
-            have.add((f.code, f.where))
-            report.add(f)
+    report.merge(list(w.findings) + _audit_objects(objects))
     if outcome.status == "ok" and report.errors:
         outcome.status, outcome.exit_code = "device-problem", EXIT_DEVICE_ERROR
     return outcome

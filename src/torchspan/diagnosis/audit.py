@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .mismatch import DeviceMismatchError, is_cpu_scalar
+from .mismatch import DeviceMismatchError, dtype_name, is_cpu_scalar
 from .report import Finding, Report
 from .watcher import dataparallel_inert_finding, watch
 
@@ -62,7 +62,7 @@ def _majority(devices: list[str]) -> str | None:
 def _first_layer(model: nn.Module, prefix: str) -> tuple[str, nn.Module, str] | None:
     """The first module (registration order) that owns a parameter or buffer, with its device."""
     for path, mod in model.named_modules():
-        own = list(mod.parameters(recurse=False)) + [b for b in mod.buffers(recurse=False) if b is not None]
+        own = list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False))
         if own:
             return (f"{prefix}.{path}" if path else prefix), mod, str(own[0].device)
     return None
@@ -143,12 +143,17 @@ def _tensor_attributes(root: nn.Module, prefix: str) -> list[Finding]:
     """Plain tensor attributes (not buffers) on another device than their module's parameters."""
     out: list[Finding] = []
     for path, mod in root.named_modules():
-        own = [str(t.device) for t in list(mod.parameters()) + list(mod.buffers())]
-        home = _majority(own)
+        candidates = [
+            (attr, val) for attr, val in vars(mod).items()
+            if isinstance(val, torch.Tensor) and not attr.startswith("_") and not is_cpu_scalar(val)
+        ]
+        if not candidates:  # the usual case: no need to look at the module's tensors at all
+            continue
+        home = _majority([str(t.device) for t in list(mod.parameters()) + list(mod.buffers())])
         if home is None:
             continue
-        for attr, val in vars(mod).items():
-            if isinstance(val, torch.Tensor) and not attr.startswith("_") and not is_cpu_scalar(val) and str(val.device) != home:
+        for attr, val in candidates:
+            if str(val.device) != home:
                 qual = f"{prefix}.{path}.{attr}" if path else f"{prefix}.{attr}"
                 out.append(
                     Finding(
@@ -207,7 +212,7 @@ def audit_batch(
                     code="batch-device",
                     severity="error",
                     title=(
-                        f"batch tensor {path} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')} is on {t.device} "
+                        f"batch tensor {path} {tuple(t.shape)} {dtype_name(t)} is on {t.device} "
                         f"but the first layer `{fpath}` ({type(fmod).__name__}) is on {fdev}"
                     ),
                     where=path,
@@ -256,13 +261,13 @@ def audit_optimizer(
         known |= {id(p) for p in loss_fn.parameters()}
     in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
     orphans = [(n, p) for n, p in model.named_parameters() if id(p) not in in_opt]
+    orphan_shapes = {tuple(p.shape) for _, p in orphans}
 
     for g, group in enumerate(optimizer.param_groups):
         stale = [(i, p) for i, p in enumerate(group["params"]) if id(p) not in known]
         if not stale:
             continue
-        orphan_shapes = Counter(tuple(p.shape) for _, p in orphans)
-        matched = [p for _, p in stale if orphan_shapes.get(tuple(p.shape))]
+        matched = [p for _, p in stale if tuple(p.shape) in orphan_shapes]
         listed = [f"params[{i}] {tuple(p.shape)} on {p.device}" for i, p in stale]
         details = [f"{len(stale)} of {len(group['params'])} tensors: {_names(listed)}"]
         if orphans:
@@ -454,7 +459,7 @@ def _run(
     grads = {id(p): (p, p.grad) for p in model.parameters()}
     if isinstance(loss_fn, nn.Module):
         grads.update({id(p): (p, p.grad) for p in loss_fn.parameters()})
-    buffers = [(b, b.detach().clone()) for b in model.buffers() if b is not None and not b.is_meta]
+    buffers = [(b, b.detach().clone()) for b in model.buffers() if not b.is_meta]
     named: dict[str, Any] = {"model": model}
     if isinstance(loss_fn, nn.Module):
         named["loss_fn"] = loss_fn
@@ -492,8 +497,7 @@ def _run(
                 b.copy_(saved)
     report.ran = True
     report.ops_checked = w.ops
-    have = {(f.code, f.where) for f in report.findings}
-    report.add([f for f in w.findings if (f.code, f.where) not in have])
+    report.merge(w.findings)
 
 
 def doctor(

@@ -30,12 +30,16 @@ FACTORY_NAMES = frozenset(
 )
 
 
+def base_name(func: Any) -> str:
+    """``full`` for both ``torch.full`` and ``aten.full.default``."""
+    if isinstance(func, torch._ops.OpOverload):
+        return func._schema.name.split("::", 1)[-1]
+    return getattr(func, "__name__", "") or ""
+
+
 def is_factory(func: Any) -> bool:
     """True for ops that make a new tensor from sizes or data (``torch.full``, ``aten.ones``...)."""
-    if isinstance(func, torch._ops.OpOverload):
-        name = func._schema.name.split("::", 1)[-1]
-    else:
-        name = getattr(func, "__name__", "") or ""
+    name = base_name(func)
     return name in FACTORY_NAMES or (name.endswith("_like") and name[:-5] in FACTORY_NAMES)
 
 
@@ -111,7 +115,8 @@ class DeviceMismatchError(RuntimeError):
         return (RuntimeError, (str(self),))
 
 
-def _dtype(t: torch.Tensor) -> str:
+def dtype_name(t: torch.Tensor) -> str:
+    """``float32`` for a ``torch.float32`` tensor."""
     return str(t.dtype).replace("torch.", "")
 
 
@@ -156,7 +161,7 @@ def describe_tensors(
             kind, origin = "gradient", "computed by autograd"
         else:
             kind, origin = "input", "made before the watcher started"
-        out.append(TensorArg(label, str(t.device), tuple(t.shape), _dtype(t), kind, name, origin))
+        out.append(TensorArg(label, str(t.device), tuple(t.shape), dtype_name(t), kind, name, origin))
     return out, factories
 
 
@@ -196,7 +201,7 @@ def py_path(name: str) -> str:
 def factory_name(func: Any) -> str:
     """``torch.full`` for both ``torch.full`` and ``aten.full.default``."""
     if isinstance(func, torch._ops.OpOverload):
-        base = func._schema.name.split("::", 1)[-1]
+        base = base_name(func)
         return f"torch.{base}" if hasattr(torch, base) else str(func)
     return op_name(func)
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Location", "Namer", "user_frames", "user_location", "op_name", "is_internal_file"]
+__all__ = ["Location", "Namer", "user_frames", "location", "op_name", "is_internal_file", "tb_frames", "traceback_frames"]
 
 _INTERNAL_DIRS = tuple(
     os.path.dirname(os.path.abspath(m.__file__)) + os.sep
@@ -75,19 +75,14 @@ class Location:
         return {"file": self.filename, "line": self.lineno, "function": self.function, "code": self.code}
 
 
-def _location(frame: FrameType) -> Location:
+def location(frame: FrameType) -> Location:
+    """The line ``frame`` is running, with its function (``Class.method`` for methods)."""
     code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
     func = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
     self_obj = frame.f_locals.get("self")
     if self_obj is not None and "." not in func and func != "<module>":
         func = f"{type(self_obj).__name__}.{func}"
     return Location(frame.f_code.co_filename, frame.f_lineno, func, code)
-
-
-def user_location(frame: FrameType | None) -> Location | None:
-    """The innermost line of user code at or above ``frame``."""
-    frames = user_frames(frame)
-    return _location(frames[0]) if frames else None
 
 
 def op_name(func: Any) -> str:
@@ -174,8 +169,7 @@ class Namer:
                     if p.grad is not None:
                         self._tensors.setdefault(id(p.grad), ("gradient", f"{qual}.{pname}.grad"))
                 for bname, b in mod.named_buffers(recurse=False):
-                    if b is not None:
-                        self._tensors.setdefault(id(b), ("buffer", f"{qual}.{bname}"))
+                    self._tensors.setdefault(id(b), ("buffer", f"{qual}.{bname}"))
                 for aname, val in vars(mod).items():
                     if isinstance(val, torch.Tensor) and not aname.startswith("_"):
                         self._tensors.setdefault(id(val), ("attribute", f"{qual}.{aname}"))
@@ -211,7 +205,7 @@ class Namer:
                 loc = None
                 for var, val in list(frame.f_locals.items()):
                     if _is_named_ok(var) and isinstance(val, torch.Tensor) and id(val) not in self._variables:
-                        loc = loc or _location(frame)
+                        loc = loc or location(frame)
                         self._variables[id(val)] = (var, loc)
         return self._variables.get(id(t))
 
@@ -232,7 +226,7 @@ class Namer:
     @property
     def location(self) -> Location | None:
         """The innermost line of user code where the error happened."""
-        return _location(self._frames[0]) if self._frames else None
+        return location(self._frames[0]) if self._frames else None
 
 
 def find_in_frames(frames: Iterable[FrameType], kinds: tuple[type, ...]) -> dict[str, Any]:
@@ -247,11 +241,16 @@ def find_in_frames(frames: Iterable[FrameType], kinds: tuple[type, ...]) -> dict
     return out
 
 
-def traceback_frames(tb: Any) -> list[FrameType]:
-    """User frames of an exception's traceback, innermost first."""
+def tb_frames(tb: Any) -> list[FrameType]:
+    """Every frame of a traceback, outermost first."""
     frames: list[FrameType] = []
     while tb is not None:
         frames.append(tb.tb_frame)
         tb = tb.tb_next
-    return [f for f in reversed(frames) if not is_internal_file(f.f_code.co_filename)]
+    return frames
+
+
+def traceback_frames(tb: Any) -> list[FrameType]:
+    """User frames of an exception's traceback, innermost first."""
+    return [f for f in reversed(tb_frames(tb)) if not is_internal_file(f.f_code.co_filename)]
 

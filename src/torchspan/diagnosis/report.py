@@ -38,13 +38,14 @@ class TensorArg:
     origin: str | None = None
     odd: bool = False
 
+    @property
+    def what(self) -> str:
+        """``"parameter model.net2.weight"``: kind, qualified name and origin when known."""
+        return self.kind + (f" {self.name}" if self.name else "") + (f", {self.origin}" if self.origin else "")
+
     def describe(self) -> str:
         """``"weight  meta (5, 10) float32  parameter model.net2.weight"``."""
-        what = self.kind
-        if self.name:
-            what += f" {self.name}"
-        if self.origin:
-            what += f", {self.origin}"
+        what = self.what
         if self.dtype == "?":  # known only by device (e.g. from an autograd engine message)
             return f"{self.label}: {self.device} - {what}"
         shape = "(" + ", ".join(str(s) for s in self.shape) + ("," if len(self.shape) == 1 else "") + ")"
@@ -126,6 +127,16 @@ class Report:
         self.findings.extend(findings)
         self.findings.sort(key=lambda f: SEVERITIES.index(f.severity))
 
+    def merge(self, findings: Iterable[Finding]) -> None:
+        """Add the findings whose ``(code, where)`` is not reported yet (once each)."""
+        have = {(f.code, f.where) for f in self.findings}
+        new = []
+        for f in findings:
+            if (f.code, f.where) not in have:
+                have.add((f.code, f.where))
+                new.append(f)
+        self.add(new)
+
     @property
     def errors(self) -> list[Finding]:
         return [f for f in self.findings if f.severity == "error"]
@@ -189,8 +200,7 @@ class Report:
                     args.add_column(col)
                 for t in f.tensors:
                     style = "bold red" if t.odd else ""
-                    what = t.kind + (f" {t.name}" if t.name else "") + (f", {t.origin}" if t.origin else "")
-                    args.add_row(t.label, Text(t.device, style=style), str(tuple(t.shape)), t.dtype, what)
+                    args.add_row(t.label, Text(t.device, style=style), str(tuple(t.shape)), t.dtype, t.what)
                 body.add_row("tensors", args)
             body.add_row("fix", Text(f.fix, style="green"))
             c = colour.get(f.severity, "white")

@@ -36,7 +36,17 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .mismatch import DeviceMismatchError, build_fix, describe_tensors, expected_device, is_factory, py_path
+from .mismatch import (
+    DeviceMismatchError,
+    base_name,
+    build_fix,
+    describe_tensors,
+    dtype_name,
+    expected_device,
+    is_cpu_scalar,
+    is_factory,
+    py_path,
+)
 from .naming import Namer, op_name
 from .report import Finding, TensorArg
 from .tracking import ModuleTracker, node_module
@@ -74,16 +84,10 @@ def active_watcher() -> Watcher | None:
     return _ACTIVE[-1] if _ACTIVE else None
 
 
-def _base_name(func: Any) -> str:
-    if isinstance(func, torch._ops.OpOverload):
-        return func._schema.name.split("::", 1)[-1]
-    return getattr(func, "__name__", "") or ""
-
-
 def _classify(func: Any) -> int:
     if func in _BACKWARD_FUNCS:
         return _BACKWARD
-    name = _base_name(func)
+    name = base_name(func)
     if name in _SKIP_NAMES or name.startswith(_SKIP_PREFIXES):
         return _SKIP
     if is_factory(func):
@@ -141,26 +145,22 @@ def _devices_disagree(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
 
 def _real_mismatch(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     """Slow check, run only when devices differ: CPU 0-dim tensors are legal scalars anywhere."""
-    if _base_name(func).startswith("_foreach"):
+    if base_name(func).startswith("_foreach"):
         lists = [a for a in list(args) + list(kwargs.values()) if type(a) in (list, tuple)]
         singles = {
-            t.device for t in list(args) + list(kwargs.values()) if isinstance(t, _Tensor) and not _cpu_scalar(t)
+            t.device for t in list(args) + list(kwargs.values()) if isinstance(t, _Tensor) and not is_cpu_scalar(t)
         }
         n = max((len(x) for x in lists), default=0)
         for i in range(n):
             devs = set(singles)
             for x in lists:
-                if i < len(x) and isinstance(x[i], _Tensor) and not _cpu_scalar(x[i]):
+                if i < len(x) and isinstance(x[i], _Tensor) and not is_cpu_scalar(x[i]):
                     devs.add(x[i].device)
             if len(devs) > 1:
                 return True
         return False
-    devs = {t.device for _, _, t in _iter_tensors(args, kwargs) if not _cpu_scalar(t)}
+    devs = {t.device for _, _, t in _iter_tensors(args, kwargs) if not is_cpu_scalar(t)}
     return len(devs) > 1
-
-
-def _cpu_scalar(t: _Tensor) -> bool:
-    return t.dim() == 0 and t.device.type == "cpu"
 
 
 _DOC_SIG = re.compile(r"^\s*\w+\((.*?)\)")
@@ -193,7 +193,7 @@ def _label_pairs(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list
     names = _arg_names(func)
     out: list[tuple[str, _Tensor]] = []
     for key, j, t in _iter_tensors(args, kwargs):
-        if _cpu_scalar(t):
+        if is_cpu_scalar(t):
             continue
         if isinstance(key, int):
             base = names[key] if key < len(names) else f"arg {key}"
@@ -389,7 +389,7 @@ class Watcher:
         for n, t in stray[:4]:
             named = namer.tensor(t)
             kind, name = named if named else ("parameter", f"{path}.module.{n}")
-            args.append(TensorArg(n, str(t.device), tuple(t.shape), str(t.dtype).replace("torch.", ""), kind, name, odd=True))
+            args.append(TensorArg(n, str(t.device), tuple(t.shape), dtype_name(t), kind, name, odd=True))
         more = f" (and {len(stray) - 4} more)" if len(stray) > 4 else ""
         first = args[0].name
         raise DeviceMismatchError(
@@ -457,9 +457,9 @@ class Watcher:
         m = _ENGINE_GRAD.search(text)
         if m:
             fname, index, expected, got = m.group(1), int(m.group(2)), m.group(3), m.group(4)
-            node = next((n for n, _ in self._walk_graph() if n.name() == fname), None)
+            # the walk gives each node with its module (its own, else the nearest enclosing one)
+            node, mod = next(((n, m) for n, m in self._walk_graph() if n.name() == fname), (None, None))
             namer = self._namer(sys._getframe(1))
-            mod, _ = self._node_module(node) if node is not None else (None, False)
             target = None
             if node is not None and index < len(node.next_functions):
                 nxt = node.next_functions[index][0]
