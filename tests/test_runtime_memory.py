@@ -51,3 +51,26 @@ def test_spanned_forward_without_backward_does_not_leak() -> None:
         out = spanned(torch.randn(8, 32))  # e.g. validation without torch.no_grad()
         del out
     assert spanned._meter.live == [0, 0]
+
+
+class _RootOwned(nn.Module):
+    """A root parameter and a root buffer, both first read after layer ``b`` (stage 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.ones(4))
+        self.register_buffer("shift", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x)) * self.scale + self.shift.sum()
+
+
+def test_memory_counts_root_parameters_and_buffers_on_the_stage_they_were_placed_on() -> None:
+    spanned = torchspan.span(_RootOwned(), devices=["cpu", "cpu"], balance=[1, 1])
+    assert spanned.mode == "fx"
+    mem = spanned.memory()
+    layer = (4 * 4 + 4) * 4
+    assert [m["params"] for m in mem] == [layer, layer + 4 * 4]  # scale lives on stage 1
+    assert [m["buffers"] for m in mem] == [0, 3 * 4]  # shift too

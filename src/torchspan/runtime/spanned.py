@@ -495,11 +495,13 @@ class Spanned(nn.Module):
                     owned[s].append(p)
             for b in child.buffers():
                 bufs[s].append(b)
-        for p in self.module._parameters.values():
+        for name, p in self.module._parameters.items():
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
-                s = next((i for i, d in enumerate(self._devices) if d == p.device), 0)
-                owned[s].append(p)
+                owned[self._root_attrs.get(name, 0)].append(p)
+        for name, b in self.module._buffers.items():
+            if b is not None:
+                bufs[self._root_attrs.get(name, 0)].append(b)
         state = optimizer.state if optimizer is not None else {}
         for s, dev in enumerate(self._devices):
             opt_bytes = 0
