@@ -368,6 +368,22 @@ def test_present_gpu_without_measurement_is_estimated_from_its_catalog_match() -
         torchspan.profile(nn.Sequential(nn.Linear(4, 4)), torch.randn(2, 4), [unknown], measure=False)
 
 
+def test_profiling_restores_buffers_the_move_to_another_device_swapped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Moving a layer in place (``.to(dev)`` and back) gives it new buffer tensors; their stats are restored too."""
+    real = profiler.on_device
+
+    def swapping(layer: nn.Module, dev: torch.device, dtype: torch.dtype | None):  # type: ignore[no-untyped-def]
+        layer.to(torch.float64).to(torch.float32)  # Module._apply puts new tensors in _buffers, as a device move does
+        return real(layer, dev, dtype)
+
+    monkeypatch.setattr(profiler, "on_device", swapping)
+    model = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Linear(6, 2)).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torchspan.profile(model, torch.randn(8, 6) * 5 + 3, "cpu", **FAST)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_measures_on_a_present_gpu_and_puts_the_model_back() -> None:

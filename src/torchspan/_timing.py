@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .hardware import Device
+from .runtime.buffers import buffer_slots, kept
 from .split import top_level_layers
 
 __all__ = ["Speed", "capture", "estimate", "fit", "host_speed_device", "on_device", "preserved", "speed_of", "synchronize", "time_layer"]
@@ -46,22 +47,18 @@ def preserved(model: nn.Module) -> Iterator[None]:
     Python's garbage collector is paused meanwhile (as ``timeit`` does): a collection of the
     sizing pass's objects inside a timed region would add milliseconds to one layer.
     """
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
     grads = [(p, p.grad) for p in model.parameters()]
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()
-    with torch.random.fork_rng(devices=cuda):
+    # by slot: moving a layer in place (``on_device``) swaps new tensors into its modules' _buffers
+    with torch.random.fork_rng(devices=cuda), kept(buffer_slots([model])):
         try:
             yield
         finally:
             if was_enabled:
                 gc.enable()
-            with torch.no_grad():
-                for b, saved in buffers:
-                    if b.device == saved.device and b.shape == saved.shape:
-                        b.copy_(saved)
             for p, g in grads:
                 p.grad = g
 
