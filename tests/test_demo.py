@@ -166,3 +166,9 @@ def test_spread_plan_on_one_cpu_is_balanced():
     assert plan is not None and len(plan.stages) == 2
     blocks = [sum(name.startswith("block") for name in stage.layers) for stage in plan.stages]
     assert min(blocks) >= 1, str(plan)  # not "embed alone on stage 0"
+
+
+def test_run_demo_keeps_config_steps_when_steps_is_not_given(tmp_path):
+    # regression: the old default steps=DEFAULT_STEPS overrode config.steps (a 3-step config ran 500 steps)
+    result = run_demo(devices="cpu", out=tmp_path, console=quiet(), config=DemoConfig(**{**SMALL, "steps": 3, "sample_chars": 0}))
+    assert len(result.losses) == 3

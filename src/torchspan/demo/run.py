@@ -15,7 +15,7 @@ import json
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +119,7 @@ def _budgets(devs: list[Device]) -> dict[str, int]:
 def run_demo(
     devices: str | list[str] = "auto",
     memory: Mapping[str, str | int] | None = None,
-    steps: int = DEFAULT_STEPS,
+    steps: int | None = None,
     out: str | Path = "torchspan-demo",
     *,
     console: Console | None = None,
@@ -133,7 +133,8 @@ def run_demo(
     as ``demo.placement`` explains, so the pipeline shows even where one device would be faster.
 
     ``devices``/``memory`` are as for ``torchspan.devices``; a tight budget on the first device
-    pushes layers to the next one. ``schedule``/``microbatches`` override the planner's choice
+    pushes layers to the next one. ``steps`` overrides ``config.steps`` (default ``DEFAULT_STEPS``);
+    ``schedule``/``microbatches`` override the planner's choice
     (``"gpipe"``/``"1f1b"``, an int); ``config`` sets sizes. Returns a :class:`DemoResult`; raises ``ValueError`` for bad
     input and ``torchspan.PlanError`` when the model fits nowhere.
     """
@@ -141,9 +142,9 @@ def run_demo(
 
     cfg = config or DemoConfig()
     overrides = {"steps": steps, "schedule": schedule, "microbatches": microbatches}
-    overrides = {k: v for k, v in overrides.items() if v is not None and v != getattr(cfg, k)}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
     if overrides:
-        cfg = DemoConfig(**{**cfg.__dict__, **overrides})
+        cfg = replace(cfg, **overrides)
     con = console or Console()
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
