@@ -186,8 +186,6 @@ class _Solver:
         rep = [g[0] for g in groups]
         self.PL = cm.PL[rep]
         self.PS = cm.PS[rep]
-        self.steady = cm.steady[rep]
-        self.cap = [cm.capacity[r] for r in rep]
         self.sizes = [len(g) for g in groups]
         devs = cm.profile.devices
         self.base = np.zeros(L + 1)
@@ -209,8 +207,6 @@ class _Solver:
         self.evaluations = 0
 
     def max_end(self, t: int, k: int) -> np.ndarray:
-        if k not in self._max_end:  # every type's budget in one search
-            self._max_end[k] = self.cm.max_end(np.array(self.cap), k)
         return self._max_end[k][t]
 
     def _link_weights(self, cap_tau: float) -> np.ndarray:
