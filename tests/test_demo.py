@@ -172,3 +172,14 @@ def test_run_demo_keeps_config_steps_when_steps_is_not_given(tmp_path):
     # regression: the old default steps=DEFAULT_STEPS overrode config.steps (a 3-step config ran 500 steps)
     result = run_demo(devices="cpu", out=tmp_path, console=quiet(), config=DemoConfig(**{**SMALL, "steps": 3, "sample_chars": 0}))
     assert len(result.losses) == 3
+
+
+def test_batch_on_a_corpus_of_exactly_seq_len_plus_one_characters_gives_the_clear_error():
+    # regression: len(data) == seq_len + 1 passed the guard and torch.randint raised "random_ expects 'from' < 'to'"
+    from torchspan.demo.corpus import Corpus
+
+    corpus = Corpus(text="abcdefgh", data=torch.arange(8), source="grammar")
+    with pytest.raises(ValueError, match="seq_len=7 needs at least 9 characters; the corpus has 8"):
+        corpus.batch(2, 7, torch.Generator().manual_seed(0))
+    x, y = corpus.batch(2, 6, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (2, 6) and torch.equal(x[:, 1:], y[:, :-1])

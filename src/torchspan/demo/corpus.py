@@ -25,6 +25,7 @@ SOURCES = ("package", "grammar", "both")
 # Printable ASCII plus newline; anything else becomes "?" so the vocabulary stays small and fixed.
 ALPHABET = "\n" + "".join(chr(c) for c in range(32, 127))
 _UNKNOWN = "?"
+_INDEX = {c: i for i, c in enumerate(ALPHABET)}
 _SUFFIXES = (".py", ".md", ".txt")
 
 
@@ -117,6 +118,12 @@ def grammar_text(sentences: int = 3000, seed: int = 0) -> str:
     return "".join(lines)
 
 
+def _encode(text: str) -> torch.Tensor:
+    """Character ids of ``text`` in ``ALPHABET``; characters outside it become ``"?"``."""
+    unk = _INDEX[_UNKNOWN]
+    return torch.tensor([_INDEX.get(c, unk) for c in text], dtype=torch.long)
+
+
 @dataclass
 class Corpus:
     """Encoded text with a fixed character vocabulary (``ALPHABET``)."""
@@ -130,9 +137,8 @@ class Corpus:
         return len(ALPHABET)
 
     def encode(self, text: str) -> torch.Tensor:
-        lookup = {c: i for i, c in enumerate(ALPHABET)}
-        unk = lookup[_UNKNOWN]
-        return torch.tensor([lookup.get(c, unk) for c in text], dtype=torch.long)
+        """Character ids of ``text``; characters outside ``ALPHABET`` become ``"?"``."""
+        return _encode(text)
 
     @staticmethod
     def decode(ids: torch.Tensor | list[int]) -> str:
@@ -141,8 +147,8 @@ class Corpus:
 
     def batch(self, batch_size: int, seq_len: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Random windows: inputs ``(batch_size, seq_len)`` and the same windows shifted by one."""
-        if seq_len + 1 > len(self.data):
-            raise ValueError(f"seq_len={seq_len} needs at least {seq_len + 1} characters; the corpus has {len(self.data)}")
+        if seq_len + 2 > len(self.data):  # randint needs a non-empty range of window starts
+            raise ValueError(f"seq_len={seq_len} needs at least {seq_len + 2} characters; the corpus has {len(self.data)}")
         starts = torch.randint(0, len(self.data) - seq_len - 1, (batch_size,), generator=generator)
         idx = starts[:, None] + torch.arange(seq_len + 1)[None, :]
         windows = self.data[idx]
@@ -159,7 +165,4 @@ def build_corpus(source: str = "package", *, seed: int = 0) -> Corpus:
         text = package_text() + "\n" + grammar_text(seed=seed)
     else:
         raise ValueError(f"source={source!r} is not one of {', '.join(SOURCES)}")
-    lookup = {c: i for i, c in enumerate(ALPHABET)}
-    unk = lookup[_UNKNOWN]
-    data = torch.tensor([lookup.get(c, unk) for c in text], dtype=torch.long)
-    return Corpus(text=text, data=data, source=source)
+    return Corpus(text=text, data=_encode(text), source=source)
