@@ -166,7 +166,7 @@ class HookPlacement:
                     self.order.append(name)
                 now = self.recorder.now()
                 if not self._open or self._open[0] != stage:
-                    self._close_forward(now)
+                    self._close_forward()
                     self._open = [stage, now, now]
             return to_device(args, dev, non_blocking=dev.type == "cuda"), to_device(kwargs, dev, non_blocking=dev.type == "cuda")
 
@@ -193,7 +193,7 @@ class HookPlacement:
 
         return on_grad
 
-    def _close_forward(self, now: float) -> None:
+    def _close_forward(self) -> None:
         if self._open:
             stage, start, end = self._open
             self.recorder.add(stage, self.devices[stage], self._mb, "forward", start, max(end, start))
@@ -214,7 +214,7 @@ class HookPlacement:
                     del child.forward
                 else:  # pragma: no cover - a child with its own instance-level forward
                     child.forward = had
-            self._close_forward(self.recorder.now())
+            self._close_forward()
             self._recording = False
 
     def backward(self, mb: int, loss: torch.Tensor) -> None:

@@ -28,7 +28,7 @@ from ..hardware import to_device
 from .. import schedule as sched
 from .memory import ActivationMeter
 from .record import Recorder
-from .stream import Ready, copy_stream, transfer, use_device, wait_ready
+from .stream import copy_stream, transfer, use_device, wait_ready
 from .worker import Mailbox, run_workers
 
 __all__ = ["Pipeline", "autocast_for", "once_context", "CHECKPOINTS", "PRECISIONS"]
@@ -94,15 +94,15 @@ class Pipeline:
     # ------------------------------------------------------------------ helpers
     def _send(self, box: Mailbox, key: tuple[str, int, int], values: list[Any], spec: Any, src: int, dst: int, mb: int) -> None:
         sdev, ddev = self.devices[src], self.devices[dst]
-        if sdev == ddev:
-            box.put(key, ([v.detach() if isinstance(v, torch.Tensor) else v for v in values], spec, Ready()))
-            return
-        # On a GPU the copy runs on the source's copy stream: time it there (after the compute it waits for).
-        stream = copy_stream(sdev)
-        if stream is not None:  # pragma: no cover - needs a GPU
-            stream.wait_stream(torch.cuda.current_stream(sdev))
-        with self.recorder.block(src, sdev, mb, "transfer", stream=stream):
+        if sdev == ddev:  # nothing is copied, so no transfer block in the timeline
             moved, ready = transfer(values, sdev, ddev)
+        else:
+            # On a GPU the copy runs on the source's copy stream: time it there (after the compute it waits for).
+            stream = copy_stream(sdev)
+            if stream is not None:  # pragma: no cover - needs a GPU
+                stream.wait_stream(torch.cuda.current_stream(sdev))
+            with self.recorder.block(src, sdev, mb, "transfer", stream=stream):
+                moved, ready = transfer(values, sdev, ddev)
         box.put(key, (moved, spec, ready))
 
     def _receive(self, box: Mailbox, key: tuple[str, int, int], stage: int) -> tuple[list[Any], Any]:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..hardware import resolve_device, to_device
+from .microbatch import split_sizes
 
 __all__ = ["parse_devices", "even_balance", "stages_from_balance", "stages_from_plan", "check_shared", "place"]
 
@@ -33,9 +34,8 @@ def parse_devices(devices: Any) -> list[torch.device]:
 
 
 def even_balance(layers: int, stages: int) -> list[int]:
-    """Layers per stage, as even as possible (earlier stages get the extra ones)."""
-    base, extra = divmod(layers, stages)
-    return [base + (1 if i < extra else 0) for i in range(stages)]
+    """Layers per stage, as even as possible (earlier stages get the extra ones); needs ``stages <= layers``."""
+    return split_sizes(layers, stages)
 
 
 def stages_from_balance(order: Sequence[str], devices: Sequence[torch.device], balance: Sequence[int] | None) -> list[list[str]]:

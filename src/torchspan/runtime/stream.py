@@ -49,11 +49,10 @@ def use_device(device: torch.device) -> Iterator[None]:
 class Ready:
     """Marks when a transfer's data may be read: a CUDA event, or nothing (already done)."""
 
-    __slots__ = ("event", "host_sync")
+    __slots__ = ("event",)
 
-    def __init__(self, event: Any = None, host_sync: bool = False) -> None:
+    def __init__(self, event: Any = None) -> None:
         self.event = event
-        self.host_sync = host_sync
 
 
 def transfer(values: list[Any], src: torch.device, dst: torch.device) -> tuple[list[Any], Ready]:
@@ -83,14 +82,14 @@ def transfer(values: list[Any], src: torch.device, dst: torch.device) -> tuple[l
                     out.append(v)
         event = torch.cuda.Event()
         event.record(stream)
-    return out, Ready(event, host_sync=dst.type != "cuda")
+    return out, Ready(event)
 
 
 def wait_ready(ready: Ready, dst: torch.device, values: list[Any] | None = None) -> None:
     """Make the consumer on ``dst`` wait until a transfer's data has arrived."""
     if ready.event is None:
         return
-    if ready.host_sync or dst.type != "cuda":  # pragma: no cover - needs a GPU
+    if dst.type != "cuda":  # pragma: no cover - needs a GPU
         ready.event.synchronize()  # a non_blocking copy to host memory is done only after this
         return
     stream = torch.cuda.current_stream(dst)  # pragma: no cover - needs a GPU

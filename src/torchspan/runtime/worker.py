@@ -58,9 +58,9 @@ class Mailbox:
             self._items.clear()
 
 
-def run_workers(jobs: Sequence[Callable[[Mailbox], None]], mailbox: Mailbox | None = None, names: Sequence[str] | None = None) -> None:
+def run_workers(jobs: Sequence[Callable[[Mailbox], None]], names: Sequence[str] | None = None) -> None:
     """Run ``jobs`` concurrently (one in the caller's thread if there is only one)."""
-    box = mailbox or Mailbox()
+    box = Mailbox()
     if len(jobs) == 1:
         try:
             jobs[0](box)
