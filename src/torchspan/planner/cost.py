@@ -142,7 +142,6 @@ class Evaluation:
     backward: tuple[float, ...]  # Bw_s, seconds per micro-batch (without recompute)
     links: tuple[float, ...]  # c_in, then c_j for each boundary between stages
     memory: tuple[StageMemory, ...]
-    capacity: tuple[float, ...]  # per stage: the budget of its physical device (shared with its other stages)
     latency_sum: float  # sum of lat_s and link times: the bubble part
     bottleneck: float  # slowest resource per micro-batch
     step_time: float
@@ -447,7 +446,7 @@ class CostModel:
         stages = tuple(stages)
         self.check_stages(stages)
         S = len(stages)
-        fwd, bwd, lat, mem, cap = [], [], [], [], []
+        fwd, bwd, lat, mem = [], [], [], []
         busy: dict[str, float] = {}
         held: dict[str, int] = {}
         for idx, s in enumerate(stages):
@@ -456,7 +455,6 @@ class CostModel:
             bwd.append(float(self.PB[d, s.end] - self.PB[d, s.start]))
             lat.append(float(self.PL[d, s.end] - self.PL[d, s.start]))
             mem.append(self.stage_memory(s.start, s.end, self.in_flight(idx, S)))
-            cap.append(self.capacity[d])
             name = self.names[d]
             busy[name] = busy.get(name, 0.0) + float(self.PS[d, s.end] - self.PS[d, s.start])
             held[name] = held.get(name, 0) + mem[-1].total
@@ -471,7 +469,6 @@ class CostModel:
             backward=tuple(bwd),
             links=tuple(links),
             memory=tuple(mem),
-            capacity=tuple(cap),
             latency_sum=latency,
             bottleneck=bottleneck,
             step_time=latency + (self.M - 1) * bottleneck,
