@@ -403,7 +403,7 @@ def _measure(
     dtype: torch.dtype | None,
     warmup: int,
     repeats: int,
-    notes: list[str] | None = None,
+    notes: list[str],
 ) -> dict[str, tuple[float, float, float, float]]:
     children = dict(top_level_layers(model))
     fwd: dict[str, dict[int, float]] = {n: {} for n in order}
@@ -425,7 +425,7 @@ def _measure(
             del calls
             if whole_model:
                 _calibrate(model, sub, order, fwd, bwd, s, dev, warmup, repeats, scales)
-    if notes is not None and scales:
+    if scales:
         shown = ", ".join(f"batch {b}: forward x{f:.2f}, backward x{k:.2f}" for b, f, k in scales)
         notes.append(f"{dev}: per-layer times scaled to match a whole-model pass ({shown})")
     out = {}
