@@ -291,7 +291,7 @@ class Pipeline:
             nxt = self.devices[s + 1]
             if nxt != dev:
                 with self.recorder.block(s, dev, mb, "transfer"):
-                    out = _move_keep_graph(out, nxt)
+                    out = to_device(out, nxt, non_blocking=nxt.type == "cuda")  # stays in autograd
             box.put(("fwd", s + 1, mb), list(out))
 
         self._run(plan, do)
@@ -305,10 +305,4 @@ def once_context(slots: Sequence[Slot]) -> Callable[[], tuple[Any, Any]]:
         return contextlib.nullcontext(), kept(slots)
 
     return make
-
-
-def _move_keep_graph(value: Any, dev: torch.device) -> Any:
-    leaves, spec = tree_flatten(value)
-    moved = [v.to(dev, non_blocking=dev.type == "cuda") if isinstance(v, torch.Tensor) else v for v in leaves]
-    return tree_unflatten(moved, spec)
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .. import split
+from ..hardware import to_device
 from ..schedule import SCHEDULES
 from .buffers import Slot, buffer_slots, kept
 from .hooks import HookPlacement, record_forward
@@ -430,14 +431,10 @@ class Spanned(nn.Module):
     def _to_first_stage(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Hook mode: inputs go to stage 0's device before the model's own forward touches them
         (its code may use them before calling the first child, e.g. ``x + self.shift``)."""
-        from ..hardware import to_device
-
         dev = self._devices[0]
-        return to_device(args, dev, non_blocking=dev.type == "cuda"), to_device(kwargs, dev, non_blocking=dev.type == "cuda")
+        return to_device((args, kwargs), dev, non_blocking=dev.type == "cuda")
 
     def _train_hooks(self, chunks: list[Any], targets: list[Any], loss_fn: Callable[..., Any], weights: list[float]) -> torch.Tensor:
-        from ..hardware import to_device
-
         self._ensure_placed(*chunks[0])
         hp = self._hooks
         assert hp is not None
