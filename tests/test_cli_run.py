@@ -185,3 +185,20 @@ def test_compare_ratios_and_step_time() -> None:
         compare(plan, memory * 2, [1.0])
     with pytest.raises(ValueError, match="times is empty"):
         typical_step_time([])
+
+
+def test_out_budgets_use_the_device_names_of_the_plan(models: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # regression: --memory CPU=... was passed to memory.png under the raw key 'CPU', so no budget line was drawn
+    from torchspan.commands import run as run_command
+
+    seen: dict[str, int] = {}
+    real = run_command._write_outputs
+
+    def spy(out, plan, spanned, memory, losses, budgets, result):  # type: ignore[no-untyped-def]
+        seen.update(budgets)
+        return real(out, plan, spanned, memory, losses, budgets, result)
+
+    monkeypatch.setattr(run_command, "_write_outputs", spy)
+    argv = [f"{models}:build", "--input-shape", "16,32", "--devices", "cpu", "--memory", "CPU=1GiB", "--steps", "1", "--out", str(tmp_path / "o")]
+    run_json(argv, capsys)
+    assert seen == {"cpu": 2**30}
