@@ -264,7 +264,7 @@ def profile(
             if id(p) in owned:
                 continue
             owned.add(id(p))
-            size = p.numel() * (_itemsize(dtype) if dtype is not None and p.is_floating_point() else p.element_size())
+            size = _nbytes(p, dtype)
             pb += size
             if p.requires_grad:
                 gb += size
@@ -273,7 +273,7 @@ def profile(
             if id(b) in owned:
                 continue
             owned.add(id(b))
-            bb += b.numel() * (_itemsize(dtype) if dtype is not None and b.is_floating_point() else b.element_size())
+            bb += _nbytes(b, dtype)
         act_ps, act_fixed = _per_sample(sizes_at, batch, lambda sz, n=name: sz.saved[n])
         out_ps, out_fixed = _per_sample(sizes_at, batch, lambda sz, n=name: sz.output[n])
         shared_ps, _ = _per_sample(sizes_at, batch, lambda sz, n=name: sz.shared[n])
@@ -491,11 +491,12 @@ def _input_bytes(args: tuple[Any, ...], dtype: torch.dtype | None) -> int:
     from torch.utils._pytree import tree_leaves
 
     tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
-    return sum(t.numel() * (_itemsize(dtype) if dtype is not None and t.is_floating_point() else t.element_size()) for t in tensors)
+    return sum(_nbytes(t, dtype) for t in tensors)
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+def _nbytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
+    """Bytes of ``t`` as profiled: a floating tensor counted in ``dtype`` when one is given."""
+    return t.numel() * (dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size())
 
 
 def _parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
