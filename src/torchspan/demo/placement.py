@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 
 from ..hardware import Device
-from ..planner.cost import CostModel, Stage
+from ..planner.cost import CostModel, Stage, time_tables
 from ..planner.plans import Plan
 from ..planner.optimize import search, settings_grid
 from ..profiler import Profile, profile
@@ -40,15 +40,16 @@ def spread_plan(prof: Profile, *, microbatches: int | str = "auto", schedule: st
         # A pipeline shows (and pays off) only with at least two micro-batches per stage in flight.
         piped = [st for st in settings if st[0] >= 2 * n_devs]
         settings = piped or settings
+    tables = time_tables(prof)
+    models = [CostModel(prof, m, s, c, tables) for m, s, c in settings]
     fitting: list[tuple[float, float, CostModel, Any]] = []
     for cuts in itertools.combinations(range(1, n_layers), n_devs - 1):
         bounds = (0, *cuts, n_layers)
         stages = [Stage(d, bounds[d], bounds[d + 1]) for d in range(n_devs)]
-        for m, s, c in settings:
-            cm = CostModel(prof, m, s, c)
+        for cm in models:
             ev = cm.evaluate(stages)
             if ev.fits:
-                fitting.append((ev.step_time, _slowest_stage(prof, bounds, m), cm, ev))
+                fitting.append((ev.step_time, _slowest_stage(prof, bounds, cm.M), cm, ev))
     if not fitting:
         return None
     # Stages sharing one device cost the same however the layers are cut; among plans within 2% of
