@@ -150,3 +150,14 @@ def test_batchnorm_with_microbatches_warns_once_and_names_the_layer() -> None:
         model[1].eval()
         one = torchspan.span(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)), devices=["cpu"], microbatches=1)
         one.train_step(torch.randn(8, 4), torch.randn(8, 8), nn.MSELoss())  # one micro-batch: exact, no warning
+
+
+def test_a_loss_that_is_not_a_scalar_is_an_error_in_every_mode() -> None:
+    def per_sample(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out, y, reduction="none")
+
+    with pytest.warns(UserWarning):
+        hooked = torchspan.span(Branchy(), devices=["cpu", "cpu"], balance=[1, 1], microbatches=2)
+    for spanned in (torchspan.span(sequential(), devices=["cpu", "cpu"], microbatches=2), hooked):
+        with pytest.raises(ValueError, match=r"shape \(4,\); it must return a scalar \(use reduction='mean' or 'sum'\)"):
+            spanned.train_step(X[:8], Y[:8], per_sample)

@@ -94,10 +94,17 @@ def microbatch_weights(
 def weighted_loss(loss_fn: Callable[..., Any], out: Any, target: Any, weight: float) -> torch.Tensor:
     """``loss_fn(out, target) * weight``; a zero-weight micro-batch (all targets ignored) adds exactly 0.
 
-    (Its own mean would be 0/0 = nan, and nan * 0 is still nan.)
+    (Its own mean would be 0/0 = nan, and nan * 0 is still nan.) Raises ``ValueError`` when
+    ``loss_fn`` does not return a scalar.
     """
     if weight == 0.0:
         leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
         if leaves:
             return sum(t.sum() for t in leaves) * 0.0  # keeps the graph so backward still runs
-    return loss_fn(out, target) * weight
+    loss = loss_fn(out, target)
+    if loss.dim() != 0:
+        raise ValueError(
+            f"loss_fn returned a tensor of shape {tuple(loss.shape)}; it must return a scalar "
+            "(use reduction='mean' or 'sum')"
+        )
+    return loss * weight

@@ -192,11 +192,6 @@ class Pipeline:
                             out, loss = forward_of(s, mb, leaves, spec)
                 if s == last:
                     assert loss is not None
-                    if loss.dim() != 0:
-                        raise ValueError(
-                            f"loss_fn returned a tensor of shape {tuple(loss.shape)}; it must return a scalar "
-                            "(use reduction='mean' or 'sum')"
-                        )
                     st.loss = loss
                     losses[mb] = loss.detach()
                 else:

@@ -450,8 +450,6 @@ class Spanned(nn.Module):
                 dev = leaf.device if leaf is not None else self._devices[-1]
                 with autocast_for(dev, self.precision):
                     loss = weighted_loss(loss_fn, out, to_device(targets[i], dev), weights[i])
-                if loss.dim() != 0:
-                    raise ValueError(f"loss_fn returned a tensor of shape {tuple(loss.shape)}; it must return a scalar")
                 hp.backward(i, self.scaler.scale(loss) if self.scaler is not None else loss)
                 losses.append(loss.detach().to(self._devices[-1]).float())
         finally:
