@@ -84,7 +84,7 @@ def frugal_needs(profile: Profile, settings: Sequence[Setting]) -> tuple[int, in
         cm = CostModel(profile, m, s, c)
         k = cm.in_flight(0, 1)
         w = float(cm.memory_total(np.array([0]), np.array([L]), k)[0])
-        per = cm.memory_total(np.arange(L), np.arange(1, L + 1), cm.in_flight(0, 1) if s == "gpipe" else 1)
+        per = cm.memory_total(np.arange(L), np.arange(1, L + 1), k)
         j = int(np.argmax(per))
         whole = w if whole is None else min(whole, w)
         if largest is None or per[j] < largest:
@@ -94,7 +94,7 @@ def frugal_needs(profile: Profile, settings: Sequence[Setting]) -> tuple[int, in
 
 
 def _longest_run(cm: CostModel, capacity: float) -> tuple[int, int]:
-    ends = cm.max_end(capacity, 1 if cm.schedule == "1f1b" else cm.M)
+    ends = cm.max_end(capacity, cm.in_flight(0, 1))
     lengths = ends - np.arange(cm.L)
     i = int(np.argmax(lengths))
     return int(lengths[i]), i
