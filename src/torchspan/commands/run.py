@@ -98,15 +98,6 @@ def _check_args(args: argparse.Namespace) -> None:
             )
 
 
-def _build_model(target: str) -> torch.nn.Module:
-    try:
-        return load_target(target)
-    except UsageError:
-        raise
-    except Exception as exc:  # the user's factory failed: say so in one line
-        raise UsageError(f"TARGET {target!r}: building the model failed with {type(exc).__name__}: {_first_line(exc)}") from exc
-
-
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -377,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
         plan = _load_plan(args.plan, args.target, argv_hint)
         notes = _check_plan_devices(plan, args.plan, args.target, argv_hint)
 
-    model = _build_model(args.target)
+    model = load_target(args.target)
     floating = dtype.is_floating_point
     if floating:
         model.to(dtype)
