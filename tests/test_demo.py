@@ -183,3 +183,10 @@ def test_batch_on_a_corpus_of_exactly_seq_len_plus_one_characters_gives_the_clea
         corpus.batch(2, 7, torch.Generator().manual_seed(0))
     x, y = corpus.batch(2, 6, torch.Generator().manual_seed(0))
     assert x.shape == y.shape == (2, 6) and torch.equal(x[:, 1:], y[:, :-1])
+
+
+@pytest.mark.parametrize("value", ["two", "0", "-1"])
+def test_cli_demo_rejects_bad_microbatches_before_training(tmp_path, capsys, value):
+    assert main(["demo", "--microbatches", value, "--out", str(tmp_path / "demo")]) == 2
+    assert f"--microbatches {value!r} must be 'auto' or an integer >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "demo").exists()

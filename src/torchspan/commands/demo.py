@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 from ..cli import UsageError
-from ._common import add_memory_option, console, parse_memory_options
+from ._common import add_memory_option, console, parse_memory_options, parse_microbatches
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,14 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps} must be >= 1")
-    microbatches: int | str = args.microbatches
-    if microbatches != "auto":
-        try:
-            microbatches = int(microbatches)
-        except ValueError:
-            raise UsageError(f"--microbatches {args.microbatches!r} must be 'auto' or an int >= 1") from None
-        if microbatches < 1:
-            raise UsageError(f"--microbatches {microbatches} must be >= 1")
+    microbatches = parse_microbatches(args.microbatches)
     run_demo(
         devices=args.devices,
         memory=parse_memory_options(args.memory),
