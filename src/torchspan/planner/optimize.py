@@ -476,9 +476,8 @@ def search(
     feasible: list[_Setting] = []
 
     def incumbent() -> _Setting | None:
-        # the fastest; among equals the earliest in preference order (min keeps the first)
-        ordered = sorted(feasible, key=settings.index)
-        return min(ordered, key=lambda st: st.best.step_time if st.best else INF) if ordered else None
+        # the fastest; among equals the earliest in preference order (only settings with a best are feasible)
+        return min(feasible, key=lambda st: (st.best.step_time, settings.index(st)), default=None)  # type: ignore[union-attr]
 
     # settings in order of a cheap lower bound; one whose bound cannot beat the incumbent needs no
     # programme at all (sorted: nor do the ones after it)
