@@ -468,7 +468,7 @@ def plan_rows(plan: Plan) -> list[tuple[str, ...]]:
 def device_rows(devs: Sequence[Device]) -> list[tuple[str, ...]]:
     """One row of text per device, in ``DEVICE_COLUMNS`` order."""
     return [
-        (str(d.device), d.name, format_bytes(d.total_memory), format_bytes(d.free_memory), format_bytes(d.budget) if d.budget is not None else "-")
+        (str(d.device), d.name, format_bytes(d.total_memory), format_bytes(d.free_memory), format_bytes(d.budget))
         for d in devs
     ]
 

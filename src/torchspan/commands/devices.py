@@ -6,7 +6,8 @@ import argparse
 
 from rich.table import Table
 
-from ..hardware import devices, format_bytes
+from .. import report
+from ..hardware import devices
 from ._common import add_memory_option, console, parse_memory_options, print_json
 
 
@@ -24,16 +25,9 @@ def run(args: argparse.Namespace) -> int:
         print_json([d.to_dict() for d in found])
         return 0
     table = Table(title=f"torchspan devices ({args.spec})")
-    for col in ("device", "name", "total", "free", "budget", "logical -> physical"):
+    for col in (*report.DEVICE_COLUMNS, "logical -> physical"):
         table.add_column(col, justify="right" if col in ("total", "free", "budget") else "left")
-    for d in found:
-        table.add_row(
-            str(d.device),
-            d.name,
-            format_bytes(d.total_memory),
-            format_bytes(d.free_memory),
-            format_bytes(d.budget) if d.budget is not None else "-",
-            f"{d.device} -> {d.physical}" if d.kind == "cuda" else str(d.physical or "-"),
-        )
+    for d, row in zip(found, report.device_rows(found)):
+        table.add_row(*row, f"{d.device} -> {d.physical}" if d.kind == "cuda" else str(d.physical or "-"))
     console().print(table)
     return 0
