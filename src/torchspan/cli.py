@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.showwarning = _show_warning
     try:
         return int(args.func(args) or 0)
-    except (UsageError, ValueError) as exc:
+    except ValueError as exc:  # UsageError is a ValueError
         # Library errors already name the argument, the value and the fix.
         print(f"torchspan {args.command}: error: {exc}", file=sys.stderr)
         return 2
