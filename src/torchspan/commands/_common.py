@@ -129,3 +129,17 @@ def parse_microbatches(text: str, option: str = "--microbatches") -> int | str:
     if value < 1:
         raise UsageError(f"{option} {text!r} must be 'auto' or an integer >= 1")
     return value
+
+
+def synthetic_batch(shape: tuple[int, ...], dtype: Any, vocab: int) -> Any:
+    """A random batch: normal floats, random booleans, or integer ids drawn from ``[0, vocab)``.
+
+    Usage: ``x = synthetic_batch((32, 512), torch.float32, vocab=2)``.
+    """
+    import torch
+
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, dtype=dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape).bool()
+    return torch.randint(0, vocab, shape, dtype=dtype)

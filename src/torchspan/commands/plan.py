@@ -16,7 +16,7 @@ import torch
 
 from ..cli import UsageError
 
-from ._common import add_memory_option, load_target, parse_memory_options, print_json
+from ._common import add_memory_option, load_target, parse_memory_options, print_json, synthetic_batch
 from ._common import parse_dtype as _dtype
 from ._common import parse_microbatches as _microbatches
 from ._common import parse_shape as _shape
@@ -63,12 +63,8 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         _prepare_out(args.out)
     model = load_target(args.target)
-    if dtype.is_floating_point or dtype.is_complex:
-        example = torch.randn(shape, dtype=dtype)
-        profile_dtype: torch.dtype | None = dtype
-    else:
-        example = torch.randint(0, 2, shape, dtype=dtype)
-        profile_dtype = None
+    example = synthetic_batch(shape, dtype, vocab=2)
+    profile_dtype: torch.dtype | None = dtype if dtype.is_floating_point or dtype.is_complex else None
     result = plan(
         model,
         example,

@@ -37,6 +37,7 @@ from ._common import (
     parse_microbatches,
     parse_shape,
     print_json,
+    synthetic_batch,
 )
 from .verify import mse_to
 
@@ -101,14 +102,6 @@ def _check_args(args: argparse.Namespace) -> None:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _synthetic_batch(shape: tuple[int, ...], dtype: torch.dtype, vocab: int) -> torch.Tensor:
-    if dtype.is_floating_point or dtype.is_complex:
-        return torch.randn(shape, dtype=dtype)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape).bool()
-    return torch.randint(0, vocab, shape, dtype=dtype)
 
 
 def _probe_output(model: torch.nn.Module, x: torch.Tensor, args: argparse.Namespace) -> Any:
@@ -373,7 +366,7 @@ def run(args: argparse.Namespace) -> int:
     if floating:
         model.to(dtype)
     torch.manual_seed(args.seed)
-    x = _synthetic_batch(shape, dtype, args.vocab)
+    x = synthetic_batch(shape, dtype, args.vocab)
     target, loss_fn = _targets_and_loss(_probe_output(model, x, args), args.loss)
 
     out_con = console()

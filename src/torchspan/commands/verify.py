@@ -21,7 +21,7 @@ from rich.table import Table
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ..cli import UsageError
-from ._common import console, load_target
+from ._common import console, load_target, synthetic_batch
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -73,10 +73,7 @@ def run(args: argparse.Namespace) -> int:
     model = load_target(args.target)
     reference = copy.deepcopy(model)
     torch.manual_seed(args.seed)
-    if args.input_dtype == "int64":
-        x = torch.randint(0, args.vocab, shape)
-    else:
-        x = torch.randn(shape)
+    x = synthetic_batch(tuple(shape), getattr(torch, args.input_dtype), args.vocab)
     ref_device = next((p.device for p in reference.parameters()), torch.device("cpu"))
     out = reference(x.to(ref_device))
     target = tree_map(lambda t: torch.randn_like(t.float()) if isinstance(t, torch.Tensor) else t, out)
