@@ -169,3 +169,20 @@ def test_write_report_links_every_picture(tmp_path):
     assert "embed .. block0 (2)" in text and "1f1b" in text
     assert "| cpu |" in text
     assert "````text" in text  # fence longer than any backtick run in the sample
+
+
+def test_training_progress_keeps_the_last_memory_when_none_is_given():
+    import io
+
+    from rich.console import Console
+
+    from torchspan.progress import TrainingProgress, memory_text
+
+    memory = {"cpu": {"params": 3 * 2**20, "grads": 2**20, "optimizer": 0, "activations": 0}}
+    with TrainingProgress(Console(file=io.StringIO(), width=160), total=3) as bar:
+        fields = bar._progress.tasks[0].fields
+        assert fields["mem"] == "-"
+        bar.step(loss=2.0, speed=10.0, memory=memory)
+        assert fields["mem"] == memory_text(memory) == "mem cpu 4.0M"
+        bar.step(loss=1.5, speed=12.0)
+        assert (fields["mem"], fields["loss"], bar._progress.tasks[0].completed) == ("mem cpu 4.0M", "1.500", 2)

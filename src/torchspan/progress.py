@@ -69,7 +69,6 @@ class TrainingProgress:
             transient=False,
         )
         self._task = self._progress.add_task(label, total=total, loss="-", speed="-", mem="-")
-        self._mem = "-"
 
     def __enter__(self) -> TrainingProgress:
         self._progress.start()
@@ -80,6 +79,7 @@ class TrainingProgress:
 
     def step(self, *, loss: float, speed: float, memory: Any = None) -> None:
         """Advance one step showing ``loss``, ``speed`` (per second) and, when given, ``memory``."""
+        fields = {"loss": f"{loss:.3f}", "speed": f"{speed:,.0f}"}
         if memory is not None:
-            self._mem = memory_text(memory)
-        self._progress.update(self._task, advance=1, loss=f"{loss:.3f}", speed=f"{speed:,.0f}", mem=self._mem)
+            fields["mem"] = memory_text(memory)
+        self._progress.update(self._task, advance=1, **fields)
