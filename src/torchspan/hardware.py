@@ -343,18 +343,14 @@ def _split_spec(spec: str) -> list[str]:
 
 def _lookup_catalog(token: str) -> Device | None:
     """A described (not present) device from torchspan's catalog, e.g. ``"a100-40gb"``."""
-    try:
-        from . import catalog
-    except ImportError:  # pragma: no cover - catalog ships with the package
-        return None
+    from . import catalog  # lazy: catalog imports this module
+
     return catalog.lookup(token)
 
 
 def _catalog_names() -> str:
-    try:
-        from . import catalog
-    except ImportError:  # pragma: no cover - catalog ships with the package
-        return "see torchspan.catalog"
+    from . import catalog
+
     return ", ".join(catalog.names())
 
 
