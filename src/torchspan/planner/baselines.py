@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from ..hardware import format_bytes
 from ..profiler import Profile
-from .cost import INF, CostModel, Evaluation, Stage
+from .cost import INF, CostModel, Evaluation, Stage, time_tables
 from .plans import Plan
 from .optimize import settings_grid
 
@@ -121,15 +121,11 @@ def baseline(
     runs out (``evaluation.fits`` is False).
     """
     stages = _stages(profile, strategy)
-    best: tuple[bool, float, CostModel, Evaluation] | None = None
-    for m, s, c in settings_grid(profile.batch_size, microbatches, schedule, checkpoint):
-        cm = CostModel(profile, m, s, c)
-        ev = cm.evaluate(stages)
-        key = (not ev.fits, ev.step_time)
-        if best is None or key < (not best[0], best[1]):
-            best = (ev.fits, ev.step_time, cm, ev)
-    assert best is not None  # the grid is never empty
-    _, _, cm, ev = best
+    grid = settings_grid(profile.batch_size, microbatches, schedule, checkpoint)
+    tables = time_tables(profile)
+    scored = [(cm, cm.evaluate(stages)) for cm in (CostModel(profile, m, s, c, tables) for m, s, c in grid)]
+    # fitting before not fitting, then the fastest; among equals the first setting (min keeps it)
+    cm, ev = min(scored, key=lambda pair: (not pair[1].fits, pair[1].step_time))
     notes = [f"baseline '{strategy}' scored with torchspan's cost model"]
     if not ev.fits:
         over = [f"{name} needs {format_bytes(m)} of {format_bytes(c)}" for name, m, c in ev.over_budget()]
