@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from ..hardware import format_bytes
 from ..profiler import Profile
-from .cost import INF, CostModel, Evaluation, Stage, time_tables
+from .cost import CostModel, Evaluation, Stage, budget_of, time_tables
 from .plans import Plan
 from .optimize import settings_grid
 
@@ -95,7 +95,7 @@ def greedy_split(sizes: Sequence[float], capacities: Sequence[float], devices: S
 def _stages(profile: Profile, strategy: str) -> list[Stage]:
     L = len(profile.layers)
     everyone = list(range(len(profile.devices)))
-    caps = [float(d.capacity) if d.capacity is not None else INF for d in profile.devices]
+    caps = [budget_of(d) for d in profile.devices]
     if strategy == "uniform":
         return uniform_split(L, everyone)
     if strategy == "parameters":

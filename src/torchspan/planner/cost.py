@@ -96,6 +96,7 @@ __all__ = [
     "StageMemory",
     "Evaluation",
     "CostModel",
+    "budget_of",
     "link_bandwidth",
     "identity",
     "physical_names",
@@ -167,6 +168,11 @@ def _host_bandwidth(dev: Device) -> float:
     if dev.host_bandwidth is not None and dev.host_bandwidth > 0:
         return float(dev.host_bandwidth)
     return DEFAULT_HOST_BANDWIDTH.get(dev.kind, INF)
+
+
+def budget_of(dev: Device) -> float:
+    """``dev``'s memory budget in bytes, ``inf`` when it has none. Usage: ``budget_of(profile.devices[0])``."""
+    return float(dev.capacity) if dev.capacity is not None else INF
 
 
 def _memory_bandwidth(dev: Device) -> float:
@@ -321,7 +327,7 @@ class CostModel:
         self.tail[self.L] = self.loss_saved
         # input boundary of a stage starting at layer i
         self.inb = np.concatenate([[b * float(profile.input_bytes)], self.out[:-1]])
-        own = [float(d.capacity) if d.capacity is not None else INF for d in devs]
+        own = [budget_of(d) for d in devs]
         shared = {name: min(c for c, n in zip(own, self.names) if n == name) for name in first}
         self.capacity = [shared[name] for name in self.names]  # per entry: its physical device's budget
         self.host_bw = [_host_bandwidth(devs[r]) for r in self.rep]
