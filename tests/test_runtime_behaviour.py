@@ -346,3 +346,43 @@ def test_hook_mode_moves_inputs_to_stage_0_before_the_models_own_code() -> None:
     # seen[0]: the order-finding forward, which runs before placement where the model already is (cpu);
     # after placement, the model's own code receives its input on stage 0's device
     assert seen[0].type == "cpu" and len(seen) >= 2 and all(d.type == "meta" for d in seen[1:]), seen
+
+
+class _RootBuffer(nn.Module):
+    """fx-traceable; a root parameter and a root buffer are first read in stage 1, plus a tensor constant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.ones(4))
+        self.register_buffer("shift", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x)) * self.scale + self.shift + torch.tensor([0.5])
+
+
+def test_fx_model_is_traced_once_by_span_and_its_first_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchspan import split
+
+    calls = []
+    real = split.trace
+    monkeypatch.setattr(split, "trace", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = _RootBuffer()
+    spanned = torchspan.span(model, devices=["cpu", "cpu"], balance=[1, 1], microbatches=2)
+    spanned(torch.randn(4, 4))
+    assert spanned.mode == "fx" and len(calls) == 1
+    assert [k for k in vars(model) if k.startswith("_tensor_constant")] == ["_tensor_constant0"]
+    spanned(torch.randn(4, 4))
+    assert len(calls) == 1
+
+
+class _RootBufferNoConstant(_RootBuffer):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x)) * self.scale + self.shift
+
+
+def test_fx_stage_modules_see_root_tensors_where_placement_put_them() -> None:
+    spanned = torchspan.span(_RootBufferNoConstant(), devices=["cpu", "meta"], balance=[1, 1])
+    assert spanned.module.shift.device.type == "meta" and spanned.module.scale.device.type == "meta"
+    assert spanned(torch.randn(2, 4)).device.type == "meta"

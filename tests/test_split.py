@@ -34,7 +34,7 @@ def test_layer_names_and_execution_order() -> None:
 def test_choose_mode() -> None:
     assert split.choose_mode(sequential())[0] == "sequential"
     assert split.choose_mode(residual())[0] == "fx"
-    mode, why = split.choose_mode(untraceable())
+    mode, why, graph = split.choose_mode(untraceable())
     assert mode == "hooks" and "Untraceable" in why and "TraceError" in why
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -147,20 +148,22 @@ def trace(model: nn.Module, concrete_args: dict[str, Any] | None = None) -> fx.G
         return LayerTracer().trace(model, concrete_args=concrete_args or None)
 
 
-def choose_mode(model: nn.Module) -> tuple[str, str]:
-    """``("sequential"|"fx"|"hooks", why)``: how ``span`` will turn ``model`` into stages.
+def choose_mode(model: nn.Module) -> tuple[str, str, fx.Graph | None]:
+    """``("sequential"|"fx"|"hooks", why, graph)``: how ``span`` will turn ``model`` into stages.
 
-    Usage: ``mode, why = choose_mode(model)``.
+    ``graph`` is the trace made with ``default_concrete_args(model)`` in fx mode (``None`` otherwise),
+    so that the caller need not trace again: each trace adds ``_tensor_constantN`` attributes to the model.
+    Usage: ``mode, why, graph = choose_mode(model)``.
     """
     top_level_layers(model)
     if isinstance(model, nn.Sequential):
-        return "sequential", "nn.Sequential: its children are the layers"
+        return "sequential", "nn.Sequential: its children are the layers", None
     try:
-        trace(model, default_concrete_args(model))
+        graph = trace(model, default_concrete_args(model))
     except Exception as exc:  # fx raises many kinds (TraceError, TypeError, NotImplementedError…)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return "hooks", f"torch.fx cannot trace {type(model).__name__} ({type(exc).__name__}: {first})"
-    return "fx", "torch.fx traced the forward; it is split at top-level child boundaries"
+        return "hooks", f"torch.fx cannot trace {type(model).__name__} ({type(exc).__name__}: {first})", None
+    return "fx", "torch.fx traced the forward; it is split at top-level child boundaries", graph
 
 
 def graph_layer_order(graph: fx.Graph, layers: list[str]) -> list[str]:
@@ -176,7 +179,13 @@ def graph_layer_order(graph: fx.Graph, layers: list[str]) -> list[str]:
     return order
 
 
-def split_graph(model: nn.Module, graph: fx.Graph, stage_of: dict[str, int], stages: int) -> tuple[list[fx.GraphModule], dict[str, int]]:
+def split_graph(
+    model: nn.Module,
+    graph: fx.Graph,
+    stage_of: dict[str, int],
+    stages: int,
+    before_build: Callable[[dict[str, int]], None] | None = None,
+) -> tuple[list[fx.GraphModule], dict[str, int]]:
     """Cut a traced ``graph`` into one ``GraphModule`` per stage at layer boundaries.
 
     ``stage_of`` maps each layer name to its stage. Every value produced before a cut and used
@@ -186,6 +195,8 @@ def split_graph(model: nn.Module, graph: fx.Graph, stage_of: dict[str, int], sta
 
     Returns ``(stage_modules, root_attrs)``; ``root_attrs`` maps attributes owned by the model
     itself (not by a layer) to the stage that first reads them, so placement can put them there.
+    ``before_build(root_attrs)`` runs before the stage modules are built (they hold the model's
+    tensors as they are then): the place to move those tensors to their stages.
     Raises ``ValueError`` naming the layer when the graph calls layers out of stage order.
     Usage: ``mods, attrs = split_graph(model, trace(model), {"a": 0, "b": 1}, 2)``.
     """
@@ -230,6 +241,8 @@ def split_graph(model: nn.Module, graph: fx.Graph, stage_of: dict[str, int], sta
         else:
             where[node] = first_use
             root_attrs[str(node.target)] = first_use
+    if before_build is not None:
+        before_build(root_attrs)
     last_use = {node: max((where[u] for u in node.users), default=where[node]) for node in nodes}
 
     def live_after(s: int) -> list[fx.Node]:

@@ -113,11 +113,9 @@ def span(
     precision = _choice("precision", str(precision), PRECISIONS)
     _choice("workers", workers, ("device", "stage"))
 
-    mode, why = split.choose_mode(model)
+    mode, why, graph = split.choose_mode(model)
     names = [n for n, _ in split.top_level_layers(model)]
-    graph = None
-    if mode == "fx":
-        graph = split.trace(model, split.default_concrete_args(model))
+    if graph is not None:
         order: list[str] | None = split.graph_layer_order(graph, names)
     elif mode == "sequential":
         order = names
@@ -154,6 +152,11 @@ def span(
         balance_given=plan is None,
         graph=graph,
     )
+
+
+def _concrete_id(concrete: dict[str, Any]) -> frozenset[tuple[str, str, str]]:
+    """What identifies a trace's specialised arguments (as ``split.concrete_key`` keys them: type and repr)."""
+    return frozenset((name, type(v).__name__, repr(v)) for name, v in concrete.items())
 
 
 def _load_under_module(
@@ -205,6 +208,7 @@ class Spanned(nn.Module):
         self._graphs: dict[Any, list[Any]] = {}
         self._hooks: HookPlacement | None = None
         self._root_attrs: dict[str, int] = {}
+        self._default_trace: tuple[Any, list[Any]] | None = None  # (concrete id, stage modules) of span's trace
         self._placed = False
         self._order_checked = False
         self.scaler: Any = None
@@ -254,12 +258,19 @@ class Spanned(nn.Module):
     def _place(self, graph: Any, root_attrs: dict[str, int] | None = None) -> None:
         stage_of = self.stage_of
         check_shared(self.module, stage_of)
-        root_attrs = dict(root_attrs or {})
-        if graph is not None:
-            # Where the model's own parameters are first read decides their stage.
-            _, root_attrs = split.split_graph(self.module, graph, stage_of, len(self._devices))
-        place(self.module, stage_of, self._devices, root_attrs)
-        self._root_attrs = root_attrs
+        if graph is None:
+            self._root_attrs = dict(root_attrs or {})
+            place(self.module, stage_of, self._devices, self._root_attrs)
+        else:
+            # Where the model's own parameters are first read decides their stage; they are moved there
+            # before the stage modules capture them. Those modules serve every call whose non-tensor
+            # arguments are the forward's defaults, so the first forward does not trace again.
+            def put(attrs: dict[str, int]) -> None:
+                self._root_attrs = dict(attrs)
+                place(self.module, stage_of, self._devices, self._root_attrs)
+
+            mods, _ = split.split_graph(self.module, graph, stage_of, len(self._devices), before_build=put)
+            self._default_trace = (_concrete_id(split.default_concrete_args(self.module)), mods)
         if self.mode == "hooks":
             self._hooks = HookPlacement(self.module, stage_of, self._devices, self._recorder, self._meter, self.precision)
             self._hooks.install()
@@ -296,6 +307,8 @@ class Spanned(nn.Module):
     def _fx_fns(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Callable[..., Any]], list[Any]]:
         values, concrete, key = split.concrete_key(self.module, args, kwargs, tensor_like=(NoSplit,))
         mods = self._graphs.get(key)
+        if mods is None and self._default_trace is not None and self._default_trace[0] == _concrete_id(concrete):
+            mods = self._graphs[key] = self._default_trace[1]
         if mods is None:
             graph = split.trace(self.module, concrete)
             mods, _ = split.split_graph(self.module, graph, self.stage_of, len(self._devices))
