@@ -23,7 +23,7 @@ from .. import split
 from ..hardware import to_device
 from ..schedule import SCHEDULES
 from .buffers import Slot, buffer_slots, kept
-from .hooks import HookPlacement, record_forward
+from .hooks import HookPlacement
 from .memory import ActivationMeter
 from .microbatch import NoSplit, batch_size, gather, split_batch, split_sizes, split_value
 from .pipeline import CHECKPOINTS, PRECISIONS, Pipeline, autocast_for, checkpointed
@@ -352,7 +352,7 @@ class Spanned(nn.Module):
         # state (dropout masks of the real step) stay as they were.
         cuda = sorted({d.index if d.index is not None else 0 for d in self._devices if d.type == "cuda"})
         with torch.random.fork_rng(devices=cuda), kept(buffer_slots([self.module])):
-            order, uses = record_forward(self.module, first_args, first_kwargs)
+            order, uses = split.record_forward(self.module, first_args, first_kwargs)
         if self._lazy_balance:
             self._groups = stages_from_balance(order, self._devices, self.balance)
             self._order_checked = True
