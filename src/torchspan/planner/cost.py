@@ -316,11 +316,11 @@ class CostModel:
         self.P_state = self.P_param + self.P_grad + self.P_opt + self.P_buf
         b = self.b
         # bytes per micro-batch: per-sample figures times b plus any per-call part
-        self.P_act = _prefix([getattr(lay, "activation_fixed_bytes", 0.0) + b * lay.activation_bytes for lay in layers])
+        self.P_act = _prefix([lay.saved_bytes(b) for lay in layers])
         # saved tensors a layer shares with earlier layers: a stage starting there holds its own copy
-        self.shared = np.array([b * getattr(lay, "shared_activation_bytes", 0.0) for lay in layers] + [0.0])
+        self.shared = np.array([b * lay.shared_activation_bytes for lay in layers] + [0.0])
         self.shared[0] = 0.0
-        self.out = np.array([getattr(lay, "output_fixed_bytes", 0.0) + b * lay.output_bytes for lay in layers])
+        self.out = np.array([lay.output_fixed_bytes + b * lay.output_bytes for lay in layers])
         # the loss's saved input (one model output per micro-batch), held by the stage ending at layer L
         self.loss_saved = float(self.out[-1])
         self.tail = np.zeros(self.L + 1)
@@ -369,30 +369,30 @@ class CostModel:
             return (k - 1) * inb + act
         return k * inb + act
 
+    def _act_work(self, i: np.ndarray, j: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(activation bytes, workspace bytes)`` of stages ``[i, j)`` holding ``k`` micro-batches, unrounded."""
+        act = self.P_act[j] - self.P_act[i] + self.shared[i] + self.tail[j]
+        inb = self.inb[i]
+        return self._in_flight(act, inb, k), inb + 2 * self.max_output(i, j)
+
     def memory_total(self, i: np.ndarray, j: np.ndarray, k: int) -> np.ndarray:
         """Predicted bytes of stages ``[i, j)`` (``j > i``) holding ``k`` micro-batches, vectorised."""
         i = np.asarray(i, dtype=np.int64)
         j = np.asarray(j, dtype=np.int64)
-        act = self.P_act[j] - self.P_act[i] + self.shared[i] + self.tail[j]
-        inb = self.inb[i]
-        acts = self._in_flight(act, inb, k)
-        work = inb + 2 * self.max_output(i, j)
+        acts, work = self._act_work(i, j, k)
         # whole bytes, rounded up as ``stage_memory`` reports them, so that fitting here means fitting there
         return np.round(self.P_state[j] - self.P_state[i]) + np.ceil(acts) + np.ceil(work)
 
     def stage_memory(self, start: int, end: int, k: int) -> StageMemory:
         """Bytes by kind for layers ``[start, end)`` holding ``k`` micro-batches."""
-        act = self.P_act[end] - self.P_act[start] + self.shared[start] + self.tail[end]
-        inb = self.inb[start]
-        acts = self._in_flight(act, inb, k)
-        work = inb + 2 * float(self.max_output(np.array([start]), np.array([end]))[0])
+        acts, work = self._act_work(np.array([start]), np.array([end]), k)
         return StageMemory(
             params=int(round(self.P_param[end] - self.P_param[start])),
             grads=int(round(self.P_grad[end] - self.P_grad[start])),
             optimizer=int(round(self.P_opt[end] - self.P_opt[start])),
             buffers=int(round(self.P_buf[end] - self.P_buf[start])),
-            activations=int(math.ceil(acts)),
-            workspace=int(math.ceil(work)),
+            activations=int(math.ceil(acts[0])),
+            workspace=int(math.ceil(work[0])),
         )
 
     def max_end(self, capacity: float | np.ndarray, k: int) -> np.ndarray:
