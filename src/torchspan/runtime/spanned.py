@@ -12,8 +12,9 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -335,6 +336,15 @@ class Spanned(nn.Module):
         chunks = split_batch(args, kwargs, self.microbatches)
         return None, chunks
 
+    @contextlib.contextmanager
+    def _step(self) -> Iterator[None]:
+        """One recorded step: counters reset on entry, the timeline closed on exit (also on error)."""
+        self._begin()
+        try:
+            yield
+        finally:
+            self._recorder.finish_step()
+
     def _begin(self) -> None:
         _warn_batchnorm(self)
         self._recorder.start_step(self._devices)
@@ -379,22 +389,16 @@ class Spanned(nn.Module):
         if fns is None:
             self._ensure_placed(*chunks[0])
             assert self._hooks is not None
-            self._begin()
             outs = []
-            try:
+            with self._step():
                 for i, (a, k) in enumerate(chunks):
                     a, k = self._to_first_stage(a, k)
                     with self._hooks.recording(i, checkpointed(self.checkpoint, i, self.microbatches)):
                         outs.append(self.module(*a, **k))
-            finally:
-                self._recorder.finish_step()
             self._check_hook_order()
             return gather(outs, last)
-        self._begin()
-        try:
+        with self._step():
             outs = self._pipeline.forward(fns, chunks, self._stage_buffers())
-        finally:
-            self._recorder.finish_step()
         return gather(outs, last)
 
     def train_step(
@@ -435,11 +439,8 @@ class Spanned(nn.Module):
             loss_fn.to(self._devices[-1])
         if fns is None:
             return self._train_hooks(chunks, targets, loss_fn, weights)
-        self._begin()
-        try:
+        with self._step():
             return self._pipeline.train(fns, chunks, targets, loss_fn, weights, self.schedule, self.scaler, self._stage_buffers())
-        finally:
-            self._recorder.finish_step()
 
     def _to_first_stage(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Hook mode: inputs go to stage 0's device before the model's own forward touches them
@@ -451,9 +452,8 @@ class Spanned(nn.Module):
         self._ensure_placed(*chunks[0])
         hp = self._hooks
         assert hp is not None
-        self._begin()
         losses = []
-        try:
+        with self._step():
             for i, (a, k) in enumerate(chunks):
                 a, k = self._to_first_stage(a, k)
                 with hp.recording(i, checkpointed(self.checkpoint, i, self.microbatches)):
@@ -465,8 +465,6 @@ class Spanned(nn.Module):
                     loss = weighted_loss(loss_fn, out, to_device(targets[i], dev), weights[i])
                 hp.backward(i, self.scaler.scale(loss) if self.scaler is not None else loss)
                 losses.append(loss.detach().to(self._devices[-1]).float())
-        finally:
-            self._recorder.finish_step()
         return torch.stack(losses).sum()
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
