@@ -14,13 +14,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .split import top_level_layers
+
+if TYPE_CHECKING:
+    from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["Sizes", "as_args", "batch_size_of", "bytes_of", "float_dtype", "resize_batch", "sizing_pass"]
 
@@ -78,28 +81,23 @@ class Sizes:
     ops: dict[tuple[str | None, str], list[tuple[float, float]]]  # (layer, phase) -> [(flops, bytes)]
 
 
-class _OpRecorder:
-    """Dispatch mode that records (flops, bytes read+written) of every aten op for the current segment."""
+def _op_recorder(counter: Any, sink: Callable[[float, float], None]) -> TorchDispatchMode:
+    """Dispatch mode that hands ``sink`` (flops, bytes read+written) of every aten op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    def __init__(self, counter: Any, sink: Callable[[float, float], None]) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
+    class _Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            before = counter.get_total_flops()
+            out = func(*args, **kwargs)
+            name = getattr(func, "namespace", "")
+            if name == "aten":
+                flops = counter.get_total_flops() - before
+                moved = 0 if getattr(func, "is_view", False) else bytes_of((args, kwargs)) + bytes_of(out)
+                sink(float(flops), float(moved))
+            return out
 
-        recorder = self
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-                kwargs = kwargs or {}
-                before = counter.get_total_flops()
-                out = func(*args, **kwargs)
-                name = getattr(func, "namespace", "")
-                if name == "aten":
-                    flops = counter.get_total_flops() - before
-                    moved = 0 if getattr(func, "is_view", False) else bytes_of((args, kwargs)) + bytes_of(out)
-                    recorder.sink(float(flops), float(moved))
-                return out
-
-        self.sink = sink
-        self.mode = _Mode()
+    return _Mode()
 
 
 def sizing_pass(model: nn.Module, args: tuple[Any, ...], batch: int, size: int, dtype: torch.dtype | None) -> Sizes:
@@ -143,12 +141,12 @@ def sizing_pass(model: nn.Module, args: tuple[Any, ...], batch: int, size: int, 
             return t
         owner = stack[-1] if stack else (sizes.order[-1] if sizes.order else children[0][0])
         first = first_saver.setdefault(key, owner)
+        if (owner, key) in shared_seen:
+            return t
+        shared_seen.add((owner, key))
         if first == owner:
-            if (owner, key) not in shared_seen:
-                shared_seen.add((owner, key))
-                sizes.saved[owner] += nbytes
-        elif (owner, key) not in shared_seen:
-            shared_seen.add((owner, key))
+            sizes.saved[owner] += nbytes
+        else:
             sizes.shared[owner] += nbytes
         return t
 
@@ -179,13 +177,13 @@ def sizing_pass(model: nn.Module, args: tuple[Any, ...], batch: int, size: int, 
         handles.append(child.register_forward_hook(post, with_kwargs=True))
 
     counter = FlopCounterMode(display=False)
-    recorder = _OpRecorder(counter, sink)
+    recorder = _op_recorder(counter, sink)
     # FakeTensorMode logs a full traceback (at ERROR) for every op that raises, e.g. on a wrong input
     # shape; the caller turns the exception into one clear message, so keep the log quiet meanwhile.
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
     was_disabled, fake_log.disabled = fake_log.disabled, True
     try:
-        with fake_mode, counter, recorder.mode:
+        with fake_mode, counter, recorder:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = torch.func.functional_call(model, state, fargs, strict=False, tie_weights=True)
             segment[0] = (None, "backward")
