@@ -9,7 +9,7 @@ from torch import nn
 import torchspan
 from torchspan import profiler
 from torchspan.profiler import LayerCost, Profile, optimizer_state_bytes
-from torchspan.split import execution_order
+from torchspan.layers import execution_order
 
 FAST = {"warmup": 1, "repeats": 2}
 F32 = 4

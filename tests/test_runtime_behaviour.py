@@ -363,7 +363,7 @@ class _RootBuffer(nn.Module):
 
 
 def test_fx_model_is_traced_once_by_span_and_its_first_forward(monkeypatch: pytest.MonkeyPatch) -> None:
-    from torchspan import split
+    from torchspan.layers import fxsplit as split
 
     calls = []
     real = split.trace

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .split import top_level_layers
+from .layers import top_level_layers
 
 if TYPE_CHECKING:
     from torch.utils._python_dispatch import TorchDispatchMode

@@ -27,8 +27,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .hardware import Device
-from .runtime.buffers import buffer_slots, kept
-from .split import top_level_layers
+from .layers.slots import buffer_slots, kept
+from .layers import top_level_layers
 
 __all__ = ["Speed", "capture", "estimate", "fit", "host_speed_device", "on_device", "preserved", "speed_of", "synchronize", "time_layer"]
 

@@ -48,7 +48,7 @@ from ._sizing import Sizes, as_args, batch_size_of, float_dtype, resize_batch, s
 from ._timing import Speed, capture, estimate, fit, host_speed_device, on_device, preserved, speed_of, time_layer
 from . import catalog
 from .hardware import Device, format_bytes
-from .split import top_level_layers
+from .layers import top_level_layers
 
 __all__ = ["LayerCost", "Profile", "profile", "optimizer_state_bytes", "OPTIMIZERS"]
 

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..hardware import to_device
 from .memory import ActivationMeter
-from .buffers import buffer_slots
+from ..layers.slots import buffer_slots
 from .pipeline import autocast_for, once_context
 from .record import Recorder
 

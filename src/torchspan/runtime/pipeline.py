@@ -22,7 +22,7 @@ import torch
 import torch.utils.checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .buffers import Slot, kept
+from ..layers.slots import Slot, kept
 from .lossweights import weighted_loss
 from ..hardware import to_device
 from .. import schedule as sched

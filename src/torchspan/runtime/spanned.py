@@ -20,10 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import split
+from ..layers import fxsplit as split
+from ..layers import discovery
 from ..hardware import to_device
 from ..schedule import SCHEDULES
-from .buffers import Slot, buffer_slots, kept
+from ..layers.slots import Slot, buffer_slots, kept
 from .hooks import HookPlacement
 from .memory import ActivationMeter
 from .microbatch import NoSplit, batch_size, gather, split_batch, split_sizes, split_value
@@ -115,7 +116,7 @@ def span(
     _choice("workers", workers, ("device", "stage"))
 
     mode, why, graph = split.choose_mode(model)
-    names = [n for n, _ in split.top_level_layers(model)]
+    names = [n for n, _ in discovery.top_level_layers(model)]
     if graph is not None:
         order: list[str] | None = split.graph_layer_order(graph, names)
     elif mode == "sequential":
@@ -362,7 +363,7 @@ class Spanned(nn.Module):
         # state (dropout masks of the real step) stay as they were.
         cuda = sorted({d.index if d.index is not None else 0 for d in self._devices if d.type == "cuda"})
         with torch.random.fork_rng(devices=cuda), kept(buffer_slots([self.module])):
-            order, uses = split.record_forward(self.module, first_args, first_kwargs)
+            order, uses = discovery.record_forward(self.module, first_args, first_kwargs)
         if self._lazy_balance:
             self._groups = stages_from_balance(order, self._devices, self.balance)
             self._order_checked = True

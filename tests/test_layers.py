@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchspan import split
+from torchspan import layers as split
 from runtime_models import residual, sequential, untraceable
 
 

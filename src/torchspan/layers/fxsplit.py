@@ -1,8 +1,4 @@
-"""Turn a model into ordered layers: the unit that planning and placement work with.
-
-A *layer* is a top-level child of the model (``model.named_children()``), named by its attribute
-name. Layers are ordered by first execution in a recording forward (for ``nn.Sequential``, the
-Sequential order). The profiler, the planner and ``span`` all use these same names.
+"""Split a model into pipeline stages at layer boundaries with ``torch.fx``.
 
 How ``span`` turns a model into stages (``choose_mode``), in this order of preference:
 
@@ -12,7 +8,7 @@ How ``span`` turns a model into stages (``choose_mode``), in this order of prefe
 - ``"hooks"``: anything else; children stay whole and forward pre-hooks move inputs
   (see ``torchspan.runtime.hooks``).
 
-Usage: ``execution_order(model, x)`` → ``["embed", "blocks", "head"]``.
+Usage: ``mode, why, graph = choose_mode(model)``; ``mods, attrs = split_graph(model, graph, {"a": 0, "b": 1}, 2)``.
 """
 
 from __future__ import annotations
@@ -25,13 +21,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from .discovery import top_level_layers
+
 __all__ = [
-    "top_level_layers",
-    "execution_order",
-    "record_forward",
     "MODES",
     "LayerTracer",
     "choose_mode",
@@ -42,78 +36,6 @@ __all__ = [
     "split_graph",
 ]
 
-
-def top_level_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's top-level children, in registration order. Raises if it has none."""
-    children = list(model.named_children())
-    if not children:
-        raise ValueError(
-            f"model ({type(model).__name__}) has no child modules, so there is nothing to place on "
-            "separate devices; wrap its pieces in nn.Module attributes or an nn.Sequential"
-        )
-    return children
-
-
-def execution_order(model: nn.Module, *args: Any, **kwargs: Any) -> list[str]:
-    """Names of top-level children in the order a forward with ``args``/``kwargs`` first runs them.
-
-    ``nn.Sequential`` needs no example input. Children that never run in the recording forward
-    are appended at the end in registration order (they still own parameters to place).
-    """
-    children = top_level_layers(model)
-    if isinstance(model, nn.Sequential) or (not args and not kwargs):
-        return [name for name, _ in children]
-    return record_forward(model, args, kwargs)[0]
-
-
-class _RootUses(TorchFunctionMode):
-    """Notes, for each tensor the model owns directly, which child had last started when an op first read it."""
-
-    def __init__(self, owned: dict[int, str], last: list[str | None]) -> None:
-        super().__init__()
-        self.owned = owned
-        self.last = last
-        self.uses: dict[str, str | None] = {}
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        for t in tree_leaves((args, kwargs)):
-            name = self.owned.get(id(t)) if isinstance(t, torch.Tensor) else None
-            if name is not None and name not in self.uses:
-                self.uses[name] = self.last[0]
-        return func(*args, **kwargs)
-
-
-def record_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[str], dict[str, str | None]]:
-    """One no-grad forward: the children in execution order, and for each parameter or buffer the
-    model owns directly, the child that ran last before it was first read (``None``: before any).
-
-    Usage: ``order, uses = record_forward(model, (x,), {})`` → ``["a", "b"], {"scale": "a"}``.
-    """
-    owned = {id(t): n for n, t in list(model._parameters.items()) + list(model._buffers.items()) if t is not None}
-    order: list[str] = []
-    last: list[str | None] = [None]
-    handles = []
-    for name, child in model.named_children():
-
-        def pre(_mod: nn.Module, _inp: Any, _name: str = name) -> None:
-            last[0] = _name
-            if _name not in order:
-                order.append(_name)
-
-        handles.append(child.register_forward_pre_hook(pre))
-    watch = _RootUses(owned, last)
-    try:
-        with torch.no_grad(), watch:
-            model(*args, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
-    order.extend(name for name, _ in model.named_children() if name not in order)
-    return order, watch.uses
-
-
-# --------------------------------------------------------------------------- modes
 
 MODES = ("sequential", "fx", "hooks")
 
@@ -247,7 +169,7 @@ def split_graph(
                     f"layer {head!r} (stage {s}) runs after layer {last_layer!r} (stage {current}) in "
                     f"{type(model).__name__}.forward; stages must follow execution order. Put {head!r} in "
                     f"stage {current} or later, or list layers in execution order "
-                    f"(torchspan.split.execution_order(model, x))"
+                    f"(torchspan.layers.execution_order(model, x))"
                 )
             current, last_layer = s, head
             where[node] = s
