@@ -10,7 +10,7 @@ import pytest
 from torchspan import report
 from torchspan.hardware import devices
 from torchspan.planner.plans import Plan, StagePlan
-from torchspan.timeline import Event
+from torchspan.runtime.record import Event
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

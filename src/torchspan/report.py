@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .hardware import format_bytes
-from .timeline import KINDS, Event
+from .runtime.record import KINDS, Event
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure

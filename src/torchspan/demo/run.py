@@ -28,7 +28,7 @@ from .. import report
 from ..hardware import Device, devices as find_devices
 from ..planner.plans import Plan
 from ..progress import TrainingProgress
-from ..timeline import Event
+from ..runtime.record import Event
 from .corpus import Corpus, build_corpus
 from .model import CharTransformer, generate, lm_loss
 from .placement import demo_plan

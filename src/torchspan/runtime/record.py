@@ -1,4 +1,7 @@
-"""Timeline recording: cheap, always on, one list of ``Event`` per step.
+"""Timeline recording: the ``Event`` record and the ``Recorder`` that collects one list per step.
+
+An ``Event`` is one block of work (``kind`` in ``KINDS``) of one micro-batch in one stage on one
+device; times are seconds from the start of the step.
 
 CPU blocks are timed with ``time.perf_counter``. CUDA blocks record timing events on the stream
 doing the work and are converted to seconds when the step ends (after its work is complete), so
@@ -6,6 +9,7 @@ blocks show when the GPU really ran them, not when the host queued them.
 
 Usage::
 
+    events = spanned.timeline()            # list[Event] of the last step
     rec = Recorder()
     rec.start_step([torch.device("cpu")])
     with rec.block(0, torch.device("cpu"), 0, "forward"):
@@ -19,13 +23,34 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-from ..timeline import Event
+__all__ = ["Event", "KINDS", "Recorder"]
 
-__all__ = ["Recorder"]
+KINDS = ("forward", "backward", "transfer", "recompute")
+
+
+@dataclass(frozen=True)
+class Event:
+    """One block of work: ``kind`` of micro-batch ``microbatch`` in ``stage`` on ``device``."""
+
+    step: int
+    stage: int
+    device: str
+    microbatch: int
+    kind: str
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 class Recorder:

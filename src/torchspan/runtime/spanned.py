@@ -478,7 +478,7 @@ class Spanned(nn.Module):
 
     # ------------------------------------------------------------------ observing
     def timeline(self) -> list[Any]:
-        """The ``torchspan.timeline.Event``s of the most recent step (forward call or ``train_step``)."""
+        """The ``torchspan.runtime.record.Event``s of the most recent step (forward call or ``train_step``)."""
         return list(self._recorder.events)
 
     def memory(self, optimizer: torch.optim.Optimizer | None = None) -> list[dict[str, Any]]:
