@@ -16,13 +16,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import __version__
+from .commands._common import UsageError
 
 # Order is the order shown in --help.
 COMMANDS = ("devices", "doctor", "plan", "run", "verify", "demo", "bench")
 
 
-class UsageError(ValueError):
-    """Bad command-line input; printed as ``torchspan: error: …`` with exit status 2."""
+__all__ = ["COMMANDS", "UsageError", "build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:

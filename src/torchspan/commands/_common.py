@@ -1,4 +1,7 @@
-"""Helpers shared by subcommands: ``DEV=SIZE`` options and the rich console."""
+"""Helpers shared by subcommands: ``UsageError``, ``DEV=SIZE`` options, targets, batches and the rich console.
+
+Usage: ``raise UsageError("--steps '0' must be >= 1")``; ``parse_memory_options(["cpu=32GB"])``.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,9 @@ from typing import Any
 
 from rich.console import Console
 
-from ..cli import UsageError
+
+class UsageError(ValueError):
+    """Bad command-line input; printed as ``torchspan: error: …`` with exit status 2."""
 
 
 def parse_memory_options(items: Sequence[str] | None) -> dict[str, str] | None:

@@ -29,8 +29,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from ..cli import UsageError
-from ._common import console, print_json
+from ._common import UsageError, console, print_json
 
 __all__ = ["Ratio", "ScriptResult", "parse_ratios", "goal_met", "find_scripts", "run_benchmarks", "machine_description"]
 

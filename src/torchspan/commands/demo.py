@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli import UsageError
-from ._common import add_memory_option, console, parse_memory_options, parse_microbatches
+from ._common import UsageError, add_memory_option, console, parse_memory_options, parse_microbatches
 
 
 def register(sub: argparse._SubParsersAction) -> None:

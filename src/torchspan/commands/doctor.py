@@ -24,7 +24,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..cli import UsageError
 from ..diagnosis.audit import (
     audit_dataparallel,
     audit_modules,
@@ -36,7 +35,7 @@ from ..diagnosis.mismatch import DeviceMismatchError
 from ..diagnosis.naming import find_in_frames, location, tb_frames, traceback_frames
 from ..diagnosis.report import Finding, Report
 from ..diagnosis.watcher import watch
-from ._common import console, print_json
+from ._common import UsageError, console, print_json
 
 __all__ = ["register", "run", "run_script", "ScriptOutcome", "EXIT_DEVICE_ERROR"]
 

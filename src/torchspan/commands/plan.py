@@ -14,9 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli import UsageError
-
-from ._common import add_memory_option, load_target, parse_memory_options, print_json, synthetic_batch
+from ._common import UsageError, add_memory_option, load_target, parse_memory_options, print_json, synthetic_batch
 from ._common import parse_dtype as _dtype
 from ._common import parse_microbatches as _microbatches
 from ._common import parse_shape as _shape

@@ -27,8 +27,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from ..cli import UsageError
 from ._common import (
+    UsageError,
     add_memory_option,
     console,
     load_target,
@@ -348,7 +348,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .. import report
     from ..accuracy import compare, typical_step_time
-    from ..hardware import _budget_key, parse_memory
+    from ..hardware import budget_key, parse_memory
 
     _check_args(args)
     shape = parse_shape(args.input_shape)
@@ -426,7 +426,7 @@ def run(args: argparse.Namespace) -> int:
         "plan": plan.to_dict(),
     }
     if args.out:
-        budgets = {_budget_key(dev): parse_memory(size, name=f"--memory {dev}") for dev, size in (memory or {}).items()}
+        budgets = {budget_key(dev): parse_memory(size, name=f"--memory {dev}") for dev, size in (memory or {}).items()}
         result["files"] = _write_outputs(Path(args.out), plan, spanned, measured_memory, trained["losses"], budgets, result)
     if args.json:
         print_json(result)

@@ -20,8 +20,7 @@ import torch
 from rich.table import Table
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ..cli import UsageError
-from ._common import console, load_target, synthetic_batch
+from ._common import UsageError, console, load_target, synthetic_batch
 
 
 def register(sub: argparse._SubParsersAction) -> None:
