@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import torchspan
-from torchspan import catalog
+from torchspan.hardware import catalog
 
 
 def test_every_entry_is_described_with_sources_and_figures() -> None:

@@ -113,7 +113,7 @@ def test_missing_cuda_says_what_is_visible(spec: object) -> None:
 
 
 def test_missing_gpu_index_names_the_visible_ones(monkeypatch: pytest.MonkeyPatch) -> None:
-    import torchspan.hardware as hw
+    import torchspan.hardware.inventory as hw
 
     monkeypatch.setattr(hw, "_cuda_count", lambda: 2)
     with pytest.raises(ValueError) as exc:

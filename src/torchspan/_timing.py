@@ -196,7 +196,7 @@ class Speed:
 
 
 def speed_of(device: Device, dtype: torch.dtype) -> Speed:
-    from . import catalog
+    from .hardware import catalog
 
     peak, precision = catalog.flops_for(device, dtype)
     extra = device.extra if isinstance(device.extra, dict) else {}
@@ -212,7 +212,7 @@ def speed_of(device: Device, dtype: torch.dtype) -> Speed:
 
 def host_speed_device(device: Device) -> Device:
     """A present CPU (or meta stand-in) with measured host figures filled in."""
-    from . import catalog
+    from .hardware import catalog
 
     hs = catalog.measure_host()
     extra = dict(device.extra)

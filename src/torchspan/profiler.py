@@ -46,7 +46,7 @@ from torch import nn
 from ._optim_state import OPTIMIZERS, optimizer_spec, optimizer_state_bytes, param_state_bytes
 from ._sizing import Sizes, as_args, batch_size_of, float_dtype, resize_batch, sizing_pass
 from ._timing import Speed, capture, estimate, fit, host_speed_device, on_device, preserved, speed_of, time_layer
-from . import catalog
+from .hardware import catalog
 from .hardware import Device, format_bytes
 from .layers import top_level_layers
 

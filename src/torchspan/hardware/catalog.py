@@ -7,7 +7,7 @@ memory budgets use those keys (``--memory cuda:0=20GiB``).
 
 Usage::
 
-    from torchspan import catalog
+    from torchspan.hardware import catalog
     catalog.names()                      # ['a100-40gb', 'a100-80gb', 'generic-cpu', ...]
     dev = catalog.lookup("h100-80gb")    # Device(cuda, 'NVIDIA H100 80GB SXM5', ...) or None
     catalog.flops_for(dev, torch.bfloat16)   # (989.4e12, 'BF16 dense (tensor cores)')
@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from .hardware import Device
+from .device import Device
 
 __all__ = ["Entry", "ENTRIES", "names", "lookup", "entry", "match_name", "with_figures", "flops_for", "HostSpeed", "measure_host"]
 

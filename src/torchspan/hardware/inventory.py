@@ -1,156 +1,31 @@
-"""Find and describe devices, parse device specs and memory budgets, move nested objects.
+"""What this machine has: find and describe devices, parse device specs and memory budgets.
+
+``devices("cuda:0,1,cpu", memory={"cuda:0": "10GiB"})`` checks each entry against what is visible
+(``CUDA_VISIBLE_DEVICES`` included), looks names it does not know up in ``catalog`` (devices you do
+not have, described from datasheets) and applies the budgets.
 
 Usage::
 
-    from torchspan import devices, to_device
+    from torchspan.hardware import devices, resolve_device
     devs = devices("cuda:0,cpu", memory={"cuda:0": "10GiB"})
-    batch = to_device(batch, devs[0])
+    resolve_device("cpu") == torch.device("cpu")
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 import platform
 import re
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
 
 import torch
-from torch import nn
 
-__all__ = [
-    "Device",
-    "devices",
-    "parse_memory",
-    "format_bytes",
-    "to_device",
-    "resolve_device",
-    "physical_index",
-]
+from . import catalog
+from .device import Device, format_bytes, parse_memory
 
-T = TypeVar("T")
-
-_UNITS: dict[str, int] = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-_MEMORY_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
-
-
-def parse_memory(value: int | float | str, *, name: str = "memory") -> int:
-    """Parse a memory size (``"10GiB"``, ``"32GB"``, ``"512 MiB"``, ``1024``) into bytes.
-
-    Usage: ``parse_memory("1.5GiB") == 1610612736``.
-    Raises ``ValueError`` naming ``name`` for negative or unparseable values.
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} is not a memory size; use bytes (e.g. 1073741824) or a string like '1GiB'")
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError(f"{name}={value!r} is negative; a memory size must be >= 0 bytes")
-        return int(value)
-    if not isinstance(value, str):
-        raise ValueError(
-            f"{name}={value!r} ({type(value).__name__}) is not a memory size; use an int of bytes or a string like '10GiB'"
-        )
-    text = value.strip()
-    if text.startswith("-"):
-        raise ValueError(f"{name}={value!r} is negative; a memory size must be >= 0 bytes")
-    m = _MEMORY_RE.match(text)
-    unit = m.group(2).upper() if m else None
-    if m is None or unit not in _UNITS:
-        raise ValueError(
-            f"{name}={value!r} is not a memory size; write a number with an optional unit "
-            "from B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. '10GiB'"
-        )
-    return int(float(m.group(1)) * _UNITS[unit])
-
-
-def format_bytes(n: int | float | None) -> str:
-    """Human-readable binary size: ``format_bytes(3 * 2**30) == '3.00 GiB'``."""
-    if n is None:
-        return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"  # pragma: no cover
-
-
-@dataclass
-class Device:
-    """One device torchspan can place work on.
-
-    ``device`` is the ``torch.device``; ``total_memory``/``free_memory`` are bytes (``None`` when
-    unknown); ``budget`` is the user's memory budget in bytes (``None``: use what is free).
-    Devices found on this machine have ``source="found"``; devices described from a catalog
-    (planning for hardware you do not have) carry where their figures come from.
-    """
-
-    device: torch.device
-    name: str
-    total_memory: int | None = None
-    free_memory: int | None = None
-    budget: int | None = None
-    physical: str | None = None
-    peak_flops: float | None = None
-    host_bandwidth: float | None = None
-    source: str = "found"
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def kind(self) -> str:
-        """Device type: ``"cpu"``, ``"cuda"``, ``"mps"``, ``"meta"``…"""
-        return self.device.type
-
-    @property
-    def index(self) -> int | None:
-        return self.device.index
-
-    @property
-    def capacity(self) -> int | None:
-        """Bytes torchspan may use here: the budget if one was given, else free (or total) memory."""
-        if self.budget is not None:
-            return self.budget
-        return self.free_memory if self.free_memory is not None else self.total_memory
-
-    @property
-    def present(self) -> bool:
-        """True when the device exists on this machine (not merely described)."""
-        return self.source == "found"
-
-    def __str__(self) -> str:
-        return str(self.device)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "device": str(self.device),
-            "kind": self.kind,
-            "name": self.name,
-            "total_memory": self.total_memory,
-            "free_memory": self.free_memory,
-            "budget": self.budget,
-            "physical": self.physical,
-            "peak_flops": self.peak_flops,
-            "host_bandwidth": self.host_bandwidth,
-            "source": self.source,
-        }
-
-
-# --------------------------------------------------------------------------- discovery
+__all__ = ["devices", "resolve_device", "physical_index", "budget_key"]
 
 
 def _cuda_count() -> int:
@@ -341,19 +216,6 @@ def _split_spec(spec: str) -> list[str]:
     return tokens
 
 
-def _lookup_catalog(token: str) -> Device | None:
-    """A described (not present) device from torchspan's catalog, e.g. ``"a100-40gb"``."""
-    from . import catalog  # lazy: catalog imports this module
-
-    return catalog.lookup(token)
-
-
-def _catalog_names() -> str:
-    from . import catalog
-
-    return ", ".join(catalog.names())
-
-
 def _expand(item: str | int | torch.device | Device, spec_repr: str) -> list[Device]:
     if isinstance(item, Device):
         return [dataclasses.replace(item)]
@@ -372,12 +234,12 @@ def _expand(item: str | int | torch.device | Device, spec_repr: str) -> list[Dev
             return [_describe_found(torch.device("cuda", i)) for i in range(n)]
         head = low.split(":", 1)[0]
         if head not in ("cpu", "cuda", "mps", "meta"):
-            described = _lookup_catalog(low)
+            described = catalog.lookup(low)
             if described is not None:
                 return [described]
             raise ValueError(
                 f"devices={spec_repr}: unknown device {item!r}. Use 'auto', 'cpu', 'cuda', 'cuda:N', 'mps', 'meta', "
-                f"a catalog name ({_catalog_names()}), or a comma list; visible here: {_visible_summary()}"
+                f"a catalog name ({', '.join(catalog.names())}), or a comma list; visible here: {_visible_summary()}"
             )
     return [_describe_found(resolve_device(item, name="devices"))]
 
@@ -439,7 +301,8 @@ def devices(
     return found
 
 
-def _budget_key(key: str | torch.device | int) -> str:
+def budget_key(key: str | torch.device | int) -> str:
+    """The device name a memory budget key stands for: ``0`` and ``"cuda"`` -> ``"cuda:0"``, ``" CPU "`` -> ``"cpu"``."""
     if isinstance(key, int) and not isinstance(key, bool):
         return f"cuda:{key}"
     k = str(key).strip().lower()
@@ -453,7 +316,7 @@ def _apply_budgets(found: list[Device], memory: Mapping[str, int | float | str])
         raise ValueError(f"memory={memory!r} must be a mapping like {{'cuda:0': '10GiB', 'cpu': '32GB'}}")
     names = {str(d.device) for d in found}
     for key, value in memory.items():
-        k = _budget_key(key)
+        k = budget_key(key)
         if k not in names:
             raise ValueError(
                 f"memory[{key!r}]={value!r} names a device that is not in the device list "
@@ -471,90 +334,3 @@ def _apply_budgets(found: list[Device], memory: Mapping[str, int | float | str])
                         UserWarning,
                         stacklevel=3,
                     )
-
-
-# --------------------------------------------------------------------------- moving things
-
-
-def _is_namedtuple(obj: Any) -> bool:
-    return isinstance(obj, tuple) and hasattr(obj, "_fields")
-
-
-def _move_tensor(t: torch.Tensor, dev: torch.device, non_blocking: bool) -> torch.Tensor:
-    if t.device == dev:
-        return t
-    if t.is_meta and dev.type != "meta":
-        raise ValueError(
-            f"cannot move a meta tensor (shape {tuple(t.shape)}, no data) to {dev}; "
-            "materialise the module with module.to_empty(device=...) and load its weights instead"
-        )
-    return t.to(dev, non_blocking=non_blocking)
-
-
-def _move_optimizer(opt: torch.optim.Optimizer, dev: torch.device, non_blocking: bool) -> None:
-    for group in opt.param_groups:
-        keep_step_on_host = not (group.get("capturable", False) or group.get("fused", False))
-        for p in group["params"]:
-            state = opt.state.get(p)
-            if not state:
-                continue
-            for key, value in list(state.items()):
-                if isinstance(value, torch.Tensor):
-                    # PyTorch keeps Adam-style `step` counters on the host unless capturable/fused.
-                    if key == "step" and keep_step_on_host:
-                        continue
-                    state[key] = _move_tensor(value, dev, non_blocking)
-
-
-def to_device(obj: T, device: str | int | torch.device | Device, non_blocking: bool = False) -> T:
-    """Move every tensor inside ``obj`` to ``device``, keeping the structure.
-
-    Handles tensors; dicts, lists, tuples, namedtuples and dataclasses (same type back); ``nn.Module``
-    (parameters **and buffers**, in place, returned); ``torch.optim.Optimizer`` state (in place,
-    returned). Anything else is returned unchanged.
-
-    Usage: ``batch = to_device({"x": x, "y": [y1, y2]}, "cuda:0")``;
-    ``to_device(criterion, "cuda")`` moves a ``CrossEntropyLoss(weight=...)`` buffer too.
-    """
-    dev = resolve_device(device)
-    return _to(obj, dev, non_blocking)
-
-
-def _to(obj: Any, dev: torch.device, non_blocking: bool) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return _move_tensor(obj, dev, non_blocking)
-    if isinstance(obj, nn.Module):
-        for name, t in list(obj.named_parameters()) + list(obj.named_buffers()):
-            if t.is_meta and dev.type != "meta":
-                raise ValueError(
-                    f"cannot move {type(obj).__name__}: {name!r} is on meta (no data); use "
-                    f"module.to_empty(device={str(dev)!r}) and load its weights"
-                )
-        return obj.to(dev, non_blocking=non_blocking)
-    if isinstance(obj, torch.optim.Optimizer):
-        _move_optimizer(obj, dev, non_blocking)
-        return obj
-    if isinstance(obj, (str, bytes)) or obj is None:
-        return obj
-    if _is_namedtuple(obj):
-        return type(obj)(*(_to(v, dev, non_blocking) for v in obj))
-    if isinstance(obj, tuple):
-        return tuple(_to(v, dev, non_blocking) for v in obj)
-    if isinstance(obj, list):
-        return [_to(v, dev, non_blocking) for v in obj]
-    if isinstance(obj, Mapping):
-        moved = {k: _to(v, dev, non_blocking) for k, v in obj.items()}
-        if type(obj) is dict:
-            return moved
-        try:
-            if hasattr(obj, "default_factory"):
-                return type(obj)(obj.default_factory, moved)  # type: ignore[attr-defined]
-            return type(obj)(moved)
-        except TypeError:
-            return moved
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        new = copy.copy(obj)
-        for f in dataclasses.fields(obj):
-            object.__setattr__(new, f.name, _to(getattr(obj, f.name), dev, non_blocking))
-        return new
-    return obj
