@@ -24,13 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..diagnosis.audit import (
-    audit_dataparallel,
-    audit_modules,
-    audit_optimizer,
-    audit_state_dict,
-    looks_like_device_error,
-)
+from ..diagnosis.audit import audit_modules, audit_optimizer, looks_like_device_error
+from ..diagnosis.dataparallel import audit_dataparallel, audit_state_dict
 from ..diagnosis.mismatch import DeviceMismatchError
 from ..diagnosis.naming import find_in_frames, location, tb_frames, traceback_frames
 from ..diagnosis.report import Finding, Report

@@ -22,37 +22,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from .dataparallel import audit_dataparallel, audit_state_dict
 from .mismatch import DeviceMismatchError, dtype_name, is_cpu_scalar
-from .report import Finding, Report
-from .watcher import dataparallel_inert_finding, watch
+from .naming import named_tensors
+from .report import Finding, Report, name_list
+from .watcher import watch
 
 __all__ = [
     "doctor",
     "audit_modules",
     "audit_batch",
     "audit_optimizer",
-    "audit_dataparallel",
-    "audit_state_dict",
     "looks_like_device_error",
 ]
-
-_SHOW = 6  # names listed per group before "+N more"
-_PREFIXES = ("module.", "_orig_mod.")
-
-
-def _names(items: list[str]) -> str:
-    more = f" (+{len(items) - _SHOW} more)" if len(items) > _SHOW else ""
-    return ", ".join(items[:_SHOW]) + more
-
-
-def _tensors_of(module: nn.Module, prefix: str) -> list[tuple[str, str, torch.Tensor]]:
-    """``(kind, qualified name, tensor)`` for every parameter and buffer (shared ones once)."""
-    out: list[tuple[str, str, torch.Tensor]] = []
-    for name, p in module.named_parameters():
-        out.append(("parameter", f"{prefix}.{name}", p))
-    for name, b in module.named_buffers():
-        out.append(("buffer", f"{prefix}.{name}", b))
-    return out
 
 
 def _majority(devices: list[str]) -> str | None:
@@ -89,7 +71,7 @@ def audit_modules(
     """
     mname, lname = names
     findings: list[Finding] = []
-    tensors = _tensors_of(model, mname)
+    tensors = named_tensors(model, mname)
     groups: dict[str, list[str]] = {}
     for _, qual, t in tensors:
         groups.setdefault(str(t.device), []).append(qual)
@@ -102,7 +84,7 @@ def audit_modules(
                 severity="warning",
                 title=f"{mname} has parameters and buffers on {len(groups)} devices ({', '.join(sorted(groups))})",
                 where=mname,
-                details=[f"{dev}: {_names(groups[dev])}" for dev in sorted(groups, key=lambda d: d != main)],
+                details=[f"{dev}: {name_list(groups[dev])}" for dev in sorted(groups, key=lambda d: d != main)],
                 fix=(
                     f"if the split is deliberate (model parallel), move activations between the parts in forward "
                     f"(`x = x.to('{odd[0]}')` before the first layer on {odd[0]}); otherwise move the whole model: "
@@ -113,7 +95,7 @@ def audit_modules(
     findings.extend(_tensor_attributes(model, mname))
 
     if isinstance(loss_fn, nn.Module):
-        ltensors = _tensors_of(loss_fn, lname)
+        ltensors = named_tensors(loss_fn, lname)
         ref, why = target_device, "the target"
         if ref is None:
             last = _last_layer(model, mname)
@@ -128,7 +110,7 @@ def audit_modules(
                     severity="error" if target_device is not None else "warning",
                     title=f"{lname} {kind} `{qual}` is on {t.device} but {why} is on {ref}",
                     where=f"{lname} ({type(loss_fn).__name__})",
-                    details=[f"{t.device}: {_names([q for _, q, _ in stray])}"],
+                    details=[f"{t.device}: {name_list([q for _, q, _ in stray])}"],
                     fix=(
                         f"call `{lname}.to('{ref}')`: a loss's buffers (e.g. CrossEntropyLoss(weight=...)) stay where "
                         f"they were made until the loss module itself is moved"
@@ -269,9 +251,9 @@ def audit_optimizer(
             continue
         matched = [p for _, p in stale if tuple(p.shape) in orphan_shapes]
         listed = [f"params[{i}] {tuple(p.shape)} on {p.device}" for i, p in stale]
-        details = [f"{len(stale)} of {len(group['params'])} tensors: {_names(listed)}"]
+        details = [f"{len(stale)} of {len(group['params'])} tensors: {name_list(listed)}"]
         if orphans:
-            details.append(f"{len(orphans)} parameter(s) of {mname} are in no param group: {_names([f'{mname}.{n}' for n, _ in orphans])}")
+            details.append(f"{len(orphans)} parameter(s) of {mname} are in no param group: {name_list([f'{mname}.{n}' for n, _ in orphans])}")
         findings.append(
             Finding(
                 code="optimizer-stale-params",
@@ -309,7 +291,7 @@ def audit_optimizer(
                 severity="error",
                 title=f"{len(stray)} optimizer state tensor(s) are not on their parameter's device",
                 where=oname,
-                details=[_names(stray)],
+                details=[name_list(stray)],
                 fix=(
                     f"move the state next to the parameters: `torchspan.to_device({oname}, '{dev}')`, or call "
                     f"`{mname}.to('{dev}')` before `{oname}.load_state_dict(...)` (it puts the state on each "
@@ -317,107 +299,6 @@ def audit_optimizer(
                 ),
             )
         )
-    return findings
-
-
-# ---------------------------------------------------------------------- DataParallel
-
-
-def audit_dataparallel(model: nn.Module, *, name: str = "model") -> list[Finding]:
-    """``nn.DataParallel`` without CUDA, or whose wrapped parameters are not on ``device_ids[0]``.
-
-    Usage: ``audit_dataparallel(model)``.
-    """
-    findings: list[Finding] = []
-    for path, mod in model.named_modules():
-        if not isinstance(mod, nn.DataParallel):
-            continue
-        qual = f"{name}.{path}" if path else name
-        if not mod.device_ids:
-            findings.append(dataparallel_inert_finding(qual))
-            continue
-        src = mod.src_device_obj
-        stray = [(k, q, t) for k, q, t in _tensors_of(mod.module, f"{qual}.module") if t.device != src]
-        if stray:
-            kind, first, t = stray[0]
-            findings.append(
-                Finding(
-                    code="dataparallel-device",
-                    severity="error",
-                    title=(
-                        f"nn.DataParallel `{qual}` needs the wrapped module on {src} (device_ids[0]), but {kind} "
-                        f"`{first}` is on {t.device}" + (f" (and {len(stray) - 1} more)" if len(stray) > 1 else "")
-                    ),
-                    where=qual,
-                    details=[_names([f"{q} on {x.device}" for _, q, x in stray])],
-                    fix=(
-                        f"call `{qual}.module.to('{src}')` before the first forward (or `model.to('{src}')` before "
-                        f"wrapping); in CPU mode remove the wrapper: `{qual} = {qual}.module`"
-                    ),
-                )
-            )
-    return findings
-
-
-# ---------------------------------------------------------------------- state dict
-
-
-def audit_state_dict(
-    model: nn.Module, state_dict: Mapping[str, Any], *, name: str = "model", sd_name: str = "state_dict"
-) -> list[Finding]:
-    """Keys with a ``module.`` (or ``_orig_mod.``) prefix the model lacks, and the reverse.
-
-    ``name`` and ``sd_name`` are the variable names used in the fix.
-
-    Usage: ``audit_state_dict(model, torch.load("ckpt.pt"))``.
-    """
-    if not isinstance(state_dict, Mapping):
-        raise ValueError(
-            f"state_dict={type(state_dict).__name__} is not a mapping of names to tensors; pass "
-            f"`torch.load(path)` (or its ['model'] entry if the checkpoint bundles several things)"
-        )
-    findings: list[Finding] = []
-    sd_keys = set(state_dict)
-    model_keys = set(model.state_dict())
-    if not sd_keys or sd_keys == model_keys:
-        return findings
-    for prefix in _PREFIXES:
-        if all(k.startswith(prefix) for k in sd_keys) and not all(k.startswith(prefix) for k in model_keys):
-            stripped = {k[len(prefix):] for k in sd_keys}
-            if len(stripped & model_keys) >= max(1, len(stripped) // 2):
-                example = sorted(sd_keys)[0]
-                findings.append(
-                    Finding(
-                        code="state-dict-prefix",
-                        severity="error",
-                        title=(
-                            f"state dict keys carry a '{prefix}' prefix (e.g. {example!r}) that {name}'s keys lack"
-                            + (" - it was saved from nn.DataParallel / DistributedDataParallel" if prefix == "module." else " - it was saved from a torch.compile'd model")
-                        ),
-                        where="state_dict",
-                        details=[f"{len(stripped & model_keys)} of {len(sd_keys)} keys match once the prefix is removed"],
-                        fix=(
-                            f"strip it before loading: `torch.nn.modules.utils.consume_prefix_in_state_dict_if_present("
-                            f"{sd_name}, '{prefix}')`, then `{name}.load_state_dict({sd_name})`; next time save the "
-                            f"unwrapped model: `.{prefix.rstrip('.')}.state_dict()` of the wrapper"
-                        ),
-                    )
-                )
-                return findings
-        if all(k.startswith(prefix) for k in model_keys) and not any(k.startswith(prefix) for k in sd_keys):
-            added = {prefix + k for k in sd_keys}
-            if len(added & model_keys) >= max(1, len(added) // 2):
-                findings.append(
-                    Finding(
-                        code="state-dict-prefix",
-                        severity="error",
-                        title=f"{name} is wrapped (its keys start with '{prefix}') but the state dict's keys do not",
-                        where="state_dict",
-                        details=[f"{len(added & model_keys)} of {len(sd_keys)} keys match once the prefix is added"],
-                        fix=f"load into the wrapped module: `{name}.{prefix.rstrip('.')}.load_state_dict({sd_name})`",
-                    )
-                )
-                return findings
     return findings
 
 

@@ -23,7 +23,16 @@ from torch import nn
 from .naming import Location, Namer, op_name
 from .report import Finding, TensorArg
 
-__all__ = ["DeviceMismatchError", "describe_tensors", "expected_device", "build_fix", "FACTORY_NAMES", "is_factory", "py_path"]
+__all__ = [
+    "DeviceMismatchError",
+    "mismatch_error",
+    "describe_tensors",
+    "expected_device",
+    "build_fix",
+    "FACTORY_NAMES",
+    "is_factory",
+    "py_path",
+]
 
 FACTORY_NAMES = frozenset(
     "tensor as_tensor ones zeros full empty rand randn randint arange linspace eye scalar_tensor".split()
@@ -277,3 +286,57 @@ def build_fix(
     seen: set[str] = set()
     uniq = [f for f in fixes if not (f in seen or seen.add(f))]
     return "; ".join(uniq)
+
+
+def mismatch_error(
+    func: Any,
+    pairs: Sequence[tuple[str, torch.Tensor]],
+    *,
+    phase: str,
+    namer: Namer,
+    module: nn.Module | None,
+    exact: bool,
+    node: Any,
+    running_opt: tuple[str, torch.optim.Optimizer] | None,
+    producer: Callable[[torch.Tensor], tuple[Any, nn.Module | None] | None],
+    original: BaseException | None,
+) -> DeviceMismatchError:
+    """Compose the error for op ``func`` whose labelled tensors ``pairs`` sit on different devices.
+
+    ``module`` is the running module (forward) or the backward node's (``exact`` False when only an
+    enclosing one is known); ``running_opt`` the ``(name, optimizer)`` whose step is running;
+    ``original`` PyTorch's own error, None when PyTorch let a ``meta`` mix through.
+    """
+    if running_opt is not None and module is None:
+        phase = "optimizer step"
+    tensors, factories = describe_tensors(pairs, namer, phase, producer)
+    expected = expected_device(tensors, module)
+    for t in tensors:
+        t.odd = t.device != expected and not (t.device == "cpu" and t.shape == ())
+    location = namer.location
+    module_path = namer.module_path(module) if module is not None else None
+    if phase == "backward":
+        node_name = node.name() if node is not None else "autograd"
+        where = f"backward of {node_name}"
+        if module is not None:
+            where += f" {'in' if exact else 'inside or feeding'} {namer.module_label(module)}"
+    elif running_opt is not None and module is None:
+        where = f"{running_opt[0]}.step() ({type(running_opt[1]).__name__})"
+    else:
+        where = namer.module_label(module) if module is not None else None
+    fix = build_fix(tensors, expected, module_path, module, location, factories)
+    if original is None:
+        fix += (
+            " (PyTorch did not refuse this op because one side is on 'meta', whose kernels skip device checks; "
+            "on real devices it raises)"
+        )
+    return DeviceMismatchError(
+        op=op_name(func),
+        phase=phase,
+        module=where,
+        tensors=tensors,
+        expected=expected,
+        fix=fix,
+        location=location,
+        original=str(original).strip().splitlines()[0] if original is not None and str(original).strip() else None,
+    )

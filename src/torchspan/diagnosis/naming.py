@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Location", "Namer", "user_frames", "location", "op_name", "is_internal_file", "tb_frames", "traceback_frames"]
+__all__ = ["Location", "Namer", "named_tensors", "user_frames", "location", "op_name", "is_internal_file", "tb_frames", "traceback_frames"]
 
 _INTERNAL_DIRS = tuple(
     os.path.dirname(os.path.abspath(m.__file__)) + os.sep
@@ -35,6 +35,16 @@ _INTERNAL_DIRS = tuple(
     if getattr(m, "__file__", None)
 ) + (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
 _INTERNAL_FILES = {os.path.abspath(runpy.__file__), os.path.abspath(contextlib.__file__)}
+
+
+def named_tensors(module: nn.Module, prefix: str) -> list[tuple[str, str, torch.Tensor]]:
+    """``(kind, qualified name, tensor)`` for every parameter and buffer of ``module`` (shared ones once)."""
+    out: list[tuple[str, str, torch.Tensor]] = []
+    for name, p in module.named_parameters():
+        out.append(("parameter", f"{prefix}.{name}", p))
+    for name, b in module.named_buffers():
+        out.append(("buffer", f"{prefix}.{name}", b))
+    return out
 
 
 def is_internal_file(filename: str) -> bool:

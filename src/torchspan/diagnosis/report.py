@@ -14,9 +14,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TensorArg", "Finding", "Report", "SEVERITIES"]
+__all__ = ["TensorArg", "Finding", "Report", "SEVERITIES", "name_list"]
 
 SEVERITIES = ("error", "warning", "info")
+_SHOW = 6  # names listed per group before "+N more"
+
+
+def name_list(items: list[str]) -> str:
+    """``a, b, c, d, e, f (+2 more)``: the first few names of a finding's detail line."""
+    more = f" (+{len(items) - _SHOW} more)" if len(items) > _SHOW else ""
+    return ", ".join(items[:_SHOW]) + more
 
 
 @dataclass

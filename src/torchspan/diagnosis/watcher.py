@@ -6,7 +6,9 @@ hooks, custom autograd Functions and autograd's own formulas are checked too. Mo
 (global forward hooks, see ``tracking.py``) says which module is running. The hot path compares
 devices and nothing else; names, producers and the fix are worked out only on a mismatch.
 ``torch.compile``'d code runs eagerly while watched (``set_stance("force_eager")``), so its ops
-are checked one by one like any other.
+are checked one by one like any other. Around it: ``oparguments`` reads an op's tensors,
+``mismatch`` composes the error, ``backward`` translates the autograd engine's own device errors
+and ``dataparallel`` checks an ``nn.DataParallel`` as it starts.
 
 On a mismatch the op is first handed to PyTorch: its error (if any) becomes the ``__cause__``.
 PyTorch accepting a mix of real devices (CPU scalars, CPU lengths for ``pack_padded_sequence``)
@@ -22,13 +24,11 @@ Usage::
 
 from __future__ import annotations
 
-import inspect
-import re
 import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,20 +36,13 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .mismatch import (
-    DeviceMismatchError,
-    base_name,
-    build_fix,
-    describe_tensors,
-    dtype_name,
-    expected_device,
-    is_cpu_scalar,
-    is_factory,
-    py_path,
-)
-from .naming import Namer, op_name
-from .report import Finding, TensorArg
-from .tracking import ModuleTracker, node_module
+from .backward import engine_error, node_module_in
+from .dataparallel import dataparallel_device_error, dataparallel_inert_finding, stray_tensors
+from .mismatch import DeviceMismatchError, base_name, is_factory, mismatch_error
+from .naming import Namer
+from .oparguments import devices_disagree, iter_tensors, label_pairs, real_mismatch
+from .report import Finding
+from .tracking import ModuleTracker
 
 __all__ = ["watch", "Watcher", "active_watcher"]
 
@@ -97,112 +90,6 @@ def _classify(func: Any) -> int:
     return _CHECK
 
 
-def _iter_tensors(args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[tuple[int | str, int, _Tensor]]:
-    for i, a in enumerate(args):
-        if isinstance(a, _Tensor):
-            yield i, -1, a
-        elif type(a) in (list, tuple):
-            for j, b in enumerate(a):
-                if isinstance(b, _Tensor):
-                    yield i, j, b
-    for k, v in kwargs.items():
-        if isinstance(v, _Tensor):
-            yield k, -1, v
-        elif type(v) in (list, tuple):
-            for j, b in enumerate(v):
-                if isinstance(b, _Tensor):
-                    yield k, j, b
-
-
-def _devices_disagree(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
-    """Fast check: any two tensor arguments on different devices (scalars not excluded yet)."""
-    dev = None
-    for a in args:
-        if isinstance(a, _Tensor):
-            d = a.device
-            if dev is None:
-                dev = d
-            elif d != dev:
-                return True
-        elif type(a) in (list, tuple):
-            for b in a:
-                if isinstance(b, _Tensor):
-                    d = b.device
-                    if dev is None:
-                        dev = d
-                    elif d != dev:
-                        return True
-    if kwargs:
-        for v in kwargs.values():
-            if isinstance(v, _Tensor):
-                d = v.device
-                if dev is None:
-                    dev = d
-                elif d != dev:
-                    return True
-    return False
-
-
-def _real_mismatch(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
-    """Slow check, run only when devices differ: CPU 0-dim tensors are legal scalars anywhere."""
-    if base_name(func).startswith("_foreach"):
-        lists = [a for a in list(args) + list(kwargs.values()) if type(a) in (list, tuple)]
-        singles = {
-            t.device for t in list(args) + list(kwargs.values()) if isinstance(t, _Tensor) and not is_cpu_scalar(t)
-        }
-        n = max((len(x) for x in lists), default=0)
-        for i in range(n):
-            devs = set(singles)
-            for x in lists:
-                if i < len(x) and isinstance(x[i], _Tensor) and not is_cpu_scalar(x[i]):
-                    devs.add(x[i].device)
-            if len(devs) > 1:
-                return True
-        return False
-    devs = {t.device for _, _, t in _iter_tensors(args, kwargs) if not is_cpu_scalar(t)}
-    return len(devs) > 1
-
-
-_DOC_SIG = re.compile(r"^\s*\w+\((.*?)\)")
-
-
-def _arg_names(func: Any) -> list[str]:
-    if isinstance(func, torch._ops.OpOverload):
-        return [a.name for a in func._schema.arguments]
-    try:
-        params = inspect.signature(func).parameters.values()
-        return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
-    except (TypeError, ValueError):
-        pass
-    doc = (getattr(func, "__doc__", None) or "").strip()
-    m = _DOC_SIG.match(doc.splitlines()[0]) if doc else None
-    names: list[str] = []
-    if m:
-        for part in m.group(1).split(","):
-            part = part.strip()
-            if part.startswith("*"):
-                break
-            names.append(part.split("=", 1)[0].split(":", 1)[0].strip())
-    qual = getattr(func, "__qualname__", "")
-    if qual.startswith(("TensorBase.", "Tensor.")):
-        names.insert(0, "self")
-    return names
-
-
-def _label_pairs(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[tuple[str, _Tensor]]:
-    names = _arg_names(func)
-    out: list[tuple[str, _Tensor]] = []
-    for key, j, t in _iter_tensors(args, kwargs):
-        if is_cpu_scalar(t):
-            continue
-        if isinstance(key, int):
-            base = names[key] if key < len(names) else f"arg {key}"
-        else:
-            base = key
-        out.append((f"{base}[{j}]" if j >= 0 else base, t))
-    return out
-
-
 class _FunctionWatcher(TorchFunctionMode):
     """Sees every torch call of the forward and the optimizer step (one per thread that entered)."""
 
@@ -222,7 +109,7 @@ class _FunctionWatcher(TorchFunctionMode):
             return func(*args, **kwargs)
         if kind == _BACKWARD:
             return owner._run_backward(func, args, kwargs)
-        if _devices_disagree(args, kwargs) and _real_mismatch(func, args, kwargs):
+        if devices_disagree(args, kwargs) and real_mismatch(func, args, kwargs):
             return owner._on_mismatch(func, args, kwargs, "forward")
         out = func(*args, **kwargs)
         if kind != _NOTAG:
@@ -258,24 +145,12 @@ class _DispatchWatcher(TorchDispatchMode):
             kind = owner._kinds[func] = _classify(func)
         if kind == _SKIP:
             return func(*args, **kwargs)
-        if _devices_disagree(args, kwargs) and _real_mismatch(func, args, kwargs):
+        if devices_disagree(args, kwargs) and real_mismatch(func, args, kwargs):
             return owner._on_mismatch(func, args, kwargs, "backward")
         out = func(*args, **kwargs)
         if kind == _FACTORY and type(out) is _Tensor:
             owner._src[id(out)] = (_ref(out), func, None)
         return out
-
-
-_ENGINE_GRAD = re.compile(r"Function (\w+) returned an invalid gradient at index (\d+) - expected device (\S+) but got (\S+)")
-_ENGINE_HOOK = re.compile(r"hook '(.+?)' has changed the type of value \(was (\S+) got (\S+)\)")
-
-
-def _type_to_device(name: str) -> str:
-    low = name.lower()
-    for dev in ("meta", "cuda", "mps", "xpu"):
-        if dev in low:
-            return dev
-    return "cpu"
 
 
 class Watcher:
@@ -375,41 +250,9 @@ class Watcher:
                 namer = self._namer(sys._getframe(1))
                 self.findings.append(dataparallel_inert_finding(namer.module_path(dp)))
             return
-        src = dp.src_device_obj
-        stray = [
-            (n, t)
-            for n, t in list(dp.module.named_parameters()) + list(dp.module.named_buffers())
-            if t.device != src
-        ]
-        if not stray:
-            return
-        namer = self._namer(sys._getframe(1))
-        path = py_path(namer.module_path(dp))
-        args: list[TensorArg] = []
-        for n, t in stray[:4]:
-            named = namer.tensor(t)
-            kind, name = named if named else ("parameter", f"{path}.module.{n}")
-            args.append(TensorArg(n, str(t.device), tuple(t.shape), dtype_name(t), kind, name, odd=True))
-        more = f" (and {len(stray) - 4} more)" if len(stray) > 4 else ""
-        first = args[0].name
-        raise DeviceMismatchError(
-            op="nn.DataParallel.forward",
-            phase="forward",
-            module=namer.module_label(dp),
-            tensors=args,
-            expected=str(src),
-            headline=(
-                f"nn.DataParallel needs every parameter and buffer of the wrapped module on {src} "
-                f"(device_ids[0]) before its forward, but {first} is on {args[0].device}{more}"
-            ),
-            fix=(
-                f"move the model before wrapping it: `{path}.module.to('{src}')` (or build it with "
-                f"`model.to('{src}')` first, then `nn.DataParallel(model)`); in CPU mode drop the wrapper: "
-                f"`{path} = {path}.module`"
-            ),
-            location=namer.location,
-            code="dataparallel-device",
-        )
+        stray = stray_tensors(dp)
+        if stray:
+            raise dataparallel_device_error(dp, stray, self._namer(sys._getframe(1)))
 
     # ------------------------------------------------------------------ backward
     def _run_backward(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -422,87 +265,11 @@ class Watcher:
         except DeviceMismatchError:
             raise
         except RuntimeError as exc:
-            err = self._translate_engine_error(exc)
+            frame = sys._getframe()
+            err = engine_error(str(exc), self._bw_roots, lambda: self._namer(frame))
             if err is None:
                 raise
             raise err from exc
-
-    def _walk_graph(self) -> Iterator[tuple[Any, nn.Module | None]]:
-        """Autograd nodes reachable from the backward roots, with the nearest enclosing module output."""
-        seen: set[int] = set()
-        todo: list[tuple[Any, nn.Module | None]] = [(n, node_module(n)) for n in self._bw_roots]
-        while todo:
-            node, mod = todo.pop()
-            if node is None or id(node) in seen:
-                continue
-            seen.add(id(node))
-            own = node_module(node) or mod
-            yield node, own
-            for nxt, _ in getattr(node, "next_functions", ()):
-                if nxt is not None:
-                    todo.append((nxt, node_module(nxt) or own))
-
-    def _node_module(self, node: Any) -> tuple[nn.Module | None, bool]:
-        """``(module, exact)`` for the backward node ``node``."""
-        mod = node_module(node)
-        if mod is not None:
-            return mod, True
-        for n, m in self._walk_graph():
-            if n is node:
-                return m, False
-        return None, False
-
-    def _translate_engine_error(self, exc: RuntimeError) -> DeviceMismatchError | None:
-        text = str(exc)
-        m = _ENGINE_GRAD.search(text)
-        if m:
-            fname, index, expected, got = m.group(1), int(m.group(2)), m.group(3), m.group(4)
-            # the walk gives each node with its module (its own, else the nearest enclosing one)
-            node, mod = next(((n, m) for n, m in self._walk_graph() if n.name() == fname), (None, None))
-            namer = self._namer(sys._getframe(1))
-            target = None
-            if node is not None and index < len(node.next_functions):
-                nxt = node.next_functions[index][0]
-                var = getattr(nxt, "variable", None)
-                if isinstance(var, _Tensor):
-                    named = namer.tensor(var)
-                    target = named[1] if named else None
-            fwd = getattr(type(node), "_forward_cls", None) if node is not None else None
-            where = _source_of(getattr(fwd, "backward", None)) if fwd is not None else None
-            for_what = f" for {target}" if target else ""
-            fix_where = f"{fwd.__name__}.backward" if fwd is not None else f"the backward of {fname}"
-            return DeviceMismatchError(
-                op=f"{fname} (backward)",
-                phase="backward",
-                module=f"backward of {fname}" + (f" in {namer.module_label(mod)}" if mod is not None else ""),
-                tensors=[TensorArg(f"grad_input[{index}]", got, (), "?", "gradient", target, f"returned by {fname}", odd=True)],
-                expected=expected,
-                headline=f"{fname} returned gradient {index}{for_what} on {got}, but that input lives on {expected}",
-                fix=(
-                    f"in {fix_where}{' (' + where + ')' if where else ''} create every returned tensor on the input's "
-                    f"device, e.g. `torch.ones(..., device=grad_output.device)` or `result.to(grad_output.device)`"
-                ),
-                location=namer.location,
-                original=text.splitlines()[0],
-                code="backward-gradient-device",
-            )
-        m = _ENGINE_HOOK.search(text)
-        if m:
-            hook, was, got = m.group(1), _type_to_device(m.group(2)), _type_to_device(m.group(3))
-            namer = self._namer(sys._getframe(1))
-            return DeviceMismatchError(
-                op=f"tensor hook {hook}",
-                phase="backward",
-                module=None,
-                tensors=[TensorArg("returned gradient", got, (), "?", "gradient", None, f"returned by hook {hook}", odd=True)],
-                expected=was,
-                headline=f"the tensor hook {hook} returned a gradient on {got} for a tensor on {was}",
-                fix=f"make {hook} return a tensor on the gradient's device: `return new_grad.to(grad.device)`",
-                location=namer.location,
-                original=text.splitlines()[0],
-                code="backward-hook-device",
-            )
-        return None
 
     # ------------------------------------------------------------------ mismatch
     def _namer(self, frame: Any) -> Namer:
@@ -518,7 +285,7 @@ class Watcher:
         except Exception as exc:  # PyTorch refused: keep its error as the cause
             original = exc
         else:
-            devs = {t.device.type for _, _, t in _iter_tensors(args, kwargs)}
+            devs = {t.device.type for _, _, t in iter_tensors(args, kwargs)}
             if "meta" not in devs:
                 return out  # PyTorch accepts this mix of real devices: it is legal
         try:
@@ -532,77 +299,25 @@ class Watcher:
     def _build_error(
         self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], phase: str, original: BaseException | None
     ) -> DeviceMismatchError:
+        """Gather what the watcher knows (names, running module or backward node, producers) into the error."""
         namer = self._namer(sys._getframe())
         node = torch._C._current_autograd_node() if phase == "backward" else None
-        running_opt = namer.optimizer_running() if phase == "forward" else None
         if phase == "backward":
-            module, exact = self._node_module(node)
+            module, exact = node_module_in(node, self._bw_roots)
         else:
             module, exact = self.tracker.current(), True
-        if running_opt is not None and module is None:
-            phase = "optimizer step"
-        tensors, factories = describe_tensors(_label_pairs(func, args, kwargs), namer, phase, self.producer)
-        expected = expected_device(tensors, module)
-        for t in tensors:
-            t.odd = t.device != expected and not (t.device == "cpu" and t.shape == ())
-        location = namer.location
-        module_path = namer.module_path(module) if module is not None else None
-        if phase == "backward":
-            node_name = node.name() if node is not None else "autograd"
-            where = f"backward of {node_name}"
-            if module is not None:
-                where += f" {'in' if exact else 'inside or feeding'} {namer.module_label(module)}"
-        elif running_opt is not None and module is None:
-            where = f"{running_opt[0]}.step() ({type(running_opt[1]).__name__})"
-        else:
-            where = namer.module_label(module) if module is not None else None
-        fix = build_fix(tensors, expected, module_path, module, location, factories)
-        if original is None:
-            fix += (
-                " (PyTorch did not refuse this op because one side is on 'meta', whose kernels skip device checks; "
-                "on real devices it raises)"
-            )
-        return DeviceMismatchError(
-            op=op_name(func),
+        return mismatch_error(
+            func,
+            label_pairs(func, args, kwargs),
             phase=phase,
-            module=where,
-            tensors=tensors,
-            expected=expected,
-            fix=fix,
-            location=location,
-            original=str(original).strip().splitlines()[0] if original is not None and str(original).strip() else None,
+            namer=namer,
+            module=module,
+            exact=exact,
+            node=node,
+            running_opt=namer.optimizer_running() if phase == "forward" else None,
+            producer=self.producer,
+            original=original,
         )
-
-
-def _source_of(func: Callable[..., Any] | None) -> str | None:
-    if func is None:
-        return None
-    try:
-        file = inspect.getsourcefile(func)
-        _, line = inspect.getsourcelines(func)
-    except (OSError, TypeError):
-        return None
-    return f"{(file or '?').rsplit('/', 1)[-1]}:{line}"
-
-
-def dataparallel_inert_finding(path: str) -> Finding:
-    """The warning for an ``nn.DataParallel`` on a machine (or model) without CUDA."""
-    code_path = py_path(path)
-    return Finding(
-        code="dataparallel-no-cuda",
-        severity="warning",
-        title=f"nn.DataParallel at `{path}` does nothing here: no CUDA device is available",
-        where=path,
-        details=[
-            "Without CUDA, DataParallel just calls the wrapped module; on a machine with GPUs the same code copies "
-            "the inputs to cuda:0 and fails unless every parameter is already on cuda:0.",
-            "Its state_dict keys also gain a 'module.' prefix that a plain model does not have.",
-        ],
-        fix=(
-            f"in CPU mode drop the wrapper: `{code_path} = {code_path}.module` (or wrap only when "
-            "`torch.cuda.device_count() > 1`, after `model.to('cuda:0')`)"
-        ),
-    )
 
 
 def watch(**named: Any) -> Watcher:
