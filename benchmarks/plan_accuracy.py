@@ -51,7 +51,7 @@ from torchspan.hardware import format_bytes
 from torchspan.planner.cost import CostModel, Stage
 from torchspan.planner.plans import Plan
 from torchspan.planner.optimize import search
-from torchspan.profiler import Profile
+from torchspan.profiler.costs import Profile
 
 # The conv net's BatchNorm sees micro-batches, not the batch: a numerics note that does not bear on time or memory.
 warnings.filterwarnings("ignore", message="BatchNorm layer")

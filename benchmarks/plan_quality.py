@@ -58,7 +58,7 @@ from torchspan.planner.baselines import STRATEGIES, baseline
 from torchspan.planner.diagnose import frugal_needs
 from torchspan.planner.optimize import settings_grid
 from torchspan.planner.optimize import search
-from torchspan.profiler import LayerCost, Profile
+from torchspan.profiler.costs import LayerCost, Profile
 
 # ----------------------------------------------------------------------------- models
 

@@ -10,7 +10,7 @@ import torch
 
 from torchspan.hardware import Device
 from torchspan.planner.cost import CostModel, Evaluation, Stage
-from torchspan.profiler import LayerCost, Profile
+from torchspan.profiler.costs import LayerCost, Profile
 
 
 def device(

@@ -9,7 +9,7 @@ import pytest
 from planner_synth import device, layer
 from torchspan.planner.cost import CostModel, Stage, link_bandwidth, physical_names
 from torchspan.planner.plans import Plan, StagePlan
-from torchspan.profiler import Profile
+from torchspan.profiler.costs import Profile
 
 
 def two_layer_profile(batch: int = 8) -> Profile:

@@ -10,7 +10,7 @@ from planner_synth import device, layer
 from torchspan.hardware import format_bytes, parse_memory
 from torchspan.planner import PlanError, search
 from torchspan.planner.cost import CostModel, Stage
-from torchspan.profiler import Profile
+from torchspan.profiler.costs import Profile
 
 
 def tight(gpu_budget: int, cpu_budget: int, n_layers: int = 4) -> Profile:

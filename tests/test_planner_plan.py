@@ -11,7 +11,7 @@ from planner_synth import device, layer
 from torchspan.planner import Plan, search
 from torchspan.planner.baselines import STRATEGIES, baseline, greedy_split, parameter_split, uniform_split
 from torchspan.planner.cost import CostModel, Stage
-from torchspan.profiler import Profile
+from torchspan.profiler.costs import Profile
 
 
 def mixed_profile() -> Profile:

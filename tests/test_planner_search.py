@@ -15,7 +15,7 @@ from torchspan.planner import PlanError, search
 from torchspan.planner.cost import CostModel, Stage
 from torchspan.planner.plans import CHECKPOINTS, SCHEDULES
 from torchspan.planner.optimize import device_groups, microbatch_candidates, solve
-from torchspan.profiler import Profile
+from torchspan.profiler.costs import Profile
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import torchspan
-from torchspan import profiler
+from torchspan.profiler import measure, timing
 from torchspan.profiler import LayerCost, Profile, optimizer_state_bytes
 from torchspan.layers import execution_order
 
@@ -202,13 +202,13 @@ def test_memory_bound_layers_are_estimated_from_traffic() -> None:
 
 def test_duplicate_present_devices_are_measured_once(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
-    real = profiler._measure
+    real = measure._measure
 
     def counting(*args: object, **kwargs: object) -> object:
-        calls.append(str(args[6]))
+        calls.append(str(args[7]))
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(profiler, "_measure", counting)
+    monkeypatch.setattr(measure, "_measure", counting)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     prof = torchspan.profile(model, torch.randn(8, 16), ["cpu", "cpu"], **FAST)
     assert calls == ["cpu"]
@@ -226,12 +226,12 @@ def test_present_gpus_of_one_model_are_measured_once(monkeypatch: pytest.MonkeyP
     """cuda:0 and cuda:1 of one model share times (noise would make them distinct types to the planner)."""
     calls: list[str] = []
 
-    def fake(model, args, batch, small, order, base, dev, *rest, **kw):  # type: ignore[no-untyped-def]
+    def fake(model, layers_of, args, batch, small, order, base, dev, *rest, **kw):  # type: ignore[no-untyped-def]
         calls.append(str(dev))
         k = 1.0 + len(calls)  # a different figure per measurement
         return {name: (k * 1e-5, k * 1e-6, k * 2e-5, k * 2e-6) for name in order}
 
-    monkeypatch.setattr(profiler, "_measure", fake)
+    monkeypatch.setattr(measure, "_measure", fake)
     gpus = [torchspan.Device(torch.device("cuda", i), "NVIDIA L4", total_memory=24 * 2**30) for i in range(2)]
     other = torchspan.Device(torch.device("cuda", 2), "NVIDIA T4", total_memory=16 * 2**30)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
@@ -308,10 +308,10 @@ def test_any_model_with_tuple_inputs_uses_execution_order() -> None:
 
 
 def test_fit_of_two_timing_points() -> None:
-    assert profiler.fit({4: 3.0, 16: 6.0}) == (pytest.approx(2.0), pytest.approx(0.25))
-    assert profiler.fit({4: 5.0, 16: 4.0}) == (4.0, 0.0)  # larger batch faster: noise, keep it fixed
-    assert profiler.fit({4: 1.0, 16: 8.0}) == (0.0, 0.5)  # negative intercept: through the origin
-    assert profiler.fit({1: 2.0}) == (0.0, 2.0)
+    assert timing.fit({4: 3.0, 16: 6.0}) == (pytest.approx(2.0), pytest.approx(0.25))
+    assert timing.fit({4: 5.0, 16: 4.0}) == (4.0, 0.0)  # larger batch faster: noise, keep it fixed
+    assert timing.fit({4: 1.0, 16: 8.0}) == (0.0, 0.5)  # negative intercept: through the origin
+    assert timing.fit({1: 2.0}) == (0.0, 2.0)
 
 
 @pytest.mark.parametrize(
@@ -370,13 +370,13 @@ def test_present_gpu_without_measurement_is_estimated_from_its_catalog_match() -
 
 def test_profiling_restores_buffers_the_move_to_another_device_swapped(monkeypatch: pytest.MonkeyPatch) -> None:
     """Moving a layer in place (``.to(dev)`` and back) gives it new buffer tensors; their stats are restored too."""
-    real = profiler.on_device
+    real = measure.on_device
 
     def swapping(layer: nn.Module, dev: torch.device, dtype: torch.dtype | None):  # type: ignore[no-untyped-def]
         layer.to(torch.float64).to(torch.float32)  # Module._apply puts new tensors in _buffers, as a device move does
         return real(layer, dev, dtype)
 
-    monkeypatch.setattr(profiler, "on_device", swapping)
+    monkeypatch.setattr(measure, "on_device", swapping)
     model = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Linear(6, 2)).train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     torchspan.profile(model, torch.randn(8, 6) * 5 + 3, "cpu", **FAST)
@@ -395,14 +395,12 @@ def test_measures_on_a_present_gpu_and_puts_the_model_back() -> None:
 
 
 def test_calibration_scales_layer_times_to_the_whole_model(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    import torchspan.profiler as prof_mod
-
     # the whole model takes 1.5x the layers' forward sum and 5x their backward sum (clamped to 2x)
-    monkeypatch.setattr(prof_mod, "time_layer", lambda *a, **k: (3.0, 30.0))
+    monkeypatch.setattr(measure, "time_layer", lambda *a, **k: (3.0, 30.0))
     fwd = {"a": {8: 1.0}, "b": {8: 1.0}}
     bwd = {"a": {8: 2.0}, "b": {8: 1.0}}
     scales: list = []
-    prof_mod._calibrate(torch.nn.Linear(1, 1), (torch.zeros(8, 1),), ["a", "b"], fwd, bwd, 8, torch.device("cpu"), 0, 1, scales)
+    measure._calibrate(torch.nn.Linear(1, 1), (torch.zeros(8, 1),), ["a", "b"], fwd, bwd, 8, torch.device("cpu"), 0, 1, scales)
     assert fwd == {"a": {8: 1.5}, "b": {8: 1.5}}
     assert bwd == {"a": {8: 4.0}, "b": {8: 2.0}}
     assert scales == [(8, 1.5, 2.0)]
@@ -412,3 +410,23 @@ def test_profile_notes_the_calibration_on_a_present_cpu() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     prof = torchspan.profile(model, torch.randn(8, 16), "cpu", warmup=0, repeats=1)
     assert any("scaled to match a whole-model pass" in n for n in prof.notes)
+
+
+def test_the_layer_list_is_computed_once_and_passed_down() -> None:
+    """profile() walks the model's children once; sizing (three batch sizes) and timing (two) receive that list."""
+    import sys
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    real = model.named_children
+    walks: list[str] = []
+
+    def counting(*args: object, **kwargs: object) -> object:
+        caller = sys._getframe(1).f_code.co_filename
+        if "torchspan" in caller:  # torch's own module tracker (FlopCounterMode) walks children too
+            walks.append(caller)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    model.named_children = counting  # type: ignore[method-assign]
+    prof = torchspan.profile(model, torch.randn(8, 8), "cpu", **FAST)
+    assert len(walks) == 1 and walks[0].endswith("discovery.py"), walks
+    assert prof.names == ["0", "1", "2"] and all(lay.time_source == ["measured"] for lay in prof.layers)

@@ -46,7 +46,7 @@ def plan(
     Raises ``PlanError`` (a ``ValueError``) when nothing fits, with needed vs available memory per
     device and checked ways to make it fit.
     """
-    from ..profiler import profile
+    from ..profiler.measure import profile
 
     devs = find_devices(devices, memory)
     prof = profile(model, example_inputs, devs, optimizer=optimizer, dtype=dtype)

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..hardware import format_bytes
-from ..profiler import Profile
+from ..profiler.costs import Profile
 from .cost import CostModel, Evaluation, Stage, budget_of, time_tables
 from .plans import Plan
 from .optimize import settings_grid

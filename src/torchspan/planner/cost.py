@@ -88,7 +88,7 @@ from typing import Any
 import numpy as np
 
 from ..hardware import Device
-from ..profiler import Profile
+from ..profiler.costs import Profile
 from .plans import CHECKPOINTS, SCHEDULES, Plan, StagePlan
 
 __all__ = [

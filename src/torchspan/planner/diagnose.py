@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..hardware import Device, format_bytes
-from ..profiler import LayerCost, Profile
+from ..profiler.costs import LayerCost, Profile
 from .cost import INF, CostModel, physical_names
 from .errors import PlanError
 from .optimize import _Solver, microbatch_candidates

@@ -59,7 +59,7 @@ import math
 
 import numpy as np
 
-from ..profiler import Profile
+from ..profiler.costs import Profile
 from .cost import INF, CostModel, Evaluation, Stage, identity, link_bandwidth, time_tables
 from .plans import CHECKPOINTS, SCHEDULES, Plan
 

@@ -26,9 +26,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .hardware import Device
-from .layers.slots import buffer_slots, kept
-from .layers import top_level_layers
+from ..hardware import Device, catalog
+from ..layers import buffer_slots, kept
 
 __all__ = ["Speed", "capture", "estimate", "fit", "host_speed_device", "on_device", "preserved", "speed_of", "synchronize", "time_layer"]
 
@@ -63,11 +62,16 @@ def preserved(model: nn.Module) -> Iterator[None]:
                 p.grad = g
 
 
-def capture(model: nn.Module, args: tuple[Any, ...], names: list[str]) -> dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]]:
-    """Inputs every top-level child receives in one real forward (no autograd graph kept)."""
-    calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {n: [] for n in names}
+def capture(
+    model: nn.Module, children: list[tuple[str, nn.Module]], args: tuple[Any, ...]
+) -> dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]]:
+    """Inputs every layer of ``children`` (the model's top-level children) receives in one real forward.
+
+    No autograd graph is kept. Usage: ``calls = capture(model, top_level_layers(model), (x,))``.
+    """
+    calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {n: [] for n, _ in children}
     handles = []
-    for name, child in top_level_layers(model):
+    for name, child in children:
 
         def pre(_m: nn.Module, a: Any, kw: Any, _n: str = name) -> None:
             detached = tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, (a, kw))
@@ -196,8 +200,6 @@ class Speed:
 
 
 def speed_of(device: Device, dtype: torch.dtype) -> Speed:
-    from .hardware import catalog
-
     peak, precision = catalog.flops_for(device, dtype)
     extra = device.extra if isinstance(device.extra, dict) else {}
     ce = float(extra.get("compute_efficiency", 1.0))
@@ -212,8 +214,6 @@ def speed_of(device: Device, dtype: torch.dtype) -> Speed:
 
 def host_speed_device(device: Device) -> Device:
     """A present CPU (or meta stand-in) with measured host figures filled in."""
-    from .hardware import catalog
-
     hs = catalog.measure_host()
     extra = dict(device.extra)
     extra.update(

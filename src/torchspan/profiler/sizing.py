@@ -6,7 +6,7 @@ require grad, and for every aten op its FLOPs (``FlopCounterMode``) and bytes re
 split into forward and backward segments (backward segments start at grad hooks on each layer's
 outputs).
 
-Usage: ``sizes = sizing_pass(model, (x,), batch=32, size=64, dtype=None)``.
+Usage: ``sizes = sizing_pass(model, top_level_layers(model), (x,), batch=32, size=64, dtype=None)``.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
-
-from .layers import top_level_layers
 
 if TYPE_CHECKING:
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -100,12 +98,17 @@ def _op_recorder(counter: Any, sink: Callable[[float, float], None]) -> TorchDis
     return _Mode()
 
 
-def sizing_pass(model: nn.Module, args: tuple[Any, ...], batch: int, size: int, dtype: torch.dtype | None) -> Sizes:
+def sizing_pass(
+    model: nn.Module, children: list[tuple[str, nn.Module]], args: tuple[Any, ...], batch: int, size: int, dtype: torch.dtype | None
+) -> Sizes:
+    """One fake forward/backward of ``model`` at batch ``size`` (``args`` hold batch ``batch``), per layer of ``children``.
+
+    ``children``: the model's layers (``torchspan.layers.top_level_layers``), computed once by the caller.
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils.flop_counter import FlopCounterMode
 
-    children = top_level_layers(model)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     def cast(t: torch.Tensor) -> torch.dtype:

@@ -30,159 +30,26 @@ How each figure is obtained
         present GPUs of one model share the first one's times, so that timing noise does not make
         identical devices look different to the planner. Described devices: per aten op,
         ``max(flops / (peak * compute_efficiency), bytes / (bandwidth * memory_efficiency))`` plus a
-        per-op overhead (see ``torchspan.catalog``), evaluated at the same two batch sizes.
+        per-op overhead (see ``torchspan.hardware.catalog``), evaluated at the same two batch sizes.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from ._optim_state import OPTIMIZERS, optimizer_spec, optimizer_state_bytes, param_state_bytes
-from ._sizing import Sizes, as_args, batch_size_of, float_dtype, resize_batch, sizing_pass
-from ._timing import Speed, capture, estimate, fit, host_speed_device, on_device, preserved, speed_of, time_layer
-from .hardware import catalog
-from .hardware import Device, format_bytes
-from .layers import top_level_layers
+from ..hardware import Device, catalog
+from ..hardware import devices as find_devices
+from ..layers import top_level_layers
+from .costs import LayerCost, Profile
+from .optim_state import optimizer_spec, param_state_bytes
+from .sizing import Sizes, as_args, batch_size_of, float_dtype, resize_batch, sizing_pass
+from .timing import Speed, capture, estimate, fit, host_speed_device, on_device, preserved, speed_of, time_layer
 
-__all__ = ["LayerCost", "Profile", "profile", "optimizer_state_bytes", "OPTIMIZERS"]
-
-
-@dataclass
-class LayerCost:
-    """Costs of one layer (a top-level child, named as in ``torchspan.split.execution_order``).
-
-    Lists indexed by device follow ``Profile.devices``.
-    """
-
-    name: str
-    kind: str
-    param_bytes: int
-    grad_bytes: int
-    optimizer_bytes: int
-    buffer_bytes: int
-    activation_bytes: float  # saved for backward, per sample
-    output_bytes: float  # what crosses to the next layer, per sample
-    flops: float  # forward FLOPs per sample
-    forward_fixed: list[float] = field(default_factory=list)  # seconds per call, per device
-    forward_per_sample: list[float] = field(default_factory=list)  # seconds per sample, per device
-    backward_fixed: list[float] = field(default_factory=list)
-    backward_per_sample: list[float] = field(default_factory=list)
-    time_source: list[str] = field(default_factory=list)  # "measured" | "estimated: …" per device
-    # Added by the profiler; defaults keep hand-built LayerCost objects valid.
-    activation_fixed_bytes: float = 0.0  # saved for backward per call, independent of batch size
-    output_fixed_bytes: float = 0.0  # boundary bytes per call, independent of batch size
-    backward_flops: float = 0.0  # backward FLOPs per sample
-    calls: int = 1  # times the layer runs in one forward
-    # per sample: bytes this layer saves that an earlier layer saved too (usually its input, which the
-    # previous layer kept for its own backward). Counted once above; a stage that STARTS at this layer
-    # on another device holds its own copy of them, so add this for a stage's first layer.
-    shared_activation_bytes: float = 0.0
-
-    def forward_seconds(self, device: int, samples: float) -> float:
-        return self.forward_fixed[device] + samples * self.forward_per_sample[device]
-
-    def backward_seconds(self, device: int, samples: float) -> float:
-        return self.backward_fixed[device] + samples * self.backward_per_sample[device]
-
-    @property
-    def state_bytes(self) -> int:
-        """Memory that stays for the whole run: parameters, gradients, optimizer state, buffers."""
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.buffer_bytes
-
-    def saved_bytes(self, samples: float) -> float:
-        """Bytes autograd keeps for this layer's backward while ``samples`` samples are in flight."""
-        return self.activation_fixed_bytes + samples * self.activation_bytes
-
-
-@dataclass
-class Profile:
-    """Per-layer costs of a model for an example batch, on ``devices``."""
-
-    layers: list[LayerCost]
-    devices: list[Device]
-    batch_size: int
-    input_bytes: float  # model input, per sample
-    optimizer: str
-    dtype: str = "float32"
-    notes: list[str] = field(default_factory=list)
-    # measured / estimated step time on present CPUs: how far the FLOP-based estimate is off here
-    calibration: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def names(self) -> list[str]:
-        return [lay.name for lay in self.layers]
-
-    def layer(self, name: str) -> LayerCost:
-        """The ``LayerCost`` called ``name``; ``KeyError`` listing the names otherwise."""
-        for lay in self.layers:
-            if lay.name == name:
-                return lay
-        raise KeyError(f"no layer {name!r} in this profile; layers are {', '.join(self.names)}")
-
-    def step_seconds(self, device: int, samples: float | None = None) -> float:
-        """Forward plus backward of every layer on ``devices[device]`` for ``samples`` (default: the batch)."""
-        s = self.batch_size if samples is None else samples
-        return sum(lay.forward_seconds(device, s) + lay.backward_seconds(device, s) for lay in self.layers)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "devices": [d.to_dict() for d in self.devices],
-            "batch_size": self.batch_size,
-            "input_bytes": self.input_bytes,
-            "optimizer": self.optimizer,
-            "dtype": self.dtype,
-            "notes": list(self.notes),
-            "calibration": dict(self.calibration),
-            "layers": [dataclasses.asdict(lay) for lay in self.layers],
-        }
-
-    def __str__(self) -> str:
-        b = self.batch_size
-        head = f"Profile: {len(self.layers)} layer(s), batch {b}, optimizer {self.optimizer}, dtype {self.dtype}"
-        devs = [f"[{i}] {d.device} {d.name} ({src})" for i, d in enumerate(self.devices) for src in [_short_source(self, i)]]
-        cols = ["layer", "kind", "params", "grads", "optim", "buffers", "act/sample", "out/sample", "MFLOP/sample"]
-        cols += [f"fwd+bwd ms [{i}]" for i in range(len(self.devices))]
-        rows = [cols]
-        for lay in self.layers:
-            row = [
-                lay.name,
-                lay.kind,
-                format_bytes(lay.param_bytes),
-                format_bytes(lay.grad_bytes),
-                format_bytes(lay.optimizer_bytes),
-                format_bytes(lay.buffer_bytes),
-                format_bytes(lay.activation_bytes),
-                format_bytes(lay.output_bytes),
-                f"{lay.flops / 1e6:.2f}",
-            ]
-            for i in range(len(self.devices)):
-                t = lay.forward_seconds(i, b) + lay.backward_seconds(i, b) if i < len(lay.forward_fixed) else float("nan")
-                row.append(f"{t * 1e3:.3f}")
-            rows.append(row)
-        widths = [max(len(r[c]) for r in rows) for c in range(len(cols))]
-        lines = [head, *devs]
-        for j, r in enumerate(rows):
-            lines.append("  ".join(c.ljust(w) if k < 2 else c.rjust(w) for k, (c, w) in enumerate(zip(r, widths))))
-            if j == 0:
-                lines.append("  ".join("-" * w for w in widths))
-        lines.extend(f"note: {n}" for n in self.notes)
-        return "\n".join(lines)
-
-
-def _short_source(prof: Profile, i: int) -> str:
-    if not prof.layers or i >= len(prof.layers[0].time_source):
-        return "-"
-    src = prof.layers[0].time_source[i]
-    return "measured" if src == "measured" else "estimated"
-
-
-# =========================================================================== profile()
+__all__ = ["profile"]
 
 
 def _kind(module: nn.Module) -> str:
@@ -216,8 +83,6 @@ def profile(
     The model's parameters, buffers, gradients and RNG state are as before when this returns; the
     model runs in its current mode (call ``model.train()`` first for training figures).
     """
-    from .hardware import devices as find_devices
-
     if not isinstance(model, nn.Module):
         raise ValueError(f"model={type(model).__name__} is not an nn.Module; pass the model to profile")
     for name, value in (("warmup", warmup), ("repeats", repeats)):
@@ -229,7 +94,8 @@ def profile(
     devs = find_devices(devices)
     spec = optimizer_spec(optimizer)
     compute_dtype = float_dtype(model, dtype)
-    children = dict(top_level_layers(model))
+    layers_of = top_level_layers(model)  # the one layer list: sizing and timing get it from here
+    children = dict(layers_of)
     notes: list[str] = []
 
     # ---- sizes, FLOPs and traffic from fake passes
@@ -238,7 +104,7 @@ def profile(
     sizes_at: dict[int, Sizes] = {}
     for s in sorted({small, batch, 2 * batch}, reverse=True):
         try:
-            sizes_at[s] = sizing_pass(model, args, batch, s, dtype)
+            sizes_at[s] = sizing_pass(model, layers_of, args, batch, s, dtype)
         except Exception as exc:
             if s == small and small != batch:
                 notes.append(f"the model does not run at batch {small} ({type(exc).__name__}); times are fit through 0 from batch {batch} alone")
@@ -318,7 +184,7 @@ def profile(
         can_measure = measure and d.present and d.kind != "meta" and not meta_params
         key = _model_key(d)
         if can_measure and key not in measured:
-            measured[key] = _measure(model, args, batch, small, order, base, d.device, dtype, warmup, repeats, notes)
+            measured[key] = _measure(model, layers_of, args, batch, small, order, base, d.device, dtype, warmup, repeats, notes)
             measured_on[key] = str(d.device)
     for i, (d, dd) in enumerate(zip(devs, out_devices)):
         key = _model_key(d)
@@ -394,6 +260,7 @@ def _estimate_layer(sizes_at: dict[int, Sizes], small: int, batch: int, name: st
 
 def _measure(
     model: nn.Module,
+    layers_of: list[tuple[str, nn.Module]],
     args: tuple[Any, ...],
     batch: int,
     small: int,
@@ -405,7 +272,7 @@ def _measure(
     repeats: int,
     notes: list[str],
 ) -> dict[str, tuple[float, float, float, float]]:
-    children = dict(top_level_layers(model))
+    children = dict(layers_of)
     fwd: dict[str, dict[int, float]] = {n: {} for n in order}
     bwd: dict[str, dict[int, float]] = {n: {} for n in order}
     # Layers timed alone run with warm caches and miss the glue between them; when the whole model
@@ -415,7 +282,7 @@ def _measure(
     with preserved(model):
         for s in sorted({small, batch}):
             sub = args if s == batch else resize_batch(args, batch, s, lambda t, shape: t[: shape[0]] if tuple(t.shape) != shape else t)
-            calls = capture(model, sub, order)
+            calls = capture(model, layers_of, sub)
             for name in order:
                 if not calls[name]:
                     fwd[name][s] = bwd[name][s] = 0.0
