@@ -112,6 +112,28 @@ def test_plan_places_each_layer_on_its_device() -> None:
         assert all(p.device.type == want for p in child.parameters()), name
 
 
+def test_explicit_arguments_win_over_the_plan_even_when_they_equal_the_defaults() -> None:
+    def plan() -> Plan:
+        return Plan(
+            stages=[StagePlan("cpu", ["0", "1", "2"]), StagePlan("cpu", ["3", "4", "5", "6"])],
+            microbatches=4,
+            schedule="1f1b",
+            checkpoint="always",
+        )
+
+    spanned = torchspan.span(sequential(), plan(), microbatches=1, schedule="gpipe", checkpoint="never")
+    assert (spanned.microbatches, spanned.schedule, spanned.checkpoint) == (1, "gpipe", "never")
+    spanned.train_step(torch.randn(8, 6), torch.randn(8, 3), nn.functional.mse_loss)
+    assert {e.microbatch for e in spanned.timeline()} == {0}
+    assert not any(e.kind == "recompute" for e in spanned.timeline())
+    # left out (None): the plan's values
+    spanned = torchspan.span(sequential(), plan())
+    assert (spanned.microbatches, spanned.schedule, spanned.checkpoint, spanned.precision) == (4, "1f1b", "always", "32")
+    # no plan: the defaults
+    spanned = torchspan.span(sequential(), devices=["cpu", "cpu"])
+    assert (spanned.microbatches, spanned.schedule, spanned.checkpoint, spanned.precision) == (1, "gpipe", "never", "32")
+
+
 def test_plan_for_fx_model_puts_model_owned_parameter_where_first_read() -> None:
     model = residual()
     plan = Plan(stages=[StagePlan("cpu", ["embed"]), StagePlan("meta", ["block1", "block2", "head"])])

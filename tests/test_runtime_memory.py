@@ -78,7 +78,7 @@ def test_memory_counts_root_parameters_and_buffers_on_the_stage_they_were_placed
     with pytest.warns(UserWarning, match="hook placement"):
         spanned = torchspan.span(_RootOwned(), devices=["cpu", "cpu"], balance=[1, 1])
     spanned(torch.randn(2, 4))
-    assert spanned._root_attrs == {"scale": 1, "shift": 1}
+    assert spanned._executor.root_attrs == {"scale": 1, "shift": 1}
     mem = spanned.memory()
     layer = (4 * 4 + 4) * 4
     assert [m["params"] for m in mem] == [layer, layer + 4 * 4]  # scale lives on stage 1

@@ -7,7 +7,7 @@ Every other part of torchspan receives its layers from here.
 Usage: ``from torchspan.layers import execution_order, top_level_layers``.
 """
 
-from .discovery import execution_order, record_forward, top_level_layers
+from .discovery import execution_order, layer_modules, record_forward, top_level_layers
 from .fxsplit import (
     MODES,
     LayerTracer,
@@ -22,6 +22,7 @@ from .slots import Slot, buffer_slots, kept
 
 __all__ = [
     "top_level_layers",
+    "layer_modules",
     "execution_order",
     "record_forward",
     "MODES",

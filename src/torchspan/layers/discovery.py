@@ -4,7 +4,7 @@ A *layer* is a top-level child of the model (``model.named_children()``), named 
 name. Layers are ordered by first execution in a recording forward (for ``nn.Sequential``, the
 Sequential order). The profiler, the planner and ``span`` all receive their layers from here.
 
-Usage: ``execution_order(model, x)`` → ``["embed", "blocks", "head"]``.
+Usage: ``execution_order(model, x)`` → ``["embed", "blocks", "head"]``; ``layer_modules(model)["head"]``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["top_level_layers", "execution_order", "record_forward"]
+__all__ = ["top_level_layers", "layer_modules", "execution_order", "record_forward"]
 
 
 def top_level_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -28,6 +28,14 @@ def top_level_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
             "separate devices; wrap its pieces in nn.Module attributes or an nn.Sequential"
         )
     return children
+
+
+def layer_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's layers by name (registration order), as placement, hooks and metering look them up.
+
+    Usage: ``layer_modules(model)["head"]``. Raises like ``top_level_layers`` if there are none.
+    """
+    return dict(top_level_layers(model))
 
 
 def execution_order(model: nn.Module, *args: Any, **kwargs: Any) -> list[str]:

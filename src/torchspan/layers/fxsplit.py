@@ -6,7 +6,7 @@ How ``span`` turns a model into stages (``choose_mode``), in this order of prefe
 - ``"fx"``: ``torch.fx`` traces the forward with top-level children as leaves; ``split_graph``
   cuts the graph at child boundaries and carries every live value across each cut.
 - ``"hooks"``: anything else; children stay whole and forward pre-hooks move inputs
-  (see ``torchspan.runtime.hooks``).
+  (see ``torchspan.runtime.local.hooks``).
 
 Usage: ``mode, why, graph = choose_mode(model)``; ``mods, attrs = split_graph(model, graph, {"a": 0, "b": 1}, 2)``.
 """

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..hardware import resolve_device, to_device
+from ..layers import layer_modules
 from .microbatch import split_sizes
 
 __all__ = ["parse_devices", "even_balance", "stages_from_balance", "stages_from_plan", "check_shared", "place"]
@@ -104,7 +105,7 @@ def stages_from_plan(plan: Any, layer_names: Sequence[str], order: Sequence[str]
 def check_shared(model: nn.Module, stage_of: dict[str, int]) -> None:
     """Raise if one parameter or buffer belongs to layers in different stages (tied weights)."""
     owner: dict[int, tuple[str, int]] = {}
-    for name, child in model.named_children():
+    for name, child in layer_modules(model).items():
         if name not in stage_of:
             continue
         for pname, t in list(child.named_parameters()) + list(child.named_buffers()):
@@ -120,7 +121,7 @@ def check_shared(model: nn.Module, stage_of: dict[str, int]) -> None:
 
 def place(model: nn.Module, stage_of: dict[str, int], devices: Sequence[torch.device], root_attrs: dict[str, int]) -> None:
     """Move each layer to its stage's device; the model's own parameters/buffers to ``root_attrs``' stage (else 0)."""
-    for name, child in model.named_children():
+    for name, child in layer_modules(model).items():
         to_device(child, devices[stage_of[name]])
     for pname, p in list(model._parameters.items()):
         if p is not None:

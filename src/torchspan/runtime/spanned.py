@@ -1,5 +1,9 @@
 """``span(model, ...)`` → ``Spanned``: one model trained across local devices, exact gradients.
 
+``Spanned`` is a façade: it validates arguments, chooses an executor (``runtime.executor``; the
+local ones live in ``runtime.local``), opens and closes each step (timeline, activation meter),
+and keeps the original model's state-dict keys. Placement and execution are the executor's.
+
 Usage::
 
     spanned = torchspan.span(model, devices=["cuda:0", "cpu"], balance=[3, 1], microbatches=4)
@@ -22,16 +26,17 @@ from torch import nn
 
 from ..layers import fxsplit as split
 from ..layers import discovery
-from ..hardware import to_device
-from ..schedule import SCHEDULES
-from ..layers.slots import Slot, buffer_slots, kept
-from .hooks import HookPlacement
+from ..planner.plans import Plan
+from ..schedule import CHECKPOINTS, PRECISIONS, SCHEDULES
+from .executor import Executor, Settings
+from .footprint import stage_memory
+from .local.hooked import HookedExecutor
+from .local.pipelined import PipelinedExecutor
+from .lossweights import microbatch_weights, resolve_reduction
 from .memory import ActivationMeter
-from .microbatch import NoSplit, batch_size, gather, split_batch, split_sizes, split_value
-from .pipeline import CHECKPOINTS, PRECISIONS, Pipeline, autocast_for, checkpointed
-from .lossweights import microbatch_weights, resolve_reduction, weighted_loss
-from .placement import check_shared, parse_devices, place, stages_from_balance, stages_from_plan
-from .record import Recorder
+from .microbatch import batch_size, gather, split_sizes, split_value
+from .placement import parse_devices, stages_from_balance, stages_from_plan
+from .record import Event, Recorder
 
 __all__ = ["span", "Spanned"]
 
@@ -68,24 +73,32 @@ def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
     return str(value)
 
 
+def _given(value: Any, planned: Any, default: Any) -> Any:
+    """An argument of ``span``: what the caller passed, else the plan's value, else the default."""
+    if value is not None:
+        return value
+    return planned if planned is not None else default
+
+
 def span(
     model: nn.Module,
-    plan: Any = None,
+    plan: Plan | None = None,
     *,
     devices: Any = None,
     balance: list[int] | None = None,
-    microbatches: int = 1,
-    schedule: str = "gpipe",
-    checkpoint: str = "never",
-    precision: str = "32",
+    microbatches: int | None = None,
+    schedule: str | None = None,
+    checkpoint: str | None = None,
+    precision: str | None = None,
     workers: str = "device",
 ) -> Spanned:
-    """Place ``model``'s layers (top-level children) on devices and return a pipelined ``Spanned``.
+    """Place ``model``'s layers (``torchspan.layers``) on devices and return a pipelined ``Spanned``.
 
-    Placement comes from ``plan`` (a ``torchspan.Plan``: exactly its layers on its devices; its
-    microbatches/schedule/checkpoint unless you pass other values here), or from ``devices`` plus
-    ``balance`` (layers per stage, in execution order; even split when omitted), or else one stage
-    on the model's current device. ``workers="device"`` runs one thread per distinct device
+    Placement comes from ``plan`` (a ``torchspan.Plan``: exactly its layers on its devices), or
+    from ``devices`` plus ``balance`` (layers per stage, in execution order; even split when
+    omitted), or else one stage on the model's current device. ``microbatches``, ``schedule`` and
+    ``checkpoint`` left as ``None`` take the plan's values, else 1, ``"gpipe"``, ``"never"``;
+    ``precision`` defaults to ``"32"``. ``workers="device"`` runs one thread per distinct device
     (stages sharing a device take turns, which is fastest when they share the same cores);
     ``"stage"`` gives every stage its own thread.
 
@@ -96,8 +109,6 @@ def span(
     if isinstance(model, Spanned):
         raise TypeError("model is already a Spanned; pass spanned.module to span it again")
     if plan is not None:
-        from ..planner.plans import Plan
-
         if not isinstance(plan, Plan):
             raise TypeError(
                 f"plan={type(plan).__name__} is not a torchspan Plan; pass torchspan.plan(...)'s result, "
@@ -105,9 +116,10 @@ def span(
             )
         if devices is not None or balance is not None:
             raise ValueError("pass either plan or devices/balance, not both: the plan already says where each layer goes")
-        microbatches = plan.microbatches if microbatches == 1 else microbatches
-        schedule = plan.schedule if schedule == "gpipe" else schedule
-        checkpoint = plan.checkpoint if checkpoint == "never" else checkpoint
+    microbatches = _given(microbatches, plan.microbatches if plan else None, 1)
+    schedule = _given(schedule, plan.schedule if plan else None, "gpipe")
+    checkpoint = _given(checkpoint, plan.checkpoint if plan else None, "never")
+    precision = _given(precision, None, "32")
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches={microbatches!r} must be an int >= 1")
     _choice("schedule", schedule, SCHEDULES)
@@ -140,25 +152,8 @@ def span(
             "workers='stage' with checkpoint != 'never' would replay dropout masks from the CPU random generator "
             "while another stage's thread draws from it; use workers='device' (the default) or checkpoint='never'"
         )
-    return Spanned(
-        model,
-        mode=mode,
-        why=why,
-        groups=groups,
-        devices=devs,
-        microbatches=microbatches,
-        schedule=schedule,
-        checkpoint=checkpoint,
-        precision=precision,
-        workers=workers,
-        balance_given=plan is None,
-        graph=graph,
-    )
-
-
-def _concrete_id(concrete: dict[str, Any]) -> frozenset[tuple[str, str, str]]:
-    """What identifies a trace's specialised arguments (as ``split.concrete_key`` keys them: type and repr)."""
-    return frozenset((name, type(v).__name__, repr(v)) for name, v in concrete.items())
+    settings = Settings(microbatches, schedule, checkpoint, precision, workers)
+    return Spanned(model, mode=mode, why=why, groups=groups, devices=devs, settings=settings, balance_given=plan is None, graph=graph)
 
 
 def _load_under_module(
@@ -186,11 +181,7 @@ class Spanned(nn.Module):
         why: str,
         groups: list[list[str]],
         devices: list[torch.device],
-        microbatches: int,
-        schedule: str,
-        checkpoint: str,
-        precision: str,
-        workers: str,
+        settings: Settings,
         balance_given: bool,
         graph: Any,
     ) -> None:
@@ -198,30 +189,14 @@ class Spanned(nn.Module):
         self.module = model
         self.mode = mode
         self.mode_reason = why
-        self.microbatches = microbatches
-        self.schedule = schedule
-        self.checkpoint = checkpoint
-        self.precision = precision
-        self.workers = workers
-        self._devices = list(devices)
-        self._groups = [list(g) for g in groups]
+        self._settings = settings
+        if settings.precision == "fp16":
+            settings.scaler = torch.amp.GradScaler(devices[-1].type)
         self._recorder = Recorder()
         self._meter = ActivationMeter(len(devices))
-        self._graphs: dict[Any, list[Any]] = {}
-        self._hooks: HookPlacement | None = None
-        self._root_attrs: dict[str, int] = {}
-        self._default_trace: tuple[Any, list[Any]] | None = None  # (concrete id, stage modules) of span's trace
-        self._placed = False
-        self._order_checked = False
-        self.scaler: Any = None
-        if precision == "fp16":
-            self.scaler = torch.amp.GradScaler(self._devices[-1].type)
-        groups_idx = [[s] for s in range(len(devices))] if workers == "stage" else None
-        self._pipeline = Pipeline(
-            self._devices, checkpoint=checkpoint, precision=precision, recorder=self._recorder, meter=self._meter, groups=groups_idx
-        )
         # A Spanned nested in another module loads that module's checkpoints (keys without ``module.``).
         self._register_load_state_dict_pre_hook(_load_under_module, with_module=True)  # public name needs torch>=2.5
+        self._executor: Executor
         if mode == "hooks":
             warnings.warn(
                 f"torchspan: {why}; using hook placement. Each layer lives on its device and inputs are moved to "
@@ -230,177 +205,78 @@ class Spanned(nn.Module):
                 UserWarning,
                 stacklevel=3,
             )
-            self._lazy_balance = balance_given and len(devices) > 1
-            # Tensors the model owns directly go where its forward first reads them: found by recording.
-            owns = any(t is not None for t in list(model._parameters.values()) + list(model._buffers.values()))
-            if not (self._lazy_balance or (owns and len(set(devices)) > 1)):
-                self._place(graph=None)
+            self._executor = HookedExecutor(
+                model, devices, groups, settings, self._recorder, self._meter, balance_given=balance_given
+            )
         else:
-            self._lazy_balance = False
-            self._place(graph=graph)
+            self._executor = PipelinedExecutor(model, mode, graph, devices, groups, settings, self._recorder, self._meter)
 
-    # ------------------------------------------------------------------ placement
+    # ------------------------------------------------------------------ settings and placement
+    @property
+    def microbatches(self) -> int:
+        return self._settings.microbatches
+
+    @property
+    def schedule(self) -> str:
+        return self._settings.schedule
+
+    @property
+    def checkpoint(self) -> str:
+        return self._settings.checkpoint
+
+    @property
+    def precision(self) -> str:
+        return self._settings.precision
+
+    @property
+    def workers(self) -> str:
+        return self._settings.workers
+
+    @property
+    def scaler(self) -> Any:
+        """The fp16 ``torch.amp.GradScaler`` (``None`` for other precisions)."""
+        return self._settings.scaler
+
     @property
     def stage_of(self) -> dict[str, int]:
-        return {name: s for s, g in enumerate(self._groups) for name in g}
+        return self._executor.stage_of
 
     @property
     def stages(self) -> list[tuple[str, list[str]]]:
         """``[(device, [layer names]), ...]`` in stage order."""
-        return [(str(d), list(g)) for d, g in zip(self._devices, self._groups)]
+        return [(str(d), list(g)) for d, g in zip(self._executor.devices, self._executor.groups)]
 
     @property
     def devices(self) -> list[str]:
-        return [str(d) for d in self._devices]
+        return [str(d) for d in self._executor.devices]
 
     @property
     def balance(self) -> list[int]:
-        return [len(g) for g in self._groups]
-
-    def _place(self, graph: Any, root_attrs: dict[str, int] | None = None) -> None:
-        stage_of = self.stage_of
-        check_shared(self.module, stage_of)
-        if graph is None:
-            self._root_attrs = dict(root_attrs or {})
-            place(self.module, stage_of, self._devices, self._root_attrs)
-        else:
-            # Where the model's own parameters are first read decides their stage; they are moved there
-            # before the stage modules capture them. Those modules serve every call whose non-tensor
-            # arguments are the forward's defaults, so the first forward does not trace again.
-            def put(attrs: dict[str, int]) -> None:
-                self._root_attrs = dict(attrs)
-                place(self.module, stage_of, self._devices, self._root_attrs)
-
-            mods, _ = split.split_graph(self.module, graph, stage_of, len(self._devices), before_build=put)
-            self._default_trace = (_concrete_id(split.default_concrete_args(self.module)), mods)
-        if self.mode == "hooks":
-            self._hooks = HookPlacement(self.module, stage_of, self._devices, self._recorder, self._meter, self.precision)
-            self._hooks.install()
-        self._placed = True
-
-    def _stage_buffers(self) -> list[list[Slot]] | None:
-        """Each stage's buffer slots, which a checkpoint recompute must leave unchanged (None: no recompute)."""
-        if self.checkpoint == "never":
-            return None
-        children = dict(self.module.named_children())
-        own: list[list[Slot]] = [[] for _ in self._devices]
-        for name, b in self.module._buffers.items():
-            if b is not None:
-                own[self._root_attrs.get(name, 0)].append((self.module, name))
-        return [buffer_slots([children[n] for n in g], own[s]) for s, g in enumerate(self._groups)]
-
-    def _sequential_fns(self) -> list[Callable[..., Any]]:
-        """One callable per stage running its layers in order (non-last stages return a 1-tuple)."""
-        n = len(self._devices)
-        layers = dict(self.module.named_children())
-
-        def make(group: list[str], last: bool) -> Callable[..., Any]:
-            mods = [layers[name] for name in group]
-
-            def run(x: Any) -> Any:
-                for mod in mods:
-                    x = mod(x)
-                return x if last else (x,)
-
-            return run
-
-        return [make(g, s == n - 1) for s, g in enumerate(self._groups)]
-
-    def _fx_fns(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Callable[..., Any]], list[Any]]:
-        values, concrete, key = split.concrete_key(self.module, args, kwargs, tensor_like=(NoSplit,))
-        mods = self._graphs.get(key)
-        if mods is None and self._default_trace is not None and self._default_trace[0] == _concrete_id(concrete):
-            mods = self._graphs[key] = self._default_trace[1]
-        if mods is None:
-            graph = split.trace(self.module, concrete)
-            mods, _ = split.split_graph(self.module, graph, self.stage_of, len(self._devices))
-            self._graphs[key] = mods
-        return list(mods), values
+        return [len(g) for g in self._executor.groups]
 
     # ------------------------------------------------------------------ running
-    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Callable[..., Any]] | None, list[Any]]:
-        """Stage functions (None in hook mode) and per-micro-batch inputs."""
-        if self.mode == "sequential":
-            if kwargs or len(args) != 1:
-                raise TypeError(
-                    f"an nn.Sequential takes one positional input; got {len(args)} positional and {sorted(kwargs)} keyword "
-                    "argument(s)"
-                )
-            fns = self._sequential_fns()
-            chunks = split_batch(args, {}, self.microbatches)
-            return fns, [list(a) for a, _ in chunks]
-        if self.mode == "fx":
-            fns, values = self._fx_fns(args, kwargs)
-            total = batch_size(tuple(values), {})
-            split_sizes(total, self.microbatches)
-            return fns, split_value(values, self.microbatches, total, name="inputs")
-        chunks = split_batch(args, kwargs, self.microbatches)
-        return None, chunks
-
     @contextlib.contextmanager
     def _step(self) -> Iterator[None]:
         """One recorded step: counters reset on entry, the timeline closed on exit (also on error)."""
-        self._begin()
+        _warn_batchnorm(self)
+        devices = self._executor.devices
+        self._recorder.start_step(devices)
+        self._meter.reset(list(self.module.parameters()) + list(self.module.buffers()))
+        for d in dict.fromkeys(devices):
+            if d.type == "cuda":  # pragma: no cover - needs a GPU
+                torch.cuda.reset_peak_memory_stats(d)
         try:
             yield
         finally:
             self._recorder.finish_step()
 
-    def _begin(self) -> None:
-        _warn_batchnorm(self)
-        self._recorder.start_step(self._devices)
-        self._meter.reset(list(self.module.parameters()) + list(self.module.buffers()))
-        for d in dict.fromkeys(self._devices):
-            if d.type == "cuda":  # pragma: no cover - needs a GPU
-                torch.cuda.reset_peak_memory_stats(d)
-
-    def _ensure_placed(self, first_args: tuple[Any, ...], first_kwargs: dict[str, Any]) -> None:
-        """Hook mode: one recording forward finds the execution order (to apply a balance) and where the
-        model's own parameters are first read (they are placed on that stage), then places."""
-        if self._placed:
-            return
-        # The recording forward must leave no trace: BatchNorm statistics, counters and the random
-        # state (dropout masks of the real step) stay as they were.
-        cuda = sorted({d.index if d.index is not None else 0 for d in self._devices if d.type == "cuda"})
-        with torch.random.fork_rng(devices=cuda), kept(buffer_slots([self.module])):
-            order, uses = discovery.record_forward(self.module, first_args, first_kwargs)
-        if self._lazy_balance:
-            self._groups = stages_from_balance(order, self._devices, self.balance)
-            self._order_checked = True
-        stage_of = self.stage_of
-        self._place(graph=None, root_attrs={attr: stage_of.get(child, 0) if child else 0 for attr, child in uses.items()})
-
-    def _check_hook_order(self) -> None:
-        if self._order_checked or self._hooks is None or not self._hooks.order:
-            return
-        planned = [n for g in self._groups for n in g if n in self._hooks.order]
-        for i, (want, got) in enumerate(zip(self._hooks.order, planned)):
-            if want != got:
-                raise ValueError(
-                    f"the placement puts layer {got!r} at position {i}, but the model runs {want!r} there "
-                    f"(execution order: {', '.join(self._hooks.order)}); stages must follow execution order. "
-                    "Re-plan with torchspan.plan(model, x, ...) or pass devices and balance"
-                )
-        self._order_checked = True
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Pipelined forward; outputs concatenated on dim 0 on the last stage's device."""
-        fns, chunks = self._prepare(args, kwargs)
-        last = self._devices[-1]
-        if fns is None:
-            self._ensure_placed(*chunks[0])
-            assert self._hooks is not None
-            outs = []
-            with self._step():
-                for i, (a, k) in enumerate(chunks):
-                    a, k = self._to_first_stage(a, k)
-                    with self._hooks.recording(i, checkpointed(self.checkpoint, i, self.microbatches)):
-                        outs.append(self.module(*a, **k))
-            self._check_hook_order()
-            return gather(outs, last)
+        work = self._executor.prepare(args, kwargs)
+        self._executor.place(work)
         with self._step():
-            outs = self._pipeline.forward(fns, chunks, self._stage_buffers())
-        return gather(outs, last)
+            outs = self._executor.forward(work)
+        return gather(outs, self._executor.devices[-1])
 
     def train_step(
         self,
@@ -430,43 +306,17 @@ class Spanned(nn.Module):
             args, kwargs = (inputs,), {}
         if not torch.is_grad_enabled():
             raise RuntimeError("train_step runs backward, but gradients are disabled here (torch.no_grad()); call it outside no_grad")
-        fns, chunks = self._prepare(args, kwargs)
+        work = self._executor.prepare(args, kwargs)
         total = batch_size(args, kwargs)
         sizes = split_sizes(total, self.microbatches)
         reduction = resolve_reduction(loss_fn, loss_reduction)
         targets = split_value(target, self.microbatches, total, name="target")
         weights = microbatch_weights(loss_fn, targets, sizes, reduction)
         if isinstance(loss_fn, nn.Module):
-            loss_fn.to(self._devices[-1])
-        if fns is None:
-            return self._train_hooks(chunks, targets, loss_fn, weights)
+            loss_fn.to(self._executor.devices[-1])
+        self._executor.place(work)
         with self._step():
-            return self._pipeline.train(fns, chunks, targets, loss_fn, weights, self.schedule, self.scaler, self._stage_buffers())
-
-    def _to_first_stage(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Hook mode: inputs go to stage 0's device before the model's own forward touches them
-        (its code may use them before calling the first child, e.g. ``x + self.shift``)."""
-        dev = self._devices[0]
-        return to_device((args, kwargs), dev, non_blocking=dev.type == "cuda")
-
-    def _train_hooks(self, chunks: list[Any], targets: list[Any], loss_fn: Callable[..., Any], weights: list[float]) -> torch.Tensor:
-        self._ensure_placed(*chunks[0])
-        hp = self._hooks
-        assert hp is not None
-        losses = []
-        with self._step():
-            for i, (a, k) in enumerate(chunks):
-                a, k = self._to_first_stage(a, k)
-                with hp.recording(i, checkpointed(self.checkpoint, i, self.microbatches)):
-                    out = self.module(*a, **k)
-                self._check_hook_order()
-                leaf = next((t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)), None)
-                dev = leaf.device if leaf is not None else self._devices[-1]
-                with autocast_for(dev, self.precision):
-                    loss = weighted_loss(loss_fn, out, to_device(targets[i], dev), weights[i])
-                hp.backward(i, self.scaler.scale(loss) if self.scaler is not None else loss)
-                losses.append(loss.detach().to(self._devices[-1]).float())
-        return torch.stack(losses).sum()
+            return self._executor.train(work, targets, loss_fn, weights)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.step()``; with ``precision="fp16"`` through the gradient scaler (unscale, skip on inf, update)."""
@@ -477,7 +327,7 @@ class Spanned(nn.Module):
         self.scaler.update()
 
     # ------------------------------------------------------------------ observing
-    def timeline(self) -> list[Any]:
+    def timeline(self) -> list[Event]:
         """The ``torchspan.runtime.record.Event``s of the most recent step (forward call or ``train_step``)."""
         return list(self._recorder.events)
 
@@ -489,47 +339,8 @@ class Spanned(nn.Module):
         torchspan does not otherwise see. ``device_peak`` is ``torch.cuda.max_memory_allocated``
         since the last step began (CUDA stages; ``None`` elsewhere).
         """
-        stage_of = self.stage_of
-        per_stage: list[dict[str, Any]] = []
-        owned: list[list[torch.Tensor]] = [[] for _ in self._devices]
-        bufs: list[list[torch.Tensor]] = [[] for _ in self._devices]
-        seen: set[int] = set()
-        for name, child in self.module.named_children():
-            s = stage_of.get(name, 0)
-            for p in child.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    owned[s].append(p)
-            for b in child.buffers():
-                bufs[s].append(b)
-        for name, p in self.module._parameters.items():
-            if p is not None and id(p) not in seen:
-                seen.add(id(p))
-                owned[self._root_attrs.get(name, 0)].append(p)
-        for name, b in self.module._buffers.items():
-            if b is not None:
-                bufs[self._root_attrs.get(name, 0)].append(b)
-        state = optimizer.state if optimizer is not None else {}
-        for s, dev in enumerate(self._devices):
-            opt_bytes = 0
-            for p in owned[s]:
-                for v in state.get(p, {}).values():
-                    if isinstance(v, torch.Tensor):
-                        opt_bytes += v.numel() * v.element_size()
-            per_stage.append(
-                {
-                    "stage": s,
-                    "device": str(dev),
-                    "layers": list(self._groups[s]),
-                    "params": sum(p.numel() * p.element_size() for p in owned[s]),
-                    "grads": sum(p.grad.numel() * p.grad.element_size() for p in owned[s] if p.grad is not None),
-                    "buffers": sum(b.numel() * b.element_size() for b in bufs[s]),
-                    "optimizer": opt_bytes,
-                    "activations": self._meter.peak[s],
-                    "device_peak": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
-                }
-            )
-        return per_stage
+        ex = self._executor
+        return stage_memory(self.module, ex.devices, ex.groups, ex.root_attrs, self._meter.peak, optimizer)
 
     # ------------------------------------------------------------------ state and placement
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:  # type: ignore[override]

@@ -1,6 +1,6 @@
 """Hook placement: for models ``torch.fx`` cannot trace (data-dependent control flow and such).
 
-Each top-level child lives on its stage's device and a forward pre-hook moves its inputs there
+Each layer (``torchspan.layers``) lives on its stage's device and a forward pre-hook moves its inputs there
 (the copies stay in autograd, so every parameter trains, CPU-placed ones included). The model's
 own forward runs unchanged, so micro-batches run one after another: this mode does not pipeline.
 
@@ -26,11 +26,11 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from ..hardware import to_device
-from .memory import ActivationMeter
-from ..layers.slots import buffer_slots
+from ...hardware import to_device
+from ..memory import ActivationMeter
+from ...layers import buffer_slots, layer_modules
 from .pipeline import autocast_for, once_context
-from .record import Recorder
+from ..record import Recorder
 
 __all__ = ["HookPlacement"]
 
@@ -93,7 +93,7 @@ class HookPlacement:
         """Register the hooks (idempotent)."""
         if self._handles:
             return
-        for name, child in self.model.named_children():
+        for name, child in layer_modules(self.model).items():
             if name not in self.stage_of:
                 continue
             self._handles.append(child.register_forward_pre_hook(_Hook(self._pre(name)), with_kwargs=True))
@@ -192,7 +192,7 @@ class HookPlacement:
         if self.precision == "32" and not checkpointed:
             return []
         done = []
-        for name, child in self.model.named_children():
+        for name, child in layer_modules(self.model).items():
             if name not in self.stage_of:
                 continue
             dev = self.devices[self.stage_of[name]]

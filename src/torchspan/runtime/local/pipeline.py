@@ -22,19 +22,18 @@ import torch
 import torch.utils.checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..layers.slots import Slot, kept
-from .lossweights import weighted_loss
-from ..hardware import to_device
-from .. import schedule as sched
-from .memory import ActivationMeter
-from .record import Recorder
+from ...layers.slots import Slot, kept
+from ..lossweights import weighted_loss
+from ...hardware import to_device
+from ... import schedule as sched
+from ...schedule import CHECKPOINTS, PRECISIONS
+from ..memory import ActivationMeter
+from ..record import Recorder
 from .stream import copy_stream, transfer, use_device, wait_ready
 from .worker import Mailbox, run_workers
 
 __all__ = ["Pipeline", "autocast_for", "once_context", "CHECKPOINTS", "PRECISIONS"]
 
-CHECKPOINTS = ("never", "except_last", "always")
-PRECISIONS = ("32", "bf16", "fp16")
 
 
 def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:

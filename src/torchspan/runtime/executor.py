@@ -1,0 +1,96 @@
+"""The executor interface: what runs a ``Spanned``'s forward and training steps on its stages.
+
+``Spanned`` (the façade) validates arguments, opens and closes each step (timeline, activation
+meter) and gathers outputs; an executor owns placement and execution. Two implement it today, in
+``runtime.local``: ``PipelinedExecutor`` (stage functions from an ``nn.Sequential`` or an fx split,
+run by the threaded ``Pipeline``) and ``HookedExecutor`` (hook placement, the model's own
+forward). An executor across processes implements the same five methods.
+
+Usage (``Spanned`` does this)::
+
+    work = executor.prepare(args, kwargs)          # micro-batch chunks (+ stage functions)
+    executor.place(work)                           # placement that needs an input, once
+    outputs = executor.forward(work)               # one output per micro-batch
+    loss = executor.train(work, targets, loss_fn, weights)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Executor", "Settings", "Work"]
+
+
+@dataclass
+class Settings:
+    """How a ``Spanned`` runs its steps, validated by ``span``; ``scaler`` is the fp16 gradient scaler (else None)."""
+
+    microbatches: int
+    schedule: str
+    checkpoint: str
+    precision: str
+    workers: str = "device"
+    scaler: Any = None
+
+
+@dataclass
+class Work:
+    """One call's inputs as an executor runs them.
+
+    ``chunks``: per micro-batch, what the first stage receives (an argument list for stage
+    functions; an ``(args, kwargs)`` pair where the model's own forward runs). ``fns``: the
+    stage functions this call runs, or ``None`` where the model's own forward runs.
+    """
+
+    chunks: list[Any]
+    fns: list[Callable[..., Any]] | None = None
+
+
+class Executor(ABC):
+    """Runs micro-batches over stages ``devices[s]`` holding layers ``groups[s]``.
+
+    ``root_attrs`` maps each parameter or buffer the model owns directly (not through a layer) to
+    its stage, once placed. ``groups`` may change until the first ``place`` (an order that
+    only a recording forward can find).
+    """
+
+    mode: str  # how it runs the model: "sequential", "fx", "hooks", ...
+
+    def __init__(self, devices: Sequence[torch.device], groups: Sequence[Sequence[str]]) -> None:
+        self.devices = list(devices)
+        self.groups = [list(g) for g in groups]
+        self.root_attrs: dict[str, int] = {}
+
+    @property
+    def stage_of(self) -> dict[str, int]:
+        """Layer name → stage index."""
+        return {name: s for s, g in enumerate(self.groups) for name in g}
+
+    @abstractmethod
+    def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Work:
+        """Check the inputs and split them into micro-batches (raises ``TypeError``/``ValueError`` on bad ones)."""
+
+    def place(self, work: Work) -> None:
+        """Placement that needs an example input (runs before the step opens); default: already placed."""
+
+    @abstractmethod
+    def forward(self, work: Work) -> list[Any]:
+        """Forward of every micro-batch, autograd kept; one output per micro-batch."""
+
+    @abstractmethod
+    def train(
+        self,
+        work: Work,
+        targets: Sequence[Any],
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        weights: Sequence[float],
+    ) -> torch.Tensor:
+        """Forward and backward of every micro-batch; ``weights[i]`` scales micro-batch ``i``'s loss.
+
+        Returns the summed weighted loss (detached) on the last stage's device.
+        """
