@@ -1,0 +1,220 @@
+"""Calibrating an opaque loss on a batch: make the micro-batch weighting exact, or refuse before any backward.
+
+``loss_spec`` cannot read what a lambda or a user function divides by. ``calibrate`` finds out from
+a no-grad dry forward's per-micro-batch outputs: it compares the full-batch value
+``loss_fn(concat(outputs), concat(targets))`` with the micro-batch losses weighted by sample share
+(a mean) and summed (a sum). Exactly one match decides the weights; none, or an ambiguous value
+(e.g. a zero loss), is a ``ValueError`` naming the loss, the values and the ways out, raised before
+the optimizer can see a wrong ``.grad``. A user's ``loss_normalizer`` is verified the same way.
+``LossChecks`` remembers each answer per loss and batch structure (sizes, target shapes and the
+count of negative, i.e. padding, labels per chunk), so a training loop pays for one dry forward
+on its first step and again only when the structure changes.
+
+Usage::
+
+    spec = calibrate(loss_spec(lambda o, t: (o * t).sum()), outputs, targets, sizes)   # spec.kind == "sum"
+    checks = LossChecks()                                   # one per Spanned
+    spec = checks.resolve(spec, targets, sizes, dry_outputs=run_forward_without_grad)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import types
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
+
+from ..layers.slots import buffer_slots, kept
+from .lossweights import LossSpec
+from .microbatch import gather
+
+__all__ = ["calibrate", "batch_structure", "LossChecks", "dry_run", "RTOL"]
+
+RTOL = 1e-5  # relative tolerance of a match, for float32 losses (wider for half precision)
+_ATOL = 1e-7  # absolute floor, relative to the largest weighted micro-batch loss
+_KEEP = 32  # calibrations remembered per LossChecks
+
+
+def _first_device(value: Any) -> torch.device | None:
+    return next((t.device for t in tree_leaves(value) if isinstance(t, torch.Tensor)), None)
+
+
+def _to(value: Any, device: torch.device | None) -> Any:
+    if device is None:
+        return value
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, value)
+
+
+def _scalar(spec: LossSpec, value: Any, what: str) -> tuple[float, torch.dtype]:
+    if not isinstance(value, torch.Tensor) or value.dim() != 0:
+        got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
+        raise ValueError(f"loss_fn={spec.name} returned {got} on {what}; it must return a scalar (use reduction='mean' or 'sum')")
+    return float(value), value.dtype
+
+
+def _close(a: float, b: float, rtol: float, atol: float) -> bool:
+    return abs(a - b) <= rtol * max(abs(a), abs(b)) + atol
+
+
+def calibrate(
+    spec: LossSpec,
+    outputs: Sequence[Any],
+    targets: Sequence[Any],
+    sizes: Sequence[int],
+    *,
+    target: Any = None,
+) -> LossSpec:
+    """``spec`` with exact weights decided from one batch's per-micro-batch ``outputs`` and ``targets``.
+
+    Known and declared specs come back unchanged. An opaque spec becomes ``"samples"`` (a mean
+    over samples) or ``"sum"`` when exactly one of them reproduces the full-batch value
+    (``target``: the unsplit target, default the chunks concatenated); a ``"user"`` spec (a
+    ``loss_normalizer``) must reproduce it. Otherwise raises ``ValueError`` naming the loss, the
+    full-batch value, the weighted values and the ways out. Runs under ``no_grad``.
+    """
+    if not spec.needs_check:
+        return spec
+    if not (len(outputs) == len(targets) == len(sizes)) or not sizes:
+        raise ValueError(
+            f"outputs, targets and sizes must have one entry per micro-batch; got {len(outputs)}, {len(targets)}, "
+            f"{len(sizes)}"
+        )
+    if spec.kind == "opaque" and len(sizes) == 1:
+        return spec.resolved("samples")  # one micro-batch: weight 1 whatever the loss divides by
+    candidates = [spec] if spec.kind == "user" else [spec.resolved("samples"), spec.resolved("sum")]
+    all_weights = [c.weights(targets, sizes) for c in candidates]
+    device = _first_device(outputs[0])
+    with torch.no_grad():
+        whole_target = gather(list(targets)) if target is None else target
+        full, dtype = _scalar(spec, spec.loss_fn(gather(list(outputs)), _to(whole_target, device)), "the full batch")
+        parts: list[float | None] = []
+        for i, (out, tgt) in enumerate(zip(outputs, targets)):
+            if all(w[i] == 0.0 for w in all_weights):
+                parts.append(None)  # adds exactly 0 in training (an all-padding chunk): never evaluated
+            else:
+                parts.append(_scalar(spec, spec.loss_fn(out, _to(tgt, _first_device(out))), f"micro-batch {i}")[0])
+    rtol = max(RTOL, 8 * torch.finfo(dtype).eps) if dtype.is_floating_point else RTOL
+    values = []
+    matches = []
+    for c, w in zip(candidates, all_weights):
+        terms = [wi * p for wi, p in zip(w, parts) if wi != 0.0 and p is not None]
+        value = math.fsum(terms)
+        atol = _ATOL + rtol * max((abs(t) for t in terms), default=0.0)
+        values.append(value)
+        if _close(value, full, rtol, atol):
+            matches.append(c)
+    if len(matches) == 1:
+        return matches[0]
+    raise ValueError(_refusal(spec, full, values, sizes, ambiguous=len(matches) > 1))
+
+
+def _refusal(spec: LossSpec, full: float, values: list[float], sizes: Sequence[int], *, ambiguous: bool) -> str:
+    split = f"{len(sizes)} micro-batches of {', '.join(map(str, sizes))} samples"
+    if spec.kind == "user":
+        return (
+            f"loss_normalizer does not make loss_fn={spec.name} exact: the full-batch loss is {full:.8g} but the "
+            f"micro-batch losses weighted by loss_normalizer add up to {values[0]:.8g} ({split}). It must return what "
+            "the loss's mean divides by for a chunk's target (e.g. lambda y: (y != -100).sum() for a token mean over "
+            "non-padding labels); or declare loss_reduction='sum' / 'mean' instead"
+        )
+    if ambiguous:
+        head = (
+            f"cannot tell from this batch whether loss_fn={spec.name} is a mean or a sum: the full-batch loss "
+            f"{full:.8g} equals both the sample-share weighting ({values[0]:.8g}) and the sum ({values[1]:.8g}) of "
+            f"its {split} (e.g. a loss of 0)"
+        )
+    else:
+        head = (
+            f"loss_fn={spec.name} is not a per-sample mean or a sum: the full-batch loss is {full:.8g}, but its "
+            f"{split} give {values[0]:.8g} weighted by sample share and {values[1]:.8g} summed"
+        )
+    return (
+        f"{head}, so torchspan cannot weight it to the single-device gradient and refuses before any backward. "
+        "Declare it: loss_reduction='sum' (it adds per-sample losses), loss_reduction='mean' (it averages over "
+        "samples), or loss_normalizer=callable returning what its mean divides by for a chunk's target, e.g. "
+        "loss_normalizer=lambda y: (y != -100).sum() for a mean over non-padding tokens"
+    )
+
+
+def batch_structure(targets: Sequence[Any], sizes: Sequence[int]) -> tuple[Any, ...]:
+    """What a calibration holds for: the split, each target's shapes and dtypes, and the count of
+    negative integer labels per chunk (padding such as -100 changes what a token mean divides by)."""
+    key: list[Any] = [tuple(sizes)]
+    for t in targets:
+        for leaf in tree_leaves(t):
+            if isinstance(leaf, torch.Tensor):
+                negatives = -1
+                if not leaf.is_floating_point() and not leaf.is_complex() and leaf.dtype != torch.bool:
+                    negatives = int((leaf < 0).sum())
+                key.append((tuple(leaf.shape), leaf.dtype, negatives))
+            else:
+                key.append(type(leaf).__name__)
+    return tuple(key)
+
+
+def _identity(fn: Any) -> tuple[Any, ...]:
+    """Objects that make a loss the same loss, compared with ``is``: a lambda re-created each step
+    with the same code and the same captured objects is the same loss."""
+    if isinstance(fn, types.FunctionType):
+        cells = []
+        for cell in fn.__closure__ or ():
+            try:
+                cells.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                cells.append(None)
+        return (fn.__code__, fn.__globals__, *(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values(), *cells)
+    return (fn,)
+
+
+class LossChecks:
+    """Calibrations remembered per loss and batch structure (the last ``32``)."""
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[tuple[Any, ...], tuple[Any, ...], str, LossSpec]] = []
+        self.calibrations = 0  # dry forwards run so far (for tests and timing)
+
+    def resolve(
+        self,
+        spec: LossSpec,
+        targets: Sequence[Any],
+        sizes: Sequence[int],
+        dry_outputs: Callable[[], Sequence[Any]],
+        *,
+        target: Any = None,
+    ) -> LossSpec:
+        """``spec`` made exact: unchanged when known or declared, else calibrated on ``dry_outputs()``
+        (the per-micro-batch outputs of a no-grad forward of this batch), which runs only when this
+        loss has not been checked on a batch of this structure yet."""
+        if not spec.needs_check:
+            return spec
+        if spec.kind == "opaque" and len(sizes) == 1:
+            return spec.resolved("samples")
+        ident = _identity(spec.loss_fn) + _identity(spec.user_normalizer)
+        structure = batch_structure(targets, sizes)
+        for i, (known_ident, known_structure, kind, decided) in enumerate(self._entries):
+            if known_structure == structure and kind == spec.kind and _same(known_ident, ident):
+                self._entries.append(self._entries.pop(i))
+                return decided if decided.loss_fn is spec.loss_fn else spec.resolved(decided.kind)
+        self.calibrations += 1
+        decided = calibrate(spec, list(dry_outputs()), targets, sizes, target=target)
+        self._entries.append((ident, structure, spec.kind, decided))
+        del self._entries[:-_KEEP]
+        return decided
+
+
+def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+@contextlib.contextmanager
+def dry_run(module: nn.Module, devices: Sequence[torch.device]) -> Iterator[None]:
+    """A forward that leaves no trace: no autograd graph, the random state forked (the real step
+    draws the same dropout masks) and every buffer of ``module`` restored (BatchNorm statistics)."""
+    cuda = sorted({d.index if d.index is not None else 0 for d in devices if d.type == "cuda"})
+    with torch.no_grad(), torch.random.fork_rng(devices=cuda), kept(buffer_slots([module])):
+        yield
