@@ -16,6 +16,7 @@ from torch import nn
 
 from ..hardware import resolve_device, to_device
 from ..layers import layer_modules
+from ..planner.plans import Plan
 from .microbatch import split_sizes
 
 __all__ = ["parse_devices", "even_balance", "stages_from_balance", "stages_from_plan", "check_shared", "place"]
@@ -69,7 +70,7 @@ def stages_from_balance(order: Sequence[str], devices: Sequence[torch.device], b
     return out
 
 
-def stages_from_plan(plan: Any, layer_names: Sequence[str], order: Sequence[str] | None) -> tuple[list[list[str]], list[torch.device]]:
+def stages_from_plan(plan: Plan, layer_names: Sequence[str], order: Sequence[str] | None) -> tuple[list[list[str]], list[torch.device]]:
     """The plan's layer groups and devices, checked against the model's layers (and order, if known)."""
     known = set(layer_names)
     for i, st in enumerate(plan.stages):
