@@ -153,7 +153,23 @@ def span(
             "while another stage's thread draws from it; use workers='device' (the default) or checkpoint='never'"
         )
     settings = Settings(microbatches, schedule, checkpoint, precision, workers)
-    return Spanned(model, mode=mode, why=why, groups=groups, devices=devs, settings=settings, balance_given=plan is None, graph=graph)
+    if precision == "fp16":
+        settings.scaler = torch.amp.GradScaler(devs[-1].type)
+    recorder, meter = Recorder(), ActivationMeter(len(devs))
+    # Choosing the executor: the one place that knows them all.
+    executor: Executor
+    if mode == "hooks":
+        warnings.warn(
+            f"torchspan: {why}; using hook placement. Each layer lives on its device and inputs are moved to "
+            "it, but micro-batches run one after another (no pipelining). Make the model an nn.Sequential "
+            "or fx-traceable to pipeline it.",
+            UserWarning,
+            stacklevel=2,
+        )
+        executor = HookedExecutor(model, devs, groups, settings, recorder, meter, balance_given=plan is None)
+    else:
+        executor = PipelinedExecutor(model, mode, graph, devs, groups, settings, recorder, meter)
+    return Spanned(model, executor, settings, recorder, meter, mode_reason=why)
 
 
 def _load_under_module(
@@ -176,40 +192,24 @@ class Spanned(nn.Module):
     def __init__(
         self,
         model: nn.Module,
-        *,
-        mode: str,
-        why: str,
-        groups: list[list[str]],
-        devices: list[torch.device],
+        executor: Executor,
         settings: Settings,
-        balance_given: bool,
-        graph: Any,
+        recorder: Recorder,
+        meter: ActivationMeter,
+        *,
+        mode_reason: str = "",
     ) -> None:
+        """Wrap ``model`` run by ``executor`` (which records into ``recorder`` and ``meter``); ``span`` builds these."""
         super().__init__()
         self.module = model
-        self.mode = mode
-        self.mode_reason = why
+        self.mode = executor.mode
+        self.mode_reason = mode_reason
         self._settings = settings
-        if settings.precision == "fp16":
-            settings.scaler = torch.amp.GradScaler(devices[-1].type)
-        self._recorder = Recorder()
-        self._meter = ActivationMeter(len(devices))
+        self._executor = executor
+        self._recorder = recorder
+        self._meter = meter
         # A Spanned nested in another module loads that module's checkpoints (keys without ``module.``).
         self._register_load_state_dict_pre_hook(_load_under_module, with_module=True)  # public name needs torch>=2.5
-        self._executor: Executor
-        if mode == "hooks":
-            warnings.warn(
-                f"torchspan: {why}; using hook placement. Each layer lives on its device and inputs are moved to "
-                "it, but micro-batches run one after another (no pipelining). Make the model an nn.Sequential "
-                "or fx-traceable to pipeline it.",
-                UserWarning,
-                stacklevel=3,
-            )
-            self._executor = HookedExecutor(
-                model, devices, groups, settings, self._recorder, self._meter, balance_given=balance_given
-            )
-        else:
-            self._executor = PipelinedExecutor(model, mode, graph, devices, groups, settings, self._recorder, self._meter)
 
     # ------------------------------------------------------------------ settings and placement
     @property
