@@ -48,7 +48,8 @@ from torch import nn
 
 import torchspan
 from torchspan.hardware import format_bytes
-from torchspan.planner.cost import CostModel, Stage
+from torchspan.planner.cost import CostModel
+from torchspan.planner.stages import Stage
 from torchspan.planner.plans import Plan
 from torchspan.planner.optimize import search
 from torchspan.profiler.costs import Profile

@@ -55,8 +55,8 @@ import torchspan
 from torchspan.hardware import format_bytes
 from torchspan.planner import PlanError
 from torchspan.planner.baselines import STRATEGIES, baseline
-from torchspan.planner.diagnose import frugal_needs
-from torchspan.planner.optimize import settings_grid
+from torchspan.planner.explain import frugal_needs
+from torchspan.planner.settings import settings_grid
 from torchspan.planner.optimize import search
 from torchspan.profiler.costs import LayerCost, Profile
 

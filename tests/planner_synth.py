@@ -9,7 +9,8 @@ import random
 import torch
 
 from torchspan.hardware import Device
-from torchspan.planner.cost import CostModel, Evaluation, Stage
+from torchspan.planner.cost import CostModel
+from torchspan.planner.stages import Evaluation, Stage
 from torchspan.profiler.costs import LayerCost, Profile
 
 

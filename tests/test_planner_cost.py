@@ -7,7 +7,9 @@ import math
 import pytest
 
 from planner_synth import device, layer
-from torchspan.planner.cost import CostModel, Stage, link_bandwidth, physical_names
+from torchspan.planner.cost import CostModel
+from torchspan.planner.physical import link_bandwidth, physical_names
+from torchspan.planner.stages import Stage
 from torchspan.planner.plans import Plan, StagePlan
 from torchspan.profiler.costs import Profile
 

@@ -9,7 +9,8 @@ import pytest
 from planner_synth import device, layer
 from torchspan.hardware import format_bytes, parse_memory
 from torchspan.planner import PlanError, search
-from torchspan.planner.cost import CostModel, Stage
+from torchspan.planner.cost import CostModel
+from torchspan.planner.stages import Stage
 from torchspan.profiler.costs import Profile
 
 

@@ -10,7 +10,8 @@ import pytest
 from planner_synth import device, layer
 from torchspan.planner import Plan, search
 from torchspan.planner.baselines import STRATEGIES, baseline, greedy_split, parameter_split, uniform_split
-from torchspan.planner.cost import CostModel, Stage
+from torchspan.planner.cost import CostModel
+from torchspan.planner.stages import Stage
 from torchspan.profiler.costs import Profile
 
 
@@ -149,3 +150,24 @@ def test_save_is_atomic_and_leaves_an_ordinary_file(tmp_path) -> None:  # type: 
     assert mode == 0o666 & ~umask
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]  # no temporary file left behind
     assert _Plan.load(target) == plan
+
+
+def test_compare_reports_every_memory_kind_from_its_stage_plan_field() -> None:
+    """One MEMORY_KINDS (profiler.costs) drives the comparison; each kind maps to a real StagePlan field."""
+    import dataclasses
+
+    from torchspan.planner.measured import PLAN_FIELDS, compare
+    from torchspan.planner.plans import StagePlan
+    from torchspan.profiler.costs import MEMORY_KINDS
+
+    assert tuple(PLAN_FIELDS) == MEMORY_KINDS
+    assert set(PLAN_FIELDS.values()) <= {f.name for f in dataclasses.fields(StagePlan)}
+    stage = StagePlan("cpu", ["a"], param_bytes=10, grad_bytes=20, optimizer_bytes=30, activation_bytes=40, buffer_bytes=50)
+    plan = Plan(stages=[stage], microbatches=1, schedule="1f1b", predicted_step_time=0.5)
+    measured = {"device": "cpu", "params": 10, "grads": 20, "optimizer": 60, "activations": 20, "buffers": 50}
+    result = compare(plan, [measured], [0.9, 1.0])
+    row = result["stages"][0]
+    assert [k for k in row if k in MEMORY_KINDS] == list(MEMORY_KINDS)
+    assert row["optimizer"]["ratio"] == 2.0 and row["activations"]["ratio"] == 0.5 and row["buffers"]["ratio"] == 1.0
+    assert row["total"] == {"predicted": 150, "measured": 160, "ratio": 160 / 150}
+    assert result["step_time"]["ratio"] == 2.0

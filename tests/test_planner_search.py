@@ -12,9 +12,12 @@ from hypothesis import strategies as st
 
 from planner_synth import brute_force, close, device, layer, random_profile
 from torchspan.planner import PlanError, search
-from torchspan.planner.cost import CostModel, Stage
+from torchspan.planner.cost import CostModel
 from torchspan.planner.plans import CHECKPOINTS, SCHEDULES
-from torchspan.planner.optimize import device_groups, microbatch_candidates, solve
+from torchspan.planner.settings import microbatch_candidates
+from torchspan.planner.solver import device_groups
+from torchspan.planner.stages import Stage
+from torchspan.planner.optimize import solve
 from torchspan.profiler.costs import Profile
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

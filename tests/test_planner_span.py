@@ -10,7 +10,8 @@ from torch import nn
 
 import torchspan
 from torchspan.planner import PlanError
-from torchspan.planner.cost import CostModel, Stage
+from torchspan.planner.cost import CostModel
+from torchspan.planner.stages import Stage
 
 
 def model() -> nn.Sequential:

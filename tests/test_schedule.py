@@ -85,3 +85,16 @@ def test_forward_only_and_errors() -> None:
         sched.gpipe(0, 2)
     with pytest.raises(ValueError, match="stages=True"):
         sched.one_f_one_b(2, True)  # type: ignore[arg-type]
+
+
+def test_the_plan_and_run_vocabulary_has_one_definition() -> None:
+    """Planner and runtime check names against schedule.py's tuples themselves, not copies that could drift."""
+    from torchspan import planner
+    from torchspan.planner import plans
+    from torchspan.runtime import spanned
+    from torchspan.runtime.local import pipeline
+
+    assert plans.SCHEDULES is planner.SCHEDULES is spanned.SCHEDULES is sched.SCHEDULES
+    assert plans.CHECKPOINTS is planner.CHECKPOINTS is spanned.CHECKPOINTS is pipeline.CHECKPOINTS is sched.CHECKPOINTS
+    assert spanned.PRECISIONS is pipeline.PRECISIONS is sched.PRECISIONS
+    assert sched.SCHEDULES == ("gpipe", "1f1b") and sched.CHECKPOINTS == ("never", "except_last", "always")

@@ -9,6 +9,11 @@ action took the same time; the runtime uses it to interleave stages that share o
 - ``one_f_one_b(m, n)``: after a warm-up of ``n - s - 1`` forwards, stage ``s`` alternates one
   forward with one backward, so at most ``n - s`` micro-batches' activations are alive on it.
 
+The vocabulary a plan and a run are written in lives here too, once: ``SCHEDULES`` (the schedule
+names ``build`` knows), ``CHECKPOINTS`` (activation checkpointing modes: ``never``; ``except_last``,
+every micro-batch but a stage's last in flight recomputes its forward in backward; ``always``) and
+``PRECISIONS`` (``"32"``, ``"bf16"``, ``"fp16"``: the autocast precision of a run).
+
 Usage: ``for a in gpipe(4, 2)[0]: print(a.clock, a.kind, a.microbatch)``.
 """
 
@@ -21,6 +26,8 @@ __all__ = [
     "FORWARD",
     "BACKWARD",
     "SCHEDULES",
+    "CHECKPOINTS",
+    "PRECISIONS",
     "gpipe",
     "one_f_one_b",
     "forward_only",
@@ -32,6 +39,8 @@ __all__ = [
 FORWARD = "forward"
 BACKWARD = "backward"
 SCHEDULES = ("gpipe", "1f1b")
+CHECKPOINTS = ("never", "except_last", "always")
+PRECISIONS = ("32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@ Usage::
     batch = to_device(batch, devs[0])
 """
 
-from . import catalog
 from .device import Device, format_bytes, parse_memory
 from .inventory import budget_key, devices, physical_index, resolve_device
 from .move import to_device
@@ -25,5 +24,4 @@ __all__ = [
     "resolve_device",
     "physical_index",
     "budget_key",
-    "catalog",
 ]

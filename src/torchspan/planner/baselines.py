@@ -25,9 +25,11 @@ from collections.abc import Sequence
 
 from ..hardware import format_bytes
 from ..profiler.costs import Profile
-from .cost import CostModel, Evaluation, Stage, budget_of, time_tables
+from .cost import CostModel, time_tables
+from .physical import budget_of
 from .plans import Plan
-from .optimize import settings_grid
+from .settings import settings_grid
+from .stages import Evaluation, Stage
 
 __all__ = ["STRATEGIES", "baseline", "uniform_split", "parameter_split", "greedy_split"]
 

@@ -12,7 +12,7 @@ stage ``s`` (of ``S``) runs layers ``[i, j)`` on device ``d``. Per micro-batch o
 ``F_s = sum forward_seconds(d, b)`` and ``Bw_s = sum backward_seconds(d, b)`` over its layers.
 
 Physical devices. List entries that are the same physical device (``['cpu', 'cpu']``, a present GPU
-listed twice; see ``identity``) are ONE device ``p``: the model takes its times and host link from
+listed twice; see ``physical.identity``) are ONE device ``p``: the model takes its times and host link from
 its first entry and its budget ``capacity_p`` as the smallest among its entries (``memory={'cpu':
 X}`` gives every ``'cpu'`` entry ``X``; ``X`` then bounds all of them together). The runtime
 (``span``, default ``workers="device"``) runs every stage of one device in one worker, one action
@@ -82,145 +82,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..hardware import Device
 from ..profiler.costs import Profile
-from .plans import CHECKPOINTS, SCHEDULES, Plan, StagePlan
+from ..schedule import CHECKPOINTS, SCHEDULES
+from .physical import INF, budget_of, host_bandwidth, link_bandwidth, memory_bandwidth, physical_names
+from .plans import Plan, StagePlan
+from .stages import Evaluation, Stage, StageMemory
 
-__all__ = [
-    "Stage",
-    "StageMemory",
-    "Evaluation",
-    "CostModel",
-    "budget_of",
-    "link_bandwidth",
-    "identity",
-    "physical_names",
-    "time_tables",
-    "DEFAULT_HOST_BANDWIDTH",
-]
-
-# Host link assumed when a found device does not report one (bytes/s): PCIe 3.0 x16, effective.
-DEFAULT_HOST_BANDWIDTH: dict[str, float] = {"cuda": 12e9}
-INF = math.inf
-
-
-@dataclass(frozen=True)
-class Stage:
-    """Layers ``[start, end)`` on ``profile.devices[device]`` (an index into the device list)."""
-
-    device: int
-    start: int
-    end: int
-
-
-@dataclass(frozen=True)
-class StageMemory:
-    """Predicted bytes of one stage on its device."""
-
-    params: int
-    grads: int
-    optimizer: int
-    buffers: int
-    activations: int
-    workspace: int
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.buffers + self.activations + self.workspace
-
-
-@dataclass(frozen=True)
-class Evaluation:
-    """The cost model's verdict on one placement (see the module docstring for the formula)."""
-
-    stages: tuple[Stage, ...]
-    forward: tuple[float, ...]  # F_s, seconds per micro-batch
-    backward: tuple[float, ...]  # Bw_s, seconds per micro-batch (without recompute)
-    links: tuple[float, ...]  # c_in, then c_j for each boundary between stages
-    memory: tuple[StageMemory, ...]
-    latency_sum: float  # sum of lat_s and link times: the bubble part
-    bottleneck: float  # slowest resource per micro-batch
-    step_time: float
-    # per physical device, in order of first use (names from ``physical_names``)
-    devices: tuple[str, ...] = ()
-    device_busy: tuple[float, ...] = ()  # R_p: seconds per micro-batch, summed over its stages
-    device_memory: tuple[int, ...] = ()  # bytes, summed over its stages
-    device_capacity: tuple[float, ...] = ()
-
-    @property
-    def fits(self) -> bool:
-        """Every physical device holds the sum of its stages' bytes."""
-        return all(m <= c for m, c in zip(self.device_memory, self.device_capacity))
-
-    def over_budget(self) -> list[tuple[str, int, float]]:
-        """``(device, bytes needed, capacity)`` for each physical device whose stages do not fit."""
-        return [(d, m, c) for d, m, c in zip(self.devices, self.device_memory, self.device_capacity) if m > c]
-
-
-def _host_bandwidth(dev: Device) -> float:
-    if dev.kind in ("cpu", "meta"):
-        return INF
-    if dev.host_bandwidth is not None and dev.host_bandwidth > 0:
-        return float(dev.host_bandwidth)
-    return DEFAULT_HOST_BANDWIDTH.get(dev.kind, INF)
-
-
-def budget_of(dev: Device) -> float:
-    """``dev``'s memory budget in bytes, ``inf`` when it has none. Usage: ``budget_of(profile.devices[0])``."""
-    return float(dev.capacity) if dev.capacity is not None else INF
-
-
-def _memory_bandwidth(dev: Device) -> float:
-    """Effective device-memory bytes/s (``extra``'s figure times its efficiency), 0 when unknown."""
-    extra = dev.extra if isinstance(dev.extra, dict) else {}
-    try:
-        bw = float(extra.get("memory_bandwidth") or 0.0) * float(extra.get("memory_efficiency", 1.0))
-    except (TypeError, ValueError):
-        return 0.0
-    return bw if math.isfinite(bw) and bw > 0 else 0.0
-
-
-def identity(devs: Sequence[Device], index: int) -> str | None:
-    """A key shared by list entries that are the same physical device (``['cpu', 'cpu']``)."""
-    dev = devs[index]
-    if dev.kind == "cpu":
-        return "cpu"
-    if dev.present:
-        key = str(dev.device)
-        if sum(1 for d in devs if d.present and str(d.device) == key) > 1:
-            return key
-    return None
-
-
-def physical_names(devs: Sequence[Device]) -> list[str]:
-    """Per list entry, the name of its physical device: shared by entries that are one device.
-
-    ``str(device)`` normally (``'cpu'``, ``'cuda:0'``); distinct devices that print alike get
-    ``'#index'`` appended so that no two physical devices share a name.
-    """
-    out: list[str] = []
-    owner: dict[str, str | None] = {}  # printed name -> identity key of the entry that took it
-    for d, dev in enumerate(devs):
-        ident = identity(devs, d)
-        name = str(dev.device)
-        if name in owner and (ident is None or owner[name] != ident):
-            name = f"{name}#{d}"
-        owner.setdefault(name, ident)
-        out.append(name)
-    return out
-
-
-def link_bandwidth(devs: Sequence[Device], a: int, b: int) -> float:
-    """Bytes/s between ``devs[a]`` and ``devs[b]``: through the host at the slower host link."""
-    ia, ib = identity(devs, a), identity(devs, b)
-    if ia is not None and ia == ib:
-        return INF
-    return min(_host_bandwidth(devs[a]), _host_bandwidth(devs[b]))
+__all__ = ["CostModel", "time_tables"]
 
 
 def _prefix(values: Sequence[float] | np.ndarray) -> np.ndarray:
@@ -299,7 +171,7 @@ class CostModel:
         lat = self.fwd + self.bwd if checkpoint != "always" else 2 * self.fwd + self.bwd
         steady = self.fwd + self.bwd if checkpoint == "never" else 2 * self.fwd + self.bwd
         # G: gradient accumulation of every micro-batch after the first (read both, write one)
-        membw = [_memory_bandwidth(devs[r]) for r in self.rep]
+        membw = [memory_bandwidth(devs[r]) for r in self.rep]
         grads = np.array([float(lay.grad_bytes) for lay in layers])
         self.accumulate = np.stack([3.0 * grads / bw if bw > 0 else np.zeros(self.L) for bw in membw])
         steady = steady + self.accumulate
@@ -330,7 +202,7 @@ class CostModel:
         own = [budget_of(d) for d in devs]
         shared = {name: min(c for c, n in zip(own, self.names) if n == name) for name in first}
         self.capacity = [shared[name] for name in self.names]  # per entry: its physical device's budget
-        self.host_bw = [_host_bandwidth(devs[r]) for r in self.rep]
+        self.host_bw = [host_bandwidth(devs[r]) for r in self.rep]
         # sparse table of layer output bytes, for the largest output inside [i, j)
         self._out_max = [self.out]
         while (1 << len(self._out_max)) <= self.L:

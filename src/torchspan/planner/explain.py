@@ -16,19 +16,19 @@ import numpy as np
 
 from ..hardware import Device, format_bytes
 from ..profiler.costs import LayerCost, Profile
-from .cost import INF, CostModel, physical_names
+from .cost import CostModel
 from .errors import PlanError
-from .optimize import _Solver, microbatch_candidates
+from .physical import INF, physical_names
+from .settings import Setting, microbatch_candidates
+from .solver import Solver
 
 __all__ = ["explain_no_fit", "fits", "frugal_needs"]
-
-Setting = tuple[int, str, str]
 
 
 def fits(profile: Profile, settings: Sequence[Setting]) -> bool:
     """True when some placement fits the budgets under one of ``settings``."""
     for m, s, c in settings:
-        if _Solver(CostModel(profile, m, s, c)).run(INF) is not None:
+        if Solver(CostModel(profile, m, s, c)).run(INF) is not None:
             return True
     return False
 

@@ -18,17 +18,19 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["MEMORY_KINDS", "compare", "ratio", "typical_step_time"]
+from ..profiler.costs import MEMORY_KINDS
+from .plans import Plan
 
-# kind as spanned.memory() spells it -> StagePlan field with the prediction
-_PLAN_FIELDS = {
+__all__ = ["PLAN_FIELDS", "compare", "ratio", "typical_step_time"]
+
+# each memory kind (as spanned.memory() spells it) -> the StagePlan field with its prediction
+PLAN_FIELDS: dict[str, str] = {
     "params": "param_bytes",
     "grads": "grad_bytes",
     "optimizer": "optimizer_bytes",
     "activations": "activation_bytes",
     "buffers": "buffer_bytes",
 }
-MEMORY_KINDS = tuple(_PLAN_FIELDS)
 
 
 def ratio(measured: float | None, predicted: float | None) -> float | None:
@@ -52,7 +54,7 @@ def _figure(predicted: float | None, measured: float | None) -> dict[str, Any]:
     return {"predicted": predicted, "measured": measured, "ratio": ratio(measured, predicted)}
 
 
-def compare(plan: Any, memory: Sequence[Mapping[str, Any]], step_times: Sequence[float]) -> dict[str, Any]:
+def compare(plan: Plan, memory: Sequence[Mapping[str, Any]], step_times: Sequence[float]) -> dict[str, Any]:
     """Plan figures next to measured ones, with ``measured / predicted`` ratios.
 
     ``plan``: the ``torchspan.Plan`` that ran; ``memory``: ``spanned.memory(optimizer)`` (one
@@ -71,7 +73,8 @@ def compare(plan: Any, memory: Sequence[Mapping[str, Any]], step_times: Sequence
     for i, (sp, ms) in enumerate(zip(plan.stages, memory)):
         entry: dict[str, Any] = {"stage": i, "device": str(ms.get("device", sp.device)), "layers": list(sp.layers)}
         total_p = total_m = 0
-        for kind, field_name in _PLAN_FIELDS.items():
+        for kind in MEMORY_KINDS:
+            field_name = PLAN_FIELDS[kind]
             predicted = int(getattr(sp, field_name))
             measured = int(ms.get(kind) or 0)
             entry[kind] = _figure(predicted, measured)

@@ -16,10 +16,11 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..hardware import format_bytes
+from ..schedule import CHECKPOINTS, SCHEDULES
+
 __all__ = ["Plan", "StagePlan", "SCHEDULES", "CHECKPOINTS"]
 
-SCHEDULES = ("gpipe", "1f1b")
-CHECKPOINTS = ("never", "except_last", "always")
 _FORMAT = "torchspan.plan/1"
 
 
@@ -187,8 +188,6 @@ class Plan:
 
     # ------------------------------------------------------------------ text
     def __str__(self) -> str:
-        from ..hardware import format_bytes
-
         head = (
             f"Plan ({self.strategy}): {len(self.stages)} stage(s), {self.microbatches} micro-batch(es), "
             f"schedule={self.schedule}, checkpoint={self.checkpoint}"

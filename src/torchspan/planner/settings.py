@@ -1,0 +1,58 @@
+"""The settings a search visits: micro-batch counts, schedules and checkpoint modes, validated.
+
+Dominated settings are skipped under ``"auto"``: 1F1B has GPipe's time with no more memory, and
+``except_last`` has ``always``'s memory saving at less recompute (``tests/test_planner_search.py``
+checks both against brute force over every setting).
+
+Usage: ``settings_grid(32, "auto", "auto", "auto")`` → ``[(1, "1f1b", "never"), (2, "1f1b", "never"), ...]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..schedule import CHECKPOINTS, SCHEDULES
+
+__all__ = ["Setting", "microbatch_candidates", "settings_grid"]
+
+Setting = tuple[int, str, str]  # (microbatches, schedule, checkpoint)
+
+
+def microbatch_candidates(batch_size: int) -> list[int]:
+    """Micro-batch counts tried under ``microbatches="auto"``: divisors and powers of two up to the batch."""
+    out = {d for d in range(1, int(math.isqrt(batch_size)) + 1) if batch_size % d == 0}
+    out |= {batch_size // d for d in out}
+    p = 1
+    while p <= batch_size:
+        out.add(p)
+        p *= 2
+    return sorted(out)
+
+
+def settings_grid(
+    batch_size: int, microbatches: int | str, schedule: str, checkpoint: str
+) -> list[Setting]:
+    """``(microbatches, schedule, checkpoint)`` settings to search, validated, in preference order."""
+    if microbatches == "auto":
+        ms = microbatch_candidates(batch_size)
+    elif isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches={microbatches!r} must be 'auto' or an int >= 1")
+    elif microbatches > batch_size:
+        raise ValueError(
+            f"microbatches={microbatches} is more than the batch size {batch_size}; use at most {batch_size} or 'auto'"
+        )
+    else:
+        ms = [microbatches]
+    if schedule == "auto":
+        schedules = ["1f1b"]  # GPipe is never faster in the model and never uses less memory
+    elif schedule in SCHEDULES:
+        schedules = [schedule]
+    else:
+        raise ValueError(f"schedule={schedule!r} is not one of auto, {', '.join(SCHEDULES)}")
+    if checkpoint == "auto":
+        checkpoints = ["never", "except_last"]  # 'always' saves no more memory than except_last, at more time
+    elif checkpoint in CHECKPOINTS:
+        checkpoints = [checkpoint]
+    else:
+        raise ValueError(f"checkpoint={checkpoint!r} is not one of auto, {', '.join(CHECKPOINTS)}")
+    return [(m, s, c) for c in checkpoints for s in schedules for m in ms]

@@ -1,0 +1,66 @@
+"""A plan that uses every listed device: the fastest fitting one-stage-per-device placement, in order.
+
+On a machine whose listed devices share the same cores (``cpu,cpu``) the search rightly keeps the
+whole model on one of them; a demo, or a user measuring a real pipeline, wants one stage on each
+device anyway. ``spread_plan`` finds, with the planner's own cost model, the fastest such
+placement that fits the budgets.
+
+Usage: ``plan = spread_plan(profile, microbatches="auto")`` (``None`` when nothing fits).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from ..profiler.costs import Profile
+from .cost import CostModel, time_tables
+from .plans import Plan
+from .settings import settings_grid
+from .stages import Evaluation, Stage
+
+__all__ = ["spread_plan"]
+
+
+def spread_plan(prof: Profile, *, microbatches: int | str = "auto", schedule: str = "auto", checkpoint: str = "auto") -> Plan | None:
+    """The fastest fitting plan with one stage on each of ``prof.devices``, in order; ``None`` if none fits.
+
+    Exhaustive over contiguous cuts and the planner's settings grid, scored by ``CostModel`` (the
+    demo's models have a handful of layers, so this is small). With ``microbatches="auto"`` only
+    counts of at least two per device are considered, so the result is a real pipeline.
+    """
+    n_layers, n_devs = len(prof.layers), len(prof.devices)
+    if n_devs < 2 or n_layers < n_devs:
+        return None
+    settings = settings_grid(prof.batch_size, microbatches, schedule, checkpoint)
+    if microbatches == "auto":
+        # A pipeline shows (and pays off) only with at least two micro-batches per stage in flight.
+        piped = [st for st in settings if st[0] >= 2 * n_devs]
+        settings = piped or settings
+    tables = time_tables(prof)
+    models = [CostModel(prof, m, s, c, tables) for m, s, c in settings]
+    fitting: list[tuple[float, float, CostModel, Evaluation]] = []
+    for cuts in itertools.combinations(range(1, n_layers), n_devs - 1):
+        bounds = (0, *cuts, n_layers)
+        stages = [Stage(d, bounds[d], bounds[d + 1]) for d in range(n_devs)]
+        for cm in models:
+            ev = cm.evaluate(stages)
+            if ev.fits:
+                fitting.append((ev.step_time, _slowest_stage(prof, bounds, cm.M), cm, ev))
+    if not fitting:
+        return None
+    # Stages sharing one device cost the same however the layers are cut; among plans within 2% of
+    # the fastest, take the most balanced one (slowest stage fastest): the one that pipelines on
+    # separate devices, and the one whose timeline shows a pipeline.
+    fastest = min(f[0] for f in fitting)
+    _, _, cm, ev = min((f for f in fitting if f[0] <= fastest * 1.02), key=lambda f: (f[1], f[0]))
+    return cm.to_plan(ev, "torchspan")
+
+
+def _slowest_stage(prof: Profile, bounds: tuple[int, ...], microbatches: int) -> float:
+    """The slowest stage's share of all stages' forward+backward time (1/stages when balanced)."""
+    samples = prof.batch_size / microbatches
+    times = [
+        sum(lay.forward_seconds(d, samples) + lay.backward_seconds(d, samples) for lay in prof.layers[bounds[d] : bounds[d + 1]])
+        for d in range(len(bounds) - 1)
+    ]
+    return max(times) / sum(times) if sum(times) > 0 else 1.0
