@@ -1,0 +1,27 @@
+"""Several processes: joining the job (``env``), sharding data (``shard``), exact data-parallel
+replicas (``dataparallel``) and checkpoints written once for all ranks (``checkpoint``).
+
+Usage: ``from torchspan.runtime.ranks import init_distributed, DataParallelReplica, shard_batch``.
+"""
+
+from .checkpoint import load_checkpoint, save_checkpoint
+from .dataparallel import DataParallelReplica, local_normalizer
+from .env import RankInfo, free_port, init_distributed, is_launched, launch_env, rank_info
+from .shard import rank_batches, shard_batch, shard_range, shard_sizes
+
+__all__ = [
+    "DataParallelReplica",
+    "RankInfo",
+    "free_port",
+    "init_distributed",
+    "is_launched",
+    "launch_env",
+    "load_checkpoint",
+    "local_normalizer",
+    "rank_batches",
+    "rank_info",
+    "save_checkpoint",
+    "shard_batch",
+    "shard_range",
+    "shard_sizes",
+]

@@ -1,0 +1,92 @@
+"""Checkpoints for a data-parallel job: written once (rank 0) atomically, loadable on any world size.
+
+Replicas are identical, so one rank writes for all. The file appears whole or not at all: a
+temporary file in the same directory, flushed and fsynced, then ``os.replace`` onto the name (and
+the directory fsynced), so a job killed mid-save leaves the previous checkpoint intact. Keys are
+the model's own (``replica.state_dict()``, no ``module.`` prefix), so any world size, one process
+included, loads them.
+
+Usage::
+
+    save_checkpoint("ckpt.pt", {"model": replica.state_dict(), "optimizer": opt.state_dict(), "step": step})
+    state = load_checkpoint("ckpt.pt")        # None when there is none yet (first start)
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["save_checkpoint", "load_checkpoint"]
+
+
+def _group_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def save_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any], *, writer: int = 0, barrier: bool = True) -> bool:
+    """Write ``state`` to ``path`` from rank ``writer`` only; returns True on the rank that wrote.
+
+    Call it on every rank: with ``barrier=True`` (default) all ranks wait until the file is in
+    place, so none reads an older checkpoint afterwards.
+    """
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state={type(state).__name__} must be a mapping, e.g. {{'model': replica.state_dict(), 'step': step}}")
+    world = _group_size()
+    if isinstance(writer, bool) or not isinstance(writer, int) or not 0 <= writer < world:
+        raise ValueError(f"writer={writer!r} must be a rank in [0, world size {world})")
+    target = Path(path)
+    wrote = False
+    if _rank() == writer:
+        if not target.parent.is_dir():
+            raise ValueError(f"path={str(path)!r}: directory {str(target.parent)!r} does not exist; create it first")
+        _write_atomically(target, dict(state))
+        wrote = True
+    if barrier and world > 1:
+        dist.barrier()
+    return wrote
+
+
+def _write_atomically(target: Path, state: dict[str, Any]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    try:  # make the rename itself durable
+        dir_fd = os.open(target.parent, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory handles
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(dir_fd)
+
+
+def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> dict[str, Any] | None:
+    """The state saved at ``path``, its tensors on ``map_location``; ``None`` when the file does not exist."""
+    target = Path(path)
+    if not target.exists():
+        return None
+    state = torch.load(target, map_location=map_location, weights_only=False)
+    if not isinstance(state, dict):
+        raise ValueError(f"{str(path)!r} holds a {type(state).__name__}, not a checkpoint dict written by save_checkpoint")
+    return state

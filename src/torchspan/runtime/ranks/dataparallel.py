@@ -1,0 +1,272 @@
+"""Exact data parallelism over processes: one replica per rank, the single-device gradient of the global batch.
+
+Each rank holds a replica of the model (made identical at construction by broadcasting parameters
+and buffers from rank 0, kept identical because every rank applies the same summed gradient) and
+computes the loss of its own shard; nothing is gathered on one rank. PyTorch's
+``DistributedDataParallel`` reduces the gradients bucket by bucket while backward still runs, with
+a comm hook that *sums* instead of averaging. Each rank's loss is weighted so that the sum is the
+global loss: ``reduction="sum"`` weighs 1; ``"mean"`` weighs ``local_normalizer / global_normalizer``,
+where the normalizer is the sample count or, for ``CrossEntropyLoss``/``NLLLoss`` with class weights
+or ``ignore_index``, the targets' weight sum; the global normalizer is all-reduced before the
+forward. So after ``train_step`` every rank's ``.grad`` is what ``loss_fn(model(X), Y).backward()``
+leaves on one device, ``X, Y`` being all ranks' shards concatenated, for any (uneven, even empty)
+split.
+
+End of an epoch: every rank must take part in every step. ``rank_batches`` gives every rank the
+same number of steps (an empty shard adds exactly zero). Where ranks may still run out at different
+times, call ``replica.join(optimizer)`` after the loop on every rank: a rank that has finished keeps
+taking part (zero_grad, an empty shard made of zero rows of its last inputs, step; so the model
+must accept zero rows) until all ranks have joined; the others' steps stay exact for the data
+that exists, and parameters and optimizer state stay identical everywhere.
+
+Usage::
+
+    torchspan.init_distributed()
+    replica = DataParallelReplica(model)
+    loss = replica.train_step(x_shard, y_shard, torch.nn.CrossEntropyLoss(ignore_index=0))
+    optimizer.step(); optimizer.zero_grad()
+    replica.join(optimizer)                          # after the loop, on every rank
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from .. import lossweights
+from ..lossweights import resolve_reduction, weighted_loss
+from ..microbatch import batch_size
+from .env import RankInfo, rank_info
+
+__all__ = ["DataParallelReplica", "local_normalizer"]
+
+
+def local_normalizer(loss_fn: Callable[..., Any], target: Any, size: int, reduction: str) -> float:
+    """What ``loss_fn`` with ``reduction`` divides this shard's summed loss by (``size`` for ``"sum"``: unused).
+
+    Adapter over ``torchspan.runtime.lossweights``: its ``loss_spec(...).normalizer`` where that
+    exists; otherwise the sum of class weights of the non-ignored targets for
+    ``CrossEntropyLoss``/``NLLLoss`` (module or functional) and the sample count for any other loss.
+    """
+    if reduction == "sum":
+        return float(size)
+    make_spec = getattr(lossweights, "loss_spec", None)
+    if make_spec is not None:
+        return float(make_spec(loss_fn, loss_reduction=reduction).normalizer(target, size))
+    if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)):
+        weight, ignore = loss_fn.weight, loss_fn.ignore_index
+    elif loss_fn is torch.nn.functional.cross_entropy or loss_fn is torch.nn.functional.nll_loss:
+        weight, ignore = None, -100
+    else:
+        return float(size)
+    if not isinstance(target, torch.Tensor) or target.is_floating_point():
+        return float(size)  # class probabilities: the mean is over samples
+    picked = target[target != ignore]
+    if weight is None:
+        return float(picked.numel())
+    return float(weight.detach().to(picked.device)[picked].sum()) if picked.numel() else 0.0
+
+
+def _sum_hook(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: all-reduce a gradient bucket by SUM (DDP's own default divides by the world size)."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+# DDP checks the hook's annotations as objects; ``from __future__ import annotations`` made them strings.
+_sum_hook.__annotations__.update(bucket=dist.GradBucket, group=Any)
+_sum_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
+
+
+def _buffer_option(sync: bool) -> dict[str, bool]:
+    """DDP's per-forward buffer sync flag under its name in this PyTorch (renamed in 2.13)."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
+        return {"forward_sync_buffers": sync}
+    return {"broadcast_buffers": sync}
+
+
+def _call_args(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if isinstance(inputs, tuple):
+        return inputs, {}
+    if isinstance(inputs, Mapping):
+        return (), dict(inputs)
+    return (inputs,), {}
+
+
+def _zero_rows(value: Any) -> Any:
+    """The same structure with every batched tensor cut to zero rows."""
+    leaves, spec = tree_flatten(value)
+    return tree_unflatten([t[:0] if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in leaves], spec)
+
+
+class DataParallelReplica:
+    """This rank's replica of ``module`` in an exact data-parallel job (see the module docstring).
+
+    ``device``: where the replica lives (default: the rank's device, ``cuda:LOCAL_RANK`` under
+    nccl, else the CPU). ``bucket_cap_mb`` / ``find_unused_parameters`` are passed to
+    ``DistributedDataParallel``; ``sync_buffers`` (default True) copies rank 0's buffers (e.g.
+    BatchNorm statistics) to every rank before each forward. Requires ``init_distributed()`` first.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        device: torch.device | str | None = None,
+        process_group: Any = None,
+        bucket_cap_mb: float = 25.0,
+        find_unused_parameters: bool = False,
+        sync_buffers: bool = True,
+    ) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("no process group: call torchspan.init_distributed() before building a DataParallelReplica")
+        self.info: RankInfo = rank_info()
+        self.device = torch.device(device) if device is not None else self.info.device
+        self.group = process_group
+        module.to(self.device)
+        self.module = module
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        self._ddp = DistributedDataParallel(
+            module,
+            device_ids=ids,
+            process_group=process_group,
+            bucket_cap_mb=bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+            **_buffer_option(sync_buffers),
+        )
+        self._ddp.register_comm_hook(process_group, _sum_hook)
+        self._template: tuple[Any, Any, Callable[..., Any], str] | None = None
+
+    # ------------------------------------------------------------------ nn.Module-like surface
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The replica's forward on this rank's inputs (through DDP: a ``backward`` you run yourself
+        sums the gradients of every rank's loss, as one device would for the sum of those losses)."""
+        return self._ddp(*self._to(args), **self._to(kwargs))
+
+    __call__ = forward
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters(prefix=prefix, recurse=recurse)
+
+    def train(self, mode: bool = True) -> DataParallelReplica:
+        self._ddp.train(mode)
+        return self
+
+    def eval(self) -> DataParallelReplica:
+        return self.train(False)
+
+    def state_dict(self, *, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """The model's own state dict (its own keys, no ``module.`` prefix; the same on every rank)."""
+        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
+        """Load the model's keys (a ``module.`` prefix from DataParallel/DDP checkpoints is dropped)."""
+        if state_dict and all(k.startswith("module.") for k in state_dict):
+            state_dict = {k[len("module.") :]: v for k, v in state_dict.items()}
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    # ------------------------------------------------------------------ training
+    def train_step(
+        self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], loss_reduction: str | None = None
+    ) -> torch.Tensor:
+        """Forward and backward of this rank's shard; returns the global full-batch loss (detached, every rank).
+
+        ``inputs``: a tensor, a tuple (positional arguments) or a dict (keyword arguments), samples
+        on dim 0; may have zero rows. Gradients are *added* to ``.grad`` (call
+        ``optimizer.zero_grad()`` first): after the call they equal, on every rank, those of
+        ``loss_fn(model(X), Y).backward()`` on one device for all ranks' shards concatenated.
+        """
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn={loss_fn!r} is not callable; pass e.g. torch.nn.functional.mse_loss")
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_step runs backward, but gradients are disabled here (torch.no_grad()); call it outside no_grad")
+        reduction = resolve_reduction(loss_fn, loss_reduction)
+        args, kwargs = _call_args(inputs)
+        size = batch_size(args, kwargs)
+        norm = local_normalizer(loss_fn, target, size, reduction)
+        self._template = (_zero_rows(inputs), _zero_rows(target), loss_fn, reduction)
+        totals = self._exchange(norm, size, active=True)
+        return self._run(args, kwargs, target, loss_fn, self._weight(reduction, norm, size, totals))
+
+    def join(self, optimizer: torch.optim.Optimizer | None = None) -> int:
+        """Call after the training loop on every rank; returns the number of steps this rank shadowed.
+
+        Until every rank has called ``join``, a rank that has would block the others' steps; instead
+        it takes part in each of them with an empty shard (zero rows of its last inputs), which adds
+        nothing to the loss or the gradients. Pass the ``optimizer`` your loop steps (the loop being
+        ``zero_grad(); train_step(...); step()``) and a shadowed step does the same, so parameters
+        and optimizer state stay identical on every rank.
+        """
+        shadowed = 0
+        while True:
+            totals = self._exchange(0.0, 0, active=False)
+            if totals[2] == 0:
+                return shadowed
+            if self._template is None:
+                raise RuntimeError(
+                    f"rank {self.info.rank} joined before its first train_step, so it has no inputs to shadow the other "
+                    "ranks' steps with; give every rank at least one (possibly empty) shard, e.g. with rank_batches"
+                )
+            inputs, target, loss_fn, _ = self._template
+            args, kwargs = _call_args(inputs)
+            if optimizer is not None:
+                optimizer.zero_grad()
+            self._run(args, kwargs, target, loss_fn, 0.0)
+            if optimizer is not None:
+                optimizer.step()
+            shadowed += 1
+
+    def _exchange(self, norm: float, size: int, active: bool) -> list[float]:
+        """All-reduce (normalizer, rows, active ranks) over the group; the first collective of every step."""
+        stats = torch.tensor([norm, float(size), 1.0 if active else 0.0], dtype=torch.float64, device=self._comm_device())
+        dist.all_reduce(stats, group=self.group)
+        return stats.tolist()
+
+    @staticmethod
+    def _weight(reduction: str, norm: float, size: int, totals: list[float]) -> float:
+        if size == 0:
+            return 0.0
+        if reduction == "sum":
+            return 1.0
+        if totals[0] == 0:  # every target ignored: the mean is nan on one device, and here too
+            return size / totals[1]
+        return norm / totals[0]
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Callable[..., Any], weight: float) -> torch.Tensor:
+        if isinstance(loss_fn, nn.Module):
+            loss_fn.to(self.device)
+        # DDP all-reduces whatever .grad holds after backward, earlier steps' gradients included;
+        # set them aside so only this step's are reduced, then add them back (one-device accumulation).
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        earlier = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        out = self._ddp(*self._to(args), **self._to(kwargs))
+        loss = weighted_loss(loss_fn, out, self._to(target), weight)
+        total = loss.detach().clone().reshape(1)
+        work = dist.all_reduce(total, group=self.group, async_op=True)  # overlaps the backward
+        loss.backward()
+        work.wait()
+        for p, g in zip(params, earlier):
+            if g is not None:
+                p.grad = g if p.grad is None else g.add_(p.grad)
+        return total[0]
+
+    def _to(self, value: Any) -> Any:
+        dev = self.device
+        return tree_map(lambda t: t.to(dev, non_blocking=dev.type == "cuda") if isinstance(t, torch.Tensor) else t, value)
+
+    def _comm_device(self) -> torch.device:
+        return self.device if self.info.backend is not None and "nccl" in self.info.backend else torch.device("cpu")

@@ -1,0 +1,223 @@
+"""Joining a job's process group: torchrun / ``torchspan launch``, SLURM, or one someone else opened.
+
+The contract is torchrun's ``env://``: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``. Under ``srun`` without torchrun the SLURM
+variables stand in (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, ``SLURM_NTASKS_PER_NODE``,
+the first host of ``SLURM_JOB_NODELIST``, a port derived from ``SLURM_JOB_ID``). A process group
+that is already initialised (Ray Train, the user's own ``init_process_group``) is left alone. Run
+under plain ``python``, ``init_distributed`` opens a world of one on a free local port, so the same
+script runs with and without a launcher.
+
+Usage::
+
+    info = init_distributed()                # gloo on CPU, nccl with CUDA; idempotent
+    info.rank, info.world_size, info.device  # RankInfo
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankInfo", "DEFAULT_TIMEOUT_S", "launch_env", "is_launched", "rank_info", "init_distributed", "free_port"]
+
+DEFAULT_TIMEOUT_S = 600.0  # how long a collective waits for a missing peer before raising
+
+_TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process stands in its job; ``device`` is where its replica lives."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: str | None
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0 (the rank that writes checkpoints and reports)."""
+        return self.rank == 0
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    text = env[name]
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={text!r} is not an integer; unset it or fix the launcher that sets it") from None
+
+
+def _first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``node[03-05,9],gpu1`` -> ``node03``."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise ValueError(f"SLURM_JOB_NODELIST={nodelist!r} is not a node list; set MASTER_ADDR to rank 0's host")
+    prefix, ranges = m.group(1), m.group(2)
+    return prefix if ranges is None else prefix + ranges.split(",")[0].split("-")[0]
+
+
+def _from_slurm(env: Mapping[str, str]) -> dict[str, str] | None:
+    if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env or _int(env, "SLURM_NTASKS") < 2:
+        return None
+    per_node = re.match(r"\d+", env.get("SLURM_NTASKS_PER_NODE", "")) or re.match(r"\d+", env.get("SLURM_TASKS_PER_NODE", ""))
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    addr = env.get("MASTER_ADDR") or (_first_host(nodelist) if nodelist else None)
+    if addr is None:
+        raise ValueError("SLURM job without SLURM_JOB_NODELIST or MASTER_ADDR: set MASTER_ADDR to rank 0's host name")
+    port = env.get("MASTER_PORT") or str(20000 + _int(env, "SLURM_JOB_ID") % 20000 if "SLURM_JOB_ID" in env else 29500)
+    return {
+        "RANK": env["SLURM_PROCID"],
+        "WORLD_SIZE": env["SLURM_NTASKS"],
+        "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+        "LOCAL_WORLD_SIZE": per_node.group(0) if per_node else "1",
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": port,
+    }
+
+
+def launch_env(environ: Mapping[str, str] | None = None) -> dict[str, str] | None:
+    """The launcher's variables (torchrun's names), or ``None`` when this process was not launched.
+
+    torchrun's variables win over SLURM's. Inconsistent values are a ``ValueError`` naming the
+    variables and their values.
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" in env or "WORLD_SIZE" in env:
+        missing = [k for k in ("RANK", "WORLD_SIZE") if k not in env]
+        if missing:
+            raise ValueError(
+                f"{', '.join(missing)} not set but {'WORLD_SIZE' if 'RANK' in missing else 'RANK'} is: a launcher sets both; "
+                "start the script with `torchspan launch` or `torchrun`, or unset the stray variable"
+            )
+        out = {k: env[k] for k in _TORCHRUN if k in env}
+        out.setdefault("LOCAL_RANK", env["RANK"])  # no local variables: one node
+        out.setdefault("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])
+    else:
+        slurm = _from_slurm(env)
+        if slurm is None:
+            return None
+        out = slurm
+    _check(out)
+    return out
+
+
+def _check(env: Mapping[str, str]) -> None:
+    rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+    local, local_world = _int(env, "LOCAL_RANK"), _int(env, "LOCAL_WORLD_SIZE")
+    if world < 1:
+        raise ValueError(f"WORLD_SIZE={world} must be >= 1")
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} must be in [0, WORLD_SIZE={world}); the launcher's variables disagree")
+    if not 0 <= local < local_world or local_world > world:
+        raise ValueError(
+            f"LOCAL_RANK={local} must be in [0, LOCAL_WORLD_SIZE={local_world}) and LOCAL_WORLD_SIZE <= WORLD_SIZE={world}"
+        )
+    if world > 1:
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+        if missing:
+            raise ValueError(f"WORLD_SIZE={world} but {' and '.join(missing)} not set: the ranks cannot find rank 0")
+        port = _int(env, "MASTER_PORT")
+        if not 0 < port < 65536:
+            raise ValueError(f"MASTER_PORT={port} is not a TCP port (1..65535)")
+
+
+def is_launched(environ: Mapping[str, str] | None = None) -> bool:
+    """True where this process is one of several: a process group of size > 1, or launcher variables saying so."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() > 1
+    env = launch_env(environ)
+    return env is not None and int(env["WORLD_SIZE"]) > 1
+
+
+def _device_for(backend: str | None, local_rank: int) -> torch.device:
+    if backend is not None and "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def rank_info(environ: Mapping[str, str] | None = None) -> RankInfo:
+    """This process's ``RankInfo`` from the live process group, else from the launcher's variables, else a world of one."""
+    env = launch_env(environ) or {}
+    local = int(env.get("LOCAL_RANK", 0))
+    if dist.is_available() and dist.is_initialized():
+        backend = str(dist.get_backend())
+        world = dist.get_world_size()
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+        return RankInfo(dist.get_rank(), world, local, local_world, backend, _device_for(backend, local))
+    return RankInfo(
+        int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), local, int(env.get("LOCAL_WORLD_SIZE", 1)), None, torch.device("cpu")
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on ``host`` (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _timeout(timeout: float | timedelta | None) -> timedelta:
+    if timeout is None:
+        text = os.environ.get("TORCHSPAN_TIMEOUT")
+        if text is None:
+            return timedelta(seconds=DEFAULT_TIMEOUT_S)
+        try:
+            timeout = float(text)
+        except ValueError:
+            raise ValueError(f"TORCHSPAN_TIMEOUT={text!r} is not a number of seconds; write e.g. TORCHSPAN_TIMEOUT=300") from None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, timedelta)):
+        raise TypeError(f"timeout={timeout!r} must be seconds (a number) or a datetime.timedelta")
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if not seconds > 0:
+        raise ValueError(f"timeout={timeout!r} must be > 0 seconds; e.g. timeout=300")
+    return timedelta(seconds=seconds)
+
+
+def _pick_backend(backend: str | None) -> str:
+    if backend is None:
+        return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if not isinstance(backend, str):
+        raise TypeError(f"backend={backend!r} must be a string such as 'gloo' or 'nccl' (or None to choose from the devices)")
+    if "nccl" in backend and not torch.cuda.is_available():
+        raise ValueError(f"backend={backend!r} needs CUDA GPUs, and none is visible here; use backend='gloo' (or None)")
+    return backend
+
+
+def init_distributed(backend: str | None = None, timeout: float | timedelta | None = None) -> RankInfo:
+    """Join the job's process group (idempotent) and return this process's ``RankInfo``.
+
+    ``backend``: ``None`` picks nccl when CUDA GPUs are visible, gloo otherwise. ``timeout``:
+    seconds (or a ``timedelta``) a collective waits for a missing peer before raising; default
+    ``TORCHSPAN_TIMEOUT`` from the environment, else 600 s. A group that is already initialised
+    is kept as it is. Without launcher variables a world of one is opened on a free local port.
+    """
+    wait = _timeout(timeout)
+    if not dist.is_available():
+        raise RuntimeError("this PyTorch build has no torch.distributed; install a build with distributed support")
+    if dist.is_initialized():
+        return rank_info()
+    env = launch_env()
+    chosen = _pick_backend(backend)
+    if env is None:
+        dist.init_process_group(chosen, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, timeout=wait)
+        return rank_info()
+    rank, world, local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
+    if "nccl" in chosen:
+        torch.cuda.set_device(local % torch.cuda.device_count())
+    if "RANK" in os.environ:  # torchrun's env:// (also honours the elastic agent's store)
+        dist.init_process_group(chosen, init_method="env://", rank=rank, world_size=world, timeout=wait)
+    else:  # SLURM: the variables were mapped, not exported
+        url = f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+        dist.init_process_group(chosen, init_method=url, rank=rank, world_size=world, timeout=wait)
+    return rank_info()
