@@ -101,12 +101,14 @@ def test_no_container_falls_back_to_top_level_children_in_execution_order() -> N
             super().__init__()
             self.b = nn.Linear(4, 2)
             self.a = nn.Linear(3, 4)
+            self.act = nn.ReLU()  # never used, holds nothing: not a layer
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.b(self.a(x))
 
     layers = find_layers(Plain(), torch.randn(2, 3))
     assert layers.names() == ["a", "b"] and [lay.ran for lay in layers] == [True, True]
+    assert layers.skipped == ("act",)
     with pytest.raises(ValueError, match="no child modules"):
         find_layers(nn.Linear(2, 2), torch.randn(1, 2))
 

@@ -18,8 +18,9 @@ must run once, in one piece, because the runtime enforces stage turns with pre-h
   layer, or whose sub-modules run outside its own call, is **merged** into its innermost ancestor
   module that runs once and encloses all of it (``Layer.merged`` says why); when no ancestor
   short of the whole model does, ``find_layers`` raises ``ValueError`` naming the module;
-- a module with no parameters and no buffers that runs other than once (a dropout reused) is
-  not a layer at all: it has nothing to place (listed in ``LayerSet.skipped``).
+- a module with no parameters and no buffers that runs other than once (a dropout reused, an
+  unused activation) or inside another layer is not a layer at all: it has nothing to place
+  (listed in ``LayerSet.skipped``).
 
 Tensors owned by a descended-into module (the model's own ``nn.Parameter``) are *roots*, reported
 with the layer that first reads them. Tied parameters: see ``ties.find_ties``.
@@ -219,7 +220,7 @@ class _Picker:
         t = self.trace
         for lid, mod in self.modules.items():
             runs = t.outer_calls(mod)
-            if len(runs) > 1:
+            if len(runs) > 1 or (not runs and not _stateful(mod)):
                 return [lid], runs, f"{self.layers[lid][0]!r} runs {len(runs)} times in one forward"
         owners = self.owners()
         for i, call in enumerate(t.calls):
