@@ -10,7 +10,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from torchspan import report
+from torchspan import pictures
 from torchspan.cli import main
 from torchspan.demo.corpus import ALPHABET, build_corpus, grammar_text, package_text
 from torchspan.demo.model import CharTransformer, generate, lm_loss
@@ -30,7 +30,7 @@ def quiet() -> Console:
 
 def test_package_corpus_is_torchspans_own_source():
     text = package_text()
-    assert "# file: torchspan/report.py" in text
+    assert "# file: torchspan/pictures/page.py" in text
     assert "# file: torchspan/demo/corpus.py" in text
     assert "def package_text" in text  # this very function is part of the corpus
     corpus = build_corpus("package")
@@ -91,7 +91,7 @@ def check_outputs(out: Path) -> None:
 def check_timeline(result) -> None:
     events = result.events
     assert events, "the runtime recorded no timeline events"
-    assert report.timeline_problems(events) == []
+    assert pictures.timeline_problems(events) == []
     last = max(e.step for e in events)
     step_events = [e for e in events if e.step == last]
     stages = {e.stage for e in step_events}
@@ -141,7 +141,7 @@ def test_cli_demo(tmp_path, capsys):
 
 
 def test_spread_plan_uses_every_device_as_a_real_pipeline():
-    from torchspan.demo.placement import spread_plan
+    from torchspan.planner.spread import spread_plan
     from torchspan.hardware import devices
     from torchspan.profiler import profile
 
@@ -156,7 +156,7 @@ def test_spread_plan_uses_every_device_as_a_real_pipeline():
 
 def test_spread_plan_on_one_cpu_is_balanced():
     """Two entries of one CPU cost the same however the layers are cut; the demo shows the balanced cut."""
-    from torchspan.demo.placement import spread_plan
+    from torchspan.planner.spread import spread_plan
     from torchspan.hardware import devices
     from torchspan.profiler import profile
 

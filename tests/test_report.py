@@ -1,4 +1,4 @@
-"""Tests for torchspan.report: pictures from synthesised timelines, memory tables and losses."""
+"""Tests for torchspan.pictures: pictures from synthesised timelines, memory tables and losses."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from torchspan import report
+from torchspan import pictures
 from torchspan.hardware import devices
 from torchspan.planner.plans import Plan, StagePlan
 from torchspan.runtime.record import Event
@@ -70,8 +70,8 @@ def simulate(schedule: str, stages: int = 2, mbs: int = 4, step: int = 0, fwd: f
 
 def test_simulated_schedules_are_consistent_and_differ():
     g, f = simulate("gpipe"), simulate("1f1b")
-    assert report.timeline_problems(g) == []
-    assert report.timeline_problems(f) == []
+    assert pictures.timeline_problems(g) == []
+    assert pictures.timeline_problems(f) == []
     order = lambda evs: [(e.kind, e.microbatch) for e in sorted(evs, key=lambda e: e.start) if e.stage == 0 and e.kind != "transfer"]
     assert order(g) != order(f)
 
@@ -83,74 +83,84 @@ def test_timeline_problems_finds_overlap_and_backward_before_forward():
         Event(0, 0, "cpu", 2, "backward", 2.0, 3.0),  # no forward for micro-batch 2
         Event(0, 1, "cpu", 0, "forward", 0.2, 0.4),  # before stage 0 finished micro-batch 0
     ]
-    problems = report.timeline_problems(evs)
+    problems = pictures.timeline_problems(evs)
     assert any("overlaps" in p for p in problems)
     assert any("has a backward but no forward" in p for p in problems)
     assert any("before stage 0 finished" in p for p in problems)
     # transfers may overlap compute (copies on their own stream)
     ok = [Event(0, 0, "cpu", 0, "forward", 0.0, 1.0), Event(0, 0, "cpu", 1, "transfer", 0.5, 0.7)]
-    assert report.timeline_problems(ok) == []
+    assert pictures.timeline_problems(ok) == []
 
 
 def test_timeline_png_draws_last_step_and_validates(tmp_path):
     evs = simulate("gpipe", step=0) + simulate("1f1b", stages=3, step=1)
-    out = report.timeline_png(evs, tmp_path / "sub" / "t.png")
+    out = pictures.timeline_png(evs, tmp_path / "sub" / "t.png")
     w, h = png_size(out)
     assert w > 400 and h > 100
     with pytest.raises(ValueError, match="step=5 has no events"):
-        report.timeline_png(evs, tmp_path / "x.png", step=5)
+        pictures.timeline_png(evs, tmp_path / "x.png", step=5)
     with pytest.raises(ValueError, match="events is empty"):
-        report.timeline_png([], tmp_path / "x.png")
-    with pytest.raises(ValueError, match="not a torchspan.timeline.Event"):
-        report.timeline_png([("cpu", 0)], tmp_path / "x.png")  # type: ignore[list-item]
+        pictures.timeline_png([], tmp_path / "x.png")
+    with pytest.raises(ValueError, match="not a torchspan.runtime.record.Event"):
+        pictures.timeline_png([("cpu", 0)], tmp_path / "x.png")  # type: ignore[list-item]
     with pytest.raises(ValueError, match="kind='sleep'"):
-        report.timeline_png([Event(0, 0, "cpu", 0, "sleep", 0, 1)], tmp_path / "x.png")
+        pictures.timeline_png([Event(0, 0, "cpu", 0, "sleep", 0, 1)], tmp_path / "x.png")
 
 
 def test_gpipe_and_1f1b_pictures_differ(tmp_path):
-    a = report.timeline_png(simulate("gpipe"), tmp_path / "g.png", title="t")
-    b = report.timeline_png(simulate("1f1b"), tmp_path / "f.png", title="t")
+    a = pictures.timeline_png(simulate("gpipe"), tmp_path / "g.png", title="t")
+    b = pictures.timeline_png(simulate("1f1b"), tmp_path / "f.png", title="t")
     assert a.read_bytes() != b.read_bytes()
 
 
 def test_normalize_memory_accepts_runtime_shapes():
     per_device = {"cpu": {"param_bytes": 10, "grad_bytes": 10, "optimizer_bytes": 20, "peak_activations": 5}}
-    assert report.normalize_memory(per_device) == {"cpu": {"params": 10, "grads": 10, "optimizer": 20, "activations": 5}}
+    assert pictures.normalize_memory(per_device) == {"cpu": {"params": 10, "grads": 10, "optimizer": 20, "activations": 5, "buffers": 0}}
     per_stage = [{"stage": 0, "device": "cpu", "params": 1}, {"stage": 1, "device": "meta", "activations": 7}]
-    rows = report.normalize_memory(per_stage)
+    rows = pictures.normalize_memory(per_stage)
     assert rows == {
-        "stage 0\ncpu": {"params": 1, "grads": 0, "optimizer": 0, "activations": 0},
-        "stage 1\nmeta": {"params": 0, "grads": 0, "optimizer": 0, "activations": 7},
+        "stage 0\ncpu": {"params": 1, "grads": 0, "optimizer": 0, "activations": 0, "buffers": 0},
+        "stage 1\nmeta": {"params": 0, "grads": 0, "optimizer": 0, "activations": 7, "buffers": 0},
     }
-    assert report.normalize_memory({"stages": per_stage}) == rows
+    assert pictures.normalize_memory({"stages": per_stage}) == rows
     with pytest.raises(ValueError, match="memory=None"):
-        report.normalize_memory(None)
+        pictures.normalize_memory(None)
     with pytest.raises(ValueError, match="mixes numbers and tables"):
-        report.normalize_memory({"cpu": {"params": 1}, "total": 3})
+        pictures.normalize_memory({"cpu": {"params": 1}, "total": 3})
     with pytest.raises(ValueError, match="not a byte count"):
-        report.normalize_memory({"cpu": {"params": -1}})
+        pictures.normalize_memory({"cpu": {"params": -1}})
+
+
+def test_memory_kinds_are_the_profiles_and_buffers_count():
+    # one vocabulary: the picture shows every kind spanned.memory() measures and a plan predicts
+    from torchspan.profiler.costs import MEMORY_KINDS
+
+    assert pictures.MEMORY_KINDS is MEMORY_KINDS
+    rows = pictures.normalize_memory([{"stage": 0, "device": "cpu", "params": 4, "buffers": 6}])
+    assert rows == {"stage 0\ncpu": {"params": 4, "grads": 0, "optimizer": 0, "activations": 0, "buffers": 6}}
+    assert pictures.normalize_memory({"cpu": {"buffer_bytes": 2}})["cpu"]["buffers"] == 2
 
 
 def test_memory_png_with_budget(tmp_path):
     mem = {"cpu": {"params": 3 << 20, "grads": 3 << 20, "optimizer": 6 << 20, "activations": 2 << 20}, "meta": {"params": 1 << 20}}
-    out = report.memory_png(mem, tmp_path / "m.png", budgets={"cpu": 16 << 20, "meta": None})
+    out = pictures.memory_png(mem, tmp_path / "m.png", budgets={"cpu": 16 << 20, "meta": None})
     assert png_size(out)[0] > 200
 
 
 def test_loss_png_rejects_bad_input(tmp_path):
-    out = report.loss_png([4.0, 3.5, 3.0, 2.8], tmp_path / "l.png")
+    out = pictures.loss_png([4.0, 3.5, 3.0, 2.8], tmp_path / "l.png")
     assert png_size(out)[0] > 200
     with pytest.raises(ValueError, match="losses is empty"):
-        report.loss_png([], tmp_path / "l.png")
+        pictures.loss_png([], tmp_path / "l.png")
     with pytest.raises(ValueError, match=r"losses\[1\]=nan"):
-        report.loss_png([1.0, float("nan")], tmp_path / "l.png")
+        pictures.loss_png([1.0, float("nan")], tmp_path / "l.png")
     with pytest.raises(ValueError, match="smoothing"):
-        report.loss_png([1.0], tmp_path / "l.png", smoothing=1.0)
+        pictures.loss_png([1.0], tmp_path / "l.png", smoothing=1.0)
 
 
 def test_write_report_links_every_picture(tmp_path):
     plan = Plan(stages=[StagePlan("cpu", ["embed", "block0"], param_bytes=100), StagePlan("cpu", ["head"])], microbatches=4, schedule="1f1b")
-    files = report.write_report(
+    files = pictures.write_report(
         tmp_path / "r",
         title="demo",
         plan=plan,

@@ -18,7 +18,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from . import report
+from . import pictures
 
 __all__ = ["TrainingProgress", "memory_text", "short_bytes"]
 
@@ -35,10 +35,10 @@ def short_bytes(n: float) -> str:
 def memory_text(memory: Any) -> str:
     """Memory per lane in one short line, e.g. ``mem s0 cpu 7.4M  s1 cpu 7.2M`` (``-`` if unreadable).
 
-    ``memory``: ``spanned.memory(optimizer)`` or anything ``report.normalize_memory`` accepts.
+    ``memory``: ``spanned.memory(optimizer)`` or anything ``pictures.normalize_memory`` accepts.
     """
     try:
-        rows = report.normalize_memory(memory)
+        rows = pictures.normalize_memory(memory)
     except ValueError:
         return "-"
     parts = []

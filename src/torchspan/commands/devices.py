@@ -6,7 +6,7 @@ import argparse
 
 from rich.table import Table
 
-from .. import report
+from .. import pictures
 from ..hardware import devices
 from ._common import add_memory_option, console, parse_memory_options, print_json
 
@@ -25,9 +25,9 @@ def run(args: argparse.Namespace) -> int:
         print_json([d.to_dict() for d in found])
         return 0
     table = Table(title=f"torchspan devices ({args.spec})")
-    for col in (*report.DEVICE_COLUMNS, "logical -> physical"):
+    for col in (*pictures.DEVICE_COLUMNS, "logical -> physical"):
         table.add_column(col, justify="right" if col in ("total", "free", "budget") else "left")
-    for d, row in zip(found, report.device_rows(found)):
+    for d, row in zip(found, pictures.device_rows(found)):
         table.add_row(*row, f"{d.device} -> {d.physical}" if d.kind == "cuda" else str(d.physical or "-"))
     console().print(table)
     return 0
