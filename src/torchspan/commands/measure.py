@@ -1,4 +1,6 @@
-"""``torchspan run TARGET --input-shape 32,512``: train a model with ``span`` on synthetic data, predicted vs measured.
+"""``torchspan run TARGET --input-shape 32,512``: measure a plan by training ``span`` on synthetic data, predicted vs measured.
+
+(The module is named for what it does; the command is ``run``.)
 
 Builds the model named by TARGET (``package.module:factory`` or ``path/to/file.py:factory``), takes
 a plan (``--plan plan.json`` from ``torchspan plan --out``, or plans now for ``--devices``), and
@@ -19,7 +21,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from ..training import LossNotFinite, OutOfMemoryAtStep, mse_loss, train
 from ._common import (
     UsageError,
     add_memory_option,
@@ -39,7 +41,7 @@ from ._common import (
     print_json,
     synthetic_batch,
 )
-from .verify import mse_to
+from ._plans import check_plan_devices, check_plan_layers, device_entries, first_line, load_plan, make_plan
 
 OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 _PLANNING_OPTIONS = ("devices", "memory", "microbatches", "schedule", "checkpoint", "spread")
@@ -99,11 +101,6 @@ def _check_args(args: argparse.Namespace) -> None:
             )
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def _probe_output(model: torch.nn.Module, x: torch.Tensor, args: argparse.Namespace) -> Any:
     """One forward without gradients on the model's own device: checks the input and gives the output's shape."""
     first = next(iter(model.parameters()), None)
@@ -117,7 +114,7 @@ def _probe_output(model: torch.nn.Module, x: torch.Tensor, args: argparse.Namesp
         ids = f" (token ids in [0, {args.vocab}))" if not x.is_floating_point() else ""
         options = "--input-shape/--dtype" + ("/--vocab" if ids else "")
         raise UsageError(
-            f"the model rejects a batch of shape {','.join(map(str, x.shape))} {args.dtype}{ids}: {_first_line(exc)}; "
+            f"the model rejects a batch of shape {','.join(map(str, x.shape))} {args.dtype}{ids}: {first_line(exc)}; "
             f"set {options} to what its forward expects"
         ) from exc
     finally:
@@ -133,7 +130,7 @@ def _targets_and_loss(out: Any, kind: str) -> tuple[Any, Any]:
         if not any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tree_leaves(out)):
             raise UsageError(f"--loss mse needs a floating-point tensor in the model's output; it returned {type(out).__name__} without one")
         target = tree_map(lambda t: torch.randn(t.shape) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out)
-        return target, mse_to(target)
+        return target, mse_loss
     if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.dim() < 2:
         got = f"a tensor of shape {tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
         raise UsageError(
@@ -149,146 +146,6 @@ def _targets_and_loss(out: Any, kind: str) -> tuple[Any, Any]:
     return target, cross_entropy
 
 
-# --------------------------------------------------------------------------- plan
-
-
-def _load_plan(path: str, target: str, argv_hint: str) -> Any:
-    from ..planner import Plan
-
-    out = path if path.endswith(".json") else "plan.json"
-    replan = f"re-create it: torchspan plan {target} {argv_hint} --out {out}"
-    if not Path(path).is_file():
-        raise UsageError(f"--plan {path!r} does not exist; write one with torchspan plan {target} {argv_hint} --out {path}")
-    try:
-        return Plan.load(path)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise UsageError(f"--plan {path} is not a torchspan plan ({_first_line(exc)}); {replan}") from exc
-
-
-def _check_plan_devices(plan: Any, path: str, target: str, argv_hint: str) -> list[str]:
-    """Raise if a stage's device is absent here; return notes for described (catalog) devices that map to local ones."""
-    from ..hardware import devices as find_devices
-    from ..hardware import resolve_device
-
-    notes = []
-    for i, st in enumerate(plan.stages):
-        try:
-            resolve_device(st.device, name=f"plan stage {i} device")
-        except ValueError:
-            visible = ", ".join(dict.fromkeys(str(d.device) for d in find_devices("auto")))
-            made_for = f"{st.device} ({st.device_name})" if st.device_name else st.device
-            raise UsageError(
-                f"--plan {path} puts stage {i} on {made_for}, which this machine does not have (visible: {visible}); "
-                f"re-plan for this machine: torchspan plan {target} {argv_hint} --devices auto --out {path}, "
-                f"or run without --plan and pass --devices"
-            ) from None
-        if "(described)" in st.device_name:
-            notes.append(f"stage {i} was planned for a described {st.device_name}; it runs on this machine's {st.device}")
-    return notes
-
-
-def _check_plan_layers(plan: Any, model: torch.nn.Module, path: str, target: str, argv_hint: str) -> None:
-    names = [n for n, _ in model.named_children()]
-    if set(plan.layers) != set(names):
-        extra = [n for n in plan.layers if n not in names]
-        missing = [n for n in names if n not in plan.layers]
-        parts = []
-        if extra:
-            parts.append(f"places layer(s) {', '.join(extra[:5])} the model lacks")
-        if missing:
-            parts.append(f"does not place its layer(s) {', '.join(missing[:5])}")
-        raise UsageError(
-            f"--plan {path} was made for another model: it {' and '.join(parts)} ({target} has {len(names)} top-level layers); "
-            f"re-create it: torchspan plan {target} {argv_hint} --out {path}"
-        )
-
-
-def _device_entries(spec: str | None) -> list[str]:
-    return [d for d in (spec or "").split(",") if d.strip()]
-
-
-def _make_plan(model: torch.nn.Module, x: torch.Tensor, args: argparse.Namespace, memory: Any, microbatches: int | str, dtype: Any) -> Any:
-    """``torchspan.plan`` for the device options; with ``--spread``, the fastest plan using every listed device."""
-    from ..demo.placement import spread_plan
-    from ..hardware import devices as find_devices
-    from ..planner import plan as make_plan
-    from ..profiler import profile
-
-    devices = args.devices or "auto"
-    schedule, checkpoint = args.schedule or "auto", args.checkpoint or "auto"
-    if not args.spread:
-        return make_plan(
-            model, x, devices=devices, memory=memory, microbatches=microbatches, schedule=schedule, checkpoint=checkpoint,
-            optimizer=args.optimizer, dtype=dtype,
-        )  # fmt: skip
-    devs = find_devices(devices, memory)
-    if len(devs) < 2:
-        raise UsageError(f"--spread needs at least two devices; --devices {devices!r} gives {len(devs)}. Try --devices cpu,cpu")
-    prof = profile(model, x, devs, optimizer=args.optimizer, dtype=dtype)
-    wide = spread_plan(prof, microbatches=microbatches, schedule=schedule, checkpoint=checkpoint)
-    if wide is None:
-        raise UsageError(
-            f"--spread: no placement with one stage on each of the {len(devs)} devices fits "
-            f"(the model has {len(prof.layers)} layers; budgets: --memory); raise the budgets, list fewer devices, or drop --spread"
-        )
-    return wide
-
-
-# --------------------------------------------------------------------------- training
-
-
-def _synchronize(devices: list[torch.device]) -> None:
-    from .._timing import synchronize
-
-    for d in devices:
-        synchronize(d)
-
-
-def _train(spanned: Any, optimizer: Any, x: Any, target: Any, loss_fn: Any, args: argparse.Namespace, con: Console) -> dict[str, Any]:
-    """``--steps`` training steps with a progress bar; returns losses and per-step times."""
-    from ..progress import TrainingProgress
-
-    devs = [torch.device(d) for d in dict.fromkeys(spanned.devices)]
-    batch = x.shape[0]
-    losses: list[float] = []
-    step_times: list[float] = []
-    optimizer_times: list[float] = []
-    t_start = time.perf_counter()
-    with TrainingProgress(con, args.steps, speed_unit="samples/s") as bar:
-        for step in range(args.steps):
-            optimizer.zero_grad(set_to_none=True)
-            _synchronize(devs)
-            t0 = time.perf_counter()
-            try:
-                loss = spanned.train_step(x, target, loss_fn)
-            except torch.OutOfMemoryError as exc:  # pragma: no cover - needs a GPU
-                raise UsageError(
-                    f"out of device memory at step {step}: {_first_line(exc)}; re-plan with a smaller --memory budget "
-                    "for that device, more --microbatches or --checkpoint always"
-                ) from exc
-            value = float(loss)
-            _synchronize(devs)
-            t1 = time.perf_counter()
-            optimizer.step()
-            _synchronize(devs)
-            optimizer_times.append(time.perf_counter() - t1)
-            step_times.append(t1 - t0)
-            if not math.isfinite(value):
-                raise UsageError(f"the loss became {value} at step {step + 1}; lower --lr (now {args.lr:g})")
-            losses.append(value)
-            elapsed = time.perf_counter() - t_start
-            show_memory = step == 0 or step % 5 == 4 or step == args.steps - 1
-            bar.step(loss=value, speed=batch * (step + 1) / elapsed, memory=spanned.memory(optimizer) if show_memory else None)
-    seconds = time.perf_counter() - t_start
-    return {
-        "losses": losses,
-        "step_times": step_times,
-        "optimizer_times": optimizer_times,
-        "seconds": seconds,
-        "samples_per_second": batch * args.steps / seconds,
-    }
-
-
 # --------------------------------------------------------------------------- output
 
 
@@ -299,7 +156,7 @@ def _ratio_text(fig: dict[str, Any]) -> str:
 
 
 def _comparison_table(comparison: dict[str, Any], optimizer_step: float) -> Table:
-    from ..accuracy import MEMORY_KINDS
+    from ..profiler.costs import MEMORY_KINDS
     from ..hardware import format_bytes
 
     table = Table(title="predicted vs measured", caption="step time: train_step (forward + backward), median of the steps after the first")
@@ -329,14 +186,14 @@ def _comparison_table(comparison: dict[str, Any], optimizer_step: float) -> Tabl
 def _write_outputs(out: Path, plan: Any, spanned: Any, memory: Any, losses: list[float], budgets: dict[str, int], result: dict[str, Any]) -> dict[str, str]:
     import json
 
-    from .. import report
+    from .. import pictures
 
     out.mkdir(parents=True, exist_ok=True)
     plan.save(out / "plan.json")
     files = {"plan": out / "plan.json"}
-    files["timeline"] = report.timeline_png(spanned.timeline(), out / "timeline.png", title=f"last step: {report.plan_summary(plan)}")
-    files["memory"] = report.memory_png(memory, out / "memory.png", budgets=budgets)
-    files["loss"] = report.loss_png(losses, out / "loss.png")
+    files["timeline"] = pictures.timeline_png(spanned.timeline(), out / "timeline.png", title=f"last step: {pictures.plan_summary(plan)}")
+    files["memory"] = pictures.memory_png(memory, out / "memory.png", budgets=budgets)
+    files["loss"] = pictures.loss_png(losses, out / "loss.png")
     written = {name: str(path) for name, path in files.items()}
     written["run"] = str(out / "run.json")
     (out / "run.json").write_text(json.dumps({**result, "files": written}, indent=2) + "\n", encoding="utf-8")
@@ -346,8 +203,8 @@ def _write_outputs(out: Path, plan: Any, spanned: Any, memory: Any, losses: list
 def run(args: argparse.Namespace) -> int:
     import torchspan
 
-    from .. import report
-    from ..accuracy import compare, typical_step_time
+    from .. import pictures
+    from ..planner.measured import compare, typical_step_time
     from ..hardware import budget_key, parse_memory
 
     _check_args(args)
@@ -358,8 +215,8 @@ def run(args: argparse.Namespace) -> int:
     argv_hint = f"--input-shape {args.input_shape}" + (f" --dtype {args.dtype}" if args.dtype != "float32" else "")
     plan = notes = None
     if args.plan:
-        plan = _load_plan(args.plan, args.target, argv_hint)
-        notes = _check_plan_devices(plan, args.plan, args.target, argv_hint)
+        plan = load_plan(args.plan, args.target, argv_hint)
+        notes = check_plan_devices(plan, args.plan, args.target, argv_hint)
 
     model = load_target(args.target)
     floating = dtype.is_floating_point
@@ -373,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     con = Console(file=sys.stderr, highlight=False) if args.json else out_con
     notes = list(notes or [])
     if plan is not None:
-        _check_plan_layers(plan, model, args.plan, args.target, argv_hint)
+        check_plan_layers(plan, model, args.plan, args.target, argv_hint)
         if plan.microbatches > shape[0]:
             raise UsageError(
                 f"--plan {args.plan} splits each batch into {plan.microbatches} micro-batches, but --input-shape has batch "
@@ -383,31 +240,38 @@ def run(args: argparse.Namespace) -> int:
             notes.append(f"the plan was made for batch {plan.batch_size}, this run uses batch {shape[0]}: predictions are for its batch")
     else:
         with con.status("profiling the model and planning ..."):
-            plan = _make_plan(model, x, args, memory, microbatches, dtype if floating else None)
-        if len(plan.stages) < len(_device_entries(args.devices)) and not args.spread:
+            plan = make_plan(model, x, args, memory, microbatches, dtype if floating else None)
+        if len(plan.stages) < len(device_entries(args.devices)) and not args.spread:
             notes.append(
-                f"the planner uses {len(plan.stages)} of the {len(_device_entries(args.devices))} devices listed: it predicts "
+                f"the planner uses {len(plan.stages)} of the {len(device_entries(args.devices))} devices listed: it predicts "
                 "that fastest (entries of one device share its cores and memory); --spread puts a stage on each"
             )
     try:
         spanned = torchspan.span(model, plan)
     except ValueError as exc:
         if args.plan:
-            raise UsageError(f"--plan {args.plan}: {_first_line(exc)}") from exc
+            raise UsageError(f"--plan {args.plan}: {first_line(exc)}") from exc
         raise
     optimizer = OPTIMIZERS[args.optimizer](spanned.parameters(), lr=args.lr)
 
     n_params = sum(p.numel() for p in model.parameters())
     stages = " | ".join(f"{d}: {', '.join(g)}" for d, g in spanned.stages)
     con.print(f"torchspan run {args.target}: {n_params:,} parameters; batch {args.input_shape} {args.dtype}; {args.optimizer} lr {args.lr:g}; {args.loss} loss")
-    con.print(f"plan: {report.plan_summary(plan)}")
+    con.print(f"plan: {pictures.plan_summary(plan)}")
     con.print(f"stages: {stages}")
     for note in notes:
         con.print(f"note: {note}")
 
-    trained = _train(spanned, optimizer, x, target, loss_fn, args, con)
+    try:
+        trained = train(spanned, optimizer, lambda step: (x, target), loss_fn, args.steps, console=con, items_per_step=shape[0])
+    except LossNotFinite as exc:
+        raise UsageError(f"the loss became {exc.value} at step {exc.step + 1}; lower --lr (now {args.lr:g})") from exc
+    except OutOfMemoryAtStep as exc:  # pragma: no cover - needs a GPU
+        raise UsageError(
+            f"{exc}; re-plan with a smaller --memory budget for that device, more --microbatches or --checkpoint always"
+        ) from exc
     measured_memory = spanned.memory(optimizer)
-    comparison = compare(plan, measured_memory, trained["step_times"])
+    comparison = compare(plan, measured_memory, trained.step_times)
     result: dict[str, Any] = {
         "target": args.target,
         "input_shape": list(shape),
@@ -418,24 +282,24 @@ def run(args: argparse.Namespace) -> int:
         "loss": args.loss,
         "mode": spanned.mode,
         **comparison,
-        "optimizer_step_time": typical_step_time(trained["optimizer_times"]),
-        "samples_per_second": trained["samples_per_second"],
-        "seconds": trained["seconds"],
-        "losses": trained["losses"],
+        "optimizer_step_time": typical_step_time(trained.optimizer_times),
+        "samples_per_second": trained.items_per_second,
+        "seconds": trained.seconds,
+        "losses": trained.losses,
         "notes": notes,
         "plan": plan.to_dict(),
     }
     if args.out:
         budgets = {budget_key(dev): parse_memory(size, name=f"--memory {dev}") for dev, size in (memory or {}).items()}
-        result["files"] = _write_outputs(Path(args.out), plan, spanned, measured_memory, trained["losses"], budgets, result)
+        result["files"] = _write_outputs(Path(args.out), plan, spanned, measured_memory, trained.losses, budgets, result)
     if args.json:
         print_json(result)
         return 0
-    losses = trained["losses"]
+    losses = trained.losses
     out_con.print(_comparison_table(comparison, result["optimizer_step_time"]))
     out_con.print(
-        f"loss {losses[0]:.4g} -> {losses[-1]:.4g} in {args.steps} step(s), {trained['seconds']:.2f} s, "
-        f"{trained['samples_per_second']:,.0f} samples/s"
+        f"loss {losses[0]:.4g} -> {losses[-1]:.4g} in {args.steps} step(s), {trained.seconds:.2f} s, "
+        f"{trained.items_per_second:,.0f} samples/s"
     )
     if args.out:
         out_con.print(f"wrote {', '.join(Path(p).name for p in result['files'].values())} to {args.out}")

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import warnings
 from typing import Any
 
 import torch
 from rich.table import Table
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
+from ..layers import top_level_layers
+from ..training import mse_loss
 from ._common import UsageError, console, load_target, synthetic_batch
 
 
@@ -50,20 +51,15 @@ def _ints(text: str, name: str) -> list[int]:
     return values
 
 
-def mse_to(target: Any) -> Any:
-    """MSE between every floating-point tensor of an output and the same place in ``target``, summed."""
-
-    def loss_fn(out: Any, tgt: Any) -> torch.Tensor:
-        pairs = [(o, t) for o, t in zip(tree_leaves(out), tree_leaves(tgt)) if isinstance(o, torch.Tensor) and o.is_floating_point()]
-        if not pairs:
-            raise UsageError("the model's output has no floating-point tensor to put an MSE loss on")
-        return sum((torch.nn.functional.mse_loss(o.float(), t.float()) for o, t in pairs), torch.zeros((), device=pairs[0][0].device))
-
-    return loss_fn
+def _random_like(out: Any) -> Any:
+    """A random target shaped like the model's output (every tensor leaf replaced by normal noise)."""
+    return tree_map(lambda t: torch.randn_like(t.float()) if isinstance(t, torch.Tensor) else t, out)
 
 
 def run(args: argparse.Namespace) -> int:
     import torchspan
+
+    from ..parity import check_parity
 
     shape = _ints(args.input_shape, "--input-shape")
     balance = _ints(args.balance, "--balance") if args.balance else None
@@ -73,12 +69,6 @@ def run(args: argparse.Namespace) -> int:
     reference = copy.deepcopy(model)
     torch.manual_seed(args.seed)
     x = synthetic_batch(tuple(shape), getattr(torch, args.input_dtype), args.vocab)
-    ref_device = next((p.device for p in reference.parameters()), torch.device("cpu"))
-    out = reference(x.to(ref_device))
-    target = tree_map(lambda t: torch.randn_like(t.float()) if isinstance(t, torch.Tensor) else t, out)
-    loss_fn = mse_to(target)
-    ref_loss = loss_fn(out, target)
-    ref_loss.backward()
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -90,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
             schedule=args.schedule,
             checkpoint=args.checkpoint,
         )
-    loss = spanned.train_step(x, target, loss_fn)
+    result = check_parity(spanned, reference, x, _random_like, mse_loss, atol=args.atol, rtol=args.rtol)
 
     con = console()
     con.print(
@@ -100,34 +90,17 @@ def run(args: argparse.Namespace) -> int:
     )
     for w in caught:
         con.print(f"note: {w.message}")
-    ref_params = dict(reference.named_parameters())
     table = Table(title="gradient difference vs one device, per layer")
     for col in ("layer", "stage device", "params", "max abs diff", "max rel diff", "result"):
         table.add_column(col, justify="left" if col in ("layer", "stage device", "result") else "right")
     device_of = {name: dev for dev, group in spanned.stages for name in group}
-    ok_all = True
-    for layer, _ in model.named_children():
-        worst_abs, worst_rel, n, ok = 0.0, 0.0, 0, True
-        for pname, p in getattr(model, layer).named_parameters():
-            ref_p = ref_params[f"{layer}.{pname}"]
-            g, rg = p.grad, ref_p.grad
-            n += 1
-            if (g is None) != (rg is None):
-                ok, worst_abs, worst_rel = False, math.inf, math.inf
-                continue
-            if g is None or rg is None:
-                continue
-            g, rg = g.detach().float().cpu(), rg.detach().float().cpu()
-            diff = (g - rg).abs()
-            scale = rg.abs().max().item()
-            worst_abs = max(worst_abs, diff.max().item() if diff.numel() else 0.0)
-            worst_rel = max(worst_rel, (diff.max().item() / scale) if scale > 0 and diff.numel() else 0.0)
-            ok = ok and bool(torch.all(diff <= args.atol + args.rtol * rg.abs()))
-        ok_all = ok_all and ok
-        table.add_row(layer, device_of.get(layer, "-"), str(n), f"{worst_abs:.3e}", f"{worst_rel:.3e}", "ok" if ok else "DIFFERENT")
+    for layer, _ in top_level_layers(model):
+        diffs = result.under(layer)
+        worst_abs = max((d.max_abs for d in diffs), default=0.0)
+        worst_rel = max((d.max_rel for d in diffs), default=0.0)
+        ok = all(d.within for d in diffs)
+        table.add_row(layer, device_of.get(layer, "-"), str(len(diffs)), f"{worst_abs:.3e}", f"{worst_rel:.3e}", "ok" if ok else "DIFFERENT")
     con.print(table)
-    same_loss = math.isclose(float(loss), float(ref_loss.detach()), rel_tol=max(args.rtol, 1e-6), abs_tol=args.atol)
-    con.print(f"loss: torchspan {float(loss):.6g}, one device {float(ref_loss.detach()):.6g}")
-    ok_all = ok_all and same_loss
-    con.print(f"{'PASS' if ok_all else 'FAIL'} (atol={args.atol:g}, rtol={args.rtol:g})")
-    return 0 if ok_all else 1
+    con.print(f"loss: torchspan {result.loss:.6g}, one device {result.reference_loss:.6g}")
+    con.print(f"{'PASS' if result.ok else 'FAIL'} (atol={args.atol:g}, rtol={args.rtol:g})")
+    return 0 if result.ok else 1

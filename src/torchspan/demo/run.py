@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -24,11 +23,11 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
-from .. import report
+from .. import pictures
 from ..hardware import Device, devices as find_devices
 from ..planner.plans import Plan
-from ..progress import TrainingProgress
 from ..runtime.record import Event
+from ..training import train
 from .corpus import Corpus, build_corpus
 from .model import CharTransformer, generate, lm_loss
 from .placement import demo_plan
@@ -91,18 +90,18 @@ class DemoResult:
 
 def _device_table(devs: list[Device], title: str) -> Table:
     table = Table(title=title)
-    for col in report.DEVICE_COLUMNS:
+    for col in pictures.DEVICE_COLUMNS:
         table.add_column(col, justify="right" if col in ("total", "free", "budget") else "left")
-    for row in report.device_rows(devs):
+    for row in pictures.device_rows(devs):
         table.add_row(*row)
     return table
 
 
 def _plan_table(plan: Plan) -> Table:
-    table = Table(title="plan", caption=report.plan_summary(plan))
-    for col in report.PLAN_COLUMNS:
+    table = Table(title="plan", caption=pictures.plan_summary(plan))
+    for col in pictures.PLAN_COLUMNS:
         table.add_column(col, justify="left" if col in ("device", "layers") else "right")
-    for row in report.plan_rows(plan):
+    for row in pictures.plan_rows(plan):
         table.add_row(*row)
     return table
 
@@ -173,24 +172,18 @@ def run_demo(
 
     spanned = torchspan.span(model, plan)
     optimizer = torch.optim.AdamW(spanned.parameters(), lr=cfg.lr)
-    losses: list[float] = []
-    tokens = cfg.batch_size * cfg.seq_len
-    t_start = time.perf_counter()
-    with TrainingProgress(con, cfg.steps, speed_unit="tok/s") as progress:
-        for step in range(cfg.steps):
-            x, y = corpus.batch(cfg.batch_size, cfg.seq_len, gen)
-            optimizer.zero_grad(set_to_none=True)
-            loss = spanned.train_step(x, y, lm_loss)
-            optimizer.step()
-            value = float(loss)
-            if not math.isfinite(value):
-                raise FloatingPointError(f"loss became {value} at step {step}; lower the learning rate (lr={cfg.lr})")
-            losses.append(value)
-            elapsed = time.perf_counter() - t_start
-            show_memory = step == 0 or step % 10 == 9 or step == cfg.steps - 1
-            progress.step(loss=value, speed=tokens * (step + 1) / elapsed, memory=spanned.memory(optimizer) if show_memory else None)
-    seconds = time.perf_counter() - t_start
-    tokens_per_second = tokens * cfg.steps / seconds
+    trained = train(
+        spanned,
+        optimizer,
+        lambda step: corpus.batch(cfg.batch_size, cfg.seq_len, gen),
+        lm_loss,
+        cfg.steps,
+        console=con,
+        items_per_step=cfg.batch_size * cfg.seq_len,
+        speed_unit="tok/s",
+        memory_every=10,
+    )
+    losses, seconds, tokens_per_second = trained.losses, trained.seconds, trained.items_per_second
 
     events = list(spanned.timeline())
     mem = spanned.memory(optimizer)
@@ -211,7 +204,7 @@ def run_demo(
         "tokens/s": f"{tokens_per_second:,.0f}",
     }
     with con.status("drawing the report ..."):
-        files = report.write_report(
+        files = pictures.write_report(
             out_dir,
             title="torchspan demo",
             plan=plan,
