@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ..layers.slots import buffer_slots, kept
 from .lossweights import LossSpec
-from .microbatch import gather
+from .microbatch import NoSplit, gather
 
 __all__ = ["calibrate", "batch_structure", "LossChecks", "dry_run", "RTOL"]
 
@@ -50,10 +50,18 @@ def _to(value: Any, device: torch.device | None) -> Any:
     return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, value)
 
 
+def _is_nosplit(v: Any) -> bool:
+    return isinstance(v, NoSplit)
+
+
+def _unwrap(v: Any) -> Any:
+    return v.value if isinstance(v, NoSplit) else v
+
+
 def _scalar(spec: LossSpec, value: Any, what: str) -> tuple[float, torch.dtype]:
     if not isinstance(value, torch.Tensor) or value.dim() != 0:
         got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
-        raise ValueError(f"loss_fn={spec.name} returned {got} on {what}; it must return a scalar (use reduction='mean' or 'sum')")
+        raise ValueError(f"loss_fn={spec.name} returned {got}; it must return a scalar (use reduction='mean' or 'sum'), here on {what}")
     return float(value), value.dtype
 
 
@@ -84,20 +92,20 @@ def calibrate(
             f"outputs, targets and sizes must have one entry per micro-batch; got {len(outputs)}, {len(targets)}, "
             f"{len(sizes)}"
         )
-    if spec.kind == "opaque" and len(sizes) == 1:
-        return spec.resolved("samples")  # one micro-batch: weight 1 whatever the loss divides by
+    if len(sizes) == 1:  # one micro-batch weighs 1 whatever the loss divides by: nothing to check
+        return spec if spec.kind == "user" else spec.resolved("samples")
     candidates = [spec] if spec.kind == "user" else [spec.resolved("samples"), spec.resolved("sum")]
     all_weights = [c.weights(targets, sizes) for c in candidates]
     device = _first_device(outputs[0])
     with torch.no_grad():
-        whole_target = gather(list(targets)) if target is None else target
-        full, dtype = _scalar(spec, spec.loss_fn(gather(list(outputs)), _to(whole_target, device)), "the full batch")
         parts: list[float | None] = []
         for i, (out, tgt) in enumerate(zip(outputs, targets)):
             if all(w[i] == 0.0 for w in all_weights):
                 parts.append(None)  # adds exactly 0 in training (an all-padding chunk): never evaluated
             else:
                 parts.append(_scalar(spec, spec.loss_fn(out, _to(tgt, _first_device(out))), f"micro-batch {i}")[0])
+        whole_target = gather(list(targets)) if target is None else tree_map(_unwrap, target, is_leaf=_is_nosplit)
+        full, dtype = _scalar(spec, spec.loss_fn(gather(list(outputs)), _to(whole_target, device)), "the full batch")
     rtol = max(RTOL, 8 * torch.finfo(dtype).eps) if dtype.is_floating_point else RTOL
     values = []
     matches = []
@@ -192,8 +200,8 @@ class LossChecks:
         loss has not been checked on a batch of this structure yet."""
         if not spec.needs_check:
             return spec
-        if spec.kind == "opaque" and len(sizes) == 1:
-            return spec.resolved("samples")
+        if len(sizes) == 1:
+            return calibrate(spec, [None], targets, sizes)  # weight 1: nothing to run
         ident = _identity(spec.loss_fn) + _identity(spec.user_normalizer)
         structure = batch_structure(targets, sizes)
         for i, (known_ident, known_structure, kind, decided) in enumerate(self._entries):
