@@ -295,3 +295,13 @@ def test_cuda_devices_and_moves() -> None:  # pragma: no cover - runs on GPU mac
     assert batch["x"].is_cuda
     crit = to_device(nn.CrossEntropyLoss(weight=torch.ones(3)), "cuda:0")
     assert crit.weight.is_cuda
+
+
+def test_budget_keys_name_devices_as_the_device_list_prints_them() -> None:
+    from torchspan.hardware import budget_key
+
+    assert budget_key("cuda") == "cuda:0"
+    assert budget_key(1) == "cuda:1"
+    assert budget_key(" CPU ") == "cpu"
+    assert budget_key(torch.device("cuda", 2)) == "cuda:2"
+    assert [str(d.device) for d in devices("cpu", memory={" CPU ": "1KiB"})] == [budget_key(" CPU ")]

@@ -1,5 +1,12 @@
 """Planner: place a model's layers on devices under memory budgets (``torchspan.plan``).
 
+Pure data over a ``profiler.costs.Profile`` (only ``api.plan`` measures). Modules, low to high:
+``plans`` (``Plan`` JSON), ``stages`` (a placement and its verdict), ``physical`` (entries that are
+one device; budgets, links), ``cost`` (``CostModel``: step time and memory), ``settings`` (the
+settings grid), ``solver`` (the exact dynamic programme), ``explain`` (why nothing fits:
+``PlanError``'s text), ``optimize`` (``search``), ``baselines``, ``spread`` (one stage per
+device), ``measured`` (predicted vs measured), ``api`` (``plan``).
+
 Usage::
 
     plan = torchspan.plan(model, x, devices="cuda:0,cpu")      # profile + search
