@@ -10,7 +10,7 @@ saved activations are attributed to the stage whose child is running.
 
 Usage (``span`` does this)::
 
-    hp = HookPlacement(model, {"a": 0, "b": 1}, [cpu, cpu], recorder, meter, "32", "never")
+    hp = HookPlacement(model, {"a": 0, "b": 1}, [cpu, cpu], recorder, meter, "32")
     hp.install(); out = model(x)
 """
 
