@@ -1,13 +1,16 @@
 """What a model is to torchspan: its layers, in execution order, and how to cut it into stages.
 
-Modules: ``discovery`` (layer names, execution order, the recording forward), ``fxsplit`` (fx
+Modules: ``discovery`` (``model_layers``: the layers everything places), ``blocks`` (``find_layers``:
+blocks inside containers, execution order), ``ties`` (``find_ties``: parameters shared by layers),
+``calltrace`` (the recording forward), ``fxsplit`` (fx
 trace and split at layer boundaries), ``slots`` (buffer slots a recompute must leave unchanged).
 Every other part of torchspan receives its layers from here.
 
-Usage: ``from torchspan.layers import execution_order, top_level_layers``.
+Usage: ``from torchspan.layers import model_layers, find_ties``.
 """
 
-from .discovery import execution_order, layer_modules, record_forward, top_level_layers
+from .blocks import Layer, LayerSet, RootTensor, find_layers, param_layers
+from .discovery import descends, execution_order, layer_modules, model_layers, record_forward, top_level_layers
 from .fxsplit import (
     MODES,
     LayerTracer,
@@ -19,8 +22,18 @@ from .fxsplit import (
     trace,
 )
 from .slots import Slot, buffer_slots, kept
+from .ties import Tie, find_ties
 
 __all__ = [
+    "model_layers",
+    "descends",
+    "find_layers",
+    "find_ties",
+    "param_layers",
+    "Layer",
+    "LayerSet",
+    "RootTensor",
+    "Tie",
     "top_level_layers",
     "layer_modules",
     "execution_order",

@@ -1,14 +1,18 @@
 """Turn a model into ordered layers: the unit that profiling, planning and placement work with.
 
-A *layer* is a top-level child of the model (``model.named_children()``), named by its attribute
-name. Layers are ordered by first execution in a recording forward (for ``nn.Sequential``, the
-Sequential order). The profiler, the planner and ``span`` all receive their layers from here.
+``model_layers`` is the one answer: for a model with repeated blocks (``descends``: an
+``nn.ModuleList``/``nn.Sequential`` of blocks below its top level, or ``split_points``/``no_split``
+given) the ``blocks.find_layers`` blocks, named by qualified name (``transformer.h.0``); for any
+other model (``nn.Sequential`` included) its top-level children, named by attribute. Layers are
+ordered by first execution in a recording forward. The profiler, the planner and ``span`` all
+receive their layers from here.
 
-Usage: ``execution_order(model, x)`` → ``["embed", "blocks", "head"]``; ``layer_modules(model)["head"]``.
+Usage: ``model_layers(model, (x,), {}).names()`` → ``["embed", "blocks.0", "blocks.1", "head"]``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -16,7 +20,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["top_level_layers", "layer_modules", "execution_order", "record_forward"]
+from .blocks import Layer, LayerSet, RootTensor, _check_options, _is_block_container, _join, _Picker, find_layers
+from .calltrace import Call, Trace
+
+__all__ = ["top_level_layers", "layer_modules", "execution_order", "record_forward", "descends", "model_layers"]
 
 
 def top_level_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -95,3 +102,122 @@ def record_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
             h.remove()
     order.extend(name for name, _ in model.named_children() if name not in order)
     return order, watch.uses
+
+
+# ---------------------------------------------------------------------------------------- layer sets
+
+
+def _flat_layers(model: nn.Module, order: list[str]) -> LayerSet:
+    """Top-level children as a ``LayerSet`` in ``order`` (aliases: a child registered twice)."""
+    by_id: dict[int, list[str]] = {}
+    mods: dict[int, nn.Module] = {}
+    for name, child in top_level_layers(model):
+        by_id.setdefault(id(child), []).append(name)
+        mods[id(child)] = child
+    first = {names[0]: cid for cid, names in by_id.items()}
+    out = []
+    for name in order:
+        cid = first.get(name)
+        if cid is None:
+            continue
+        mod = mods[cid]
+        params, buffers = list(mod.parameters()), list(mod.buffers())
+        out.append(
+            Layer(
+                name=name,
+                module=mod,
+                index=len(out),
+                param_count=sum(p.numel() for p in params),
+                param_bytes=sum(p.numel() * p.element_size() for p in params),
+                buffer_bytes=sum(b.numel() * b.element_size() for b in buffers),
+                aliases=tuple(by_id[cid][1:]),
+            )
+        )
+    return LayerSet(tuple(out))
+
+
+def descends(model: nn.Module, split_points: Iterable[str] | None = None, no_split: Iterable[Any] | None = None) -> bool:
+    """Whether ``model``'s layers are blocks below its top level (``find_layers``), not its top-level children.
+
+    ``nn.Sequential`` models and models without a block container (``nn.ModuleList``/``nn.Sequential``
+    holding parameters) below the top keep their top-level children, unless ``split_points`` or
+    ``no_split`` are given. Usage: ``descends(gpt2)`` → ``True``.
+    """
+    if split_points or no_split:
+        return True
+    if isinstance(model, nn.Sequential):
+        return False
+    return any(_is_block_container(m) for m in model.modules() if m is not model)
+
+
+def _registration_trace(model: nn.Module) -> Trace:
+    """A trace as if every module ran once, in registration order, nested as registered."""
+    trace = Trace()
+    clock = [0]
+
+    def walk(mod: nn.Module, parent: int, seen: set[int]) -> None:
+        if id(mod) in seen:
+            return
+        seen.add(id(mod))
+        clock[0] += 1
+        index = len(trace.calls)
+        trace.calls.append(Call(mod, clock[0], -1, parent))
+        trace.by_module.setdefault(id(mod), []).append(index)
+        for child in mod._modules.values():
+            if child is not None:
+                walk(child, index, seen)
+        clock[0] += 1
+        trace.calls[index].end = clock[0]
+
+    walk(model, -1, set())
+    return trace
+
+
+def model_layers(
+    model: nn.Module,
+    args: tuple[Any, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    *,
+    split_points: Iterable[str] | None = None,
+    no_split: Iterable[Any] | None = None,
+) -> LayerSet:
+    """The layers ``span``, ``profile`` and ``plan`` place: the one answer every part of torchspan uses.
+
+    Models that ``descends`` are cut into ``find_layers`` blocks (qualified names, execution order
+    recorded by one no-grad forward on ``args``/``kwargs``); other models into their top-level
+    children (execution order recorded the same way, the model's own tensors as ``roots``).
+    ``args=None``: no forward is run; the layers come in registration order (what a forward will
+    confirm or reorder), every module counted as running once.
+
+    Usage: ``model_layers(gpt2, (ids,), {"attention_mask": mask}).names()`` → ``["transformer.wte", ...]``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}; pass the model object itself")
+    kwargs = dict(kwargs or {})
+    if descends(model, split_points, no_split):
+        if args is None:
+            points, kinds = _check_options(model, split_points, no_split)
+            picker = _Picker(model, _registration_trace(model), points, kinds)
+            while (found := picker.conflict()) is not None:
+                picker.resolve(*found)
+            names = {names[0]: lid for lid, names in picker.layers.items()}
+            mods = [(n, picker.modules[lid]) for n, lid in names.items()]
+            layers = [
+                Layer(n, m, i, sum(p.numel() for p in m.parameters()), sum(p.numel() * p.element_size() for p in m.parameters()),
+                      sum(b.numel() * b.element_size() for b in m.buffers()), aliases=tuple(picker.layers[id(m)][1:]))
+                for i, (n, m) in enumerate(mods)
+            ]  # fmt: skip
+            roots = [RootTensor(_join(owner, n), kind, owner, None) for owner, mod in picker.descended.items()
+                     for kind, items in (("parameter", mod._parameters), ("buffer", mod._buffers)) for n, t in items.items() if t is not None]  # fmt: skip
+            return LayerSet(tuple(layers), tuple(roots))
+        return find_layers(model, *args, split_points=split_points, no_split=no_split, **kwargs)
+    if args is None or isinstance(model, nn.Sequential):
+        flat = _flat_layers(model, [n for n, _ in top_level_layers(model)])
+        roots_named = [(n, "parameter") for n, t in model._parameters.items() if t is not None]
+        roots_named += [(n, "buffer") for n, t in model._buffers.items() if t is not None]
+        return LayerSet(flat.layers, tuple(RootTensor(n, k, "", None) for n, k in roots_named))
+    order, uses = record_forward(model, args, kwargs)
+    flat = _flat_layers(model, order)
+    roots = [RootTensor(n, "parameter", "", uses.get(n)) for n, t in model._parameters.items() if t is not None]
+    roots += [RootTensor(n, "buffer", "", uses.get(n)) for n, t in model._buffers.items() if t is not None]
+    return LayerSet(flat.layers, tuple(roots))

@@ -31,27 +31,31 @@ def stage_memory(
     root_attrs: Mapping[str, int],
     activation_peaks: Sequence[int],
     optimizer: torch.optim.Optimizer | None = None,
+    layers: Mapping[str, nn.Module] | None = None,
 ) -> list[dict[str, Any]]:
     """One dict per stage: ``stage``, ``device``, ``layers`` and bytes of ``params``, ``grads``,
     ``buffers``, ``optimizer`` (0 without an optimizer), ``activations`` (``activation_peaks[s]``),
-    ``device_peak`` (``torch.cuda.max_memory_allocated`` on CUDA stages, else ``None``)."""
+    ``device_peak`` (``torch.cuda.max_memory_allocated`` on CUDA stages, else ``None``).
+    ``layers``: name -> module (default: top-level children); ``root_attrs``' keys are qualified
+    names of tensors held outside every layer. A tied parameter counts once, on its first layer's stage."""
     stage_of = {name: s for s, g in enumerate(groups) for name in g}
     owned: list[list[torch.Tensor]] = [[] for _ in devices]
     bufs: list[list[torch.Tensor]] = [[] for _ in devices]
     seen: set[int] = set()
-    for name, layer in layer_modules(model).items():
+    for name, layer in (layers if layers is not None else layer_modules(model)).items():
         s = stage_of.get(name, 0)
         for p in layer.parameters():
             if id(p) not in seen:
                 seen.add(id(p))
                 owned[s].append(p)
         bufs[s].extend(layer.buffers())
-    for name, p in model._parameters.items():
-        if p is not None and id(p) not in seen:
+    for name, p in model.named_parameters():
+        if id(p) not in seen:
             seen.add(id(p))
             owned[root_attrs.get(name, 0)].append(p)
-    for name, b in model._buffers.items():
-        if b is not None:
+    held = {id(b) for s in bufs for b in s}
+    for name, b in model.named_buffers():
+        if id(b) not in held:
             bufs[root_attrs.get(name, 0)].append(b)
     state = optimizer.state if optimizer is not None else {}
     per_stage: list[dict[str, Any]] = []

@@ -3,12 +3,12 @@
 Usage (``span`` does this)::
 
     stages = stages_from_balance(["a", "b", "c"], [cpu, cpu], [2, 1])   # [["a", "b"], ["c"]]
-    place(model, {"a": 0, "b": 0, "c": 1}, [cpu, cpu], root_attrs={})
+    place(model, {"a": 0, "b": 0, "c": 1}, [cpu, cpu], root_attrs={}, layers={"a": model.a, "b": model.b, "c": model.c})
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ from ..hardware import resolve_device, to_device
 from ..layers import layer_modules
 from ..planner.plans import Plan
 from .microbatch import split_sizes
+from .ties import TiedCopies
 
 __all__ = ["parse_devices", "even_balance", "stages_from_balance", "stages_from_plan", "check_shared", "place"]
 
@@ -46,7 +47,7 @@ def stages_from_balance(order: Sequence[str], devices: Sequence[torch.device], b
     if len(devices) > n:
         raise ValueError(
             f"devices has {len(devices)} entries but the model has only {n} layer(s) ({', '.join(order)}); "
-            f"use at most {n} devices, or split the model into more top-level children"
+            f"use at most {n} devices, or cut the model finer: span(..., split_points=[...]) or more child modules"
         )
     if balance is None:
         balance = even_balance(n, len(devices))
@@ -84,7 +85,7 @@ def stages_from_plan(plan: Plan, layer_names: Sequence[str], order: Sequence[str
     missing = [n for n in layer_names if n not in planned]
     if missing:
         raise ValueError(
-            f"plan does not place layer(s) {', '.join(map(repr, missing))}; every top-level child needs a stage. "
+            f"plan does not place layer(s) {', '.join(map(repr, missing))}; every layer needs a stage. "
             "Re-plan for this model"
         )
     if order is not None:
@@ -103,39 +104,63 @@ def stages_from_plan(plan: Plan, layer_names: Sequence[str], order: Sequence[str
     return [list(st.layers) for st in plan.stages], devs
 
 
-def check_shared(model: nn.Module, stage_of: dict[str, int]) -> None:
-    """Raise if one parameter or buffer belongs to layers in different stages (tied weights)."""
+def check_shared(model: nn.Module, stage_of: dict[str, int], layers: Mapping[str, nn.Module] | None = None,
+                 devices: Sequence[torch.device] | None = None) -> None:
+    """Raise if one buffer belongs to layers on different devices (a tied *parameter* is kept by ``TiedCopies``).
+
+    Without ``devices`` any two stages count as different. ``layers``: name -> module (default: top-level children).
+    """
     owner: dict[int, tuple[str, int]] = {}
-    for name, child in layer_modules(model).items():
+    for name, child in (layers if layers is not None else layer_modules(model)).items():
         if name not in stage_of:
             continue
-        for pname, t in list(child.named_parameters()) + list(child.named_buffers()):
+        for bname, t in child.named_buffers():
             prev = owner.get(id(t))
-            if prev is not None and prev[1] != stage_of[name]:
+            s = stage_of[name]
+            if prev is not None and prev[1] != s and (devices is None or devices[prev[1]] != devices[s]):
                 raise ValueError(
-                    f"{name}.{pname} is shared with layer {prev[0]!r}: layers {prev[0]!r} (stage {prev[1]}) and "
-                    f"{name!r} (stage {stage_of[name]}) use the same tensor, which can live on one device only. "
-                    "Put both layers in the same stage"
+                    f"buffer {name}.{bname} is shared with layer {prev[0]!r}: layers {prev[0]!r} (stage {prev[1]}) and "
+                    f"{name!r} (stage {s}) use the same buffer on different devices, and a buffer's in-place updates "
+                    "cannot be kept in step across devices. Put both layers in the same stage (or on one device)"
                 )
-            owner.setdefault(id(t), (name, stage_of[name]))
+            owner.setdefault(id(t), (name, s))
 
 
-def place(model: nn.Module, stage_of: dict[str, int], devices: Sequence[torch.device], root_attrs: dict[str, int]) -> None:
-    """Move each layer to its stage's device; the model's own parameters/buffers to ``root_attrs``' stage (else 0)."""
-    for name, child in layer_modules(model).items():
-        to_device(child, devices[stage_of[name]])
-    for pname, p in list(model._parameters.items()):
+def _owner(model: nn.Module, qualified: str) -> tuple[nn.Module, str]:
+    path, _, attr = qualified.rpartition(".")
+    return (model.get_submodule(path) if path else model), attr
+
+
+def place(
+    model: nn.Module,
+    stage_of: dict[str, int],
+    devices: Sequence[torch.device],
+    root_attrs: dict[str, int],
+    layers: Mapping[str, nn.Module] | None = None,
+    roots: Sequence[str] | None = None,
+) -> TiedCopies:
+    """Move each layer to its stage's device and each root tensor to ``root_attrs``' stage (else 0).
+
+    ``layers``: name -> module in execution order (default: top-level children); ``roots``: the
+    qualified names of tensors held outside every layer (default: the model's own). A parameter
+    that several layers hold stays one ``nn.Parameter`` on the first such layer's device; layers on
+    other devices read a copy during their forward (the returned, installed ``TiedCopies``).
+    """
+    layers = dict(layers if layers is not None else layer_modules(model))
+    for name in reversed([n for n in layers if n in stage_of]):  # the first holder's move comes last and wins
+        to_device(layers[name], devices[stage_of[name]])
+    if roots is None:
+        roots = [n for n, t in list(model._parameters.items()) + list(model._buffers.items()) if t is not None]
+    for qname in roots:
+        mod, attr = _owner(model, qname)
+        dev = devices[root_attrs.get(qname, 0)]
+        p = mod._parameters.get(attr)
         if p is not None:
-            dev = devices[root_attrs.get(pname, 0)]
             if p.device != dev:
                 _move_parameter(p, dev)
-    for bname, b in list(model._buffers.items()):
-        if b is not None:
-            dev = devices[root_attrs.get(bname, 0)]
-            if b.device != dev:
-                model._buffers[bname] = to_device(b, dev)
-
-
+        elif mod._buffers.get(attr) is not None and mod._buffers[attr].device != dev:  # type: ignore[union-attr]
+            mod._buffers[attr] = to_device(mod._buffers[attr], dev)
+    return TiedCopies(layers, stage_of, devices).install()
 def _move_parameter(p: nn.Parameter, dev: torch.device) -> None:
     """Move ``p`` to ``dev`` in place, keeping the same ``Parameter`` object (optimizers hold it)."""
     moved = to_device(p.detach(), dev)

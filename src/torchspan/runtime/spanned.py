@@ -92,6 +92,8 @@ def span(
     checkpoint: str | None = None,
     precision: str | None = None,
     workers: str = "device",
+    split_points: list[str] | None = None,
+    no_split: list[Any] | None = None,
 ) -> Spanned:
     """Place ``model``'s layers (``torchspan.layers``) on devices and return a pipelined ``Spanned``.
 
@@ -102,6 +104,15 @@ def span(
     ``precision`` defaults to ``"32"``. ``workers="device"`` runs one thread per distinct device
     (stages sharing a device take turns, which is fastest when they share the same cores);
     ``"stage"`` gives every stage its own thread.
+
+    Layers are ``torchspan.layers.model_layers(model)``: a model with repeated blocks inside
+    ``nn.ModuleList``/``nn.Sequential`` containers is cut into those blocks (qualified names,
+    ``transformer.h.0``; execution order confirmed by a recording forward at the first call, which
+    also places the model), any other model into its top-level children. ``split_points``
+    (qualified module names that must start a layer) and ``no_split`` (module classes kept whole)
+    choose the blocks as in ``find_layers``. A parameter shared by layers on two devices (tied
+    embeddings) stays one ``nn.Parameter`` (see ``runtime.ties``): build the optimizer from
+    ``spanned.parameters()`` as usual.
 
     Usage: ``span(model, devices=["cpu", "cpu"], balance=[2, 2], microbatches=4, schedule="1f1b")``.
     """
@@ -128,8 +139,15 @@ def span(
     precision = _choice("precision", str(precision), PRECISIONS)
     _choice("workers", workers, ("device", "stage"))
 
-    mode, why, graph = split.choose_mode(model)
-    names = [n for n, _ in discovery.top_level_layers(model)]
+    blocks = discovery.descends(model, split_points, no_split)
+    layer_set = discovery.model_layers(model, split_points=split_points, no_split=no_split) if blocks else None
+    if layer_set is not None:
+        mode, graph = "hooks", None
+        why = f"its layers are blocks inside containers ({', '.join(layer_set.names()[:3])}, ...), which torch.fx splits do not cut"
+        names = layer_set.names()
+    else:
+        mode, why, graph = split.choose_mode(model)
+        names = [n for n, _ in discovery.top_level_layers(model)]
     if graph is not None:
         order: list[str] | None = split.graph_layer_order(graph, names)
     elif mode == "sequential":
@@ -137,7 +155,18 @@ def span(
     else:
         order = None  # known after a recording forward
 
-    if plan is not None:
+    if plan is not None and layer_set is not None:
+        # blocks are confirmed by the first call's recording, which checks the plan's names and order
+        modules = dict(model.named_modules())
+        for i, st in enumerate(plan.stages):
+            unknown = [n for n in st.layers if n not in modules]
+            if unknown:
+                raise ValueError(
+                    f"plan stage {i} names layer(s) {unknown}, which the model does not have; its layers are "
+                    f"{', '.join(names)}. Re-plan for this model (torchspan.plan(model, x, ...))"
+                )
+        groups, devs = stages_from_plan(plan, plan.layers, None)
+    elif plan is not None:
         groups, devs = stages_from_plan(plan, names, order)
     else:
         if devices is None:
@@ -167,7 +196,10 @@ def span(
             UserWarning,
             stacklevel=2,
         )
-        executor = HookedExecutor(model, devs, groups, settings, recorder, meter, balance_given=plan is None)
+        executor = HookedExecutor(
+            model, devs, groups, settings, recorder, meter, balance_given=plan is None, layers=layer_set,
+            even=balance is None, split_points=split_points, no_split=no_split,
+        )  # fmt: skip
     else:
         executor = PipelinedExecutor(model, mode, graph, devs, groups, settings, recorder, meter)
     return Spanned(model, executor, settings, recorder, meter, mode_reason=why)
@@ -355,7 +387,8 @@ class Spanned(nn.Module):
         since the last step began (CUDA stages; ``None`` elsewhere).
         """
         ex = self._executor
-        return stage_memory(self.module, ex.devices, ex.groups, ex.root_attrs, self._meter.peak, optimizer)
+        layers = getattr(ex, "layers", None) or None
+        return stage_memory(self.module, ex.devices, ex.groups, ex.root_attrs, self._meter.peak, optimizer, layers)
 
     # ------------------------------------------------------------------ state and placement
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:  # type: ignore[override]

@@ -21,12 +21,13 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ...hardware import to_device
-from ...layers import buffer_slots, kept, record_forward
+from ...layers import LayerSet, buffer_slots, kept, model_layers
 from ..executor import Executor, Settings, Work
 from ..lossweights import weighted_loss
 from ..memory import ActivationMeter
 from ..microbatch import split_batch
-from ..placement import check_shared, place, stages_from_balance
+from ..placement import check_shared, even_balance, place, stages_from_balance
+from ..ties import TiedCopies
 from ..record import Recorder
 from .hooks import HookPlacement
 from .pipeline import autocast_for, checkpointed
@@ -35,7 +36,12 @@ __all__ = ["HookedExecutor"]
 
 
 class HookedExecutor(Executor):
-    """Hook placement; ``balance_given``: the groups are counts over an order the first call records."""
+    """Hook placement over ``layers`` (the façade's ``model_layers(model)``).
+
+    ``balance_given``: the groups are counts over an order the first call records (an even split
+    is redone over the recorded layers when ``even``); otherwise they come from a plan, whose
+    layer names and order the recording checks. ``split_points``/``no_split``: as ``find_layers``.
+    """
 
     mode = "hooks"
 
@@ -49,6 +55,10 @@ class HookedExecutor(Executor):
         meter: ActivationMeter,
         *,
         balance_given: bool,
+        layers: LayerSet | None = None,
+        even: bool = False,
+        split_points: Any = None,
+        no_split: Any = None,
     ) -> None:
         super().__init__(devices, groups)
         self.model = model
@@ -56,19 +66,30 @@ class HookedExecutor(Executor):
         self.recorder = recorder
         self.meter = meter
         self.hooks: HookPlacement | None = None
+        self.copies: TiedCopies | None = None
+        self._options = (split_points, no_split)
+        self.layer_set = layers if layers is not None else model_layers(model, split_points=split_points, no_split=no_split)
+        self.layers = {layer.name: layer.module for layer in self.layer_set}
+        self._even = even
         self._lazy_balance = balance_given and len(self.devices) > 1
         self._order_checked = False
-        # Tensors the model owns directly go where its forward first reads them: found by recording.
-        owns = any(t is not None for t in list(model._parameters.values()) + list(model._buffers.values()))
-        if not (self._lazy_balance or (owns and len(set(self.devices)) > 1)):
+        self._blocks = any("." in name for name in self.layers) or bool(split_points or no_split)
+        check_shared(model, self.stage_of, self.layers, self.devices)
+        # Tensors held outside every layer go where the forward first reads them, and blocks are
+        # confirmed (merged, skipped, ordered) by a recording forward: both wait for the first call.
+        multi = len(set(self.devices)) > 1
+        if not (self._lazy_balance or (self.layer_set.roots and multi) or self._blocks):
             self._place({})
 
     def _place(self, root_attrs: dict[str, int]) -> None:
         stage_of = self.stage_of
-        check_shared(self.model, stage_of)
+        check_shared(self.model, stage_of, self.layers, self.devices)
         self.root_attrs = dict(root_attrs)
-        place(self.model, stage_of, self.devices, self.root_attrs)
-        self.hooks = HookPlacement(self.model, stage_of, self.devices, self.recorder, self.meter, self.settings.precision)
+        roots = [r.name for r in self.layer_set.roots]
+        self.copies = place(self.model, stage_of, self.devices, self.root_attrs, self.layers, roots)
+        self.hooks = HookPlacement(
+            self.model, stage_of, self.devices, self.recorder, self.meter, self.settings.precision, self.layers, self.copies
+        )
         self.hooks.install()
 
     def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Work:
@@ -80,16 +101,42 @@ class HookedExecutor(Executor):
         if self.hooks is not None:
             return
         first_args, first_kwargs = work.chunks[0]
+        split_points, no_split = self._options
         # The recording forward must leave no trace: BatchNorm statistics, counters and the random
         # state (dropout masks of the real step) stay as they were.
         cuda = sorted({d.index if d.index is not None else 0 for d in self.devices if d.type == "cuda"})
         with torch.random.fork_rng(devices=cuda), kept(buffer_slots([self.model])):
-            order, uses = record_forward(self.model, first_args, first_kwargs)
+            found = model_layers(self.model, tuple(first_args), dict(first_kwargs), split_points=split_points, no_split=no_split)
+        order = found.names()
         if self._lazy_balance:
-            self.groups = stages_from_balance(order, self.devices, [len(g) for g in self.groups])
-            self._order_checked = True
+            counts = even_balance(len(order), len(self.devices)) if self._even else [len(g) for g in self.groups]
+            self.groups = stages_from_balance(order, self.devices, counts)
+        else:
+            self._check_planned(order)
+        self.layer_set = found
+        self.layers = {layer.name: layer.module for layer in found}
+        self._order_checked = True
         stage_of = self.stage_of
-        self._place({attr: stage_of.get(child, 0) if child else 0 for attr, child in uses.items()})
+        self._place({r.name: stage_of.get(r.reader, 0) if r.reader else 0 for r in found.roots})
+
+    def _check_planned(self, order: list[str]) -> None:
+        """The planned groups name exactly the recorded layers, in execution order."""
+        planned = [n for g in self.groups for n in g]
+        if set(planned) != set(order):
+            extra = [n for n in planned if n not in order]
+            missing = [n for n in order if n not in planned]
+            raise ValueError(
+                f"the plan's layers are not this model's: it places {extra or 'no'} unknown layer(s) and leaves "
+                f"{missing or 'none'} out (the model's layers, in execution order: {', '.join(order)}). "
+                "Re-plan for this model with the same inputs: torchspan.plan(model, example_inputs, ...)"
+            )
+        for i, (want, got) in enumerate(zip(order, planned)):
+            if want != got:
+                raise ValueError(
+                    f"the placement puts layer {got!r} at position {i}, but the model runs {want!r} there "
+                    f"(execution order: {', '.join(order)}); stages must follow execution order. "
+                    "Re-plan with torchspan.plan(model, x, ...) or pass devices and balance"
+                )
 
     def _placed_hooks(self) -> HookPlacement:
         if self.hooks is None:

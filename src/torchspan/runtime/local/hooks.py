@@ -4,13 +4,13 @@ Each layer (``torchspan.layers``) lives on its stage's device and a forward pre-
 (the copies stay in autograd, so every parameter trains, CPU-placed ones included). The model's
 own forward runs unchanged, so micro-batches run one after another: this mode does not pipeline.
 
-While a step runs, the same hooks time each child's forward (merged into one block per stage
+While a step runs, the same hooks time each layer's forward (merged into one block per stage
 visit) and mark when gradients reach each child's outputs, which bounds the backward blocks; the
 saved activations are attributed to the stage whose child is running.
 
 Usage (``span`` does this)::
 
-    hp = HookPlacement(model, {"a": 0, "b": 1}, [cpu, cpu], recorder, meter, "32")
+    hp = HookPlacement(model, {"a": 0, "b": 1}, [cpu, cpu], recorder, meter, "32", {"a": model.a, "b": model.b})
     hp.install(); out = model(x)
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,42 +28,20 @@ from torch.utils._pytree import tree_leaves
 
 from ...hardware import to_device
 from ..memory import ActivationMeter
-from ...layers import buffer_slots, layer_modules
+from ...layers import buffer_slots
 from .pipeline import autocast_for, once_context
 from ..record import Recorder
+from ..ties import Hook, TiedCopies
 
 __all__ = ["HookPlacement"]
 
 
-def _inert(*_args: Any, **_kwargs: Any) -> None:
-    """What a torchspan hook becomes in a pickled or deep-copied model: nothing."""
-    return None
-
-
-class _Hook:
-    """A hook that does not travel: ``torch.save(spanned.module)`` and ``copy.deepcopy`` give a plain model."""
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
-
-    def __reduce__(self) -> Any:
-        return (_inert_hook, ())
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        return _inert
-
-
-def _inert_hook() -> Any:
-    return _inert
-
-
 class HookPlacement:
-    """Input-moving hooks on a model's top-level children, plus per-step recording."""
+    """Input-moving hooks on a model's layers (name -> module, qualified names), plus per-step recording.
+
+    ``copies``: the placement's ``TiedCopies``, so that a checkpoint recompute reads tied parameters
+    on its own device too.
+    """
 
     def __init__(
         self,
@@ -73,8 +51,12 @@ class HookPlacement:
         recorder: Recorder,
         meter: ActivationMeter,
         precision: str,
+        layers: Mapping[str, nn.Module],
+        copies: TiedCopies | None = None,
     ) -> None:
         self.model = model
+        self.layers = dict(layers)
+        self.copies = copies
         self.stage_of = dict(stage_of)
         self.devices = list(devices)
         self.recorder = recorder
@@ -93,11 +75,11 @@ class HookPlacement:
         """Register the hooks (idempotent)."""
         if self._handles:
             return
-        for name, child in layer_modules(self.model).items():
+        for name, child in self.layers.items():
             if name not in self.stage_of:
                 continue
-            self._handles.append(child.register_forward_pre_hook(_Hook(self._pre(name)), with_kwargs=True))
-            self._handles.append(child.register_forward_hook(_Hook(self._post(name))))
+            self._handles.append(child.register_forward_pre_hook(Hook(self._pre(name)), with_kwargs=True))
+            self._handles.append(child.register_forward_hook(Hook(self._post(name))))
 
     def remove(self) -> None:
         for h in self._handles:
@@ -187,16 +169,26 @@ class HookPlacement:
             t1 = blocks[i + 1][1] if i + 1 < len(blocks) else end
             self.recorder.add(stage, self.devices[stage], mb, "backward", t0, t1)
 
+    @staticmethod
+    def _swapping(fn: Any, name: str, copies: TiedCopies) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with copies.swapped(name):
+                return fn(*args, **kwargs)
+
+        return run
+
     def _wrap_children(self, checkpointed: bool) -> list[tuple[nn.Module, Any]]:
         """Per-stage autocast and (if ``checkpointed``) activation checkpointing around each child."""
         if self.precision == "32" and not checkpointed:
             return []
         done = []
-        for name, child in layer_modules(self.model).items():
+        for name, child in self.layers.items():
             if name not in self.stage_of:
                 continue
             dev = self.devices[self.stage_of[name]]
             original = child.forward
+            if self.copies is not None and name in self.copies.remote:
+                original = self._swapping(original, name, self.copies)
             had = child.__dict__.get("forward")
             context_fn = once_context(buffer_slots([child]))  # a recompute must not update BatchNorm stats again
 
