@@ -1,9 +1,13 @@
 """Split a batch into micro-batches on dim 0 and put outputs back together.
 
-Every tensor inside the arguments (also inside lists, tuples and dicts) is split on dim 0; all of
-them must have the batch size there. Wrap a tensor that is the same for every sample (an attention
-mask, a class-weight table) in ``NoSplit`` to hand it unchanged to every micro-batch. Other values
-(``None``, flags, numbers) are passed to every micro-batch as they are.
+Every tensor inside the arguments (also inside lists, tuples, dicts and dataclasses) whose dim 0 is
+the batch size is split on dim 0. A 0-dimensional tensor, or one whose dim 0 is 1 (it broadcasts
+over the batch, e.g. ``position_ids`` of shape ``(1, T)``), goes whole to every micro-batch; any
+other size is refused (wrap a tensor that is the same for every sample, such as a class-weight
+table, in ``NoSplit`` to hand it unchanged to every micro-batch). Other values (``None``, flags,
+numbers, ``use_cache=False``) are passed to every micro-batch as they are. Outputs are gathered
+back into their own type: tensors concatenated, dicts, tuples, named tuples, dataclasses and
+``transformers`` ``ModelOutput``s rebuilt as the same class.
 
 Usage::
 
@@ -13,6 +17,8 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,8 +70,10 @@ def split_value(value: Any, microbatches: int, total: int, *, name: str = "input
     for j, leaf in enumerate(leaves):
         if isinstance(leaf, NoSplit):
             parts = [leaf.value] * microbatches
+        elif isinstance(leaf, torch.Tensor) and (leaf.dim() == 0 or (leaf.shape[0] == 1 and total > 1)):
+            parts = [leaf] * microbatches  # no batch dimension, or one that broadcasts: the same for every sample
         elif isinstance(leaf, torch.Tensor):
-            if leaf.dim() == 0 or leaf.shape[0] != total:
+            if leaf.shape[0] != total:
                 shape = tuple(leaf.shape)
                 raise ValueError(
                     f"{name}: tensor #{j} has shape {shape}, but the batch size is {total}; every tensor is split "
@@ -88,28 +96,42 @@ def split_batch(args: tuple[Any, ...], kwargs: dict[str, Any], microbatches: int
 
 
 def gather(outputs: list[Any], device: torch.device | None = None) -> Any:
-    """Concatenate micro-batch outputs on dim 0 (on ``device`` if given), keeping their structure.
+    """Concatenate micro-batch outputs on dim 0 (on ``device`` if given), keeping their structure and types.
 
     Non-tensor values must agree across micro-batches (the first is returned).
     """
-    flat = [tree_flatten(o) for o in outputs]
-    spec = flat[0][1]
-    for leaves, sp in flat[1:]:
-        if sp != spec:
-            raise ValueError("micro-batch outputs have different structures, so they cannot be concatenated")
-    merged: list[Any] = []
-    for j, first in enumerate(flat[0][0]):
-        column = [leaves[j] for leaves, _ in flat]
-        if isinstance(first, torch.Tensor):
-            if first.dim() == 0:
-                raise ValueError(
-                    f"output #{j} is a 0-dimensional tensor (e.g. a loss computed inside forward); micro-batch "
-                    "outputs are concatenated on dim 0, so return per-sample values, or compute the loss with "
-                    "spanned.train_step(inputs, target, loss_fn)"
-                )
-            if device is not None:
-                column = [t.to(device) for t in column]
-            merged.append(torch.cat(column, dim=0))
-        else:
-            merged.append(first)
-    return tree_unflatten(merged, spec)
+    return _merge(list(outputs), device, "output")
+
+
+def _merge(column: list[Any], device: torch.device | None, where: str) -> Any:
+    first = column[0]
+    if isinstance(first, torch.Tensor):
+        if first.dim() == 0:
+            raise ValueError(
+                f"{where} is a 0-dimensional tensor (e.g. a loss computed inside forward); micro-batch "
+                "outputs are concatenated on dim 0, so return per-sample values, or compute the loss with "
+                "spanned.train_step(inputs, target, loss_fn)"
+            )
+        if device is not None:
+            column = [t.to(device) for t in column]
+        return torch.cat(column, dim=0)
+    if any(type(o) is not type(first) for o in column[1:]):
+        raise ValueError(f"micro-batch outputs have different structures at {where}, so they cannot be concatenated")
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        # dataclasses and transformers ModelOutputs: the same class, field by field (None fields stay None)
+        fields = {f.name: getattr(first, f.name) for f in dataclasses.fields(first) if f.init}
+        merged = {k: (None if v is None else _merge([getattr(o, k) for o in column], device, f"{where}.{k}")) for k, v in fields.items()}
+        return dataclasses.replace(first, **merged)
+    if isinstance(first, Mapping):
+        if any(list(o.keys()) != list(first.keys()) for o in column[1:]):
+            raise ValueError(f"micro-batch outputs have different keys at {where}, so they cannot be concatenated")
+        items = {k: _merge([o[k] for o in column], device, f"{where}[{k!r}]") for k in first}
+        return type(first)(items) if type(first) is not dict else items
+    if isinstance(first, (tuple, list)):
+        if any(len(o) != len(first) for o in column[1:]):
+            raise ValueError(f"micro-batch outputs have different structures at {where}, so they cannot be concatenated")
+        parts = [_merge([o[i] for o in column], device, f"{where}[{i}]") for i in range(len(first))]
+        if isinstance(first, tuple) and hasattr(first, "_fields"):
+            return type(first)(*parts)
+        return type(first)(parts)
+    return first
