@@ -215,7 +215,13 @@ def init_distributed(backend: str | None = None, timeout: float | timedelta | No
     rank, world, local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
     if "nccl" in chosen:
         torch.cuda.set_device(local % torch.cuda.device_count())
-    if "RANK" in os.environ:  # torchrun's env:// (also honours the elastic agent's store)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent hosts the store. Its c10d rendezvous keeps one store across restarts, so
+        # a restarted job would read the previous attempt's gloo addresses: key them by attempt.
+        agent = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False, timeout=wait)
+        store = dist.PrefixStore(f"torchspan/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
+        dist.init_process_group(chosen, store=store, rank=rank, world_size=world, timeout=wait)
+    elif "RANK" in os.environ:  # torchrun's variables without an agent store: env://
         dist.init_process_group(chosen, init_method="env://", rank=rank, world_size=world, timeout=wait)
     else:  # SLURM: the variables were mapped, not exported
         url = f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}"

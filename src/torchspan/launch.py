@@ -1,0 +1,205 @@
+"""``torchspan launch``: run a training script once per process, on ``torch.distributed.run``.
+
+The launcher *is* torchrun (its argument parser and ``run``), so the environment a script sees
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``), rendezvous, multi-node and
+restarts are torchrun's: a script runs the same under plain ``torchrun``. What torchspan adds:
+
+- ``--nproc-per-node auto``: one process per visible GPU; on a CPU-only machine up to 8 processes,
+  with the cores divided among them (``OMP_NUM_THREADS``, unless already set).
+- one node without ``--master-port``: torchrun's c10d rendezvous on a port the OS picks, so two
+  jobs on one machine never collide; several nodes must name the same port (or an endpoint).
+- arguments checked before anything starts (``ValueError`` naming the option, value and fix).
+- a failed rank (an exception, or a signal such as SIGKILL) ends the job: torchrun stops the
+  other ranks, and ``launch`` returns 1 after printing which rank failed and its traceback (each
+  worker runs the script under torch's ``@record``, which hands the traceback to the agent).
+
+Usage::
+
+    torchspan launch --nproc-per-node 2 train.py --epochs 3
+    exit_code = launch("train.py", ["--epochs", "3"], nproc_per_node=2)
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LaunchConfig", "cpu_layout", "torchrun_argv", "launch"]
+
+MAX_CPU_PROCESSES = 8
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """A checked launcher configuration (``ValueError`` from the constructor when inconsistent)."""
+
+    script: str
+    script_args: tuple[str, ...] = ()
+    nproc_per_node: int | str = "auto"
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "torchspan"
+    max_restarts: int = 0
+
+    def __post_init__(self) -> None:
+        if not Path(self.script).is_file():
+            raise ValueError(f"SCRIPT {self.script!r} does not exist; give the path of a Python training script")
+        n = self.nproc_per_node
+        if not (n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= 1)):
+            raise ValueError(f"--nproc-per-node {n!r} must be 'auto' or an integer >= 1")
+        if isinstance(self.nnodes, bool) or not isinstance(self.nnodes, int) or self.nnodes < 1:
+            raise ValueError(f"--nnodes {self.nnodes!r} must be an integer >= 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} must be in [0, --nnodes {self.nnodes})")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts {self.max_restarts} must be >= 0")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ValueError(f"--master-port {self.master_port} is not a TCP port (1..65535)")
+        if self.rdzv_endpoint is not None:
+            if self.master_addr is not None or self.master_port is not None:
+                raise ValueError("give either --rdzv-endpoint HOST:PORT or --master-addr/--master-port, not both")
+            if ":" not in self.rdzv_endpoint:
+                raise ValueError(f"--rdzv-endpoint {self.rdzv_endpoint!r} must be HOST:PORT, e.g. node0:29400")
+        elif self.nnodes > 1 and (self.master_addr is None or self.master_port is None):
+            raise ValueError(
+                f"--nnodes {self.nnodes} needs --master-addr and --master-port (node 0's address and a port, the same on every "
+                "node), or --rdzv-endpoint HOST:PORT"
+            )
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS, Windows
+        return os.cpu_count() or 1
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def cpu_layout(nproc_per_node: int | str, cores: int | None = None, gpus: int | None = None) -> tuple[int, int]:
+    """(processes on this node, threads per process) for ``nproc_per_node`` (``"auto"`` or a count).
+
+    ``auto``: one process per GPU when there are GPUs, else ``min(cores, 8)`` processes; threads
+    are the cores divided among the processes (at least 1).
+    """
+    cores = _cores() if cores is None else cores
+    gpus = _gpus() if gpus is None else gpus
+    if nproc_per_node == "auto":
+        nproc = gpus if gpus > 0 else max(1, min(cores, MAX_CPU_PROCESSES))
+    else:
+        nproc = int(nproc_per_node)
+    return nproc, max(1, cores // nproc)
+
+
+def torchrun_argv(config: LaunchConfig, nproc: int) -> list[str]:
+    """The ``torch.distributed.run`` argument list for ``config`` with ``nproc`` processes on this node."""
+    argv = ["--nproc-per-node", str(nproc), "--nnodes", str(config.nnodes), "--max-restarts", str(config.max_restarts)]
+    if config.rdzv_endpoint is not None:
+        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", config.rdzv_endpoint, "--rdzv-id", config.rdzv_id]
+    elif config.master_port is None:  # one node: the OS picks a free port for the store
+        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", config.rdzv_id]
+    else:
+        argv += ["--node-rank", str(config.node_rank), "--master-addr", config.master_addr or "127.0.0.1"]
+        argv += ["--master-port", str(config.master_port)]
+    # each worker runs the script under @record (see _run_worker), as `python -u -m torchspan.launch SCRIPT ...`
+    return [*argv, "--module", __name__, config.script, *config.script_args]
+
+
+@contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def launch(script: str, script_args: Sequence[str] = (), **options: Any) -> int:
+    """Run ``script`` on every process of the job; returns the exit status (0, or 1 when a rank failed).
+
+    ``options`` are ``LaunchConfig``'s fields (``nproc_per_node``, ``nnodes``, ``node_rank``,
+    ``master_addr``, ``master_port``, ``rdzv_endpoint``, ``max_restarts``). A failure is
+    reported on stderr with the failing rank, its exit code or signal, and its traceback.
+    """
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    config = LaunchConfig(script, tuple(script_args), **options)
+    nproc, threads = cpu_layout(config.nproc_per_node)
+    env = {"PYTHONUNBUFFERED": "1", "TORCHSPAN_LAUNCHED": "1"}
+    if "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(threads)
+    args = torchrun.parse_args(torchrun_argv(config, nproc))
+    with _environment(env):
+        try:
+            torchrun.run(args)
+        except ChildFailedError as exc:
+            print(_failure_report(exc, config), file=sys.stderr)
+            return 1
+    return 0
+
+
+# What a rank says when it failed only because a peer died: not the root cause.
+_KNOCK_ON = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing", "Broken pipe")
+
+
+def _root_cause(failures: dict[int, Any]) -> tuple[int, Any]:
+    """The failed rank to report: the earliest (torch stamps whole seconds) that did not just lose a peer."""
+    ordered = sorted(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    for rank, failure in ordered:
+        if not any(marker in str(failure.message) for marker in _KNOCK_ON):
+            return rank, failure
+    return ordered[0]
+
+
+def _failure_report(exc: Any, config: LaunchConfig) -> str:
+    rank, failure = _root_cause(exc.failures)
+    how = failure.signal_name() if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+    where = f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid})"
+    lines = [f"torchspan launch: {where} of {Path(config.script).name} failed with {how}"]
+    message = failure.message
+    if isinstance(message, dict):
+        trace = message.get("extraInfo", {}).get("py_callstack") or message.get("message")
+        lines.append(str(trace).rstrip())
+    elif message:
+        lines.append(str(message))
+    others = sorted(r for r in exc.failures if r != rank)
+    if others:
+        lines.append(f"also failed: rank {', '.join(map(str, others))}")
+    if config.max_restarts:
+        lines.append(f"(after {config.max_restarts} restart(s), the limit set by --max-restarts)")
+    return "\n".join(lines)
+
+
+def _run_worker(argv: Sequence[str]) -> None:
+    """One worker: run ``argv[0]`` as ``__main__`` with ``argv[1:]``, as ``python SCRIPT ...`` would, under ``@record``."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    if not argv:
+        raise SystemExit("usage: python -m torchspan.launch SCRIPT [args]  (run by torchspan launch on each rank)")
+    script = os.path.abspath(argv[0])
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(script))
+    record(lambda: runpy.run_path(script, run_name="__main__"))()
+
+
+if __name__ == "__main__":
+    _run_worker(sys.argv[1:])
