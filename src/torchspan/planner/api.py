@@ -36,8 +36,10 @@ def plan(
 ) -> Plan:
     """The fastest placement of ``model``'s layers on ``devices`` within every memory budget.
 
-    ``example_inputs``: one training batch (a tensor, or a tuple of forward arguments; dim 0 is the
-    batch). ``devices``/``memory``: as ``torchspan.devices`` (described devices such as
+    ``example_inputs``: one training batch (a tensor, a tuple of forward arguments, or a dict of
+    keyword arguments such as ``{"input_ids": ids, "use_cache": False}``; dim 0 is the batch). The
+    plan places ``torchspan.layers.model_layers`` (blocks by qualified name, e.g. ``transformer.h.3``),
+    and ``span(model, plan)`` accepts it for the same model. ``devices``/``memory``: as ``torchspan.devices`` (described devices such as
     ``"a100-40gb*2,cpu"`` are planned from FLOP estimates). ``microbatches`` (int or ``"auto"``),
     ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"auto"``), ``checkpoint`` (``"never"``,
     ``"except_last"``, ``"always"``, ``"auto"``): fix a setting or let the search choose.

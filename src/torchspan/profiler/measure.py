@@ -40,13 +40,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from ..hardware import Device, catalog
 from ..hardware import devices as find_devices
-from ..layers import top_level_layers
+from ..layers import descends, model_layers, top_level_layers
 from .costs import LayerCost, Profile
 from .optim_state import optimizer_spec, param_state_bytes
-from .sizing import Sizes, as_args, batch_size_of, float_dtype, resize_batch, sizing_pass
+from .sizing import Sizes, as_call, batch_size_of, float_dtype, resize_batch, sizing_pass
 from .timing import Speed, capture, estimate, fit, host_speed_device, on_device, preserved, speed_of, time_layer
 
 __all__ = ["profile"]
@@ -73,8 +74,10 @@ def profile(
 
         prof = torchspan.profile(model, torch.randn(32, 512), "a100-40gb*2,cpu", optimizer="adamw")
 
-    ``example_inputs``: a batch tensor, or a tuple of forward arguments (dim 0 of the first tensor
-    is the batch size). ``devices``: anything ``torchspan.devices`` accepts. ``optimizer``: a name
+    ``example_inputs``: a batch tensor, a tuple of forward arguments, or a dict of keyword
+    arguments (``{"input_ids": ids, "attention_mask": mask, "use_cache": False}``); dim 0 of the
+    first tensor is the batch size. Layers are ``torchspan.layers.model_layers`` (blocks with
+    qualified names for models built of repeated blocks; a tied parameter counts in its first layer). ``devices``: anything ``torchspan.devices`` accepts. ``optimizer``: a name
     (see ``OPTIMIZERS``), a ``torch.optim.Optimizer`` subclass or instance (its hyper-parameters,
     e.g. SGD momentum, decide the state). ``dtype``: profile as if floating parameters and inputs
     were cast to it (default: the model's). ``warmup``/``repeats``: timing runs per layer and batch
@@ -89,12 +92,12 @@ def profile(
         if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "repeats" else 0):
             raise ValueError(f"{name}={value!r} must be an int >= {1 if name == 'repeats' else 0}")
     dtype = _parse_dtype(dtype)
-    args = as_args(example_inputs)
-    batch = batch_size_of(args)
+    args, kwargs = as_call(example_inputs)
+    batch = batch_size_of((args, kwargs))
     devs = find_devices(devices)
     spec = optimizer_spec(optimizer)
     compute_dtype = float_dtype(model, dtype)
-    layers_of = top_level_layers(model)  # the one layer list: sizing and timing get it from here
+    layers_of = _layers(model, args, kwargs)  # the one layer list: sizing and timing get it from here
     children = dict(layers_of)
     notes: list[str] = []
 
@@ -104,7 +107,7 @@ def profile(
     sizes_at: dict[int, Sizes] = {}
     for s in sorted({small, batch, 2 * batch}, reverse=True):
         try:
-            sizes_at[s] = sizing_pass(model, layers_of, args, batch, s, dtype)
+            sizes_at[s] = sizing_pass(model, layers_of, args, batch, s, dtype, kwargs)
         except Exception as exc:
             if s == small and small != batch:
                 notes.append(f"the model does not run at batch {small} ({type(exc).__name__}); times are fit through 0 from batch {batch} alone")
@@ -184,7 +187,7 @@ def profile(
         can_measure = measure and d.present and d.kind != "meta" and not meta_params
         key = _model_key(d)
         if can_measure and key not in measured:
-            measured[key] = _measure(model, layers_of, args, batch, small, order, base, d.device, dtype, warmup, repeats, notes)
+            measured[key] = _measure(model, layers_of, (args, kwargs), batch, small, order, base, d.device, dtype, warmup, repeats, notes)
             measured_on[key] = str(d.device)
     for i, (d, dd) in enumerate(zip(devs, out_devices)):
         key = _model_key(d)
@@ -220,12 +223,39 @@ def profile(
         layers=layers,
         devices=out_devices,
         batch_size=batch,
-        input_bytes=_input_bytes(args, dtype) / batch,
+        input_bytes=_input_bytes((args, kwargs), dtype) / batch,
         optimizer=spec.label,
         dtype=str(compute_dtype).replace("torch.", ""),
         notes=notes,
         calibration=calibration,
     )
+
+
+def _layers(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, nn.Module]]:
+    """``model_layers`` as (name, module) pairs; blocks are found by one forward (on meta inputs for a meta model)."""
+    if not descends(model):
+        return top_level_layers(model)
+    homes = {t.device for t in list(model.parameters()) + list(model.buffers())}
+    if len(homes) == 1:
+        home = homes.pop()
+        args, kwargs = tree_map(lambda t: t.to(home) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+    try:
+        found = model_layers(model, tuple(args), dict(kwargs))
+    except (ValueError, TypeError) as exc:
+        if isinstance(exc, ValueError) and "layer" in str(exc):
+            raise  # find_layers' own message: a module that cannot be one layer, a bad split point
+        text = str(exc).strip()
+        raise ValueError(
+            f"{type(model).__name__} fails on example_inputs ({type(exc).__name__}: {text.splitlines()[0] if text else ''}); "
+            "pass inputs its forward accepts (shape, dtype, e.g. integer token ids for an Embedding; a dict for keyword arguments)"
+        ) from exc
+    except Exception as exc:
+        text = str(exc).strip()
+        raise ValueError(
+            f"{type(model).__name__} fails on example_inputs ({type(exc).__name__}: {text.splitlines()[0] if text else ''}); "
+            "pass inputs its forward accepts (shape, dtype, e.g. integer token ids for an Embedding; a dict for keyword arguments)"
+        ) from exc
+    return [(layer.name, layer.module) for layer in found]
 
 
 def _model_key(d: Device) -> tuple[str, str]:
@@ -261,7 +291,7 @@ def _estimate_layer(sizes_at: dict[int, Sizes], small: int, batch: int, name: st
 def _measure(
     model: nn.Module,
     layers_of: list[tuple[str, nn.Module]],
-    args: tuple[Any, ...],
+    call: tuple[tuple[Any, ...], dict[str, Any]],
     batch: int,
     small: int,
     order: list[str],
@@ -281,8 +311,8 @@ def _measure(
     scales: list[tuple[int, float, float]] = []
     with preserved(model):
         for s in sorted({small, batch}):
-            sub = args if s == batch else resize_batch(args, batch, s, lambda t, shape: t[: shape[0]] if tuple(t.shape) != shape else t)
-            calls = capture(model, layers_of, sub)
+            sub = call if s == batch else resize_batch(call, batch, s, lambda t, shape: t[: shape[0]] if tuple(t.shape) != shape else t)
+            calls = capture(model, layers_of, tuple(sub[0]), sub[1])
             for name in order:
                 if not calls[name]:
                     fwd[name][s] = bwd[name][s] = 0.0
@@ -308,7 +338,7 @@ _SCALE_LIMITS = (0.5, 2.0)
 
 def _calibrate(
     model: nn.Module,
-    args: tuple[Any, ...],
+    call: tuple[tuple[Any, ...], dict[str, Any]],
     order: list[str],
     fwd: dict[str, dict[int, float]],
     bwd: dict[str, dict[int, float]],
@@ -323,7 +353,7 @@ def _calibrate(
     The factor is clamped to ``_SCALE_LIMITS``: beyond that the per-layer figures are not trusted to
     be fixed by a single factor, and the clamped value is what the note reports.
     """
-    whole_f, whole_b = time_layer(model, [(args, {})], [], dev, None, warmup, repeats)
+    whole_f, whole_b = time_layer(model, [(tuple(call[0]), call[1])], [], dev, None, warmup, repeats)
     sum_f = sum(fwd[n][samples] for n in order)
     sum_b = sum(bwd[n][samples] for n in order)
     lo, hi = _SCALE_LIMITS
@@ -353,7 +383,7 @@ def _linear(sizes_at: dict[int, Sizes], small: int, batch: int, get: Callable[[S
     return abs(predicted - actual) <= 0.01 * max(predicted, actual) + 64
 
 
-def _input_bytes(args: tuple[Any, ...], dtype: torch.dtype | None) -> int:
+def _input_bytes(args: Any, dtype: torch.dtype | None) -> int:
     """Bytes of the example inputs as profiled: floating tensors counted in ``dtype`` when one is given."""
     from torch.utils._pytree import tree_leaves
 

@@ -1,18 +1,18 @@
 """The sizing pass: one forward/backward under ``FakeTensorMode`` (no memory, no compute) per batch size.
 
-It records, per top-level child: bytes autograd saves for backward (``saved_tensors_hooks``;
+It records, per layer: bytes autograd saves for backward (``saved_tensors_hooks``;
 storages counted once, parameter/buffer storages excluded), output bytes, calls, which inputs
 require grad, and for every aten op its FLOPs (``FlopCounterMode``) and bytes read plus written,
 split into forward and backward segments (backward segments start at grad hooks on each layer's
 outputs).
 
-Usage: ``sizes = sizing_pass(model, top_level_layers(model), (x,), batch=32, size=64, dtype=None)``.
+Usage: ``sizes = sizing_pass(model, [(l.name, l.module) for l in model_layers(model)], (x,), batch=32, size=64, dtype=None)``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,10 +23,23 @@ from torch.utils._pytree import tree_flatten, tree_map
 if TYPE_CHECKING:
     from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Sizes", "as_args", "batch_size_of", "bytes_of", "float_dtype", "resize_batch", "sizing_pass"]
+__all__ = ["Sizes", "as_args", "as_call", "batch_size_of", "bytes_of", "float_dtype", "resize_batch", "sizing_pass"]
 
 def as_args(example_inputs: Any) -> tuple[Any, ...]:
     return tuple(example_inputs) if isinstance(example_inputs, tuple) else (example_inputs,)
+
+
+def as_call(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` of a forward call: a dict gives keyword arguments, a tuple positional ones, else one argument.
+
+    Usage: ``as_call({"input_ids": ids, "use_cache": False})`` → ``((), {"input_ids": ids, "use_cache": False})``.
+    """
+    if isinstance(example_inputs, Mapping):
+        bad = [k for k in example_inputs if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"example_inputs as a dict must map forward argument names to values; got key(s) {bad!r}")
+        return (), dict(example_inputs)
+    return as_args(example_inputs), {}
 
 
 def batch_size_of(args: tuple[Any, ...]) -> int:
@@ -99,11 +112,18 @@ def _op_recorder(counter: Any, sink: Callable[[float, float], None]) -> TorchDis
 
 
 def sizing_pass(
-    model: nn.Module, children: list[tuple[str, nn.Module]], args: tuple[Any, ...], batch: int, size: int, dtype: torch.dtype | None
+    model: nn.Module,
+    children: list[tuple[str, nn.Module]],
+    args: tuple[Any, ...],
+    batch: int,
+    size: int,
+    dtype: torch.dtype | None,
+    kwargs: dict[str, Any] | None = None,
 ) -> Sizes:
     """One fake forward/backward of ``model`` at batch ``size`` (``args`` hold batch ``batch``), per layer of ``children``.
 
-    ``children``: the model's layers (``torchspan.layers.top_level_layers``), computed once by the caller.
+    ``children``: the model's layers (``torchspan.layers.model_layers``), computed once by the caller;
+    ``kwargs``: keyword arguments of the forward (resized like ``args``).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -120,7 +140,7 @@ def sizing_pass(
             state[name] = torch.empty(tuple(p.shape), dtype=cast(p), device="cpu").requires_grad_(p.requires_grad)
         for name, b in model.named_buffers():
             state[name] = torch.empty(tuple(b.shape), dtype=cast(b), device="cpu")
-        fargs = resize_batch(args, batch, size, lambda t, shape: torch.empty(shape, dtype=cast(t), device="cpu"))
+        fargs, fkwargs = resize_batch((args, dict(kwargs or {})), batch, size, lambda t, shape: torch.empty(shape, dtype=cast(t), device="cpu"))
     state_keys = {StorageWeakRef(t.untyped_storage()).cdata for t in state.values()}
 
     zeros = {n: 0 for n, _ in children}
@@ -188,7 +208,7 @@ def sizing_pass(
     try:
         with fake_mode, counter, recorder:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = torch.func.functional_call(model, state, fargs, strict=False, tie_weights=True)
+                out = torch.func.functional_call(model, state, tuple(fargs), fkwargs, strict=False, tie_weights=True)
             segment[0] = (None, "backward")
             roots = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if roots:

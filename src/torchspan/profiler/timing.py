@@ -1,7 +1,7 @@
 """Layer times: measured on present devices, estimated from FLOPs and bytes for described ones.
 
 Measured: each layer runs alone on the inputs it received in a real forward (captured by hooks on
-the top-level children), forward then backward with all-ones output gradients, ``warmup`` runs then
+the layers), forward then backward with all-ones output gradients, ``warmup`` runs then
 the median of ``repeats``; the model's buffers, gradients and RNG state are restored afterwards.
 Estimated: per aten op ``max(flops / (peak * compute_efficiency), bytes / (bandwidth *
 memory_efficiency))`` plus a per-op overhead (summed on CPUs; on asynchronous accelerators the
@@ -63,11 +63,11 @@ def preserved(model: nn.Module) -> Iterator[None]:
 
 
 def capture(
-    model: nn.Module, children: list[tuple[str, nn.Module]], args: tuple[Any, ...]
+    model: nn.Module, children: list[tuple[str, nn.Module]], args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
 ) -> dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]]:
-    """Inputs every layer of ``children`` (the model's top-level children) receives in one real forward.
+    """Inputs every layer of ``children`` (the model's layers, name and module) receives in one real forward.
 
-    No autograd graph is kept. Usage: ``calls = capture(model, top_level_layers(model), (x,))``.
+    No autograd graph is kept. Usage: ``calls = capture(model, [("head", model.head)], (x,), {})``.
     """
     calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {n: [] for n, _ in children}
     handles = []
@@ -80,7 +80,7 @@ def capture(
         handles.append(child.register_forward_pre_hook(pre, with_kwargs=True))
     try:
         with torch.no_grad():
-            model(*args)
+            model(*args, **(kwargs or {}))
     except Exception as exc:
         text = str(exc).strip()
         why = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
