@@ -321,7 +321,7 @@ def _measure(
                     fwd[name][s], bwd[name][s] = time_layer(module, calls[name], base.requires_grad[name], dev, dtype, warmup, repeats)
             del calls
             if whole_model:
-                _calibrate(model, sub, order, fwd, bwd, s, dev, warmup, repeats, scales)
+                _calibrate(model, tuple(sub[0]), order, fwd, bwd, s, dev, warmup, repeats, scales, sub[1])
     if scales:
         shown = ", ".join(f"batch {b}: forward x{f:.2f}, backward x{k:.2f}" for b, f, k in scales)
         notes.append(f"{dev}: per-layer times scaled to match a whole-model pass ({shown})")
@@ -338,7 +338,7 @@ _SCALE_LIMITS = (0.5, 2.0)
 
 def _calibrate(
     model: nn.Module,
-    call: tuple[tuple[Any, ...], dict[str, Any]],
+    args: tuple[Any, ...],
     order: list[str],
     fwd: dict[str, dict[int, float]],
     bwd: dict[str, dict[int, float]],
@@ -347,13 +347,14 @@ def _calibrate(
     warmup: int,
     repeats: int,
     scales: list[tuple[int, float, float]],
+    kwargs: dict[str, Any] | None = None,
 ) -> None:
     """Scale the layers' times at ``samples`` so they add up to one whole-model forward/backward.
 
     The factor is clamped to ``_SCALE_LIMITS``: beyond that the per-layer figures are not trusted to
     be fixed by a single factor, and the clamped value is what the note reports.
     """
-    whole_f, whole_b = time_layer(model, [(tuple(call[0]), call[1])], [], dev, None, warmup, repeats)
+    whole_f, whole_b = time_layer(model, [(tuple(args), dict(kwargs or {}))], [], dev, None, warmup, repeats)
     sum_f = sum(fwd[n][samples] for n in order)
     sum_b = sum(bwd[n][samples] for n in order)
     lo, hi = _SCALE_LIMITS
