@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import warnings
+import time
 from typing import NamedTuple
 
 import pytest
@@ -305,3 +306,25 @@ def test_budget_keys_name_devices_as_the_device_list_prints_them() -> None:
     assert budget_key(" CPU ") == "cpu"
     assert budget_key(torch.device("cuda", 2)) == "cuda:2"
     assert [str(d.device) for d in devices("cpu", memory={" CPU ": "1KiB"})] == [budget_key(" CPU ")]
+
+
+@pytest.mark.parametrize(
+    ("bad", "needle"),
+    [("1e999GiB", "is infinite"), (float("inf"), "is infinite"), (float("nan"), "is not a number"), ("1e25GiB", "over 1 EiB"), (2**70, "over 1 EiB")],
+)
+def test_non_finite_and_absurd_budgets_are_value_errors(bad: object, needle: str) -> None:
+    # issue 10: these were OverflowError / "cannot convert float NaN to integer" tracebacks
+    with pytest.raises(ValueError, match=needle) as exc:
+        devices("cpu", memory={"cpu": bad})  # type: ignore[dict-item]
+    assert "memory['cpu']" in str(exc.value) and "'80GiB'" in str(exc.value)
+
+
+@pytest.mark.parametrize("spec", ["a100-80gb*300", "a100-80gb*1000000", "cpu*100,a100-40gb*29"])
+def test_device_count_is_bounded_before_expanding(spec: str) -> None:
+    # issue 10: indices wrapped past 127 (cuda:-128) and a million repeats hung
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="at most 128"):
+        devices(spec)
+    assert time.perf_counter() - start < 2.0
+    last = devices("a100-80gb*128")[-1]
+    assert str(last.device) == "cuda:127"

@@ -9,6 +9,7 @@ Usage::
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,9 +42,7 @@ def parse_memory(value: int | float | str, *, name: str = "memory") -> int:
     if isinstance(value, bool):
         raise ValueError(f"{name}={value!r} is not a memory size; use bytes (e.g. 1073741824) or a string like '1GiB'")
     if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError(f"{name}={value!r} is negative; a memory size must be >= 0 bytes")
-        return int(value)
+        return _whole_bytes(value, value, name)
     if not isinstance(value, str):
         raise ValueError(
             f"{name}={value!r} ({type(value).__name__}) is not a memory size; use an int of bytes or a string like '10GiB'"
@@ -58,7 +57,25 @@ def parse_memory(value: int | float | str, *, name: str = "memory") -> int:
             f"{name}={value!r} is not a memory size; write a number with an optional unit "
             "from B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. '10GiB'"
         )
-    return int(float(m.group(1)) * _UNITS[unit])
+    return _whole_bytes(float(m.group(1)) * _UNITS[unit], value, name)
+
+
+# a byte count beyond this (1 EiB) is a typo, not a budget; it also keeps sums of budgets finite
+_MAX_BYTES = 2**60
+
+
+def _whole_bytes(amount: int | float, value: int | float | str, name: str) -> int:
+    """``amount`` bytes as an int; NaN, infinities, negatives and sizes over 1 EiB raise ``ValueError`` naming ``name``."""
+    if isinstance(amount, float) and math.isnan(amount):
+        raise ValueError(f"{name}={value!r} is not a number; give a size in bytes or a string like '80GiB'")
+    if amount < 0:
+        raise ValueError(f"{name}={value!r} is negative; a memory size must be >= 0 bytes")
+    if amount > _MAX_BYTES:
+        raise ValueError(
+            f"{name}={value!r} is {'infinite' if math.isinf(amount) else 'over 1 EiB'}; give a finite size such as '80GiB' "
+            "(leave the budget out to use the device's free memory)"
+        )
+    return int(amount)
 
 
 def format_bytes(n: int | float | None) -> str:

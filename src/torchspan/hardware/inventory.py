@@ -189,6 +189,8 @@ def resolve_device(device: str | int | torch.device | Device, *, name: str = "de
 
 
 _REPEAT_RE = re.compile(r"^(.*?)\s*\*\s*(\d+)$")
+# torch.device keeps its index in 8 signed bits: cuda:127 is the last one it can name
+MAX_DEVICES = 128
 
 
 def _split_spec(spec: str) -> list[str]:
@@ -205,6 +207,11 @@ def _split_spec(spec: str) -> list[str]:
             tok, count = m.group(1).strip(), int(m.group(2))
             if count < 1:
                 raise ValueError(f"devices={spec!r}: repeat count in {raw.strip()!r} must be >= 1")
+        if len(tokens) + count > MAX_DEVICES:
+            raise ValueError(
+                f"devices={spec!r} lists {len(tokens) + count} or more devices; at most {MAX_DEVICES} fit one spec "
+                f"(torch.device indices end at cuda:{MAX_DEVICES - 1}); lower the repeat count, e.g. '{tok}*8'"
+            )
         if tok.isdigit():
             if last_type != "cuda":
                 raise ValueError(
@@ -256,6 +263,11 @@ def _number_described(found: list[Device]) -> None:
         if d.kind == "cuda" and d.device.index is None and not d.present:
             while nxt in used:
                 nxt += 1
+            if nxt >= MAX_DEVICES:
+                raise ValueError(
+                    f"devices: a described {d.name} would need index cuda:{nxt}, past cuda:{MAX_DEVICES - 1}, the last index "
+                    "torch.device can name; list fewer described GPUs"
+                )
             d.device = torch.device("cuda", nxt)
             used.add(nxt)
 
@@ -295,6 +307,8 @@ def devices(
     found: list[Device] = []
     for item in items:
         found.extend(_expand(item, spec_repr))
+    if len(found) > MAX_DEVICES:
+        raise ValueError(f"devices={spec_repr} gives {len(found)} devices; at most {MAX_DEVICES} fit one list (torch.device indices end at cuda:{MAX_DEVICES - 1})")
     _number_described(found)
     if memory:
         _apply_budgets(found, memory)
