@@ -5,6 +5,10 @@ the next stage treats them as leaves, and after its backward it sends their ``.g
 ``torch.autograd.backward(outputs, grads)`` continues. Each stage's backward therefore runs in
 the worker that owns its device, and a schedule (GPipe, 1F1B) decides the order.
 
+The same walk runs across processes: a ``Transport`` (``worker.Transport``) says which stages
+are local; values for a stage in another process are sent by it (``runtime.ranks.p2p``) instead
+of the mailbox, and only the local stages' actions run here.
+
 Usage (``Spanned`` does this)::
 
     pipe = Pipeline(devices, checkpoint="never", precision="32", recorder=Recorder(), meter=ActivationMeter(2))
@@ -30,7 +34,7 @@ from ...schedule import CHECKPOINTS, PRECISIONS
 from ..memory import ActivationMeter
 from ..record import Recorder
 from .stream import copy_stream, transfer, use_device, wait_ready
-from .worker import Mailbox, run_workers
+from .worker import Mailbox, Transport, run_workers
 
 __all__ = ["Pipeline", "autocast_for", "once_context", "CHECKPOINTS", "PRECISIONS"]
 
@@ -77,8 +81,10 @@ class Pipeline:
         recorder: Recorder,
         meter: ActivationMeter,
         groups: Sequence[Sequence[int]] | None = None,
+        transport: Transport | None = None,
     ) -> None:
         self.devices = list(devices)
+        self.transport = transport if transport is not None else Transport()
         self.checkpoint = checkpoint
         self.precision = precision
         self.recorder = recorder
@@ -91,7 +97,12 @@ class Pipeline:
         self.groups = [list(g) for g in groups]
 
     # ------------------------------------------------------------------ helpers
-    def _send(self, box: Mailbox, key: tuple[str, int, int], values: list[Any], spec: Any, src: int, dst: int, mb: int) -> None:
+    def _send(self, box: Mailbox, kind: str, values: list[Any], spec: Any, src: int, dst: int, mb: int) -> None:
+        if not self.transport.is_local(dst):
+            with self.recorder.block(src, self.devices[src], mb, "transfer"):
+                self.transport.send(values, spec, src, dst, kind)
+            return
+        key = (kind, dst, mb)
         sdev, ddev = self.devices[src], self.devices[dst]
         if sdev == ddev:  # nothing is copied, so no transfer block in the timeline
             moved, ready = transfer(values, sdev, ddev)
@@ -104,8 +115,10 @@ class Pipeline:
                 moved, ready = transfer(values, sdev, ddev)
         box.put(key, (moved, spec, ready))
 
-    def _receive(self, box: Mailbox, key: tuple[str, int, int], stage: int) -> tuple[list[Any], Any]:
-        values, spec, ready = box.get(key)
+    def _receive(self, box: Mailbox, kind: str, stage: int, src: int, mb: int) -> tuple[list[Any], Any]:
+        if not self.transport.is_local(src):
+            return self.transport.receive(src, stage, kind)
+        values, spec, ready = box.get((kind, stage, mb))
         wait_ready(ready, self.devices[stage], values)
         return values, spec
 
@@ -122,20 +135,28 @@ class Pipeline:
                             do(box, action)
                         except BaseException as exc:
                             if hasattr(exc, "add_note") and not getattr(exc, "_torchspan_noted", False):
+                                where = self.transport.where(action.stage)
                                 exc.add_note(
-                                    f"(raised by torchspan in stage {action.stage} on {self.devices[action.stage]}, "
-                                    f"{action.kind} of micro-batch {action.microbatch})"
+                                    f"(raised by torchspan in stage {action.stage} on {where or ''}{self.devices[action.stage]}"
+                                    f"{')' if where else ''}, {action.kind} of micro-batch {action.microbatch})"
                                 )
                                 exc._torchspan_noted = True  # type: ignore[attr-defined]
                             raise
 
             return run
 
+        # Only this process's stages run here (all of them unless the transport crosses processes).
+        groups = [local for local in ([s for s in g if self.transport.is_local(s)] for g in self.groups) if local]
         # Several CPU workers share the cores: split the intra-op threads between them (no oversubscription).
-        cpu_workers = sum(1 for g in self.groups if self.devices[g[0]].type == "cpu")
-        threads = max(1, torch.get_num_threads() // cpu_workers) if len(self.groups) > 1 and cpu_workers > 1 else None
-        names = [f"torchspan-{self.devices[g[0]]}-stages-{'-'.join(map(str, g))}" for g in self.groups]
-        run_workers([job(g) for g in self.groups], names=names)
+        cpu_workers = sum(1 for g in groups if self.devices[g[0]].type == "cpu")
+        threads = max(1, torch.get_num_threads() // cpu_workers) if len(groups) > 1 and cpu_workers > 1 else None
+        names = [f"torchspan-{self.devices[g[0]]}-stages-{'-'.join(map(str, g))}" for g in groups]
+        ok = False
+        try:
+            run_workers([job(g) for g in groups], names=names)
+            ok = True
+        finally:
+            self.transport.finish(ok)
 
     # ------------------------------------------------------------------ training
     def train(
@@ -177,7 +198,7 @@ class Pipeline:
                 if s == 0:
                     leaves, spec = tree_flatten(to_device(list(inputs[mb]), dev))
                 else:
-                    leaves, spec = self._receive(box, ("fwd", s, mb), s)
+                    leaves, spec = self._receive(box, "fwd", s, s - 1, mb)
                     leaves = [v.requires_grad_(True) if _needs_grad(v) and not ckpt else v for v in leaves]
                 st = _Saved(leaves, spec)
                 with self.recorder.block(s, dev, mb, "forward"):
@@ -196,7 +217,7 @@ class Pipeline:
                 else:
                     outs, out_spec = tree_flatten(out)
                     st.outputs = outs
-                    self._send(box, ("fwd", s + 1, mb), outs, out_spec, s, s + 1, mb)
+                    self._send(box, "fwd", outs, out_spec, s, s + 1, mb)
                 saved[(s, mb)] = st
                 return
             # backward
@@ -221,7 +242,7 @@ class Pipeline:
             if s == last:
                 grads_in: list[Any] = []
             else:
-                grads_in, _ = self._receive(box, ("bwd", s, mb), s)
+                grads_in, _ = self._receive(box, "bwd", s, s + 1, mb)
             with self.recorder.block(s, dev, mb, "backward"):
                 if s == last:
                     assert st.loss is not None
@@ -238,14 +259,15 @@ class Pipeline:
                         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             if s > 0:
                 grads = [v.grad if isinstance(v, torch.Tensor) and v.requires_grad else None for v in st.inputs]
-                self._send(box, ("bwd", s - 1, mb), grads, None, s, s - 1, mb)
+                self._send(box, "bwd", grads, None, s, s - 1, mb)
 
         try:
             self._run(plan, do)
         finally:
             saved.clear()
-        total = torch.stack([t.float() for t in losses if t is not None]).sum()
-        return total
+        done = [t.float() for t in losses if t is not None]
+        # Across processes only the last stage's process has losses; the others return 0.
+        return torch.stack(done).sum() if done else torch.zeros((), device=self.devices[last])
 
     # ------------------------------------------------------------------ forward only
     def forward(
@@ -253,7 +275,9 @@ class Pipeline:
     ) -> list[Any]:
         """Pipelined forward of every micro-batch, autograd kept across stages; outputs per micro-batch.
 
-        Copies here stay in autograd (``loss.backward()`` on the result reaches every stage), and
+        Copies here stay in autograd (``loss.backward()`` on the result reaches every stage; a
+        transport to other processes carries values only, so there outputs exist on the last
+        stage's process, ``None`` elsewhere, and autograd stops at the process), and
         checkpointed micro-batches use ``torch.utils.checkpoint`` so that backward recomputes them
         (leaving ``buffers[s]`` as the real forward left them).
         """
@@ -267,6 +291,9 @@ class Pipeline:
             s, mb, dev = a.stage, a.microbatch, self.devices[a.stage]
             if s == 0:
                 args = to_device(list(inputs[mb]), dev)
+            elif not self.transport.is_local(s - 1):
+                leaves, spec = self.transport.receive(s - 1, s, "fwd")
+                args = tree_unflatten(leaves, spec)
             else:
                 args = box.get(("fwd", s, mb))
             with self.recorder.block(s, dev, mb, "forward"), autocast_for(dev, self.precision):
@@ -281,6 +308,11 @@ class Pipeline:
                     out = fns[s](*args)
             if s == n - 1:
                 outputs[mb] = out
+                return
+            if not self.transport.is_local(s + 1):
+                leaves, spec = tree_flatten(list(out))
+                with self.recorder.block(s, dev, mb, "transfer"):
+                    self.transport.send(leaves, spec, s, s + 1, "fwd")
                 return
             nxt = self.devices[s + 1]
             if nxt != dev:

@@ -5,6 +5,11 @@ except that a single job runs in the caller's thread. When any job raises, the m
 aborted so every other job stops at its next ``get``; once all have stopped, the first error is
 re-raised in the caller with its original traceback.
 
+A ``Transport`` says which of a pipeline's stages run in this process and carries values to and
+from the others: the base class keeps every stage here (the mailbox carries everything);
+``torchspan.runtime.ranks.p2p.RankTransport`` runs one rank's stages and sends the rest by
+``torch.distributed`` point-to-point. ``Pipeline`` runs the same schedule walk over either.
+
 Usage::
 
     def producer(box): box.put(("act", 1, 0), tensor)
@@ -20,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Mailbox", "Aborted", "run_workers"]
+__all__ = ["Mailbox", "Aborted", "Transport", "run_workers"]
 
 
 class Aborted(Exception):
@@ -56,6 +61,34 @@ class Mailbox:
     def clear(self) -> None:
         with self._cond:
             self._items.clear()
+
+
+class Transport:
+    """Where a pipeline's stages run and how values reach stages in other processes.
+
+    This base runs every stage in this process: values between stages go through the ``Mailbox``
+    (and device copies), so ``send``/``receive`` are never called. A transport across processes
+    overrides all five methods. Usage: ``Pipeline(devices, ..., transport=RankTransport(mesh, rank, device))``.
+    """
+
+    def is_local(self, stage: int) -> bool:
+        """True where ``stage`` runs in this process."""
+        return True
+
+    def where(self, stage: int) -> str:
+        """Words naming where ``stage`` runs, for error notes (empty: this process)."""
+        return ""
+
+    def send(self, values: list[Any], spec: Any, src: int, dst: int, kind: str) -> None:
+        """Hand ``values`` (flattened leaves, ``spec`` their pytree spec) from local ``src`` to remote ``dst``."""
+        raise RuntimeError(f"stage {dst} runs in this process: its values go through the mailbox, not a transport")
+
+    def receive(self, src: int, dst: int, kind: str) -> tuple[list[Any], Any]:
+        """The next ``(values, spec)`` that remote ``src`` sent to local ``dst`` with ``kind`` (``"fwd"``/``"bwd"``)."""
+        raise RuntimeError(f"stage {src} runs in this process: its values come through the mailbox, not a transport")
+
+    def finish(self, ok: bool) -> None:
+        """End of a run: wait for sends still in flight (``ok``), or drop them after an error."""
 
 
 def run_workers(jobs: Sequence[Callable[[Mailbox], None]], names: Sequence[str] | None = None) -> None:
