@@ -199,8 +199,8 @@ def test_hook_mode_balance_follows_execution_order_and_trains_everything() -> No
     torch.manual_seed(0)
     model = Backwards()
     before = copy.deepcopy(model)
-    with pytest.warns(UserWarning, match="hook placement"):
-        spanned = torchspan.span(model, devices=["cpu", "cpu"], balance=[2, 1], microbatches=3)
+    spanned = torchspan.span(model, devices=["cpu", "cpu"], balance=[2, 1], microbatches=3)
+    assert spanned.mode == "threads"
     opt = torch.optim.SGD(spanned.parameters(), lr=0.1)
     spanned.train_step(torch.randn(6, 5), torch.randn(6, 2), dict_loss)
     assert spanned.stages == [("cpu", ["a", "b"]), ("cpu", ["c"])]  # placed after a recording forward
@@ -359,8 +359,7 @@ def test_hook_mode_moves_inputs_to_stage_0_before_the_models_own_code() -> None:
             return self.b(self.a(x + self.shift))
 
     model = Shifted()
-    with pytest.warns(UserWarning):
-        spanned = torchspan.span(model, devices=["meta", "cpu"], balance=[1, 1], microbatches=2)
+    spanned = torchspan.span(model, devices=["meta", "cpu"], balance=[1, 1], microbatches=2)  # threads
     seen.clear()  # span's fx attempt called forward with proxies
     # hook mode places at the first call; the meta stage makes the device of every input visible
     with pytest.raises(Exception):

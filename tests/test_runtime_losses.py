@@ -90,10 +90,9 @@ def test_hook_mode_uses_the_same_weights() -> None:
     model = Branchy()
     loss_fn = nn.CrossEntropyLoss(weight=torch.tensor([0.2, 1.0, 3.0]))
     ref = _reference(model, X, Y, loss_fn)
-    with pytest.warns(UserWarning):
-        spanned = torchspan.span(model, devices=["cpu", "cpu"], balance=[1, 1], microbatches=4)
+    spanned = torchspan.span(model, devices=["cpu", "cpu"], balance=[1, 1], microbatches=4)
     _check(spanned, model, ref, spanned.train_step(X, Y, loss_fn))
-    assert spanned.mode == "hooks"
+    assert spanned.mode == "threads"  # the model's own forward, one thread per micro-batch
 
 
 def test_reduction_is_read_from_the_loss_module() -> None:
@@ -156,8 +155,7 @@ def test_a_loss_that_is_not_a_scalar_is_an_error_in_every_mode() -> None:
     def per_sample(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(out, y, reduction="none")
 
-    with pytest.warns(UserWarning):
-        hooked = torchspan.span(Branchy(), devices=["cpu", "cpu"], balance=[1, 1], microbatches=2)
+    hooked = torchspan.span(Branchy(), devices=["cpu", "cpu"], balance=[1, 1], microbatches=2)  # threads
     for spanned in (torchspan.span(sequential(), devices=["cpu", "cpu"], microbatches=2), hooked):
         with pytest.raises(ValueError, match=r"shape \(4,\); it must return a scalar \(use reduction='mean' or 'sum'\)"):
             spanned.train_step(X[:8], Y[:8], per_sample)

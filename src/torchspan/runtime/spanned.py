@@ -32,6 +32,7 @@ from .executor import Executor, Settings
 from .footprint import stage_memory
 from .local.hooked import HookedExecutor
 from .local.pipelined import PipelinedExecutor
+from .local.threaded import ThreadedExecutor
 from .losscheck import LossChecks, dry_run
 from .lossweights import loss_spec
 from .memory import ActivationMeter
@@ -188,11 +189,16 @@ def span(
     recorder, meter = Recorder(), ActivationMeter(len(devs))
     # Choosing the executor: the one place that knows them all.
     executor: Executor
-    if mode == "hooks":
+    unthreaded = ThreadedExecutor.unsupported(devs, microbatches, checkpoint)
+    if mode == "hooks" and not unthreaded:  # the model's own forward, one thread per micro-batch
+        executor = ThreadedExecutor(
+            model, devs, groups, settings, recorder, meter, balance_given=plan is None, layers=layer_set,
+            even=balance is None, split_points=split_points, no_split=no_split,
+        )  # fmt: skip
+    elif mode == "hooks":
         warnings.warn(
             f"torchspan: {why}; using hook placement. Each layer lives on its device and inputs are moved to "
-            "it, but micro-batches run one after another (no pipelining). Make the model an nn.Sequential "
-            "or fx-traceable to pipeline it.",
+            f"it, but micro-batches run one after another (no pipelining): {unthreaded}.",
             UserWarning,
             stacklevel=2,
         )
@@ -217,7 +223,7 @@ def _load_under_module(
 class Spanned(nn.Module):
     """A model whose layers live on several devices, trained with micro-batch pipelining.
 
-    ``module`` is the original model; ``mode`` is ``"sequential"``, ``"fx"`` or ``"hooks"``;
+    ``module`` is the original model; ``mode`` is ``"sequential"``, ``"fx"``, ``"threads"`` or ``"hooks"``;
     ``stages`` lists each stage's ``(device, layers)``. Outputs of ``spanned(...)`` are the
     micro-batch outputs concatenated on dim 0 on the last stage's device.
     """
