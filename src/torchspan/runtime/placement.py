@@ -147,8 +147,18 @@ def place(
     other devices read a copy during their forward (the returned, installed ``TiedCopies``).
     """
     layers = dict(layers if layers is not None else layer_modules(model))
-    for name in reversed([n for n in layers if n in stage_of]):  # the first holder's move comes last and wins
-        to_device(layers[name], devices[stage_of[name]])
+    home: dict[int, torch.device] = {}
+    for name in [n for n in layers if n in stage_of]:
+        dev = devices[stage_of[name]]
+        for sub in layers[name].modules():
+            for attr, p in sub._parameters.items():
+                # tensor by tensor, keeping each Parameter object: a module-level .to() would break a tie
+                # (cpu -> meta makes new Parameters) or let the last holder win
+                if p is not None and home.setdefault(id(p), dev) == dev and p.device != dev:
+                    _move_parameter(p, dev)
+            for attr, b in sub._buffers.items():
+                if b is not None and home.setdefault(id(b), dev) == dev and b.device != dev:
+                    sub._buffers[attr] = to_device(b, dev)
     if roots is None:
         roots = [n for n, t in list(model._parameters.items()) + list(model._buffers.items()) if t is not None]
     for qname in roots:
