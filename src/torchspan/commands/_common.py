@@ -148,3 +148,38 @@ def synthetic_batch(shape: tuple[int, ...], dtype: Any, vocab: int) -> Any:
     if dtype == torch.bool:
         return torch.randint(0, 2, shape).bool()
     return torch.randint(0, vocab, shape, dtype=dtype)
+
+
+def add_input_options(parser: Any, *, shape_required: bool = False) -> None:
+    """``--input NAME=SHAPE[:DTYPE]`` (repeatable): named keyword inputs, e.g. ``--input input_ids=8,128:int64``."""
+    parser.add_argument(
+        "--input",
+        action="append",
+        metavar="NAME=SHAPE[:DTYPE]",
+        help="a keyword input of the forward, batch first (repeatable), e.g. --input input_ids=8,128:int64 "
+        "--input attention_mask=8,128:int64; integer inputs are drawn from [0, --vocab) (masks: use --vocab 2 or a bool dtype)",
+    )
+
+
+def named_inputs(items: Sequence[str] | None, vocab: int, default_dtype: Any = None) -> dict[str, Any] | None:
+    """``["input_ids=8,128:int64", "mask=8,128:bool"]`` → ``{"input_ids": tensor, "mask": tensor}`` (random; None without items).
+
+    Usage: ``named_inputs(args.input, args.vocab)``.
+    """
+    if not items:
+        return None
+    out: dict[str, Any] = {}
+    for item in items:
+        name, sep, rest = item.partition("=")
+        if not sep or not name.strip().isidentifier() or not rest.strip():
+            raise UsageError(f"--input {item!r} is not NAME=SHAPE[:DTYPE]; write e.g. --input input_ids=8,128:int64")
+        shape_text, _, dtype_text = rest.partition(":")
+        shape = parse_shape(shape_text, f"--input {name}")
+        dtype = parse_dtype(dtype_text, f"--input {name}") if dtype_text else (default_dtype or parse_dtype("float32"))
+        if name.strip() in out:
+            raise UsageError(f"--input {name.strip()} is given twice; give each keyword input once")
+        out[name.strip()] = synthetic_batch(shape, dtype, vocab)
+    batches = {k: tuple(v.shape)[0] for k, v in out.items()}
+    if len(set(batches.values())) > 1:
+        raise UsageError(f"--input batch sizes differ ({', '.join(f'{k}: {b}' for k, b in batches.items())}); dim 0 is the batch, give all inputs the same")
+    return out

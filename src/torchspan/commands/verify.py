@@ -19,16 +19,17 @@ import torch
 from rich.table import Table
 from torch.utils._pytree import tree_map
 
-from ..layers import top_level_layers
 from ..training import mse_loss
-from ._common import UsageError, console, load_target, synthetic_batch
+from ._common import UsageError, add_input_options, console, named_inputs, parse_dtype
+from ._target import build_model, first_call, make_batch, require_data_devices
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="check that span's gradients equal single-device gradients", description=__doc__)
     p.add_argument("target", metavar="TARGET", help="model factory: package.module:factory or path/to/file.py:factory")
-    p.add_argument("--input-shape", required=True, help="input tensor shape, batch first, e.g. 32,512")
-    p.add_argument("--input-dtype", choices=("float32", "int64"), default="float32", help="input dtype (int64: token ids)")
+    p.add_argument("--input-shape", help="input tensor shape, batch first, e.g. 32,512 (or named inputs with --input)")
+    p.add_argument("--input-dtype", default="float32", help="input dtype, e.g. float32 or int64 (token ids in [0, --vocab))")
+    add_input_options(p)
     p.add_argument("--vocab", type=int, default=100, help="int64 inputs are drawn from [0, VOCAB) (default 100)")
     p.add_argument("--devices", default="cpu,cpu", help="stage devices, comma separated (default cpu,cpu)")
     p.add_argument("--balance", default=None, help="layers per stage, e.g. 2,2 (default: even split)")
@@ -61,14 +62,23 @@ def run(args: argparse.Namespace) -> int:
 
     from ..parity import check_parity
 
-    shape = _ints(args.input_shape, "--input-shape")
+    if not args.input_shape and not args.input:
+        raise UsageError("give the input: --input-shape 32,512 [--input-dtype int64], or named inputs --input input_ids=8,128:int64")
+    if args.input_shape and args.input:
+        raise UsageError("give either --input-shape (one positional input) or --input NAME=SHAPE (keyword inputs), not both")
+    dtype = parse_dtype(args.input_dtype, "--input-dtype")
+    shape = _ints(args.input_shape, "--input-shape") if args.input_shape else []
     balance = _ints(args.balance, "--balance") if args.balance else None
     if args.microbatches < 1:
         raise UsageError(f"--microbatches {args.microbatches} must be >= 1")
-    model = load_target(args.target)
+    require_data_devices([d for d in args.devices.split(",") if d.strip()], "--devices")
+    model = build_model(args.target)
     reference = copy.deepcopy(model)
     torch.manual_seed(args.seed)
-    x = synthetic_batch(tuple(shape), getattr(torch, args.input_dtype), args.vocab)
+    x: Any = named_inputs(args.input, args.vocab, dtype)  # keyword inputs: the forward's own errors name them
+    if x is None:
+        x = make_batch(shape, dtype, args.vocab, option=f"--input-shape {args.input_shape}")
+        first_call(model, x, "--input-shape/--input-dtype", vocab=args.vocab)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -94,13 +104,40 @@ def run(args: argparse.Namespace) -> int:
     for col in ("layer", "stage device", "params", "max abs diff", "max rel diff", "result"):
         table.add_column(col, justify="left" if col in ("layer", "stage device", "result") else "right")
     device_of = {name: dev for dev, group in spanned.stages for name in group}
-    for layer, _ in top_level_layers(model):
+    zero = _zero_on_both_sides(model, reference)
+    for layer in [name for _, group in spanned.stages for name in group]:
         diffs = result.under(layer)
         worst_abs = max((d.max_abs for d in diffs), default=0.0)
         worst_rel = max((d.max_rel for d in diffs), default=0.0)
         ok = all(d.within for d in diffs)
-        table.add_row(layer, device_of.get(layer, "-"), str(len(diffs)), f"{worst_abs:.3e}", f"{worst_rel:.3e}", "ok" if ok else "DIFFERENT")
+        flag = "ok" if ok else "DIFFERENT"
+        if ok and diffs and all(d.name in zero for d in diffs):
+            flag = "zero grads"
+        table.add_row(layer, device_of.get(layer, "-"), str(len(diffs)), f"{worst_abs:.3e}", f"{worst_rel:.3e}", flag)
     con.print(table)
     con.print(f"loss: torchspan {result.loss:.6g}, one device {result.reference_loss:.6g}")
+    trained = [n for n, p in reference.named_parameters() if p.requires_grad]
+    if zero:
+        con.print(
+            f"warning: {len(zero)} of {len(trained)} parameter(s) got gradients that are exactly zero on both sides "
+            f"({', '.join(zero[:5])}{', ...' if len(zero) > 5 else ''}): equal, but that proves nothing for them "
+            "(a zero-initialised head, an unused branch, a detached path). Check the model, or verify after a training step"
+        )
+    if result.ok and trained and len(zero) == len(trained):
+        con.print(f"INCONCLUSIVE: every gradient is exactly zero on both sides (atol={args.atol:g}, rtol={args.rtol:g})")
+        return 1
     con.print(f"{'PASS' if result.ok else 'FAIL'} (atol={args.atol:g}, rtol={args.rtol:g})")
     return 0 if result.ok else 1
+
+
+def _zero_on_both_sides(model: torch.nn.Module, reference: torch.nn.Module) -> list[str]:
+    """Trainable parameters whose gradient is missing or exactly zero in both the spanned model and the reference."""
+    ref = dict(reference.named_parameters())
+    out = []
+    for name, p in model.named_parameters():
+        q = ref.get(name)
+        if q is None or not p.requires_grad:
+            continue
+        if all(g is None or not bool(g.detach().ne(0).any()) for g in (p.grad, q.grad)):
+            out.append(name)
+    return out
