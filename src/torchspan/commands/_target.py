@@ -1,0 +1,126 @@
+"""The model a command works on: load and build TARGET, make its synthetic batch, call it once.
+
+``plan``, ``run`` and ``verify`` share this path, so the same mistake reads the same in each: a
+factory that fails, a model without parameters, a batch too large for this machine, a batch the
+forward rejects, a device that holds no data. Every failure is a one-line ``UsageError`` naming the
+option, the value and the fix.
+
+Usage::
+
+    model = build_model(args.target)
+    x = make_batch((32, 512), torch.float32, vocab=2, option="--input-shape 32,512")
+    out = first_call(model, x, "--input-shape/--dtype")
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._common import UsageError, load_target, synthetic_batch
+
+__all__ = ["build_model", "make_batch", "first_call", "require_data_devices"]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def build_model(target: str) -> nn.Module:
+    """The model TARGET builds (see ``load_target``); one without parameters is refused: nothing to place or train."""
+    model = load_target(target)
+    if next(iter(model.parameters()), None) is None:
+        raise UsageError(
+            f"TARGET {target!r} builds a {type(model).__name__} without parameters: there is nothing to place or train; "
+            "return the model with its weights (e.g. nn.Sequential(nn.Linear(16, 4), nn.ReLU()))"
+        )
+    return model
+
+
+def _free_cpu_bytes() -> int | None:
+    from ..hardware import devices
+
+    return devices("cpu")[0].free_memory
+
+
+def make_batch(shape: Sequence[int], dtype: torch.dtype, vocab: int, *, option: str) -> torch.Tensor:
+    """``synthetic_batch`` in CPU memory, or a ``UsageError`` saying the batch does not fit and which batch would.
+
+    ``option`` is the option as the user wrote it (``"--input-shape 100000000000,16"``).
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_sample = math.prod(shape[1:]) * itemsize
+    need = shape[0] * per_sample
+    free = _free_cpu_bytes()
+    if free is not None and need > free:
+        raise UsageError(_too_big(shape, dtype, need, free, per_sample, option))
+    try:
+        return synthetic_batch(tuple(shape), dtype, vocab)
+    except (RuntimeError, MemoryError) as exc:  # the allocator's refusal (free memory is only an estimate)
+        if isinstance(exc, MemoryError) or "alloc" in str(exc).lower():
+            raise UsageError(_too_big(shape, dtype, need, free, per_sample, option)) from exc
+        raise
+
+
+def _too_big(shape: Sequence[int], dtype: torch.dtype, need: int, free: int | None, per_sample: int, option: str) -> str:
+    from ..hardware import format_bytes
+
+    room = free if free is not None else need // 2
+    batch = max(1, (room // 4) // max(1, per_sample))  # a quarter of free memory leaves room for the model
+    smaller = ",".join(str(d) for d in (min(batch, shape[0] - 1 or 1), *shape[1:]))
+    where = f"this machine's free memory ({format_bytes(free)})" if free is not None else "what this machine could allocate"
+    return (
+        f"{option}: one {str(dtype).replace('torch.', '')} batch of this shape is {format_bytes(need)}, more than {where}; "
+        f"torchspan builds the example batch in CPU memory. Plan a smaller batch: --input-shape {smaller} "
+        "takes a quarter of that memory at most"
+    )
+
+
+def first_call(model: nn.Module, x: Any, options: str, *, vocab: int | None = None) -> Any:
+    """One forward of ``model`` on ``x`` (no gradients, eval mode, on the model's own device); its output.
+
+    A forward that raises becomes a ``UsageError`` naming the batch and ``options``, the options that
+    set it (``"--input-shape/--dtype"``). ``vocab``: integer inputs are token ids in ``[0, vocab)``.
+    """
+    first = next(iter(model.parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            return model(x.to(device) if isinstance(x, torch.Tensor) else x)
+    except Exception as exc:
+        what = _describe(x, vocab)
+        fix = f"{options}/--vocab" if "token ids" in what else options
+        raise UsageError(f"the model rejects {what}: {_first_line(exc)}; set {fix} to what its forward expects") from exc
+    finally:
+        for m, training in modes.items():
+            m.training = training
+
+
+def _describe(x: Any, vocab: int | None) -> str:
+    if not isinstance(x, torch.Tensor):
+        return f"the example inputs ({type(x).__name__})"
+    dtype = str(x.dtype).replace("torch.", "")
+    ids = f" (token ids in [0, {vocab}))" if vocab is not None and not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool) else ""
+    return f"a batch of shape {','.join(map(str, x.shape))} {dtype}{ids}"
+
+
+def require_data_devices(entries: Sequence[str], option: str, *, fix: str | None = None) -> None:
+    """Refuse ``meta`` among devices a command trains on: it holds shapes only, so nothing can run there.
+
+    ``option`` names where the devices came from (``"--devices"``); ``fix`` replaces the default advice.
+    """
+    meta = [e for e in entries if str(e).strip().lower().split(":", 1)[0] == "meta"]
+    if meta:
+        listed = ",".join(str(e).strip() for e in entries)
+        others = ",".join(str(e).strip() for e in entries if e not in meta) or "cpu"
+        raise UsageError(
+            f"{option} {listed!r}: meta holds shapes, not data, so no step can run on it; "
+            + (fix or f"train on devices with memory, e.g. {option} {others}, and plan for meta with `torchspan plan` only")
+        )
