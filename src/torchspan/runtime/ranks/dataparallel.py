@@ -4,11 +4,12 @@ Each rank holds a replica of the model (made identical at construction by broadc
 and buffers from rank 0, kept identical because every rank applies the same summed gradient) and
 computes the loss of its own shard; nothing is gathered on one rank. PyTorch's
 ``DistributedDataParallel`` reduces the gradients bucket by bucket while backward still runs, with
-a comm hook that *sums* instead of averaging. Each rank's loss is weighted so that the sum is the
-global loss: ``reduction="sum"`` weighs 1; ``"mean"`` weighs ``local_normalizer / global_normalizer``,
-where the normalizer is the sample count or, for ``CrossEntropyLoss``/``NLLLoss`` with class weights
-or ``ignore_index``, the targets' weight sum; the global normalizer is all-reduced before the
-forward. So after ``train_step`` every rank's ``.grad`` is what ``loss_fn(model(X), Y).backward()``
+a comm hook that *sums* instead of averaging. For ``reduction="sum"`` each rank backpropagates its
+own loss. For ``"mean"`` each rank backpropagates its shard's *summed* loss (its mean times its
+normalizer: the sample count or, for ``CrossEntropyLoss``/``NLLLoss`` with class weights or
+``ignore_index``, the targets' weight sum), and the hook divides each gradient bucket by the
+global normalizer, which is all-reduced while the forward runs (no extra wait before backward).
+So after ``train_step`` every rank's ``.grad`` is what ``loss_fn(model(X), Y).backward()``
 leaves on one device, ``X, Y`` being all ranks' shards concatenated, for any (uneven, even empty)
 split.
 
@@ -74,14 +75,19 @@ def local_normalizer(loss_fn: Callable[..., Any], target: Any, size: int, reduct
     return float(weight.detach().to(picked.device)[picked].sum()) if picked.numel() else 0.0
 
 
-def _sum_hook(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: all-reduce a gradient bucket by SUM (DDP's own default divides by the world size)."""
-    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+def _sum_hook(replica: DataParallelReplica, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: divide a gradient bucket by the step's global normalizer (1 outside ``train_step``
+    and for summed losses), then all-reduce it by SUM (DDP's own default divides by the world size)."""
+    buffer = bucket.buffer()
+    divisor = replica._divisor()
+    if divisor != 1.0:
+        buffer.div_(divisor)
+    work = dist.all_reduce(buffer, group=replica.group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
 # DDP checks the hook's annotations as objects; ``from __future__ import annotations`` made them strings.
-_sum_hook.__annotations__.update(bucket=dist.GradBucket, group=Any)
+_sum_hook.__annotations__.update(bucket=dist.GradBucket, replica=Any)
 _sum_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 
@@ -143,8 +149,9 @@ class DataParallelReplica:
             find_unused_parameters=find_unused_parameters,
             **_buffer_option(sync_buffers),
         )
-        self._ddp.register_comm_hook(process_group, _sum_hook)
+        self._ddp.register_comm_hook(self, _sum_hook)
         self._template: tuple[Any, Any, Callable[..., Any], str] | None = None
+        self._pending: tuple[Any, torch.Tensor, str] | None = None  # this step's (exchange work, totals, reduction)
 
     # ------------------------------------------------------------------ nn.Module-like surface
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -197,8 +204,11 @@ class DataParallelReplica:
         size = batch_size(args, kwargs)
         norm = local_normalizer(loss_fn, target, size, reduction)
         self._template = (_zero_rows(inputs), _zero_rows(target), loss_fn, reduction)
-        totals = self._exchange(norm, size, active=True)
-        return self._run(args, kwargs, target, loss_fn, self._weight(reduction, norm, size, totals))
+        stats = self._stats(norm, size, active=True)
+        self._pending = (dist.all_reduce(stats, group=self.group, async_op=True), stats, reduction)  # waited for by backward
+        # this rank's summed loss: times its normalizer for a mean; the gradient hook divides by the global one
+        scale = 0.0 if size == 0 else 1.0 if reduction == "sum" else norm
+        return self._run(args, kwargs, target, loss_fn, scale)
 
     def join(self, optimizer: torch.optim.Optimizer | None = None) -> int:
         """Call after the training loop on every rank; returns the number of steps this rank shadowed.
@@ -211,16 +221,18 @@ class DataParallelReplica:
         """
         shadowed = 0
         while True:
-            totals = self._exchange(0.0, 0, active=False)
-            if totals[2] == 0:
+            stats = self._stats(0.0, 0, active=False)
+            dist.all_reduce(stats, group=self.group)
+            if stats[2].item() == 0:
                 return shadowed
             if self._template is None:
                 raise RuntimeError(
                     f"rank {self.info.rank} joined before its first train_step, so it has no inputs to shadow the other "
                     "ranks' steps with; give every rank at least one (possibly empty) shard, e.g. with rank_batches"
                 )
-            inputs, target, loss_fn, _ = self._template
+            inputs, target, loss_fn, reduction = self._template
             args, kwargs = _call_args(inputs)
+            self._pending = (None, stats, reduction)
             if optimizer is not None:
                 optimizer.zero_grad()
             self._run(args, kwargs, target, loss_fn, 0.0)
@@ -228,21 +240,19 @@ class DataParallelReplica:
                 optimizer.step()
             shadowed += 1
 
-    def _exchange(self, norm: float, size: int, active: bool) -> list[float]:
-        """All-reduce (normalizer, rows, active ranks) over the group; the first collective of every step."""
-        stats = torch.tensor([norm, float(size), 1.0 if active else 0.0], dtype=torch.float64, device=self._comm_device())
-        dist.all_reduce(stats, group=self.group)
-        return stats.tolist()
+    def _stats(self, norm: float, size: int, active: bool) -> torch.Tensor:
+        """(normalizer, rows, active ranks) of this rank, all-reduced as the first collective of every step."""
+        return torch.tensor([norm, float(size), 1.0 if active else 0.0], dtype=torch.float64, device=self._comm_device())
 
-    @staticmethod
-    def _weight(reduction: str, norm: float, size: int, totals: list[float]) -> float:
-        if size == 0:
-            return 0.0
-        if reduction == "sum":
+    def _divisor(self) -> float:
+        """What this step's summed gradients and loss are divided by: the global normalizer for a mean, else 1."""
+        if self._pending is None:
             return 1.0
-        if totals[0] == 0:  # every target ignored: the mean is nan on one device, and here too
-            return size / totals[1]
-        return norm / totals[0]
+        work, stats, reduction = self._pending
+        if work is not None:
+            work.wait()
+            self._pending = (None, stats, reduction)
+        return 1.0 if reduction == "sum" else float(stats[0])
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Callable[..., Any], weight: float) -> torch.Tensor:
         if isinstance(loss_fn, nn.Module):
@@ -257,12 +267,16 @@ class DataParallelReplica:
         loss = weighted_loss(loss_fn, out, self._to(target), weight)
         total = loss.detach().clone().reshape(1)
         work = dist.all_reduce(total, group=self.group, async_op=True)  # overlaps the backward
-        loss.backward()
-        work.wait()
+        try:
+            loss.backward()
+            work.wait()
+            divisor = self._divisor()
+        finally:
+            self._pending = None
         for p, g in zip(params, earlier):
             if g is not None:
                 p.grad = g if p.grad is None else g.add_(p.grad)
-        return total[0]
+        return total[0] / divisor if divisor != 1.0 else total[0]
 
     def _to(self, value: Any) -> Any:
         dev = self.device
