@@ -159,3 +159,12 @@ def test_doctor_names_a_misplaced_block() -> None:
     report = torchspan.doctor(model, input_ids=IDS, use_cache=False)
     assert not report.ok
     assert "transformer.h.2" in str(report)
+
+
+def test_doctor_reports_a_tie_a_users_move_broke() -> None:
+    model = _gpt2()
+    assert not [f for f in torchspan.doctor(model).findings if f.code == "tie-broken"]
+    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())  # what a new-Parameter .to() leaves
+    found = [f for f in torchspan.doctor(model).findings if f.code == "tie-broken"]
+    assert len(found) == 1 and found[0].severity == "error"
+    assert "model.transformer.wte.weight and model.lm_head.weight" in found[0].title and "tie_weights" in found[0].fix

@@ -26,6 +26,7 @@ from .dataparallel import audit_dataparallel, audit_state_dict
 from .mismatch import DeviceMismatchError, dtype_name, is_cpu_scalar
 from .naming import named_tensors
 from .report import Finding, Report, name_list
+from .ties import audit_ties
 from .watcher import watch
 
 __all__ = [
@@ -427,6 +428,7 @@ def doctor(
             target_dev = str(t.device)
             break
     report.add(audit_modules(model, loss_fn, target_dev))
+    report.add(audit_ties(model))
     report.add(audit_batch(model, example_args, example_kwargs, target))
     if optimizer is not None:
         report.add(audit_optimizer(optimizer, model, loss_fn))
