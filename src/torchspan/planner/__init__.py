@@ -5,7 +5,8 @@ Pure data over a ``profiler.costs.Profile`` (only ``api.plan`` measures). Module
 one device; budgets, links), ``cost`` (``CostModel``: step time and memory), ``settings`` (the
 settings grid), ``solver`` (the exact dynamic programme), ``explain`` (why nothing fits:
 ``PlanError``'s text), ``optimize`` (``search``), ``baselines``, ``spread`` (one stage per
-device), ``measured`` (predicted vs measured), ``api`` (``plan``).
+device), ``measured`` (predicted vs measured), ``comm`` (all-reduce and point-to-point times over
+``hardware.links``), ``mesh`` and ``cluster`` (data x pipeline plans for nodes you describe), ``api`` (``plan``).
 
 Usage::
 

@@ -18,6 +18,8 @@ from torch import nn
 from ..hardware import devices as find_devices
 from .plans import Plan
 from .optimize import search
+from .cluster import cluster_search
+from .mesh import Mesh
 
 __all__ = ["plan"]
 
@@ -33,6 +35,10 @@ def plan(
     optimizer: Any = "adam",
     *,
     dtype: torch.dtype | str | None = None,
+    nodes: int | None = None,
+    interconnect: str | None = None,
+    intra_link: str | None = None,
+    data_parallel: int | str = "auto",
 ) -> Plan:
     """The fastest placement of ``model``'s layers on ``devices`` within every memory budget.
 
@@ -47,9 +53,22 @@ def plan(
 
     Raises ``PlanError`` (a ``ValueError``) when nothing fits, with needed vs available memory per
     device and checked ways to make it fit.
+
+    Clusters: ``nodes=N`` machines each with ``devices`` (one node's list, e.g. ``"h100-80gb*8"``),
+    ``interconnect`` between them and ``intra_link`` inside one (``hardware.links`` names: ``nvlink``,
+    ``pcie4``, ``ib-400g``, ``eth-25g``, ...) give a data x pipeline plan (``planner.cluster``:
+    ``plan.data_parallel``, ``plan.stage_ranks``, ``plan.predicted_times``). ``nodes`` of None or 1
+    with no ``intra_link`` and ``data_parallel="auto"`` plans one process, as without them.
     """
     from ..profiler.measure import profile
 
     devs = find_devices(devices, memory)
+    one_process = (nodes is None or nodes == 1) and intra_link is None and data_parallel == "auto"
+    # the cluster is checked before the (slow) profile
+    mesh = None if one_process else Mesh.describe(devs, nodes or 1, intra=intra_link, interconnect=interconnect)
     prof = profile(model, example_inputs, devs, optimizer=optimizer, dtype=dtype)
-    return search(prof, microbatches=microbatches, schedule=schedule, checkpoint=checkpoint)
+    if mesh is None:
+        return search(prof, microbatches=microbatches, schedule=schedule, checkpoint=checkpoint)
+    return cluster_search(
+        prof, mesh, microbatches=microbatches, schedule=schedule, checkpoint=checkpoint, data_parallel=data_parallel
+    )

@@ -22,6 +22,7 @@ from ..schedule import CHECKPOINTS, SCHEDULES
 __all__ = ["Plan", "StagePlan", "SCHEDULES", "CHECKPOINTS"]
 
 _FORMAT = "torchspan.plan/1"
+_CLUSTER_FIELDS = ("data_parallel", "nodes", "devices_per_node", "stage_ranks", "interconnect", "intra_link", "predicted_times")
 
 
 @dataclass
@@ -83,6 +84,16 @@ class Plan:
     peak_memory: dict[str, int] = field(default_factory=dict)
     strategy: str = "torchspan"
     notes: list[str] = field(default_factory=list)
+    # Cluster plans (``planner.cluster``): ``data_parallel`` replicas of the pipeline over ``nodes``
+    # machines of ``devices_per_node`` devices; ``stage_ranks[s][r]`` is the global rank holding stage
+    # ``s`` of replica ``r`` (rank = node * devices_per_node + local device index). Defaults: one process.
+    data_parallel: int = 1
+    nodes: int = 1
+    devices_per_node: int = 0
+    stage_ranks: list[list[int]] = field(default_factory=list)
+    interconnect: str = ""  # link between nodes (``hardware.links`` key)
+    intra_link: str = ""  # link between devices of one node
+    predicted_times: dict[str, float] = field(default_factory=dict)  # step split: compute, allreduce, p2p
 
     def __post_init__(self) -> None:
         self.stages = [s if isinstance(s, StagePlan) else StagePlan(**s) for s in self.stages]
@@ -102,6 +113,48 @@ class Plan:
                 if name in seen:
                     raise ValueError(f"Plan: layer {name!r} is in stage {seen[name]} and stage {i}; each layer belongs to one stage")
                 seen[name] = i
+        self._check_cluster()
+
+    def _check_cluster(self) -> None:
+        """Validate the cluster fields: ``data_parallel * stages == nodes * devices_per_node`` ranks, each once."""
+        for name in ("data_parallel", "nodes", "devices_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "devices_per_node" else 1):
+                raise ValueError(f"Plan({name}={value!r}) must be an int >= {0 if name == 'devices_per_node' else 1}")
+        if not self.stage_ranks:
+            if self.data_parallel != 1 or self.nodes != 1:
+                raise ValueError(
+                    f"Plan(data_parallel={self.data_parallel}, nodes={self.nodes}) needs stage_ranks "
+                    "(the rank of each stage in each replica); plan a cluster with torchspan.plan(..., nodes=N)"
+                )
+            return
+        S, dp = len(self.stages), self.data_parallel
+        rows = self.stage_ranks
+        if len(rows) != S or any(not isinstance(r, list) or len(r) != dp for r in rows):
+            raise ValueError(
+                f"Plan(stage_ranks={rows!r}) must hold {S} list(s) (one per stage) of {dp} rank(s) (one per replica)"
+            )
+        world = self.nodes * self.devices_per_node
+        if dp * S != world:
+            raise ValueError(
+                f"Plan: data_parallel * stages = {dp} * {S} = {dp * S} must equal nodes * devices_per_node = "
+                f"{self.nodes} * {self.devices_per_node} = {world} (the world size)"
+            )
+        flat = [r for row in rows for r in row]
+        if sorted(flat) != list(range(world)) or any(isinstance(r, bool) for r in flat):
+            raise ValueError(f"Plan(stage_ranks={rows!r}) must name every rank 0..{world - 1} exactly once")
+
+    @property
+    def world_size(self) -> int:
+        """Processes the plan runs on: ``data_parallel * len(stages)`` (1 for a one-process plan)."""
+        return self.data_parallel * len(self.stages) if self.stage_ranks else 1
+
+    def rank_role(self, rank: int) -> tuple[int, int]:
+        """``(stage, replica)`` that global ``rank`` runs. Raises ``ValueError`` for a rank outside the plan."""
+        for s, row in enumerate(self.stage_ranks):
+            if rank in row:
+                return s, row.index(rank)
+        raise ValueError(f"rank={rank!r} is not in this plan's ranks 0..{self.world_size - 1}")
 
     # ------------------------------------------------------------------ views
     @property
@@ -120,7 +173,12 @@ class Plan:
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
-        return {"format": _FORMAT, **asdict(self)}
+        """JSON-ready dict; a one-process plan leaves the cluster fields out (its JSON is as before)."""
+        data = asdict(self)
+        if not self.stage_ranks:
+            for name in _CLUSTER_FIELDS:
+                data.pop(name)
+        return {"format": _FORMAT, **data}
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -150,7 +208,7 @@ class Plan:
             if odd:
                 raise ValueError(f"plan stage {i} has unknown fields {odd}; expected only {sorted(stage_fields)}")
         data["stages"] = [StagePlan(**s) for s in stages]
-        for name, kind in (("peak_memory", dict), ("notes", list)):
+        for name, kind in (("peak_memory", dict), ("notes", list), ("stage_ranks", list), ("predicted_times", dict)):
             if name in data and not isinstance(data[name], kind):
                 raise ValueError(f"plan {name!r} must be a JSON {'object' if kind is dict else 'list'}, not {type(data[name]).__name__}")
         return cls(**data)
@@ -221,8 +279,39 @@ class Plan:
             lines.append("  ".join(cell.ljust(w) if c < 3 else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, widths))))
             if j == 0:
                 lines.append("  ".join("-" * w for w in widths))
+        lines.extend(self._cluster_lines())
         if self.peak_memory:
             peaks = ", ".join(f"{d}: {format_bytes(b)}" for d, b in self.peak_memory.items())
             lines.append(f"peak memory per device: {peaks}")
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+    def _cluster_lines(self) -> list[str]:
+        """A cluster plan's data x pipeline lines: mesh, links, step split, ranks per stage."""
+        if not self.stage_ranks:
+            return []
+        t = self.predicted_times
+        split = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in t.items())
+        lines = [
+            f"cluster: {self.nodes} node(s) x {self.devices_per_node} device(s) = {self.world_size} ranks = "
+            f"data parallel {self.data_parallel} x pipeline {len(self.stages)}; intra-node {self.intra_link or '-'}, "
+            f"interconnect {self.interconnect or '-'}",
+        ]
+        if split:
+            lines.append(f"step split: {split}")
+        per = self.devices_per_node or 1
+        for s, row in enumerate(self.stage_ranks):
+            nodes = sorted({r // per for r in row})
+            lines.append(f"stage {s} ranks {_ranges(row)} on node(s) {_ranges(nodes)}")
+        return lines
+
+
+def _ranges(values: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``'0-2,5'`` (runs of consecutive values, in the given order)."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
