@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from .lossweights import LossSpec
+
 __all__ = ["Executor", "Settings", "Work"]
 
 
@@ -77,6 +79,10 @@ class Executor(ABC):
 
     def place(self, work: Work) -> None:
         """Placement that needs an example input (runs before the step opens); default: already placed."""
+
+    def weights(self, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
+        """Each micro-batch's loss weight; an executor whose batch is part of a larger one passes ``total=``."""
+        return spec.weights(targets, sizes)
 
     @abstractmethod
     def forward(self, work: Work) -> list[Any]:

@@ -38,6 +38,7 @@ from .lossweights import loss_spec
 from .memory import ActivationMeter
 from .microbatch import batch_size, gather, split_sizes, split_value
 from .placement import parse_devices, stages_from_balance, stages_from_plan
+from .ranks.pipelined import RankPipelineExecutor, launched_mesh
 from .record import Event, Recorder
 
 __all__ = ["span", "Spanned"]
@@ -156,6 +157,9 @@ def span(
     else:
         order = None  # known after a recording forward
 
+    ranked = launched_mesh(plan, devices, balance)  # launched with pp > 1: one stage per rank (runtime.ranks)
+    if ranked is not None and plan is None:
+        devices = [ranked[1].device] * ranked[0].stages
     if plan is not None and layer_set is not None:
         # blocks are confirmed by the first call's recording, which checks the plan's names and order
         modules = dict(model.named_modules())
@@ -178,6 +182,8 @@ def span(
         else:
             devs = parse_devices(devices)
         groups = stages_from_balance(order or names, devs, balance)
+    if ranked is not None:
+        devs = [ranked[1].device] * len(groups)
     if workers == "stage" and checkpoint != "never" and len(set(devs)) < len(devs) and any(d.type == "cpu" for d in devs):
         raise ValueError(
             "workers='stage' with checkpoint != 'never' would replay dropout masks from the CPU random generator "
@@ -190,7 +196,9 @@ def span(
     # Choosing the executor: the one place that knows them all.
     executor: Executor
     unthreaded = ThreadedExecutor.unsupported(devs, microbatches, checkpoint)
-    if mode == "hooks" and not unthreaded:  # the model's own forward, one thread per micro-batch
+    if ranked is not None:
+        executor = RankPipelineExecutor(model, mode, graph, groups, settings, recorder, meter, *ranked)
+    elif mode == "hooks" and not unthreaded:  # the model's own forward, one thread per micro-batch
         executor = ThreadedExecutor(
             model, devs, groups, settings, recorder, meter, balance_given=plan is None, layers=layer_set,
             even=balance is None, split_points=split_points, no_split=no_split,
@@ -362,7 +370,7 @@ class Spanned(nn.Module):
             loss_fn.to(self._executor.devices[-1])
         self._executor.place(work)
         spec = self._loss_checks.resolve(spec, targets, sizes, lambda: self._dry_forward(work), target=target)
-        weights = spec.weights(targets, sizes)
+        weights = self._executor.weights(spec, targets, sizes)
         with self._step():
             return self._executor.train(work, targets, loss_fn, weights)
 
