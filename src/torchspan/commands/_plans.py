@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..layers import top_level_layers
+from ..layers import model_layers
 from ._common import UsageError
 
 __all__ = ["load_plan", "check_plan_devices", "check_plan_layers", "make_plan", "device_entries", "first_line"]
@@ -63,8 +63,9 @@ def check_plan_devices(plan: Any, path: str, target: str, argv_hint: str) -> lis
 
 
 def check_plan_layers(plan: Any, model: torch.nn.Module, path: str, target: str, argv_hint: str) -> None:
-    """Raise unless the plan places exactly the model's layers."""
-    names = [n for n, _ in top_level_layers(model)]
+    """Raise unless the plan places exactly the model's layers (``model_layers``: blocks by qualified name;
+    the first step's recording checks their execution order)."""
+    names = model_layers(model).names()
     if set(plan.layers) != set(names):
         extra = [n for n in plan.layers if n not in names]
         missing = [n for n in names if n not in plan.layers]
@@ -74,7 +75,7 @@ def check_plan_layers(plan: Any, model: torch.nn.Module, path: str, target: str,
         if missing:
             parts.append(f"does not place its layer(s) {', '.join(missing[:5])}")
         raise UsageError(
-            f"--plan {path} was made for another model: it {' and '.join(parts)} ({target} has {len(names)} top-level layers); "
+            f"--plan {path} was made for another model: it {' and '.join(parts)} ({target} has {len(names)} layers); "
             f"re-create it: torchspan plan {target} {argv_hint} --out {path}"
         )
 
