@@ -152,3 +152,5 @@ def test_a_failed_rank_ends_the_job(how: str, shown: str, tmp_path: Path) -> Non
     report = done.stderr[done.stderr.index("torchspan launch: rank 1 (local rank 1") :]
     assert f"of failing.py failed with {'SIGKILL' if how == 'kill' else 'exit code 1'}" in report.splitlines()[0]
     assert shown in report
+    if how == "raise":  # the script's own frames, not the launcher's wrapper
+        assert 'failing.py", line 9, in <module>' in report and "<frozen runpy>" not in report, report

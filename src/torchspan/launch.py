@@ -178,7 +178,7 @@ def _failure_report(exc: Any, config: LaunchConfig) -> str:
     message = failure.message
     if isinstance(message, dict):
         trace = message.get("extraInfo", {}).get("py_callstack") or message.get("message")
-        lines.append(str(trace).rstrip())
+        lines.append(_user_frames(str(trace)).rstrip())
     elif message:
         lines.append(str(message))
     others = sorted(r for r in exc.failures if r != rank)
@@ -187,6 +187,23 @@ def _failure_report(exc: Any, config: LaunchConfig) -> str:
     if config.max_restarts:
         lines.append(f"(after {config.max_restarts} restart(s), the limit set by --max-restarts)")
     return "\n".join(lines)
+
+
+_WRAPPER_FRAMES = ("<frozen runpy>", "torch/distributed/elastic/", f"torchspan{os.sep}launch.py")
+
+
+def _user_frames(trace: str) -> str:
+    """A worker's traceback without the frames of the launcher's own wrapper (runpy, ``@record``)."""
+    out: list[str] = []
+    skipping = False
+    for line in trace.splitlines():
+        if line.startswith("  File "):
+            skipping = any(marker in line for marker in _WRAPPER_FRAMES)
+        elif not line.startswith("    "):
+            skipping = False
+        if not skipping:
+            out.append(line)
+    return "\n".join(out)
 
 
 def _run_worker(argv: Sequence[str]) -> None:
