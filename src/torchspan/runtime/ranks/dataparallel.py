@@ -98,6 +98,18 @@ def _buffer_option(sync: bool) -> dict[str, bool]:
     return {"broadcast_buffers": sync}
 
 
+def _refuse_batchnorm(module: nn.Module) -> None:
+    """``ValueError`` naming the first BatchNorm layer whose batch statistics a shard would change."""
+    for name, layer in module.named_modules():
+        if isinstance(layer, nn.modules.batchnorm._BatchNorm) and not isinstance(layer, nn.SyncBatchNorm):
+            raise ValueError(
+                f"layer {name or '(the model)'!r} is {type(layer).__name__}: in data parallel each rank normalises its own "
+                "shard with that shard's batch statistics, so the gradients would not be one device's. Convert it with "
+                "model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model), use GroupNorm/LayerNorm, or pass "
+                "per_shard_batchnorm=True to accept per-shard statistics"
+            )
+
+
 def _call_args(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if isinstance(inputs, tuple):
         return inputs, {}
@@ -116,7 +128,10 @@ class DataParallelReplica:
     """This rank's replica of ``module`` in an exact data-parallel job (see the module docstring).
 
     ``device``: where the replica lives (default: the rank's device, ``cuda:LOCAL_RANK`` under
-    nccl, else the CPU). ``bucket_cap_mb`` / ``find_unused_parameters`` are passed to
+    nccl, else the CPU). BatchNorm layers are refused: each rank would normalise its shard with
+    the shard's own statistics, so gradients would differ from one device's (convert them with
+    ``nn.SyncBatchNorm.convert_sync_batchnorm``, or accept that with ``per_shard_batchnorm=True``).
+    ``bucket_cap_mb`` / ``find_unused_parameters`` are passed to
     ``DistributedDataParallel``; ``sync_buffers`` (default True) copies rank 0's buffers (e.g.
     BatchNorm statistics) to every rank before each forward. Requires ``init_distributed()`` first.
     """
@@ -130,9 +145,12 @@ class DataParallelReplica:
         bucket_cap_mb: float = 25.0,
         find_unused_parameters: bool = False,
         sync_buffers: bool = True,
+        per_shard_batchnorm: bool = False,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module")
+        if not per_shard_batchnorm:
+            _refuse_batchnorm(module)
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("no process group: call torchspan.init_distributed() before building a DataParallelReplica")
         self.info: RankInfo = rank_info()
