@@ -33,14 +33,14 @@ def _check_grads(replica: DataParallelReplica, reference: nn.Module, label: str)
         torch.testing.assert_close(p.grad, ref[name].grad, **TOL, msg=lambda m: f"{label}: {name}: {m}")
 
 
-def _case(replica: DataParallelReplica, rank: int, world: int, x: torch.Tensor, y: torch.Tensor, loss_fn, label: str) -> None:
+def _case(replica: DataParallelReplica, rank: int, world: int, x: torch.Tensor, y: torch.Tensor, loss_fn, label: str, **declared) -> None:
     """One train_step on this rank's shard, checked against the whole batch on one device."""
     reference = _model()
     reference.load_state_dict(replica.state_dict())
     want = loss_fn(reference(x), y)
     want.backward()
     replica.module.zero_grad()
-    got = replica.train_step(*shard_batch((x, y), rank, world), loss_fn)
+    got = replica.train_step(*shard_batch((x, y), rank, world), loss_fn, **declared)
     torch.testing.assert_close(got, want.detach(), **TOL, msg=lambda m: f"{label}: loss: {m}")
     _check_grads(replica, reference, label)
 
@@ -66,6 +66,10 @@ def _parity_worker(rank: int, world: int, port: int, out: str) -> None:
     _case(replica, rank, world, x, padded, nn.CrossEntropyLoss(weight=weights, ignore_index=-1), "weighted + padded")
     _case(replica, rank, world, x[:1], y[:1], nn.MSELoss(), "empty shard on rank 1")
     _case(replica, rank, world, x, labels, torch.nn.functional.cross_entropy, "functional cross-entropy")
+    token_mean = lambda out, t: torch.nn.functional.cross_entropy(out, t, ignore_index=-1, reduction="sum") / (t != -1).sum()  # noqa: E731
+    _case(replica, rank, world, x[:5], padded[:5], token_mean, "lambda with loss_normalizer", loss_normalizer=lambda t: (t != -1).sum())
+    summed = lambda out, t: ((out - t) ** 2).sum()  # noqa: E731
+    _case(replica, rank, world, x, y, summed, "lambda declared as a sum", loss_reduction="sum")
 
     # several optimizer steps: the replicas stay identical, and equal to one device's training
     reference = _model()

@@ -5,7 +5,7 @@ Usage: ``from torchspan.runtime.ranks import init_distributed, DataParallelRepli
 """
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .dataparallel import DataParallelReplica, local_normalizer
+from .dataparallel import DataParallelReplica, shard_loss
 from .env import RankInfo, free_port, init_distributed, is_launched, launch_env, rank_info
 from .shard import rank_batches, shard_batch, shard_range, shard_sizes
 
@@ -17,11 +17,11 @@ __all__ = [
     "is_launched",
     "launch_env",
     "load_checkpoint",
-    "local_normalizer",
     "rank_batches",
     "rank_info",
     "save_checkpoint",
     "shard_batch",
+    "shard_loss",
     "shard_range",
     "shard_sizes",
 ]

@@ -41,38 +41,29 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .. import lossweights
-from ..lossweights import resolve_reduction, weighted_loss
+from ..lossweights import LossSpec, describe_loss, loss_spec, weighted_loss
 from ..microbatch import batch_size
 from .env import RankInfo, rank_info
 
-__all__ = ["DataParallelReplica", "local_normalizer"]
+__all__ = ["DataParallelReplica", "shard_loss"]
 
 
-def local_normalizer(loss_fn: Callable[..., Any], target: Any, size: int, reduction: str) -> float:
-    """What ``loss_fn`` with ``reduction`` divides this shard's summed loss by (``size`` for ``"sum"``: unused).
+def shard_loss(loss_fn: Callable[..., Any], loss_reduction: str | None = None, loss_normalizer: Callable[[Any], Any] | None = None) -> LossSpec:
+    """The ``LossSpec`` a rank weighs its shard's loss by; an opaque loss is refused (``ValueError``).
 
-    Adapter over ``torchspan.runtime.lossweights``: its ``loss_spec(...).normalizer`` where that
-    exists; otherwise the sum of class weights of the non-ignored targets for
-    ``CrossEntropyLoss``/``NLLLoss`` (module or functional) and the sample count for any other loss.
+    Its ``normalizer(target, size)`` is what a mean divides one shard's summed loss by: the
+    sample count, or for ``CrossEntropyLoss``/``NLLLoss`` the class weights of the non-ignored
+    targets, or ``loss_normalizer(target)``. A loss torchspan cannot read (a lambda, say) must
+    declare ``loss_reduction="mean"``/``"sum"`` or ``loss_normalizer=``.
     """
-    if reduction == "sum":
-        return float(size)
-    make_spec = getattr(lossweights, "loss_spec", None)
-    if make_spec is not None:
-        return float(make_spec(loss_fn, loss_reduction=reduction).normalizer(target, size))
-    if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)):
-        weight, ignore = loss_fn.weight, loss_fn.ignore_index
-    elif loss_fn is torch.nn.functional.cross_entropy or loss_fn is torch.nn.functional.nll_loss:
-        weight, ignore = None, -100
-    else:
-        return float(size)
-    if not isinstance(target, torch.Tensor) or target.is_floating_point():
-        return float(size)  # class probabilities: the mean is over samples
-    picked = target[target != ignore]
-    if weight is None:
-        return float(picked.numel())
-    return float(weight.detach().to(picked.device)[picked].sum()) if picked.numel() else 0.0
+    spec = loss_spec(loss_fn, loss_reduction, loss_normalizer)
+    if spec.reduction is None:
+        raise ValueError(
+            f"loss_fn={describe_loss(loss_fn)} is opaque: torchspan cannot tell whether it sums or averages, and "
+            "data-parallel weights depend on it. Pass loss_reduction='mean' or 'sum' to train_step, or "
+            "loss_normalizer=callable(target) for a mean over something else (e.g. lambda y: (y != -100).sum())"
+        )
+    return spec
 
 
 def _sum_hook(replica: DataParallelReplica, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -204,7 +195,12 @@ class DataParallelReplica:
 
     # ------------------------------------------------------------------ training
     def train_step(
-        self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], loss_reduction: str | None = None
+        self,
+        inputs: Any,
+        target: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        loss_reduction: str | None = None,
+        loss_normalizer: Callable[[Any], Any] | None = None,
     ) -> torch.Tensor:
         """Forward and backward of this rank's shard; returns the global full-batch loss (detached, every rank).
 
@@ -212,15 +208,18 @@ class DataParallelReplica:
         on dim 0; may have zero rows. Gradients are *added* to ``.grad`` (call
         ``optimizer.zero_grad()`` first): after the call they equal, on every rank, those of
         ``loss_fn(model(X), Y).backward()`` on one device for all ranks' shards concatenated.
+        ``loss_reduction`` / ``loss_normalizer``: see ``shard_loss`` (needed for losses torchspan
+        cannot read, such as lambdas).
         """
         if not callable(loss_fn):
             raise TypeError(f"loss_fn={loss_fn!r} is not callable; pass e.g. torch.nn.functional.mse_loss")
         if not torch.is_grad_enabled():
             raise RuntimeError("train_step runs backward, but gradients are disabled here (torch.no_grad()); call it outside no_grad")
-        reduction = resolve_reduction(loss_fn, loss_reduction)
+        spec = shard_loss(loss_fn, loss_reduction, loss_normalizer)
+        reduction = str(spec.reduction)
         args, kwargs = _call_args(inputs)
         size = batch_size(args, kwargs)
-        norm = local_normalizer(loss_fn, target, size, reduction)
+        norm = float(size) if reduction == "sum" else spec.normalizer(target, size)
         self._template = (_zero_rows(inputs), _zero_rows(target), loss_fn, reduction)
         stats = self._stats(norm, size, active=True)
         self._pending = (dist.all_reduce(stats, group=self.group, async_op=True), stats, reduction)  # waited for by backward
