@@ -225,3 +225,54 @@ def test_report_json_plain_and_rich() -> None:
     report.render(Console(file=buf, width=120, force_terminal=False))
     text = buf.getvalue()
     assert "error: loss_fn buffer" in text and "fix" in text and "loss_fn.to('meta')" in text
+
+
+# ---------------------------------------------------------------------- issue 10: advice that fixes the problem
+
+
+class _VeryBigModule(nn.Module):
+    """Seed 001's model: `nn.Parameter(t).cuda(1)` stores a plain tensor copy (here `.to("meta")`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.GiantParameter2 = nn.Parameter(torch.randn(4, 4)).to("meta")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.GiantParameter2.mm(self.lin(x))
+
+
+def test_parameter_moved_after_wrapping_is_not_told_to_become_a_buffer() -> None:
+    model = _VeryBigModule()
+    found = only(doctor(model), "unregistered-parameter")
+    assert "not a parameter and will not be trained" in found.fix
+    assert "nn.Parameter(t.to(device))" in found.fix and "register_buffer" not in found.fix
+    with pytest.raises(torchspan.DeviceMismatchError) as exc, torchspan.watch():
+        model(torch.randn(4, 4))
+    text = str(exc.value)
+    assert "unregistered parameter" in text and "nn.Parameter(t.to(device))" in text and "register_buffer" not in text
+
+
+def test_plain_tensor_attribute_without_grad_still_gets_register_buffer() -> None:
+    model = _VeryBigModule()
+    model.GiantParameter2 = torch.randn(4, 4, device="meta")
+    assert "register_buffer('GiantParameter2'" in only(doctor(model), "tensor-attribute").fix
+
+
+def test_factory_with_an_explicit_device_is_not_said_to_lack_one() -> None:
+    model = nn.Linear(4, 4)
+    with pytest.raises(torchspan.DeviceMismatchError) as exc, torchspan.watch():
+        noise = torch.randn(2, 4, device="meta")
+        model(noise)
+    text = str(exc.value)
+    assert "made by torch.randn with device='meta'" in text and "no device was given" not in text
+    model.to("meta")
+    with pytest.raises(torchspan.DeviceMismatchError) as exc, torchspan.watch():
+        noise = torch.randn(2, 4)
+        model(noise)
+    assert "made by torch.randn on cpu because no device was given" in str(exc.value)
+
+
+def test_target_without_loss_fn_warns_that_no_backward_runs() -> None:
+    with pytest.warns(UserWarning, match=r"target=.*without loss_fn.*pass loss_fn="):
+        doctor(mlp(), torch.randn(5, 3), target=torch.randint(0, 2, (5,)))

@@ -328,3 +328,11 @@ def test_device_count_is_bounded_before_expanding(spec: str) -> None:
     assert time.perf_counter() - start < 2.0
     last = devices("a100-80gb*128")[-1]
     assert str(last.device) == "cuda:127"
+
+
+def test_to_device_refuses_to_pretend_it_moved_a_generator() -> None:
+    # issue 10: the generator came back unmoved without a word
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match=r"torch.Generator on cpu, which cannot move to meta.*torch.Generator\(device='meta'\)"):
+        to_device({"x": torch.ones(2), "gen": gen}, "meta")
+    assert to_device({"gen": gen}, "cpu")["gen"] is gen  # already there: kept

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from .dataparallel import audit_dataparallel, audit_state_dict
-from .mismatch import DeviceMismatchError, dtype_name, is_cpu_scalar
+from .mismatch import DeviceMismatchError, dtype_name, is_cpu_scalar, unregistered_parameter_fix
 from .naming import named_tensors
 from .report import Finding, Report, name_list
 from .ties import audit_ties
@@ -132,6 +133,12 @@ def _tensor_attributes(root: nn.Module, prefix: str) -> list[Finding]:
         ]
         if not candidates:  # the usual case: no need to look at the module's tensors at all
             continue
+        for attr, val in candidates:  # self.w = nn.Parameter(t).cuda(1): wherever it is, nothing trains it
+            if val.requires_grad and not isinstance(val, nn.Parameter):
+                qual = f"{prefix}.{path}.{attr}" if path else f"{prefix}.{attr}"
+                title = f"`{qual}` requires grad but is a plain tensor attribute on {val.device}, not a parameter"
+                out.append(Finding("unregistered-parameter", "warning", title, unregistered_parameter_fix(qual, attr), where=qual))
+        candidates = [(attr, val) for attr, val in candidates if not val.requires_grad or isinstance(val, nn.Parameter)]
         home = _majority([str(t.device) for t in list(mod.parameters()) + list(mod.buffers())])
         if home is None:
             continue
@@ -421,6 +428,13 @@ def doctor(
     if run and not (example_args or example_kwargs):
         raise ValueError("doctor(run=True) needs example inputs to run the model with: doctor(model, x, run=True)")
 
+    if run and target is not None and loss_fn is None:
+        warnings.warn(
+            "doctor(target=...) without loss_fn: the target's device is checked, but no loss and no backward run; "
+            "pass loss_fn= (e.g. loss_fn=nn.CrossEntropyLoss()) to check the loss and the backward too",
+            UserWarning,
+            stacklevel=2,
+        )
     report = Report()
     target_dev = None
     for _, t in _leaves(target, "target"):

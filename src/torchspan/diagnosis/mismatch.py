@@ -153,6 +153,8 @@ def describe_tensors(
         src = producer(t)
         if named is not None:
             kind, name = named
+            if kind == "attribute" and t.requires_grad and not isinstance(t, nn.Parameter):
+                kind = "unregistered parameter"  # nn.Parameter(t).cuda(1): a copy, trained by nothing
         elif src is not None:
             func, mod = src
             if is_factory(func):
@@ -188,7 +190,7 @@ def expected_device(args: Sequence[TensorArg], module: nn.Module | None) -> str:
         if a.kind == "parameter" and a.device in top:
             return a.device
     # tensors that are easily left behind (state, buffers, plain attributes) lose ties
-    fresh = [a for a in counted if a.device in top and a.kind not in ("optimizer state", "buffer", "attribute")]
+    fresh = [a for a in counted if a.device in top and a.kind not in ("optimizer state", "buffer", "attribute", "unregistered parameter")]
     if len({a.device for a in fresh}) == 1:
         return fresh[0].device
     if module is not None:
@@ -220,6 +222,15 @@ def _owner(name: str) -> tuple[str, str]:
     return py_path(owner or name), leaf
 
 
+def unregistered_parameter_fix(name: str, leaf: str) -> str:
+    """The fix for ``self.w = nn.Parameter(t).cuda(1)``: a plain tensor copy that no optimizer trains."""
+    return (
+        f"`{name}` is not a parameter and will not be trained: `nn.Parameter(t).cuda()` / `.to()` returns a plain "
+        f"tensor copy, which `parameters()` (so the optimizer) never sees and `.to()` does not move; create it with "
+        f"`self.{leaf} = nn.Parameter(t.to(device))`"
+    )
+
+
 def build_fix(
     args: Sequence[TensorArg],
     expected: str,
@@ -246,6 +257,8 @@ def build_fix(
         elif a.kind == "parameter" and a.name:
             owner, _ = _owner(a.name)
             fixes.append(f"move the layer with `{owner}.to('{expected}')`, or move its input to {a.device} before calling it")
+        elif a.kind == "unregistered parameter" and a.name:
+            fixes.append(unregistered_parameter_fix(a.name, _owner(a.name)[1]))
         elif a.kind == "attribute" and a.name:
             owner, leaf = _owner(a.name)
             fixes.append(
@@ -262,10 +275,9 @@ def build_fix(
         elif i in factories:
             made = f"`{a.name}` was" if a.name else "this tensor was"
             move = f"; or move it before use{at}: `{a.name} = {a.name}.to('{expected}')`" if a.name else ""
-            fixes.append(
-                f"{made} made by {factory_name(factories[i])} on {a.device} because no device was given: "
-                f"create it with `device={ref_expr}`{move}"
-            )
+            # a factory puts its result on the default device unless told otherwise: elsewhere, a device was given
+            why = f"on {a.device} because no device was given" if a.device == str(torch.get_default_device()) else f"with device='{a.device}'"
+            fixes.append(f"{made} made by {factory_name(factories[i])} {why}: create it with `device={ref_expr}`{move}")
         elif a.kind == "gradient":
             fixes.append(
                 f"a gradient arrived on {a.device}: a tensor hook or custom autograd Function returned it there; "

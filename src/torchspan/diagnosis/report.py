@@ -31,7 +31,8 @@ class TensorArg:
     """One tensor taking part in a device disagreement.
 
     ``label`` is the argument name (``"input"``, ``"weight"``, ``"tensors[1]"``); ``kind`` is one of
-    ``parameter``, ``buffer``, ``attribute`` (a plain tensor attribute of a module), ``optimizer
+    ``parameter``, ``buffer``, ``attribute`` (a plain tensor attribute of a module), ``unregistered
+    parameter`` (such an attribute that requires grad: `nn.Parameter(t).cuda()`), ``optimizer
     state``, ``activation``, ``variable``, ``gradient``, ``tensor``; ``name`` is the qualified name
     (``model.net2.weight``) or variable name; ``origin`` says where an activation came from.
     """

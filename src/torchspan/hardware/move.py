@@ -60,7 +60,8 @@ def to_device(obj: T, device: str | int | torch.device | Device, non_blocking: b
 
     Handles tensors; dicts, lists, tuples, namedtuples and dataclasses (same type back); ``nn.Module``
     (parameters **and buffers**, in place, returned); ``torch.optim.Optimizer`` state (in place,
-    returned). Anything else is returned unchanged.
+    returned). A ``torch.Generator`` on another device is a ``ValueError`` (it cannot move); anything
+    else is returned unchanged.
 
     Usage: ``batch = to_device({"x": x, "y": [y1, y2]}, "cuda:0")``;
     ``to_device(criterion, "cuda")`` moves a ``CrossEntropyLoss(weight=...)`` buffer too.
@@ -84,6 +85,13 @@ def _to(obj: Any, dev: torch.device, non_blocking: bool) -> Any:
         _move_optimizer(obj, dev, non_blocking)
         return obj
     if isinstance(obj, (str, bytes)) or obj is None:
+        return obj
+    if isinstance(obj, torch.Generator):
+        if obj.device != dev:
+            raise ValueError(
+                f"to_device got a torch.Generator on {obj.device}, which cannot move to {dev}: its state belongs to its device; "
+                f"make one there, e.g. torch.Generator(device={str(dev)!r}).manual_seed(seed), and leave the generator out of what you move"
+            )
         return obj
     if _is_namedtuple(obj):
         return type(obj)(*(_to(v, dev, non_blocking) for v in obj))
