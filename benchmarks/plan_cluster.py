@@ -1,0 +1,175 @@
+"""Cluster plans predicted vs measured on this machine: gloo processes on 127.0.0.1 (issue 13 item 4).
+
+1. All-reduce of N bytes over 2 and 4 gloo processes: 2 processes calibrate the ``loopback`` link
+   (relative least squares of ``t = S / bw + 2 * latency``, the ring formula at n = 2); 4 processes test the
+   comm model's prediction with those figures (``planner.comm.allreduce_time``).
+2. A data-parallel step of a small MLP under plain ``torch.nn.parallel.DistributedDataParallel``
+   (forward + backward, whose gradient all-reduce DDP finishes inside ``backward()``; no optimizer
+   step: the cost model does not model it) against ``torchspan.plan(..., devices="cpu", nodes=n,
+   interconnect="loopback", data_parallel=n)``: each process one "node" of one CPU.
+
+Every process runs ``torch.set_num_threads(1)``. Prints a Markdown table for benchmarks/RESULTS.md.
+
+Usage::
+
+    python benchmarks/plan_cluster.py                 # default sizes and repeats
+    python benchmarks/plan_cluster.py --repeats 20 --batch 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+SIZES = [4 * 1024, 64 * 1024, 1024**2, 4 * 1024**2, 16 * 1024**2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def mlp() -> nn.Sequential:
+    """Four 512-wide Linear+ReLU blocks and a 10-way head (about 4.2 MB of float32 parameters)."""
+    layers: list[nn.Module] = []
+    for _ in range(4):
+        layers += [nn.Linear(512, 512), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(512, 10))
+
+
+def _worker(rank: int, world: int, port: int, job: str, args: dict[str, Any], queue: Any) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        out = _allreduce(args) if job == "allreduce" else _ddp_step(rank, world, args)
+        if rank == 0:
+            queue.put(out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _allreduce(args: dict[str, Any]) -> dict[int, float]:
+    """Median seconds per all-reduce, per size (slowest rank's view: a barrier before each, max over ranks)."""
+    out = {}
+    for size in args["sizes"]:
+        t = torch.ones(size // 4)
+        times = []
+        for k in range(args["warmup"] + args["repeats"]):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(t)
+            took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            if k >= args["warmup"]:
+                times.append(float(took))
+        out[size] = statistics.median(times)
+    return out
+
+
+def _ddp_step(rank: int, world: int, args: dict[str, Any]) -> float:
+    """Median seconds of forward + backward of a DDP replica on its shard of the global batch."""
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(mlp())
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(args["batch"], 512, generator=gen).chunk(world)[rank]
+    y = torch.randint(0, 10, (args["batch"],), generator=gen).chunk(world)[rank]
+    loss_fn = nn.CrossEntropyLoss()
+    times = []
+    for k in range(args["warmup"] + args["repeats"]):
+        model.zero_grad(set_to_none=True)
+        dist.barrier()
+        start = time.perf_counter()
+        loss_fn(model(x), y).backward()
+        took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        if k >= args["warmup"]:
+            times.append(float(took))
+    return statistics.median(times)
+
+
+def run(world: int, job: str, args: dict[str, Any]) -> Any:
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, job, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=600)
+        if p.exitcode != 0:
+            raise RuntimeError(f"{job} over {world} processes: a rank exited with {p.exitcode}")
+    return queue.get()
+
+
+def fit(times: dict[int, float]) -> tuple[float, float]:
+    """``(bandwidth bytes/s, latency s)`` from 2-process all-reduce times: ``t = S/bw + 2 lat`` fitted by
+    least squares of the RELATIVE error (weights ``1/t^2``), so 4 KiB counts as much as 16 MiB."""
+    xs, ys = list(times), [times[s] for s in times]
+    w = [1.0 / y**2 for y in ys]
+    sw, sx, sy = sum(w), sum(a * x for a, x in zip(w, xs)), sum(a * y for a, y in zip(w, ys))
+    sxx, sxy = sum(a * x * x for a, x in zip(w, xs)), sum(a * x * y for a, x, y in zip(w, xs, ys))
+    slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+    intercept = (sy - slope * sx) / sw
+    return 1.0 / slope, max(0.0, intercept / 2)
+
+
+def _err(pred: float, meas: float) -> str:
+    return f"{pred / meas:.2f}"
+
+
+def main() -> None:
+    from torchspan import plan
+    from torchspan.hardware import links
+    from torchspan.planner.comm import allreduce_time
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=64)
+    opts = ap.parse_args()
+    torch.set_num_threads(1)
+    args = {"sizes": SIZES, "warmup": opts.warmup, "repeats": opts.repeats, "batch": opts.batch}
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPU(s), load average {os.getloadavg()[0]:.2f}")
+
+    measured = {n: run(n, "allreduce", args) for n in (2, 4)}
+    bw, lat = fit(measured[2])
+    table = links.lookup("loopback")
+    fitted = links.calibrated(table, bw, lat, "this run")
+    print(f"\nfit on 2 processes: bandwidth {bw / 1e9:.3f} GB/s, latency {lat * 1e6:.1f} us "
+          f"(links.py table: {table.bandwidth / 1e9:.3f} GB/s x {table.efficiency:g}, {table.latency * 1e6:.1f} us)")  # fmt: skip
+    print("\n| processes | bytes | measured ms | predicted ms (table) | pred/meas | predicted ms (this run's fit) | pred/meas |")
+    print("|---|---|---|---|---|---|---|")
+    for n in (2, 4):
+        for size in SIZES:
+            m = measured[n][size]
+            p_table, p_fit = allreduce_time(size, n, table), allreduce_time(size, n, fitted)
+            print(f"| {n} | {size:,} | {m * 1e3:.3f} | {p_table * 1e3:.3f} | {_err(p_table, m)} | {p_fit * 1e3:.3f} | {_err(p_fit, m)} |")
+
+    print("\n| processes | DDP fwd+bwd measured ms | predicted ms (compute + all-reduce) | pred/meas | plan |")
+    print("|---|---|---|---|---|")
+    x = torch.randn(opts.batch, 512)
+    for n in (2, 4):
+        meas = run(n, "ddp", args)
+        pl = plan(mlp(), x, devices="cpu", nodes=n, interconnect="loopback", data_parallel=n,
+                  microbatches=1, checkpoint="never", optimizer="sgd")  # fmt: skip
+        t = pl.predicted_times
+        pred = pl.predicted_step_time or 0.0
+        what = f"dp {pl.data_parallel} x pp {len(pl.stages)}, {opts.batch // n} samples/replica"
+        print(f"| {n} | {meas * 1e3:.2f} | {pred * 1e3:.2f} ({t['compute'] * 1e3:.2f} + {t['allreduce'] * 1e3:.2f}) "
+              f"| {_err(pred, meas)} | {what} |")  # fmt: skip
+    print(f"\nload average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
