@@ -161,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
             "torchgpipe 0.0.7 like-for-like checkpoint=never, cpu,cpu"
         )
     else:
-        print("torchgpipe is not installed (pip install -c constraints.txt 'torchspan[bench]'); its ratios are skipped")
+        why = "torchgpipe is not installed (pip install -c constraints.txt 'torchspan[bench]')"
+        for name in ("torchspan_default/torchgpipe_default", "torchspan/torchgpipe_except_last", "torchspan/torchgpipe_never"):
+            print(f"SKIP {name} {why}")
     if "torchspan cuda" in t:  # pragma: no cover - needs a GPU
         print(f"RATIO torchspan_cuda/plain_cuda {t['torchspan cuda'] / t['plain cuda']:.3f} <=1.1 plain loop, cuda:0")
         print(f"RATIO torchspan_cpu+cuda/plain_cuda {t['torchspan cpu+cuda'] / t['plain cuda']:.3f} - plain loop, cuda:0")

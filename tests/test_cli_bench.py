@@ -112,3 +112,16 @@ def test_bench_bad_arguments(tmp_path: Path, capsys):
     assert main(["bench", "--dir", str(tmp_path / "empty")]) == 2
     assert "no benchmark scripts" in capsys.readouterr().err
     assert main(["bench", "--dir", str(tmp_path / "empty"), "--timeout", "0"]) == 2
+
+
+def test_a_comparison_skipped_for_a_missing_anchor_is_shown(tmp_path: Path, capsys):
+    # issue 10: `bench --quick` said nothing when torchgpipe was missing; scripts print SKIP lines, the table shows them
+    d = tmp_path / "benchmarks"
+    d.mkdir()
+    write(d, "anchorless.py", "print('RATIO a/plain 0.9 <=1.1 plain loop')\nprint('SKIP a/torchgpipe torchgpipe is not installed')\n")
+    assert bench.parse_skips("x\nSKIP a/b b is not installed\n") == {"a/b": "b is not installed"}
+    assert main(["bench", "--quick", "--dir", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert "a/torchgpipe" in out and "skipped" in out and "torchgpipe is not installed" in out
+    assert main(["bench", "--quick", "--dir", str(d), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["skipped"] == {"a/torchgpipe": "torchgpipe is not installed"}

@@ -4,10 +4,13 @@ Runs each script ``benchmarks/*.py`` (names starting with ``_`` are helpers and 
 process, passing ``--quick`` when asked, and collects the lines it prints of the form::
 
     RATIO <name> <value> <goal> [anchor words...]
+    SKIP <name> <why...>
 
 ``<value>`` is torchspan's figure over its anchor's (a float), ``<goal>`` is ``<=0.8``, ``>=1.3``
 (``<``, ``>`` too) or ``-`` for none, and the rest of the line names the anchor. Each script
-measures anchor and torchspan in the same run, so the ratios are comparable on any machine.
+measures anchor and torchspan in the same run, so the ratios are comparable on any machine. A
+``SKIP`` line names a comparison the script could not make (e.g. its anchor is not installed); the
+table shows it as skipped, with the reason.
 
 Usage: ``torchspan bench --quick``; in Python, ``main(["bench", "--quick"])``.
 """
@@ -31,8 +34,9 @@ from rich.table import Table
 
 from ._common import UsageError, console, print_json
 
-__all__ = ["Ratio", "ScriptResult", "parse_ratios", "goal_met", "find_scripts", "run_benchmarks", "machine_description"]
+__all__ = ["Ratio", "ScriptResult", "parse_ratios", "parse_skips", "goal_met", "find_scripts", "run_benchmarks", "machine_description"]
 
+_SKIP_RE = re.compile(r"^SKIP\s+(\S+)\s*(.*)$")
 _RATIO_RE = re.compile(r"^RATIO\s+(\S+)\s+(\S+)\s+(\S+)(?:\s+(.*))?$")
 _GOAL_RE = re.compile(r"^(<=|>=|<|>)\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)x?$")
 _OPS: dict[str, Callable[[float, float], bool]] = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt}
@@ -61,6 +65,7 @@ class ScriptResult:
     seconds: float
     ratios: list[Ratio] = field(default_factory=list)
     tail: str = ""
+    skipped: dict[str, str] = field(default_factory=dict)  # comparison -> why the script could not make it
 
     @property
     def ok(self) -> bool:
@@ -99,6 +104,12 @@ def parse_ratios(text: str) -> list[Ratio]:
         goal_met(value, goal)  # validates the goal
         out.append(Ratio(name, value, goal, (anchor or "").strip()))
     return out
+
+
+def parse_skips(text: str) -> dict[str, str]:
+    """``SKIP <name> <why...>`` lines: the comparisons a script skipped and why (``{"a/b": "b is not installed"}``)."""
+    found = (_SKIP_RE.match(line.strip()) for line in text.splitlines())
+    return {m.group(1): m.group(2).strip() or "skipped by the script" for m in found if m}
 
 
 def default_benchmarks_dir() -> Path:
@@ -159,7 +170,7 @@ def run_benchmarks(
         except ValueError as exc:
             results.append(ScriptResult(script.stem, proc.returncode or 1, seconds, tail=str(exc)))
             continue
-        results.append(ScriptResult(script.stem, proc.returncode, seconds, ratios, tail))
+        results.append(ScriptResult(script.stem, proc.returncode, seconds, ratios, tail, parse_skips(proc.stdout or "")))
     return results
 
 
@@ -191,6 +202,8 @@ def render(results: Sequence[ScriptResult], machine: str, quick: bool) -> Table:
         for i, q in enumerate(r.ratios):
             met = {True: "[green]yes[/green]", False: "[red]no[/red]", None: "-"}[q.met]
             table.add_row(r.script if i == 0 else "", q.name, _fmt_value(q.value), q.goal, met, q.anchor, f"{r.seconds:.0f}" if i == 0 else "")
+        for name, why in r.skipped.items():
+            table.add_row("", name, "-", "-", "[yellow]skipped[/yellow]", why, "")
     return table
 
 
