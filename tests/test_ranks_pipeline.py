@@ -130,6 +130,26 @@ def _pipeline_worker(rank: int, world: int, port: int) -> None:
     torch.distributed.all_gather(copies, model.embed.weight.detach())
     assert torch.equal(copies[0], copies[1]), "the tied weight's copies drifted apart"
 
+    # shapes change between steps (sequence length, micro-batch sizes; a forward in between shares the
+    # channels): the transport's predicted headers must notice every change and stay exact
+    for schedule in ("1f1b", "gpipe"):
+        model = _seq()
+        reference = copy.deepcopy(model)
+        spanned = torchspan.span(model, balance=[2, 2], microbatches=3, schedule=schedule)
+        for rows, length in ((7, 3), (7, 5), (5, 5), (7, 3), (7, 3)):
+            xs = torch.randn(rows, length, 5, generator=g, dtype=torch.float64)
+            ys = torch.randn(rows, length, 4, generator=g, dtype=torch.float64)
+            spanned.zero_grad()
+            reference.zero_grad()
+            got = spanned.train_step(xs, ys, nn.MSELoss())
+            want = nn.MSELoss()(reference(xs), ys)
+            want.backward()
+            label = f"{schedule}, {rows} rows of length {length}"
+            torch.testing.assert_close(got.double(), want.detach(), **LOSS_TOL, msg=lambda m: f"{label}: loss: {m}")
+            _check(spanned, reference, label, rank)
+            if length == 5:
+                torch.testing.assert_close(spanned(xs[:4]), reference(xs[:4]).detach(), **TOL)
+
 
 def _failing_worker(rank: int, world: int, port: int, out: str) -> None:
     _join(rank, world, port)

@@ -100,7 +100,7 @@ class Pipeline:
     def _send(self, box: Mailbox, kind: str, values: list[Any], spec: Any, src: int, dst: int, mb: int) -> None:
         if not self.transport.is_local(dst):
             with self.recorder.block(src, self.devices[src], mb, "transfer"):
-                self.transport.send(values, spec, src, dst, kind)
+                self.transport.send(values, spec, src, dst, kind, mb)
             return
         key = (kind, dst, mb)
         sdev, ddev = self.devices[src], self.devices[dst]
@@ -117,7 +117,7 @@ class Pipeline:
 
     def _receive(self, box: Mailbox, kind: str, stage: int, src: int, mb: int) -> tuple[list[Any], Any]:
         if not self.transport.is_local(src):
-            return self.transport.receive(src, stage, kind)
+            return self.transport.receive(src, stage, kind, mb)
         values, spec, ready = box.get((kind, stage, mb))
         wait_ready(ready, self.devices[stage], values)
         return values, spec
@@ -153,10 +153,22 @@ class Pipeline:
         names = [f"torchspan-{self.devices[g[0]]}-stages-{'-'.join(map(str, g))}" for g in groups]
         ok = False
         try:
+            self.transport.start(self._remote_receives(schedule, groups))
             run_workers([job(g) for g in groups], names=names)
             ok = True
         finally:
             self.transport.finish(ok)
+
+    def _remote_receives(self, schedule: list[list[sched.Action]], groups: list[list[int]]) -> list[tuple[int, str, int]]:
+        """``(src stage, kind, micro-batch)`` of every value this process will receive from another, in run order."""
+        last, out = len(self.devices) - 1, []
+        for g in groups:
+            for a in sched.merged_order(schedule, g):
+                fwd = a.kind == sched.FORWARD
+                src = a.stage - 1 if fwd else a.stage + 1
+                if (a.stage > 0 if fwd else a.stage < last) and not self.transport.is_local(src):
+                    out.append((src, "fwd" if fwd else "bwd", a.microbatch))
+        return out
 
     # ------------------------------------------------------------------ training
     def train(
@@ -292,7 +304,7 @@ class Pipeline:
             if s == 0:
                 args = to_device(list(inputs[mb]), dev)
             elif not self.transport.is_local(s - 1):
-                leaves, spec = self.transport.receive(s - 1, s, "fwd")
+                leaves, spec = self.transport.receive(s - 1, s, "fwd", mb)
                 args = tree_unflatten(leaves, spec)
             else:
                 args = box.get(("fwd", s, mb))
@@ -312,7 +324,7 @@ class Pipeline:
             if not self.transport.is_local(s + 1):
                 leaves, spec = tree_flatten(list(out))
                 with self.recorder.block(s, dev, mb, "transfer"):
-                    self.transport.send(leaves, spec, s, s + 1, "fwd")
+                    self.transport.send(leaves, spec, s, s + 1, "fwd", mb)
                 return
             nxt = self.devices[s + 1]
             if nxt != dev:

@@ -68,7 +68,7 @@ class Transport:
 
     This base runs every stage in this process: values between stages go through the ``Mailbox``
     (and device copies), so ``send``/``receive`` are never called. A transport across processes
-    overrides all five methods. Usage: ``Pipeline(devices, ..., transport=RankTransport(mesh, rank, device))``.
+    overrides them all. Usage: ``Pipeline(devices, ..., transport=RankTransport(mesh, rank, device))``.
     """
 
     def is_local(self, stage: int) -> bool:
@@ -79,12 +79,16 @@ class Transport:
         """Words naming where ``stage`` runs, for error notes (empty: this process)."""
         return ""
 
-    def send(self, values: list[Any], spec: Any, src: int, dst: int, kind: str) -> None:
-        """Hand ``values`` (flattened leaves, ``spec`` their pytree spec) from local ``src`` to remote ``dst``."""
+    def start(self, receives: Sequence[tuple[int, str, int]]) -> None:
+        """A run begins; it will receive ``(src stage, kind, micro-batch)`` from other processes in this order
+        (a transport may post those receives early)."""
+
+    def send(self, values: list[Any], spec: Any, src: int, dst: int, kind: str, mb: int = 0) -> None:
+        """Hand ``values`` (flattened leaves, ``spec`` their pytree spec) of micro-batch ``mb`` from local ``src`` to remote ``dst``."""
         raise RuntimeError(f"stage {dst} runs in this process: its values go through the mailbox, not a transport")
 
-    def receive(self, src: int, dst: int, kind: str) -> tuple[list[Any], Any]:
-        """The next ``(values, spec)`` that remote ``src`` sent to local ``dst`` with ``kind`` (``"fwd"``/``"bwd"``)."""
+    def receive(self, src: int, dst: int, kind: str, mb: int = 0) -> tuple[list[Any], Any]:
+        """The ``(values, spec)`` of micro-batch ``mb`` that remote ``src`` sent to local ``dst`` with ``kind`` (``"fwd"``/``"bwd"``)."""
         raise RuntimeError(f"stage {src} runs in this process: its values come through the mailbox, not a transport")
 
     def finish(self, ok: bool) -> None:

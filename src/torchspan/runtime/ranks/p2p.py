@@ -1,14 +1,24 @@
 """Point-to-point transport between pipeline ranks: activations forward, gradients back.
 
-Every message is a *header* then the tensors. The header (pickled: the pytree spec as JSON and, per leaf,
-a tensor's shape/dtype, ``None``, or a plain value) tells the receiver what to allocate, so uneven
-micro-batches and non-tensor leaves need no shape probe. A channel (peer, kind) remembers the last
-header each way: an unchanged header costs one 8-byte message (``[0]``), a new one its length then
-its bytes. Sends are ``isend`` (waited for at the end of the run), so two ranks sending to each
-other at once (1F1B's forward and backward) never block each other; receives are plain ``recv`` /
-``irecv`` posted in the order the schedule sends them. Batched ``P2POp`` lists are not used: they
-can hang on gloo. Tags keep forward (0) and backward (1) traffic apart on gloo; nccl orders one
-pair's messages itself.
+One message per transfer in the steady state. A channel (peer, kind) carries one message per
+micro-batch, in schedule order; both ends remember, per micro-batch index, the *header* of the
+last transfer (pytree spec, each leaf's shape/dtype or pickled plain value) and so agree on the
+size of the next message before it is sent. The receiver posts that ``irecv`` early (when the
+previous transfer on the channel is consumed, or when the run starts), so on gloo the data flows
+as soon as it is sent instead of after a send-ready / recv-ready handshake. A message is one
+``uint8`` buffer: a 16-byte prefix, then every tensor leaf (16-byte aligned):
+
+- header as predicted (the same micro-batch shapes as last step): prefix ``[0, 0]`` + data.
+  **One message.**
+- header changed (first step, uneven micro-batches moved, a new sequence length): the sender,
+  which tracks the same prediction, still sends a message of the predicted size, its prefix
+  ``[len(header), data bytes]``; then a second message, the pickled header then the data.
+  The receiver reads the prefix and receives the second. Exact for any change: nothing is
+  guessed that is not checked.
+
+Sends are ``isend`` (waited for at the end of the run), so two ranks sending to each other at
+once (1F1B) never block each other. Batched ``P2POp`` lists are not used: they can hang on gloo.
+Tags keep forward (0) and backward (1) traffic apart.
 
 Usage (``RankPipelineExecutor`` does this)::
 
@@ -19,6 +29,7 @@ Usage (``RankPipelineExecutor`` does this)::
 from __future__ import annotations
 
 import pickle
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -32,28 +43,72 @@ __all__ = ["RankTransport", "PeerError"]
 
 _TAGS = {"fwd": 0, "bwd": 1}
 _WHAT = {"fwd": "activations", "bwd": "gradients"}
+_PREFIX = 16  # two int64: header length (0: as predicted), data bytes
+_ALIGN = 16
 
 
 class PeerError(RuntimeError):
     """A point-to-point exchange with another rank failed (that rank stopped, or the group timed out)."""
 
 
-def _header(values: list[Any], spec: Any) -> tuple[str | None, list[Any]]:
-    """What the receiver needs to rebuild ``values``: the spec as pytree JSON, and each leaf's shape/dtype or value."""
-    metas: list[Any] = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            metas.append(("tensor", tuple(v.shape), v.dtype))
-        else:
-            metas.append(("value", v))
-    return (None if spec is None else treespec_dumps(spec)), metas
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class _Header:
+    """What the receiver needs to rebuild a transfer: spec, and per leaf ``(shape, dtype)`` or a pickled value."""
+
+    __slots__ = ("spec", "metas", "offsets", "nbytes")
+
+    def __init__(self, spec: Any, metas: list[Any]) -> None:
+        self.spec, self.metas = spec, metas
+        self.offsets: list[int] = []  # per tensor leaf, from the start of the data
+        size = 0
+        for m in metas:
+            if m[0] == "tensor":
+                self.offsets.append(size)
+                size += _aligned(_nbytes(m[1], m[2]))
+        self.nbytes = size
+
+    @classmethod
+    def of(cls, values: list[Any], spec: Any) -> _Header:
+        metas: list[Any] = []
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                metas.append(("tensor", tuple(v.shape), v.dtype))
+            else:
+                metas.append(("value", pickle.dumps(v)))
+        return cls(spec, metas)
+
+    def same(self, other: _Header | None) -> bool:
+        if other is None or self.metas != other.metas:
+            return False
+        try:
+            return self.spec is other.spec or bool(self.spec == other.spec)
+        except Exception:  # an odd pytree context: treat as changed (one extra message, still exact)
+            return False
+
+    def dumps(self) -> bytes:
+        return pickle.dumps((None if self.spec is None else treespec_dumps(self.spec), self.metas))
+
+    @classmethod
+    def loads(cls, blob: bytes) -> _Header:
+        spec_text, metas = pickle.loads(blob)
+        return cls(None if spec_text is None else treespec_loads(spec_text), metas)
+
+
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * dtype.itemsize
 
 
 class RankTransport(Transport):
     """This rank's stage of replica ``mesh.coords(rank)[0]``; the other stages are other ranks.
 
     ``device``: where received tensors are placed (and sent from); under nccl a CUDA device.
-    ``comm_device``: where headers travel (default ``device``; gloo sends CPU tensors).
+    ``comm_device``: where messages travel (default ``device``; gloo sends CPU tensors).
     """
 
     def __init__(self, mesh: Mesh, rank: int, device: torch.device, comm_device: torch.device | None = None) -> None:
@@ -62,9 +117,11 @@ class RankTransport(Transport):
         self.replica, self.stage = mesh.coords(rank)
         self.device = device
         self.comm_device = comm_device if comm_device is not None else device
-        self._pending: list[tuple[Any, Any]] = []  # (work, tensor kept alive until sent)
-        self._sent: dict[tuple[int, str], bytes] = {}
-        self._received: dict[tuple[int, str], tuple[Any, list[Any]]] = {}
+        self._pending: list[tuple[Any, Any]] = []  # (work, buffer kept alive until sent)
+        self._sent: dict[tuple[int, str, int], _Header] = {}  # (peer, kind, micro-batch) -> last header sent
+        self._received: dict[tuple[int, str, int], _Header] = {}  # ... -> last header received
+        self._plan: dict[tuple[int, str], list[int]] = {}  # (peer, kind) -> micro-batches still to receive, in order
+        self._posted: dict[tuple[int, str], tuple[int, Any, torch.Tensor]] = {}  # (peer, kind) -> (mb, work, buffer)
 
     def peer(self, stage: int) -> int:
         """The rank holding ``stage`` in this rank's replica."""
@@ -76,56 +133,98 @@ class RankTransport(Transport):
     def where(self, stage: int) -> str:
         return f"rank {self.peer(stage)} ("
 
-    # ------------------------------------------------------------------ sending
-    def _isend(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
-        self._pending.append((dist.isend(tensor, dst=peer, tag=tag), tensor))
+    # ------------------------------------------------------------------ run
+    def start(self, receives: Sequence[tuple[int, str, int]]) -> None:
+        """The run will receive ``(src stage, kind, micro-batch)`` in this order: post each channel's first ``irecv``."""
+        self._plan, self._posted = {}, {}
+        for src, kind, mb in receives:
+            self._plan.setdefault((self.peer(src), kind), []).append(mb)
+        for channel in self._plan:
+            self._post(channel)
 
-    def send(self, values: list[Any], spec: Any, src: int, dst: int, kind: str) -> None:
+    def _post(self, channel: tuple[int, str]) -> None:
+        mbs = self._plan.get(channel)
+        if not mbs:
+            return
+        mb = mbs.pop(0)
+        peer, kind = channel
+        known = self._received.get((peer, kind, mb))
+        buf = torch.empty(_PREFIX + (known.nbytes if known is not None else 0), dtype=torch.uint8, device=self.comm_device)
+        self._posted[channel] = (mb, dist.irecv(buf, src=peer, tag=_TAGS[kind]), buf)
+
+    # ------------------------------------------------------------------ sending
+    def _isend(self, buf: torch.Tensor, peer: int, tag: int) -> None:
+        self._pending.append((dist.isend(buf, dst=peer, tag=tag), buf))
+
+    def _pack(self, header: _Header, values: list[Any], start: int, size: int) -> torch.Tensor:
+        buf = torch.empty(size, dtype=torch.uint8, device=self.comm_device)
+        tensors = (v for v in values if isinstance(v, torch.Tensor))
+        for off, t in zip(header.offsets, tensors):
+            n = t.numel() * t.element_size()
+            if n:
+                buf[start + off : start + off + n].view(t.dtype).view(t.shape).copy_(t.detach())
+        return buf
+
+    def send(self, values: list[Any], spec: Any, src: int, dst: int, kind: str, mb: int = 0) -> None:
         peer, tag = self.peer(dst), _TAGS[kind]
-        blob = pickle.dumps(_header(values, spec))
-        if self._sent.get((peer, kind)) == blob:
-            self._isend(torch.zeros(1, dtype=torch.int64, device=self.comm_device), peer, tag)
-        else:
-            self._sent[(peer, kind)] = blob
-            self._isend(torch.tensor([len(blob)], dtype=torch.int64, device=self.comm_device), peer, tag)
-            self._isend(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.comm_device), peer, tag)
-        for v in values:
-            if isinstance(v, torch.Tensor):
-                self._isend(v.detach().to(self.device).contiguous(), peer, tag)
+        header = _Header.of(values, spec)
+        known = self._sent.get((peer, kind, mb))
+        if header.same(known):
+            buf = self._pack(header, values, _PREFIX, _PREFIX + header.nbytes)
+            buf[:_PREFIX].view(torch.int64).zero_()
+            self._isend(buf, peer, tag)
+            return
+        blob = header.dumps()
+        first = torch.zeros(_PREFIX + (known.nbytes if known is not None else 0), dtype=torch.uint8)
+        first[:_PREFIX].view(torch.int64).copy_(torch.tensor([len(blob), header.nbytes]))
+        self._isend(first.to(self.comm_device), peer, tag)
+        start = _aligned(len(blob))
+        second = self._pack(header, values, start, start + header.nbytes)
+        second[: len(blob)].copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+        self._isend(second, peer, tag)
+        self._sent[(peer, kind, mb)] = header
 
     # ------------------------------------------------------------------ receiving
-    def receive(self, src: int, dst: int, kind: str) -> tuple[list[Any], Any]:
+    def receive(self, src: int, dst: int, kind: str, mb: int = 0) -> tuple[list[Any], Any]:
         peer, tag = self.peer(src), _TAGS[kind]
+        channel = (peer, kind)
         try:
-            size = torch.zeros(1, dtype=torch.int64, device=self.comm_device)
-            dist.recv(size, src=peer, tag=tag)
-            n = int(size.item())
-            if n:
-                buf = torch.empty(n, dtype=torch.uint8, device=self.comm_device)
+            if channel not in self._posted:  # not announced by start(): post it now
+                self._plan.setdefault(channel, []).insert(0, mb)
+                self._post(channel)
+            posted_mb, work, buf = self._posted.pop(channel)
+            if posted_mb != mb:
+                raise RuntimeError(f"micro-batch {mb} received where the schedule announced {posted_mb}")
+            work.wait()
+            blob_len, data_len = buf[:_PREFIX].view(torch.int64).tolist()
+            if blob_len:
+                start = _aligned(blob_len)
+                buf = torch.empty(start + data_len, dtype=torch.uint8, device=self.comm_device)
                 dist.recv(buf, src=peer, tag=tag)
-                self._received[(peer, kind)] = pickle.loads(buf.cpu().numpy().tobytes())
-            spec_text, metas = self._received[(peer, kind)]
-            spec = None if spec_text is None else treespec_loads(spec_text)
-            values: list[Any] = []
-            works = []
-            for meta in metas:
-                if meta[0] == "tensor":
-                    t = torch.empty(meta[1], dtype=meta[2], device=self.device)
-                    works.append(dist.irecv(t, src=peer, tag=tag))
-                    values.append(t)
-                else:
-                    values.append(meta[1])
-            for w in works:
-                w.wait()
+                header = _Header.loads(buf[:blob_len].cpu().numpy().tobytes())
+                self._received[(peer, kind, mb)] = header
+            else:
+                header, start = self._received[(peer, kind, mb)], _PREFIX
+            self._post(channel)  # the next transfer on this channel may already be on its way
         except (RuntimeError, KeyError) as exc:
             raise PeerError(
                 f"rank {self.rank} (stage {dst}) could not receive {_WHAT[kind]} from rank {peer} (stage {src}): {exc}. "
                 f"Rank {peer} probably failed or was killed: see its traceback; the job stops instead of waiting"
             ) from exc
-        return values, spec
+        values: list[Any] = []
+        offsets = iter(header.offsets)
+        for meta in header.metas:
+            if meta[0] == "tensor":
+                off = start + next(offsets)
+                t = buf[off : off + _nbytes(meta[1], meta[2])].view(meta[2]).view(meta[1])
+                values.append(t if t.device == self.device else t.to(self.device))
+            else:
+                values.append(pickle.loads(meta[1]))
+        return values, header.spec
 
     def finish(self, ok: bool) -> None:
         pending, self._pending = self._pending, []
+        self._plan, self._posted = {}, {}
         if not ok:
             return  # a failed run: peers are stopping too; waiting on their receives could hang
         for work, _ in pending:
