@@ -119,11 +119,12 @@ def test_inputs_the_model_rejects_are_a_usage_error(
     # int64 ids into a Linear: the fake sizing pass lets it through, the real forward does not
     assert main(["plan", f"{target}:build", "--input-shape", "4,32", "--dtype", "int64", "--devices", "cpu"]) == 2
     err = capsys.readouterr().err
-    assert "Sequential fails on example_inputs" in err and "Traceback" not in err
+    # the wording plan, run and verify share (commands/_target.first_call)
+    assert "the model rejects a batch of shape 4,32 int64" in err and "set --input-shape/--dtype" in err and "Traceback" not in err
     # a wrong feature size: one message, and no traceback logged by FakeTensorMode (20 lines on stderr)
     with caplog.at_level(logging.DEBUG):
         assert main(["plan", f"{target}:build", "--input-shape", "4,31", "--devices", "cpu"]) == 2
-    assert "example_inputs" in capsys.readouterr().err
+    assert "the model rejects a batch of shape 4,31 float32" in capsys.readouterr().err
     assert not [r for r in caplog.records if r.name.startswith("torch._subclasses")]
 
 

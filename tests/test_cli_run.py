@@ -202,3 +202,14 @@ def test_out_budgets_use_the_device_names_of_the_plan(models: str, tmp_path: Pat
     argv = [f"{models}:build", "--input-shape", "16,32", "--devices", "cpu", "--memory", "CPU=1GiB", "--steps", "1", "--out", str(tmp_path / "o")]
     run_json(argv, capsys)
     assert seen == {"cpu": 2**30}
+
+
+def test_fp16_weights_under_adam_get_the_real_cause_and_precision_trains(models: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # issue 10: "lower --lr" was wrong advice; fp16 parameters with Adam are NaN at any learning rate
+    argv = ["run", f"{models}:build", "--input-shape", "16,32", "--devices", "cpu", "--steps", "3"]
+    assert main([*argv, "--dtype", "float16", "--lr", "1e-6"]) == 2
+    err = capsys.readouterr().err
+    assert "the loss became nan" in err and "--precision fp16" in err and "--optimizer sgd" in err and "lower --lr" not in err
+    # what the advice says works: fp32 master weights with autocast, through the fp16 gradient scaler
+    result = run_json([*argv[1:], "--precision", "fp16"], capsys)
+    assert result["precision"] == "fp16" and all(math.isfinite(v) for v in result["losses"])

@@ -47,7 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI with ``argv`` (default: ``sys.argv[1:]``) and return the exit status."""
     parser = build_parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    args, extra = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    if extra:  # name the subcommand, as its own errors do (argparse would say `torchspan: error:`)
+        print(f"torchspan {args.command or ''}".rstrip() + f": error: unrecognized arguments: {' '.join(extra)}; see torchspan {args.command or ''} --help".rstrip(), file=sys.stderr)
+        return 2
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

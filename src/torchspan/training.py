@@ -99,7 +99,7 @@ def train(
             value = float(loss)
             _synchronize(devices)
             t1 = time.perf_counter()
-            optimizer.step()
+            spanned.step(optimizer)  # through the fp16 gradient scaler when precision="fp16"
             _synchronize(devices)
             out.optimizer_times.append(time.perf_counter() - t1)
             out.step_times.append(t1 - t0)

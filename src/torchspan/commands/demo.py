@@ -12,6 +12,7 @@ Usage: ``torchspan demo``; ``torchspan demo --devices cpu,cpu --steps 100 --out 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ._common import UsageError, add_memory_option, console, parse_memory_options, parse_microbatches
 
@@ -35,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps} must be >= 1")
     microbatches = parse_microbatches(args.microbatches)
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out!r} is a file; name a folder for plan.json, the pictures and report.md (it is created if missing), e.g. --out torchspan-demo")
     run_demo(
         devices=args.devices,
         memory=parse_memory_options(args.memory),

@@ -1,4 +1,6 @@
-"""``torchspan doctor [--json] SCRIPT.py [-- script args]``: run a training script under the device watcher.
+"""``torchspan doctor SCRIPT.py [--json] [-- script args]``: run a training script under the device watcher.
+
+torchspan's ``--json`` may come before or after SCRIPT; words after ``--`` all go to the script.
 
 The script runs unmodified, as ``python SCRIPT.py args`` would run it (``__name__ == "__main__"``,
 ``sys.argv`` set, its folder first on ``sys.path``). At the first op whose tensors sit on different
@@ -124,13 +126,25 @@ def _load_state_dict_findings(exc: BaseException) -> list[Finding]:
     return []
 
 
+def _check_compiles(script: str) -> None:
+    """A script that is not Python (a syntax error, binary data) is a usage error, before anything runs."""
+    try:
+        with open(script, "rb") as fh:
+            compile(fh.read(), script, "exec")
+    except SyntaxError as exc:
+        raise UsageError(f"SCRIPT {script!r} is not valid Python: {exc.msg} at line {exc.lineno}; fix the script or name another") from None
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"SCRIPT {script!r} cannot be read as Python ({exc}); give the path of a .py file") from None
+
+
 def run_script(script: str, script_args: list[str], *, quiet_stdout: bool = False) -> ScriptOutcome:
     """Run ``script`` as ``__main__`` under :func:`torchspan.watch` and collect a report.
 
     Usage: ``outcome = run_script("train.py", ["--epochs", "1"])``; ``outcome.report``.
     """
     if not os.path.isfile(script):
-        raise UsageError(f"SCRIPT {script!r} does not exist; give the path of a Python file, e.g. train.py")
+        raise UsageError(f"SCRIPT {script!r} {'is a folder' if os.path.isdir(script) else 'does not exist'}; give the path of a Python file, e.g. train.py")
+    _check_compiles(script)
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [script, *script_args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
@@ -214,10 +228,22 @@ def _error_dict(err: BaseException | None) -> dict[str, Any] | None:
     return {"type": type(err).__name__, "message": str(err).strip(), "where": _where(err)}
 
 
+def _own_options(args: argparse.Namespace) -> list[str]:
+    """Take torchspan's own options (``--json``) from the words after SCRIPT that come before ``--``; the rest is the script's.
+
+    ``torchspan doctor train.py --json -- --epochs 1``: JSON report, the script gets ``--epochs 1``;
+    after ``--`` every word is the script's, ``--json`` included.
+    """
+    words = list(args.script_args)
+    cut = words.index("--") if "--" in words else len(words)
+    before, after = words[:cut], words[cut + 1 :]
+    if "--json" in before:
+        args.json = True
+    return [w for w in before if w != "--json"] + after
+
+
 def run(args: argparse.Namespace) -> int:
-    script_args = list(args.script_args)
-    if script_args and script_args[0] == "--":
-        script_args = script_args[1:]
+    script_args = _own_options(args)
     outcome = run_script(args.script, script_args, quiet_stdout=args.json)
     if args.json:
         print_json(

@@ -33,14 +33,13 @@ from ._common import (
     UsageError,
     add_memory_option,
     console,
-    load_target,
     parse_dtype,
     parse_memory_options,
     parse_microbatches,
     parse_shape,
     print_json,
-    synthetic_batch,
 )
+from ._target import build_model, first_call, make_batch, require_data_devices
 from ._plans import check_plan_devices, check_plan_layers, device_entries, first_line, load_plan, make_plan
 
 OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
@@ -73,6 +72,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adam", help="optimizer (default adam)")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument(
+        "--precision",
+        choices=("32", "bf16", "fp16"),
+        default="32",
+        help="autocast with fp32 master weights: bf16, or fp16 with a gradient scaler (default 32); unlike --dtype float16 it trains with Adam",
+    )
     p.add_argument("--loss", choices=("mse", "ce"), default="mse", help="mse to random targets, or cross-entropy to random classes (default mse)")
     p.add_argument("--seed", type=int, default=0, help="seed for the synthetic batch (default 0)")
     p.add_argument("--out", metavar="DIR", help="write plan.json, run.json, timeline.png, memory.png and loss.png into DIR")
@@ -101,27 +106,6 @@ def _check_args(args: argparse.Namespace) -> None:
             )
 
 
-def _probe_output(model: torch.nn.Module, x: torch.Tensor, args: argparse.Namespace) -> Any:
-    """One forward without gradients on the model's own device: checks the input and gives the output's shape."""
-    first = next(iter(model.parameters()), None)
-    device = first.device if first is not None else torch.device("cpu")
-    modes = {m: m.training for m in model.modules()}
-    model.eval()
-    try:
-        with torch.no_grad():
-            return model(x.to(device))
-    except Exception as exc:
-        ids = f" (token ids in [0, {args.vocab}))" if not x.is_floating_point() else ""
-        options = "--input-shape/--dtype" + ("/--vocab" if ids else "")
-        raise UsageError(
-            f"the model rejects a batch of shape {','.join(map(str, x.shape))} {args.dtype}{ids}: {first_line(exc)}; "
-            f"set {options} to what its forward expects"
-        ) from exc
-    finally:
-        for m, training in modes.items():
-            m.training = training
-
-
 def _targets_and_loss(out: Any, kind: str) -> tuple[Any, Any]:
     """Random targets for the probe output ``out`` and the loss function to train with."""
     from torch.utils._pytree import tree_leaves, tree_map
@@ -144,6 +128,19 @@ def _targets_and_loss(out: Any, kind: str) -> tuple[Any, Any]:
         return torch.nn.functional.cross_entropy(scores.flatten(0, -2).float(), labels.flatten())
 
     return target, cross_entropy
+
+
+def _not_finite_advice(exc: LossNotFinite, args: argparse.Namespace) -> str:
+    """Why the loss stopped being finite, and what to change: the learning rate, or fp16 weights under Adam."""
+    head = f"the loss became {exc.value} at step {exc.step + 1}"
+    if parse_dtype(args.dtype) == torch.float16 and args.optimizer in ("adam", "adamw"):
+        return (
+            f"{head}: --dtype float16 makes the parameters fp16, where {args.optimizer}'s eps (1e-8) and its squared "
+            "gradients underflow to 0, so its update divides by zero at any --lr. Keep fp32 weights and compute in half "
+            "precision: drop --dtype and pass --precision fp16 (or bf16; autocast with fp32 master weights), "
+            "or train fp16 weights with --optimizer sgd"
+        )
+    return f"{head}; lower --lr (now {args.lr:g})"
 
 
 # --------------------------------------------------------------------------- output
@@ -218,13 +215,21 @@ def run(args: argparse.Namespace) -> int:
         plan = load_plan(args.plan, args.target, argv_hint)
         notes = check_plan_devices(plan, args.plan, args.target, argv_hint)
 
-    model = load_target(args.target)
+    if plan is not None:
+        require_data_devices(
+            [st.device for st in plan.stages],
+            f"--plan {args.plan} has stages on",
+            fix=f"re-plan for devices with memory: torchspan plan {args.target} {argv_hint} --devices cpu --out {args.plan}",
+        )
+    else:
+        require_data_devices(device_entries(args.devices), "--devices")
+    model = build_model(args.target)
     floating = dtype.is_floating_point
     if floating:
         model.to(dtype)
     torch.manual_seed(args.seed)
-    x = synthetic_batch(shape, dtype, args.vocab)
-    target, loss_fn = _targets_and_loss(_probe_output(model, x, args), args.loss)
+    x = make_batch(shape, dtype, args.vocab, option=f"--input-shape {args.input_shape}")
+    target, loss_fn = _targets_and_loss(first_call(model, x, "--input-shape/--dtype", vocab=args.vocab), args.loss)
 
     out_con = console()
     con = Console(file=sys.stderr, highlight=False) if args.json else out_con
@@ -247,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
                 "that fastest (entries of one device share its cores and memory); --spread puts a stage on each"
             )
     try:
-        spanned = torchspan.span(model, plan)
+        spanned = torchspan.span(model, plan, precision=args.precision)
     except ValueError as exc:
         if args.plan:
             raise UsageError(f"--plan {args.plan}: {first_line(exc)}") from exc
@@ -265,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         trained = train(spanned, optimizer, lambda step: (x, target), loss_fn, args.steps, console=con, items_per_step=shape[0])
     except LossNotFinite as exc:
-        raise UsageError(f"the loss became {exc.value} at step {exc.step + 1}; lower --lr (now {args.lr:g})") from exc
+        raise UsageError(_not_finite_advice(exc, args)) from exc
     except OutOfMemoryAtStep as exc:  # pragma: no cover - needs a GPU
         raise UsageError(
             f"{exc}; re-plan with a smaller --memory budget for that device, more --microbatches or --checkpoint always"
@@ -279,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
         "steps": args.steps,
         "optimizer": args.optimizer,
         "lr": args.lr,
+        "precision": args.precision,
         "loss": args.loss,
         "mode": spanned.mode,
         **comparison,

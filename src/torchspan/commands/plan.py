@@ -5,6 +5,7 @@ TARGET is ``package.module:factory`` or ``path/to/file.py:factory`` returning th
     torchspan plan mymodels:build --input-shape 32,512 --devices cuda:0,cpu --memory cuda:0=8GiB
     torchspan plan train.py:make_model --input-shape 8,128 --dtype int64 --devices "a100-40gb*2,cpu" --json
     torchspan plan train.py:make_model --input-shape 32,512 --out plan.json
+    torchspan plan train.py:make_model --input-shape 64,512 --nodes 2 --devices "h100-80gb*8" --interconnect ib-400g
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from pathlib import Path
 
 import torch
 
-from ._common import UsageError, add_memory_option, load_target, parse_memory_options, print_json, synthetic_batch
+from ._common import UsageError, add_memory_option, parse_memory_options, print_json
 from ._common import parse_dtype as _dtype
 from ._common import parse_microbatches as _microbatches
 from ._common import parse_shape as _shape
+from ._cluster import add_cluster_options, cluster_kwargs
+from ._target import build_model, first_call, make_batch
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -46,6 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=("auto", "never", "except_last", "always"),
         help="activation checkpointing per micro-batch (default: search)",
     )
+    add_cluster_options(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--out", metavar="FILE", help="also write the plan as JSON to FILE (atomically)")
     p.set_defaults(func=run)
@@ -60,9 +64,12 @@ def run(args: argparse.Namespace) -> int:
     memory = parse_memory_options(args.memory)
     if args.out:
         _prepare_out(args.out)
-    model = load_target(args.target)
-    example = synthetic_batch(shape, dtype, vocab=2)
+    model = build_model(args.target)
+    example = make_batch(shape, dtype, vocab=2, option=f"--input-shape {args.input_shape}")
     profile_dtype: torch.dtype | None = dtype if dtype.is_floating_point or dtype.is_complex else None
+    if profile_dtype is not None:
+        model.to(profile_dtype)  # profiled as if cast to it anyway; the first call needs it
+    first_call(model, example, "--input-shape/--dtype", vocab=2)
     result = plan(
         model,
         example,
@@ -73,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         checkpoint=args.checkpoint,
         optimizer=args.optimizer,
         dtype=profile_dtype,
+        **cluster_kwargs(args),
     )
     if args.out:
         result.save(args.out)

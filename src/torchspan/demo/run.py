@@ -146,7 +146,12 @@ def run_demo(
         cfg = replace(cfg, **overrides)
     con = console or Console()
     out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"out={str(out)!r} is a file; name a folder for the report (it is created if missing), e.g. out='torchspan-demo'")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"out={str(out)!r}: cannot create the folder ({exc.strerror or exc}); name a folder you can write to") from exc
 
     devs = find_devices(devices, memory=memory)
     con.print(_device_table(devs, f"devices ({devices if isinstance(devices, str) else ','.join(devices)})"))
