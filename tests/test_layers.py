@@ -25,8 +25,8 @@ def test_layer_names_and_execution_order() -> None:
     assert [n for n, _ in split.top_level_layers(m)] == ["head", "body", "unused"]
     assert split.execution_order(m, torch.randn(2, 4)) == ["body", "head", "unused"]
     assert split.execution_order(sequential()) == [str(i) for i in range(7)]
-    with pytest.raises(ValueError, match="no child modules"):
-        split.top_level_layers(nn.Linear(2, 2))
+    bare = nn.Linear(2, 2)  # a model without children is one layer, named "" (issue 10: it was refused)
+    assert split.top_level_layers(bare) == [("", bare)]
     # fx finds the same order from the graph, without running the model
     assert split.graph_layer_order(split.trace(m), ["head", "body", "unused"]) == ["body", "head", "unused"]
 

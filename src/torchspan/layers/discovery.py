@@ -27,14 +27,9 @@ __all__ = ["top_level_layers", "layer_modules", "execution_order", "record_forwa
 
 
 def top_level_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's top-level children, in registration order. Raises if it has none."""
+    """The model's top-level children, in registration order; a model without children is one layer, named ``""``."""
     children = list(model.named_children())
-    if not children:
-        raise ValueError(
-            f"model ({type(model).__name__}) has no child modules, so there is nothing to place on "
-            "separate devices; wrap its pieces in nn.Module attributes or an nn.Sequential"
-        )
-    return children
+    return children or [("", model)]
 
 
 def layer_modules(model: nn.Module) -> dict[str, nn.Module]:

@@ -353,6 +353,11 @@ class Spanned(nn.Module):
         Call ``optimizer.zero_grad()`` first as usual; with ``precision="fp16"`` step with
         ``spanned.step(optimizer)``.
         """
+        if not any(p.requires_grad for p in self.module.parameters()):
+            raise ValueError(
+                f"train_step: the model ({type(self.module).__name__}) has no parameter that requires grad, so there is "
+                "nothing to train and no backward to run; span the model with its weights, or unfreeze them (p.requires_grad_())"
+            )
         spec = loss_spec(loss_fn, loss_reduction, loss_normalizer)
         if isinstance(inputs, tuple):
             args, kwargs = inputs, {}
