@@ -353,7 +353,8 @@ class Spanned(nn.Module):
         Call ``optimizer.zero_grad()`` first as usual; with ``precision="fp16"`` step with
         ``spanned.step(optimizer)``.
         """
-        if not any(p.requires_grad for p in self.module.parameters()):
+        # a rank of a pipeline holds other stages' parameters as frozen meta copies: they still count
+        if not any(p.requires_grad or p.device.type == "meta" for p in self.module.parameters()):
             raise ValueError(
                 f"train_step: the model ({type(self.module).__name__}) has no parameter that requires grad, so there is "
                 "nothing to train and no backward to run; span the model with its weights, or unfreeze them (p.requires_grad_())"

@@ -193,6 +193,14 @@ class Pipeline:
         saved: dict[tuple[int, int], _Saved] = {}
         losses: list[torch.Tensor | None] = [None] * m
         last = n - 1
+        # Across processes the summed loss rides on each stage's last backward message down to stage 0
+        # (no collective after the step): every process returns it.
+        carry = _carried_microbatch(plan) if any(not self.transport.is_local(t) for t in range(n)) else None
+        carried: list[torch.Tensor] = []
+
+        def summed() -> torch.Tensor:
+            done = [t.float() for t in losses if t is not None]
+            return torch.stack(done).sum() if done else torch.zeros((), device=self.devices[last])
 
         def forward_of(s: int, mb: int, leaves: list[Any], spec: Any) -> tuple[Any, torch.Tensor | None]:
             dev = self.devices[s]
@@ -255,6 +263,8 @@ class Pipeline:
                 grads_in: list[Any] = []
             else:
                 grads_in, _ = self._receive(box, "bwd", s, s + 1, mb)
+                if mb == carry:
+                    carried.append(grads_in.pop())
             with self.recorder.block(s, dev, mb, "backward"):
                 if s == last:
                     assert st.loss is not None
@@ -271,15 +281,17 @@ class Pipeline:
                         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             if s > 0:
                 grads = [v.grad if isinstance(v, torch.Tensor) and v.requires_grad else None for v in st.inputs]
+                if mb == carry:
+                    grads.append(summed() if s == last else carried[-1])
                 self._send(box, "bwd", grads, None, s, s - 1, mb)
 
         try:
             self._run(plan, do)
         finally:
             saved.clear()
-        done = [t.float() for t in losses if t is not None]
-        # Across processes only the last stage's process has losses; the others return 0.
-        return torch.stack(done).sum() if done else torch.zeros((), device=self.devices[last])
+        if carry is not None and not self.transport.is_local(last):
+            return carried[-1]
+        return summed()
 
     # ------------------------------------------------------------------ forward only
     def forward(
@@ -334,6 +346,14 @@ class Pipeline:
 
         self._run(plan, do)
         return outputs
+
+
+def _carried_microbatch(plan: list[list[sched.Action]]) -> int:
+    """The micro-batch whose backward is every stage's last action (the last stage has run every forward by then)."""
+    lasts = {actions[-1].microbatch for actions in plan if actions}
+    if len(lasts) != 1 or any(a.kind != sched.BACKWARD for a in (actions[-1] for actions in plan)):
+        raise ValueError("this schedule does not end every stage with the same micro-batch's backward; the loss cannot ride on it")
+    return lasts.pop()
 
 
 def once_context(slots: Sequence[Slot]) -> Callable[[], tuple[Any, Any]]:

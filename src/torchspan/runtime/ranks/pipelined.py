@@ -198,13 +198,13 @@ class RankPipelineExecutor(PipelinedExecutor):
 
     # ------------------------------------------------------------------ steps
     def weights(self, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
-        """Micro-batch weights against the global batch: the last stages' normalizers all-reduced over the replicas."""
-        if self.mesh.replicas == 1 or spec.kind == "sum":
+        """Micro-batch weights against the global batch. Only the last stages weigh losses: they all-reduce
+        their normalizers among themselves (the other stages start their forward at once)."""
+        if self.mesh.replicas == 1 or spec.kind == "sum" or self.stage != self.mesh.stages - 1:
             return spec.weights(targets, sizes)
-        last = self.stage == self.mesh.stages - 1
-        local = sum(spec.normalizer(t, n) for t, n in zip(targets, sizes)) if last else 0.0
+        local = sum(spec.normalizer(t, n) for t, n in zip(targets, sizes))
         total = torch.tensor([local], dtype=torch.float64, device=self._comm)
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=self._stage_group)
         return spec.weights(targets, sizes, total=float(total.item()))
 
     def train(
@@ -219,37 +219,50 @@ class RankPipelineExecutor(PipelinedExecutor):
         for p in params:
             p.grad = None
         try:
-            local = super().train(work, targets, loss_fn, weights)
-            self._reduce(params)
+            loss = super().train(work, targets, loss_fn, weights)  # this replica's loss, carried to every stage
+            loss = self._reduce(params, loss)
         finally:
             for p, g in zip(params, earlier):
                 if g is not None:
                     p.grad = g if p.grad is None else g.add_(p.grad)
-        total = local.detach().to(self._comm, torch.float64).reshape(1)
-        dist.all_reduce(total)  # only the last stages hold losses: the sum is the full-batch loss
-        return total[0].to(self.device, local.dtype)
+        return loss
 
-    def _reduce(self, params: list[nn.Parameter]) -> None:
-        plain = [p for p in params if id(p) not in self._tie_of]
+    def _reduce(self, params: list[nn.Parameter], loss: torch.Tensor) -> torch.Tensor:
+        """SUM this step's gradients in the stage's data-parallel group and each tie group, and the replicas'
+        losses (float64) in the stage group: every collective launched at once, then waited for."""
+        launched: list[tuple[Any, Any]] = []
+        total = None
         if self._stage_group is not None:
-            self._all_reduce(plain, self._stage_group)
+            total = loss.detach().to(self._comm, torch.float64).reshape(1)
+            launched.append((dist.all_reduce(total, group=self._stage_group, async_op=True), None))
+            launched += self._launch([p for p in params if id(p) not in self._tie_of], self._stage_group)
         for i, (group, _) in enumerate(self._tie_groups):
-            self._all_reduce([p for p in params if self._tie_of.get(id(p)) == i], group)
+            launched += self._launch([p for p in params if self._tie_of.get(id(p)) == i], group)
+        for work, unpack in launched:
+            work.wait()
+            if unpack is not None:
+                unpack()
+        return loss if total is None else total[0].to(loss.device, loss.dtype)
 
-    def _all_reduce(self, params: list[nn.Parameter], group: Any) -> None:
-        """SUM the gradients of ``params`` over ``group``: one flat buffer per dtype (a missing grad counts as 0)."""
+    def _launch(self, params: list[nn.Parameter], group: Any) -> list[tuple[Any, Any]]:
+        """Start SUMs of ``params``' gradients over ``group``: one flat buffer per dtype (a missing grad counts as 0)."""
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
         for p in params:
             by_dtype.setdefault(p.dtype, []).append(p)
-        for dtype, ps in by_dtype.items():
+        out = []
+        for ps in by_dtype.values():
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps]).to(self._comm)
-            dist.all_reduce(flat, group=group)
-            k = 0
-            for p in ps:
-                g = flat[k : k + p.numel()].view_as(p).to(p.device)
-                k += p.numel()
-                if p.grad is not None or bool(g.any()):  # a gradient no replica produced stays None
-                    p.grad = g
+
+            def unpack(ps: list[nn.Parameter] = ps, flat: torch.Tensor = flat) -> None:
+                k = 0
+                for p in ps:
+                    g = flat[k : k + p.numel()].view_as(p).to(p.device)
+                    k += p.numel()
+                    if p.grad is not None or bool(g.any()):  # a gradient no replica produced stays None
+                        p.grad = g
+
+            out.append((dist.all_reduce(flat, group=group, async_op=True), unpack))
+        return out
 
     def forward(self, work: Work) -> list[Any]:
         """Outputs of every micro-batch on every rank of this pipeline (no autograd across processes)."""
