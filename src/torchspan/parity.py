@@ -27,7 +27,7 @@ from torch import nn
 
 from .runtime.spanned import Spanned
 
-__all__ = ["GradDiff", "Parity", "grad_differences", "check_parity"]
+__all__ = ["GradDiff", "Parity", "grad_difference", "grad_differences", "check_parity"]
 
 
 @dataclass(frozen=True)
@@ -107,33 +107,32 @@ def grad_differences(
     """
     if atol < 0 or rtol < 0:
         raise ValueError(f"atol={atol!r}, rtol={rtol!r}: tolerances must be >= 0, e.g. atol=1e-5, rtol=1e-4")
-    out: list[GradDiff] = []
-    for name, p, ref_p in _pairs(model, reference, names):
-        g, rg = p.grad, ref_p.grad
-        if (g is None) != (rg is None):
-            out.append(GradDiff(name, math.inf, math.inf, False))
-            continue
-        if g is None or rg is None:
-            out.append(GradDiff(name, 0.0, 0.0, True))
-            continue
-        g, rg = g.detach().float().cpu(), rg.detach().float().cpu()
-        if g.shape != rg.shape:
-            raise ValueError(
-                f"gradient of {name!r} has shape {tuple(g.shape)} but the reference's has {tuple(rg.shape)}; "
-                "pass a copy of the same model as reference"
-            )
-        diff = (g - rg).abs()
-        worst = diff.max().item() if diff.numel() else 0.0
-        scale = rg.abs().max().item() if rg.numel() else 0.0
-        out.append(
-            GradDiff(
-                name,
-                worst,
-                worst / scale if scale > 0 else 0.0,
-                bool(torch.all(diff <= atol + rtol * rg.abs())),
-            )
+    return [grad_difference(name, p.grad, ref_p.grad, atol=atol, rtol=rtol) for name, p, ref_p in _pairs(model, reference, names)]
+
+
+def grad_difference(
+    name: str, grad: torch.Tensor | None, reference_grad: torch.Tensor | None, *, atol: float = 1e-5, rtol: float = 1e-4
+) -> GradDiff:
+    """How far one gradient is from the reference's (``None`` = no gradient; on one side only: never within).
+
+    Usage: ``grad_difference("0.weight", g, g_ref)`` (e.g. for gradients a rank sent back by name).
+    """
+    if atol < 0 or rtol < 0:
+        raise ValueError(f"atol={atol!r}, rtol={rtol!r}: tolerances must be >= 0, e.g. atol=1e-5, rtol=1e-4")
+    if (grad is None) != (reference_grad is None):
+        return GradDiff(name, math.inf, math.inf, False)
+    if grad is None or reference_grad is None:
+        return GradDiff(name, 0.0, 0.0, True)
+    g, rg = grad.detach().float().cpu(), reference_grad.detach().float().cpu()
+    if g.shape != rg.shape:
+        raise ValueError(
+            f"gradient of {name!r} has shape {tuple(g.shape)} but the reference's has {tuple(rg.shape)}; "
+            "pass a copy of the same model as reference"
         )
-    return out
+    diff = (g - rg).abs()
+    worst = diff.max().item() if diff.numel() else 0.0
+    scale = rg.abs().max().item() if rg.numel() else 0.0
+    return GradDiff(name, worst, worst / scale if scale > 0 else 0.0, bool(torch.all(diff <= atol + rtol * rg.abs())))
 
 
 def _call(model: nn.Module, inputs: Any, device: torch.device) -> Any:
