@@ -25,7 +25,10 @@ def test_public_functions_stay_functions_after_every_submodule_is_imported() -> 
     for info in pkgutil.walk_packages(torchspan.__path__, "torchspan."):
         if not info.name.endswith("__main__"):  # that one runs the CLI
             importlib.import_module(info.name)
-    for name in ("devices", "to_device", "doctor", "watch", "span", "profile", "plan"):
+    for name in (
+        "devices", "to_device", "doctor", "watch", "span", "profile", "plan",
+        "init_distributed", "shard_batch", "rank_batches", "save_checkpoint", "load_checkpoint",
+    ):  # fmt: skip
         assert callable(getattr(torchspan, name)) and not isinstance(getattr(torchspan, name), type(torchspan)), name
     for name in ("Device", "Report", "DeviceMismatchError", "Spanned", "NoSplit", "Profile", "Plan", "PlanError"):
         assert isinstance(getattr(torchspan, name), type), name

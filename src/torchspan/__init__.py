@@ -8,6 +8,11 @@ Usage::
     plan = torchspan.plan(model, x, devices="cuda:0,cpu")
     spanned = torchspan.span(model, plan)
     loss = spanned.train_step(x, y, criterion)
+
+    # in a script started by `torchspan launch` (or torchrun): one exact data-parallel replica per process
+    torchspan.init_distributed()
+    spanned = torchspan.span(model)
+    loss = spanned.train_step(*torchspan.shard_batch((x, y)), criterion)
 """
 
 from __future__ import annotations
@@ -34,6 +39,12 @@ _EXPORTS: dict[str, str] = {
     "plan": "torchspan.planner",
     "Plan": "torchspan.planner",
     "PlanError": "torchspan.planner",
+    # several processes (``torchspan launch`` / torchrun): join the job, shard data, checkpoint once
+    "init_distributed": "torchspan.runtime.ranks",
+    "shard_batch": "torchspan.runtime.ranks",
+    "rank_batches": "torchspan.runtime.ranks",
+    "save_checkpoint": "torchspan.runtime.ranks",
+    "load_checkpoint": "torchspan.runtime.ranks",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from .losscheck import LossChecks
 from .lossweights import LossSpec
 
 __all__ = ["Executor", "Settings", "Work"]
@@ -62,6 +64,7 @@ class Executor(ABC):
     """
 
     mode: str  # how it runs the model: "sequential", "fx", "hooks", ...
+    empty_batches = False  # True where a batch of zero rows is a valid step (a data-parallel rank's empty shard)
 
     def __init__(self, devices: Sequence[torch.device], groups: Sequence[Sequence[str]]) -> None:
         self.devices = list(devices)
@@ -79,6 +82,27 @@ class Executor(ABC):
 
     def place(self, work: Work) -> None:
         """Placement that needs an example input (runs before the step opens); default: already placed."""
+
+    def resolve_loss(
+        self,
+        checks: LossChecks,
+        spec: LossSpec,
+        targets: Sequence[Any],
+        sizes: Sequence[int],
+        dry_outputs: Callable[[], Sequence[Any]],
+        target: Any = None,
+    ) -> LossSpec:
+        """``spec`` made exact for this batch: an opaque loss calibrated on ``dry_outputs()`` (see ``losscheck``)."""
+        return checks.resolve(spec, targets, sizes, dry_outputs, target=target)
+
+    def join(self, optimizer: torch.optim.Optimizer | None = None) -> int:
+        """End-of-epoch join of a data-parallel rank; in one process there is no other rank to wait for (0 steps)."""
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError(
+                f"join() is not supported by a {self.mode!r} executor across ranks: give every rank the same number of "
+                "steps (torchspan.runtime.ranks.rank_batches splits each global batch over the ranks, empty shards included)"
+            )
+        return 0
 
     def weights(self, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
         """Each micro-batch's loss weight; an executor whose batch is part of a larger one passes ``total=``."""

@@ -39,6 +39,8 @@ from .memory import ActivationMeter
 from .microbatch import batch_size, gather, split_sizes, split_value
 from .placement import parse_devices, stages_from_balance, stages_from_plan
 from .ranks.pipelined import RankPipelineExecutor, launched_mesh
+from .ranks.mesh import launched_stages
+from .ranks.replicated import ReplicaExecutor, launched_replica
 from .record import Event, Recorder
 
 __all__ = ["span", "Spanned"]
@@ -116,6 +118,13 @@ def span(
     embeddings) stays one ``nn.Parameter`` (see ``runtime.ties``): build the optimizer from
     ``spanned.parameters()`` as usual.
 
+    In a launched job (a process group of size > 1: ``torchspan launch``/``torchrun`` and
+    ``torchspan.init_distributed()``), ``span(model)`` with one stage (no ``balance``, one device
+    or none, or a one-stage plan) returns this rank's exact data-parallel replica
+    (``runtime.ranks.replicated``: ``train_step`` on the rank's shard leaves every rank the
+    single-device gradient of all shards; ``join(optimizer)`` for uneven epoch ends); with more
+    stages, a pipeline across ranks (``runtime.ranks.pipelined``).
+
     Usage: ``span(model, devices=["cpu", "cpu"], balance=[2, 2], microbatches=4, schedule="1f1b")``.
     """
     if not isinstance(model, nn.Module):
@@ -140,6 +149,13 @@ def span(
     _choice("checkpoint", checkpoint, CHECKPOINTS)
     precision = _choice("precision", str(precision), PRECISIONS)
     _choice("workers", workers, ("device", "stage"))
+    if launched_stages(plan, devices, balance) == 1 and launched_replica(plan):  # launched: one replica per process
+        device = parse_devices(devices)[0] if devices is not None else None
+        settings = Settings(microbatches, schedule, checkpoint, precision, workers)
+        recorder, meter = Recorder(), ActivationMeter(1)
+        names = [n for n, _ in discovery.top_level_layers(model)]
+        executor = ReplicaExecutor(model, names, settings, recorder, meter, device=device)
+        return Spanned(model, executor, settings, recorder, meter, mode_reason="launched with one stage per replica")
 
     blocks = discovery.descends(model, split_points, no_split)
     layer_set = discovery.model_layers(model, split_points=split_points, no_split=no_split) if blocks else None
@@ -231,7 +247,8 @@ def _load_under_module(
 class Spanned(nn.Module):
     """A model whose layers live on several devices, trained with micro-batch pipelining.
 
-    ``module`` is the original model; ``mode`` is ``"sequential"``, ``"fx"``, ``"threads"`` or ``"hooks"``;
+    ``module`` is the original model; ``mode`` is ``"sequential"``, ``"fx"``, ``"threads"``, ``"hooks"``
+    or ``"data-parallel"`` (a launched job's replica);
     ``stages`` lists each stage's ``(device, layers)``. Outputs of ``spanned(...)`` are the
     micro-batch outputs concatenated on dim 0 on the last stage's device.
     """
@@ -370,12 +387,13 @@ class Spanned(nn.Module):
             raise RuntimeError("train_step runs backward, but gradients are disabled here (torch.no_grad()); call it outside no_grad")
         work = self._executor.prepare(args, kwargs)
         total = batch_size(args, kwargs)
-        sizes = split_sizes(total, self.microbatches)
-        targets = split_value(target, self.microbatches, total, name="target")
+        empty = total == 0 and self._executor.empty_batches  # a data-parallel rank's empty shard adds zero
+        sizes = [0] if empty else split_sizes(total, self.microbatches)
+        targets = split_value(target, len(sizes), total, name="target")
         if isinstance(loss_fn, nn.Module):
             loss_fn.to(self._executor.devices[-1])
         self._executor.place(work)
-        spec = self._loss_checks.resolve(spec, targets, sizes, lambda: self._dry_forward(work), target=target)
+        spec = self._executor.resolve_loss(self._loss_checks, spec, targets, sizes, lambda: self._dry_forward(work), target)
         weights = self._executor.weights(spec, targets, sizes)
         with self._step():
             return self._executor.train(work, targets, loss_fn, weights)
@@ -384,6 +402,17 @@ class Spanned(nn.Module):
         """Per-micro-batch outputs of a forward that leaves no trace (for a loss calibration)."""
         with dry_run(self.module, self._executor.devices):
             return self._executor.forward(work)
+
+    def join(self, optimizer: torch.optim.Optimizer | None = None) -> int:
+        """After the training loop, on every rank of a data-parallel job: take part in the other ranks'
+        remaining steps with empty shards until all have joined (uneven epoch ends never hang).
+
+        Pass the ``optimizer`` your loop steps (``zero_grad(); train_step(...); step()``) so a shadowed
+        step steps it too and every rank's parameters and optimizer state stay identical. Returns the
+        number of steps shadowed; 0 in one process. A pipeline across ranks refuses it (give every rank
+        the same number of steps with ``rank_batches``).
+        """
+        return self._executor.join(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.step()``; with ``precision="fp16"`` through the gradient scaler (unscale, skip on inf, update)."""

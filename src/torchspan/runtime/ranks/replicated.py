@@ -1,0 +1,251 @@
+"""``span(model)`` in a launched job: this rank's exact data-parallel replica, behind the ``Executor`` interface.
+
+The replica itself is ``DataParallelReplica`` (DDP underneath, gradients summed, the global loss
+normalizer all-reduced): after ``spanned.train_step(x_shard, y_shard, loss_fn)`` every rank's
+``.grad`` equals one device's for all ranks' shards concatenated. This adapter gives it the
+``Spanned`` façade's contract, the same as a local ``span``:
+
+- **Loss contract**: losses torchspan reads (loss modules, functional losses, ``partial``) and
+  declared ones (``loss_reduction=`` / ``loss_normalizer=``) weigh as locally. An opaque callable
+  (a lambda) is calibrated as locally, on this rank's shard split in two (``LossChecks``): the
+  first time a loss is seen the ranks that could decide (2 rows or more) vote in one small
+  all-reduce, so every rank uses the same reduction or every rank refuses with the calibration's
+  message; afterwards each rank re-checks its own shards when their structure changes (a refusal
+  then raises on that rank, which ends a launched job naming it). A ``loss_normalizer`` is
+  verified the same way.
+- **Empty shards** (``rank_batches`` at the end of an epoch) are valid steps that add zero.
+- **Timeline**: one ``forward`` and one ``backward`` block per step (backward includes the loss
+  and the gradient all-reduce it overlaps). **Memory**: one stage holding every layer.
+- ``spanned(x)`` with gradients enabled runs through DDP (a ``backward`` you run yourself sums
+  the ranks' gradients; every rank must run it); under ``torch.no_grad()`` the plain module runs
+  (no collective).
+- ``microbatches`` > 1, ``precision`` other than ``"32"`` and activation ``checkpoint`` are
+  refused with the fix: a replica runs its shard as one batch.
+
+Usage (``span`` does this when launched with one pipeline stage)::
+
+    ex = ReplicaExecutor(model, names, settings, recorder, meter)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..executor import Executor, Settings, Work
+from ..losscheck import LossChecks, _identity, _same
+from ..lossweights import LossSpec
+from ..memory import ActivationMeter
+from ..microbatch import batch_size, split_sizes, split_value
+from ..record import Recorder
+from .dataparallel import DataParallelReplica
+from .env import rank_info
+
+__all__ = ["ReplicaExecutor", "launched_replica"]
+
+_VOTES = ("refused", "samples", "sum", "user")  # what a rank's calibration decided (or nothing: abstained)
+
+
+def launched_replica(plan: Any) -> bool:
+    """True when ``span`` runs in a process group of size > 1 with one pipeline stage: a data-parallel replica.
+
+    A plan (one stage) must say ``data_parallel`` 1 (a one-process plan, replicated) or the world
+    size; anything else is a ``ValueError`` printing ``dp(3) * pp(1) != WORLD_SIZE(2)``.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return False
+    world = dist.get_world_size()
+    dp = getattr(plan, "data_parallel", 1) if plan is not None else 1
+    if dp not in (1, world):
+        raise ValueError(
+            f"dp({dp}) * pp(1) != WORLD_SIZE({world}): this plan has one stage and data_parallel={dp}; launch {dp} "
+            f"processes, or re-plan with data_parallel={world} (or use a one-process plan: one replica per process)"
+        )
+    return True
+
+
+def _refuse_settings(settings: Settings) -> None:
+    fixes = []
+    if settings.microbatches != 1:
+        fixes.append(f"microbatches={settings.microbatches} (a replica runs its shard as one batch; drop microbatches, or give "
+                     "span balance=[...] for a pipeline across ranks)")  # fmt: skip
+    if settings.precision != "32":
+        fixes.append(f"precision={settings.precision!r} (use torch.autocast around train_step yourself, or precision='32')")
+    if settings.checkpoint != "never":
+        fixes.append(f"checkpoint={settings.checkpoint!r} (use torch.utils.checkpoint inside the model, or checkpoint='never')")
+    if fixes:
+        raise ValueError("span(model) in a launched job is a data-parallel replica, which does not take " + "; ".join(fixes))
+
+
+class ReplicaExecutor(Executor):
+    """This rank's data-parallel replica of ``model`` (see the module docstring); ``device`` defaults to the rank's."""
+
+    mode = "data-parallel"
+    empty_batches = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        names: Sequence[str],
+        settings: Settings,
+        recorder: Recorder,
+        meter: ActivationMeter,
+        device: torch.device | None = None,
+    ) -> None:
+        _refuse_settings(settings)
+        self.replica = DataParallelReplica(model, device=device)
+        super().__init__([self.replica.device], [list(names)])
+        self.model = model
+        self.info = rank_info()
+        self._recorder, self._meter = recorder, meter
+        self._spec: LossSpec | None = None
+        self._decided: list[tuple[tuple[Any, ...], LossSpec]] = []  # opaque losses the ranks agreed on
+        self._timing: dict[str, Any] = {}
+        model.register_forward_pre_hook(self._forward_starts)
+        model.register_forward_hook(self._forward_ends)
+
+    # ------------------------------------------------------------------ inputs
+    def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Work:
+        """One chunk: this rank's whole shard (``NoSplit`` values unwrapped; zero rows allowed)."""
+        total = batch_size(args, kwargs)
+        a, k = split_value((list(args), kwargs), 1, total, name="inputs")[0]
+        return Work(chunks=[(tuple(a), dict(k))])
+
+    # ------------------------------------------------------------------ loss contract
+    def resolve_loss(
+        self,
+        checks: LossChecks,
+        spec: LossSpec,
+        targets: Sequence[Any],
+        sizes: Sequence[int],
+        dry_outputs: Callable[[], Sequence[Any]],
+        target: Any = None,
+    ) -> LossSpec:
+        """``spec`` made exact for the global batch: calibrated on this shard's halves, agreed by every rank."""
+        if not spec.needs_check:
+            return spec
+        size = sizes[0]
+        ident = _identity(spec.loss_fn) + _identity(spec.user_normalizer)
+        agreed = next((s for known, s in self._decided if _same(known, ident)), None)
+        local: LossSpec | None = None
+        message = ""
+        if size >= 2:
+            halves = split_sizes(size, 2)
+            try:
+                local = checks.resolve(
+                    spec,
+                    split_value(targets[0], 2, size, name="target"),
+                    halves,
+                    lambda: split_value(dry_outputs()[0], 2, size, name="output"),
+                    target=target,
+                )
+            except ValueError as e:
+                message = f"rank {self.info.rank} (its shard of {size} samples split in two to calibrate the loss): {e}"
+        if agreed is not None:  # later steps: this rank's own check only, no collective
+            if message:
+                raise ValueError(message)
+            if local is not None and spec.kind == "opaque" and local.kind != agreed.kind:
+                raise ValueError(
+                    f"rank {self.info.rank}: loss_fn={spec.name} behaved as {agreed.kind!r} on earlier shards but as "
+                    f"{local.kind!r} on this one ({size} samples); declare loss_reduction='mean' / 'sum' or loss_normalizer="
+                )
+            return agreed if agreed.loss_fn is spec.loss_fn else spec.resolved(agreed.kind)
+        decided = self._vote(spec, local, message)
+        self._decided.append((ident, decided))
+        del self._decided[:-32]
+        return decided
+
+    def _vote(self, spec: LossSpec, local: LossSpec | None, message: str) -> LossSpec:
+        """Every rank's calibration combined (one all-reduce; the refusal messages gathered only on a refusal)."""
+        votes = torch.zeros(len(_VOTES), dtype=torch.float64, device=self.replica._comm_device())
+        if message:
+            votes[0] = 1
+        elif local is not None:
+            votes[_VOTES.index(local.kind if local.kind in _VOTES else "user")] = 1
+        dist.all_reduce(votes, group=self.replica.group)
+        refused, samples, summed, _ = (int(v) for v in votes.tolist())
+        if refused:
+            messages: list[Any] = [None] * self.info.world_size
+            dist.all_gather_object(messages, message or None, group=self.replica.group)
+            raise ValueError(next(m for m in messages if m))
+        if samples and summed:
+            raise ValueError(
+                f"loss_fn={spec.name} looks like a per-sample mean on {samples} rank(s) and a sum on {summed}, so torchspan "
+                "cannot weight it to the single-device gradient; declare loss_reduction='mean' / 'sum' or loss_normalizer="
+            )
+        if spec.kind == "user":
+            return spec  # verified where a shard could be split; a normalizer needs no vote
+        if samples or summed:
+            return spec.resolved("samples" if samples else "sum")
+        raise ValueError(
+            f"loss_fn={spec.name} is opaque and no rank's shard has 2 samples or more to calibrate it on, so torchspan "
+            "cannot tell whether it averages or sums (data-parallel weights depend on it). Declare it: "
+            "loss_reduction='sum', loss_reduction='mean', or loss_normalizer=callable returning what its mean divides "
+            "by for a shard's target, e.g. lambda y: (y != -100).sum()"
+        )
+
+    def weights(self, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
+        """Keeps ``spec`` for ``train``: the replica weighs its shard against the all-reduced global normalizer."""
+        self._spec = spec
+        return [1.0]
+
+    # ------------------------------------------------------------------ steps
+    def forward(self, work: Work) -> list[Any]:
+        """The shard's output: through DDP with gradients enabled, the plain module under ``no_grad``."""
+        ((args, kwargs),) = work.chunks
+        with self._recorder.block(0, self.replica.device, 0, "forward"):
+            if not torch.is_grad_enabled():
+                return [self.model(*self.replica._to(args), **self.replica._to(kwargs))]
+            return [self.replica(*args, **kwargs)]
+
+    def train(
+        self,
+        work: Work,
+        targets: Sequence[Any],
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        weights: Sequence[float],
+    ) -> torch.Tensor:
+        """``DataParallelReplica.train_step`` on the shard; returns the global full-batch loss on every rank."""
+        spec = self._spec
+        if spec is None:
+            raise RuntimeError("ReplicaExecutor.train needs weights(spec, ...) first (Spanned.train_step calls both)")
+        self._spec = None
+        ((args, kwargs),) = work.chunks
+        inputs = dict(kwargs) if kwargs else tuple(args)
+        if kwargs and args:
+            raise ValueError("a data-parallel replica takes positional or keyword inputs, not both; pass a tuple or a dict")
+        reduction = "sum" if spec.kind == "sum" else "mean" if spec.kind == "samples" else None
+        normalizer = spec.user_normalizer if spec.kind == "user" else None
+        self._timing = {"on": True}
+        try:
+            with self._meter.saving(0):
+                loss = self.replica.train_step(inputs, targets[0], loss_fn, loss_reduction=reduction, loss_normalizer=normalizer)
+        finally:
+            backward = self._timing.pop("backward", None)
+            self._timing = {}
+            if backward is not None:
+                backward.__exit__(None, None, None)
+        return loss
+
+    def join(self, optimizer: torch.optim.Optimizer | None = None) -> int:
+        """``DataParallelReplica.join``: shadow the other ranks' remaining steps with empty shards."""
+        return self.replica.join(optimizer)
+
+    # ------------------------------------------------------------------ timeline
+    def _forward_starts(self, module: nn.Module, args: Any) -> None:
+        if self._timing.get("on") and "forward" not in self._timing:
+            block = self._recorder.block(0, self.replica.device, 0, "forward")
+            block.__enter__()
+            self._timing["forward"] = block
+
+    def _forward_ends(self, module: nn.Module, args: Any, output: Any) -> None:
+        block = self._timing.get("forward")
+        if block is not None and "backward" not in self._timing:
+            block.__exit__(None, None, None)
+            backward = self._recorder.block(0, self.replica.device, 0, "backward")
+            backward.__enter__()
+            self._timing["backward"] = backward
