@@ -153,22 +153,10 @@ class Pipeline:
         names = [f"torchspan-{self.devices[g[0]]}-stages-{'-'.join(map(str, g))}" for g in groups]
         ok = False
         try:
-            self.transport.start(self._remote_receives(schedule, groups))
             run_workers([job(g) for g in groups], names=names)
             ok = True
         finally:
             self.transport.finish(ok)
-
-    def _remote_receives(self, schedule: list[list[sched.Action]], groups: list[list[int]]) -> list[tuple[int, str, int]]:
-        """``(src stage, kind, micro-batch)`` of every value this process will receive from another, in run order."""
-        last, out = len(self.devices) - 1, []
-        for g in groups:
-            for a in sched.merged_order(schedule, g):
-                fwd = a.kind == sched.FORWARD
-                src = a.stage - 1 if fwd else a.stage + 1
-                if (a.stage > 0 if fwd else a.stage < last) and not self.transport.is_local(src):
-                    out.append((src, "fwd" if fwd else "bwd", a.microbatch))
-        return out
 
     # ------------------------------------------------------------------ training
     def train(

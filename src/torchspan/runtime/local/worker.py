@@ -79,10 +79,6 @@ class Transport:
         """Words naming where ``stage`` runs, for error notes (empty: this process)."""
         return ""
 
-    def start(self, receives: Sequence[tuple[int, str, int]]) -> None:
-        """A run begins; it will receive ``(src stage, kind, micro-batch)`` from other processes in this order
-        (a transport may post those receives early)."""
-
     def send(self, values: list[Any], spec: Any, src: int, dst: int, kind: str, mb: int = 0) -> None:
         """Hand ``values`` (flattened leaves, ``spec`` their pytree spec) of micro-batch ``mb`` from local ``src`` to remote ``dst``."""
         raise RuntimeError(f"stage {dst} runs in this process: its values go through the mailbox, not a transport")
