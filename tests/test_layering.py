@@ -27,6 +27,7 @@ FLOORS: dict[str, int] = {
     "torchspan.diagnosis": 4,
     "torchspan.runtime": 5,
     "torchspan.parity": 6,
+    "torchspan.parity_ranks": 6,
     "torchspan.launch": 6,
     "torchspan.pictures": 7,
     "torchspan.progress": 7,

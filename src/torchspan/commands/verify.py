@@ -5,7 +5,12 @@ step on random data with an MSE loss to a random target twice: with ``torchspan.
 given devices, and on one device as the reference. Prints the largest absolute and relative
 gradient difference per layer and PASS/FAIL (exit status 1 on FAIL).
 
-Usage: ``torchspan verify mymodels:build --input-shape 32,512 --devices cpu,cpu --microbatches 4``.
+``--strategies single,local-pipeline,dp,rank-pipeline,hybrid --nproc 2|4`` instead runs one step of
+each strategy from the same weights and global batch (multi-process ones in gloo processes on
+127.0.0.1) and prints each one's per-parameter differences from one device.
+
+Usage: ``torchspan verify mymodels:build --input-shape 32,512 --devices cpu,cpu --microbatches 4``;
+``torchspan verify mymodels:build --input-shape 7,16 --strategies single,dp,rank-pipeline --nproc 2``.
 """
 
 from __future__ import annotations
@@ -39,6 +44,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default 1e-5)")
     p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--strategies",
+        default=None,
+        metavar="LIST",
+        help="compare several strategies with one device instead: any of single,local-pipeline,dp,rank-pipeline,hybrid "
+        "(dp, rank-pipeline and hybrid run in --nproc gloo processes on 127.0.0.1)",
+    )
+    p.add_argument("--nproc", type=int, default=2, help="processes for dp and rank-pipeline; hybrid needs 4 = 2 stages x 2 replicas (default 2)")
+    p.add_argument("--timeout", type=float, default=180.0, help="seconds the processes of one --nproc run may take before they are killed (default 180)")
     p.set_defaults(func=run)
 
 
@@ -80,6 +94,10 @@ def run(args: argparse.Namespace) -> int:
         x = make_batch(shape, dtype, args.vocab, option=f"--input-shape {args.input_shape}")
         first_call(model, x, "--input-shape/--input-dtype", vocab=args.vocab)
 
+    if args.strategies is not None:
+        from ._verify_ranks import run_strategies
+
+        return run_strategies(args, model, x, balance, _random_like)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         spanned = torchspan.span(

@@ -1,0 +1,108 @@
+"""``torchspan verify ... --strategies single,local-pipeline,dp,rank-pipeline,hybrid --nproc 2|4``: the printing half.
+
+``torchspan.parity_ranks.compare_strategies`` runs the steps (multi-process ones in gloo processes);
+this prints one table per strategy (per-parameter max abs / rel difference against one device), a
+summary line per strategy and PASS/FAIL, and returns the exit status (1 when any strategy is out of
+tolerance or failed to run).
+
+Usage: ``torchspan verify models.py:mlp --input-shape 7,16 --strategies single,dp,rank-pipeline --nproc 2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from rich.table import Table
+
+from ..parity_ranks import StepOptions, StrategyResult, compare_strategies, processes_for
+from ..training import mse_loss
+from ._common import UsageError, console, load_target
+
+__all__ = ["run_strategies"]
+
+
+def _names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise UsageError(f"--strategies {text!r} names no strategy; e.g. --strategies single,local-pipeline,dp")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise UsageError(f"--strategies {text!r} names {', '.join(twice)} twice; list each strategy once")
+    return names
+
+
+def _summary(r: StrategyResult) -> str:
+    where = "this process" if r.processes == 0 else f"{r.processes} processes"
+    if r.parity is None:
+        return f"{r.name} ({where}): FAIL, did not run: {r.error}"
+    p = r.parity
+    worst_abs = max((g.max_abs for g in p.grads), default=0.0)
+    worst_rel = max((g.max_rel for g in p.grads), default=0.0)
+    bad = sum(not g.within for g in p.grads)
+    verdict = "PASS" if r.ok else "FAIL"
+    loss = f"loss {p.loss:.6g} vs {p.reference_loss:.6g}" + ("" if p.same_loss else " (DIFFERENT)")
+    return (
+        f"{r.name} ({where}): {verdict}, max abs diff {worst_abs:.3e}, max rel diff {worst_rel:.3e}, "
+        f"{bad} of {len(p.grads)} parameter(s) out of tolerance, {loss}, "
+        + (f"{r.seconds:.1f} s" if r.processes == 0 else f"{r.seconds:.1f} s for the whole {r.processes}-process run")
+    )
+
+
+def _table(r: StrategyResult) -> Table:
+    table = Table(title=f"{r.name}: gradient difference vs one device, per parameter")
+    for col in ("parameter", "max abs diff", "max rel diff", "result"):
+        table.add_column(col, justify="left" if col in ("parameter", "result") else "right")
+    assert r.parity is not None
+    for g in r.parity.grads:
+        table.add_row(g.name, f"{g.max_abs:.3e}", f"{g.max_rel:.3e}", "ok" if g.within else "DIFFERENT")
+    return table
+
+
+def run_strategies(
+    args: argparse.Namespace, model: torch.nn.Module, x: Any, balance: list[int] | None, target: Callable[[Any], Any]
+) -> int:
+    """Compare ``args.strategies`` with one device and print them (``target(output)``: the step's target); 0 when all pass, 1 otherwise."""
+    names = _names(args.strategies)
+    if args.nproc < 1:
+        raise UsageError(f"--nproc {args.nproc} must be >= 1, e.g. --nproc 2")
+    if not args.timeout > 0:
+        raise UsageError(f"--timeout {args.timeout:g} must be > 0 seconds, e.g. --timeout 180")
+    options = StepOptions(
+        microbatches=args.microbatches,
+        schedule=args.schedule,
+        checkpoint=args.checkpoint,
+        balance=tuple(balance) if balance else None,
+        devices=tuple(d.strip() for d in args.devices.split(",") if d.strip()),
+        loss_reduction="mean",  # mse_loss: a mean over rows, so shards weigh by their row counts
+    )
+    counts = processes_for(names, args.nproc, options)  # a ValueError (exit 2) before anything runs
+    con = console()
+    con.print(
+        f"torchspan verify {args.target}: strategies {', '.join(f'{n} ({c} processes)' if c else n for n, c in counts.items())}; "
+        f"microbatches={args.microbatches}, schedule={args.schedule}, balance={list(balance) if balance else 'even'}, seed={args.seed}"
+    )
+    results = compare_strategies(
+        model,
+        x,
+        target,
+        mse_loss,
+        names,
+        build=functools.partial(load_target, args.target),
+        nproc=args.nproc,
+        options=options,
+        atol=args.atol,
+        rtol=args.rtol,
+        timeout=args.timeout,
+    )
+    for r in results:
+        if r.parity is not None:
+            con.print(_table(r))
+    for r in results:
+        con.print(_summary(r))
+    ok = all(r.ok for r in results)
+    con.print(f"{'PASS' if ok else 'FAIL'}: {sum(r.ok for r in results)} of {len(results)} strategies match one device (atol={args.atol:g}, rtol={args.rtol:g})")
+    return 0 if ok else 1

@@ -1,0 +1,399 @@
+"""One training step under several strategies, each compared with one device, parameter by parameter.
+
+``compare_strategies`` builds the reference gradient once (a plain copy of the model, the whole
+batch, ``loss_fn(model(x), y).backward()``) and runs one step of each named strategy from the same
+initial weights and the same global batch:
+
+- ``single``: a fresh plain copy on one device (the reference itself: a determinism check);
+- ``local-pipeline``: ``span(model, devices=..., balance=..., microbatches=...)`` in this process;
+- ``dp``: ``nproc`` gloo processes, one data-parallel replica each, the batch sharded unevenly
+  (``shard_batch``: 7 rows over 2 ranks are 4 + 3);
+- ``rank-pipeline``: ``nproc`` processes, one pipeline stage each (``span`` in a launched job);
+- ``hybrid``: ``dp * pp`` processes, ``pp`` stages (``len(balance)``, default 2) replicated
+  ``dp`` times, each replica on its shard.
+
+Multi-process strategies run in spawned gloo processes on 127.0.0.1 (a free port; the strategies
+needing the same process count share one spawn). Every rank rebuilds the model with ``build``
+(picklable: a module-level function or ``functools.partial``), loads the parent's initial weights,
+runs its step and writes the gradients of the parameters it holds, by qualified name, to a
+temporary folder; the parent compares the full model (per name, the worst rank). A rank that raises
+or dies, or a spawn still running after ``timeout`` seconds, ends that spawn (every rank killed,
+never a hang) and marks its strategies failed with a message naming the rank.
+
+Usage::
+
+    results = compare_strategies(model, x, y, F.mse_loss, ["single", "local-pipeline", "dp"],
+                                 build=functools.partial(make_model), nproc=2, loss_reduction="mean")
+    for r in results: print(r.name, r.ok, r.error or r.parity.failures())
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from .parity import GradDiff, Parity, grad_difference
+from .runtime.ranks import DataParallelReplica, free_port, init_distributed, shard_batch
+
+__all__ = ["StepOptions", "RankStrategy", "StrategyResult", "RankFailure", "LOCAL", "RANKED", "compare_strategies", "processes_for"]
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How the pipelined strategies cut and run the model; ``loss_reduction`` is passed to ``train_step``."""
+
+    microbatches: int = 4
+    schedule: str = "gpipe"
+    checkpoint: str = "never"
+    balance: tuple[int, ...] | None = None
+    devices: tuple[str, ...] = ("cpu", "cpu")
+    loss_reduction: str | None = None
+
+
+# A step on one rank: (model with the initial weights, global inputs, global target, loss_fn, options,
+# rank, world size) -> the loss; afterwards the parameters the rank holds (not meta) carry .grad.
+RankStep = Callable[[nn.Module, Any, Any, Callable[..., Any], StepOptions, int, int], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class RankStrategy:
+    """A multi-process strategy: ``processes(nproc, options)`` is its process count (a ``ValueError`` stating
+    the equation when ``nproc`` cannot host it) and ``step`` runs on every rank (module-level: it is pickled)."""
+
+    processes: Callable[[int, StepOptions], int]
+    step: RankStep
+
+
+@dataclass(frozen=True)
+class StrategyResult:
+    """One strategy's comparison: ``parity`` (per-parameter differences, both losses) or the ``error`` that stopped it."""
+
+    name: str
+    processes: int
+    parity: Parity | None = None
+    error: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.parity is not None and self.parity.ok
+
+
+class RankFailure(RuntimeError):
+    """A rank of a spawned strategy raised, died or outlived the timeout; ``rank`` names it (``None``: several)."""
+
+    def __init__(self, message: str, rank: int | None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What every rank gets (pickled into the spawned processes)."""
+
+    build: Callable[[], nn.Module]
+    state: dict[str, Any]
+    inputs: Any
+    target: Any
+    loss_fn: Callable[..., Any]
+    options: StepOptions
+    steps: list[tuple[int, RankStep]] = field(default_factory=list)  # (index into the result list, step)
+
+
+def _forward(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    """The gradients of the parameters this process holds (meta ones are other ranks'), by every name they have."""
+    return {
+        n: (p.grad.detach().cpu().clone() if p.grad is not None else None)
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if p.device.type != "meta"
+    }
+
+
+# ---------------------------------------------------------------------------------------- strategies
+def _single(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions) -> torch.Tensor:
+    loss = loss_fn(_forward(model, inputs), target)
+    loss.backward()
+    return loss.detach()
+
+
+def _local_pipeline(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions) -> torch.Tensor:
+    from .runtime.spanned import span
+
+    spanned = span(
+        model,
+        devices=list(opts.devices),
+        balance=list(opts.balance) if opts.balance else None,
+        microbatches=opts.microbatches,
+        schedule=opts.schedule,
+        checkpoint=opts.checkpoint,
+    )
+    return spanned.train_step(inputs, target, loss_fn, loss_reduction=opts.loss_reduction)
+
+
+def _dp_processes(nproc: int, opts: StepOptions) -> int:
+    return nproc
+
+
+def _dp_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions, rank: int, world: int) -> torch.Tensor:
+    replica = DataParallelReplica(model)
+    xs, ts = shard_batch((inputs, target), rank, world)
+    return replica.train_step(xs, ts, loss_fn, loss_reduction=opts.loss_reduction)
+
+
+def _pipeline_processes(nproc: int, opts: StepOptions) -> int:
+    stages = len(opts.balance) if opts.balance else nproc
+    if stages != nproc:
+        raise ValueError(
+            f"rank-pipeline runs one stage per process: pp({stages}) != nproc({nproc}); "
+            f"give --balance with {nproc} entries or --nproc {stages}"
+        )
+    return nproc
+
+
+def _hybrid_shape(nproc: int, opts: StepOptions) -> tuple[int, int]:
+    """``(dp, pp)`` of the hybrid mesh: ``pp = len(balance)`` (default 2), ``dp = nproc // pp`` (at least 2)."""
+    pp = len(opts.balance) if opts.balance else 2
+    dp = max(2, nproc // pp)
+    if dp * pp != nproc:
+        raise ValueError(
+            f"hybrid needs {dp * pp} processes ({pp} stages x {dp} replicas): dp({dp}) * pp({pp}) != nproc({nproc}); pass --nproc {dp * pp}"
+        )
+    return dp, pp
+
+
+def _hybrid_processes(nproc: int, opts: StepOptions) -> int:
+    dp, pp = _hybrid_shape(nproc, opts)
+    return dp * pp
+
+
+def _span_ranked(model: nn.Module, stages: int, opts: StepOptions) -> Any:
+    from .runtime.spanned import span
+
+    return span(
+        model,
+        devices=["cpu"] * stages,
+        balance=list(opts.balance) if opts.balance else None,
+        microbatches=opts.microbatches,
+        schedule=opts.schedule,
+        checkpoint=opts.checkpoint,
+    )
+
+
+def _pipeline_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions, rank: int, world: int) -> torch.Tensor:
+    spanned = _span_ranked(model, world, opts)
+    return spanned.train_step(inputs, target, loss_fn, loss_reduction=opts.loss_reduction)
+
+
+def _hybrid_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions, rank: int, world: int) -> torch.Tensor:
+    dp, pp = _hybrid_shape(world, opts)
+    spanned = _span_ranked(model, pp, opts)
+    xs, ts = shard_batch((inputs, target), rank // pp, dp)  # rank = replica * pp + stage (Mesh)
+    return spanned.train_step(xs, ts, loss_fn, loss_reduction=opts.loss_reduction)
+
+
+LocalStep = Callable[[nn.Module, Any, Any, Callable[..., Any], StepOptions], torch.Tensor]
+LOCAL: dict[str, LocalStep] = {"single": _single, "local-pipeline": _local_pipeline}
+RANKED: dict[str, RankStrategy] = {
+    "dp": RankStrategy(_dp_processes, _dp_step),
+    "rank-pipeline": RankStrategy(_pipeline_processes, _pipeline_step),
+    "hybrid": RankStrategy(_hybrid_processes, _hybrid_step),
+}
+
+
+def processes_for(strategies: Sequence[str], nproc: int, options: StepOptions | None = None) -> dict[str, int]:
+    """Each strategy's process count (0: runs in this process); ``ValueError`` for an unknown name or an ``nproc`` it cannot use.
+
+    Usage: ``processes_for(["dp", "hybrid"], 4)`` -> ``{"dp": 4, "hybrid": 4}``.
+    """
+    opts = options or StepOptions()
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc={nproc!r} must be an int >= 1, e.g. --nproc 2")
+    known = [*LOCAL, *RANKED]
+    out: dict[str, int] = {}
+    for name in strategies:
+        if name in LOCAL:
+            out[name] = 0
+        elif name in RANKED:
+            out[name] = RANKED[name].processes(nproc, opts)
+        else:
+            raise ValueError(f"strategy {name!r} is unknown; choose from {', '.join(known)} (e.g. --strategies single,dp)")
+    return out
+
+
+# ---------------------------------------------------------------------------------------- processes
+def _rank_main(rank: int, world: int, port: int, folder: str, job: _Job, timeout: float) -> None:
+    """One spawned rank: join the group, run every step of this spawn, write gradients and loss per step."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    try:
+        init_distributed(backend="gloo", timeout=timeout)
+        for index, step in job.steps:
+            model = job.build()
+            model.load_state_dict(job.state)
+            loss = step(model, job.inputs, job.target, job.loss_fn, job.options, rank, world)
+            torch.save({"grads": _grads(model), "loss": float(loss)}, Path(folder, f"s{index}.rank{rank}.pt"))
+        dist.barrier()
+    except BaseException as exc:
+        Path(folder, f"rank{rank}.err").write_text("".join(traceback.format_exception(exc)))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "no message"
+
+
+def _preload() -> None:
+    """Ranks fork from one forkserver that has torch and torchspan imported already: one import, not one per rank."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torchspan.parity_ranks"])
+
+
+def _spawn(job: _Job, world: int, folder: str, timeout: float) -> None:
+    """Run ``job.steps`` on ``world`` spawned ranks; ``RankFailure`` naming the rank on an error, a death or the timeout."""
+    _preload()
+    try:
+        ctx = mp.start_processes(
+            _rank_main, args=(world, free_port(), folder, job, timeout), nprocs=world, join=False, start_method="forkserver"
+        )
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise ValueError(
+            f"the model factory, loss or batch cannot be sent to spawned ranks ({_last_line(str(exc))}); pass a "
+            "module-level function (or functools.partial of one) as build= and a module-level loss_fn"
+        ) from exc
+    start = time.monotonic()
+    try:
+        while not ctx.join(timeout=0.25):
+            if time.monotonic() - start > timeout:
+                running = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
+                raise RankFailure(
+                    f"rank(s) {', '.join(map(str, running))} of {world} still running after {timeout:g} s (killed); "
+                    "a collective waits for a rank that never comes", running[0] if len(running) == 1 else None,
+                )  # fmt: skip
+    except mp.ProcessRaisedException as exc:
+        err = Path(folder, f"rank{exc.error_index}.err")
+        why = _last_line(err.read_text()) if err.exists() else _last_line(str(exc))
+        raise RankFailure(f"rank {exc.error_index} of {world} failed: {why}", exc.error_index) from None
+    except mp.ProcessExitedException as exc:
+        raise RankFailure(f"rank {exc.error_index} of {world} died ({exc.exit_code if exc.signal_name is None else exc.signal_name})", exc.error_index) from None
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+        for p in ctx.processes:
+            p.join(5)
+
+
+def _merge(
+    per_rank: list[dict[str, Any]], reference: nn.Module, reference_loss: float, atol: float, rtol: float
+) -> Parity:
+    """Per name the worst rank holding it; a name no rank holds compares as a missing gradient; the loss farthest off."""
+    grads: list[GradDiff] = []
+    for name, ref_p in reference.named_parameters(remove_duplicate=False):
+        found = [grad_difference(name, r["grads"][name], ref_p.grad, atol=atol, rtol=rtol) for r in per_rank if name in r["grads"]]
+        if not found:
+            found = [grad_difference(name, None, ref_p.grad, atol=atol, rtol=rtol)]
+        worst = max(found, key=lambda d: d.max_abs)
+        grads.append(GradDiff(name, worst.max_abs, max(d.max_rel for d in found), all(d.within for d in found)))
+    loss = max((float(r["loss"]) for r in per_rank), key=lambda v: abs(v - reference_loss))
+    return Parity(tuple(grads), loss, reference_loss, atol, rtol)
+
+
+def compare_strategies(
+    model: nn.Module,
+    inputs: Any,
+    target: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    strategies: Sequence[str],
+    *,
+    build: Callable[[], nn.Module] | None = None,
+    nproc: int = 2,
+    options: StepOptions | None = None,
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
+    timeout: float = 120.0,
+) -> list[StrategyResult]:
+    """One step of each strategy against one device (see the module docstring); results in ``strategies``' order.
+
+    ``model`` keeps its weights (copies are trained); ``target`` may be a function of the reference's
+    output. ``build`` rebuilds the model in spawned ranks (needed by multi-process strategies).
+    ``timeout``: seconds one spawn may run. Unknown names, an ``nproc`` a strategy cannot use, or a
+    missing ``build`` raise ``ValueError`` before anything runs.
+    """
+    opts = options or StepOptions()
+    counts = processes_for(strategies, nproc, opts)
+    if any(counts.values()) and build is None:
+        raise ValueError("multi-process strategies rebuild the model in each rank: pass build=<picklable function returning the model>")
+    if not timeout > 0:
+        raise ValueError(f"timeout={timeout!r} must be > 0 seconds, e.g. timeout=120")
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    reference = copy.deepcopy(model)
+    out = _forward(reference, inputs)
+    if callable(target) and not isinstance(target, torch.Tensor):
+        target = target(out)
+    ref_loss_t = loss_fn(out, target)
+    ref_loss_t.backward()
+    ref_loss = float(ref_loss_t.detach())
+    results: dict[int, StrategyResult] = {}
+    for i, name in enumerate(strategies):
+        if counts[name] == 0:
+            start = time.monotonic()
+            local = copy.deepcopy(model)
+            try:
+                loss = LOCAL[name](local, inputs, target, loss_fn, opts)
+            except Exception as exc:  # a strategy that refuses the model is that strategy's failure
+                results[i] = StrategyResult(name, 0, error=f"{type(exc).__name__}: {_last_line(str(exc))}")
+                continue
+            parity = _merge([{"grads": _grads(local), "loss": float(loss)}], reference, ref_loss, atol, rtol)
+            results[i] = StrategyResult(name, 0, parity, seconds=time.monotonic() - start)
+    detached = tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, (inputs, target))
+    for world in sorted({c for c in counts.values() if c}):
+        steps = [(i, RANKED[n].step) for i, n in enumerate(strategies) if counts[n] == world]
+        assert build is not None
+        job = _Job(build, state, detached[0], detached[1], loss_fn, opts, steps)
+        start = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="torchspan-verify-") as folder:
+            error = None
+            try:
+                _spawn(job, world, folder, timeout)
+            except RankFailure as exc:
+                error = str(exc)
+            seconds = time.monotonic() - start
+            for i, _ in steps:
+                files = [Path(folder, f"s{i}.rank{r}.pt") for r in range(world)]
+                if all(f.exists() for f in files):
+                    per_rank = [torch.load(f, weights_only=False) for f in files]
+                    results[i] = StrategyResult(strategies[i], world, _merge(per_rank, reference, ref_loss, atol, rtol), seconds=seconds)
+                else:
+                    results[i] = StrategyResult(strategies[i], world, error=error or "a rank wrote no gradients", seconds=seconds)
+    return [results[i] for i in range(len(strategies))]
