@@ -1,6 +1,7 @@
 """``torchspan demo [--devices SPEC] [--memory DEV=SIZE ...] [--steps N] [--out DIR]``: watch torchspan train across your devices.
 
-Also ``--schedule gpipe|1f1b`` and ``--microbatches N`` to override the planner's choice.
+Also ``--schedule gpipe|1f1b`` and ``--microbatches N`` to override the planner's choice, and
+``--nproc N`` to train data-parallel over N processes instead (report.md gives per-rank throughput).
 
 Trains a small character-level transformer on torchspan's own source code, planned for the given
 devices and run pipelined with ``span``; shows the devices, the plan and live training figures,
@@ -27,6 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="torchspan-demo", metavar="DIR", help="folder for plan.json, the pictures and report.md (default ./torchspan-demo)")
     p.add_argument("--schedule", choices=("auto", "gpipe", "1f1b"), default="auto", help="pipeline schedule (default: the planner's choice)")
     p.add_argument("--microbatches", default="auto", metavar="N", help="micro-batches per step (default: the planner's choice)")
+    p.add_argument("--nproc", type=int, default=None, metavar="N", help="train data-parallel over N >= 2 processes instead (gloo on this machine's CPU)")
     p.set_defaults(func=run)
 
 
@@ -38,6 +40,8 @@ def run(args: argparse.Namespace) -> int:
     microbatches = parse_microbatches(args.microbatches)
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise UsageError(f"--out {args.out!r} is a file; name a folder for plan.json, the pictures and report.md (it is created if missing), e.g. --out torchspan-demo")
+    if args.nproc is not None:
+        return _run_ranks(args, microbatches)
     run_demo(
         devices=args.devices,
         memory=parse_memory_options(args.memory),
@@ -47,4 +51,26 @@ def run(args: argparse.Namespace) -> int:
         schedule=args.schedule,
         microbatches=microbatches,
     )
+    return 0
+
+
+def _run_ranks(args: argparse.Namespace, microbatches: object) -> int:
+    """``--nproc N``: data parallel over N processes (``demo.ranks``); pipeline options do not apply."""
+    from ..demo.ranks import run_demo_ranks
+
+    if args.nproc < 2:
+        raise UsageError(f"--nproc {args.nproc} must be >= 2 (data parallel over N processes); drop --nproc to train in one process")
+    given = [
+        opt
+        for opt, on in (
+            ("--devices", args.devices != "auto"),
+            ("--memory", bool(args.memory)),
+            ("--schedule", args.schedule != "auto"),
+            ("--microbatches", microbatches != "auto"),
+        )
+        if on
+    ]
+    if given:
+        raise UsageError(f"--nproc {args.nproc} trains one replica per CPU process, so {', '.join(given)} do not apply; drop them or drop --nproc")
+    run_demo_ranks(args.nproc, steps=args.steps, out=args.out, console=console())
     return 0
