@@ -6,7 +6,7 @@ initial weights and the same global batch:
 
 - ``single``: a fresh plain copy on one device (the reference itself: a determinism check);
 - ``local-pipeline``: ``span(model, devices=..., balance=..., microbatches=...)`` in this process;
-- ``dp``: ``nproc`` gloo processes, one data-parallel replica each, the batch sharded unevenly
+- ``dp``: ``nproc`` gloo processes, ``span(model)`` (one data-parallel replica) each, the batch sharded unevenly
   (``shard_batch``: 7 rows over 2 ranks are 4 + 3);
 - ``rank-pipeline``: ``nproc`` processes, one pipeline stage each (``span`` in a launched job);
 - ``hybrid``: ``dp * pp`` processes, ``pp`` stages (``len(balance)``, default 2) replicated
@@ -47,7 +47,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from .parity import GradDiff, Parity, grad_difference
-from .runtime.ranks import DataParallelReplica, free_port, init_distributed, shard_batch
+from .runtime.ranks import free_port, init_distributed, shard_batch
 
 __all__ = ["StepOptions", "RankStrategy", "StrategyResult", "RankFailure", "LOCAL", "RANKED", "compare_strategies", "processes_for"]
 
@@ -157,9 +157,11 @@ def _dp_processes(nproc: int, opts: StepOptions) -> int:
 
 
 def _dp_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions, rank: int, world: int) -> torch.Tensor:
-    replica = DataParallelReplica(model)
+    from .runtime.spanned import span
+
+    spanned = span(model)  # launched, one stage: an exact data-parallel replica
     xs, ts = shard_batch((inputs, target), rank, world)
-    return replica.train_step(xs, ts, loss_fn, loss_reduction=opts.loss_reduction)
+    return spanned.train_step(xs, ts, loss_fn, loss_reduction=opts.loss_reduction)
 
 
 def _pipeline_processes(nproc: int, opts: StepOptions) -> int:
