@@ -169,8 +169,13 @@ class Pipeline:
         schedule: str,
         scaler: Any = None,
         buffers: Sequence[Sequence[Slot]] | None = None,
+        finished: Callable[[int, torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns the summed weighted loss (detached).
+
+        ``finished(stage, loss)``: across processes, called once a local stage has run (and sent) its
+        last backward, with the pipeline's loss, while later stages' work may still run (a
+        data-parallel gradient reduction starts there).
 
         ``buffers[s]`` are stage ``s``'s buffer slots: a recompute (checkpointing) leaves them as
         the real forward left them (BatchNorm statistics are updated once per micro-batch).
@@ -272,6 +277,8 @@ class Pipeline:
                 if mb == carry:
                     grads.append(summed() if s == last else carried[-1])
                 self._send(box, "bwd", grads, None, s, s - 1, mb)
+            if mb == carry and finished is not None:
+                finished(s, summed() if s == last else carried[-1])
 
         try:
             self._run(plan, do)

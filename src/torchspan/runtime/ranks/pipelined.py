@@ -8,14 +8,17 @@ local ``PipelinedExecutor`` with another ``Transport``: the same stage functions
 - **Memory**: layers of other stages become ``meta`` tensors (``requires_grad=False``) on this
   rank, so only this stage's parameters take memory and reach the optimizer.
 - **Weights**: with several replicas the loss normalizer (samples, class weights, non-ignored
-  tokens) is all-reduced, so every replica weighs its micro-batches against the global batch.
-- **Gradients**: after the step each stage's gradients are all-reduced (SUM, one flat buffer per
-  dtype) in its data-parallel group (the ranks holding that stage). A parameter shared by layers
-  on different stages (tied embeddings) lives on every rank that uses it and is all-reduced in its
-  own group (the ranks holding any of those stages, all replicas: Megatron's embedding group), so
-  its copies stay identical. Replicas and tied copies start identical: broadcast at construction.
-- **Loss**: the last stage's summed weighted loss is all-reduced, so ``train_step`` returns the
-  full-batch loss on every rank.
+  tokens) is all-reduced among the last stages (the only ones weighing losses), so every replica
+  weighs its micro-batches against the global batch; the other stages start at once.
+- **Gradients**: once a rank has run its stage's last backward (earlier stages may still be
+  computing), its gradients are all-reduced (SUM, async, one flat buffer per dtype) in its
+  data-parallel group (the ranks holding that stage). A parameter shared by layers on different
+  stages (tied embeddings) lives on every rank that uses it and is all-reduced in its own group
+  (the ranks holding any of those stages, all replicas: Megatron's embedding group), so its
+  copies stay identical. Replicas and tied copies start identical: broadcast at construction.
+- **Loss**: the last stage's summed weighted loss rides down the pipeline on the last backward
+  messages (no collective in a single pipeline); with replicas it is summed (float64) in the
+  stage's group alongside the gradients, so ``train_step`` returns the full-batch loss on every rank.
 - ``spanned(x)`` runs a forward without autograd (a graph cannot cross processes) and returns the
   last stage's outputs on every rank of the pipeline; train with ``train_step``.
 
@@ -218,31 +221,34 @@ class RankPipelineExecutor(PipelinedExecutor):
         earlier = [p.grad for p in params]  # gradients accumulate as on one device: reduce only this step's
         for p in params:
             p.grad = None
+        launched: list[tuple[Any, Any]] = []
+        totals: list[torch.Tensor] = []
+
+        def finished(stage: int, loss: torch.Tensor) -> None:
+            """This rank's last backward ran: start its reductions while the earlier stages still compute."""
+            if self._stage_group is not None:
+                total = loss.detach().to(self._comm, torch.float64).reshape(1)
+                launched.append((dist.all_reduce(total, group=self._stage_group, async_op=True), None))
+                totals.append(total)
+                launched.extend(self._launch([p for p in params if id(p) not in self._tie_of], self._stage_group))
+            for i, (group, _) in enumerate(self._tie_groups):
+                launched.extend(self._launch([p for p in params if self._tie_of.get(id(p)) == i], group))
+
         try:
-            loss = super().train(work, targets, loss_fn, weights)  # this replica's loss, carried to every stage
-            loss = self._reduce(params, loss)
+            s = self.settings
+            fns = self._fns(work)
+            loss = self._pipeline.train(
+                fns, work.chunks, targets, loss_fn, weights, s.schedule, s.scaler, self._stage_buffers(), finished=finished
+            )
+            for handle, unpack in launched:  # the SUMs of this step's gradients and the replicas' losses
+                handle.wait()
+                if unpack is not None:
+                    unpack()
         finally:
             for p, g in zip(params, earlier):
                 if g is not None:
                     p.grad = g if p.grad is None else g.add_(p.grad)
-        return loss
-
-    def _reduce(self, params: list[nn.Parameter], loss: torch.Tensor) -> torch.Tensor:
-        """SUM this step's gradients in the stage's data-parallel group and each tie group, and the replicas'
-        losses (float64) in the stage group: every collective launched at once, then waited for."""
-        launched: list[tuple[Any, Any]] = []
-        total = None
-        if self._stage_group is not None:
-            total = loss.detach().to(self._comm, torch.float64).reshape(1)
-            launched.append((dist.all_reduce(total, group=self._stage_group, async_op=True), None))
-            launched += self._launch([p for p in params if id(p) not in self._tie_of], self._stage_group)
-        for i, (group, _) in enumerate(self._tie_groups):
-            launched += self._launch([p for p in params if self._tie_of.get(id(p)) == i], group)
-        for work, unpack in launched:
-            work.wait()
-            if unpack is not None:
-                unpack()
-        return loss if total is None else total[0].to(loss.device, loss.dtype)
+        return totals[0][0].to(loss.device, loss.dtype) if totals else loss
 
     def _launch(self, params: list[nn.Parameter], group: Any) -> list[tuple[Any, Any]]:
         """Start SUMs of ``params``' gradients over ``group``: one flat buffer per dtype (a missing grad counts as 0)."""
