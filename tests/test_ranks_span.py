@@ -63,6 +63,14 @@ def _worker(rank: int, world: int, port: int) -> None:
     assert spanned.stages == [("cpu", ["0", "1", "2"])] and spanned.balance == [3]
     assert [e.kind for e in spanned.timeline()] == ["forward", "backward"]
     assert spanned.memory()[0]["activations"] > 0 and spanned.memory()[0]["grads"] > 0
+    # the saved-activation meter runs on the first step only: later steps cost what the bare replica does
+    first, held = spanned.memory()[0]["activations"], []
+    spanned._meter.hold = lambda stage, t: held.append(t) or t  # type: ignore[method-assign]
+    spanned.train_step(*shard_batch((x, y), rank, world), nn.MSELoss())
+    assert held == [] and not spanned._executor.meters(), "the meter still counts after the first step"
+    assert spanned.memory()[0]["activations"] == first and [e.kind for e in spanned.timeline()] == ["forward", "backward"]
+    empty = _case(rank, world, x[:1], y[:1], nn.MSELoss(), "empty shard on rank 1, first step")
+    assert empty._executor.meters() == (rank == 1)  # nothing saved yet on rank 1: its next step is metered
     _case(rank, world, x, labels, nn.CrossEntropyLoss(weight=weights, ignore_index=1), "class-weighted cross-entropy")
     _case(rank, world, x[:1], y[:1], nn.MSELoss(), "empty shard on rank 1")
     # opaque lambdas: calibrated on each shard's halves and agreed by the ranks, as a local span calibrates them

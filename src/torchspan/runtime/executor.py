@@ -104,6 +104,14 @@ class Executor(ABC):
             )
         return 0
 
+    def meters(self) -> bool:
+        """Whether the coming step counts saved activations (the façade resets the meter's peak only then).
+
+        Local executors count every step; a data-parallel replica only until one step has saved some
+        (its shard's shape repeats, and the saved-tensor hooks would cost every step ~5-10%).
+        """
+        return True
+
     def weights(self, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
         """Each micro-batch's loss weight; an executor whose batch is part of a larger one passes ``total=``."""
         return spec.weights(targets, sizes)

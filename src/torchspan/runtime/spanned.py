@@ -326,7 +326,8 @@ class Spanned(nn.Module):
         _warn_batchnorm(self)
         devices = self._executor.devices
         self._recorder.start_step(devices)
-        self._meter.reset(list(self.module.parameters()) + list(self.module.buffers()))
+        if self._executor.meters():  # a data-parallel replica meters its first training step only
+            self._meter.reset(list(self.module.parameters()) + list(self.module.buffers()))
         for d in dict.fromkeys(devices):
             if d.type == "cuda":  # pragma: no cover - needs a GPU
                 torch.cuda.reset_peak_memory_stats(d)
@@ -431,7 +432,9 @@ class Spanned(nn.Module):
         """Bytes per stage: ``params``, ``grads``, ``buffers``, ``optimizer``, ``activations``, ``device_peak``.
 
         ``activations`` is the peak of live saved activations during the last step, counted
-        exactly (saved-tensor hooks). ``optimizer`` is 0 unless you pass the optimizer, which
+        exactly (saved-tensor hooks); for a launched data-parallel replica (``mode="data-parallel"``),
+        during its first training step that saved any (later steps run unmetered, at the bare
+        replica's cost; its shards repeat that shape). ``optimizer`` is 0 unless you pass the optimizer, which
         torchspan does not otherwise see. ``device_peak`` is ``torch.cuda.max_memory_allocated``
         since the last step began (CUDA stages; ``None`` elsewhere).
         """

@@ -15,7 +15,8 @@ normalizer all-reduced): after ``spanned.train_step(x_shard, y_shard, loss_fn)``
   verified the same way.
 - **Empty shards** (``rank_batches`` at the end of an epoch) are valid steps that add zero.
 - **Timeline**: one ``forward`` and one ``backward`` block per step (backward includes the loss
-  and the gradient all-reduce it overlaps). **Memory**: one stage holding every layer.
+  and the gradient all-reduce it overlaps). **Memory**: one stage holding every layer; activations
+  are those of the first training step that saved any (``meters``), later steps run unmetered.
 - ``spanned(x)`` with gradients enabled runs through DDP (a ``backward`` you run yourself sums
   the ranks' gradients; every rank must run it); under ``torch.no_grad()`` the plain module runs
   (no collective).
@@ -29,6 +30,7 @@ Usage (``span`` does this when launched with one pipeline stage)::
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -105,6 +107,7 @@ class ReplicaExecutor(Executor):
         self._spec: LossSpec | None = None
         self._decided: list[tuple[tuple[Any, ...], LossSpec]] = []  # opaque losses the ranks agreed on
         self._timing: dict[str, Any] = {}
+        self._metered = False  # one training step's activation peak is counted; later steps skip the meter
         model.register_forward_pre_hook(self._forward_starts)
         model.register_forward_hook(self._forward_ends)
 
@@ -221,15 +224,22 @@ class ReplicaExecutor(Executor):
         reduction = "sum" if spec.kind == "sum" else "mean" if spec.kind == "samples" else None
         normalizer = spec.user_normalizer if spec.kind == "user" else None
         self._timing = {"on": True}
+        metering = self.meters()
         try:
-            with self._meter.saving(0):
+            with self._meter.saving(0) if metering else contextlib.nullcontext():
                 loss = self.replica.train_step(inputs, targets[0], loss_fn, loss_reduction=reduction, loss_normalizer=normalizer)
+            self._metered = self._metered or (metering and self._meter.peak[0] > 0)
         finally:
             backward = self._timing.pop("backward", None)
             self._timing = {}
             if backward is not None:
                 backward.__exit__(None, None, None)
         return loss
+
+    def meters(self) -> bool:
+        """Until a training step has saved activations (an empty shard saves none): ``Spanned.memory`` reports
+        that step's peak, and later steps skip the saved-tensor hooks (the bare replica's cost)."""
+        return not self._metered
 
     def join(self, optimizer: torch.optim.Optimizer | None = None) -> int:
         """``DataParallelReplica.join``: shadow the other ranks' remaining steps with empty shards."""
