@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-hybrid", action="store_true")
     args = parser.parse_args(argv)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores shared by all processes (gloo on 127.0.0.1)")
+    print("load average (1, 5, 15 min) before: " + ", ".join(f"{v:.2f}" for v in os.getloadavg()))
     print(f"model: {args.depth} x (Linear({args.width}, {args.width}) + ReLU), batch {args.batch}, {args.microbatches} micro-batches")
     import tempfile
 
@@ -152,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             out = str(Path(tmp) / f"{name}.txt")
             mp.start_processes(fn, args=(world, free_port(), args, out), nprocs=world, start_method="spawn")
             print(Path(out).read_text(), end="")
+    print("load average (1, 5, 15 min) after the runs: " + ", ".join(f"{v:.2f}" for v in os.getloadavg()))
     return 0
 
 

@@ -200,8 +200,10 @@ class RankTransport(Transport):
 
     def finish(self, ok: bool) -> None:
         pending, self._pending = self._pending, []
-        if not ok:
-            return  # a failed run: peers are stopping too; waiting on their receives could hang
+        if not ok:  # a failed run: peers are stopping too; waiting on their receives could hang
+            self._sent.clear()  # and what each side predicts may differ now: start again from announced headers
+            self._received.clear()
+            return
         for work, _ in pending:
             try:
                 work.wait()
