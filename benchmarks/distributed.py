@@ -1,14 +1,16 @@
-"""torchspan data parallel against raw DistributedDataParallel: same model, data and processes.
+"""torchspan data parallel, as users call it, against raw DistributedDataParallel: same model, data and processes.
 
-Two gloo processes on 127.0.0.1 (or nccl with ``--backend nccl`` on GPUs) each hold two identical
-replicas, one wrapped in raw DDP (mean loss per rank, DDP's averaging) and one in torchspan's
-``DataParallelReplica`` (exact global loss: all-reduced normalizer, summing comm hook). Rounds
-alternate between the two so that both see the same machine load; the ratio of median step
-times is printed (goal: torchspan <= 1.03x raw DDP).
+Two gloo processes on 127.0.0.1 (or nccl with ``--backend nccl`` on GPUs) each hold three identical
+replicas: one wrapped in raw DDP (mean loss per rank, DDP's averaging), one ``torchspan.span(model)``
+(the user's path in a launched job: the ``Spanned`` façade over ``ReplicaExecutor``; exact global
+loss: all-reduced normalizer, summing comm hook) and, for reference, the bare ``DataParallelReplica``
+that façade wraps. Each round times every variant, in an order rotating from round to round, so all
+see the same machine load; medians and the median of per-round ratios to raw DDP are printed (goal:
+``span`` <= 1.03x raw DDP).
 
 Usage::
 
-    python benchmarks/distributed.py                       # 2 CPU processes, gloo
+    python benchmarks/distributed.py --rounds 21           # 2 CPU processes, gloo
     python benchmarks/distributed.py --rounds 12 --steps 10 --hidden 2048
     python benchmarks/distributed.py --backend nccl --nproc 1   # one-GPU sanity run
 """
@@ -27,7 +29,10 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+import torchspan
 from torchspan.runtime.ranks import DataParallelReplica, free_port, init_distributed
+
+VARIANTS = ("raw DDP", "span", "replica")
 
 
 def _model(hidden: int, layers: int) -> nn.Module:
@@ -59,28 +64,38 @@ def _worker(rank: int, world: int, port: int, opts: argparse.Namespace, results:
 
     raw = DistributedDataParallel(_model(opts.hidden, opts.layers).to(device), device_ids=[device.index] if device.type == "cuda" else None)
     raw_opt = torch.optim.SGD(raw.parameters(), lr=1e-3)
-    ours = DataParallelReplica(_model(opts.hidden, opts.layers))
-    ours_opt = torch.optim.SGD(ours.parameters(), lr=1e-3)
 
     def raw_step() -> None:
         raw_opt.zero_grad()
         loss_fn(raw(x), y).backward()
         raw_opt.step()
 
-    def ours_step() -> None:
-        ours_opt.zero_grad()
-        ours.train_step(x, y, loss_fn)
-        ours_opt.step()
+    spanned = torchspan.span(_model(opts.hidden, opts.layers))  # what users call: a replica in a launched job
+    assert spanned.mode == "data-parallel", spanned.mode
+    span_opt = torch.optim.SGD(spanned.parameters(), lr=1e-3)
+    bare = DataParallelReplica(_model(opts.hidden, opts.layers))
+    bare_opt = torch.optim.SGD(bare.parameters(), lr=1e-3)
 
+    def span_step() -> None:
+        span_opt.zero_grad()
+        spanned.train_step(x, y, loss_fn)
+        span_opt.step()
+
+    def bare_step() -> None:
+        bare_opt.zero_grad()
+        bare.train_step(x, y, loss_fn)
+        bare_opt.step()
+
+    steps = dict(zip(VARIANTS, (raw_step, span_step, bare_step)))
     for _ in range(opts.warmup):
-        raw_step()
-        ours_step()
-    times: dict[str, list[float]] = {"raw DDP": [], "torchspan": []}
+        for step in steps.values():
+            step()
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for r in range(opts.rounds):
-        order = [("raw DDP", raw_step), ("torchspan", ours_step)]
-        for name, step in order if r % 2 == 0 else order[::-1]:
+        names = VARIANTS[r % 3 :] + VARIANTS[: r % 3]  # every variant first, second and third in turn
+        for name in names if r % 2 == 0 else names[::-1]:
             dist.barrier()
-            times[name].append(sum(_timed(step, sync) for _ in range(opts.steps)) / opts.steps)
+            times[name].append(sum(_timed(steps[name], sync) for _ in range(opts.steps)) / opts.steps)
     if rank == 0:
         results.update(times)
         results["device"] = str(device)
@@ -96,7 +111,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--batch", type=int, default=64, help="rows per rank")
     p.add_argument("--steps", type=int, default=5, help="steps per timed round")
-    p.add_argument("--rounds", type=int, default=10, help="rounds per variant, alternating")
+    p.add_argument("--rounds", type=int, default=12, help="rounds; each times every variant, order rotating")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="intra-op threads per process")
     opts = p.parse_args()
@@ -109,14 +124,15 @@ def main() -> None:
     params = sum(p.numel() for p in _model(opts.hidden, opts.layers).parameters())
     print(f"{opts.nproc} x {res['backend']} on {res['device']}, {params / 1e6:.1f}M parameters, batch {opts.batch}/rank, "
           f"{opts.rounds} alternating rounds of {opts.steps} steps")
-    med = {k: statistics.median(res[k]) for k in ("raw DDP", "torchspan")}
+    med = {k: statistics.median(res[k]) for k in VARIANTS}
     for name, value in med.items():
         spread = f"{min(res[name]) * 1e3:.2f}..{max(res[name]) * 1e3:.2f}"
-        print(f"  {name:10s} median {value * 1e3:8.2f} ms/step  (rounds {spread} ms)")
-    ratio = med["torchspan"] / med["raw DDP"]
-    paired = statistics.median(t / r for t, r in zip(res["torchspan"], res["raw DDP"]))
-    print(f"  ratio torchspan / raw DDP: {ratio:.3f} (median of per-round ratios {paired:.3f}; goal <= 1.03)")
-
+        print(f"  {name:8s} median {value * 1e3:8.2f} ms/step  (rounds {spread} ms)")
+    for name in VARIANTS[1:]:
+        ratio = med[name] / med["raw DDP"]
+        paired = statistics.median(t / r for t, r in zip(res[name], res["raw DDP"]))
+        goal = "; goal <= 1.03" if name == "span" else ""
+        print(f"  ratio {name} / raw DDP: {ratio:.3f} (median of per-round ratios {paired:.3f}{goal})")
 
 if __name__ == "__main__":
     main()
