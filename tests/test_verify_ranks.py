@@ -163,6 +163,7 @@ def test_demo_data_parallel_over_two_processes_reports_per_rank_throughput(tmp_p
     assert "rank 0:" in printed and "rank 1:" in printed
     report = (out_dir / "report.md").read_text()
     assert "data parallel over 2 processes" in report and "data-parallel over 2 processes" in report
+    assert "torchspan.span(model) in each" in report  # the user's path, not the bare replica
     assert "## Per-rank throughput" in report and "| 1 | 32 |" in report  # 2 steps x 16 rows on rank 1
     assert "rank 0:" in report and "samples/s" in report
     assert (out_dir / "loss.png").exists()

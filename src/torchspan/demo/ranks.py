@@ -1,8 +1,10 @@
 """``torchspan demo --nproc N``: the demo language model trained data-parallel over N processes.
 
-Each process (gloo on 127.0.0.1, forked from one forkserver so torch is imported once) holds a
-replica of the same ``CharTransformer`` and trains on its rows of every global batch (``shard_batch``:
-the same batches as one process would draw, split without repeating a row); the gradients are
+Each process (gloo on 127.0.0.1, forked from one forkserver so torch is imported once) calls
+``torchspan.span(model)`` on the same ``CharTransformer``, as a user's script does (in a launched
+job that is the rank's exact data-parallel replica, ``runtime.ranks.replicated``), and trains on its
+rows of every global batch (``shard_batch``: the same batches as one process would draw, split
+without repeating a row); the gradients are
 all-reduced, so the replicas stay identical and train like one device on the whole batch. Every
 rank times its own steps; ``report.md`` says it ran data-parallel over N processes and gives each
 rank's throughput (samples/s and tokens/s) next to the loss curve and a text sample.
@@ -30,7 +32,8 @@ from rich.console import Console
 
 from .. import pictures
 from ..pictures.tables import md_table
-from ..runtime.ranks import DataParallelReplica, free_port, init_distributed, shard_batch
+from ..runtime import span
+from ..runtime.ranks import free_port, init_distributed, shard_batch
 from .corpus import build_corpus
 from .model import CharTransformer, generate, lm_loss
 from .run import DemoConfig
@@ -64,15 +67,17 @@ def _rank_main(rank: int, world: int, port: int, folder: str, cfg: DemoConfig, t
         torch.manual_seed(cfg.seed)
         corpus = build_corpus(cfg.corpus, seed=cfg.seed)
         model = CharTransformer(corpus.vocab_size, dim=cfg.dim, depth=cfg.depth, heads=cfg.heads, seq_len=cfg.seq_len)
-        replica = DataParallelReplica(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        spanned = span(model)  # as in a user's script: a launched one-stage span is this rank's replica
+        if spanned.mode != "data-parallel":
+            raise RuntimeError(f"span(model) in a {world}-process job gave mode {spanned.mode!r}, not 'data-parallel'")
+        optimizer = torch.optim.AdamW(spanned.parameters(), lr=cfg.lr)
         gen = torch.Generator().manual_seed(cfg.seed)  # the same global batches on every rank
         losses, samples, seconds = [], 0, 0.0
         for _ in range(cfg.steps):
             x, y = shard_batch(corpus.batch(cfg.batch_size, cfg.seq_len, gen), rank, world)
             t0 = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            loss = replica.train_step(x, y, lm_loss, loss_reduction="mean")  # a mean over tokens; rows weigh equally
+            loss = spanned.train_step(x, y, lm_loss, loss_reduction="mean")  # a mean over tokens; rows weigh equally
             optimizer.step()
             seconds += time.perf_counter() - t0
             samples += len(x)
@@ -159,7 +164,8 @@ def run_demo_ranks(
     total = sum(r["samples"] for r in ranks) / step_seconds if step_seconds > 0 else 0.0
     per_rank = "; ".join(f"rank {r['rank']}: {r['samples_per_second']:,.1f} samples/s" for r in ranks)
     summary = {
-        "strategy": f"data-parallel over {nproc} processes (gloo on 127.0.0.1, {ranks[0]['threads']} thread(s) each); "
+        "strategy": f"data-parallel over {nproc} processes (torchspan.span(model) in each; gloo on 127.0.0.1, "
+        f"{ranks[0]['threads']} thread(s) each); "
         f"global batch {cfg.batch_size} x {cfg.seq_len} characters split {rows} rows",
         "steps": cfg.steps,
         "model": f"CharTransformer, {cfg.depth} blocks, dim {cfg.dim}",
