@@ -108,7 +108,7 @@ class Executor(ABC):
         """Whether the coming step counts saved activations (the façade resets the meter's peak only then).
 
         Local executors count every step; a data-parallel replica only until one step has saved some
-        (its shard's shape repeats, and the saved-tensor hooks would cost every step ~5-10%).
+        (its shards repeat that shape; the saved-tensor hooks cost ~10% of a small MLP's step, benchmarks/RESULTS.md).
         """
         return True
 
