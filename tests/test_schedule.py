@@ -91,7 +91,7 @@ def test_the_plan_and_run_vocabulary_has_one_definition() -> None:
     """Planner and runtime check names against schedule.py's tuples themselves, not copies that could drift."""
     from torchspan import planner
     from torchspan.planner import plans
-    from torchspan.runtime import spanned
+    from torchspan.runtime import build as spanned
     from torchspan.runtime.local import pipeline
 
     assert plans.SCHEDULES is planner.SCHEDULES is spanned.SCHEDULES is sched.SCHEDULES

@@ -139,7 +139,7 @@ def _single(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., A
 
 
 def _local_pipeline(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions) -> torch.Tensor:
-    from .runtime.spanned import span
+    from .runtime.build import span
 
     spanned = span(
         model,
@@ -157,7 +157,7 @@ def _dp_processes(nproc: int, opts: StepOptions) -> int:
 
 
 def _dp_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions, rank: int, world: int) -> torch.Tensor:
-    from .runtime.spanned import span
+    from .runtime.build import span
 
     spanned = span(model)  # launched, one stage: an exact data-parallel replica
     xs, ts = shard_batch((inputs, target), rank, world)
@@ -191,7 +191,7 @@ def _hybrid_processes(nproc: int, opts: StepOptions) -> int:
 
 
 def _span_ranked(model: nn.Module, stages: int, opts: StepOptions) -> Any:
-    from .runtime.spanned import span
+    from .runtime.build import span
 
     return span(
         model,
