@@ -85,7 +85,7 @@ def device_entries(spec: str | None) -> list[str]:
     return [d for d in (spec or "").split(",") if d.strip()]
 
 
-def make_plan(model: torch.nn.Module, x: torch.Tensor, args: argparse.Namespace, memory: Any, microbatches: int | str, dtype: Any) -> Any:
+def make_plan(model: torch.nn.Module, x: Any, args: argparse.Namespace, memory: Any, microbatches: int | str, dtype: Any) -> Any:
     """``torchspan.plan`` for the device options; with ``--spread``, the fastest plan using every listed device."""
     from ..hardware import devices as find_devices
     from ..planner import plan as plan_now

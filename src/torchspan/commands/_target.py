@@ -23,7 +23,7 @@ from torch import nn
 
 from ._common import UsageError, load_target, synthetic_batch
 
-__all__ = ["build_model", "make_batch", "first_call", "require_data_devices"]
+__all__ = ["build_model", "make_batch", "example_inputs", "first_call", "require_data_devices"]
 
 
 def _first_line(exc: BaseException) -> str:
@@ -81,6 +81,28 @@ def _too_big(shape: Sequence[int], dtype: torch.dtype, need: int, free: int | No
     )
 
 
+def example_inputs(input_shape: str | None, named: Sequence[str] | None, dtype: torch.dtype, vocab: int, dtype_option: str) -> tuple[Any, int, str]:
+    """The example batch from ``--input-shape`` or ``--input NAME=SHAPE[:DTYPE]`` (exactly one of them).
+
+    Returns ``(inputs, batch_size, options)``: a tensor or a dict of keyword tensors, dim 0 of it, and
+    the options that set it as a user would retype them (for hints naming a command to re-run).
+    Usage: ``x, batch, hint = example_inputs(args.input_shape, args.input, torch.int64, 2, "--dtype")``.
+    """
+    from ._common import named_inputs, parse_shape
+
+    if not input_shape and not named:
+        raise UsageError(f"give the input: --input-shape 32,512 [{dtype_option} int64], or named inputs --input input_ids=8,128:int64")
+    if input_shape and named:
+        raise UsageError("give either --input-shape (one positional input) or --input NAME=SHAPE (keyword inputs), not both")
+    if named:
+        inputs = named_inputs(named, vocab, dtype)
+        assert inputs is not None
+        return inputs, int(next(iter(inputs.values())).shape[0]), " ".join(f"--input {item}" for item in named)
+    assert input_shape is not None
+    shape = parse_shape(input_shape)
+    return make_batch(shape, dtype, vocab, option=f"--input-shape {input_shape}"), shape[0], f"--input-shape {input_shape}"
+
+
 def first_call(model: nn.Module, x: Any, options: str, *, vocab: int | None = None) -> Any:
     """One forward of ``model`` on ``x`` (no gradients, eval mode, on the model's own device); its output.
 
@@ -93,6 +115,8 @@ def first_call(model: nn.Module, x: Any, options: str, *, vocab: int | None = No
     model.eval()
     try:
         with torch.no_grad():
+            if isinstance(x, dict):  # named inputs are keyword arguments
+                return model(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in x.items()})
             return model(x.to(device) if isinstance(x, torch.Tensor) else x)
     except Exception as exc:
         what = _describe(x, vocab)
@@ -104,6 +128,12 @@ def first_call(model: nn.Module, x: Any, options: str, *, vocab: int | None = No
 
 
 def _describe(x: Any, vocab: int | None) -> str:
+    if isinstance(x, dict):
+        shown = ", ".join(
+            f"{k}={','.join(map(str, v.shape))}:{str(v.dtype).replace('torch.', '')}" if isinstance(v, torch.Tensor) else k
+            for k, v in x.items()
+        )
+        return f"the keyword inputs {shown}"
     if not isinstance(x, torch.Tensor):
         return f"the example inputs ({type(x).__name__})"
     dtype = str(x.dtype).replace("torch.", "")

@@ -14,6 +14,7 @@ Examples::
     torchspan run examples/models.py:mlp --input-shape 64,1024 --devices cpu,cpu --steps 20
     torchspan plan examples/models.py:mlp --input-shape 64,1024 --devices cpu,cpu --out plan.json
     torchspan run examples/models.py:mlp --input-shape 64,1024 --plan plan.json --out run/ --json
+    torchspan run train.py:gpt2 --input input_ids=8,128:int64 --vocab 50 --devices cpu,cpu --steps 5
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from rich.table import Table
 from ..training import LossNotFinite, OutOfMemoryAtStep, mse_loss, train
 from ._common import (
     UsageError,
+    add_input_options,
     add_memory_option,
     console,
     parse_dtype,
@@ -39,7 +41,7 @@ from ._common import (
     parse_shape,
     print_json,
 )
-from ._target import build_model, first_call, make_batch, require_data_devices
+from ._target import build_model, example_inputs, first_call, require_data_devices
 from ._plans import check_plan_devices, check_plan_layers, device_entries, first_line, load_plan, make_plan
 
 OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
@@ -54,8 +56,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("target", metavar="TARGET", help="package.module:factory or path/to/file.py:factory returning the model")
-    p.add_argument("--input-shape", required=True, metavar="B,D...", help="shape of one training batch, batch first, e.g. 32,512")
-    p.add_argument("--dtype", default="float32", help="input dtype (default float32); a floating dtype also casts the model to it")
+    p.add_argument("--input-shape", metavar="B,D...", help="shape of one training batch, batch first, e.g. 32,512 (or named inputs with --input)")
+    p.add_argument(
+        "--dtype",
+        "--input-dtype",
+        dest="dtype",
+        default="float32",
+        help="input dtype (default float32), also of --input without :DTYPE; a floating dtype also casts the model to it",
+    )
+    add_input_options(p)
     p.add_argument("--vocab", type=int, default=2, help="integer inputs are token ids drawn from [0, VOCAB) (default 2)")
     p.add_argument("--plan", metavar="FILE", help="run this plan (from `torchspan plan --out FILE`) instead of planning now")
     p.add_argument("--devices", metavar="SPEC", help="plan for these devices (default auto), e.g. 'cpu,cpu' or 'cuda:0,cpu'")
@@ -205,11 +214,17 @@ def run(args: argparse.Namespace) -> int:
     from ..hardware import budget_key, parse_memory
 
     _check_args(args)
-    shape = parse_shape(args.input_shape)
     dtype = parse_dtype(args.dtype)
+    if not args.input_shape and not args.input:
+        raise UsageError("give the input: --input-shape 32,512 [--dtype int64], or named inputs --input input_ids=8,128:int64")
+    if args.input_shape and args.input:
+        raise UsageError("give either --input-shape (one positional input) or --input NAME=SHAPE (keyword inputs), not both")
+    if args.input_shape:
+        parse_shape(args.input_shape)  # a typo is reported before the model is built
     microbatches = parse_microbatches(args.microbatches) if args.microbatches is not None else "auto"
     memory = parse_memory_options(args.memory)
-    argv_hint = f"--input-shape {args.input_shape}" + (f" --dtype {args.dtype}" if args.dtype != "float32" else "")
+    given = f"--input-shape {args.input_shape}" if args.input_shape else " ".join(f"--input {item}" for item in args.input)
+    argv_hint = given + (f" --dtype {args.dtype}" if args.dtype != "float32" else "")
     plan = notes = None
     if args.plan:
         plan = load_plan(args.plan, args.target, argv_hint)
@@ -228,21 +243,22 @@ def run(args: argparse.Namespace) -> int:
     if floating:
         model.to(dtype)
     torch.manual_seed(args.seed)
-    x = make_batch(shape, dtype, args.vocab, option=f"--input-shape {args.input_shape}")
-    target, loss_fn = _targets_and_loss(first_call(model, x, "--input-shape/--dtype", vocab=args.vocab), args.loss)
+    x, batch, _ = example_inputs(args.input_shape, args.input, dtype, args.vocab, "--dtype")
+    options = "--input" if args.input else "--input-shape/--dtype"
+    target, loss_fn = _targets_and_loss(first_call(model, x, options, vocab=args.vocab), args.loss)
 
     out_con = console()
     con = Console(file=sys.stderr, highlight=False) if args.json else out_con
     notes = list(notes or [])
     if plan is not None:
         check_plan_layers(plan, model, args.plan, args.target, argv_hint)
-        if plan.microbatches > shape[0]:
+        if plan.microbatches > batch:
             raise UsageError(
-                f"--plan {args.plan} splits each batch into {plan.microbatches} micro-batches, but --input-shape has batch "
-                f"{shape[0]}; use a batch of at least {plan.microbatches}, or re-plan for this batch"
+                f"--plan {args.plan} splits each batch into {plan.microbatches} micro-batches, but {given} has batch "
+                f"{batch}; use a batch of at least {plan.microbatches}, or re-plan for this batch"
             )
-        if plan.batch_size is not None and plan.batch_size != shape[0]:
-            notes.append(f"the plan was made for batch {plan.batch_size}, this run uses batch {shape[0]}: predictions are for its batch")
+        if plan.batch_size is not None and plan.batch_size != batch:
+            notes.append(f"the plan was made for batch {plan.batch_size}, this run uses batch {batch}: predictions are for its batch")
     else:
         with con.status("profiling the model and planning ..."):
             plan = make_plan(model, x, args, memory, microbatches, dtype if floating else None)
@@ -261,14 +277,14 @@ def run(args: argparse.Namespace) -> int:
 
     n_params = sum(p.numel() for p in model.parameters())
     stages = " | ".join(f"{d}: {', '.join(g)}" for d, g in spanned.stages)
-    con.print(f"torchspan run {args.target}: {n_params:,} parameters; batch {args.input_shape} {args.dtype}; {args.optimizer} lr {args.lr:g}; {args.loss} loss")
+    con.print(f"torchspan run {args.target}: {n_params:,} parameters; batch {args.input_shape or ' '.join(args.input)} {args.dtype}; {args.optimizer} lr {args.lr:g}; {args.loss} loss")
     con.print(f"plan: {pictures.plan_summary(plan)}")
     con.print(f"stages: {stages}")
     for note in notes:
         con.print(f"note: {note}")
 
     try:
-        trained = train(spanned, optimizer, lambda step: (x, target), loss_fn, args.steps, console=con, items_per_step=shape[0])
+        trained = train(spanned, optimizer, lambda step: (x, target), loss_fn, args.steps, console=con, items_per_step=batch)
     except LossNotFinite as exc:
         raise UsageError(_not_finite_advice(exc, args)) from exc
     except OutOfMemoryAtStep as exc:  # pragma: no cover - needs a GPU
@@ -279,7 +295,8 @@ def run(args: argparse.Namespace) -> int:
     comparison = compare(plan, measured_memory, trained.step_times)
     result: dict[str, Any] = {
         "target": args.target,
-        "input_shape": list(shape),
+        "input_shape": [int(d) for d in x.shape] if isinstance(x, torch.Tensor) else None,
+        "inputs": {k: [*map(int, v.shape), str(v.dtype).removeprefix("torch.")] for k, v in x.items()} if isinstance(x, dict) else None,
         "dtype": args.dtype,
         "steps": args.steps,
         "optimizer": args.optimizer,

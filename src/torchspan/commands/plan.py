@@ -5,6 +5,7 @@ TARGET is ``package.module:factory`` or ``path/to/file.py:factory`` returning th
     torchspan plan mymodels:build --input-shape 32,512 --devices cuda:0,cpu --memory cuda:0=8GiB
     torchspan plan train.py:make_model --input-shape 8,128 --dtype int64 --devices "a100-40gb*2,cpu" --json
     torchspan plan train.py:make_model --input-shape 32,512 --out plan.json
+    torchspan plan train.py:gpt2 --input input_ids=8,128:int64 --input attention_mask=8,128:int64 --vocab 2 --devices cpu,cpu
     torchspan plan train.py:make_model --input-shape 64,512 --nodes 2 --devices "h100-80gb*8" --interconnect ib-400g
 """
 
@@ -15,12 +16,11 @@ from pathlib import Path
 
 import torch
 
-from ._common import UsageError, add_memory_option, parse_memory_options, print_json
+from ._common import UsageError, add_input_options, add_memory_option, parse_memory_options, print_json
 from ._common import parse_dtype as _dtype
 from ._common import parse_microbatches as _microbatches
-from ._common import parse_shape as _shape
 from ._cluster import add_cluster_options, cluster_kwargs
-from ._target import build_model, first_call, make_batch
+from ._target import build_model, example_inputs, first_call
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,13 +31,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("target", metavar="TARGET", help="package.module:factory or path/to/file.py:factory returning the model")
-    p.add_argument("--input-shape", required=True, metavar="B,D...", help="shape of one training batch, batch first, e.g. 32,512")
+    p.add_argument("--input-shape", metavar="B,D...", help="shape of one training batch, batch first, e.g. 32,512 (or named inputs with --input)")
     p.add_argument(
         "--dtype",
+        "--input-dtype",
+        dest="dtype",
         default="float32",
-        help="input dtype (default float32); a floating dtype also profiles the model as if cast to it, "
-        "an integer dtype (e.g. int64 token ids) feeds ids 0 and 1",
+        help="input dtype (default float32), also of --input without :DTYPE; a floating dtype also profiles the model as if "
+        "cast to it, an integer dtype (e.g. int64 token ids) feeds ids in [0, --vocab)",
     )
+    add_input_options(p)
+    p.add_argument("--vocab", type=int, default=2, help="integer inputs are token ids drawn from [0, VOCAB) (default 2)")
     p.add_argument("--devices", default="auto", metavar="SPEC", help="device spec, e.g. auto, 'cuda:0,cpu', 'a100-40gb*2,cpu'")
     add_memory_option(p)
     p.add_argument("--optimizer", default="adam", help="optimizer whose state to budget: sgd, sgd-momentum, adam, adamw, ... (default adam)")
@@ -58,18 +62,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..planner import plan
 
-    shape = _shape(args.input_shape)
     dtype = _dtype(args.dtype)
+    if args.vocab < 1:
+        raise UsageError(f"--vocab {args.vocab} must be >= 1 (token ids are drawn from [0, VOCAB))")
     microbatches = _microbatches(args.microbatches)
     memory = parse_memory_options(args.memory)
     if args.out:
         _prepare_out(args.out)
     model = build_model(args.target)
-    example = make_batch(shape, dtype, vocab=2, option=f"--input-shape {args.input_shape}")
+    example, _, _ = example_inputs(args.input_shape, args.input, dtype, args.vocab, "--dtype")
     profile_dtype: torch.dtype | None = dtype if dtype.is_floating_point or dtype.is_complex else None
     if profile_dtype is not None:
         model.to(profile_dtype)  # profiled as if cast to it anyway; the first call needs it
-    first_call(model, example, "--input-shape/--dtype", vocab=2)
+    first_call(model, example, "--input" if args.input else "--input-shape/--dtype", vocab=args.vocab)
     result = plan(
         model,
         example,
