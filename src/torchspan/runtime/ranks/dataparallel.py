@@ -7,9 +7,12 @@ computes the loss of its own shard; nothing is gathered on one rank. PyTorch's
 a comm hook that *sums* instead of averaging. For ``reduction="sum"`` each rank backpropagates its
 own loss. For ``"mean"`` each rank backpropagates its shard's *summed* loss (its mean times its
 normalizer: the sample count or, for ``CrossEntropyLoss``/``NLLLoss`` with class weights or
-``ignore_index``, the targets' weight sum), and the hook divides each gradient bucket by the
-global normalizer, which is all-reduced while the forward runs (no extra wait before backward).
-So after ``train_step`` every rank's ``.grad`` is what ``loss_fn(model(X), Y).backward()``
+``ignore_index``, the targets' weight sum), weighted by its normalizer over the global one: the
+normalizers are all-reduced while the forward runs, so the weight is known when the loss is taken
+and no gradient bucket needs dividing. The hook all-reduces the buckets by SUM, and the first
+bucket's all-reduce carries the ranks' weighted losses too (their sum is the global loss), so a
+step issues one small collective more than DDP (the normalizer exchange, which ``join`` also
+reads). So after ``train_step`` every rank's ``.grad`` is what ``loss_fn(model(X), Y).backward()``
 leaves on one device, ``X, Y`` being all ranks' shards concatenated, for any (uneven, even empty)
 split.
 
@@ -67,14 +70,23 @@ def shard_loss(loss_fn: Callable[..., Any], loss_reduction: str | None = None, l
 
 
 def _sum_hook(replica: DataParallelReplica, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: divide a gradient bucket by the step's global normalizer (1 outside ``train_step``
-    and for summed losses), then all-reduce it by SUM (DDP's own default divides by the world size)."""
+    """DDP comm hook: all-reduce a gradient bucket by SUM (DDP's own default divides by the world size;
+    a mean's normalizer is already in the loss weight). In ``train_step`` the first bucket carries this
+    rank's weighted loss as one more element, so the global loss needs no collective of its own."""
     buffer = bucket.buffer()
-    divisor = replica._divisor()
-    if divisor != 1.0:
-        buffer.div_(divisor)
-    work = dist.all_reduce(buffer, group=replica.group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    carried = replica._carry
+    if carried is None or bucket.index() != 0:
+        work = dist.all_reduce(buffer, group=replica.group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+    joint = torch.cat([buffer, carried.to(buffer.dtype)])
+    work = dist.all_reduce(joint, group=replica.group, async_op=True)
+
+    def split(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        reduced = fut.value()[0]
+        replica._carried = reduced[-1:]
+        return buffer.copy_(reduced[:-1])
+
+    return work.get_future().then(split)
 
 
 # DDP checks the hook's annotations as objects; ``from __future__ import annotations`` made them strings.
@@ -160,7 +172,11 @@ class DataParallelReplica:
         )
         self._ddp.register_comm_hook(self, _sum_hook)
         self._template: tuple[Any, Any, Callable[..., Any], str] | None = None
-        self._pending: tuple[Any, torch.Tensor, str] | None = None  # this step's (exchange work, totals, reduction)
+        # the loss rides in the first bucket's all-reduce where gradients are float32/float64 (the same on every rank)
+        dtypes = {p.dtype for p in module.parameters() if p.requires_grad}
+        self._fold_loss = len(dtypes) == 1 and dtypes <= {torch.float32, torch.float64}
+        self._carry: torch.Tensor | None = None  # this step's weighted loss, for the first bucket's hook
+        self._carried: torch.Tensor | None = None  # its all-reduced sum (the global loss)
 
     # ------------------------------------------------------------------ nn.Module-like surface
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -222,10 +238,19 @@ class DataParallelReplica:
         norm = float(size) if reduction == "sum" else spec.normalizer(target, size)
         self._template = (_zero_rows(inputs), _zero_rows(target), loss_fn, reduction)
         stats = self._stats(norm, size, active=True)
-        self._pending = (dist.all_reduce(stats, group=self.group, async_op=True), stats, reduction)  # waited for by backward
-        # this rank's summed loss: times its normalizer for a mean; the gradient hook divides by the global one
-        scale = 0.0 if size == 0 else 1.0 if reduction == "sum" else norm
-        return self._run(args, kwargs, target, loss_fn, scale)
+        work = dist.all_reduce(stats, group=self.group, async_op=True)  # overlaps the forward, waited for by the weight
+
+        def weight() -> float:
+            # this rank's share of the global loss: a mean times its normalizer over the global one
+            work.wait()
+            if size == 0:
+                return 0.0
+            if reduction == "sum":
+                return 1.0
+            total = float(stats[0])
+            return norm / total if total != 0.0 else float("nan")  # all targets ignored everywhere: nan, as on one device
+
+        return self._run(args, kwargs, target, loss_fn, weight)
 
     def join(self, optimizer: torch.optim.Optimizer | None = None) -> int:
         """Call after the training loop on every rank; returns the number of steps this rank shadowed.
@@ -249,10 +274,9 @@ class DataParallelReplica:
                 )
             inputs, target, loss_fn, reduction = self._template
             args, kwargs = _call_args(inputs)
-            self._pending = (None, stats, reduction)
             if optimizer is not None:
                 optimizer.zero_grad()
-            self._run(args, kwargs, target, loss_fn, 0.0)
+            self._run(args, kwargs, target, loss_fn, lambda: 0.0)
             if optimizer is not None:
                 optimizer.step()
             shadowed += 1
@@ -261,17 +285,7 @@ class DataParallelReplica:
         """(normalizer, rows, active ranks) of this rank, all-reduced as the first collective of every step."""
         return torch.tensor([norm, float(size), 1.0 if active else 0.0], dtype=torch.float64, device=self._comm_device())
 
-    def _divisor(self) -> float:
-        """What this step's summed gradients and loss are divided by: the global normalizer for a mean, else 1."""
-        if self._pending is None:
-            return 1.0
-        work, stats, reduction = self._pending
-        if work is not None:
-            work.wait()
-            self._pending = (None, stats, reduction)
-        return 1.0 if reduction == "sum" else float(stats[0])
-
-    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Callable[..., Any], weight: float) -> torch.Tensor:
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Callable[..., Any], weight: Callable[[], float]) -> torch.Tensor:
         if isinstance(loss_fn, nn.Module):
             loss_fn.to(self.device)
         # DDP all-reduces whatever .grad holds after backward, earlier steps' gradients included;
@@ -281,19 +295,28 @@ class DataParallelReplica:
         for p in params:
             p.grad = None
         out = self._ddp(*self._to(args), **self._to(kwargs))
-        loss = weighted_loss(loss_fn, out, self._to(target), weight)
-        total = loss.detach().clone().reshape(1)
-        work = dist.all_reduce(total, group=self.group, async_op=True)  # overlaps the backward
+        loss = weighted_loss(loss_fn, out, self._to(target), weight())  # the weight waits for the normalizer exchange
+        total = loss.detach().reshape(1)
+        work = None
+        if self._fold_loss:
+            self._carry = total
+        else:
+            total = total.clone()
+            work = dist.all_reduce(total, group=self.group, async_op=True)  # overlaps the backward
         try:
             loss.backward()
-            work.wait()
-            divisor = self._divisor()
+            if work is not None:
+                work.wait()
+            else:
+                if self._carried is None:
+                    raise RuntimeError("the first gradient bucket's all-reduce did not run, so the loss was not exchanged")
+                total = self._carried.to(total.dtype)
         finally:
-            self._pending = None
+            self._carry = self._carried = None
         for p, g in zip(params, earlier):
             if g is not None:
                 p.grad = g if p.grad is None else g.add_(p.grad)
-        return total[0] / divisor if divisor != 1.0 else total[0]
+        return total[0]
 
     def _to(self, value: Any) -> Any:
         dev = self.device
