@@ -68,7 +68,40 @@ def plan(
     mesh = None if one_process else Mesh.describe(devs, nodes or 1, intra=intra_link, interconnect=interconnect)
     prof = profile(model, example_inputs, devs, optimizer=optimizer, dtype=dtype)
     if mesh is None:
-        return search(prof, microbatches=microbatches, schedule=schedule, checkpoint=checkpoint)
-    return cluster_search(
-        prof, mesh, microbatches=microbatches, schedule=schedule, checkpoint=checkpoint, data_parallel=data_parallel
-    )
+        result = search(prof, microbatches=microbatches, schedule=schedule, checkpoint=checkpoint)
+    else:
+        result = cluster_search(
+            prof, mesh, microbatches=microbatches, schedule=schedule, checkpoint=checkpoint, data_parallel=data_parallel
+        )
+    record_ties(result, model)
+    return result
+
+
+def record_ties(result: Plan, model: nn.Module) -> None:
+    """Fill ``result.ties``: each Parameter that two or more of the plan's layers hold (GPT-2's ``transformer.wte.weight``
+    is ``lm_head.weight``), with those layers, their stages and its bytes; a tie split across stages also gets a note.
+
+    Structural ties only (the same Parameter under several qualified names); the runtime finds the rest when built.
+    """
+    names = sorted(result.layers, key=len, reverse=True)  # longest first: the finest layer holding a name
+
+    def layer_of(qualified: str) -> str | None:
+        return next((n for n in names if qualified == n or qualified.startswith(n + ".")), None)
+
+    order = {n: i for i, n in enumerate(result.layers)}
+    groups: dict[int, tuple[nn.Parameter, list[str]]] = {}
+    for qualified, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), (param, []))[1].append(qualified)
+    for param, qualified in groups.values():
+        layers = sorted({lay for lay in map(layer_of, qualified) if lay is not None}, key=order.__getitem__)
+        if len(layers) < 2:
+            continue
+        stages = sorted({i for i in map(result.stage_of, layers) if i is not None})
+        nbytes = param.numel() * param.element_size()
+        result.ties.append({"name": qualified[0], "layers": layers, "stages": stages, "bytes": nbytes})
+        if len(stages) > 1:
+            result.notes.append(
+                f"tied parameter {qualified[0]} is used on stages {', '.join(map(str, stages))} ({', '.join(layers)}): "
+                f"span keeps a copy on each device and sums its gradients ({nbytes:,} bytes per copy); "
+                "put those layers on one stage to avoid it"
+            )

@@ -94,6 +94,8 @@ class Plan:
     interconnect: str = ""  # link between nodes (``hardware.links`` key)
     intra_link: str = ""  # link between devices of one node
     predicted_times: dict[str, float] = field(default_factory=dict)  # step split: compute, allreduce, p2p
+    # tied parameters: {"name", "layers", "stages", "bytes"} each; "stages" of more than one = a copy per device
+    ties: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.stages = [s if isinstance(s, StagePlan) else StagePlan(**s) for s in self.stages]
@@ -178,6 +180,8 @@ class Plan:
         if not self.stage_ranks:
             for name in _CLUSTER_FIELDS:
                 data.pop(name)
+        if not self.ties:
+            data.pop("ties")  # a plan without tied parameters: its JSON is as before
         return {"format": _FORMAT, **data}
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -208,7 +212,7 @@ class Plan:
             if odd:
                 raise ValueError(f"plan stage {i} has unknown fields {odd}; expected only {sorted(stage_fields)}")
         data["stages"] = [StagePlan(**s) for s in stages]
-        for name, kind in (("peak_memory", dict), ("notes", list), ("stage_ranks", list), ("predicted_times", dict)):
+        for name, kind in (("peak_memory", dict), ("notes", list), ("stage_ranks", list), ("predicted_times", dict), ("ties", list)):
             if name in data and not isinstance(data[name], kind):
                 raise ValueError(f"plan {name!r} must be a JSON {'object' if kind is dict else 'list'}, not {type(data[name]).__name__}")
         return cls(**data)
@@ -283,8 +287,24 @@ class Plan:
         if self.peak_memory:
             peaks = ", ".join(f"{d}: {format_bytes(b)}" for d, b in self.peak_memory.items())
             lines.append(f"peak memory per device: {peaks}")
+        lines.extend(self._tie_lines())
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+    def _tie_lines(self) -> list[str]:
+        """One line per tied parameter: its layers and their stages; split ones say what that costs."""
+        lines = []
+        for tie in self.ties:
+            where = ", ".join(f"{layer} (stage {self.stage_of(layer)})" for layer in tie.get("layers", []))
+            line = f"tie: {tie.get('name')} ({format_bytes(int(tie.get('bytes', 0)))}) shared by {where}"
+            if len(tie.get("stages", [])) > 1:
+                line += ": split, so one copy per device, its gradients summed across them every step"
+            lines.append(line)
+        return lines
+
+    def stage_of(self, layer: str) -> int | None:
+        """The stage index holding ``layer`` (None if no stage does)."""
+        return next((i for i, s in enumerate(self.stages) if layer in s.layers), None)
 
     def _cluster_lines(self) -> list[str]:
         """A cluster plan's data x pipeline lines: mesh, links, step split, ranks per stage."""
