@@ -9,10 +9,8 @@ own loss. For ``"mean"`` each rank backpropagates its shard's *summed* loss (its
 normalizer: the sample count or, for ``CrossEntropyLoss``/``NLLLoss`` with class weights or
 ``ignore_index``, the targets' weight sum), weighted by its normalizer over the global one: the
 normalizers are all-reduced while the forward runs, so the weight is known when the loss is taken
-and no gradient bucket needs dividing. The hook all-reduces the buckets by SUM, and the first
-bucket's all-reduce carries the ranks' weighted losses too (their sum is the global loss), so a
-step issues one small collective more than DDP (the normalizer exchange, which ``join`` also
-reads). So after ``train_step`` every rank's ``.grad`` is what ``loss_fn(model(X), Y).backward()``
+and no gradient bucket needs dividing; the hook all-reduces the buckets by SUM, and the weighted
+losses are all-reduced while backward runs (their sum is the global loss). So after ``train_step`` every rank's ``.grad`` is what ``loss_fn(model(X), Y).backward()``
 leaves on one device, ``X, Y`` being all ranks' shards concatenated, for any (uneven, even empty)
 split.
 
@@ -71,22 +69,9 @@ def shard_loss(loss_fn: Callable[..., Any], loss_reduction: str | None = None, l
 
 def _sum_hook(replica: DataParallelReplica, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: all-reduce a gradient bucket by SUM (DDP's own default divides by the world size;
-    a mean's normalizer is already in the loss weight). In ``train_step`` the first bucket carries this
-    rank's weighted loss as one more element, so the global loss needs no collective of its own."""
-    buffer = bucket.buffer()
-    carried = replica._carry
-    if carried is None or bucket.index() != 0:
-        work = dist.all_reduce(buffer, group=replica.group, async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
-    joint = torch.cat([buffer, carried.to(buffer.dtype)])
-    work = dist.all_reduce(joint, group=replica.group, async_op=True)
-
-    def split(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        reduced = fut.value()[0]
-        replica._carried = reduced[-1:]
-        return buffer.copy_(reduced[:-1])
-
-    return work.get_future().then(split)
+    a mean's normalizer is already in the loss weight, so no bucket is divided)."""
+    work = dist.all_reduce(bucket.buffer(), group=replica.group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 # DDP checks the hook's annotations as objects; ``from __future__ import annotations`` made them strings.
@@ -172,11 +157,6 @@ class DataParallelReplica:
         )
         self._ddp.register_comm_hook(self, _sum_hook)
         self._template: tuple[Any, Any, Callable[..., Any], str] | None = None
-        # the loss rides in the first bucket's all-reduce where gradients are float32/float64 (the same on every rank)
-        dtypes = {p.dtype for p in module.parameters() if p.requires_grad}
-        self._fold_loss = len(dtypes) == 1 and dtypes <= {torch.float32, torch.float64}
-        self._carry: torch.Tensor | None = None  # this step's weighted loss, for the first bucket's hook
-        self._carried: torch.Tensor | None = None  # its all-reduced sum (the global loss)
 
     # ------------------------------------------------------------------ nn.Module-like surface
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -296,23 +276,10 @@ class DataParallelReplica:
             p.grad = None
         out = self._ddp(*self._to(args), **self._to(kwargs))
         loss = weighted_loss(loss_fn, out, self._to(target), weight())  # the weight waits for the normalizer exchange
-        total = loss.detach().reshape(1)
-        work = None
-        if self._fold_loss:
-            self._carry = total
-        else:
-            total = total.clone()
-            work = dist.all_reduce(total, group=self.group, async_op=True)  # overlaps the backward
-        try:
-            loss.backward()
-            if work is not None:
-                work.wait()
-            else:
-                if self._carried is None:
-                    raise RuntimeError("the first gradient bucket's all-reduce did not run, so the loss was not exchanged")
-                total = self._carried.to(total.dtype)
-        finally:
-            self._carry = self._carried = None
+        total = loss.detach().clone().reshape(1)  # the ranks' weighted losses sum to the global loss
+        work = dist.all_reduce(total, group=self.group, async_op=True)  # overlaps the backward
+        loss.backward()
+        work.wait()
         for p, g in zip(params, earlier):
             if g is not None:
                 p.grad = g if p.grad is None else g.add_(p.grad)
