@@ -14,6 +14,7 @@ Usage::
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -21,9 +22,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._common import UsageError, load_target, synthetic_batch
+from ._common import UsageError, add_input_options, load_target, synthetic_batch
 
-__all__ = ["build_model", "make_batch", "example_inputs", "first_call", "require_data_devices"]
+__all__ = ["add_target_arguments", "build_model", "make_batch", "example_inputs", "first_call", "require_data_devices"]
+
+
+def add_target_arguments(p: argparse.ArgumentParser, dtype_effect: str) -> None:
+    """TARGET and its example batch (``--input-shape``, ``--dtype``/``--input-dtype``, ``--input``,
+    ``--vocab``), worded alike for every command that builds a target; ``dtype_effect`` ends the dtype help.
+
+    Usage: ``add_target_arguments(p, "a floating dtype also casts the model to it")``.
+    """
+    p.add_argument("target", metavar="TARGET", help="package.module:factory or path/to/file.py:factory returning the model")
+    p.add_argument("--input-shape", metavar="B,D...", help="shape of one training batch, batch first, e.g. 32,512 (or named inputs with --input)")
+    p.add_argument(
+        "--dtype",
+        "--input-dtype",
+        dest="dtype",
+        default="float32",
+        help=f"input dtype (default float32), also of --input without :DTYPE; {dtype_effect}",
+    )
+    add_input_options(p)
+    p.add_argument("--vocab", type=int, default=2, help="integer inputs are token ids drawn from [0, VOCAB) (default 2)")
 
 
 def _first_line(exc: BaseException) -> str:

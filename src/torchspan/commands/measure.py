@@ -32,7 +32,6 @@ from rich.table import Table
 from ..training import LossNotFinite, OutOfMemoryAtStep, mse_loss, train
 from ._common import (
     UsageError,
-    add_input_options,
     add_memory_option,
     console,
     parse_dtype,
@@ -41,7 +40,7 @@ from ._common import (
     parse_shape,
     print_json,
 )
-from ._target import build_model, example_inputs, first_call, require_data_devices
+from ._target import add_target_arguments, build_model, example_inputs, first_call, require_data_devices
 from ._plans import check_plan_devices, check_plan_layers, device_entries, first_line, load_plan, make_plan
 
 OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
@@ -55,17 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("target", metavar="TARGET", help="package.module:factory or path/to/file.py:factory returning the model")
-    p.add_argument("--input-shape", metavar="B,D...", help="shape of one training batch, batch first, e.g. 32,512 (or named inputs with --input)")
-    p.add_argument(
-        "--dtype",
-        "--input-dtype",
-        dest="dtype",
-        default="float32",
-        help="input dtype (default float32), also of --input without :DTYPE; a floating dtype also casts the model to it",
-    )
-    add_input_options(p)
-    p.add_argument("--vocab", type=int, default=2, help="integer inputs are token ids drawn from [0, VOCAB) (default 2)")
+    add_target_arguments(p, "a floating dtype also casts the model to it")
     p.add_argument("--plan", metavar="FILE", help="run this plan (from `torchspan plan --out FILE`) instead of planning now")
     p.add_argument("--devices", metavar="SPEC", help="plan for these devices (default auto), e.g. 'cpu,cpu' or 'cuda:0,cpu'")
     add_memory_option(p)

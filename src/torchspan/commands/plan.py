@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from ._common import UsageError, add_input_options, add_memory_option, parse_memory_options, print_json
+from ._common import UsageError, add_memory_option, parse_memory_options, print_json
 from ._common import parse_dtype as _dtype
 from ._common import parse_microbatches as _microbatches
 from ._cluster import add_cluster_options, cluster_kwargs
-from ._target import build_model, example_inputs, first_call
+from ._target import add_target_arguments, build_model, example_inputs, first_call
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,18 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("target", metavar="TARGET", help="package.module:factory or path/to/file.py:factory returning the model")
-    p.add_argument("--input-shape", metavar="B,D...", help="shape of one training batch, batch first, e.g. 32,512 (or named inputs with --input)")
-    p.add_argument(
-        "--dtype",
-        "--input-dtype",
-        dest="dtype",
-        default="float32",
-        help="input dtype (default float32), also of --input without :DTYPE; a floating dtype also profiles the model as if "
-        "cast to it, an integer dtype (e.g. int64 token ids) feeds ids in [0, --vocab)",
+    add_target_arguments(
+        p, "a floating dtype also profiles the model as if cast to it, an integer dtype (e.g. int64 token ids) feeds ids in [0, --vocab)"
     )
-    add_input_options(p)
-    p.add_argument("--vocab", type=int, default=2, help="integer inputs are token ids drawn from [0, VOCAB) (default 2)")
     p.add_argument("--devices", default="auto", metavar="SPEC", help="device spec, e.g. auto, 'cuda:0,cpu', 'a100-40gb*2,cpu'")
     add_memory_option(p)
     p.add_argument("--optimizer", default="adam", help="optimizer whose state to budget: sgd, sgd-momentum, adam, adamw, ... (default adam)")
