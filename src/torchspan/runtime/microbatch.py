@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["NoSplit", "batch_size", "split_sizes", "split_batch", "split_value", "gather"]
+__all__ = ["NoSplit", "call_args", "batch_size", "split_sizes", "split_batch", "split_value", "gather"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,16 @@ class NoSplit:
 
 def _is_leaf(x: Any) -> bool:
     return isinstance(x, NoSplit)
+
+
+def call_args(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """How ``train_step`` reads its ``inputs``: a tuple is positional arguments, a mapping keyword
+    arguments, anything else the one argument. Usage: ``args, kwargs = call_args({"input_ids": ids})``."""
+    if isinstance(inputs, tuple):
+        return inputs, {}
+    if isinstance(inputs, Mapping):
+        return (), dict(inputs)
+    return (inputs,), {}
 
 
 def batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

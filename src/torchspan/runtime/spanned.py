@@ -29,7 +29,8 @@ from .footprint import stage_memory
 from .losscheck import LossChecks, dry_run
 from .lossweights import loss_spec
 from .memory import ActivationMeter
-from .microbatch import batch_size, gather, split_sizes, split_value
+from .microbatch import batch_size, call_args, gather, split_sizes, split_value
+from .ranks.checkpoint import model_keys
 from .record import Event, Recorder
 
 __all__ = ["Spanned"]
@@ -204,12 +205,7 @@ class Spanned(nn.Module):
                 "nothing to train and no backward to run; span the model with its weights, or unfreeze them (p.requires_grad_())"
             )
         spec = loss_spec(loss_fn, loss_reduction, loss_normalizer)
-        if isinstance(inputs, tuple):
-            args, kwargs = inputs, {}
-        elif isinstance(inputs, Mapping):
-            args, kwargs = (), dict(inputs)
-        else:
-            args, kwargs = (inputs,), {}
+        args, kwargs = call_args(inputs)
         if not torch.is_grad_enabled():
             raise RuntimeError("train_step runs backward, but gradients are disabled here (torch.no_grad()); call it outside no_grad")
         work = self._executor.prepare(args, kwargs)
@@ -285,9 +281,7 @@ class Spanned(nn.Module):
                 "load_state_dict(assign=True) would replace the placed parameters with the loaded tensors on their "
                 "saved devices; torchspan owns placement, so use assign=False (values are copied in place)"
             )
-        if state_dict and all(k.startswith("module.") for k in state_dict):
-            state_dict = {k[len("module.") :]: v for k, v in state_dict.items()}
-        return self.module.load_state_dict(state_dict, strict=strict)
+        return self.module.load_state_dict(model_keys(state_dict), strict=strict)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Spanned:  # type: ignore[override]
         """``half()``/``float()`` work; anything that would move a stage off its device (``parent.cuda()``) raises."""

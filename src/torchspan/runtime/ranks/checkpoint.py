@@ -23,7 +23,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["save_checkpoint", "load_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "model_keys"]
+
+
+def model_keys(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``state_dict`` with the model's own keys: the ``module.`` prefix that DataParallel/DDP checkpoints
+    put on every key is dropped (a dict with any other key is returned as it is).
+
+    Usage: ``model.load_state_dict(model_keys(torch.load("ddp.pt")))``.
+    """
+    if state_dict and all(k.startswith("module.") for k in state_dict):
+        return {k[len("module.") :]: v for k, v in state_dict.items()}
+    return state_dict
 
 
 def _group_size() -> int:

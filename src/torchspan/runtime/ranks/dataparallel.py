@@ -43,7 +43,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..lossweights import LossSpec, describe_loss, loss_spec, weighted_loss
-from ..microbatch import batch_size
+from ..microbatch import batch_size, call_args
+from .checkpoint import model_keys
 from .env import RankInfo, rank_info
 
 __all__ = ["DataParallelReplica", "shard_loss"]
@@ -96,14 +97,6 @@ def _refuse_batchnorm(module: nn.Module) -> None:
                 "model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model), use GroupNorm/LayerNorm, or pass "
                 "per_shard_batchnorm=True to accept per-shard statistics"
             )
-
-
-def _call_args(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if isinstance(inputs, tuple):
-        return inputs, {}
-    if isinstance(inputs, Mapping):
-        return (), dict(inputs)
-    return (inputs,), {}
 
 
 def _zero_rows(value: Any) -> Any:
@@ -185,9 +178,7 @@ class DataParallelReplica:
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
         """Load the model's keys (a ``module.`` prefix from DataParallel/DDP checkpoints is dropped)."""
-        if state_dict and all(k.startswith("module.") for k in state_dict):
-            state_dict = {k[len("module.") :]: v for k, v in state_dict.items()}
-        return self.module.load_state_dict(state_dict, strict=strict)
+        return self.module.load_state_dict(model_keys(state_dict), strict=strict)
 
     # ------------------------------------------------------------------ training
     def train_step(
@@ -213,7 +204,7 @@ class DataParallelReplica:
             raise RuntimeError("train_step runs backward, but gradients are disabled here (torch.no_grad()); call it outside no_grad")
         spec = shard_loss(loss_fn, loss_reduction, loss_normalizer)
         reduction = str(spec.reduction)
-        args, kwargs = _call_args(inputs)
+        args, kwargs = call_args(inputs)
         size = batch_size(args, kwargs)
         norm = float(size) if reduction == "sum" else spec.normalizer(target, size)
         self._template = (_zero_rows(inputs), _zero_rows(target), loss_fn, reduction)
@@ -253,7 +244,7 @@ class DataParallelReplica:
                     "ranks' steps with; give every rank at least one (possibly empty) shard, e.g. with rank_batches"
                 )
             inputs, target, loss_fn, reduction = self._template
-            args, kwargs = _call_args(inputs)
+            args, kwargs = call_args(inputs)
             if optimizer is not None:
                 optimizer.zero_grad()
             self._run(args, kwargs, target, loss_fn, lambda: 0.0)
