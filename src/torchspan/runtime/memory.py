@@ -74,6 +74,7 @@ class ActivationMeter:
         self.peak = [0] * stages
         self._refs: list[dict[tuple[Any, ...], _Storage]] = [{} for _ in range(stages)]
         self._exclude: set[tuple[int, torch.device]] = set()
+        self.resets = 0  # how many times ``reset`` was called: a runner sees whether a new peak was asked for
         # re-entrant: a garbage collection inside ``hold`` may finalize another holder in this thread
         self._lock = threading.RLock()
 
@@ -86,6 +87,12 @@ class ActivationMeter:
                 keys.add(key)
         with self._lock:
             self._exclude = keys
+            self.peak = list(self.live)
+            self.resets += 1
+
+    def restart(self) -> None:
+        """Start a new peak from what is alive now, excluding what the last ``reset`` excluded."""
+        with self._lock:
             self.peak = list(self.live)
 
     @staticmethod

@@ -95,6 +95,31 @@ class Pipeline:
                 by_dev.setdefault(d, []).append(s)
             groups = list(by_dev.values())
         self.groups = [list(g) for g in groups]
+        self._plans: dict[tuple[str, int, int], list[list[sched.Action]]] = {}
+        self._orders: dict[tuple[int, tuple[int, ...]], list[sched.Action]] = {}
+        self._metered: Any = None  # what the last metered training step looked like (``_signature``)
+        self._resets_seen = meter.resets
+
+    # ------------------------------------------------------------------ metering
+    @property
+    def metered(self) -> bool:
+        """Whether a training step has counted its saved activations (``ActivationMeter``)."""
+        return self._metered is not None
+
+    def _meters(self, signature: Any) -> bool:
+        """Whether this training step counts saved activations (saved-tensor hooks on every saved tensor).
+
+        Always when the caller started a new peak since the last metered step (``meter.reset``: a
+        local ``Spanned`` does every step, a rank's pipeline until one step is metered); otherwise
+        only when the step does not look like the last metered one (``_signature``: micro-batch
+        inputs' and targets' structure, shapes and dtypes, the stage functions), which then starts
+        a new peak itself. A step that looks the same saves the same tensors, so the peak stays.
+        """
+        if self.meter.resets == self._resets_seen and signature == self._metered:
+            return False
+        if self.meter.resets == self._resets_seen:
+            self.meter.restart()
+        return True
 
     # ------------------------------------------------------------------ helpers
     def _send(self, box: Mailbox, kind: str, values: list[Any], spec: Any, src: int, dst: int, mb: int) -> None:
@@ -122,9 +147,19 @@ class Pipeline:
         wait_ready(ready, self.devices[stage], values)
         return values, spec
 
+    def _plan(self, schedule: str, m: int, n: int) -> list[list[sched.Action]]:
+        key = (schedule, m, n)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = sched.forward_only(m, n) if schedule == "forward" else sched.build(schedule, m, n)
+        return plan
+
     def _run(self, schedule: list[list[sched.Action]], do: Callable[[Mailbox, sched.Action], None]) -> None:
         def job(stages: list[int]) -> Callable[[Mailbox], None]:
-            order = sched.merged_order(schedule, stages)
+            key = (id(schedule), tuple(stages))
+            order = self._orders.get(key)
+            if order is None:
+                order = self._orders[key] = sched.merged_order(schedule, stages)
 
             def run(box: Mailbox) -> None:
                 if threads is not None and self.devices[stages[0]].type == "cpu":
@@ -182,7 +217,10 @@ class Pipeline:
         """
         n, m = len(fns), len(inputs)
         slots: Sequence[Sequence[Slot]] = buffers if buffers is not None else [[] for _ in fns]
-        plan = sched.build(schedule, m, n)
+        plan = self._plan(schedule, m, n)
+        signature = _signature(fns, inputs, targets)
+        metering = self._meters(signature)
+        saving = self.meter.saving if metering else _unmetered
         saved: dict[tuple[int, int], _Saved] = {}
         losses: list[torch.Tensor | None] = [None] * m
         last = n - 1
@@ -217,11 +255,12 @@ class Pipeline:
                 with self.recorder.block(s, dev, mb, "forward"):
                     if ckpt:
                         st.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
-                        st.stash = [self.meter.hold(s, v) for v in leaves if isinstance(v, torch.Tensor)]
+                        if metering:
+                            st.stash = [self.meter.hold(s, v) for v in leaves if isinstance(v, torch.Tensor)]
                         with torch.no_grad():
                             out, loss = forward_of(s, mb, leaves, spec)
                     else:
-                        with self.meter.saving(s):
+                        with saving(s):
                             out, loss = forward_of(s, mb, leaves, spec)
                 if s == last:
                     assert loss is not None
@@ -245,7 +284,7 @@ class Pipeline:
                         torch.set_rng_state(st.rng[0])
                         if st.rng[1] is not None:  # pragma: no cover - needs a GPU
                             torch.cuda.set_rng_state(st.rng[1], dev)
-                        with torch.enable_grad(), self.meter.saving(s), kept(slots[s]):
+                        with torch.enable_grad(), saving(s), kept(slots[s]):
                             out, loss = forward_of(s, mb, leaves, st.spec)
                     st.stash = []
                     if s == last:
@@ -284,6 +323,8 @@ class Pipeline:
             self._run(plan, do)
         finally:
             saved.clear()
+        if metering:
+            self._metered, self._resets_seen = signature, self.meter.resets
         if carry is not None and not self.transport.is_local(last):
             return carried[-1]
         return summed()
@@ -302,7 +343,7 @@ class Pipeline:
         """
         n, m = len(fns), len(inputs)
         slots: Sequence[Sequence[Slot]] = buffers if buffers is not None else [[] for _ in fns]
-        plan = sched.forward_only(m, n)
+        plan = self._plan("forward", m, n)
         outputs: list[Any] = [None] * m
         grad = torch.is_grad_enabled()
 
@@ -341,6 +382,25 @@ class Pipeline:
 
         self._run(plan, do)
         return outputs
+
+
+def _unmetered(stage: int) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
+
+
+def _shape_of(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return (tuple(v.shape), v.dtype, v.device, v.requires_grad)
+    return v if v is None or isinstance(v, (bool, int, float, str)) else type(v)
+
+
+def _signature(fns: Sequence[Callable[..., Any]], inputs: Sequence[Sequence[Any]], targets: Sequence[Any]) -> Any:
+    """What decides the tensors a training step saves, as far as the pipeline sees it: the stage
+    functions (an fx split per set of non-tensor arguments) and every micro-batch's inputs and
+    targets (pytree structure; per leaf shape, dtype, device, or a plain value)."""
+    leaves, spec = tree_flatten((list(inputs), list(targets)))
+    funcs = tuple(f if isinstance(f, torch.nn.Module) else getattr(f, "__code__", f) for f in fns)
+    return funcs, spec, tuple(_shape_of(v) for v in leaves)
 
 
 def _carried_microbatch(plan: list[list[sched.Action]]) -> int:
