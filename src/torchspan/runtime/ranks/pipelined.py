@@ -200,6 +200,13 @@ class RankPipelineExecutor(PipelinedExecutor):
             t.detach().copy_(buf)
 
     # ------------------------------------------------------------------ steps
+    def meters(self) -> bool:
+        """Until one training step has counted its saved activations; later steps skip the saved-tensor
+        hooks (~5% of a small 2-rank step) unless their micro-batches' shapes, dtypes or structure differ
+        from the metered step's (``Pipeline._meters``: then that step is metered and starts a new peak).
+        A launched job repeats one shape, so ``memory()`` keeps reporting a step of the shape it trains."""
+        return not self._pipeline.metered
+
     def weights(self, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
         """Micro-batch weights against the global batch. Only the last stages weigh losses: they all-reduce
         their normalizers among themselves (the other stages start their forward at once)."""
