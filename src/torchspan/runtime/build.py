@@ -26,6 +26,7 @@ from .local.threaded import ThreadedExecutor
 from .memory import ActivationMeter
 from .placement import parse_devices, stages_from_balance, stages_from_plan
 from .ranks.mesh import launched_stages
+from .ranks.hooked import RankHookExecutor
 from .ranks.pipelined import RankPipelineExecutor, launched_mesh
 from .ranks.replicated import ReplicaExecutor, launched_replica
 from .record import Recorder
@@ -174,7 +175,12 @@ def span(
     # Choosing the executor: the one place that knows them all.
     executor: Executor
     unthreaded = ThreadedExecutor.unsupported(devs, microbatches, checkpoint)
-    if ranked is not None:
+    if ranked is not None and mode == "hooks":  # the model's own forward on every rank, its stage for real
+        executor = RankHookExecutor(
+            model, groups, settings, recorder, meter, *ranked, balance_given=plan is None, layers=layer_set,
+            even=balance is None, split_points=split_points, no_split=no_split,
+        )  # fmt: skip
+    elif ranked is not None:
         executor = RankPipelineExecutor(model, mode, graph, groups, settings, recorder, meter, *ranked)
     elif mode == "hooks" and not unthreaded:  # the model's own forward, one thread per micro-batch
         executor = ThreadedExecutor(

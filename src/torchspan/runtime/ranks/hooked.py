@@ -1,0 +1,384 @@
+"""A pipeline across ranks for models that run their own forward (transformers, wrappers, blocks).
+
+Nothing is traced. Every rank of a pipeline calls the model's own ``forward`` on the same
+micro-batch; its own stage's layers run for real on its device, other stages' layers run on
+``meta`` (shapes only, near free), and the glue between layers follows the ``taint`` rules, so a
+tensor is real on a rank exactly when that rank could compute it. When a layer of this rank
+needs an argument another stage computed, that stage sends it at the same call
+(``routes``: found once per input structure by comparing what each rank sees, then replayed and
+checked); gradients of what crossed travel back in backward. Tied parameters, data-parallel
+replicas, the loss normalizer and gradient reductions are ``RankStage``'s, as for stage functions.
+
+Schedules are ``torchspan.schedule``'s (GPipe, 1F1B): this rank runs its stage's actions in
+order; a forward blocks where an argument from an earlier stage has not arrived yet. Exact: the
+loss is weighed against the whole batch on the last stage and every rank's gradients are those
+of one device. Limits: ``precision="32"`` and ``checkpoint="never"``; a forward must take the same
+path on every rank (no branches on values other stages compute, which ``meta`` cannot answer:
+such a model raises, naming the call).
+
+Usage (``span`` does this in a launched job)::
+
+    ex = RankHookExecutor(model, groups, settings, recorder, meter, Mesh(1, 2), rank_info(), balance_given=True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from ... import schedule as sched
+from ...hardware import to_device
+from ..executor import Settings, Work
+from ..local.hooked import HookedExecutor
+from ..lossweights import weighted_loss
+from ..memory import ActivationMeter
+from ..placement import place
+from ..record import Recorder
+from .env import RankInfo
+from .mesh import Mesh
+from .p2p import PeerError
+from .routes import GRAD, META, REAL, CallRoute, DivergedError, Seen, route_call
+from .stage import RankStage
+from .taint import MetaTaint, to_meta
+
+__all__ = ["RankHookExecutor"]
+
+_FWD, _BWD = 2, 3  # message tags (stage functions' transport uses 0 and 1)
+_KEEP_ROUTES = 64  # input structures remembered (each new one costs one exchange per layer call)
+
+
+class _Forward:
+    """One micro-batch's forward on this rank: where it is, what crossed, what backward needs."""
+
+    def __init__(self, mb: int, grad: bool, routes: list[CallRoute] | None) -> None:
+        self.mb, self.grad, self.routes = mb, grad, routes
+        self.recorded: list[CallRoute] = []
+        self.call = 0
+        self.at: dict[int, tuple[int, int]] = {}  # id(meta placeholder) -> (call, leaf) where it was received
+        self.value: dict[tuple[int, int], torch.Tensor] = {}  # (call, leaf) -> the received tensor
+        self.placeholders: list[torch.Tensor] = []  # kept alive: their ids stay unique for this forward
+        self.sent: list[tuple[torch.Tensor, int]] = []  # (sent tensor whose gradient comes back, its stage)
+        self.inbound: list[tuple[torch.Tensor, int]] = []  # (received leaf needing a gradient, its source stage)
+        self.loss: torch.Tensor | None = None
+
+
+def _structure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes a forward take its path: the pytree, tensors' dtype/shape/grad, plain values."""
+    leaves, spec = tree_flatten((args, kwargs))
+    keys: list[Any] = []
+    for v in leaves:
+        if isinstance(v, torch.Tensor):
+            keys.append((v.dtype, tuple(v.shape), v.requires_grad))
+        elif v is None or isinstance(v, (bool, int, float, str)):
+            keys.append(v)
+        else:
+            keys.append(type(v).__qualname__)
+    return (str(spec), tuple(keys))
+
+
+class RankHookExecutor(RankStage, HookedExecutor):
+    """This rank's stage, run inside the model's own forward (see the module docstring)."""
+
+    mode = "hooks"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        groups: Sequence[Sequence[str]],
+        settings: Settings,
+        recorder: Recorder,
+        meter: ActivationMeter,
+        mesh: Mesh,
+        info: RankInfo,
+        **options: Any,
+    ) -> None:
+        self._rank_setup(mesh, info, len(groups))
+        if settings.precision != "32" or settings.checkpoint != "never":
+            raise ValueError(
+                f"precision={settings.precision!r}, checkpoint={settings.checkpoint!r}: a pipeline across ranks that runs "
+                "the model's own forward supports precision='32' and checkpoint='never' only; use those, or make the "
+                "model an nn.Sequential or fx-traceable (stage functions support both)"
+            )
+        self._recording = self._placed = False
+        self._routes: dict[Any, list[CallRoute]] = {}
+        self._fwd: _Forward | None = None
+        self._pending: list[tuple[Any, torch.Tensor]] = []
+        self._swaps: dict[str, list[tuple[nn.Module, str, str, Any, Any]]] = {}
+        super().__init__(model, [info.device] * mesh.stages, groups, settings, recorder, meter, **options)
+
+    # ------------------------------------------------------------------ placement
+    def place(self, work: Work) -> None:
+        """The recording forward (full model, real weights, no trace left) finds the layers' order and
+        where the model's own tensors are read; then this rank keeps only its stage."""
+        if self._placed:
+            return
+        self._recording = True
+        try:
+            super().place(work)
+        finally:
+            self._recording = False
+
+    def _place(self, root_attrs: dict[str, int]) -> None:
+        if not self._recording:  # the façade's eager placement: ours waits for the recording forward
+            return
+        self.root_attrs = dict(root_attrs)
+        keep = self._tie_parameters(self.layers, self.groups)
+        mine_roots = [q for q, s in root_attrs.items() if s == self.stage]
+        for q in mine_roots:
+            path, _, attr = q.rpartition(".")
+            owner = self.model.get_submodule(path) if path else self.model
+            t = owner._parameters.get(attr, owner._buffers.get(attr))
+            if t is not None:
+                keep.add(id(t))
+        for s, group in enumerate(self.groups):
+            if s != self.stage:
+                for name in group:
+                    self._to_meta(self.layers[name], keep)
+        self._root_to_meta(root_attrs, keep)
+        mine = {name: self.stage for name in self.groups[self.stage]}
+        place(self.model, mine, self.devices, self.root_attrs, self.layers, mine_roots)
+        for s, group in enumerate(self.groups):  # tied tensors other stages' layers hold real here
+            for name in group if s != self.stage else []:
+                self._swaps[name] = [
+                    (sub, kind, key, t, nn.Parameter(to_meta(t), requires_grad=False) if kind == "_parameters" else to_meta(t))
+                    for sub in self.layers[name].modules()
+                    for kind in ("_parameters", "_buffers")
+                    for key, t in getattr(sub, kind).items()
+                    if t is not None and not t.is_meta
+                ]
+        self._make_groups()
+        self._sync_start()
+        self._placed = True
+
+    @contextmanager
+    def _swapped(self, name: str) -> Iterator[None]:
+        """Another stage's layer runs on meta: tied tensors it shares with this stage read as meta meanwhile."""
+        swaps = self._swaps.get(name, ())
+        for sub, kind, key, _, meta in swaps:
+            getattr(sub, kind)[key] = meta
+        try:
+            yield
+        finally:
+            for sub, kind, key, t, _ in swaps:
+                getattr(sub, kind)[key] = t
+
+    @contextmanager
+    def _layers_wrapped(self) -> Iterator[None]:
+        stage_of = self.stage_of
+        done = []
+        for name, module in self.layers.items():
+            if name in stage_of:
+                original = module.forward
+                module.forward = self._wrapper(name, stage_of[name], original)  # type: ignore[method-assign]
+                done.append(module)
+        try:
+            yield
+        finally:
+            for module in done:
+                del module.forward
+
+    def _wrapper(self, name: str, stage: int, original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            st = self._fwd
+            if st is None:
+                return original(*args, **kwargs)
+            with torch._C.DisableTorchFunction():  # inside a layer: plain torch (meta or real throughout)
+                return self._call(st, name, stage, original, args, kwargs)
+
+        return call
+
+    # ------------------------------------------------------------------ one layer call
+    def _call(self, st: _Forward, name: str, stage: int, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        leaves, spec = tree_flatten((args, kwargs))
+        where = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+        tensors: list[torch.Tensor] = [leaves[i] for i in where]
+        codes = tuple(META if t.is_meta else GRAD if st.grad and t.requires_grad else REAL for t in tensors)
+        k, local = st.call, stage == self.stage
+        st.call += 1
+        if st.routes is None:
+            aliases = tuple(st.at.get(id(t)) if local and t.is_meta else None for t in tensors)
+            views: list[Any] = [None] * self.mesh.stages
+            dist.all_gather_object(views, Seen(name, codes, aliases), group=self._pipe_group)
+            route = route_call(k, name, stage, views)
+            st.recorded.append(route)
+        else:
+            if k >= len(st.routes):
+                raise DivergedError(f"torchspan: this rank's forward called more layers than the recorded one ({len(st.routes)})")
+            route = st.routes[k]
+            route.check(self.stage, name, codes)
+        for tr in route.transfers:
+            if tr.src == self.stage:
+                self._isend(tensors[tr.leaf], tr.dst, _FWD)
+                if st.grad and tr.grad:
+                    st.sent.append((tensors[tr.leaf], tr.dst))
+        if not local:
+            with torch.no_grad(), self._swapped(name):
+                meta_args, meta_kwargs = to_meta((args, kwargs))
+                return fn(*meta_args, **meta_kwargs)
+        for tr in route.transfers:
+            held = tensors[tr.leaf]
+            got = self._recv(torch.empty(held.shape, dtype=held.dtype, device=self.device), tr.src, _FWD, "activations")
+            if st.grad and tr.grad:
+                got.requires_grad_(True)
+                st.inbound.append((got, tr.src))
+            st.at[id(held)] = (k, tr.leaf)
+            st.placeholders.append(held)
+            st.value[(k, tr.leaf)] = got
+            leaves[where[tr.leaf]] = got
+        for r in route.reuses:
+            if st.at.get(id(tensors[r.leaf])) != (r.call, r.at):
+                raise DivergedError(f"torchspan: layer {name!r} no longer reads what call {r.call} received (argument {r.at})")
+            leaves[where[r.leaf]] = st.value[(r.call, r.at)]
+        real_args, real_kwargs = tree_unflatten(leaves, spec)
+        shared = []
+        if st.routes is None:  # recording: an in-place write to an input other ranks hold would leave theirs stale
+            shared = [(i, leaves[where[i]], leaves[where[i]]._version) for i in range(len(tensors)) if self._shared(route, i)]
+        with self.meter.saving(self.stage):
+            out = fn(*real_args, **real_kwargs)
+        for i, t, version in shared:
+            if t._version != version:
+                raise ValueError(
+                    f"torchspan: layer {name!r} modifies its tensor argument {i} in place, and other pipeline ranks hold "
+                    "that tensor too (they would keep the old value); make the layer work out of place "
+                    "(e.g. nn.ReLU(inplace=False)) or run the model in one process"
+                )
+        return out
+
+    def _shared(self, route: CallRoute, leaf: int) -> bool:
+        """Whether argument ``leaf`` of this call is held by another rank too (received, or computed there)."""
+        return any(t.leaf == leaf for t in route.transfers) or any(
+            codes[leaf] != META for s, codes in enumerate(route.codes) if s != self.stage
+        )
+
+    # ------------------------------------------------------------------ messages
+    def _peer(self, stage: int) -> int:
+        return self.mesh.rank(self.replica, stage)
+
+    def _isend(self, t: torch.Tensor, stage: int, tag: int) -> None:
+        buf = t.detach().contiguous().to(self._comm)
+        self._pending.append((dist.isend(buf, dst=self._peer(stage), tag=tag), buf))
+
+    def _recv(self, buf: torch.Tensor, stage: int, tag: int, what: str) -> torch.Tensor:
+        peer = self._peer(stage)
+        comm = buf if buf.device == self._comm else torch.empty_like(buf, device=self._comm)
+        try:
+            dist.recv(comm, src=peer, tag=tag)
+        except RuntimeError as exc:
+            raise PeerError(
+                f"rank {self.info.rank} (stage {self.stage}) could not receive {what} from rank {peer} (stage {stage}): "
+                f"{exc}. Rank {peer} probably failed or was killed: see its traceback; the job stops instead of waiting"
+            ) from exc
+        return comm if comm is buf else buf.copy_(comm)
+
+    def _settle_sends(self, ok: bool) -> None:
+        pending, self._pending = self._pending, []
+        if ok:  # a failed run: peers are stopping too; waiting on their receives could hang
+            for work, _ in pending:
+                work.wait()
+
+    # ------------------------------------------------------------------ steps
+    def _forward(self, work: Work, mb: int, grad: bool) -> tuple[Any, _Forward]:
+        args, kwargs = to_device(work.chunks[mb], self.device)
+        key = (grad, _structure(args, kwargs))
+        routes = self._routes.get(key)
+        st = _Forward(mb, grad, routes)
+        self._fwd = st
+        try:
+            with torch.set_grad_enabled(grad), MetaTaint(self.device):
+                out = self.model(*args, **kwargs)
+        finally:
+            self._fwd = None
+        if routes is None:
+            if len(self._routes) >= _KEEP_ROUTES:
+                self._routes.pop(next(iter(self._routes)))
+            self._routes[key] = st.recorded
+        elif st.call != len(routes):
+            raise DivergedError(f"torchspan: this rank's forward called {st.call} layers, the recorded one {len(routes)}")
+        return out, st
+
+    def _loss(self, out: Any, target: Any, loss_fn: Callable[..., Any], weight: float) -> torch.Tensor:
+        try:
+            with MetaTaint(self.device):
+                loss = weighted_loss(loss_fn, out, to_device(target, self.device), weight)
+        except RuntimeError as exc:
+            if "meta" not in str(exc):
+                raise
+            loss = torch.empty((), device="meta")
+        if loss.is_meta:
+            raise ValueError(
+                "torchspan: the loss reads model outputs that the last pipeline stage does not compute (they come from "
+                "earlier stages' layers only); compute the loss from the model's final outputs (e.g. logits)"
+            )
+        return loss
+
+    def _backward(self, st: _Forward) -> None:
+        outs: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
+        for t, stage in st.sent:
+            outs.append(t)
+            grads.append(self._recv(torch.empty_like(t, device=self.device), stage, _BWD, "gradients"))
+        if st.loss is not None and st.loss.requires_grad:
+            outs.append(st.loss)
+            grads.append(None)
+        if outs:
+            torch.autograd.backward(outs, grads)
+        for t, stage in st.inbound:
+            self._isend(t.grad if t.grad is not None else torch.zeros_like(t), stage, _BWD)
+
+    def train(
+        self,
+        work: Work,
+        targets: Sequence[Any],
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        weights: Sequence[float],
+    ) -> torch.Tensor:
+        s, n = self.settings, self.mesh.stages
+        last = self.stage == n - 1
+        losses: list[torch.Tensor] = []
+        live: dict[int, _Forward] = {}
+        with self._layers_wrapped(), self._reducing() as finished:
+            ok = False
+            try:
+                for action in sched.build(s.schedule, s.microbatches, n)[self.stage]:
+                    mb = action.microbatch
+                    with self.recorder.block(self.stage, self.device, mb, action.kind):
+                        if action.kind == sched.FORWARD:
+                            out, st = self._forward(work, mb, grad=True)
+                            if last:
+                                st.loss = self._loss(out, targets[mb], loss_fn, weights[mb])
+                                losses.append(st.loss.detach().to(torch.float64))
+                            live[mb] = st
+                        else:
+                            self._backward(live.pop(mb))
+                ok = True
+            finally:
+                self._settle_sends(ok)
+            finished(torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float64, device=self.device))
+        total = self._step_total if self._step_total is not None else (torch.stack(losses).sum() if losses else None)
+        box = (total if total is not None else torch.zeros(1, dtype=torch.float64)).reshape(1).to(self._comm)
+        dist.broadcast(box, src=self._peer(n - 1), group=self._pipe_group)
+        return box[0].to(self.device, torch.float32)
+
+    def forward(self, work: Work) -> list[Any]:
+        """Outputs of every micro-batch on every rank of this pipeline (no autograd across processes)."""
+        outs: list[Any] = []
+        last = self._peer(self.mesh.stages - 1)
+        with self._layers_wrapped(), torch.no_grad():
+            ok = False
+            try:
+                for mb in range(len(work.chunks)):
+                    out, _ = self._forward(work, mb, grad=False)
+                    outs.append(out if self.info.rank == last else None)
+                ok = True
+            finally:
+                self._settle_sends(ok)
+        box = [outs if self.info.rank == last else None]
+        dist.broadcast_object_list(box, src=last, group=self._pipe_group, device=self._comm)
+        dev = self.device
+        return [tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, o) for o in box[0]]

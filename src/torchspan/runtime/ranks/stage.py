@@ -1,0 +1,202 @@
+"""What every executor holding one pipeline stage per rank shares, whatever runs the stage.
+
+``RankStage`` is mixed into ``RankPipelineExecutor`` (stage functions) and ``RankHookExecutor``
+(the model's own forward). It keeps:
+
+- **Memory**: layers of other stages become ``meta`` tensors (``requires_grad=False``) on this
+  rank, so only this stage's parameters take memory and reach the optimizer.
+- **Groups**: the data-parallel group of this stage (the ranks holding it), this replica's
+  pipeline, and one group per set of stages sharing parameters (tied embeddings: Megatron's
+  embedding group, every replica included). Replicas and tied copies start identical (broadcast).
+- **Weights**: with replicas, the last stages all-reduce the loss normalizer so every replica
+  weighs its micro-batches against the global batch.
+- **Gradients**: once this rank ran its last backward, a SUM of this step's gradients starts in
+  each group (async, one flat buffer per dtype); gradients from earlier steps stay accumulated.
+
+Usage (an executor does this)::
+
+    class MyExecutor(RankStage, Executor): ...
+    self._rank_setup(mesh, info, len(groups)); keep = self._tie_parameters(layers, groups) ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..lossweights import LossSpec
+from .env import RankInfo
+from .mesh import Mesh
+
+__all__ = ["RankStage"]
+
+
+def _meta_copy(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(t, device="meta")
+
+
+class RankStage:
+    """This rank's stage of a ``mesh.replicas`` x ``mesh.stages`` mesh (see the module docstring)."""
+
+    mesh: Mesh
+    info: RankInfo
+    model: nn.Module
+
+    def _rank_setup(self, mesh: Mesh, info: RankInfo, stages: int) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("no process group: call torchspan.init_distributed() before span() in a launched job")
+        if info.world_size != mesh.world_size:
+            raise ValueError(f"dp({mesh.replicas}) * pp({mesh.stages}) != WORLD_SIZE({info.world_size})")
+        if stages != mesh.stages:
+            raise ValueError(f"{stages} layer group(s) for pp({mesh.stages}) stages; give one group per stage")
+        self.mesh, self.info = mesh, info
+        self.replica, self.stage = mesh.coords(info.rank)
+        self.device = info.device
+        self._comm = info.device if info.backend and "nccl" in info.backend else torch.device("cpu")
+
+    # ------------------------------------------------------------------ placement
+    def _tie_parameters(self, layers: Mapping[str, nn.Module], groups: Sequence[Sequence[str]]) -> set[int]:
+        """Find parameters shared across stages (before any is made meta); returns the ids of every
+        tensor this stage's layers hold (kept real)."""
+        holders: dict[int, set[int]] = {}
+        for s, group in enumerate(groups):
+            for name in group:
+                for p in layers[name].parameters():
+                    holders.setdefault(id(p), set()).add(s)
+        local = {id(t) for name in groups[self.stage] for t in [*layers[name].parameters(), *layers[name].buffers()]}
+        self._tie_stages = sorted({tuple(sorted(st)) for st in holders.values() if len(st) > 1})
+        self._tie_of: dict[int, int] = {}
+        for pid, st in holders.items():
+            if len(st) > 1 and pid in local:
+                self._tie_of[pid] = self._tie_stages.index(tuple(sorted(st)))
+        return local
+
+    @staticmethod
+    def _to_meta(module: nn.Module, keep: set[int], only: str | None = None) -> None:
+        """Tensors of ``module`` (or only its attribute ``only``) not in ``keep`` become frozen meta copies."""
+        for mod in module.modules() if only is None else [module]:
+            for key, p in list(mod._parameters.items()):
+                if p is not None and id(p) not in keep and (only is None or key == only) and p.device.type != "meta":
+                    mod._parameters[key] = nn.Parameter(_meta_copy(p), requires_grad=False)
+            for key, b in list(mod._buffers.items()):
+                if b is not None and id(b) not in keep and (only is None or key == only):
+                    mod._buffers[key] = _meta_copy(b)
+
+    def _root_to_meta(self, root_attrs: Mapping[str, int], keep: set[int]) -> None:
+        """The model's own tensors read by other stages become meta."""
+        for qname, s in root_attrs.items():
+            if s != self.stage:
+                path, _, attr = qname.rpartition(".")
+                self._to_meta(self.model.get_submodule(path) if path else self.model, keep, only=attr)
+
+    def local_parameters(self) -> list[nn.Parameter]:
+        """This rank's trainable parameters (its stage's, tied ones included), in model order."""
+        return [p for p in self.model.parameters() if p.device.type != "meta" and p.requires_grad]
+
+    # ------------------------------------------------------------------ groups and start
+    def _make_groups(self) -> None:
+        """Every rank creates every group, in one order (``new_group`` is collective)."""
+        m = self.mesh
+        self._stage_group: Any = None
+        self._pipe_group: Any = None
+        if m.replicas > 1:
+            for s in range(m.stages):
+                g = dist.new_group(m.stage_ranks(s))
+                if s == self.stage:
+                    self._stage_group = g
+            for r in range(m.replicas):
+                g = dist.new_group(m.pipeline_ranks(r))
+                if r == self.replica:
+                    self._pipe_group = g
+        self._tie_groups: list[tuple[Any, int]] = []  # (group, its lowest rank)
+        for stages in self._tie_stages:
+            ranks = m.tie_ranks(stages)
+            self._tie_groups.append((dist.new_group(ranks), ranks[0]))
+
+    def _sync_start(self) -> None:
+        """Replicas of a stage and tied copies start identical: broadcast from the lowest holding rank."""
+        with torch.no_grad():
+            if self._stage_group is not None:
+                src = self.mesh.rank(0, self.stage)
+                for t in [*self.model.parameters(), *self.model.buffers()]:
+                    if t.device.type != "meta" and id(t) not in self._tie_of:
+                        self._broadcast(t, src, self._stage_group)
+            for p in self.model.parameters():
+                i = self._tie_of.get(id(p))
+                if i is not None:
+                    group, src = self._tie_groups[i]
+                    self._broadcast(p, src, group)
+
+    def _broadcast(self, t: torch.Tensor, src: int, group: Any) -> None:
+        buf = t.detach().to(self._comm)
+        dist.broadcast(buf, src=src, group=group)
+        if buf is not t:
+            t.detach().copy_(buf)
+
+    # ------------------------------------------------------------------ steps
+    def weights(self, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
+        """Micro-batch weights against the global batch. Only the last stages weigh losses: they all-reduce
+        their normalizers among themselves (the other stages start their forward at once)."""
+        if self.mesh.replicas == 1 or spec.kind == "sum" or self.stage != self.mesh.stages - 1:
+            return spec.weights(targets, sizes)
+        local = sum(spec.normalizer(t, n) for t, n in zip(targets, sizes))
+        total = torch.tensor([local], dtype=torch.float64, device=self._comm)
+        dist.all_reduce(total, group=self._stage_group)
+        return spec.weights(targets, sizes, total=float(total.item()))
+
+    @contextmanager
+    def _reducing(self) -> Iterator[Callable[[torch.Tensor], None]]:
+        """Around one training step: yields ``finished(loss)``, to call once this rank's last backward ran
+        (``loss``: this rank's summed loss, reduced among replicas of the last stage). Only this step's
+        gradients are reduced; on exit they are settled and earlier steps' gradients added back."""
+        params = self.local_parameters()
+        earlier = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        launched: list[tuple[Any, Any]] = []
+        self._step_total: torch.Tensor | None = None
+
+        def finished(loss: torch.Tensor) -> None:
+            if self._stage_group is not None:
+                total = loss.detach().to(self._comm, torch.float64).reshape(1)
+                launched.append((dist.all_reduce(total, group=self._stage_group, async_op=True), None))
+                self._step_total = total
+                launched.extend(self._launch([p for p in params if id(p) not in self._tie_of], self._stage_group))
+            for i, (group, _) in enumerate(self._tie_groups):
+                launched.extend(self._launch([p for p in params if self._tie_of.get(id(p)) == i], group))
+
+        try:
+            yield finished
+            for handle, unpack in launched:  # the SUMs of this step's gradients and the replicas' losses
+                handle.wait()
+                if unpack is not None:
+                    unpack()
+        finally:
+            for p, g in zip(params, earlier):
+                if g is not None:
+                    p.grad = g if p.grad is None else g.add_(p.grad)
+
+    def _launch(self, params: list[nn.Parameter], group: Any) -> list[tuple[Any, Any]]:
+        """Start SUMs of ``params``' gradients over ``group``: one flat buffer per dtype (a missing grad counts as 0)."""
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        out = []
+        for ps in by_dtype.values():
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps]).to(self._comm)
+
+            def unpack(ps: list[nn.Parameter] = ps, flat: torch.Tensor = flat) -> None:
+                k = 0
+                for p in ps:
+                    g = flat[k : k + p.numel()].view_as(p).to(p.device)
+                    k += p.numel()
+                    if p.grad is not None or bool(g.any()):  # a gradient no replica produced stays None
+                        p.grad = g
+
+            out.append((dist.all_reduce(flat, group=group, async_op=True), unpack))
+        return out

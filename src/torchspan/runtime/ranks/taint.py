@@ -1,0 +1,104 @@
+"""Meta as a taint: on a pipeline rank, a ``meta`` tensor is a value another stage computes.
+
+A rank runs the model's own forward in full. Other stages' layers run on ``meta`` (no data, only
+shapes), so what they produce, and everything the model's glue code derives from it, is ``meta``
+here; what this rank can compute for real (the inputs, what derives from them, its own layers'
+outputs) stays real and, being computed by the same code from the same values, equals what one
+device computes. Plain torch refuses to mix ``meta`` with real tensors, so ``MetaTaint`` (a
+``TorchFunctionMode`` active only in the glue between layers) enforces the rule:
+
+- an op mixing ``meta`` and real tensors yields ``meta`` (the real ones join as shapes);
+- tensors made from shapes alone (``torch.arange(n, device=x.device)``, ``zeros_like(x)``,
+  ``x.new_ones(...)``, ``t.to(x.device)``) are real on this rank's device even when ``x`` is
+  ``meta``: their values do not depend on ``x``'s data;
+- an in-place op writing ``meta`` data into a real tensor raises (the real tensor would keep a
+  stale value: never silently wrong), as does reading a value of a ``meta`` tensor
+  (``.item()``, ``if x.any():``), which torch refuses itself.
+
+Usage (``RankHookExecutor`` does this)::
+
+    with MetaTaint(torch.device("cpu")):
+        out = model(ids)      # other stages' layers wrapped to run on meta
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+__all__ = ["MetaTaint", "to_meta", "is_meta"]
+
+# Functions whose result depends only on the shape/dtype of their tensor argument, not its data.
+_FROM_SHAPE = {
+    "zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like", "randint_like",
+    "new_zeros", "new_ones", "new_full", "new_empty",
+}  # fmt: skip
+_META = torch.device("meta")
+
+
+def is_meta(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_meta
+
+
+def to_meta(tree: Any) -> Any:
+    """``tree`` with every tensor replaced by a ``meta`` tensor of its shape and dtype (no grad)."""
+    return tree_map(lambda t: torch.empty_like(t, device=_META) if isinstance(t, torch.Tensor) and not t.is_meta else t, tree)
+
+
+def _is_meta_device(d: Any) -> bool:
+    return (isinstance(d, torch.device) and d.type == "meta") or d == "meta"
+
+
+def _name(func: Callable[..., Any]) -> str:
+    return getattr(func, "__name__", "") or ""
+
+
+class MetaTaint(TorchFunctionMode):
+    """The glue rules above; ``device`` is where this rank's real tensors live."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = _name(func)
+        if name == "__get__":  # .shape, .device, .dtype, ...
+            return func(*args, **kwargs)
+        if _is_meta_device(kwargs.get("device")):  # made here from shapes: real on this rank
+            kwargs = {**kwargs, "device": self.device}
+        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        metas = [t.is_meta for t in leaves]
+        if name in _FROM_SHAPE and args and is_meta(args[0]):
+            kwargs.setdefault("device", self.device)
+            return func(*args, **kwargs)
+        if name == "to" and args and isinstance(args[0], torch.Tensor) and not args[0].is_meta:
+            # a real tensor moved "to x.device" for a meta x stays real, on this rank's device
+            args = tuple(self.device if _is_meta_device(a) else a for a in args)
+            if _is_meta_device(kwargs.get("device")):
+                kwargs = {**kwargs, "device": self.device}
+            args, kwargs = _real_tensor_args(args, kwargs) if any(metas[1:]) else (args, kwargs)
+            return func(*args, **kwargs)
+        if not any(metas) or all(metas):
+            return func(*args, **kwargs)
+        # Mixed: the result is another stage's value here.
+        target = kwargs.get("out", args[0] if args else None)
+        writes = "out" in kwargs or name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))
+        if writes and isinstance(target, torch.Tensor) and not target.is_meta:
+            raise RuntimeError(
+                f"torchspan: the model's forward writes a value computed by another pipeline stage into a tensor "
+                f"computed on this one, in place ({name}); across ranks this rank's copy would keep a stale value. "
+                "Write it out of place (x = x + y rather than x += y, torch.where rather than x[mask] = y), "
+                "or run this model on one process (span with devices=[...])"
+            )
+        return func(*to_meta(args), **to_meta(kwargs))
+
+
+def _real_tensor_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """``t.to(other)`` where ``other`` is meta: take its dtype, not its device."""
+    fix = lambda a: a.dtype if is_meta(a) else a  # noqa: E731
+    return tuple(fix(a) for a in args), {k: fix(v) for k, v in kwargs.items()}
