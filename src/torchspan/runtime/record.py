@@ -58,16 +58,30 @@ class Recorder:
 
     def __init__(self) -> None:
         self.step = 0
-        self.events: list[Event] = []
+        self._events: list[Event] = []
+        # Blocks as raw tuples (stage, device, microbatch, kind, start, end), append-only within a step;
+        # ``events`` makes the Events when read, so a step whose timeline nobody reads costs a tuple per block.
+        self._raw: list[tuple[int, Any, int, str, float, float]] = []
         self._t0 = time.perf_counter()
         self._cuda_ref: dict[torch.device, tuple[Any, float]] = {}
         self._pending: list[tuple[int, str, int, str, Any, Any, torch.device]] = []
         self._lock = threading.Lock()
 
+    @property
+    def events(self) -> list[Event]:
+        """The last step's events (of the step running, those recorded so far), sorted by start."""
+        with self._lock:
+            raw, done = self._raw, len(self._events)
+            if len(raw) > done:  # append-only within a step: workers may still be adding
+                self._events.extend(Event(self.step, s, str(d), mb, k, a, b) for s, d, mb, k, a, b in raw[done : len(raw)])
+                self._events.sort(key=lambda e: (e.start, e.stage))
+            return self._events
+
     def start_step(self, devices: Sequence[torch.device]) -> None:
         """Begin a new step: forget the previous step's events; time 0 is now."""
         self.step += 1
-        self.events = []
+        self._events = []
+        self._raw = []
         self._pending = []
         self._cuda_ref = {}
         self._t0 = time.perf_counter()
@@ -82,37 +96,49 @@ class Recorder:
 
     def add(self, stage: int, device: torch.device | str, microbatch: int, kind: str, start: float, end: float) -> None:
         """Record a block timed by the caller (seconds from step start)."""
-        with self._lock:
-            self.events.append(Event(self.step, stage, str(device), microbatch, kind, start, end))
+        self._raw.append((stage, device, microbatch, kind, start, end))  # list.append is atomic
 
-    @contextlib.contextmanager
-    def block(self, stage: int, device: torch.device, microbatch: int, kind: str, stream: Any = None) -> Iterator[None]:
+    def block(self, stage: int, device: torch.device, microbatch: int, kind: str, stream: Any = None) -> Any:
         """Time the work done inside the ``with`` as one block of ``kind``."""
         if device.type == "cuda" and device in self._cuda_ref:  # pragma: no cover - needs a GPU
-            stream = stream or torch.cuda.current_stream(device)
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            try:
-                yield
-            finally:
-                end.record(stream)
-                with self._lock:
-                    self._pending.append((stage, str(device), microbatch, kind, start, end, device))
-            return
-        t = self.now()
+            return self._cuda_block(stage, device, microbatch, kind, stream)
+        return _Block(self, stage, device, microbatch, kind)
+
+    @contextlib.contextmanager
+    def _cuda_block(self, stage: int, device: torch.device, microbatch: int, kind: str, stream: Any) -> Iterator[None]:  # pragma: no cover - needs a GPU
+        stream = stream or torch.cuda.current_stream(device)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
         try:
             yield
         finally:
-            self.add(stage, device, microbatch, kind, t, self.now())
+            end.record(stream)
+            with self._lock:
+                self._pending.append((stage, str(device), microbatch, kind, start, end, device))
 
     def finish_step(self) -> None:
-        """Resolve CUDA blocks into seconds (waits for their work) and sort the events by start."""
+        """Resolve CUDA blocks into seconds (waits for their work); ``events`` sorts them by start when read."""
         for stage, dev_name, mb, kind, start, end, dev in self._pending:  # pragma: no cover - needs a GPU
             ref, offset = self._cuda_ref[dev]
             end.synchronize()
             s = offset + ref.elapsed_time(start) / 1e3
             e = offset + ref.elapsed_time(end) / 1e3
-            self.events.append(Event(self.step, stage, dev_name, mb, kind, s, e))
+            self._raw.append((stage, dev_name, mb, kind, s, e))
         self._pending = []
-        self.events.sort(key=lambda e: (e.start, e.stage))
+
+
+class _Block:
+    """``Recorder.block`` on the host clock: a plain context manager (cheaper than a generator's)."""
+
+    __slots__ = ("_rec", "_stage", "_device", "_mb", "_kind", "_start")
+
+    def __init__(self, rec: Recorder, stage: int, device: Any, microbatch: int, kind: str) -> None:
+        self._rec, self._stage, self._device, self._mb, self._kind = rec, stage, device, microbatch, kind
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter() - self._rec._t0
+
+    def __exit__(self, *exc: Any) -> None:
+        rec = self._rec
+        rec._raw.append((self._stage, self._device, self._mb, self._kind, self._start, time.perf_counter() - rec._t0))
