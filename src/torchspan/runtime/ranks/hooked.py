@@ -5,8 +5,8 @@ micro-batch; its own stage's layers run for real on its device, other stages' la
 ``meta`` (shapes only, near free), and the glue between layers follows the ``taint`` rules, so a
 tensor is real on a rank exactly when that rank could compute it. When a layer of this rank
 needs an argument another stage computed, that stage sends it at the same call
-(``routes``: found once per input structure by comparing what each rank sees, then replayed and
-checked); gradients of what crossed travel back in backward. Tied parameters, data-parallel
+(``routes``: found the first time a forward takes a path, by comparing what each rank sees,
+then replayed and checked); gradients of what crossed travel back in backward. Tied parameters, data-parallel
 replicas, the loss normalizer and gradient reductions are ``RankStage``'s, as for stage functions.
 
 Schedules are ``torchspan.schedule``'s (GPipe, 1F1B): this rank runs its stage's actions in
@@ -50,15 +50,13 @@ from .taint import MetaTaint, to_meta
 __all__ = ["RankHookExecutor"]
 
 _FWD, _BWD = 2, 3  # message tags (stage functions' transport uses 0 and 1)
-_KEEP_ROUTES = 64  # input structures remembered (each new one costs one exchange per layer call)
 
 
 class _Forward:
     """One micro-batch's forward on this rank: where it is, what crossed, what backward needs."""
 
-    def __init__(self, mb: int, grad: bool, routes: list[CallRoute] | None) -> None:
-        self.mb, self.grad, self.routes = mb, grad, routes
-        self.recorded: list[CallRoute] = []
+    def __init__(self, mb: int, grad: bool, node: _Path) -> None:
+        self.mb, self.grad, self.node = mb, grad, node
         self.call = 0
         self.at: dict[int, tuple[int, int]] = {}  # id(meta placeholder) -> (call, leaf) where it was received
         self.value: dict[tuple[int, int], torch.Tensor] = {}  # (call, leaf) -> the received tensor
@@ -68,18 +66,16 @@ class _Forward:
         self.loss: torch.Tensor | None = None
 
 
-def _structure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """What makes a forward take its path: the pytree, tensors' dtype/shape/grad, plain values."""
-    leaves, spec = tree_flatten((args, kwargs))
-    keys: list[Any] = []
-    for v in leaves:
-        if isinstance(v, torch.Tensor):
-            keys.append((v.dtype, tuple(v.shape), v.requires_grad))
-        elif v is None or isinstance(v, (bool, int, float, str)):
-            keys.append(v)
-        else:
-            keys.append(type(v).__qualname__)
-    return (str(spec), tuple(keys))
+class _Path:
+    """The routes of the forwards seen so far, as a tree: a call's signature (layer, pytree leaves,
+    which are tensors) leads to its route and to the next call. Every rank runs the same Python on
+    the same real values (another stage's values cannot steer it: they are meta), so every rank
+    meets a new branch at the same call of the same micro-batch and records it together."""
+
+    __slots__ = ("next",)
+
+    def __init__(self) -> None:
+        self.next: dict[tuple[Any, ...], tuple[CallRoute, _Path]] = {}
 
 
 class RankHookExecutor(RankStage, HookedExecutor):
@@ -106,7 +102,7 @@ class RankHookExecutor(RankStage, HookedExecutor):
                 "model an nn.Sequential or fx-traceable (stage functions support both)"
             )
         self._recording = self._placed = False
-        self._routes: dict[Any, list[CallRoute]] = {}
+        self._paths = {True: _Path(), False: _Path()}  # training forwards, no-grad forwards
         self._fwd: _Forward | None = None
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._swaps: dict[str, list[tuple[nn.Module, str, str, Any, Any]]] = {}
@@ -201,17 +197,19 @@ class RankHookExecutor(RankStage, HookedExecutor):
         codes = tuple(META if t.is_meta else GRAD if st.grad and t.requires_grad else REAL for t in tensors)
         k, local = st.call, stage == self.stage
         st.call += 1
-        if st.routes is None:
+        signature = (name, len(leaves), tuple(where))
+        known = st.node.next.get(signature)
+        if known is None:  # a new branch: every rank of the pipeline is here too
             aliases = tuple(st.at.get(id(t)) if local and t.is_meta else None for t in tensors)
             views: list[Any] = [None] * self.mesh.stages
             dist.all_gather_object(views, Seen(name, codes, aliases), group=self._pipe_group)
-            route = route_call(k, name, stage, views)
-            st.recorded.append(route)
+            known = (route_call(k, name, stage, views), _Path())
+            st.node.next[signature] = known
+            recording = True
         else:
-            if k >= len(st.routes):
-                raise DivergedError(f"torchspan: this rank's forward called more layers than the recorded one ({len(st.routes)})")
-            route = st.routes[k]
-            route.check(self.stage, name, codes)
+            recording = False
+            known[0].check(self.stage, name, codes)
+        route, st.node = known
         for tr in route.transfers:
             if tr.src == self.stage:
                 self._isend(tensors[tr.leaf], tr.dst, _FWD)
@@ -224,6 +222,11 @@ class RankHookExecutor(RankStage, HookedExecutor):
         for tr in route.transfers:
             held = tensors[tr.leaf]
             got = self._recv(torch.empty(held.shape, dtype=held.dtype, device=self.device), tr.src, _FWD, "activations")
+            try:  # the glue's own variable becomes the value (a residual `h = block(h) + h` reads it again)
+                torch.utils.swap_tensors(held, got)
+                got = held
+            except RuntimeError:  # a placeholder with views: only this call's argument is replaced
+                pass
             if st.grad and tr.grad:
                 got.requires_grad_(True)
                 st.inbound.append((got, tr.src))
@@ -237,7 +240,7 @@ class RankHookExecutor(RankStage, HookedExecutor):
             leaves[where[r.leaf]] = st.value[(r.call, r.at)]
         real_args, real_kwargs = tree_unflatten(leaves, spec)
         shared = []
-        if st.routes is None:  # recording: an in-place write to an input other ranks hold would leave theirs stale
+        if recording:  # an in-place write to an input other ranks hold would leave theirs stale
             shared = [(i, leaves[where[i]], leaves[where[i]]._version) for i in range(len(tensors)) if self._shared(route, i)]
         with self.meter.saving(self.stage):
             out = fn(*real_args, **real_kwargs)
@@ -285,21 +288,13 @@ class RankHookExecutor(RankStage, HookedExecutor):
     # ------------------------------------------------------------------ steps
     def _forward(self, work: Work, mb: int, grad: bool) -> tuple[Any, _Forward]:
         args, kwargs = to_device(work.chunks[mb], self.device)
-        key = (grad, _structure(args, kwargs))
-        routes = self._routes.get(key)
-        st = _Forward(mb, grad, routes)
+        st = _Forward(mb, grad, self._paths[grad])
         self._fwd = st
         try:
             with torch.set_grad_enabled(grad), MetaTaint(self.device):
                 out = self.model(*args, **kwargs)
         finally:
             self._fwd = None
-        if routes is None:
-            if len(self._routes) >= _KEEP_ROUTES:
-                self._routes.pop(next(iter(self._routes)))
-            self._routes[key] = st.recorded
-        elif st.call != len(routes):
-            raise DivergedError(f"torchspan: this rank's forward called {st.call} layers, the recorded one {len(routes)}")
         return out, st
 
     def _loss(self, out: Any, target: Any, loss_fn: Callable[..., Any], weight: float) -> torch.Tensor:

@@ -4,8 +4,8 @@ Every rank of a pipeline runs the model's own forward (``runtime.ranks.hooked``)
 real on a rank when that rank computed it and ``meta`` when another stage did (``taint``). At
 each call of a layer, the rank owning the layer needs every argument real: each ``meta`` one is
 sent by the latest earlier stage holding it real (or reused, when the owner received the very
-same tensor for an earlier call of this forward). The ranks find this once per input structure:
-each describes a call (``Seen``), they exchange descriptions, and ``route_call`` turns them into
+same tensor for an earlier call of this forward). The ranks find this the first time a forward reaches a call by a new path:
+each describes the call (``Seen``), they exchange descriptions, and ``route_call`` turns them into
 the same ``CallRoute`` on every rank. Later forwards replay the routes and check that every rank
 still sees what it saw (``CallRoute.check``): a forward that takes another path raises.
 
@@ -76,8 +76,8 @@ class CallRoute:
                 f"torchspan: this rank's forward left the recorded path at layer call {self.call}: it calls {layer!r} "
                 f"with tensor arguments {_describe(codes)}, where the recorded forward called {self.layer!r} with "
                 f"{_describe(self.codes[stage])}. Across ranks the model's forward must take the same path for inputs "
-                "of the same structure (no branches on values computed by other stages); torchspan re-records only "
-                "when the inputs' structure changes"
+                "of the same structure (no branches on values computed by other stages, and a call's arguments must "
+                "come from the same stages whenever it is reached the same way)"
             )
 
 
@@ -111,11 +111,17 @@ def route_call(call: int, layer: str, stage: int, seen: Sequence[Seen]) -> CallR
         holders = [u for u in range(stage) if seen[u].codes[i] != META]
         if not holders:
             later = [u for u in range(stage + 1, len(seen)) if seen[u].codes[i] != META]
+            if later:
+                raise ValueError(
+                    f"torchspan: layer {layer!r} (stage {stage}) reads tensor argument {i}, which only later stage(s) "
+                    f"{later} compute; a pipeline's stages must follow the model's execution order. Re-plan, or place "
+                    "the layers with balance=[...] over the order torchspan.layers.model_layers(model, example_inputs) records"
+                )
             raise ValueError(
-                f"torchspan: layer {layer!r} (stage {stage}) reads tensor argument {i}, which "
-                + (f"only later stage(s) {later} compute" if later else "no stage computes")
-                + "; a pipeline's stages must follow the model's execution order. Re-plan, or place the layers "
-                "with balance=[...] over the order torchspan.layers.model_layers(model, example_inputs) records"
+                f"torchspan: layer {layer!r} (stage {stage}) reads tensor argument {i}, which no single stage computes: "
+                "the model's own code combined values of different stages before this call (a skip connection across "
+                "the cut, e.g. head(h + skip) with skip from an earlier stage). Move the cut so that both come from "
+                "one stage (balance=[...]), or do the combination inside a layer"
             )
         src = holders[-1]
         route.transfers.append(Transfer(i, src, stage, seen[src].codes[i] == GRAD))

@@ -1,0 +1,258 @@
+"""Pipelines across gloo ranks for models that run their own forward: transformers decoders with tied
+embeddings, keyword inputs and ``ModelOutput``s, and user wrappers around ``ModuleList``s.
+
+Each rank runs the model's forward with other stages' layers on ``meta`` (``runtime.ranks.hooked``).
+Every spawned rank compares the gradients of the parameters it holds, by name, with one device on
+the whole batch in float64 (uneven micro-batches, token-mean losses, two steps with a new sequence
+length); the in-process tests pin the routing and taint rules the executor relies on.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import torchspan
+from torchspan.runtime.ranks import free_port, init_distributed
+from torchspan.runtime.ranks.routes import GRAD, META, REAL, DivergedError, Reuse, Seen, Transfer, route_call
+from torchspan.runtime.ranks.taint import MetaTaint
+
+from test_ranks_pipeline import _spawn
+
+transformers = pytest.importorskip("transformers")
+
+TOL = dict(rtol=1e-9, atol=1e-11)
+LOSS_TOL = dict(rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------- in process: routes and taint
+def test_route_takes_each_meta_argument_from_the_latest_earlier_stage_holding_it() -> None:
+    seen = [
+        Seen("blocks.4", (GRAD, REAL, REAL), (None, None, None)),
+        Seen("blocks.4", (GRAD, META, REAL), (None, None, None)),
+        Seen("blocks.4", (META, META, REAL), (None, (3, 1), None)),
+    ]
+    route = route_call(9, "blocks.4", 2, seen)
+    assert route.transfers == [Transfer(leaf=0, src=1, dst=2, grad=True)]
+    assert route.reuses == [Reuse(leaf=1, call=3, at=1)]
+    route.check(2, "blocks.4", (META, META, REAL))
+    with pytest.raises(DivergedError, match="left the recorded path at layer call 9"):
+        route.check(2, "blocks.4", (META, REAL, REAL))
+
+
+def test_route_refuses_what_no_earlier_stage_computes_and_diverged_ranks() -> None:
+    seen = [Seen("head", (META,), (None,)), Seen("head", (REAL,), (None,))]
+    with pytest.raises(ValueError, match=r"layer 'head' \(stage 0\) reads tensor argument 0, which only later stage\(s\) \[1\]"):
+        route_call(0, "head", 0, seen)
+    mixed = [Seen("head", (META,), (None,)), Seen("head", (META,), (None,))]
+    with pytest.raises(ValueError, match="no single stage computes: the model's own code combined values"):
+        route_call(3, "head", 1, mixed)
+    with pytest.raises(DivergedError, match="diverged at layer call 4"):
+        route_call(4, "head", 1, [Seen("head", (REAL,), (None,)), Seen("mid", (REAL,), (None,))])
+
+
+def test_meta_taint_glue_rules() -> None:
+    other = torch.ones(2, 3, device="meta")  # another stage's value
+    here = torch.arange(6.0).reshape(2, 3)
+    with MetaTaint(torch.device("cpu")):
+        assert (here + other).is_meta and torch.cat([here, other]).is_meta  # mixed: another stage's
+        positions = torch.arange(3, device=other.device)  # made from a shape: real here
+        assert positions.device.type == "cpu" and positions.tolist() == [0, 1, 2]
+        assert torch.zeros_like(other).device.type == "cpu" and other.new_ones(2).device.type == "cpu"
+        moved = here.to(other.device, other.dtype)
+        assert moved.device.type == "cpu" and torch.equal(moved, here)
+        with pytest.raises(RuntimeError, match=r"in place \(add_\)"):
+            here.add_(other)
+        with pytest.raises(RuntimeError, match=r"in place \(__setitem__\)"):
+            here[0] = other[0]
+        with pytest.raises(RuntimeError, match="meta"):
+            bool(other.sum() > 0)  # a value of another stage's tensor cannot steer this rank's forward
+    assert torch.equal(here, torch.arange(6.0).reshape(2, 3))
+
+
+# ---------------------------------------------------------------------- models
+def _llama(tied: bool = True) -> nn.Module:
+    cfg = transformers.LlamaConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, tie_word_embeddings=tied, use_cache=False, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).double()
+
+
+def _gpt2() -> nn.Module:
+    cfg = transformers.GPT2Config(
+        vocab_size=40, n_positions=16, n_embd=16, n_layer=3, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    return transformers.GPT2LMHeadModel(cfg).double()
+
+
+class Wrapped(nn.Module):
+    """What users write: blocks in a ModuleList, a parameter of the model's own read by the glue, a keyword input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.embed = nn.Embedding(30, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(4))
+        self.gain = nn.Parameter(torch.tensor(1.5))
+        self.head = nn.Linear(8, 30, bias=False)
+        self.head.weight = self.embed.weight
+        self.double()
+
+    def forward(self, ids: torch.Tensor, *, mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        h = self.embed(ids) * self.gain
+        for block in self.blocks:
+            h = block(h) + h  # the residual in the model's own code reads what crossed to this rank
+        if mask is not None:
+            h = h * mask.unsqueeze(-1)
+        return {"logits": self.head(h)}
+
+
+def _token_ce(out, labels):
+    logits = out["logits"] if isinstance(out, dict) else out.logits
+    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def _tokens(labels: torch.Tensor) -> torch.Tensor:
+    return (labels != -100).sum()
+
+
+def _join(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    init_distributed(timeout=30)
+
+
+def _batch(seed: int, rows: int, length: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (rows, length), generator=g)
+    labels = torch.randint(0, vocab, (rows, length), generator=g)
+    labels[0, :3] = -100
+    mask = torch.ones(rows, length, dtype=torch.long)
+    mask[1, -2:] = 0  # padding: the model's glue builds a padded causal mask from it
+    return ids, labels, mask
+
+
+def _compare(spanned: torchspan.Spanned, reference: nn.Module, label: str, rank: int) -> int:
+    ref = dict(reference.named_parameters())
+    held = 0
+    for name, p in spanned.module.named_parameters():
+        if p.device.type == "meta":
+            assert not p.requires_grad, f"{label}: rank {rank}: {name} is another stage's but trainable"
+            continue
+        held += 1
+        assert p.grad is not None, f"{label}: rank {rank}: {name} has no gradient"
+        torch.testing.assert_close(p.grad, ref[name].grad, **TOL, msg=lambda m: f"{label}: rank {rank}: {name}: {m}")
+    return held
+
+
+def _train_and_compare(make, label: str, rank: int, world: int, vocab: int, with_mask: bool, **span_args) -> None:
+    model = make()
+    reference = copy.deepcopy(model)
+    spanned = torchspan.span(model, **span_args)
+    for step, length in enumerate((7, 5)):  # the second step records new routes for a new sequence length
+        ids, labels, mask = _batch(10 + step, 5, length, vocab)  # 5 rows in 3 micro-batches: 2 + 2 + 1
+        inputs = {"input_ids": ids, "attention_mask": mask} if with_mask else {"ids": ids}
+        for p in [*spanned.module.parameters(), *reference.parameters()]:
+            p.grad = None
+        loss = spanned.train_step(inputs, labels, _token_ce, loss_normalizer=_tokens)
+        expected = _token_ce(reference(**inputs), labels)
+        expected.backward()
+        torch.testing.assert_close(loss.double(), expected.detach(), **LOSS_TOL)
+        held = _compare(spanned, reference, f"{label} step {step}", rank)
+        assert held > 0, f"{label}: rank {rank} holds no parameters"
+    with torch.no_grad():  # a forward: the last stage's outputs, on every rank
+        ids, _, mask = _batch(30, 3, 6, vocab)
+        inputs = {"input_ids": ids, "attention_mask": mask} if with_mask else {"ids": ids}
+        out = spanned(**inputs)
+        want = reference(**inputs)
+        got = out["logits"] if isinstance(out, dict) else out.logits
+        torch.testing.assert_close(got, want["logits"] if isinstance(want, dict) else want.logits, **TOL)
+
+
+def _hf_worker(rank: int, world: int, port: int) -> None:
+    _join(rank, world, port)
+    for schedule in ("gpipe", "1f1b"):
+        _train_and_compare(_llama, f"llama tied {schedule}", rank, world, 40, True,
+                           devices=["cpu", "cpu"], microbatches=3, schedule=schedule)  # fmt: skip
+    _train_and_compare(_gpt2, "gpt2 balance [5, 3]", rank, world, 40, True, balance=[5, 3], microbatches=3, schedule="1f1b")
+    _train_and_compare(Wrapped, "wrapper", rank, world, 30, False, balance=[3, 3], microbatches=3, schedule="1f1b")
+
+
+@pytest.mark.slow
+def test_transformers_decoders_and_wrappers_across_two_ranks_match_one_device() -> None:
+    _spawn(_hf_worker, 2, free_port(), deadline=240.0)
+
+
+def _hybrid_worker(rank: int, world: int, port: int) -> None:
+    _join(rank, world, port)
+    model = _llama()
+    reference = copy.deepcopy(model)
+    spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=2, schedule="1f1b")
+    ids, labels, mask = _batch(5, 6, 6, 40)
+    replica = rank // 2  # rank = replica * stages + stage
+    rows = slice(0, 4) if replica == 0 else slice(4, 6)  # uneven shards: 4 + 2 rows
+    inputs = {"input_ids": ids[rows], "attention_mask": mask[rows]}
+    loss = spanned.train_step(inputs, labels[rows], _token_ce, loss_normalizer=_tokens)
+    expected = _token_ce(reference(ids, attention_mask=mask), labels)
+    expected.backward()
+    torch.testing.assert_close(loss.double(), expected.detach(), **LOSS_TOL)
+    _compare(spanned, reference, "llama 2x2", rank)
+    opt = torch.optim.SGD(spanned.parameters(), lr=0.1)
+    opt.step()
+    embed = spanned.module.model.embed_tokens.weight  # tied: held by both stages, identical on all four ranks
+    assert embed.device.type != "meta"
+    copies = [torch.empty_like(embed) for _ in range(world)]
+    torch.distributed.all_gather(copies, embed.detach())
+    for other in copies:
+        torch.testing.assert_close(other, copies[0], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_two_by_two_hybrid_of_a_tied_transformers_decoder_matches_one_device() -> None:
+    _spawn(_hybrid_worker, 4, free_port(), deadline=240.0)
+
+
+def _inplace_worker(rank: int, world: int, port: int, out: str) -> None:
+    _join(rank, world, port)
+
+    class Doubler(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.mul_(2)  # writes into its input, which the previous rank computed and still holds
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4), Doubler(), nn.Linear(4, 4)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    spanned = torchspan.span(Net(), balance=[2, 2], microbatches=2)
+    try:
+        with torch.no_grad():
+            spanned(torch.randn(4, 4))
+    except BaseException as exc:
+        Path(out, f"rank{rank}.txt").write_text("".join(traceback.format_exception(exc)))
+        return
+    Path(out, f"rank{rank}.txt").write_text("no error")
+
+
+@pytest.mark.slow
+def test_a_layer_writing_into_an_input_other_ranks_hold_is_refused(tmp_path: Path) -> None:
+    took = _spawn(_inplace_worker, 2, free_port(), str(tmp_path), deadline=90.0)
+    owner = (tmp_path / "rank1.txt").read_text()
+    assert "modifies its tensor argument 0 in place" in owner, owner
+    assert (tmp_path / "rank0.txt").read_text() != "no error"  # the other rank stops too (its peer left)
+    assert took < 60
