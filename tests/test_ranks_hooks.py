@@ -256,3 +256,28 @@ def test_a_layer_writing_into_an_input_other_ranks_hold_is_refused(tmp_path: Pat
     assert "modifies its tensor argument 0 in place" in owner, owner
     assert (tmp_path / "rank0.txt").read_text() != "no error"  # the other rank stops too (its peer left)
     assert took < 60
+
+
+VERIFY_MODELS = '''
+import torch, transformers
+
+def llama():
+    cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=4,
+                                   num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True, use_cache=False)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+'''
+
+
+@pytest.mark.slow
+def test_verify_runs_a_tied_transformers_decoder_as_a_rank_pipeline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from torchspan.cli import main
+
+    (tmp_path / "hf_models.py").write_text(VERIFY_MODELS)
+    code = main([
+        "verify", f"{tmp_path / 'hf_models.py'}:llama", "--input", "input_ids=7,6:int64", "--vocab", "40",
+        "--devices", "cpu,cpu", "--microbatches", "3", "--strategies", "single,rank-pipeline", "--nproc", "2",
+    ])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "rank-pipeline (2 processes): PASS" in out and "model.layers.3.mlp.down_proj.weight" in out
