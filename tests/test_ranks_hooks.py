@@ -170,6 +170,15 @@ def _train_and_compare(make, label: str, rank: int, world: int, vocab: int, with
         torch.testing.assert_close(loss.double(), expected.detach(), **LOSS_TOL)
         held = _compare(spanned, reference, f"{label} step {step}", rank)
         assert held > 0, f"{label}: rank {rank} holds no parameters"
+        assert spanned.memory()[rank]["activations"] > 0, f"{label}: rank {rank}'s stage saved no activations"
+    metered = spanned.memory()[rank]["activations"]
+    meter = spanned._meter
+    saving, meter.saving = meter.saving, None  # the same shapes again: no saved-tensor hooks this step
+    try:
+        spanned.train_step(inputs, labels, _token_ce, loss_normalizer=_tokens)
+    finally:
+        meter.saving = saving
+    assert spanned.memory()[rank]["activations"] == metered  # the metered step's peak still reported
     with torch.no_grad():  # a forward: the last stage's outputs, on every rank
         ids, _, mask = _batch(30, 3, 6, vocab)
         inputs = {"input_ids": ids, "attention_mask": mask} if with_mask else {"ids": ids}
@@ -184,7 +193,8 @@ def _hf_worker(rank: int, world: int, port: int) -> None:
     for schedule in ("gpipe", "1f1b"):
         _train_and_compare(_llama, f"llama tied {schedule}", rank, world, 40, True,
                            devices=["cpu", "cpu"], microbatches=3, schedule=schedule)  # fmt: skip
-    _train_and_compare(_gpt2, "gpt2 balance [5, 3]", rank, world, 40, True, balance=[5, 3], microbatches=3, schedule="1f1b")
+    _train_and_compare(_gpt2, "gpt2 balance [5, 3] checkpointed", rank, world, 40, True,
+                       balance=[5, 3], microbatches=3, schedule="1f1b", checkpoint="except_last")  # fmt: skip
     _train_and_compare(Wrapped, "wrapper", rank, world, 30, False, balance=[3, 3], microbatches=3, schedule="1f1b")
 
 

@@ -6,15 +6,16 @@ micro-batch; its own stage's layers run for real on its device, other stages' la
 tensor is real on a rank exactly when that rank could compute it. When a layer of this rank
 needs an argument another stage computed, that stage sends it at the same call
 (``routes``: found the first time a forward takes a path, by comparing what each rank sees,
-then replayed and checked); gradients of what crossed travel back in backward. Tied parameters, data-parallel
-replicas, the loss normalizer and gradient reductions are ``RankStage``'s, as for stage functions.
+then replayed and checked); gradients of what crossed travel back in backward. Tied parameters,
+data-parallel replicas, the loss normalizer and gradient reductions are ``RankStage``'s, as for
+stage functions.
 
 Schedules are ``torchspan.schedule``'s (GPipe, 1F1B): this rank runs its stage's actions in
 order; a forward blocks where an argument from an earlier stage has not arrived yet. Exact: the
 loss is weighed against the whole batch on the last stage and every rank's gradients are those
-of one device. Limits: ``precision="32"`` and ``checkpoint="never"``; a forward must take the same
-path on every rank (no branches on values other stages compute, which ``meta`` cannot answer:
-such a model raises, naming the call).
+of one device. ``checkpoint`` recomputes this rank's layers in backward. Limits:
+``precision="32"``; a forward must take the same path on every rank (no branches on values other
+stages compute, which ``meta`` cannot answer: such a model raises, naming the call).
 
 Usage (``span`` does this in a launched job)::
 
@@ -24,18 +25,21 @@ Usage (``span`` does this in a launched job)::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ... import schedule as sched
 from ...hardware import to_device
+from ...layers import buffer_slots
 from ..executor import Settings, Work
 from ..local.hooked import HookedExecutor
+from ..local.pipeline import checkpointed, once_context
 from ..lossweights import weighted_loss
 from ..memory import ActivationMeter
 from ..placement import place
@@ -55,8 +59,9 @@ _FWD, _BWD = 2, 3  # message tags (stage functions' transport uses 0 and 1)
 class _Forward:
     """One micro-batch's forward on this rank: where it is, what crossed, what backward needs."""
 
-    def __init__(self, mb: int, grad: bool, node: _Path) -> None:
+    def __init__(self, mb: int, grad: bool, node: _Path, metering: bool = False, ckpt: bool = False) -> None:
         self.mb, self.grad, self.node = mb, grad, node
+        self.metering, self.ckpt = metering, ckpt
         self.call = 0
         self.at: dict[int, tuple[int, int]] = {}  # id(meta placeholder) -> (call, leaf) where it was received
         self.value: dict[tuple[int, int], torch.Tensor] = {}  # (call, leaf) -> the received tensor
@@ -95,17 +100,19 @@ class RankHookExecutor(RankStage, HookedExecutor):
         **options: Any,
     ) -> None:
         self._rank_setup(mesh, info, len(groups))
-        if settings.precision != "32" or settings.checkpoint != "never":
+        if settings.precision != "32":
             raise ValueError(
-                f"precision={settings.precision!r}, checkpoint={settings.checkpoint!r}: a pipeline across ranks that runs "
-                "the model's own forward supports precision='32' and checkpoint='never' only; use those, or make the "
-                "model an nn.Sequential or fx-traceable (stage functions support both)"
+                f"precision={settings.precision!r}: a pipeline across ranks that runs the model's own forward supports "
+                "precision='32' only (another stage's layers run on meta, where autocast does not apply, so the ranks "
+                "would disagree on dtypes); use precision='32', or make the model an nn.Sequential or fx-traceable"
             )
         self._recording = self._placed = False
         self._paths = {True: _Path(), False: _Path()}  # training forwards, no-grad forwards
         self._fwd: _Forward | None = None
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._swaps: dict[str, list[tuple[nn.Module, str, str, Any, Any]]] = {}
+        self._metered: Any = None  # what the last metered training step looked like (micro-batch shapes)
+        self._resets_seen = meter.resets
         super().__init__(model, [info.device] * mesh.stages, groups, settings, recorder, meter, **options)
 
     # ------------------------------------------------------------------ placement
@@ -242,8 +249,12 @@ class RankHookExecutor(RankStage, HookedExecutor):
         shared = []
         if recording:  # an in-place write to an input other ranks hold would leave theirs stale
             shared = [(i, leaves[where[i]], leaves[where[i]]._version) for i in range(len(tensors)) if self._shared(route, i)]
-        with self.meter.saving(self.stage):
-            out = fn(*real_args, **real_kwargs)
+        with self.meter.saving(self.stage) if st.metering else nullcontext():
+            if st.ckpt:  # backward recomputes this layer from its inputs; buffer updates happen once
+                context = once_context(buffer_slots([self.layers[name]]))
+                out = torch.utils.checkpoint.checkpoint(fn, *real_args, use_reentrant=False, context_fn=context, **real_kwargs)
+            else:
+                out = fn(*real_args, **real_kwargs)
         for i, t, version in shared:
             if t._version != version:
                 raise ValueError(
@@ -286,9 +297,26 @@ class RankHookExecutor(RankStage, HookedExecutor):
                 work.wait()
 
     # ------------------------------------------------------------------ steps
-    def _forward(self, work: Work, mb: int, grad: bool) -> tuple[Any, _Forward]:
+    def meters(self) -> bool:
+        """Until one training step has counted its saved activations; later steps skip the saved-tensor
+        hooks unless their micro-batches' shapes differ from the metered step's (then it is metered again)."""
+        return self._metered is None
+
+    def _metering(self, work: Work) -> tuple[bool, Any]:
+        signature = tuple(
+            (str(spec), tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v) for v in leaves))
+            for leaves, spec in map(tree_flatten, work.chunks)
+        )
+        if self.meter.resets == self._resets_seen and signature == self._metered:
+            return False, signature
+        if self.meter.resets == self._resets_seen:
+            self.meter.restart()
+        return True, signature
+
+    def _forward(self, work: Work, mb: int, grad: bool, metering: bool = False) -> tuple[Any, _Forward]:
         args, kwargs = to_device(work.chunks[mb], self.device)
-        st = _Forward(mb, grad, self._paths[grad])
+        s = self.settings
+        st = _Forward(mb, grad, self._paths[grad], metering, grad and checkpointed(s.checkpoint, mb, s.microbatches))
         self._fwd = st
         try:
             with torch.set_grad_enabled(grad), MetaTaint(self.device):
@@ -337,6 +365,7 @@ class RankHookExecutor(RankStage, HookedExecutor):
         last = self.stage == n - 1
         losses: list[torch.Tensor] = []
         live: dict[int, _Forward] = {}
+        metering, signature = self._metering(work)
         with self._layers_wrapped(), self._reducing() as finished:
             ok = False
             try:
@@ -344,7 +373,7 @@ class RankHookExecutor(RankStage, HookedExecutor):
                     mb = action.microbatch
                     with self.recorder.block(self.stage, self.device, mb, action.kind):
                         if action.kind == sched.FORWARD:
-                            out, st = self._forward(work, mb, grad=True)
+                            out, st = self._forward(work, mb, grad=True, metering=metering)
                             if last:
                                 st.loss = self._loss(out, targets[mb], loss_fn, weights[mb])
                                 losses.append(st.loss.detach().to(torch.float64))
@@ -354,6 +383,8 @@ class RankHookExecutor(RankStage, HookedExecutor):
                 ok = True
             finally:
                 self._settle_sends(ok)
+            if metering:
+                self._metered, self._resets_seen = signature, self.meter.resets
             finished(torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float64, device=self.device))
         total = self._step_total if self._step_total is not None else (torch.stack(losses).sum() if losses else None)
         box = (total if total is not None else torch.zeros(1, dtype=torch.float64)).reshape(1).to(self._comm)
