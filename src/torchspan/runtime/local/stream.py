@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -36,14 +35,14 @@ def copy_stream(device: torch.device) -> Any:
         return stream
 
 
-@contextlib.contextmanager
-def use_device(device: torch.device) -> Iterator[None]:
-    """Make ``device`` current in this thread (CUDA); nothing to do for CPU and others."""
+_NOTHING = contextlib.nullcontext()  # reusable: entering it does nothing
+
+
+def use_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Make ``device`` current in this thread (CUDA); nothing to do for CPU and others (a shared no-op)."""
     if device.type == "cuda":
-        with torch.cuda.device(device):
-            yield
-    else:
-        yield
+        return torch.cuda.device(device)
+    return _NOTHING
 
 
 class Ready:
