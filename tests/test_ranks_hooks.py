@@ -291,3 +291,30 @@ def test_verify_runs_a_tied_transformers_decoder_as_a_rank_pipeline(tmp_path: Pa
     out = capsys.readouterr().out
     assert code == 0, out
     assert "rank-pipeline (2 processes): PASS" in out and "model.layers.3.mlp.down_proj.weight" in out
+
+
+def _other_batch_worker(rank: int, world: int, port: int, out: str) -> None:
+    _join(rank, world, port)
+    texts = []
+    for label, model in (("sequential", nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))), ("wrapper", Wrapped())):
+        torch.manual_seed(rank)  # the mistake: each rank draws its own batch
+        x = torch.randn(6, 4) if label == "sequential" else torch.randint(0, 30, (6, 5))
+        y = torch.randn(6, 2) if label == "sequential" else torch.randint(0, 30, (6, 5))
+        loss_fn = nn.MSELoss() if label == "sequential" else _token_ce
+        spanned = torchspan.span(model, balance=[2, 1] if label == "sequential" else [3, 3], microbatches=2)
+        inputs = x if label == "sequential" else {"ids": x}
+        try:
+            spanned.train_step(inputs, y, loss_fn, loss_reduction="mean")
+            texts.append(f"{label}: no error")
+        except ValueError as exc:
+            texts.append(f"{label}: {exc}")
+    Path(out, f"rank{rank}.txt").write_text("\n".join(texts))
+
+
+@pytest.mark.slow
+def test_pipeline_ranks_given_different_batches_refuse_before_any_compute(tmp_path: Path) -> None:
+    _spawn(_other_batch_worker, 2, free_port(), str(tmp_path), deadline=90.0)
+    for rank in range(2):
+        text = (tmp_path / f"rank{rank}.txt").read_text()
+        for label in ("sequential", "wrapper"):
+            assert f"{label}: rank(s) [1] of pipeline replica 0 were given another batch than rank 0" in text, text

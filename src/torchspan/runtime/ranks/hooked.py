@@ -365,6 +365,7 @@ class RankHookExecutor(RankStage, HookedExecutor):
         last = self.stage == n - 1
         losses: list[torch.Tensor] = []
         live: dict[int, _Forward] = {}
+        self._check_same_batch(work.chunks, targets)
         metering, signature = self._metering(work)
         with self._layers_wrapped(), self._reducing() as finished:
             ok = False

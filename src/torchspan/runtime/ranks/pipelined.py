@@ -115,6 +115,7 @@ class RankPipelineExecutor(RankStage, PipelinedExecutor):
         weights: Sequence[float],
     ) -> torch.Tensor:
         s = self.settings
+        self._check_same_batch(work.chunks, targets)
         with self._reducing() as reduce:  # this step's gradients summed in each group once its last backward ran
             loss = self._pipeline.train(
                 self._fns(work), work.chunks, targets, loss_fn, weights, s.schedule, s.scaler, self._stage_buffers(),

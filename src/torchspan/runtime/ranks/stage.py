@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from ..lossweights import LossSpec
 from .env import RankInfo
@@ -139,6 +140,34 @@ class RankStage:
             t.detach().copy_(buf)
 
     # ------------------------------------------------------------------ steps
+    def _check_same_batch(self, chunks: Sequence[Any], targets: Sequence[Any]) -> None:
+        """Every rank of a pipeline must be given the same batch (its replica's shard): a rank's stage reads
+        its own copy of the inputs (and the last stage its targets). Compared by fingerprint (the values'
+        sum and position-weighted sum) on the first step and whenever the batch's shapes change; a rank
+        given other data raises ``ValueError`` on every rank of the pipeline, before any compute."""
+        leaves, spec = tree_flatten((list(chunks), list(targets)))
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        shapes = (str(spec), tuple((tuple(t.shape), t.dtype) for t in tensors))
+        if shapes == getattr(self, "_batch_checked", None):
+            return
+        mine = torch.zeros(2, dtype=torch.float64, device=self._comm)
+        for t in tensors:
+            v = t.detach().reshape(-1).to(torch.float64)
+            mine[0] += v.sum().to(self._comm)
+            mine[1] += (v * torch.arange(1, v.numel() + 1, dtype=torch.float64, device=v.device)).sum().to(self._comm)
+        views = [torch.empty_like(mine) for _ in range(self.mesh.stages)]
+        dist.all_gather(views, mine, group=self._pipe_group)
+        other = [s for s, v in enumerate(views) if not torch.allclose(v, views[0], rtol=0, atol=0, equal_nan=True)]
+        if other:
+            ranks = [self.mesh.rank(self.replica, s) for s in other]
+            raise ValueError(
+                f"rank(s) {ranks} of pipeline replica {self.replica} were given another batch than rank "
+                f"{self.mesh.rank(self.replica, 0)}: every rank of a pipeline must call train_step with the same batch "
+                f"(with replicas, its replica's shard: torchspan.shard_batch(batch, rank // {self.mesh.stages}, "
+                f"{self.mesh.replicas})); seed the data the same on every rank of a pipeline"
+            )
+        self._batch_checked = shapes
+
     def weights(self, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
         """Micro-batch weights against the global batch. Only the last stages weigh losses: they all-reduce
         their normalizers among themselves (the other stages start their forward at once)."""
