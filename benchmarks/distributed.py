@@ -8,11 +8,19 @@ that façade wraps. Each round times every variant, in an order rotating from ro
 see the same machine load; medians and the median of per-round ratios to raw DDP are printed (goal:
 ``span`` <= 1.03x raw DDP).
 
+Pipelines across ranks (issue 13) run from here too, by ``benchmarks/distributed_pipeline.py``:
+``--pipeline`` times a 2-rank torchspan 1F1B pipeline against ``torch.distributed.pipelining``'s
+``Schedule1F1B`` (goal <= 0.9), ``--hybrid`` a 2 stages x 2 replicas mesh against DDP on 4 processes;
+the other flags then are that script's (``--steps`` counts rounds there, ``--threads`` as here).
+
 Usage::
 
     python benchmarks/distributed.py --rounds 21           # 2 CPU processes, gloo
     python benchmarks/distributed.py --rounds 12 --steps 10 --hidden 2048
     python benchmarks/distributed.py --backend nccl --nproc 1   # one-GPU sanity run
+    python benchmarks/distributed.py --pipeline --steps 30      # torchspan 1F1B vs Schedule1F1B, 2 gloo ranks
+    python benchmarks/distributed.py --hybrid --steps 20        # torchspan 2x2 vs DDP x4
+    python benchmarks/distributed.py --pipeline --help          # the pipeline flags
 """
 
 from __future__ import annotations
@@ -103,8 +111,25 @@ def _worker(rank: int, world: int, port: int, opts: argparse.Namespace, results:
     dist.destroy_process_group()
 
 
+def _pipelines(argv: list[str]) -> int | None:
+    """``--pipeline`` / ``--hybrid``: run ``distributed_pipeline`` (its own flags); ``None`` for data parallel."""
+    modes = [m for m in ("pipeline", "hybrid") if f"--{m}" in argv]
+    if not modes:
+        return None
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import distributed_pipeline
+
+    rest = [a for a in argv if a not in ("--pipeline", "--hybrid")]
+    return distributed_pipeline.main(rest + ["--only", *modes])
+
+
 def main() -> None:
+    code = _pipelines(sys.argv[1:])
+    if code is not None:
+        sys.exit(code)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pipeline", action="store_true", help="time pipelines across ranks instead (benchmarks/distributed_pipeline.py)")
+    p.add_argument("--hybrid", action="store_true", help="time the 2x2 hybrid against DDP x4 instead (benchmarks/distributed_pipeline.py)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--backend", default=None, help="gloo (default on CPU) or nccl")
     p.add_argument("--hidden", type=int, default=1024)

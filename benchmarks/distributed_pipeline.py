@@ -1,16 +1,20 @@
 """Pipelines across processes: torchspan against torch.distributed.pipelining and plain DDP.
 
-1. **2-rank pipeline**: the same ``nn.Sequential`` cut in two, the same micro-batches, 2 gloo
-   processes; torchspan ``span(model, balance=..., schedule="1f1b")`` against
-   ``torch.distributed.pipelining`` ``PipelineStage`` + ``Schedule1F1B``, steps alternating in one
-   run. Prints the median step-time ratio torchspan / torch (goal <= 0.9).
-2. **Hybrid 2 x 2** on 4 processes against plain ``DistributedDataParallel`` of the whole model
-   (each DDP rank a quarter of the batch), alternating in one run.
+1. **2-rank pipeline** (``pipeline``): the same ``nn.Sequential`` cut in two, the same micro-batches,
+   2 gloo processes; torchspan ``span(model, balance=..., schedule="1f1b")`` against
+   ``torch.distributed.pipelining`` ``PipelineStage`` + ``Schedule1F1B``. Prints the median step
+   times, their ratio torchspan / torch and the median of per-round ratios (goal <= 0.9).
+2. **Hybrid 2 x 2** (``hybrid``) on 4 processes against plain ``DistributedDataParallel`` of the
+   whole model (each DDP rank a quarter of the batch).
 
-Timings are wall-clock medians with a barrier around each step. On a machine with few cores the
-processes share them: say so next to the numbers.
+Fairness: both sides run in the same processes with the same intra-op threads (``--threads``,
+default cores // processes), the same stages, batch and micro-batches; both are warmed up
+(``--warmup`` steps each) and a round times one step of each, the order swapping every round
+(torchspan first, then torch first, ...), with a barrier around each step. Wall-clock medians; on a
+machine with few cores the processes share them: say so (and the load average) next to the numbers.
 
-Usage: ``python benchmarks/distributed_pipeline.py [--steps 20] [--width 512] [--depth 8] [--batch 64] [--microbatches 4]``
+Usage: ``python benchmarks/distributed_pipeline.py [--steps 20] [--only pipeline|hybrid]``, or the same
+through ``python benchmarks/distributed.py --pipeline`` / ``--hybrid`` (flags below pass through).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,10 +55,27 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _pipeline(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+def _rounds(steps: dict[str, Any], args: argparse.Namespace) -> dict[str, list[float]]:
+    """Warm every variant up, then ``args.steps`` rounds of one step each, the order reversed every other round."""
+    names = list(steps)
+    for _ in range(args.warmup):
+        for name in names:
+            _timed(steps[name])
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(args.steps):
+        for name in names if r % 2 == 0 else names[::-1]:
+            times[name].append(_timed(steps[name]))
+    return times
+
+
+def _join(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // world))
     init_distributed(timeout=120)
+
+
+def _pipeline(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    _join(rank, world, port, args)
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     g = torch.Generator().manual_seed(1)
@@ -78,21 +100,13 @@ def _pipeline(rank: int, world: int, port: int, args: argparse.Namespace, out: s
         else:
             theirs.step(target=y, losses=[])
 
-    times: dict[str, list[float]] = {"torchspan": [], "torch": []}
-    for i in range(args.steps + 2):
-        a = _timed(step_ours)
-        b = _timed(step_theirs)
-        if i >= 2:  # warm-up
-            times["torchspan"].append(a)
-            times["torch"].append(b)
+    times = _rounds({"torchspan": step_ours, "torch": step_theirs}, args)
     if rank == 0:
         _report(out, "pipeline 2 ranks (1F1B)", times, "torchspan", "torch")
 
 
 def _hybrid(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    init_distributed(timeout=120)
+    _join(rank, world, port, args)
     replica = rank // 2
     g = torch.Generator().manual_seed(1)
     x = torch.randn(args.batch, args.width, generator=g)
@@ -114,41 +128,46 @@ def _hybrid(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         ddp.zero_grad()
         loss_fn(ddp(xq), yq).backward()
 
-    times: dict[str, list[float]] = {"torchspan 2x2": [], "DDP x4": []}
-    for i in range(args.steps + 2):
-        a = _timed(step_ours)
-        b = _timed(step_ddp)
-        if i >= 2:
-            times["torchspan 2x2"].append(a)
-            times["DDP x4"].append(b)
+    times = _rounds({"torchspan 2x2": step_ours, "DDP x4": step_ddp}, args)
     if rank == 0:
         _report(out, "hybrid 2 stages x 2 replicas vs DDP on 4 processes", times, "torchspan 2x2", "DDP x4")
 
 
 def _report(out: str, title: str, times: dict[str, list[float]], ours: str, anchor: str) -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
+    per_round = [a / b for a, b in zip(times[ours], times[anchor])]
     lines = [f"{title}:"]
-    lines += [f"  {k:14s} median {v * 1e3:8.2f} ms/step over {len(times[k])} steps" for k, v in med.items()]
-    lines.append(f"  ratio {ours} / {anchor} = {med[ours] / med[anchor]:.3f}")
+    lines += [f"  {k:14s} median {v * 1e3:8.2f} ms/step over {len(times[k])} rounds" for k, v in med.items()]
+    lines.append(f"  ratio {ours} / {anchor} = {med[ours] / med[anchor]:.3f} (medians); median of per-round ratios {statistics.median(per_round):.3f}")
+    lines.append("  per-round ratios: " + " ".join(f"{r:.2f}" for r in per_round))
     Path(out).write_text("\n".join(lines) + "\n")
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=20, help="timed rounds (one step of each side per round)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps of each side first")
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--depth", type=int, default=8)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--threads", type=int, default=0, help="intra-op threads per process (0: cores // processes)")
+    p.add_argument("--only", nargs="+", choices=("pipeline", "hybrid"), default=("pipeline", "hybrid"))
+    p.add_argument("--skip-hybrid", action="store_true", help="same as --only pipeline")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--depth", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--skip-hybrid", action="store_true")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
+    only = ["pipeline"] if args.skip_hybrid else list(args.only)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores shared by all processes (gloo on 127.0.0.1)")
     print("load average (1, 5, 15 min) before: " + ", ".join(f"{v:.2f}" for v in os.getloadavg()))
-    print(f"model: {args.depth} x (Linear({args.width}, {args.width}) + ReLU), batch {args.batch}, {args.microbatches} micro-batches")
+    print(f"model: {args.depth} x (Linear({args.width}, {args.width}) + ReLU), batch {args.batch}, {args.microbatches} micro-batches, "
+          f"{args.warmup} warm-up steps then {args.steps} alternating rounds")
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [("pipeline", _pipeline, 2)] + ([] if args.skip_hybrid else [("hybrid", _hybrid, 4)])
+        runs = [(name, fn, world) for name, fn, world in (("pipeline", _pipeline, 2), ("hybrid", _hybrid, 4)) if name in only]
         for name, fn, world in runs:
             out = str(Path(tmp) / f"{name}.txt")
             mp.start_processes(fn, args=(world, free_port(), args, out), nprocs=world, start_method="spawn")
