@@ -154,3 +154,25 @@ def test_a_failed_rank_ends_the_job(how: str, shown: str, tmp_path: Path) -> Non
     assert shown in report
     if how == "raise":  # the script's own frames, not the launcher's wrapper
         assert 'failing.py", line 9, in <module>' in report and "<frozen runpy>" not in report, report
+
+
+@pytest.mark.slow
+def test_a_launched_transformers_pipeline_trains_like_one_process(tmp_path: Path) -> None:
+    """examples/train_pipeline_hf.py: a tied Llama as a 2-stage pipeline under torchspan launch, Adam over
+    three padded batches, ends with plain PyTorch's weights on every rank (the tied embedding on both)."""
+    script = ROOT / "examples" / "train_pipeline_hf.py"
+    common = ["--dtype", "float64", "--steps", "3"]
+    done = _run([sys.executable, str(script), *common, "--reference", "--out", str(tmp_path / "one")], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = _run([*LAUNCH, "--nproc-per-node", "2", str(script), *common, "--out", str(tmp_path / "pp")], tmp_path, timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    one = torch.load(tmp_path / "one.rank0")
+    stages = [torch.load(tmp_path / f"pp.rank{r}") for r in range(2)]
+    assert "model.embed_tokens.weight" in stages[0]["params"] and "model.embed_tokens.weight" in stages[1]["params"]
+    seen = set()
+    for r, stage in enumerate(stages):
+        torch.testing.assert_close(torch.tensor(stage["losses"]), torch.tensor(one["losses"]), rtol=1e-6, atol=1e-7)
+        for name, value in stage["params"].items():
+            torch.testing.assert_close(value, one["params"][name], rtol=1e-7, atol=1e-9, msg=lambda m: f"rank {r}: {name}: {m}")
+            seen.add(name)
+    assert seen == set(one["params"])  # between them the two ranks hold every parameter
