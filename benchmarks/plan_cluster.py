@@ -3,22 +3,27 @@
 1. All-reduce of N bytes over 2 and 4 gloo processes: 2 processes calibrate the ``loopback`` link
    (relative least squares of ``t = S / bw + 2 * latency``, the ring formula at n = 2); 4 processes test the
    comm model's prediction with those figures (``planner.comm.allreduce_time``).
-2. A data-parallel step of a small MLP under plain ``torch.nn.parallel.DistributedDataParallel``
-   (forward + backward, whose gradient all-reduce DDP finishes inside ``backward()``; no optimizer
-   step: the cost model does not model it) against ``torchspan.plan(..., devices="cpu", nodes=n,
-   interconnect="loopback", data_parallel=n)``: each process one "node" of one CPU.
+2. A data-parallel step of an MLP (4 Linear+ReLU blocks of ``--widths``) under
+   ``torch.nn.parallel.DistributedDataParallel`` with ``bucket_cap_mb=25`` as the runtime's
+   ``DataParallelReplica`` builds it (every bucket 25 MiB; forward + backward, whose bucketed gradient
+   all-reduces DDP overlaps with backward and finishes inside ``backward()``; no optimizer step: the
+   cost model does not model it) against ``torchspan.plan(..., devices="cpu", nodes=n,
+   interconnect="loopback", data_parallel=n)``: each process one "node" of one CPU. Two predictions:
+   "all at the end" (compute + the whole all-reduce: the model before overlap was modelled) and
+   "overlapped" (compute + the exposed all-reduce, buckets hidden behind the rest of backward).
 
-Every process runs ``torch.set_num_threads(1)``. Prints a Markdown table for benchmarks/RESULTS.md.
+Every process runs ``torch.set_num_threads(1)``. Prints Markdown tables for benchmarks/RESULTS.md.
 
 Usage::
 
     python benchmarks/plan_cluster.py                 # default sizes and repeats
-    python benchmarks/plan_cluster.py --repeats 20 --batch 64
+    python benchmarks/plan_cluster.py --repeats 20 --batch 64 --widths 512,2048
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import statistics
@@ -39,12 +44,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def mlp() -> nn.Sequential:
-    """Four 512-wide Linear+ReLU blocks and a 10-way head (about 4.2 MB of float32 parameters)."""
+def mlp(width: int = 512) -> nn.Sequential:
+    """Four ``width``-wide Linear+ReLU blocks and a 10-way head (512: 4.2 MB of float32 gradients, one
+    25 MiB bucket; 2048: 67 MB, three buckets)."""
     layers: list[nn.Module] = []
     for _ in range(4):
-        layers += [nn.Linear(512, 512), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(512, 10))
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
 def _worker(rank: int, world: int, port: int, job: str, args: dict[str, Any], queue: Any) -> None:
@@ -77,25 +83,29 @@ def _allreduce(args: dict[str, Any]) -> dict[int, float]:
     return out
 
 
-def _ddp_step(rank: int, world: int, args: dict[str, Any]) -> float:
-    """Median seconds of forward + backward of a DDP replica on its shard of the global batch."""
+def _ddp_step(rank: int, world: int, args: dict[str, Any]) -> tuple[float, float]:
+    """Median seconds of forward + backward of a DDP replica (25 MiB buckets) on its shard of the global
+    batch: ``(synced, under no_sync)``, steps alternating; their difference is the all-reduce the step waits for."""
     torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(mlp())
+    width = args["width"]
+    model = nn.parallel.DistributedDataParallel(mlp(width), bucket_cap_mb=25.0)  # as DataParallelReplica
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(args["batch"], 512, generator=gen).chunk(world)[rank]
+    x = torch.randn(args["batch"], width, generator=gen).chunk(world)[rank]
     y = torch.randint(0, 10, (args["batch"],), generator=gen).chunk(world)[rank]
     loss_fn = nn.CrossEntropyLoss()
-    times = []
-    for k in range(args["warmup"] + args["repeats"]):
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for k in range(2 * (args["warmup"] + args["repeats"])):
+        sync = k % 2 == 0
         model.zero_grad(set_to_none=True)
         dist.barrier()
         start = time.perf_counter()
-        loss_fn(model(x), y).backward()
+        with contextlib.nullcontext() if sync else model.no_sync():
+            loss_fn(model(x), y).backward()
         took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
-        if k >= args["warmup"]:
-            times.append(float(took))
-    return statistics.median(times)
+        if k >= 2 * args["warmup"]:
+            times[sync].append(float(took))
+    return statistics.median(times[True]), statistics.median(times[False])
 
 
 def run(world: int, job: str, args: dict[str, Any]) -> Any:
@@ -137,6 +147,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--widths", default="512,2048", help="MLP widths of the data-parallel step, comma-separated")
     opts = ap.parse_args()
     torch.set_num_threads(1)
     args = {"sizes": SIZES, "warmup": opts.warmup, "repeats": opts.repeats, "batch": opts.batch}
@@ -156,18 +167,34 @@ def main() -> None:
             p_table, p_fit = allreduce_time(size, n, table), allreduce_time(size, n, fitted)
             print(f"| {n} | {size:,} | {m * 1e3:.3f} | {p_table * 1e3:.3f} | {_err(p_table, m)} | {p_fit * 1e3:.3f} | {_err(p_fit, m)} |")
 
-    print("\n| processes | DDP fwd+bwd measured ms | predicted ms (compute + all-reduce) | pred/meas | plan |")
-    print("|---|---|---|---|---|")
-    x = torch.randn(opts.batch, 512)
-    for n in (2, 4):
-        meas = run(n, "ddp", args)
-        pl = plan(mlp(), x, devices="cpu", nodes=n, interconnect="loopback", data_parallel=n,
-                  microbatches=1, checkpoint="never", optimizer="sgd")  # fmt: skip
+    rows = []
+    for width in [int(w) for w in opts.widths.split(",")]:
+        x = torch.randn(opts.batch, width)
+        for n in (2, 4):
+            meas, alone = run(n, "ddp", {**args, "width": width})
+            pl = plan(mlp(width), x, devices="cpu", nodes=n, interconnect="loopback", data_parallel=n,
+                      microbatches=1, checkpoint="never", optimizer="sgd")  # fmt: skip
+            rows.append((width, n, meas, alone, pl))
+    print("\n| width | processes | DDP fwd+bwd measured ms | all at the end: compute + all-reduce ms | pred/meas "
+          "| overlapped: compute + exposed ms | pred/meas | plan |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for width, n, meas, alone, pl in rows:
         t = pl.predicted_times
-        pred = pl.predicted_step_time or 0.0
-        what = f"dp {pl.data_parallel} x pp {len(pl.stages)}, {opts.batch // n} samples/replica"
-        print(f"| {n} | {meas * 1e3:.2f} | {pred * 1e3:.2f} ({t['compute'] * 1e3:.2f} + {t['allreduce'] * 1e3:.2f}) "
-              f"| {_err(pred, meas)} | {what} |")  # fmt: skip
+        before = t["compute"] + t["allreduce_total"] + t["p2p"]
+        after = pl.predicted_step_time or 0.0
+        buckets = next((k for k in pl.notes if "bucket(s)" in k), "").split(", ")[1:2]
+        what = f"dp {pl.data_parallel} x pp {len(pl.stages)}, {opts.batch // n} samples/replica, {''.join(buckets)}"
+        print(f"| {width} | {n} | {meas * 1e3:.2f} | {before * 1e3:.2f} ({t['compute'] * 1e3:.2f} + "
+              f"{t['allreduce_total'] * 1e3:.2f}) | {_err(before, meas)} | {after * 1e3:.2f} ({t['compute'] * 1e3:.2f} + "
+              f"{t['allreduce'] * 1e3:.2f}) | {_err(after, meas)} | {what} |")  # fmt: skip
+    print("\nThe all-reduce alone: measured wait = DDP step - the same step under no_sync (same processes, alternating).")
+    print("\n| width | processes | no_sync ms | measured wait ms | predicted all-reduce (all at the end) ms | pred/meas "
+          "| predicted exposed ms | pred/meas |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for width, n, meas, alone, pl in rows:
+        t, wait = pl.predicted_times, max(meas - alone, 1e-9)
+        print(f"| {width} | {n} | {alone * 1e3:.2f} | {wait * 1e3:.2f} | {t['allreduce_total'] * 1e3:.2f} | "
+              f"{_err(t['allreduce_total'], wait)} | {t['allreduce'] * 1e3:.2f} | {_err(t['allreduce'], wait)} |")  # fmt: skip
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
 
 

@@ -13,8 +13,8 @@ from torchspan.cli import main
 from torchspan.hardware import catalog, links
 from torchspan.hardware.links import Link
 from torchspan.planner import Plan, StagePlan
-from torchspan.planner.cluster import cluster_search, evaluate_cluster, even_cut, world_splits
-from torchspan.planner.comm import allreduce_time, p2p_time, ring_bytes, slowest
+from torchspan.planner.cluster import ClusterCandidate, cluster_search, evaluate_cluster, even_cut, stage_reductions, world_splits
+from torchspan.planner.comm import BUCKET_BYTES, allreduce_time, buckets, finish_time, p2p_time, ring_bytes, slowest
 from torchspan.planner.cost import CostModel
 from torchspan.planner.mesh import Mesh, layouts, replica_profile
 from torchspan.profiler.costs import Profile
@@ -181,6 +181,94 @@ def test_one_node_without_cluster_options_is_the_old_plan() -> None:
     a = torchspan.plan(model, x, devices="a100-40gb*2")
     b = torchspan.plan(model, x, devices="a100-40gb*2", nodes=1)
     assert a.to_dict() == b.to_dict() and "stage_ranks" not in a.to_dict()
+
+
+# ---------------------------------------------------------------- all-reduce overlapping backward
+def test_buckets_and_finish_time_exact() -> None:
+    assert BUCKET_BYTES == 25 * MiB  # DataParallelReplica(bucket_cap_mb=25.0): every bucket, the first one too
+    assert buckets([4e6, 30e6, 4e6], BUCKET_BYTES) == [(1, 34e6), (2, 4e6)]  # closes once it reaches the cap
+    assert buckets([1.0, 0.0, 1.0], 1.0) == [(0, 1.0), (2, 1.0)]  # 0 bytes join the open bucket
+    assert buckets([0.0, 0.0], 1.0) == [(1, 0.0)] and buckets([], 1.0) == []
+    # each all-reduce starts when ready and when the one before it ended
+    assert finish_time([-3e-3, 0.0], [2e-3, 1e-3]) == pytest.approx(1e-3, rel=1e-12)
+    assert finish_time([-3e-3, -2.5e-3], [2e-3, 1e-3]) == pytest.approx(0.0, abs=1e-15)  # queued behind the first
+    assert finish_time([], []) == float("-inf")
+    with pytest.raises(ValueError, match="cap=0"):
+        buckets([1.0], 0)
+
+
+def _dp_candidate(backward: bool, bucket: float, link: str = "eth-25g") -> tuple[ClusterCandidate, Link]:
+    """dp 2 x pp 1 of 4 layers of 1 MB of gradients, 4 samples per replica; ``backward=False``: free backward."""
+    prof = _profile(1, None, params=1_000_000, out=10.0, batch=8, layers=4)
+    if not backward:
+        for lay in prof.layers:
+            lay.backward_per_sample = [0.0]
+    mesh = Mesh.describe(prof.devices, 2, intra="nvlink4", interconnect=link)
+    cm = CostModel(replica_profile(prof, 1, 4), 1, "1f1b", "never")
+    return evaluate_cluster(cm, even_cut(cm, 1), mesh, [[0, 1]], "pipelines-in-node", bucket_bytes=bucket), links.lookup(link)
+
+
+def test_data_parallel_buckets_hide_behind_a_long_backward() -> None:
+    """Buckets of 2 layers: the first (layers 3, 2) is all-reduced while layers 1, 0 run backward (1.6 ms)."""
+    cand, eth = _dp_candidate(backward=True, bucket=2e6)
+    one = allreduce_time(2e6, 2, eth)  # 0.71 ms: fits under the 1.6 ms left of backward
+    assert one < 1.6e-3
+    (red,) = cand.reductions
+    assert red.buckets == 2 and red.link == "eth-25g"
+    assert red.seconds == pytest.approx(2 * one, rel=1e-12)
+    assert cand.allreduce_total == pytest.approx(2 * one, rel=1e-12)
+    assert cand.allreduce == pytest.approx(one, rel=1e-12)  # only the last bucket is exposed
+    assert cand.step == pytest.approx(cand.compute + one, rel=1e-12)
+    # one bucket (the whole 4 MB, the runtime's 25 MiB cap): nothing to overlap, the whole all-reduce is exposed
+    whole, _ = _dp_candidate(backward=True, bucket=BUCKET_BYTES)
+    assert whole.allreduce == pytest.approx(allreduce_time(4e6, 2, eth), rel=1e-12) == whole.allreduce_total
+
+
+def test_data_parallel_all_reduce_exposed_when_backward_is_tiny() -> None:
+    cand, eth = _dp_candidate(backward=False, bucket=2e6)
+    assert cand.allreduce == pytest.approx(2 * allreduce_time(2e6, 2, eth), rel=1e-12) == cand.allreduce_total
+    # a bucket larger than the backward can hide: exposed is what sticks out, at least the last bucket
+    slow, eth = _dp_candidate(backward=True, bucket=1e6, link="eth-25g")
+    parts = [allreduce_time(1e6, 2, eth)] * 4
+    assert slow.allreduce >= parts[-1]
+    assert slow.allreduce == pytest.approx(finish_time([-2.4e-3, -1.6e-3, -0.8e-3, 0.0], parts), rel=1e-9)
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_pipeline_later_stages_hide_their_reduction_behind_earlier_backward(checkpoint: str) -> None:
+    """dp 2 x pp 2: stage 1 ends its last backward Bw_0 (+ F_0 recomputed) + one hand-over before stage 0."""
+    prof = _profile(2, None, params=4_000_000, out=1e5, batch=8, layers=4)
+    mesh = Mesh.describe(prof.devices, 2, intra="pcie4", interconnect="eth-25g")
+    cm = CostModel(replica_profile(prof, 2, 4), 2, "1f1b", checkpoint)
+    ev = even_cut(cm, 2)
+    ranks = [[0, 1], [2, 3]]  # each stage's replicas on one node (pcie4); hand-overs cross nodes
+    cand = evaluate_cluster(cm, ev, mesh, ranks, "replicas-in-node")
+    pcie, eth = links.lookup("pcie4"), links.lookup("eth-25g")
+    ar = allreduce_time(8e6, 2, pcie)
+    lead = ev.backward[0] + (ev.forward[0] if checkpoint == "always" else 0.0) + p2p_time(2 * 1e5, eth)
+    r0, r1 = cand.reductions
+    assert r0.buckets == r1.buckets == 1 and r0.seconds == pytest.approx(ar, rel=1e-12)
+    assert r0.end == pytest.approx(ar, rel=1e-12)  # stage 0 finishes last: all of its reduction is exposed
+    assert r1.end == pytest.approx(ar - lead, rel=1e-9) and r1.end < r0.end
+    assert cand.allreduce == pytest.approx(ar, rel=1e-12) == cand.allreduce_total
+    again = stage_reductions(cm, ev, mesh, ranks, [p2p_time(2 * 1e5, eth)])
+    assert list(cand.reductions) == again
+
+
+def test_overlap_makes_data_parallel_the_choice() -> None:
+    """800 MB of gradients: all-reduced after backward (one bucket) a 2-stage pipeline wins; in 25 MiB
+    buckets during backward, data parallel does."""
+    prof = _profile(2, None, params=100_000_000, out=1e4, batch=64)
+    mesh = Mesh.describe(prof.devices, 1, intra="nvlink4")
+    after = cluster_search(prof, mesh, bucket_bytes=float("inf"))
+    assert after.data_parallel == 1 and len(after.stages) == 2
+    plan = cluster_search(prof, mesh)
+    assert plan.data_parallel == 2 and len(plan.stages) == 1
+    t = plan.predicted_times
+    assert 0 < t["allreduce"] < t["allreduce_total"]
+    assert plan.predicted_step_time == pytest.approx(t["compute"] + t["allreduce"] + t["p2p"], rel=1e-12)
+    assert any("8 bucket(s)" in n for n in plan.notes) and any("exposed" in n for n in plan.notes)
+    assert "allreduce_total" in str(plan)  # the printed step split: exposed and total
 
 
 # ---------------------------------------------------------------- CLI

@@ -20,11 +20,25 @@ What is predicted, per replica (all replicas alike; ``M`` micro-batches)::
                 (activation forward, gradient back; link_j intra-node, or the interconnect where a
                 replica's adjacent stages sit on different nodes)
     p2p       = pipeline - compute
-    AR_s      = allreduce(grad bytes of stage s, dp, link of stage s's replicas)   (comm.py, ring bound)
-    allreduce = max(0, max_s (AR_s - lead_s)),  lead_s = sum_{s' < s} (Bw_s' + p2p(out))
-                (stage s finishes its last backward lead_s before stage 0 does; its all-reduce
-                starts then. Overlap inside a stage's backward, as DDP's buckets do, is not modelled.)
-    step      = pipeline + allreduce
+    exposed   = max(0, max_s end_s)                          (the step's all-reduce: added to it)
+    step      = pipeline + exposed
+
+``end_s`` is when stage ``s``'s gradient all-reduce over its ``dp`` replicas (``comm.allreduce_time``
+on the link its replicas span) ends, in seconds after the pipeline's last backward ends (stage
+0's), following how the runtime launches it (``stage_reductions``):
+
+* one stage (pure data parallel, ``DataParallelReplica``): DDP buckets of ``comm.BUCKET_BYTES``,
+  filled in reverse layer order during the (last micro-batch's) backward, each all-reduced once
+  full, one after another (``comm.buckets``, ``comm.finish_time``): only what does not fit under
+  the rest of the backward is exposed, and at least the last bucket's all-reduce;
+* several stages (``RankStage``): one flat buffer per stage, launched once its last backward ran;
+  stage ``s`` finishes ``lead_s = sum_{s' < s} (Bw_s' + p2p(out_s'))`` before stage 0 (``Bw``: one
+  micro-batch's backward, plus its recompute under ``checkpoint="always"``), so
+  ``end_s = AR_s - lead_s``: later stages hide their reduction behind earlier stages' backward.
+
+``allreduce_total`` is the longest stage's all-reduce were none of it hidden. Not modelled: the
+optimizer step, an all-reduce slowing the compute it overlaps, and several stages' all-reduces
+sharing one node's network link.
 
 Memory per device is the existing model's (parameters, gradients and optimizer state of its stage;
 activations for the per-replica micro-batches); all-reduce buckets are not counted.
@@ -40,7 +54,7 @@ import numpy as np
 from ..hardware import format_bytes
 from ..hardware.links import Link
 from ..profiler.costs import Profile
-from .comm import allreduce_time, p2p_time
+from .comm import BUCKET_BYTES, allreduce_time, buckets, finish_time, p2p_time
 from .cost import CostModel
 from .errors import PlanError
 from .mesh import Mesh, layouts, replica_profile, shard_size
@@ -50,12 +64,26 @@ from .plans import Plan
 from .settings import settings_grid
 from .stages import Evaluation, Stage
 
-__all__ = ["ClusterCandidate", "cluster_search", "evaluate_cluster", "even_cut", "world_splits"]
+__all__ = ["ClusterCandidate", "Reduction", "cluster_search", "evaluate_cluster", "even_cut", "stage_reductions", "world_splits"]
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """One stage's gradient all-reduce over its replicas (``stage_reductions``).
+
+    ``seconds``: all of it, over ``buckets`` all-reduces on ``link``; ``end``: when the last ends, in
+    seconds after the pipeline's last backward ends (``<= 0``: hidden behind backward).
+    """
+
+    link: str
+    seconds: float
+    buckets: int
+    end: float
 
 
 @dataclass(frozen=True)
 class ClusterCandidate:
-    """One data x pipeline choice and its predicted step: ``step = compute + p2p + allreduce``."""
+    """One data x pipeline choice and its predicted step: ``step = compute + p2p + allreduce`` (exposed)."""
 
     dp: int
     layout: str
@@ -64,9 +92,9 @@ class ClusterCandidate:
     evaluation: Evaluation
     compute: float
     p2p: float
-    allreduce: float
+    allreduce: float  # exposed: the part of the all-reduce the step waits for after the last backward
     links: tuple[str, ...]  # per boundary: the link key its hand-overs use
-    reduce_links: tuple[str, ...]  # per stage: the link key its all-reduce uses
+    reductions: tuple[Reduction, ...]  # per stage
 
     @property
     def pp(self) -> int:
@@ -76,12 +104,22 @@ class ClusterCandidate:
     def step(self) -> float:
         return self.compute + self.p2p + self.allreduce
 
+    @property
+    def allreduce_total(self) -> float:
+        """The longest stage's all-reduce, were none of it hidden (stages reduce at once, on disjoint ranks)."""
+        return max(r.seconds for r in self.reductions)
+
+    @property
+    def reduce_links(self) -> tuple[str, ...]:
+        """Per stage: the link key its all-reduce uses."""
+        return tuple(r.link for r in self.reductions)
+
     def row(self) -> str:
         mem = "/".join(format_bytes(m.total) for m in self.evaluation.memory)
         return (
             f"dp {self.dp} x pp {self.pp} ({self.layout}), {self.cm.M} micro-batch(es), {self.cm.checkpoint}: "
             f"step {self.step * 1e3:.3f} ms = compute {self.compute * 1e3:.3f} + all-reduce {self.allreduce * 1e3:.3f} "
-            f"+ p2p {self.p2p * 1e3:.3f}; memory per stage {mem}"
+            f"exposed (of {self.allreduce_total * 1e3:.3f}) + p2p {self.p2p * 1e3:.3f}; memory per stage {mem}"
         )
 
 
@@ -111,35 +149,66 @@ def world_splits(world: int, layers: int, batch_size: int, data_parallel: int | 
     return out
 
 
-def evaluate_cluster(cm: CostModel, ev: Evaluation, mesh: Mesh, stage_ranks: list[list[int]], layout: str) -> ClusterCandidate:
-    """Predict a replica placement ``ev`` (under ``cm``, hand-overs free) on ``mesh`` (see the module docstring)."""
+def evaluate_cluster(
+    cm: CostModel, ev: Evaluation, mesh: Mesh, stage_ranks: list[list[int]], layout: str, bucket_bytes: float = BUCKET_BYTES
+) -> ClusterCandidate:
+    """Predict a replica placement ``ev`` (under ``cm``, hand-overs free) on ``mesh`` (see the module docstring).
+
+    Usage: ``evaluate_cluster(cm, cm.evaluate(stages), mesh, [[0, 1]], "pipelines-in-node").step``.
+    """
     S, M = len(ev.stages), cm.M
-    dp = len(stage_ranks[0])
     host = host_bandwidth(mesh.device)
     c_in = 0.0 if host == INF else float(cm.inb[0]) / host
     hand: list[float] = []
-    back: list[float] = []
     link_keys: list[str] = []
     for s in range(S - 1):
         link = _slowest_hop(mesh, stage_ranks[s], stage_ranks[s + 1])
-        one_way = p2p_time(float(cm.out[ev.stages[s].end - 1]), link)
-        hand.append(2.0 * one_way)
-        back.append(one_way)
+        hand.append(2.0 * p2p_time(float(cm.out[ev.stages[s].end - 1]), link))
         link_keys.append(link.key)
     base = ev.latency_sum - sum(ev.links)  # stages only (the cost model's own links are free here)
     compute = base + c_in + (M - 1) * max(ev.bottleneck, c_in)
     pipeline = base + c_in + sum(hand) + (M - 1) * max([ev.bottleneck, c_in, *hand])
-    reduce_keys: list[str] = []
-    exposed = 0.0
-    lead = 0.0
-    for s in range(S):
+    reductions = stage_reductions(cm, ev, mesh, stage_ranks, [h / 2 for h in hand], bucket_bytes)
+    exposed = max(0.0, *(r.end for r in reductions))
+    return ClusterCandidate(dp=len(stage_ranks[0]), layout=layout, stage_ranks=stage_ranks, cm=cm, evaluation=ev,
+                            compute=compute, p2p=pipeline - compute, allreduce=exposed, links=tuple(link_keys),
+                            reductions=tuple(reductions))  # fmt: skip
+
+
+def stage_reductions(
+    cm: CostModel, ev: Evaluation, mesh: Mesh, stage_ranks: list[list[int]], back: list[float], bucket_bytes: float = BUCKET_BYTES
+) -> list[Reduction]:
+    """Each stage's gradient all-reduce and when it ends after the last backward (see the module docstring).
+
+    ``back[s]``: seconds to hand a gradient from stage ``s + 1`` back to ``s``. One stage: DDP buckets
+    of ``bucket_bytes`` during its backward; several: one buffer per stage once its last backward ran.
+    Usage: ``stage_reductions(cm, ev, mesh, [[0, 1]], [])[0].end``.
+    """
+    S, dp = len(ev.stages), len(stage_ranks[0])
+    out: list[Reduction] = []
+    lead = 0.0  # how long before stage 0 this stage ran its last backward
+    for s, stage in enumerate(ev.stages):
         link = mesh.link(stage_ranks[s])
-        reduce_keys.append(link.key)
-        exposed = max(exposed, allreduce_time(ev.memory[s].grads, dp, link) - lead)
-        lead += ev.backward[s] + (back[s] if s < S - 1 else 0.0)
-    return ClusterCandidate(
-        dp, layout, stage_ranks, cm, ev, compute, pipeline - compute, exposed, tuple(link_keys), tuple(reduce_keys)
-    )
+        ready, sizes = _bucket_ready(cm, stage, bucket_bytes) if S == 1 else ([0.0], [float(ev.memory[s].grads)])
+        seconds = [allreduce_time(b, dp, link) for b in sizes]
+        end = finish_time([r - lead for r in ready], seconds)
+        out.append(Reduction(link.key, sum(seconds), len(sizes), end))
+        recompute = ev.forward[s] if cm.checkpoint == "always" else 0.0
+        lead += ev.backward[s] + recompute + (back[s] if s < S - 1 else 0.0)
+    return out
+
+
+def _bucket_ready(cm: CostModel, stage: Stage, cap: float) -> tuple[list[float], list[float]]:
+    """``(ready, bytes)`` of a stage's DDP buckets: layers' gradients in reverse order, a bucket ready when
+    the backward of its last layer ended, in seconds relative to the end of the stage's backward (``<= 0``)."""
+    d, layers = stage.device, range(stage.end - 1, stage.start - 1, -1)
+    grads = [float(cm.profile.layers[i].grad_bytes) for i in layers]
+    ready, sizes = [], []
+    for k, nbytes in buckets(grads, cap):
+        i = stage.end - 1 - k  # the layer that closes the bucket; layers [start, i) still run backward
+        ready.append(-float(cm.PB[d, i] - cm.PB[d, stage.start]))
+        sizes.append(nbytes)
+    return ready, sizes
 
 
 def even_cut(cm: CostModel, stages: int) -> Evaluation | None:
@@ -188,8 +257,11 @@ def cluster_search(
     schedule: str = "auto",
     checkpoint: str = "auto",
     data_parallel: int | str = "auto",
+    bucket_bytes: float = BUCKET_BYTES,
 ) -> Plan:
     """The fastest data x pipeline plan of ``profile`` (one node's devices) on ``mesh``.
+
+    ``bucket_bytes``: the data-parallel runtime's gradient bucket (``DataParallelReplica``'s 25 MiB).
 
     Usage: ``cluster_search(profile, Mesh.describe(profile.devices, nodes=2))``. Raises ``PlanError``
     when no split fits memory, ``ValueError`` when no split of the world exists.
@@ -217,13 +289,14 @@ def cluster_search(
                 last_error = exc
                 skipped.append(f"dp {dp} x pp {pp} ({layout}): a {pp}-stage replica does not fit")
                 break  # the other layout has the same memory
-            if len(chosen.stages) == pp:
+            if len(chosen.stages) == pp and pp > 1:
                 cm = CostModel(compute_only, chosen.microbatches, chosen.schedule, chosen.checkpoint)
-                candidates.append(evaluate_cluster(cm, cm.evaluate(cm.stages_for(chosen)), mesh, ranks, layout))
+                candidates.append(evaluate_cluster(cm, cm.evaluate(cm.stages_for(chosen)), mesh, ranks, layout, bucket_bytes))
                 continue
-            # the replica's best pipeline leaves devices idle: cut it into exactly pp stages instead
+            # the replica's best pipeline leaves devices idle: cut it into exactly pp stages instead. One stage:
+            # every setting, so the all-reduce's overlap with backward (more with fewer micro-batches) decides
             forced = [
-                evaluate_cluster(cm, ev, mesh, ranks, layout)
+                evaluate_cluster(cm, ev, mesh, ranks, layout, bucket_bytes)
                 for m, sch, ck in settings_grid(b, microbatches, schedule, checkpoint)
                 for cm in [CostModel(compute_only, m, sch, ck)]
                 for ev in [even_cut(cm, pp)]
@@ -244,7 +317,7 @@ def cluster_search(
             + ". Use fewer devices per node or nodes, or a larger batch"
         )
     best = min(candidates, key=lambda c: (c.step, c.pp, c.layout))
-    return _to_plan(best, candidates, skipped, mesh, profile.batch_size)
+    return _to_plan(best, candidates, skipped, mesh, profile.batch_size, bucket_bytes)
 
 
 def _stage_link(mesh: Mesh, ranks: list[list[int]]) -> Link:
@@ -253,7 +326,24 @@ def _stage_link(mesh: Mesh, ranks: list[list[int]]) -> Link:
     return mesh.inter if mesh.inter in hops else mesh.intra
 
 
-def _to_plan(best: ClusterCandidate, all_: list[ClusterCandidate], skipped: list[str], mesh: Mesh, batch: int) -> Plan:
+def _overlap_note(best: ClusterCandidate, bucket_bytes: float) -> str:
+    """How much of the all-reduce the step waits for, and why; what is not modelled."""
+    if best.dp == 1:
+        return "no all-reduce (one replica); the optimizer step is not modelled"
+    if best.pp == 1:
+        how = f"DDP buckets of {format_bytes(int(bucket_bytes))}, each all-reduced while the rest of backward runs"
+    else:
+        how = "stage s's all-reduce runs while stages < s still run backward"
+    return (
+        f"all-reduce {best.allreduce_total * 1e3:.3f} ms, {best.allreduce * 1e3:.3f} ms of it exposed ({how}); "
+        "the optimizer step is not modelled"
+    )
+
+
+def _to_plan(
+    best: ClusterCandidate, all_: list[ClusterCandidate], skipped: list[str], mesh: Mesh, batch: int, bucket_bytes: float
+) -> Plan:
+    """The chosen candidate as a ``Plan``: replica 0's stages on their ranks' devices, the others in notes."""
     notes = [f"chosen: {best.row()}"]
     notes += [f"assumed {a}" for a in mesh.assumed]
     notes.append(
@@ -261,13 +351,14 @@ def _to_plan(best: ClusterCandidate, all_: list[ClusterCandidate], skipped: list
         "figures and sources: torchspan.hardware.links"
     )
     if best.dp > 1:
-        notes.append("all-reduce per stage over " + ", ".join(f"stage {s}: {k}" for s, k in enumerate(best.reduce_links)))
+        ends = [f"stage {s}: {r.link}, {r.buckets} bucket(s), ends {r.end * 1e3:+.3f} ms" for s, r in enumerate(best.reductions)]
+        notes.append("all-reduce per stage over " + ", ".join(ends))
     if best.links:
         notes.append("hand-overs over " + ", ".join(f"{s}->{s + 1}: {k}" for s, k in enumerate(best.links)))
     others = sorted((c for c in all_ if c is not best), key=lambda c: c.step)
     notes += [f"also: {c.row()}" for c in others]
     notes += [f"skipped: {s}" for s in skipped]
-    notes.append("all-reduce buckets and the optimizer step are not modelled; all-reduce overlap within a stage's backward is not counted")
+    notes.append(_overlap_note(best, bucket_bytes))
     plan = best.cm.to_plan(best.evaluation, "torchspan-cluster", notes=notes)
     replica0 = [row[0] for row in best.stage_ranks]
     stages = [dataclasses.replace(sp, device=mesh.local_device(r)) for sp, r in zip(plan.stages, replica0)]
@@ -284,5 +375,8 @@ def _to_plan(best: ClusterCandidate, all_: list[ClusterCandidate], skipped: list
         stage_ranks=[list(r) for r in best.stage_ranks],
         interconnect=mesh.inter.key,
         intra_link=mesh.intra.key,
-        predicted_times={"compute": best.compute, "allreduce": best.allreduce, "p2p": best.p2p},
+        # "allreduce": the exposed part (compute + allreduce + p2p = the step); "allreduce_total": all of it
+        predicted_times={
+            "compute": best.compute, "allreduce": best.allreduce, "allreduce_total": best.allreduce_total, "p2p": best.p2p
+        },  # fmt: skip
     )
