@@ -198,6 +198,32 @@ def _hf_worker(rank: int, world: int, port: int) -> None:
     _train_and_compare(Wrapped, "wrapper", rank, world, 30, False, balance=[3, 3], microbatches=3, schedule="1f1b")
 
 
+def _bf16_worker(rank: int, world: int, port: int) -> None:
+    """bf16 autocast across ranks gives what the same autocast gives in one process (threads over two CPU stages)."""
+    torch.set_num_threads(1)
+    make = lambda: _llama().float()  # noqa: E731
+    ids, labels, mask = _batch(40, 5, 7, 40)
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    options = dict(devices=["cpu", "cpu"], microbatches=3, schedule="1f1b", precision="bf16")
+    local = torchspan.span(make(), **options)  # before joining the job: this process's own pipeline
+    assert local.mode == "threads"
+    want = local.train_step(inputs, labels, _token_ce, loss_normalizer=_tokens)
+    _join(rank, world, port)
+    spanned = torchspan.span(make(), **options)
+    assert spanned.mode == "hooks"
+    got = spanned.train_step(inputs, labels, _token_ce, loss_normalizer=_tokens)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    ref = dict(local.module.named_parameters())
+    for name, p in spanned.module.named_parameters():
+        if not p.is_meta:
+            torch.testing.assert_close(p.grad, ref[name].grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}: {name}: {m}")
+
+
+@pytest.mark.slow
+def test_bf16_across_ranks_matches_bf16_in_one_process() -> None:
+    _spawn(_bf16_worker, 2, free_port(), deadline=120.0)
+
+
 @pytest.mark.slow
 def test_transformers_decoders_and_wrappers_across_two_ranks_match_one_device() -> None:
     _spawn(_hf_worker, 2, free_port(), deadline=240.0)
@@ -296,6 +322,12 @@ def test_verify_runs_a_tied_transformers_decoder_as_a_rank_pipeline(tmp_path: Pa
 def _other_batch_worker(rank: int, world: int, port: int, out: str) -> None:
     _join(rank, world, port)
     texts = []
+    for model in (nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), Wrapped()):
+        try:
+            torchspan.span(model, devices=["cpu", "cpu"], precision="fp16")
+            texts.append("fp16: no error")
+        except ValueError as exc:
+            texts.append(f"fp16: {exc}")
     for label, model in (("sequential", nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))), ("wrapper", Wrapped())):
         torch.manual_seed(rank)  # the mistake: each rank draws its own batch
         x = torch.randn(6, 4) if label == "sequential" else torch.randint(0, 30, (6, 5))
@@ -312,9 +344,10 @@ def _other_batch_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_pipeline_ranks_given_different_batches_refuse_before_any_compute(tmp_path: Path) -> None:
+def test_pipeline_ranks_refuse_different_batches_and_fp16_before_any_compute(tmp_path: Path) -> None:
     _spawn(_other_batch_worker, 2, free_port(), str(tmp_path), deadline=90.0)
     for rank in range(2):
         text = (tmp_path / f"rank{rank}.txt").read_text()
         for label in ("sequential", "wrapper"):
             assert f"{label}: rank(s) [1] of pipeline replica 0 were given another batch than rank 0" in text, text
+        assert text.count("fp16: precision='fp16' across ranks is not supported") == 2, text

@@ -13,9 +13,10 @@ stage functions.
 Schedules are ``torchspan.schedule``'s (GPipe, 1F1B): this rank runs its stage's actions in
 order; a forward blocks where an argument from an earlier stage has not arrived yet. Exact: the
 loss is weighed against the whole batch on the last stage and every rank's gradients are those
-of one device. ``checkpoint`` recomputes this rank's layers in backward. Limits:
-``precision="32"``; a forward must take the same path on every rank (no branches on values other
-stages compute, which ``meta`` cannot answer: such a model raises, naming the call).
+of one device. ``checkpoint`` recomputes this rank's layers in backward; ``precision="bf16"``
+autocasts them (a value crosses in the dtype its holder has: meta knows no autocast). A forward
+must take the same path on every rank (no branches on values other stages compute, which
+``meta`` cannot answer: such a model raises, naming the call).
 
 Usage (``span`` does this in a launched job)::
 
@@ -39,7 +40,7 @@ from ...hardware import to_device
 from ...layers import buffer_slots
 from ..executor import Settings, Work
 from ..local.hooked import HookedExecutor
-from ..local.pipeline import checkpointed, once_context
+from ..local.pipeline import autocast_for, checkpointed, once_context
 from ..lossweights import weighted_loss
 from ..memory import ActivationMeter
 from ..placement import place
@@ -99,13 +100,7 @@ class RankHookExecutor(RankStage, HookedExecutor):
         info: RankInfo,
         **options: Any,
     ) -> None:
-        self._rank_setup(mesh, info, len(groups))
-        if settings.precision != "32":
-            raise ValueError(
-                f"precision={settings.precision!r}: a pipeline across ranks that runs the model's own forward supports "
-                "precision='32' only (another stage's layers run on meta, where autocast does not apply, so the ranks "
-                "would disagree on dtypes); use precision='32', or make the model an nn.Sequential or fx-traceable"
-            )
+        self._rank_setup(mesh, info, len(groups), settings.precision)
         self._recording = self._placed = False
         self._paths = {True: _Path(), False: _Path()}  # training forwards, no-grad forwards
         self._fwd: _Forward | None = None
@@ -209,7 +204,8 @@ class RankHookExecutor(RankStage, HookedExecutor):
         if known is None:  # a new branch: every rank of the pipeline is here too
             aliases = tuple(st.at.get(id(t)) if local and t.is_meta else None for t in tensors)
             views: list[Any] = [None] * self.mesh.stages
-            dist.all_gather_object(views, Seen(name, codes, aliases), group=self._pipe_group)
+            dtypes = tuple(t.dtype for t in tensors)
+            dist.all_gather_object(views, Seen(name, codes, aliases, dtypes), group=self._pipe_group)
             known = (route_call(k, name, stage, views), _Path())
             st.node.next[signature] = known
             recording = True
@@ -219,6 +215,8 @@ class RankHookExecutor(RankStage, HookedExecutor):
         route, st.node = known
         for tr in route.transfers:
             if tr.src == self.stage:
+                if tr.dtype is not None and tensors[tr.leaf].dtype != tr.dtype:
+                    raise DivergedError(f"torchspan: layer {name!r}'s argument {tr.leaf} is {tensors[tr.leaf].dtype} now, {tr.dtype} when recorded")
                 self._isend(tensors[tr.leaf], tr.dst, _FWD)
                 if st.grad and tr.grad:
                     st.sent.append((tensors[tr.leaf], tr.dst))
@@ -228,7 +226,8 @@ class RankHookExecutor(RankStage, HookedExecutor):
                 return fn(*meta_args, **meta_kwargs)
         for tr in route.transfers:
             held = tensors[tr.leaf]
-            got = self._recv(torch.empty(held.shape, dtype=held.dtype, device=self.device), tr.src, _FWD, "activations")
+            dtype = tr.dtype if tr.dtype is not None else held.dtype  # autocast on the sender: its dtype
+            got = self._recv(torch.empty(held.shape, dtype=dtype, device=self.device), tr.src, _FWD, "activations")
             try:  # the glue's own variable becomes the value (a residual `h = block(h) + h` reads it again)
                 torch.utils.swap_tensors(held, got)
                 got = held
@@ -249,7 +248,7 @@ class RankHookExecutor(RankStage, HookedExecutor):
         shared = []
         if recording:  # an in-place write to an input other ranks hold would leave theirs stale
             shared = [(i, leaves[where[i]], leaves[where[i]]._version) for i in range(len(tensors)) if self._shared(route, i)]
-        with self.meter.saving(self.stage) if st.metering else nullcontext():
+        with self.meter.saving(self.stage) if st.metering else nullcontext(), autocast_for(self.device, self.settings.precision):
             if st.ckpt:  # backward recomputes this layer from its inputs; buffer updates happen once
                 context = once_context(buffer_slots([self.layers[name]]))
                 out = torch.utils.checkpoint.checkpoint(fn, *real_args, use_reentrant=False, context_fn=context, **real_kwargs)
@@ -327,7 +326,7 @@ class RankHookExecutor(RankStage, HookedExecutor):
 
     def _loss(self, out: Any, target: Any, loss_fn: Callable[..., Any], weight: float) -> torch.Tensor:
         try:
-            with MetaTaint(self.device):
+            with MetaTaint(self.device), autocast_for(self.device, self.settings.precision):
                 loss = weighted_loss(loss_fn, out, to_device(target, self.device), weight)
         except RuntimeError as exc:
             if "meta" not in str(exc):

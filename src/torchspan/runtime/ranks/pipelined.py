@@ -59,7 +59,7 @@ class RankPipelineExecutor(RankStage, PipelinedExecutor):
         mesh: Mesh,
         info: RankInfo,
     ) -> None:
-        self._rank_setup(mesh, info, len(groups))
+        self._rank_setup(mesh, info, len(groups), settings.precision)
         if mode not in ("sequential", "fx"):
             raise ValueError(f"RankPipelineExecutor runs stage functions (sequential or fx), not {mode!r}: span uses RankHookExecutor")
         super().__init__(model, mode, graph, [info.device] * mesh.stages, groups, settings, recorder, meter)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["META", "REAL", "GRAD", "Seen", "Transfer", "Reuse", "CallRoute", "route_call", "DivergedError"]
 
@@ -37,6 +38,7 @@ class Seen:
     layer: str
     codes: tuple[int, ...]
     aliases: tuple[tuple[int, int] | None, ...]
+    dtypes: tuple[Any, ...] = ()  # per tensor argument (a meta one may lack autocast's dtype: the holder's counts)
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class Transfer:
     src: int
     dst: int
     grad: bool
+    dtype: Any = None  # as the sender holds it (None: as the receiver's placeholder)
 
 
 @dataclass(frozen=True)
@@ -124,5 +127,6 @@ def route_call(call: int, layer: str, stage: int, seen: Sequence[Seen]) -> CallR
                 "one stage (balance=[...]), or do the combination inside a layer"
             )
         src = holders[-1]
-        route.transfers.append(Transfer(i, src, stage, seen[src].codes[i] == GRAD))
+        dtype = seen[src].dtypes[i] if seen[src].dtypes else None
+        route.transfers.append(Transfer(i, src, stage, seen[src].codes[i] == GRAD, dtype))
     return route

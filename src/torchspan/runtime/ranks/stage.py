@@ -48,9 +48,14 @@ class RankStage:
     info: RankInfo
     model: nn.Module
 
-    def _rank_setup(self, mesh: Mesh, info: RankInfo, stages: int) -> None:
+    def _rank_setup(self, mesh: Mesh, info: RankInfo, stages: int, precision: str = "32") -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("no process group: call torchspan.init_distributed() before span() in a launched job")
+        if precision == "fp16":
+            raise ValueError(
+                "precision='fp16' across ranks is not supported: each rank's gradient scaler would decide alone to "
+                "skip a step on inf and the stages would drift apart; use precision='bf16' (no scaler needed) or '32'"
+            )
         if info.world_size != mesh.world_size:
             raise ValueError(f"dp({mesh.replicas}) * pp({mesh.stages}) != WORLD_SIZE({info.world_size})")
         if stages != mesh.stages:
