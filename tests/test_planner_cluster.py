@@ -299,3 +299,21 @@ def test_cli_cluster_option_errors(extra: list[str], message: str, capsys: pytes
     argv = ["plan", f"{EXAMPLES}:mlp", "--input-shape", "8,1024", "--devices", "h100-80gb*2", *extra]
     assert main(argv) != 0
     assert message in capsys.readouterr().err
+
+
+def test_data_parallel_plans_run_as_the_replica_runs_one_batch_per_shard() -> None:
+    """A one-stage plan is run by DataParallelReplica, which refuses micro-batches and recompute: the search
+    gives every data-parallel plan microbatches=1 and checkpoint='never', and with micro-batches fixed by the
+    caller it leaves data parallel out, saying why."""
+    for prof, mesh in [
+        (_profile(4, None, params=1000, out=10.0), None),
+        (_profile(2, None, params=100_000_000, out=1e4, batch=64), "one-node"),
+    ]:
+        m = Mesh.describe(prof.devices, 2 if mesh is None else 1, intra="nvlink4", interconnect="ib-400g" if mesh is None else None)
+        plan = cluster_search(prof, m)
+        assert len(plan.stages) == 1 and plan.data_parallel > 1
+        assert plan.microbatches == 1 and plan.checkpoint == "never", (plan.microbatches, plan.checkpoint)
+    prof = _profile(4, None, params=1000, out=10.0)
+    fixed = cluster_search(prof, Mesh.describe(prof.devices, 2, intra="nvlink4", interconnect="ib-400g"), microbatches=4)
+    assert len(fixed.stages) > 1
+    assert any("a data-parallel replica runs its shard as one batch" in n for n in fixed.notes), fixed.notes

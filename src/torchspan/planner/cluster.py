@@ -249,6 +249,13 @@ def _slowest_hop(mesh: Mesh, here: list[int], there: list[int]) -> Link:
     return mesh.inter if crosses else mesh.intra
 
 
+def _replica_settings(microbatches: int | str, schedule: str, checkpoint: str) -> list[tuple[int, str, str]]:
+    """The one setting a data-parallel replica runs (none when the caller fixed another)."""
+    if microbatches not in ("auto", 1) or checkpoint not in ("auto", "never"):
+        return []
+    return [(1, schedule if schedule != "auto" else "gpipe", "never")]
+
+
 def cluster_search(
     profile: Profile,
     mesh: Mesh,
@@ -293,11 +300,15 @@ def cluster_search(
                 cm = CostModel(compute_only, chosen.microbatches, chosen.schedule, chosen.checkpoint)
                 candidates.append(evaluate_cluster(cm, cm.evaluate(cm.stages_for(chosen)), mesh, ranks, layout, bucket_bytes))
                 continue
-            # the replica's best pipeline leaves devices idle: cut it into exactly pp stages instead. One stage:
-            # every setting, so the all-reduce's overlap with backward (more with fewer micro-batches) decides
+            # the replica's best pipeline leaves devices idle: cut it into exactly pp stages instead. One stage is a
+            # data-parallel replica (DataParallelReplica): it runs its shard as one batch, without recompute
+            grid = settings_grid(b, microbatches, schedule, checkpoint) if pp > 1 else _replica_settings(microbatches, schedule, checkpoint)
+            if not grid:
+                skipped.append(f"dp {dp} x pp 1: a data-parallel replica runs its shard as one batch (microbatches=1, checkpoint='never')")
+                continue
             forced = [
                 evaluate_cluster(cm, ev, mesh, ranks, layout, bucket_bytes)
-                for m, sch, ck in settings_grid(b, microbatches, schedule, checkpoint)
+                for m, sch, ck in grid
                 for cm in [CostModel(compute_only, m, sch, ck)]
                 for ev in [even_cut(cm, pp)]
                 if ev is not None
