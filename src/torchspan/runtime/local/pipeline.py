@@ -236,7 +236,7 @@ class Pipeline:
         def forward_of(s: int, mb: int, leaves: list[Any], spec: Any) -> tuple[Any, torch.Tensor | None]:
             dev = self.devices[s]
             with autocast_for(dev, self.precision):
-                out = fns[s](*tree_unflatten(leaves, spec))
+                out = fns[s](*_unflat(leaves, spec))
                 loss = None
                 if s == last:
                     loss = weighted_loss(loss_fn, out, to_device(targets[mb], dev), weights[mb])
@@ -247,7 +247,7 @@ class Pipeline:
             ckpt = checkpointed(self.checkpoint, mb, m)
             if a.kind == sched.FORWARD:
                 if s == 0:
-                    leaves, spec = tree_flatten(to_device(list(inputs[mb]), dev))
+                    leaves, spec = _flat(to_device(list(inputs[mb]), dev))
                 else:
                     leaves, spec = self._receive(box, "fwd", s, s - 1, mb)
                     leaves = [v.requires_grad_(True) if _needs_grad(v) and not ckpt else v for v in leaves]
@@ -267,7 +267,7 @@ class Pipeline:
                     st.loss = loss
                     losses[mb] = loss.detach()
                 else:
-                    outs, out_spec = tree_flatten(out)
+                    outs, out_spec = _flat(out)
                     st.outputs = outs
                     self._send(box, "fwd", outs, out_spec, s, s + 1, mb)
                 saved[(s, mb)] = st
@@ -290,7 +290,7 @@ class Pipeline:
                     if s == last:
                         st.loss = loss
                     else:
-                        st.outputs = tree_flatten(out)[0]
+                        st.outputs = _flat(out)[0]
             if s == last:
                 grads_in: list[Any] = []
             else:
@@ -398,9 +398,36 @@ def _signature(fns: Sequence[Callable[..., Any]], inputs: Sequence[Sequence[Any]
     """What decides the tensors a training step saves, as far as the pipeline sees it: the stage
     functions (an fx split per set of non-tensor arguments) and every micro-batch's inputs and
     targets (pytree structure; per leaf shape, dtype, device, or a plain value)."""
-    leaves, spec = tree_flatten((list(inputs), list(targets)))
     funcs = tuple(f if isinstance(f, torch.nn.Module) else getattr(f, "__code__", f) for f in fns)
+    if all(isinstance(t, torch.Tensor) for t in targets) and all(
+        type(c) is list and all(isinstance(v, torch.Tensor) for v in c) for c in inputs
+    ):  # the common case, without a pytree walk: lists of tensors, tensor targets
+        return funcs, "tensors", tuple(tuple(_shape_of(v) for v in c) for c in inputs), tuple(_shape_of(t) for t in targets)
+    leaves, spec = tree_flatten((list(inputs), list(targets)))
     return funcs, spec, tuple(_shape_of(v) for v in leaves)
+
+
+_SEQUENCE_SPECS: dict[tuple[type, int], Any] = {}  # pytree spec of a list/tuple of n leaves (immutable, shared)
+
+
+def _flat(obj: Any) -> tuple[list[Any], Any]:
+    """``tree_flatten(obj)``; a list or tuple of tensors (a stage's usual inputs and outputs) without the walk."""
+    if type(obj) in (list, tuple) and all(isinstance(v, torch.Tensor) for v in obj):
+        key = (type(obj), len(obj))
+        spec = _SEQUENCE_SPECS.get(key)
+        if spec is None:
+            spec = _SEQUENCE_SPECS[key] = tree_flatten(obj)[1]
+        return list(obj), spec
+    return tree_flatten(obj)
+
+
+def _unflat(leaves: list[Any], spec: Any) -> Any:
+    """``tree_unflatten(leaves, spec)``; a spec ``_flat`` shares is rebuilt without the walk."""
+    if spec is _SEQUENCE_SPECS.get((list, len(leaves))):
+        return list(leaves)
+    if spec is _SEQUENCE_SPECS.get((tuple, len(leaves))):
+        return tuple(leaves)
+    return tree_unflatten(leaves, spec)
 
 
 def _carried_microbatch(plan: list[list[sched.Action]]) -> int:
