@@ -76,6 +76,32 @@ def test_meta_taint_glue_rules() -> None:
     assert torch.equal(here, torch.arange(6.0).reshape(2, 3))
 
 
+def test_meta_calls_run_a_layer_once_per_call_shape_and_replay_it() -> None:
+    from torchspan.runtime.ranks.metacalls import MetaCalls
+
+    calls, route = MetaCalls(), object()
+    layer = nn.Linear(4, 3).to("meta")
+    x = torch.empty(5, 4, device="meta")
+    first = calls.run(route, layer, layer, (x,), {})
+    again = calls.run(route, layer, layer, (torch.empty(5, 4, device="meta"),), {})
+    assert calls.ran == 1 and first.shape == again.shape == (5, 3) and first is not again and again.is_meta
+    calls.run(route, layer, layer, (torch.empty(2, 4, device="meta"),), {})  # another shape: runs
+    layer.eval()
+    calls.run(route, layer, layer, (x,), {})  # the training flag is part of the key
+    assert calls.ran == 3
+
+    passthrough = lambda h, scale=1.0: (h, h.float() * scale)  # noqa: E731 - returns its own argument
+    y = torch.empty(2, 2, dtype=torch.bfloat16, device="meta")
+    out = calls.run(route, layer, passthrough, (y,), {"scale": 2.0})
+    out2 = calls.run(route, layer, passthrough, (y,), {"scale": 2.0})
+    assert out2[0] is y and out2[1].dtype == torch.float32 and calls.ran == 4 and out[0] is y
+    stateful = lambda h, cache: (h + 1, cache.append(1))  # noqa: E731 - an object argument: never replayed
+    cache: list[int] = []
+    calls.run(route, layer, stateful, (y, cache), {})
+    calls.run(route, layer, stateful, (y, cache), {})
+    assert cache == [1, 1] and calls.ran == 6
+
+
 # ---------------------------------------------------------------------- models
 def _llama(tied: bool = True) -> nn.Module:
     cfg = transformers.LlamaConfig(

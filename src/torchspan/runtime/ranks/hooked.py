@@ -2,7 +2,7 @@
 
 Nothing is traced. Every rank of a pipeline calls the model's own ``forward`` on the same
 micro-batch; its own stage's layers run for real on its device, other stages' layers run on
-``meta`` (shapes only, near free), and the glue between layers follows the ``taint`` rules, so a
+``meta`` (shapes only; once per call shape, then replayed: ``metacalls``), and the glue between layers follows the ``taint`` rules, so a
 tensor is real on a rank exactly when that rank could compute it. When a layer of this rank
 needs an argument another stage computed, that stage sends it at the same call
 (``routes``: found the first time a forward takes a path, by comparing what each rank sees,
@@ -47,6 +47,7 @@ from ..placement import place
 from ..record import Recorder
 from .env import RankInfo
 from .mesh import Mesh
+from .metacalls import MetaCalls
 from .p2p import PeerError
 from .routes import GRAD, META, REAL, CallRoute, DivergedError, Seen, route_call
 from .stage import RankStage
@@ -107,6 +108,7 @@ class RankHookExecutor(RankStage, HookedExecutor):
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._swaps: dict[str, list[tuple[nn.Module, str, str, Any, Any]]] = {}
         self._metered: Any = None  # what the last metered training step looked like (micro-batch shapes)
+        self._meta_calls = MetaCalls()
         self._resets_seen = meter.resets
         super().__init__(model, [info.device] * mesh.stages, groups, settings, recorder, meter, **options)
 
@@ -220,10 +222,10 @@ class RankHookExecutor(RankStage, HookedExecutor):
                 self._isend(tensors[tr.leaf], tr.dst, _FWD)
                 if st.grad and tr.grad:
                     st.sent.append((tensors[tr.leaf], tr.dst))
-        if not local:
+        if not local:  # another stage's layer: its outputs' shapes, on meta (replayed once known)
             with torch.no_grad(), self._swapped(name):
                 meta_args, meta_kwargs = to_meta((args, kwargs))
-                return fn(*meta_args, **meta_kwargs)
+                return self._meta_calls.run(route, self.layers[name], fn, meta_args, meta_kwargs)
         for tr in route.transfers:
             held = tensors[tr.leaf]
             dtype = tr.dtype if tr.dtype is not None else held.dtype  # autocast on the sender: its dtype
