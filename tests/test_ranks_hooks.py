@@ -23,11 +23,10 @@ from torchspan.runtime.ranks import free_port, init_distributed
 from torchspan.runtime.ranks.routes import GRAD, META, REAL, DivergedError, Reuse, Seen, Transfer, route_call
 from torchspan.runtime.ranks.taint import MetaTaint
 
-from test_ranks_pipeline import _spawn
+from test_ranks_pipeline import TOL, _check, _spawn
 
 transformers = pytest.importorskip("transformers")
 
-TOL = dict(rtol=1e-9, atol=1e-11)
 LOSS_TOL = dict(rtol=1e-6, atol=1e-7)
 
 
@@ -168,19 +167,6 @@ def _batch(seed: int, rows: int, length: int, vocab: int) -> tuple[torch.Tensor,
     return ids, labels, mask
 
 
-def _compare(spanned: torchspan.Spanned, reference: nn.Module, label: str, rank: int) -> int:
-    ref = dict(reference.named_parameters())
-    held = 0
-    for name, p in spanned.module.named_parameters():
-        if p.device.type == "meta":
-            assert not p.requires_grad, f"{label}: rank {rank}: {name} is another stage's but trainable"
-            continue
-        held += 1
-        assert p.grad is not None, f"{label}: rank {rank}: {name} has no gradient"
-        torch.testing.assert_close(p.grad, ref[name].grad, **TOL, msg=lambda m: f"{label}: rank {rank}: {name}: {m}")
-    return held
-
-
 def _train_and_compare(make, label: str, rank: int, world: int, vocab: int, with_mask: bool, **span_args) -> None:
     model = make()
     reference = copy.deepcopy(model)
@@ -194,7 +180,7 @@ def _train_and_compare(make, label: str, rank: int, world: int, vocab: int, with
         expected = _token_ce(reference(**inputs), labels)
         expected.backward()
         torch.testing.assert_close(loss.double(), expected.detach(), **LOSS_TOL)
-        held = _compare(spanned, reference, f"{label} step {step}", rank)
+        held = _check(spanned, reference, f"{label} step {step}", rank)
         assert held > 0, f"{label}: rank {rank} holds no parameters"
         assert spanned.memory()[rank]["activations"] > 0, f"{label}: rank {rank}'s stage saved no activations"
     metered = spanned.memory()[rank]["activations"]
@@ -268,7 +254,7 @@ def _hybrid_worker(rank: int, world: int, port: int) -> None:
     expected = _token_ce(reference(ids, attention_mask=mask), labels)
     expected.backward()
     torch.testing.assert_close(loss.double(), expected.detach(), **LOSS_TOL)
-    _compare(spanned, reference, "llama 2x2", rank)
+    _check(spanned, reference, "llama 2x2", rank)
     opt = torch.optim.SGD(spanned.parameters(), lr=0.1)
     opt.step()
     embed = spanned.module.model.embed_tokens.weight  # tied: held by both stages, identical on all four ranks

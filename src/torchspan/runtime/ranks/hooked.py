@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ... import schedule as sched
 from ...hardware import to_device
@@ -396,17 +396,13 @@ class RankHookExecutor(RankStage, HookedExecutor):
     def forward(self, work: Work) -> list[Any]:
         """Outputs of every micro-batch on every rank of this pipeline (no autograd across processes)."""
         outs: list[Any] = []
-        last = self._peer(self.mesh.stages - 1)
         with self._layers_wrapped(), torch.no_grad():
             ok = False
             try:
                 for mb in range(len(work.chunks)):
                     out, _ = self._forward(work, mb, grad=False)
-                    outs.append(out if self.info.rank == last else None)
+                    outs.append(out if self.stage == self.mesh.stages - 1 else None)
                 ok = True
             finally:
                 self._settle_sends(ok)
-        box = [outs if self.info.rank == last else None]
-        dist.broadcast_object_list(box, src=last, group=self._pipe_group, device=self._comm)
-        dev = self.device
-        return [tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, o) for o in box[0]]
+        return self._shared_outputs(outs)

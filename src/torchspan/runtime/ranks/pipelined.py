@@ -128,11 +128,7 @@ class RankPipelineExecutor(RankStage, PipelinedExecutor):
         """Outputs of every micro-batch on every rank of this pipeline (no autograd across processes)."""
         with torch.no_grad():
             outs = super().forward(work)
-        last = self.mesh.rank(self.replica, self.mesh.stages - 1)
-        box = [outs if self.info.rank == last else None]
-        dist.broadcast_object_list(box, src=last, group=self._pipe_group, device=self._comm)
-        dev = self.device
-        return [torch.utils._pytree.tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, o) for o in box[0]]
+        return self._shared_outputs(outs)
 
 
 def launched_mesh(plan: Any, devices: Any, balance: Sequence[int] | None) -> tuple[Mesh, RankInfo] | None:

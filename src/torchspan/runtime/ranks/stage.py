@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..lossweights import LossSpec
 from .env import RankInfo
@@ -172,6 +172,13 @@ class RankStage:
                 f"{self.mesh.replicas})); seed the data the same on every rank of a pipeline"
             )
         self._batch_checked = shapes
+
+    def _shared_outputs(self, outs: list[Any] | None) -> list[Any]:
+        """The last stage's outputs (``outs`` there, ignored elsewhere) on every rank of this pipeline, on this rank's device."""
+        last = self.mesh.rank(self.replica, self.mesh.stages - 1)
+        box = [outs if self.info.rank == last else None]
+        dist.broadcast_object_list(box, src=last, group=self._pipe_group, device=self._comm)
+        return [tree_map(lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t, o) for o in box[0] or []]
 
     def weights(self, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
         """Micro-batch weights against the global batch. Only the last stages weigh losses: they all-reduce
