@@ -4,6 +4,8 @@
    2 gloo processes; torchspan ``span(model, balance=..., schedule="1f1b")`` against
    ``torch.distributed.pipelining`` ``PipelineStage`` + ``Schedule1F1B``. Prints the median step
    times, their ratio torchspan / torch and the median of per-round ratios (goal <= 0.9).
+   ``--schedule 1f1b gpipe`` times several torchspan schedules in the same rounds (torch's
+   stays ``Schedule1F1B``), each with its own ratios.
 2. **Hybrid 2 x 2** (``hybrid``) on 4 processes against plain ``DistributedDataParallel`` of the
    whole model (each DDP rank a quarter of the batch).
 
@@ -36,6 +38,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torchspan  # noqa: E402
+from torchspan.schedule import SCHEDULES  # noqa: E402
 from torchspan.runtime.ranks import free_port, init_distributed  # noqa: E402
 
 
@@ -83,15 +86,21 @@ def _pipeline(rank: int, world: int, port: int, args: argparse.Namespace, out: s
     y = torch.randn(args.batch, args.width, generator=g)
     loss_fn = nn.MSELoss()
     n = 2 * args.depth
-    ours = torchspan.span(_model(args.width, args.depth), balance=[n // 2, n - n // 2], microbatches=args.microbatches, schedule="1f1b")
+    ours = {
+        f"torchspan {name}": torchspan.span(_model(args.width, args.depth), balance=[n // 2, n - n // 2], microbatches=args.microbatches, schedule=name)
+        for name in args.schedule
+    }
     whole = _model(args.width, args.depth)
     half = nn.Sequential(*list(whole)[: n // 2]) if rank == 0 else nn.Sequential(*list(whole)[n // 2 :])
     stage = PipelineStage(half, rank, world, torch.device("cpu"))
     theirs = Schedule1F1B(stage, n_microbatches=args.microbatches, loss_fn=loss_fn)
 
-    def step_ours() -> None:
-        ours.zero_grad()
-        ours.train_step(x, y, loss_fn)
+    def step_ours(spanned: torchspan.Spanned):  # type: ignore[no-untyped-def]
+        def step() -> None:
+            spanned.zero_grad()
+            spanned.train_step(x, y, loss_fn)
+
+        return step
 
     def step_theirs() -> None:
         half.zero_grad()
@@ -100,9 +109,10 @@ def _pipeline(rank: int, world: int, port: int, args: argparse.Namespace, out: s
         else:
             theirs.step(target=y, losses=[])
 
-    times = _rounds({"torchspan": step_ours, "torch": step_theirs}, args)
+    steps = {name: step_ours(spanned) for name, spanned in ours.items()}
+    times = _rounds({**steps, "torch": step_theirs}, args)
     if rank == 0:
-        _report(out, "pipeline 2 ranks (1F1B)", times, "torchspan", "torch")
+        _report(out, "pipeline 2 ranks (torch: Schedule1F1B)", times, list(steps), "torch")
 
 
 def _hybrid(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
@@ -130,16 +140,17 @@ def _hybrid(rank: int, world: int, port: int, args: argparse.Namespace, out: str
 
     times = _rounds({"torchspan 2x2": step_ours, "DDP x4": step_ddp}, args)
     if rank == 0:
-        _report(out, "hybrid 2 stages x 2 replicas vs DDP on 4 processes", times, "torchspan 2x2", "DDP x4")
+        _report(out, "hybrid 2 stages x 2 replicas vs DDP on 4 processes", times, ["torchspan 2x2"], "DDP x4")
 
 
-def _report(out: str, title: str, times: dict[str, list[float]], ours: str, anchor: str) -> None:
+def _report(out: str, title: str, times: dict[str, list[float]], ours: list[str], anchor: str) -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
-    per_round = [a / b for a, b in zip(times[ours], times[anchor])]
     lines = [f"{title}:"]
-    lines += [f"  {k:14s} median {v * 1e3:8.2f} ms/step over {len(times[k])} rounds" for k, v in med.items()]
-    lines.append(f"  ratio {ours} / {anchor} = {med[ours] / med[anchor]:.3f} (medians); median of per-round ratios {statistics.median(per_round):.3f}")
-    lines.append("  per-round ratios: " + " ".join(f"{r:.2f}" for r in per_round))
+    lines += [f"  {k:20s} median {v * 1e3:8.2f} ms/step over {len(times[k])} rounds" for k, v in med.items()]
+    for name in ours:
+        per_round = [a / b for a, b in zip(times[name], times[anchor])]
+        lines.append(f"  ratio {name} / {anchor} = {med[name] / med[anchor]:.3f} (medians); median of per-round ratios {statistics.median(per_round):.3f}")
+        lines.append("    per-round ratios: " + " ".join(f"{r:.2f}" for r in per_round))
     Path(out).write_text("\n".join(lines) + "\n")
 
 
@@ -151,6 +162,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=8)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--schedule", nargs="+", choices=SCHEDULES, default=["1f1b"],
+                   help="torchspan's pipeline schedule(s), each timed against Schedule1F1B in the same rounds (default 1f1b)")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads per process (0: cores // processes)")
     p.add_argument("--only", nargs="+", choices=("pipeline", "hybrid"), default=("pipeline", "hybrid"))
     p.add_argument("--skip-hybrid", action="store_true", help="same as --only pipeline")
