@@ -208,6 +208,15 @@ def _hf_worker(rank: int, world: int, port: int) -> None:
     _train_and_compare(_gpt2, "gpt2 balance [5, 3] checkpointed", rank, world, 40, True,
                        balance=[5, 3], microbatches=3, schedule="1f1b", checkpoint="except_last")  # fmt: skip
     _train_and_compare(Wrapped, "wrapper", rank, world, 30, False, balance=[3, 3], microbatches=3, schedule="1f1b")
+    # A plan made for a described cluster (two H100s) runs on whatever device each launched rank has.
+    box = [None]
+    if rank == 0:
+        ids, _, _ = _batch(1, 6, 7, 40)
+        box = [torchspan.plan(_llama(), (ids,), devices="h100-80gb*2", memory={"cuda:0": "250KB", "cuda:1": "250KB"}, microbatches=3)]
+    torch.distributed.broadcast_object_list(box, src=0)
+    plan = box[0]
+    assert [st.device for st in plan.stages] == ["cuda:0", "cuda:1"]
+    _train_and_compare(_llama, "llama from a 2-GPU plan", rank, world, 40, True, plan=plan)
 
 
 def _bf16_worker(rank: int, world: int, port: int) -> None:

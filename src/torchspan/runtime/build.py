@@ -149,9 +149,9 @@ def span(
                     f"plan stage {i} names layer(s) {unknown}, which the model does not have; its layers are "
                     f"{', '.join(names)}. Re-plan for this model (torchspan.plan(model, x, ...))"
                 )
-        groups, devs = stages_from_plan(plan, plan.layers, None)
+        groups, devs = stages_from_plan(plan, plan.layers, None, ranked[1].device if ranked else None)
     elif plan is not None:
-        groups, devs = stages_from_plan(plan, names, order)
+        groups, devs = stages_from_plan(plan, names, order, ranked[1].device if ranked else None)
     else:
         if devices is None:
             first = next(iter(model.parameters()), None)

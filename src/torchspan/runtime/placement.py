@@ -71,8 +71,13 @@ def stages_from_balance(order: Sequence[str], devices: Sequence[torch.device], b
     return out
 
 
-def stages_from_plan(plan: Plan, layer_names: Sequence[str], order: Sequence[str] | None) -> tuple[list[list[str]], list[torch.device]]:
-    """The plan's layer groups and devices, checked against the model's layers (and order, if known)."""
+def stages_from_plan(
+    plan: Plan, layer_names: Sequence[str], order: Sequence[str] | None, here: torch.device | None = None
+) -> tuple[list[list[str]], list[torch.device]]:
+    """The plan's layer groups and devices, checked against the model's layers (and order, if known).
+
+    ``here``: a launched job's rank device, which every stage of this rank uses instead of the plan's
+    device names (those of the planned cluster's ranks, not necessarily visible on this one)."""
     known = set(layer_names)
     for i, st in enumerate(plan.stages):
         for name in st.layers:
@@ -95,6 +100,8 @@ def stages_from_plan(plan: Plan, layer_names: Sequence[str], order: Sequence[str
                     f"plan puts layer {got!r} at position {i}, but the model runs {want!r} there "
                     f"(execution order: {', '.join(order)}); stages must follow execution order. Re-plan for this model"
                 )
+    if here is not None:
+        return [list(st.layers) for st in plan.stages], [here] * len(plan.stages)
     devs = []
     for i, st in enumerate(plan.stages):
         try:
