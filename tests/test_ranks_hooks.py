@@ -1,5 +1,6 @@
 """Pipelines across gloo ranks for models that run their own forward: transformers decoders with tied
-embeddings, keyword inputs and ``ModelOutput``s, and user wrappers around ``ModuleList``s.
+embeddings, keyword inputs and ``ModelOutput``s, an encoder-decoder (T5), and user wrappers around
+``ModuleList``s.
 
 Each rank runs the model's forward with other stages' layers on ``meta`` (``runtime.ranks.hooked``).
 Every spawned rank compares the gradients of the parameters it holds, by name, with one device on
@@ -200,6 +201,28 @@ def _train_and_compare(make, label: str, rank: int, world: int, vocab: int, with
         torch.testing.assert_close(got, want["logits"] if isinstance(want, dict) else want.logits, **TOL)
 
 
+def _t5_across_ranks(rank: int) -> None:
+    """Encoder-decoder: the encoder's output feeds every decoder block on the other rank (cross-attention),
+    and the shared embedding is tied across the ranks."""
+    cfg = transformers.T5Config(
+        vocab_size=40, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2,
+        dropout_rate=0.0, use_cache=False, decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    model = transformers.T5ForConditionalGeneration(cfg).double()
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(4)
+    ids, dec, labels = (torch.randint(1, 40, shape, generator=g) for shape in ((5, 7), (5, 4), (5, 4)))
+    labels[0, 2:] = -100
+    spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=2, schedule="1f1b")
+    inputs = {"input_ids": ids, "decoder_input_ids": dec}
+    loss = spanned.train_step(inputs, labels, _token_ce, loss_normalizer=_tokens)
+    expected = _token_ce(reference(**inputs), labels)
+    expected.backward()
+    torch.testing.assert_close(loss.double(), expected.detach(), **LOSS_TOL)
+    assert _check(spanned, reference, "t5", rank) > 0
+
+
 def _hf_worker(rank: int, world: int, port: int) -> None:
     _join(rank, world, port)
     for schedule in ("gpipe", "1f1b"):
@@ -208,6 +231,7 @@ def _hf_worker(rank: int, world: int, port: int) -> None:
     _train_and_compare(_gpt2, "gpt2 balance [5, 3] checkpointed", rank, world, 40, True,
                        balance=[5, 3], microbatches=3, schedule="1f1b", checkpoint="except_last")  # fmt: skip
     _train_and_compare(Wrapped, "wrapper", rank, world, 30, False, balance=[3, 3], microbatches=3, schedule="1f1b")
+    _t5_across_ranks(rank)
     # A plan made for a described cluster (two H100s) runs on whatever device each launched rank has.
     box = [None]
     if rank == 0:
