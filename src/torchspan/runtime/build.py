@@ -1,8 +1,8 @@
 """``span(model, ...)``: validate its arguments and choose the executor that runs the model.
 
 The one place that knows every executor: the local pipeline (``nn.Sequential``, fx splits), the
-threaded one (a model's own forward, blocks as layers), hook placement, a pipeline across ranks and
-a data-parallel replica per rank. It returns the ``Spanned`` façade over the one it chose.
+threaded one (a model's own forward, blocks as layers), hook placement, a pipeline across ranks
+(stage functions, or the model's own forward) and a data-parallel replica per rank. It returns the ``Spanned`` façade over the one it chose.
 
 Usage: ``spanned = span(model, devices=["cpu", "cpu"], balance=[2, 2], microbatches=4)``.
 """
@@ -86,7 +86,9 @@ def span(
     or none, or a one-stage plan) returns this rank's exact data-parallel replica
     (``runtime.ranks.replicated``: ``train_step`` on the rank's shard leaves every rank the
     single-device gradient of all shards; ``join(optimizer)`` for uneven epoch ends); with more
-    stages, a pipeline across ranks (``runtime.ranks.pipelined``).
+    stages, a pipeline across ranks: stage functions for an ``nn.Sequential`` or fx-traceable model
+    (``runtime.ranks.pipelined``), else the model's own forward on every rank with the other stages'
+    layers on ``meta`` (``runtime.ranks.hooked``: transformers models, wrappers around ``ModuleList``s).
 
     Usage: ``span(model, devices=["cpu", "cpu"], balance=[2, 2], microbatches=4, schedule="1f1b")``.
     """

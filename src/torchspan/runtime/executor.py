@@ -1,10 +1,12 @@
 """The executor interface: what runs a ``Spanned``'s forward and training steps on its stages.
 
 ``Spanned`` (the façade) validates arguments, opens and closes each step (timeline, activation
-meter) and gathers outputs; an executor owns placement and execution. Two implement it today, in
-``runtime.local``: ``PipelinedExecutor`` (stage functions from an ``nn.Sequential`` or an fx split,
-run by the threaded ``Pipeline``) and ``HookedExecutor`` (hook placement, the model's own
-forward). An executor across processes implements the same five methods.
+meter) and gathers outputs; an executor owns placement and execution. In one process
+(``runtime.local``): ``PipelinedExecutor`` (stage functions from an ``nn.Sequential`` or an fx
+split, run by the threaded ``Pipeline``), ``HookedExecutor`` (hook placement, the model's own
+forward) and ``ThreadedExecutor`` (the same, micro-batches pipelined by threads). Across processes
+(``runtime.ranks``): ``RankPipelineExecutor``, ``RankHookExecutor`` and ``ReplicaExecutor``, the
+same methods.
 
 Usage (``Spanned`` does this)::
 
