@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import copy
 import os
+import types
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 import torchspan
 from torchspan.runtime.ranks import free_port, init_distributed
@@ -80,26 +82,42 @@ def test_meta_calls_run_a_layer_once_per_call_shape_and_replay_it() -> None:
     from torchspan.runtime.ranks.metacalls import MetaCalls
 
     calls, route = MetaCalls(), object()
+
+    def call(fn, args, kwargs):  # noqa: ANN001 - as RankHookExecutor calls it: flattened meta arguments
+        leaves, spec = tree_flatten((args, kwargs))
+        return calls.run(route, layer, fn, leaves, spec)
+
     layer = nn.Linear(4, 3).to("meta")
     x = torch.empty(5, 4, device="meta")
-    first = calls.run(route, layer, layer, (x,), {})
-    again = calls.run(route, layer, layer, (torch.empty(5, 4, device="meta"),), {})
+    first = call(layer, (x,), {})
+    again = call(layer, (torch.empty(5, 4, device="meta"),), {})
     assert calls.ran == 1 and first.shape == again.shape == (5, 3) and first is not again and again.is_meta
-    calls.run(route, layer, layer, (torch.empty(2, 4, device="meta"),), {})  # another shape: runs
+    call(layer, (torch.empty(2, 4, device="meta"),), {})  # another shape: runs
     layer.eval()
-    calls.run(route, layer, layer, (x,), {})  # the training flag is part of the key
+    call(layer, (x,), {})  # the training flag is part of the key
     assert calls.ran == 3
 
     passthrough = lambda h, scale=1.0: (h, h.float() * scale)  # noqa: E731 - returns its own argument
     y = torch.empty(2, 2, dtype=torch.bfloat16, device="meta")
-    out = calls.run(route, layer, passthrough, (y,), {"scale": 2.0})
-    out2 = calls.run(route, layer, passthrough, (y,), {"scale": 2.0})
+    out = call(passthrough, (y,), {"scale": 2.0})
+    out2 = call(passthrough, (y,), {"scale": 2.0})
     assert out2[0] is y and out2[1].dtype == torch.float32 and calls.ran == 4 and out[0] is y
-    stateful = lambda h, cache: (h + 1, cache.append(1))  # noqa: E731 - an object argument: never replayed
-    cache: list[int] = []
-    calls.run(route, layer, stateful, (y, cache), {})
-    calls.run(route, layer, stateful, (y, cache), {})
-    assert cache == [1, 1] and calls.ran == 6
+    stateful = lambda h, cache: (h + 1, cache.seen.append(1))  # noqa: E731 - an object argument: never replayed
+    cache = types.SimpleNamespace(seen=[])
+    call(stateful, (y, cache), {})
+    call(stateful, (y, cache), {})
+    assert cache.seen == [1, 1] and calls.ran == 6
+
+
+def test_a_layer_growing_a_container_it_was_given_is_refused() -> None:
+    from torchspan.runtime.ranks.taint import check_unchanged, container_sizes
+
+    given = ([torch.ones(1)], {"k": {"a": 1}})
+    sizes = container_sizes(given)
+    check_unchanged(sizes, "blocks.0")
+    given[1]["k"]["b"] = 2
+    with pytest.raises(ValueError, match=r"layer 'blocks.0' changed a dict it was given \(length 1 -> 2\)"):
+        check_unchanged(sizes, "blocks.0")
 
 
 # ---------------------------------------------------------------------- models
@@ -223,7 +241,7 @@ def _t5_across_ranks(rank: int) -> None:
     assert _check(spanned, reference, "t5", rank) > 0
 
 
-def _hf_worker(rank: int, world: int, port: int) -> None:
+def _hf_worker(rank: int, world: int, port: int, plan: torchspan.Plan) -> None:
     _join(rank, world, port)
     for schedule in ("gpipe", "1f1b"):
         _train_and_compare(_llama, f"llama tied {schedule}", rank, world, 40, True,
@@ -233,12 +251,6 @@ def _hf_worker(rank: int, world: int, port: int) -> None:
     _train_and_compare(Wrapped, "wrapper", rank, world, 30, False, balance=[3, 3], microbatches=3, schedule="1f1b")
     _t5_across_ranks(rank)
     # A plan made for a described cluster (two H100s) runs on whatever device each launched rank has.
-    box = [None]
-    if rank == 0:
-        ids, _, _ = _batch(1, 6, 7, 40)
-        box = [torchspan.plan(_llama(), (ids,), devices="h100-80gb*2", memory={"cuda:0": "250KB", "cuda:1": "250KB"}, microbatches=3)]
-    torch.distributed.broadcast_object_list(box, src=0)
-    plan = box[0]
     assert [st.device for st in plan.stages] == ["cuda:0", "cuda:1"]
     _train_and_compare(_llama, "llama from a 2-GPU plan", rank, world, 40, True, plan=plan)
 
@@ -271,7 +283,9 @@ def test_bf16_across_ranks_matches_bf16_in_one_process() -> None:
 
 @pytest.mark.slow
 def test_transformers_decoders_and_wrappers_across_two_ranks_match_one_device() -> None:
-    _spawn(_hf_worker, 2, free_port(), deadline=240.0)
+    ids, _, _ = _batch(1, 6, 7, 40)
+    plan = torchspan.plan(_llama(), (ids,), devices="h100-80gb*2", memory={"cuda:0": "250KB", "cuda:1": "250KB"}, microbatches=3)
+    _spawn(_hf_worker, 2, free_port(), plan, deadline=240.0)
 
 
 def _hybrid_worker(rank: int, world: int, port: int) -> None:

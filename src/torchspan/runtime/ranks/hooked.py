@@ -51,7 +51,7 @@ from .metacalls import MetaCalls
 from .p2p import PeerError
 from .routes import GRAD, META, REAL, CallRoute, DivergedError, Seen, route_call
 from .stage import RankStage
-from .taint import MetaTaint, to_meta
+from .taint import MetaTaint, check_unchanged, container_sizes, meta_like, to_meta
 
 __all__ = ["RankHookExecutor"]
 
@@ -83,6 +83,18 @@ class _Path:
 
     def __init__(self) -> None:
         self.next: dict[tuple[Any, ...], tuple[CallRoute, _Path]] = {}
+
+
+def _guarded(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``fn`` on rebuilt (meta) arguments, raising if it changed a container it was given."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        sizes = container_sizes((args, kwargs))
+        out = fn(*args, **kwargs)
+        check_unchanged(sizes, name)
+        return out
+
+    return run
 
 
 class RankHookExecutor(RankStage, HookedExecutor):
@@ -224,8 +236,9 @@ class RankHookExecutor(RankStage, HookedExecutor):
                     st.sent.append((tensors[tr.leaf], tr.dst))
         if not local:  # another stage's layer: its outputs' shapes, on meta (replayed once known)
             with torch.no_grad(), self._swapped(name):
-                meta_args, meta_kwargs = to_meta((args, kwargs))
-                return self._meta_calls.run(route, self.layers[name], fn, meta_args, meta_kwargs)
+                meta = [meta_like(v) if isinstance(v, torch.Tensor) else v for v in leaves]
+                return self._meta_calls.run(route, self.layers[name], _guarded(fn, name), meta, spec)
+        replaced = False  # a leaf of the call had to be replaced: the layer gets rebuilt containers
         for tr in route.transfers:
             held = tensors[tr.leaf]
             dtype = tr.dtype if tr.dtype is not None else held.dtype  # autocast on the sender: its dtype
@@ -234,7 +247,7 @@ class RankHookExecutor(RankStage, HookedExecutor):
                 torch.utils.swap_tensors(held, got)
                 got = held
             except RuntimeError:  # a placeholder with views: only this call's argument is replaced
-                pass
+                replaced = True
             if st.grad and tr.grad:
                 got.requires_grad_(True)
                 st.inbound.append((got, tr.src))
@@ -246,7 +259,9 @@ class RankHookExecutor(RankStage, HookedExecutor):
             if st.at.get(id(tensors[r.leaf])) != (r.call, r.at):
                 raise DivergedError(f"torchspan: layer {name!r} no longer reads what call {r.call} received (argument {r.at})")
             leaves[where[r.leaf]] = st.value[(r.call, r.at)]
-        real_args, real_kwargs = tree_unflatten(leaves, spec)
+            replaced = True
+        real_args, real_kwargs = tree_unflatten(leaves, spec) if replaced else (args, kwargs)
+        sizes = container_sizes((real_args, real_kwargs)) if replaced else []
         shared = []
         if recording:  # an in-place write to an input other ranks hold would leave theirs stale
             shared = [(i, leaves[where[i]], leaves[where[i]]._version) for i in range(len(tensors)) if self._shared(route, i)]
@@ -256,6 +271,7 @@ class RankHookExecutor(RankStage, HookedExecutor):
                 out = torch.utils.checkpoint.checkpoint(fn, *real_args, use_reentrant=False, context_fn=context, **real_kwargs)
             else:
                 out = fn(*real_args, **real_kwargs)
+        check_unchanged(sizes, name)
         for i, t, version in shared:
             if t._version != version:
                 raise ValueError(

@@ -13,7 +13,8 @@ value (a cache object a layer may update) is run every time.
 Usage (``RankHookExecutor`` does this)::
 
     calls = MetaCalls()
-    out = calls.run(route, module, fn, meta_args, meta_kwargs)
+    leaves, spec = tree_flatten(to_meta((args, kwargs)))
+    out = calls.run(route, module, fn, leaves, spec)
 """
 
 from __future__ import annotations
@@ -86,14 +87,15 @@ class MetaCalls:
                 return None
         return tuple(key)
 
-    def run(self, route: Any, module: nn.Module, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)`` (meta arguments, no grad), or its recorded outputs for this call's key."""
-        leaves, _ = tree_flatten((args, kwargs))
+    def run(self, route: Any, module: nn.Module, fn: Callable[..., Any], leaves: list[Any], spec: Any) -> Any:
+        """``fn(*args, **kwargs)`` for the flattened ``(args, kwargs)`` (``leaves``: meta tensors and plain
+        values, ``spec``), run without grad, or its recorded outputs for this call's key."""
         inputs = [t for t in leaves if isinstance(t, torch.Tensor)]
         key = self._key(route, module, leaves)
         template = self._templates.get(key) if key is not None else None
         if template is None:
             self.ran += 1
+            args, kwargs = tree_unflatten(leaves, spec)
             out = fn(*args, **kwargs)
             template = _Template.of(out, inputs) if key is not None else None
             if template is None:

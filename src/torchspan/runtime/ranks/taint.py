@@ -30,7 +30,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["MetaTaint", "to_meta", "is_meta"]
+__all__ = ["MetaTaint", "check_unchanged", "container_sizes", "meta_like", "to_meta", "is_meta"]
 
 # Functions whose result depends only on the shape/dtype of their tensor argument, not its data.
 _FROM_SHAPE = {
@@ -44,9 +44,44 @@ def is_meta(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.is_meta
 
 
+def meta_like(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when already ``meta``, else a ``meta`` tensor of its shape, strides and dtype (no grad)."""
+    return t if t.is_meta else torch.empty_like(t, device=_META)
+
+
 def to_meta(tree: Any) -> Any:
     """``tree`` with every tensor replaced by a ``meta`` tensor of its shape and dtype (no grad)."""
-    return tree_map(lambda t: torch.empty_like(t, device=_META) if isinstance(t, torch.Tensor) and not t.is_meta else t, tree)
+    return tree_map(lambda t: meta_like(t) if isinstance(t, torch.Tensor) else t, tree)
+
+
+def container_sizes(tree: Any) -> list[tuple[Any, int]]:
+    """The lists and dicts inside ``tree`` (below its top level) with their lengths: ``check_unchanged`` after a call."""
+    found: list[tuple[Any, int]] = []
+
+    def walk(node: Any, top: bool) -> None:
+        if isinstance(node, (list, dict)) and not top:
+            found.append((node, len(node)))
+        if isinstance(node, (list, tuple)):
+            for v in node:
+                walk(v, False)
+        elif isinstance(node, dict):
+            for v in node.values():
+                walk(v, False)
+
+    walk(tree, True)
+    return found
+
+
+def check_unchanged(sizes: list[tuple[Any, int]], layer: str) -> None:
+    """Raise when a layer grew or shrank a list/dict argument: it got a copy here (its tensors swapped for
+    another stage's or for meta ones), so the model's own container would silently miss the change."""
+    for node, size in sizes:
+        if len(node) != size:
+            raise ValueError(
+                f"torchspan: layer {layer!r} changed a {type(node).__name__} it was given (length {size} -> {len(node)}); "
+                "across ranks a layer gets its own copy of container arguments, so the model's container would not "
+                "see the change. Return the new values from the layer instead, or run the model in one process"
+            )
 
 
 def _is_meta_device(d: Any) -> bool:
