@@ -149,7 +149,7 @@ def test_picks_data_parallel_when_the_model_fits_and_the_link_is_fast() -> None:
     assert plan.data_parallel == 8 and len(plan.stages) == 1 and plan.world_size == 8
     assert sorted(r for row in plan.stage_ranks for r in row) == list(range(8))
     t = plan.predicted_times
-    assert plan.predicted_step_time == pytest.approx(t["compute"] + t["allreduce"] + t["p2p"], rel=1e-12)
+    assert plan.predicted_step_time == pytest.approx(t["compute"] + t["allreduce"] + t["p2p"] + t["ties"], rel=1e-12)
     assert t["allreduce"] > 0
 
 
@@ -266,7 +266,7 @@ def test_overlap_makes_data_parallel_the_choice() -> None:
     assert plan.data_parallel == 2 and len(plan.stages) == 1
     t = plan.predicted_times
     assert 0 < t["allreduce"] < t["allreduce_total"]
-    assert plan.predicted_step_time == pytest.approx(t["compute"] + t["allreduce"] + t["p2p"], rel=1e-12)
+    assert plan.predicted_step_time == pytest.approx(t["compute"] + t["allreduce"] + t["p2p"] + t["ties"], rel=1e-12)
     assert any("8 bucket(s)" in n for n in plan.notes) and any("exposed" in n for n in plan.notes)
     assert "allreduce_total" in str(plan)  # the printed step split: exposed and total
 

@@ -2,7 +2,8 @@
 
 Pure data over a ``profiler.costs.Profile`` (only ``api.plan`` measures). Modules, low to high:
 ``plans`` (``Plan`` JSON), ``stages`` (a placement and its verdict), ``physical`` (entries that are
-one device; budgets, links), ``cost`` (``CostModel``: step time and memory), ``settings`` (the
+one device; budgets, links), ``ties`` (what a split tied parameter costs), ``cost`` (``CostModel``:
+step time and memory), ``settings`` (the
 settings grid), ``solver`` (the exact dynamic programme), ``explain`` (why nothing fits:
 ``PlanError``'s text), ``optimize`` (``search``), ``baselines``, ``spread`` (one stage per
 device), ``measured`` (predicted vs measured), ``comm`` (all-reduce and point-to-point times over

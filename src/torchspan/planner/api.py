@@ -20,6 +20,7 @@ from .plans import Plan
 from .optimize import search
 from .cluster import cluster_search
 from .mesh import Mesh
+from .ties import TieCost
 
 __all__ = ["plan"]
 
@@ -67,14 +68,32 @@ def plan(
     # the cluster is checked before the (slow) profile
     mesh = None if one_process else Mesh.describe(devs, nodes or 1, intra=intra_link, interconnect=interconnect)
     prof = profile(model, example_inputs, devs, optimizer=optimizer, dtype=dtype)
+    ties = tie_costs(model, [lay.name for lay in prof.layers])
     if mesh is None:
-        result = search(prof, microbatches=microbatches, schedule=schedule, checkpoint=checkpoint)
+        result = search(prof, microbatches=microbatches, schedule=schedule, checkpoint=checkpoint, ties=ties)
     else:
         result = cluster_search(
-            prof, mesh, microbatches=microbatches, schedule=schedule, checkpoint=checkpoint, data_parallel=data_parallel
-        )
-    record_ties(result, model)
+            prof, mesh, microbatches=microbatches, schedule=schedule, checkpoint=checkpoint, data_parallel=data_parallel,
+            ties=ties,
+        )  # fmt: skip
+    if not result.ties:  # the searches record (and charge) the ties they were given
+        record_ties(result, model)
     return result
+
+
+def tie_costs(model: nn.Module, layer_names: list[str]) -> list[TieCost]:
+    """Each Parameter two or more of ``layer_names`` hold, as the cost models take it (structural ties only)."""
+    names = sorted(layer_names, key=len, reverse=True)  # longest first: the finest layer holding a name
+    order = {n: i for i, n in enumerate(layer_names)}
+    groups: dict[int, tuple[nn.Parameter, list[str]]] = {}
+    for qualified, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), (param, []))[1].append(qualified)
+    out = []
+    for param, qualified in groups.values():
+        held = {next((n for n in names if q == n or q.startswith(n + ".")), None) for q in qualified} - {None}
+        if len(held) >= 2:
+            out.append(TieCost(qualified[0], tuple(sorted(order[n] for n in held)), param.numel() * param.element_size()))  # type: ignore[index]
+    return sorted(out, key=lambda t: (t.layers, t.name))
 
 
 def record_ties(result: Plan, model: nn.Module) -> None:

@@ -21,7 +21,8 @@ What is predicted, per replica (all replicas alike; ``M`` micro-batches)::
                 replica's adjacent stages sit on different nodes)
     p2p       = pipeline - compute
     exposed   = max(0, max_s end_s)                          (the step's all-reduce: added to it)
-    step      = pipeline + exposed
+    ties      = max(0, max_s end_s, max_t end_t) - exposed   (tied parameters' all-reduces, beyond it)
+    step      = pipeline + exposed + ties
 
 ``end_s`` is when stage ``s``'s gradient all-reduce over its ``dp`` replicas (``comm.allreduce_time``
 on the link its replicas span) ends, in seconds after the pipeline's last backward ends (stage
@@ -36,6 +37,16 @@ on the link its replicas span) ends, in seconds after the pipeline's last backwa
   micro-batch's backward, plus its recompute under ``checkpoint="always"``), so
   ``end_s = AR_s - lead_s``: later stages hide their reduction behind earlier stages' backward.
 
+Tied parameters (``planner.ties``; ``RankStage``): a tie held by stages ``T`` (more than one) is all-reduced
+in its own group, the ranks of ``T`` in every replica (``n = dp * |T|``), on the slowest link among them
+(``mesh.link``), one flat buffer launched with the stage's own, after each rank's last backward; its
+bytes leave the home stage's buffer. A collective starts when its last member joins, the stage of
+``T`` that finished backward last (the least ``lead_s``), so ``end_t = AR_t - min_{s in T} lead_s``.
+It runs beside the stages' all-reduces (other groups, other communicators), so only what it adds
+past them is charged (``ties``). A pipeline's first and last stages finish their backward last and
+first, so an embedding tied to the head (stage 0 in ``T``) is exposed in full. The replica's cut is
+searched without this charge (``optimize.search`` on one replica); candidates are compared with it.
+
 ``allreduce_total`` is the longest stage's all-reduce were none of it hidden. Not modelled: the
 optimizer step, an all-reduce slowing the compute it overlaps, and several stages' all-reduces
 sharing one node's network link.
@@ -47,6 +58,7 @@ activations for the per-replica micro-batches); all-reduce buckets are not count
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,6 +75,7 @@ from .physical import INF, host_bandwidth
 from .plans import Plan
 from .settings import settings_grid
 from .stages import Evaluation, Stage
+from .ties import TieCost, split_stages, tie_entry
 
 __all__ = ["ClusterCandidate", "Reduction", "cluster_search", "evaluate_cluster", "even_cut", "stage_reductions", "world_splits"]
 
@@ -95,6 +108,8 @@ class ClusterCandidate:
     allreduce: float  # exposed: the part of the all-reduce the step waits for after the last backward
     links: tuple[str, ...]  # per boundary: the link key its hand-overs use
     reductions: tuple[Reduction, ...]  # per stage
+    ties: float = 0.0  # exposed beyond ``allreduce``: the tied parameters' all-reduces (split ties only)
+    tie_reductions: tuple[tuple[TieCost, int, Reduction], ...] = ()  # (tie, ranks in its group, its all-reduce)
 
     @property
     def pp(self) -> int:
@@ -102,7 +117,7 @@ class ClusterCandidate:
 
     @property
     def step(self) -> float:
-        return self.compute + self.p2p + self.allreduce
+        return self.compute + self.p2p + self.allreduce + self.ties
 
     @property
     def allreduce_total(self) -> float:
@@ -119,7 +134,8 @@ class ClusterCandidate:
         return (
             f"dp {self.dp} x pp {self.pp} ({self.layout}), {self.cm.M} micro-batch(es), {self.cm.checkpoint}: "
             f"step {self.step * 1e3:.3f} ms = compute {self.compute * 1e3:.3f} + all-reduce {self.allreduce * 1e3:.3f} "
-            f"exposed (of {self.allreduce_total * 1e3:.3f}) + p2p {self.p2p * 1e3:.3f}; memory per stage {mem}"
+            f"exposed (of {self.allreduce_total * 1e3:.3f}) + p2p {self.p2p * 1e3:.3f}"
+            + (f" + ties {self.ties * 1e3:.3f}" if self.tie_reductions else "") + f"; memory per stage {mem}"
         )
 
 
@@ -150,9 +166,11 @@ def world_splits(world: int, layers: int, batch_size: int, data_parallel: int | 
 
 
 def evaluate_cluster(
-    cm: CostModel, ev: Evaluation, mesh: Mesh, stage_ranks: list[list[int]], layout: str, bucket_bytes: float = BUCKET_BYTES
+    cm: CostModel, ev: Evaluation, mesh: Mesh, stage_ranks: list[list[int]], layout: str, bucket_bytes: float = BUCKET_BYTES,
+    ties: Sequence[TieCost] = (),
 ) -> ClusterCandidate:
     """Predict a replica placement ``ev`` (under ``cm``, hand-overs free) on ``mesh`` (see the module docstring).
+    ``ties``: tied parameters, all-reduced in their own group where ``ev`` splits them.
 
     Usage: ``evaluate_cluster(cm, cm.evaluate(stages), mesh, [[0, 1]], "pipelines-in-node").step``.
     """
@@ -168,20 +186,42 @@ def evaluate_cluster(
     base = ev.latency_sum - sum(ev.links)  # stages only (the cost model's own links are free here)
     compute = base + c_in + (M - 1) * max(ev.bottleneck, c_in)
     pipeline = base + c_in + sum(hand) + (M - 1) * max([ev.bottleneck, c_in, *hand])
-    reductions = stage_reductions(cm, ev, mesh, stage_ranks, [h / 2 for h in hand], bucket_bytes)
+    split = [(t, split_stages(t, ev.stages)) for t in ties]
+    split = [(t, st) for t, st in split if len(st) > 1]
+    reductions = stage_reductions(cm, ev, mesh, stage_ranks, [h / 2 for h in hand], bucket_bytes, [t for t, _ in split])
     exposed = max(0.0, *(r.end for r in reductions))
+    leads = _leads(cm, ev, [h / 2 for h in hand])
+    tied = []
+    for tie, held in split:
+        ranks = sorted(r for s in held for r in stage_ranks[s])
+        link = mesh.link(ranks)
+        seconds = allreduce_time(float(tie.nbytes), len(ranks), link)
+        tied.append((tie, len(ranks), Reduction(link.key, seconds, 1, seconds - min(leads[s] for s in held))))
+    beyond = max(exposed, *(r.end for _, _, r in tied)) - exposed if tied else 0.0
     return ClusterCandidate(dp=len(stage_ranks[0]), layout=layout, stage_ranks=stage_ranks, cm=cm, evaluation=ev,
                             compute=compute, p2p=pipeline - compute, allreduce=exposed, links=tuple(link_keys),
-                            reductions=tuple(reductions))  # fmt: skip
+                            reductions=tuple(reductions), ties=beyond, tie_reductions=tuple(tied))  # fmt: skip
+
+
+def _leads(cm: CostModel, ev: Evaluation, back: list[float]) -> list[float]:
+    """Per stage: how long before stage 0 it ran its last backward (``lead_s``, module docstring)."""
+    out, lead = [], 0.0
+    for s in range(len(ev.stages)):
+        out.append(lead)
+        recompute = ev.forward[s] if cm.checkpoint == "always" else 0.0
+        lead += ev.backward[s] + recompute + (back[s] if s < len(ev.stages) - 1 else 0.0)
+    return out
 
 
 def stage_reductions(
-    cm: CostModel, ev: Evaluation, mesh: Mesh, stage_ranks: list[list[int]], back: list[float], bucket_bytes: float = BUCKET_BYTES
+    cm: CostModel, ev: Evaluation, mesh: Mesh, stage_ranks: list[list[int]], back: list[float], bucket_bytes: float = BUCKET_BYTES,
+    split: Sequence[TieCost] = (),
 ) -> list[Reduction]:
     """Each stage's gradient all-reduce and when it ends after the last backward (see the module docstring).
 
     ``back[s]``: seconds to hand a gradient from stage ``s + 1`` back to ``s``. One stage: DDP buckets
-    of ``bucket_bytes`` during its backward; several: one buffer per stage once its last backward ran.
+    of ``bucket_bytes`` during its backward; several: one buffer per stage once its last backward ran,
+    without the ties in ``split`` (reduced in their own groups; the profile counts one in its home layer).
     Usage: ``stage_reductions(cm, ev, mesh, [[0, 1]], [])[0].end``.
     """
     S, dp = len(ev.stages), len(stage_ranks[0])
@@ -189,7 +229,8 @@ def stage_reductions(
     lead = 0.0  # how long before stage 0 this stage ran its last backward
     for s, stage in enumerate(ev.stages):
         link = mesh.link(stage_ranks[s])
-        ready, sizes = _bucket_ready(cm, stage, bucket_bytes) if S == 1 else ([0.0], [float(ev.memory[s].grads)])
+        own = float(ev.memory[s].grads) - sum(t.nbytes for t in split if stage.start <= t.layers[0] < stage.end)
+        ready, sizes = _bucket_ready(cm, stage, bucket_bytes) if S == 1 else ([0.0], [max(0.0, own)])
         seconds = [allreduce_time(b, dp, link) for b in sizes]
         end = finish_time([r - lead for r in ready], seconds)
         out.append(Reduction(link.key, sum(seconds), len(sizes), end))
@@ -265,10 +306,12 @@ def cluster_search(
     checkpoint: str = "auto",
     data_parallel: int | str = "auto",
     bucket_bytes: float = BUCKET_BYTES,
+    ties: Sequence[TieCost] = (),
 ) -> Plan:
     """The fastest data x pipeline plan of ``profile`` (one node's devices) on ``mesh``.
 
     ``bucket_bytes``: the data-parallel runtime's gradient bucket (``DataParallelReplica``'s 25 MiB).
+    ``ties``: tied parameters (``planner.ties``), all-reduced per step where a candidate splits them.
 
     Usage: ``cluster_search(profile, Mesh.describe(profile.devices, nodes=2))``. Raises ``PlanError``
     when no split fits memory, ``ValueError`` when no split of the world exists.
@@ -298,7 +341,7 @@ def cluster_search(
                 break  # the other layout has the same memory
             if len(chosen.stages) == pp and pp > 1:
                 cm = CostModel(compute_only, chosen.microbatches, chosen.schedule, chosen.checkpoint)
-                candidates.append(evaluate_cluster(cm, cm.evaluate(cm.stages_for(chosen)), mesh, ranks, layout, bucket_bytes))
+                candidates.append(evaluate_cluster(cm, cm.evaluate(cm.stages_for(chosen)), mesh, ranks, layout, bucket_bytes, ties))
                 continue
             # the replica's best pipeline leaves devices idle: cut it into exactly pp stages instead. One stage is a
             # data-parallel replica (DataParallelReplica): it runs its shard as one batch, without recompute
@@ -307,7 +350,7 @@ def cluster_search(
                 skipped.append(f"dp {dp} x pp 1: a data-parallel replica runs its shard as one batch (microbatches=1, checkpoint='never')")
                 continue
             forced = [
-                evaluate_cluster(cm, ev, mesh, ranks, layout, bucket_bytes)
+                evaluate_cluster(cm, ev, mesh, ranks, layout, bucket_bytes, ties)
                 for m, sch, ck in grid
                 for cm in [CostModel(compute_only, m, sch, ck)]
                 for ev in [even_cut(cm, pp)]
@@ -328,7 +371,7 @@ def cluster_search(
             + ". Use fewer devices per node or nodes, or a larger batch"
         )
     best = min(candidates, key=lambda c: (c.step, c.pp, c.layout))
-    return _to_plan(best, candidates, skipped, mesh, profile.batch_size, bucket_bytes)
+    return _to_plan(best, candidates, skipped, mesh, profile.batch_size, bucket_bytes, ties)
 
 
 def _stage_link(mesh: Mesh, ranks: list[list[int]]) -> Link:
@@ -352,7 +395,8 @@ def _overlap_note(best: ClusterCandidate, bucket_bytes: float) -> str:
 
 
 def _to_plan(
-    best: ClusterCandidate, all_: list[ClusterCandidate], skipped: list[str], mesh: Mesh, batch: int, bucket_bytes: float
+    best: ClusterCandidate, all_: list[ClusterCandidate], skipped: list[str], mesh: Mesh, batch: int, bucket_bytes: float,
+    ties: Sequence[TieCost] = (),
 ) -> Plan:
     """The chosen candidate as a ``Plan``: replica 0's stages on their ranks' devices, the others in notes."""
     notes = [f"chosen: {best.row()}"]
@@ -371,6 +415,12 @@ def _to_plan(
     notes += [f"skipped: {s}" for s in skipped]
     notes.append(_overlap_note(best, bucket_bytes))
     plan = best.cm.to_plan(best.evaluation, "torchspan-cluster", notes=notes)
+    plan.ties = _tie_records(best, ties)
+    plan.notes += [
+        f"tied parameter {t['name']} is used on stages {', '.join(map(str, t['stages']))} ({', '.join(t['layers'])}): each "  # type: ignore[arg-type]
+        f"rank holding one keeps a copy ({int(t['bytes']):,} bytes), {t['charge']}: {float(t['seconds']) * 1e3:.3f} ms per step"  # type: ignore[arg-type]
+        for t in plan.ties if "seconds" in t
+    ]  # fmt: skip
     replica0 = [row[0] for row in best.stage_ranks]
     stages = [dataclasses.replace(sp, device=mesh.local_device(r)) for sp, r in zip(plan.stages, replica0)]
     peak = {f"rank {r} ({mesh.local_device(r)}, node {mesh.node_of(r)})": m.total for r, m in zip(replica0, best.evaluation.memory)}
@@ -388,6 +438,25 @@ def _to_plan(
         intra_link=mesh.intra.key,
         # "allreduce": the exposed part (compute + allreduce + p2p = the step); "allreduce_total": all of it
         predicted_times={
-            "compute": best.compute, "allreduce": best.allreduce, "allreduce_total": best.allreduce_total, "p2p": best.p2p
+            "compute": best.compute, "allreduce": best.allreduce, "allreduce_total": best.allreduce_total, "p2p": best.p2p,
+            "ties": best.ties,
         },  # fmt: skip
     )
+
+
+def _tie_records(best: ClusterCandidate, ties: Sequence[TieCost]) -> list[dict[str, object]]:
+    """``Plan.ties`` of the chosen candidate: a split tie's ``seconds`` is its all-reduce per step."""
+    names = [lay.name for lay in best.cm.profile.layers]
+    reduced = {id(t): (n, r) for t, n, r in best.tie_reductions}
+    out = []
+    for tie in ties:
+        entry = tie_entry(tie, names, best.evaluation.stages)
+        if id(tie) in reduced:
+            n, r = reduced[id(tie)]
+            entry["seconds"] = r.seconds
+            entry["charge"] = (
+                f"its gradient all-reduced every step over {n} ranks on {r.link}, ending {r.end * 1e3:+.3f} ms after "
+                f"the last backward ({best.ties * 1e3:.3f} ms of all ties exposed past the stages' all-reduces)"
+            )
+        out.append(entry)
+    return out

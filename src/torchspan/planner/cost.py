@@ -80,6 +80,7 @@ memory; the sum of their peaks bounds their joint peak from above).
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -91,6 +92,7 @@ from ..schedule import CHECKPOINTS, SCHEDULES
 from .physical import INF, budget_of, host_bandwidth, link_bandwidth, memory_bandwidth, physical_names
 from .plans import Plan, StagePlan
 from .stages import Evaluation, Stage, StageMemory
+from .ties import TieCost, copy_times, split_stages, tie_entry
 
 __all__ = ["CostModel", "time_tables"]
 
@@ -135,8 +137,10 @@ class CostModel:
         schedule: str,
         checkpoint: str,
         tables: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
+        ties: Sequence[TieCost] = (),
     ) -> None:
-        """``tables``: ``time_tables(profile)`` when the caller already has them (saves the work)."""
+        """``tables``: ``time_tables(profile)`` when the caller already has them (saves the work).
+        ``ties``: tied parameters, charged when a placement splits them (module docstring)."""
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
         if checkpoint not in CHECKPOINTS:
@@ -158,6 +162,10 @@ class CostModel:
         self.checkpoint = checkpoint
         self.L = len(profile.layers)
         self.D = len(profile.devices)
+        self.ties = tuple(ties)
+        if any(t.layers[-1] >= self.L for t in self.ties):
+            raise ValueError(f"ties {[t.name for t in self.ties]} name a layer outside the profile's {self.L}")
+        self.uncut = np.zeros(self.L + 1, dtype=bool)  # stage boundaries the search may not cut (``keeping``)
         self.b = math.ceil(profile.batch_size / microbatches)
         layers = profile.layers
         devs = profile.devices
@@ -301,6 +309,21 @@ class CostModel:
         bw = self.host_bw[device]
         return 0.0 if bw == INF else float(self.inb[0]) / bw
 
+    def keeping(self, ties: Sequence[TieCost]) -> CostModel:
+        """This model with no cut between the layers of any of ``ties`` (the search's "tie kept" variant)."""
+        out = copy.copy(self)
+        out.uncut = self.uncut.copy()
+        for tie in ties:
+            lo, hi = tie.span
+            out.uncut[lo : hi + 1] = True
+        return out
+
+    def tie_copies(self, stages: Sequence[Stage], ties: Sequence[TieCost] | None = None) -> list[tuple[float, float]]:
+        """Per stage ``(forward, backward)`` seconds of tied-parameter copies per micro-batch."""
+        devs = self.profile.devices
+        return copy_times(self.ties if ties is None else ties, stages, self.names,
+                          lambda a, b: link_bandwidth(devs, self.rep[a], self.rep[b]))  # fmt: skip
+
     # ------------------------------------------------------------------ whole placements
     def check_stages(self, stages: Sequence[Stage]) -> None:
         """Raise ``ValueError`` unless ``stages`` cover the layers contiguously on listed devices.
@@ -319,22 +342,26 @@ class CostModel:
         if pos != self.L:
             raise ValueError(f"stages {list(stages)} do not cover layers 0..{self.L} contiguously")
 
-    def evaluate(self, stages: Sequence[Stage]) -> Evaluation:
-        """Step time and memory of any placement, physical devices shared (see the module docstring)."""
+    def evaluate(self, stages: Sequence[Stage], ties: Sequence[TieCost] | None = None) -> Evaluation:
+        """Step time and memory of any placement, physical devices shared (see the module docstring).
+
+        ``ties``: charge these instead of the model's own (``()``: none)."""
         stages = tuple(stages)
         self.check_stages(stages)
         S = len(stages)
-        fwd, bwd, lat, mem = [], [], [], []
+        fwd, bwd, lat, mem, tied = [], [], [], [], []
         busy: dict[str, float] = {}
         held: dict[str, int] = {}
-        for idx, s in enumerate(stages):
+        ck = self.checkpoint
+        for idx, (s, (tf, tb)) in enumerate(zip(stages, self.tie_copies(stages, ties))):
             d = s.device
             fwd.append(float(self.PF[d, s.end] - self.PF[d, s.start]))
             bwd.append(float(self.PB[d, s.end] - self.PB[d, s.start]))
-            lat.append(float(self.PL[d, s.end] - self.PL[d, s.start]))
+            tied.append((1 if ck == "never" else 2) * tf + tb)  # steady: recompute copies again
+            lat.append(float(self.PL[d, s.end] - self.PL[d, s.start]) + (2 if ck == "always" else 1) * tf + tb)
             mem.append(self.stage_memory(s.start, s.end, self.in_flight(idx, S)))
             name = self.names[d]
-            busy[name] = busy.get(name, 0.0) + float(self.PS[d, s.end] - self.PS[d, s.start])
+            busy[name] = busy.get(name, 0.0) + float(self.PS[d, s.end] - self.PS[d, s.start]) + tied[-1]
             held[name] = held.get(name, 0) + mem[-1].total
         links = [self.input_time(stages[0].device)]
         links += [self.link_time(a.end, a.device, nb.device) for a, nb in zip(stages, stages[1:])]
@@ -354,6 +381,7 @@ class CostModel:
             device_busy=tuple(busy.values()),
             device_memory=tuple(held[n] for n in busy),
             device_capacity=tuple(where[n] for n in busy),
+            ties=tuple(tied),
         )
 
     def stages_for(self, plan: Plan) -> list[Stage]:
@@ -407,7 +435,7 @@ class CostModel:
                 )
             )
         peak = dict(zip(ev.devices, ev.device_memory))  # per physical device: the sum of its stages
-        return Plan(
+        plan = Plan(
             stages=stage_plans,
             microbatches=self.M,
             schedule=self.schedule,
@@ -418,4 +446,24 @@ class CostModel:
             strategy=strategy,
             notes=list(notes),
         )
+        self.record_ties(plan, ev.stages)
+        return plan
+
+    def record_ties(self, plan: Plan, stages: Sequence[Stage]) -> None:
+        """Fill ``plan.ties`` from the model's ties; a split one gets ``seconds``: what it adds to the
+        predicted step (the step with that tie charged minus the step with none), and a note."""
+        base = self.evaluate(stages, ties=()).step_time if self.ties else 0.0
+        names = [lay.name for lay in self.profile.layers]
+        for tie in self.ties:
+            entry = tie_entry(tie, names, stages)
+            if len(split_stages(tie, stages)) > 1:
+                entry["seconds"] = self.evaluate(stages, ties=[tie]).step_time - base
+                entry["charge"] = "copied to each other device every micro-batch and its gradient back"
+                plan.notes.append(
+                    f"tied parameter {tie.name} is used on stages {', '.join(map(str, entry['stages']))} "
+                    f"({', '.join(entry['layers'])}): span keeps it on stage {entry['stages'][0]}'s device and copies it "
+                    f"({tie.nbytes:,} bytes) to each other device every micro-batch, its gradient back: "
+                    f"+{entry['seconds'] * 1e3:.3f} ms per step; put those layers on one stage to avoid it"
+                )
+            plan.ties.append(entry)
 

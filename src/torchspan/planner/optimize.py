@@ -40,6 +40,8 @@ How (exact for the cost model, up to a relative ``rtol``, default 1e-9):
 from __future__ import annotations
 
 import heapq
+import itertools
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -52,6 +54,7 @@ from .plans import Plan
 from .settings import settings_grid
 from .solver import Solver
 from .stages import Evaluation
+from .ties import TieCost
 
 __all__ = ["search", "solve", "bottleneck_floor", "plan_notes", "collapse_notes"]
 
@@ -103,7 +106,11 @@ class _Setting:
         stages = self.solver.run(INF)
         if stages is not None:
             self.best = self.cm.evaluate(stages)
-            self.sigma = self.best.latency_sum
+            self.sigma = self._programme(stages, self.best).latency_sum
+
+    def _programme(self, stages: list, ev: Evaluation) -> Evaluation:
+        """``ev`` as the programme prices it (ties not charged): what the branch and bound reasons about."""
+        return self.cm.evaluate(stages, ties=()) if self.cm.ties else ev
 
     def refine(self, incumbent: float, rtol: float) -> None:
         """Branch and bound over the bottleneck cap ``tau`` until nothing can beat the incumbent.
@@ -123,7 +130,10 @@ class _Setting:
         bound = min(incumbent, self.best.step_time)
         below = 1.0 - rtol / 10  # "strictly below hi": ties within this are priced within rtol
         # (lower bound, lo, hi, top, bisect next?)
-        heap = [(self.best.latency_sum + M1 * self.floor, self.floor, self.best.bottleneck, self.best.latency_sum, False)]
+        # the pieces follow the programme's own sums and bottlenecks (ties uncharged, so its lower bounds stay
+        # valid); incumbents are compared charged
+        first = self._programme(list(self.best.stages), self.best)
+        heap = [(first.latency_sum + M1 * self.floor, self.floor, first.bottleneck, first.latency_sum, False)]
         while heap:
             lb, lo, hi, top, bisect = heapq.heappop(heap)
             if lb >= bound * (1 - rtol) or hi <= lo:
@@ -138,6 +148,7 @@ class _Setting:
             if ev.step_time < self.best.step_time:
                 self.best = ev
                 bound = min(bound, ev.step_time)
+            ev = self._programme(stages, ev)
             b = min(ev.bottleneck, tau)  # f == ev.latency_sum on [b, tau]
             heapq.heappush(heap, (ev.latency_sum + M1 * lo, lo, b, ev.latency_sum, not bisect))
 
@@ -165,15 +176,25 @@ def search(
     schedule: str = "auto",
     checkpoint: str = "auto",
     rtol: float = 1e-9,
+    ties: Sequence[TieCost] = (),
 ) -> Plan:
     """The fastest plan for ``profile`` under its devices' budgets (see the module docstring).
+
+    ``ties``: tied parameters (``planner.ties``), charged when a cut splits them. Each setting is
+    then also searched with every subset of them kept on one stage (all of them at once beyond 3
+    ties): exact for placements that keep those ties; a placement that splits one is the best the
+    programme finds without that charge, then charged in full (the programme prices stages by
+    prefix sums, and a tie's copy depends on two stages' devices).
 
     Usage: ``search(profile, microbatches=8, schedule="1f1b")``. Raises ``PlanError`` (listing
     needed vs available memory and what would make it fit) when no placement fits.
     """
     grid = settings_grid(profile.batch_size, microbatches, schedule, checkpoint)
     tables = time_tables(profile)
-    settings = [_Setting(CostModel(profile, m, s, c, tables)) for m, s, c in grid]
+    ties = tuple(ties)
+    kept = [c for r in range(1, len(ties) + 1) for c in itertools.combinations(ties, r)] if len(ties) <= 3 else [ties]
+    models = [CostModel(profile, m, s, c, tables, ties=ties) for m, s, c in grid]
+    settings = [_Setting(cm) for cm in models] + [_Setting(cm.keeping(k)) for cm in models for k in kept]
     feasible: list[_Setting] = []
 
     def incumbent() -> _Setting | None:

@@ -93,8 +93,9 @@ class Plan:
     stage_ranks: list[list[int]] = field(default_factory=list)
     interconnect: str = ""  # link between nodes (``hardware.links`` key)
     intra_link: str = ""  # link between devices of one node
-    predicted_times: dict[str, float] = field(default_factory=dict)  # step split: compute, allreduce, p2p
-    # tied parameters: {"name", "layers", "stages", "bytes"} each; "stages" of more than one = a copy per device
+    predicted_times: dict[str, float] = field(default_factory=dict)  # step split: compute, allreduce, p2p, ties
+    # tied parameters: {"name", "layers", "stages", "bytes"} each; "stages" of more than one = a copy per device,
+    # and then (planned with ties) "seconds": what the split adds to the predicted step, "charge": how it is paid
     ties: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -298,7 +299,10 @@ class Plan:
             where = ", ".join(f"{layer} (stage {self.stage_of(layer)})" for layer in tie.get("layers", []))
             line = f"tie: {tie.get('name')} ({format_bytes(int(tie.get('bytes', 0)))}) shared by {where}"
             if len(tie.get("stages", [])) > 1:
-                line += ": split, so one copy per device, its gradients summed across them every step"
+                if "seconds" in tie:  # charged by the planner (``planner.ties``)
+                    line += f": split, {tie.get('charge', 'a copy per device')}: +{float(tie['seconds']) * 1e3:.3f} ms per step"
+                else:
+                    line += ": split, so one copy per device, its gradients summed across them every step"
             lines.append(line)
         return lines
 

@@ -173,6 +173,7 @@ class Solver:
         """``(T, L+1)``: seconds of a link at each boundary at type ``t``'s host bandwidth, ``inf`` above the cap."""
         with np.errstate(divide="ignore", invalid="ignore"):
             w = np.where(np.isinf(self.bw)[:, None], 0.0, self.base[None, :] / self.bw[:, None])
+        w[:, self.cm.uncut] = INF  # cuts that would split a tie the model keeps (``CostModel.keeping``)
         return np.where(w <= cap_tau, w, INF)
 
     def run(self, tau: float) -> list[Stage] | None:
