@@ -176,6 +176,12 @@ def _join(rank: int, world: int, port: int) -> None:
     init_distributed(timeout=30)
 
 
+def _leave() -> None:
+    """Leave the job together: a rank exiting with its gloo groups alive can abort in their threads' teardown."""
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 def _batch(seed: int, rows: int, length: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (rows, length), generator=g)
@@ -253,6 +259,7 @@ def _hf_worker(rank: int, world: int, port: int, plan: torchspan.Plan) -> None:
     # A plan made for a described cluster (two H100s) runs on whatever device each launched rank has.
     assert [st.device for st in plan.stages] == ["cuda:0", "cuda:1"]
     _train_and_compare(_llama, "llama from a 2-GPU plan", rank, world, 40, True, plan=plan)
+    _leave()
 
 
 def _bf16_worker(rank: int, world: int, port: int) -> None:
@@ -274,6 +281,7 @@ def _bf16_worker(rank: int, world: int, port: int) -> None:
     for name, p in spanned.module.named_parameters():
         if not p.is_meta:
             torch.testing.assert_close(p.grad, ref[name].grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}: {name}: {m}")
+    _leave()
 
 
 @pytest.mark.slow
@@ -310,6 +318,7 @@ def _hybrid_worker(rank: int, world: int, port: int) -> None:
     torch.distributed.all_gather(copies, embed.detach())
     for other in copies:
         torch.testing.assert_close(other, copies[0], rtol=0, atol=0)
+    _leave()
 
 
 @pytest.mark.slow
@@ -400,6 +409,7 @@ def _other_batch_worker(rank: int, world: int, port: int, out: str) -> None:
         except ValueError as exc:
             texts.append(f"{label}: {exc}")
     Path(out, f"rank{rank}.txt").write_text("\n".join(texts))
+    _leave()  # both refused and the group is intact
 
 
 @pytest.mark.slow
