@@ -72,3 +72,32 @@ def test_bad_timeout_is_refused_before_anything_starts(timeout: object, error: t
 def test_bad_backend_is_refused() -> None:
     with pytest.raises(TypeError, match="backend=3"):
         init_distributed(backend=3)  # type: ignore[arg-type]
+
+
+def test_init_distributed_closes_its_gloo_group_at_exit(tmp_path) -> None:
+    """A gloo group left to the interpreter's teardown can abort a clean process (SIGABRT), which a
+    launcher counts as a failed rank: the group init_distributed opened is destroyed at exit."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exits.py"
+    script.write_text(
+        "import atexit, torch.distributed as dist\n"
+        "from torchspan.runtime.ranks import init_distributed\n"
+        "init_distributed(timeout=30)\n"
+        "atexit.register(lambda: print('initialized at exit:', dist.is_initialized()))\n"  # runs before ours (LIFO)
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "initialized at exit: True" in done.stdout
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import atexit, torch.distributed as dist\n"
+        "atexit.register(lambda: print('initialized after ours:', dist.is_initialized()))\n"  # runs after ours (LIFO)
+        "from torchspan.runtime.ranks import init_distributed\n"
+        "init_distributed(timeout=30)\n"
+    )
+    done = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "initialized after ours: False" in done.stdout
