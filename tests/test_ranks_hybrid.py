@@ -17,7 +17,7 @@ from torch import nn
 
 import torchspan
 from torchspan.runtime.ranks import free_port, shard_batch
-from test_ranks_pipeline import LOSS_TOL, TiedLM, _check, _join, _seq, _spawn
+from test_ranks_pipeline import LOSS_TOL, TiedLM, _check, _join, _leave, _seq, _spawn
 
 
 def _hybrid_worker(rank: int, world: int, port: int) -> None:
@@ -77,6 +77,7 @@ def _hybrid_worker(rank: int, world: int, port: int) -> None:
     loss_fn(reference(ids), tokens.flatten()).backward()
     _check(spanned, reference, "hybrid tied", rank)
     assert stage == 0 or spanned.module.mid.weight.device.type == "meta"
+    _leave()
 
 
 def _gathered_state(spanned: torchspan.Spanned) -> dict[str, torch.Tensor]:

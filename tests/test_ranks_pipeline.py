@@ -69,6 +69,13 @@ def _join(rank: int, world: int, port: int) -> None:
     init_distributed(timeout=30)
 
 
+def _leave() -> None:
+    """Leave the job together: a rank exiting with its gloo groups alive can abort in their threads' teardown
+    (spawned children skip the atexit hook init_distributed registers)."""
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 def _pipeline_worker(rank: int, world: int, port: int) -> None:
     _join(rank, world, port)
     g = torch.Generator().manual_seed(7)
@@ -149,6 +156,7 @@ def _pipeline_worker(rank: int, world: int, port: int) -> None:
             _check(spanned, reference, label, rank)
             if length == 5:
                 torch.testing.assert_close(spanned(xs[:4]), reference(xs[:4]).detach(), **TOL)
+    _leave()
 
 
 def _failing_worker(rank: int, world: int, port: int, out: str) -> None:
