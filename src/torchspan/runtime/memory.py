@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ActivationMeter"]
+__all__ = ["ActivationMeter", "MeteredSteps"]
 
 
 class _Held:
@@ -170,3 +170,38 @@ class ActivationMeter:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, self.unwrap):
             yield
+
+
+class MeteredSteps:
+    """Which training steps count saved activations (saved-tensor hooks on every saved tensor).
+
+    Always when the caller started a new peak since the last metered step (``meter.reset``: a
+    local ``Spanned`` does every step, a rank's pipeline until one step is metered); otherwise only
+    when the step does not look like the last metered one (its ``signature``: the micro-batches'
+    structure, shapes and dtypes, whatever else decides what is saved), which then starts a new
+    peak itself. A step that looks the same saves the same tensors, so the peak stays.
+
+    Usage: ``if steps.wants(sig): ...run metered...; steps.done(sig)``.
+    """
+
+    def __init__(self, meter: ActivationMeter) -> None:
+        self.meter = meter
+        self._last: Any = None  # the last metered step's signature
+        self._resets = meter.resets
+
+    @property
+    def metered(self) -> bool:
+        """Whether a training step has counted its saved activations."""
+        return self._last is not None
+
+    def wants(self, signature: Any) -> bool:
+        """Whether the step with ``signature`` counts (a new peak is started when only its look changed)."""
+        if self.meter.resets == self._resets and signature == self._last:
+            return False
+        if self.meter.resets == self._resets:
+            self.meter.restart()
+        return True
+
+    def done(self, signature: Any) -> None:
+        """The step with ``signature`` was metered."""
+        self._last, self._resets = signature, self.meter.resets

@@ -31,7 +31,7 @@ from ..lossweights import weighted_loss
 from ...hardware import to_device
 from ... import schedule as sched
 from ...schedule import CHECKPOINTS, PRECISIONS
-from ..memory import ActivationMeter
+from ..memory import ActivationMeter, MeteredSteps
 from ..record import Recorder
 from .stream import copy_stream, transfer, use_device, wait_ready
 from .worker import Mailbox, Transport, run_workers
@@ -97,29 +97,12 @@ class Pipeline:
         self.groups = [list(g) for g in groups]
         self._plans: dict[tuple[str, int, int], list[list[sched.Action]]] = {}
         self._orders: dict[tuple[int, tuple[int, ...]], list[sched.Action]] = {}
-        self._metered: Any = None  # what the last metered training step looked like (``_signature``)
-        self._resets_seen = meter.resets
+        self._steps = MeteredSteps(meter)  # which training steps count saved activations (``_signature``)
 
-    # ------------------------------------------------------------------ metering
     @property
     def metered(self) -> bool:
         """Whether a training step has counted its saved activations (``ActivationMeter``)."""
-        return self._metered is not None
-
-    def _meters(self, signature: Any) -> bool:
-        """Whether this training step counts saved activations (saved-tensor hooks on every saved tensor).
-
-        Always when the caller started a new peak since the last metered step (``meter.reset``: a
-        local ``Spanned`` does every step, a rank's pipeline until one step is metered); otherwise
-        only when the step does not look like the last metered one (``_signature``: micro-batch
-        inputs' and targets' structure, shapes and dtypes, the stage functions), which then starts
-        a new peak itself. A step that looks the same saves the same tensors, so the peak stays.
-        """
-        if self.meter.resets == self._resets_seen and signature == self._metered:
-            return False
-        if self.meter.resets == self._resets_seen:
-            self.meter.restart()
-        return True
+        return self._steps.metered
 
     # ------------------------------------------------------------------ helpers
     def _send(self, box: Mailbox, kind: str, values: list[Any], spec: Any, src: int, dst: int, mb: int) -> None:
@@ -219,7 +202,7 @@ class Pipeline:
         slots: Sequence[Sequence[Slot]] = buffers if buffers is not None else [[] for _ in fns]
         plan = self._plan(schedule, m, n)
         signature = _signature(fns, inputs, targets)
-        metering = self._meters(signature)
+        metering = self._steps.wants(signature)
         saving = self.meter.saving if metering else _unmetered
         saved: dict[tuple[int, int], _Saved] = {}
         losses: list[torch.Tensor | None] = [None] * m
@@ -324,7 +307,7 @@ class Pipeline:
         finally:
             saved.clear()
         if metering:
-            self._metered, self._resets_seen = signature, self.meter.resets
+            self._steps.done(signature)
         if carry is not None and not self.transport.is_local(last):
             return carried[-1]
         return summed()

@@ -42,13 +42,13 @@ from ..executor import Settings, Work
 from ..local.hooked import HookedExecutor
 from ..local.pipeline import autocast_for, checkpointed, once_context
 from ..lossweights import weighted_loss
-from ..memory import ActivationMeter
+from ..memory import ActivationMeter, MeteredSteps
 from ..placement import place
 from ..record import Recorder
 from .env import RankInfo
 from .mesh import Mesh
 from .metacalls import MetaCalls
-from .p2p import PeerError
+from .p2p import RankTransport
 from .routes import GRAD, META, REAL, CallRoute, DivergedError, Seen, route_call
 from .stage import RankStage
 from .taint import MetaTaint, check_unchanged, container_sizes, meta_like, to_meta
@@ -117,11 +117,10 @@ class RankHookExecutor(RankStage, HookedExecutor):
         self._recording = self._placed = False
         self._paths = {True: _Path(), False: _Path()}  # training forwards, no-grad forwards
         self._fwd: _Forward | None = None
-        self._pending: list[tuple[Any, torch.Tensor]] = []
+        self._transport = RankTransport(mesh, info.rank, info.device, self._comm)  # raw tensors, tags _FWD/_BWD
         self._swaps: dict[str, list[tuple[nn.Module, str, str, Any, Any]]] = {}
-        self._metered: Any = None  # what the last metered training step looked like (micro-batch shapes)
+        self._steps = MeteredSteps(meter)  # which training steps count saved activations (micro-batch shapes)
         self._meta_calls = MetaCalls()
-        self._resets_seen = meter.resets
         super().__init__(model, [info.device] * mesh.stages, groups, settings, recorder, meter, **options)
 
     # ------------------------------------------------------------------ placement
@@ -289,46 +288,26 @@ class RankHookExecutor(RankStage, HookedExecutor):
 
     # ------------------------------------------------------------------ messages
     def _peer(self, stage: int) -> int:
-        return self.mesh.rank(self.replica, stage)
+        return self._transport.peer(stage)
 
     def _isend(self, t: torch.Tensor, stage: int, tag: int) -> None:
-        buf = t.detach().contiguous().to(self._comm)
-        self._pending.append((dist.isend(buf, dst=self._peer(stage), tag=tag), buf))
+        self._transport.post(t.detach().contiguous().to(self._comm), self._peer(stage), tag)
 
     def _recv(self, buf: torch.Tensor, stage: int, tag: int, what: str) -> torch.Tensor:
-        peer = self._peer(stage)
-        comm = buf if buf.device == self._comm else torch.empty_like(buf, device=self._comm)
-        try:
-            dist.recv(comm, src=peer, tag=tag)
-        except RuntimeError as exc:
-            raise PeerError(
-                f"rank {self.info.rank} (stage {self.stage}) could not receive {what} from rank {peer} (stage {stage}): "
-                f"{exc}. Rank {peer} probably failed or was killed: see its traceback; the job stops instead of waiting"
-            ) from exc
-        return comm if comm is buf else buf.copy_(comm)
-
-    def _settle_sends(self, ok: bool) -> None:
-        pending, self._pending = self._pending, []
-        if ok:  # a failed run: peers are stopping too; waiting on their receives could hang
-            for work, _ in pending:
-                work.wait()
+        return self._transport.receive_into(buf, stage, self.stage, tag, what)
 
     # ------------------------------------------------------------------ steps
     def meters(self) -> bool:
         """Until one training step has counted its saved activations; later steps skip the saved-tensor
         hooks unless their micro-batches' shapes differ from the metered step's (then it is metered again)."""
-        return self._metered is None
+        return not self._steps.metered
 
     def _metering(self, work: Work) -> tuple[bool, Any]:
         signature = tuple(
             (str(spec), tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v) for v in leaves))
             for leaves, spec in map(tree_flatten, work.chunks)
         )
-        if self.meter.resets == self._resets_seen and signature == self._metered:
-            return False, signature
-        if self.meter.resets == self._resets_seen:
-            self.meter.restart()
-        return True, signature
+        return self._steps.wants(signature), signature
 
     def _forward(self, work: Work, mb: int, grad: bool, metering: bool = False) -> tuple[Any, _Forward]:
         args, kwargs = to_device(work.chunks[mb], self.device)
@@ -400,12 +379,13 @@ class RankHookExecutor(RankStage, HookedExecutor):
                             self._backward(live.pop(mb))
                 ok = True
             finally:
-                self._settle_sends(ok)
+                self._transport.finish(ok)
             if metering:
-                self._metered, self._resets_seen = signature, self.meter.resets
-            finished(torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float64, device=self.device))
-        total = self._step_total if self._step_total is not None else (torch.stack(losses).sum() if losses else None)
-        box = (total if total is not None else torch.zeros(1, dtype=torch.float64)).reshape(1).to(self._comm)
+                self._steps.done(signature)
+            mine = torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float64, device=self.device)
+            finished(mine)
+        # the last stage's loss (summed over replicas when there are any) on every rank of this pipeline
+        box = (self._step_total if self._step_total is not None else mine).reshape(1).to(self._comm)
         dist.broadcast(box, src=self._peer(n - 1), group=self._pipe_group)
         return box[0].to(self.device, torch.float32)
 
@@ -420,5 +400,5 @@ class RankHookExecutor(RankStage, HookedExecutor):
                     outs.append(out if self.stage == self.mesh.stages - 1 else None)
                 ok = True
             finally:
-                self._settle_sends(ok)
+                self._transport.finish(ok)
         return self._shared_outputs(outs)

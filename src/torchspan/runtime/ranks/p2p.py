@@ -150,7 +150,8 @@ class RankTransport(Transport):
         return f"rank {self.peer(stage)} ("
 
     # ------------------------------------------------------------------ sending
-    def _isend(self, buf: torch.Tensor, peer: int, tag: int) -> None:
+    def post(self, buf: torch.Tensor, peer: int, tag: int) -> None:
+        """``isend`` ``buf`` (on ``comm_device``) to rank ``peer``; kept alive and waited for in ``finish``."""
         self._pending.append((dist.isend(buf, dst=peer, tag=tag), buf))
 
     def _pack(self, head: torch.Tensor, values: list[Any]) -> torch.Tensor:
@@ -176,16 +177,16 @@ class RankTransport(Transport):
         peer, tag = self.peer(dst), _TAGS[kind]
         known = self._sent.get((peer, kind, mb))
         if known is not None and known.matches(values, spec):  # as predicted: one message, prefix [0, 0]
-            self._isend(self._pack(self._zeros(_PREFIX), values), peer, tag)
+            self.post(self._pack(self._zeros(_PREFIX), values), peer, tag)
             return
         header = _Header.of(values, spec)
         blob = header.dumps()
         first = torch.zeros(_PREFIX + (known.nbytes if known is not None else 0), dtype=torch.uint8)
         first[:_PREFIX].view(torch.int64).copy_(torch.tensor([len(blob), header.nbytes]))
-        self._isend(first.to(self.comm_device), peer, tag)
+        self.post(first.to(self.comm_device), peer, tag)
         head = torch.zeros(_aligned(len(blob)), dtype=torch.uint8)
         head[: len(blob)].copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
-        self._isend(self._pack(head.to(self.comm_device), values), peer, tag)
+        self.post(self._pack(head.to(self.comm_device), values), peer, tag)
         self._sent[(peer, kind, mb)] = header
 
     # ------------------------------------------------------------------ receiving
@@ -207,10 +208,7 @@ class RankTransport(Transport):
                     raise RuntimeError("a transfer without a header on a new channel (the two ranks' headers diverged)")
                 header, start = known, _PREFIX
         except (RuntimeError, KeyError) as exc:
-            raise PeerError(
-                f"rank {self.rank} (stage {dst}) could not receive {_WHAT[kind]} from rank {peer} (stage {src}): {exc}. "
-                f"Rank {peer} probably failed or was killed: see its traceback; the job stops instead of waiting"
-            ) from exc
+            raise self._lost(_WHAT[kind], dst, src, exc) from exc
         values: list[Any] = []
         offsets = iter(header.offsets)
         for meta in header.metas:
@@ -221,6 +219,22 @@ class RankTransport(Transport):
             else:
                 values.append(pickle.loads(meta[1]))
         return values, header.spec
+
+    def receive_into(self, buf: torch.Tensor, src: int, dst: int, tag: int, what: str) -> torch.Tensor:
+        """Receive one raw tensor message from stage ``src``'s rank into ``buf`` (any device) and return it."""
+        comm = buf if buf.device == self.comm_device else torch.empty_like(buf, device=self.comm_device)
+        try:
+            dist.recv(comm, src=self.peer(src), tag=tag)
+        except RuntimeError as exc:
+            raise self._lost(what, dst, src, exc) from exc
+        return comm if comm is buf else buf.copy_(comm)
+
+    def _lost(self, what: str, dst: int, src: int, exc: BaseException) -> PeerError:
+        peer = self.peer(src)
+        return PeerError(
+            f"rank {self.rank} (stage {dst}) could not receive {what} from rank {peer} (stage {src}): {exc}. "
+            f"Rank {peer} probably failed or was killed: see its traceback; the job stops instead of waiting"
+        )
 
     def finish(self, ok: bool) -> None:
         pending, self._pending = self._pending, []

@@ -103,7 +103,7 @@ class RankPipelineExecutor(RankStage, PipelinedExecutor):
     def meters(self) -> bool:
         """Until one training step has counted its saved activations; later steps skip the saved-tensor
         hooks (~5% of a small 2-rank step) unless their micro-batches' shapes, dtypes or structure differ
-        from the metered step's (``Pipeline._meters``: then that step is metered and starts a new peak).
+        from the metered step's (``memory.MeteredSteps``: then that step is metered and starts a new peak).
         A launched job repeats one shape, so ``memory()`` keeps reporting a step of the shape it trains."""
         return not self._pipeline.metered
 

@@ -64,6 +64,7 @@ class RankStage:
         self.replica, self.stage = mesh.coords(info.rank)
         self.device = info.device
         self._comm = info.device if info.backend and "nccl" in info.backend else torch.device("cpu")
+        self._batch_checked: Any = None  # the batch structure last compared across the pipeline
 
     # ------------------------------------------------------------------ placement
     def _tie_parameters(self, layers: Mapping[str, nn.Module], groups: Sequence[Sequence[str]]) -> set[int]:
@@ -153,7 +154,7 @@ class RankStage:
         leaves, spec = tree_flatten((list(chunks), list(targets)))
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         shapes = (str(spec), tuple((tuple(t.shape), t.dtype) for t in tensors))
-        if shapes == getattr(self, "_batch_checked", None):
+        if shapes == self._batch_checked:
             return
         mine = torch.zeros(2, dtype=torch.float64, device=self._comm)
         for t in tensors:
