@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from planner_synth import brute_force, close, device, layer, random_profile
 from torchspan.planner import PlanError, search
 from torchspan.planner.cost import CostModel
-from torchspan.planner.plans import CHECKPOINTS, SCHEDULES
+from torchspan.planner.plans import RECOMPUTE_MODES, SCHEDULES
 from torchspan.planner.settings import microbatch_candidates
 from torchspan.planner.solver import device_groups
 from torchspan.planner.stages import Stage
@@ -59,7 +59,7 @@ def _assert_search_matches_brute_force(cm: CostModel) -> None:
 @given(small_profiles(), st.data())
 def test_search_matches_brute_force(prof: Profile, data: st.DataObject) -> None:
     m = data.draw(st.sampled_from(microbatch_candidates(prof.batch_size)))
-    cm = CostModel(prof, m, data.draw(st.sampled_from(SCHEDULES)), data.draw(st.sampled_from(CHECKPOINTS)))
+    cm = CostModel(prof, m, data.draw(st.sampled_from(SCHEDULES)), data.draw(st.sampled_from(RECOMPUTE_MODES)))
     _assert_search_matches_brute_force(cm)
 
 
@@ -68,7 +68,7 @@ def test_search_matches_brute_force(prof: Profile, data: st.DataObject) -> None:
 def test_auto_settings_match_brute_force_over_every_setting(prof: Profile) -> None:
     """Skipping GPipe and 'always' under 'auto' loses nothing (they are dominated)."""
     best = None
-    for m, s, c in itertools.product(microbatch_candidates(prof.batch_size), SCHEDULES, CHECKPOINTS):
+    for m, s, c in itertools.product(microbatch_candidates(prof.batch_size), SCHEDULES, RECOMPUTE_MODES):
         ev = brute_force(CostModel(prof, m, s, c))
         if ev is not None and (best is None or ev.step_time < best):
             best = ev.step_time
@@ -197,7 +197,7 @@ def test_a_device_listed_twice_is_planned_as_one_device() -> None:
     # brute force over every placement on both entries, two-stage splits included, and every setting
     best = min(
         ev.step_time
-        for m, s, c in itertools.product(microbatch_candidates(8), SCHEDULES, CHECKPOINTS)
+        for m, s, c in itertools.product(microbatch_candidates(8), SCHEDULES, RECOMPUTE_MODES)
         if (ev := brute_force(CostModel(prof, m, s, c))) is not None
     )
     assert plan.predicted_step_time is not None and close(plan.predicted_step_time, best, 1e-9)
@@ -206,7 +206,7 @@ def test_a_device_listed_twice_is_planned_as_one_device() -> None:
 def test_splitting_over_entries_of_one_device_never_helps() -> None:
     """Every split over the two entries costs at least the one-stage plan, in time and in memory."""
     prof = twice_listed(None)
-    for m, s, c in itertools.product([1, 2, 8], SCHEDULES, CHECKPOINTS):
+    for m, s, c in itertools.product([1, 2, 8], SCHEDULES, RECOMPUTE_MODES):
         cm = CostModel(prof, m, s, c)
         one = cm.evaluate([Stage(0, 0, 4)])
         for cut in range(1, 4):
@@ -254,7 +254,7 @@ def distinct_devices(draw: st.DrawFn) -> Profile:
 @given(distinct_devices(), st.data())
 def test_search_matches_brute_force_on_all_distinct_devices(prof: Profile, data: st.DataObject) -> None:
     m = data.draw(st.sampled_from([1, 2, 4, 8]))
-    cm = CostModel(prof, m, data.draw(st.sampled_from(SCHEDULES)), data.draw(st.sampled_from(CHECKPOINTS)))
+    cm = CostModel(prof, m, data.draw(st.sampled_from(SCHEDULES)), data.draw(st.sampled_from(RECOMPUTE_MODES)))
     _assert_search_matches_brute_force(cm)
 
 

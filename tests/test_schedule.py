@@ -95,6 +95,6 @@ def test_the_plan_and_run_vocabulary_has_one_definition() -> None:
     from torchspan.runtime.local import pipeline
 
     assert plans.SCHEDULES is planner.SCHEDULES is spanned.SCHEDULES is sched.SCHEDULES
-    assert plans.CHECKPOINTS is planner.CHECKPOINTS is spanned.CHECKPOINTS is pipeline.CHECKPOINTS is sched.CHECKPOINTS
+    assert plans.RECOMPUTE_MODES is planner.RECOMPUTE_MODES is spanned.RECOMPUTE_MODES is pipeline.RECOMPUTE_MODES is sched.RECOMPUTE_MODES
     assert spanned.PRECISIONS is pipeline.PRECISIONS is sched.PRECISIONS
-    assert sched.SCHEDULES == ("gpipe", "1f1b") and sched.CHECKPOINTS == ("never", "except_last", "always")
+    assert sched.SCHEDULES == ("gpipe", "1f1b") and sched.RECOMPUTE_MODES == ("never", "except_last", "always")

@@ -10,7 +10,7 @@ action took the same time; the runtime uses it to interleave stages that share o
   forward with one backward, so at most ``n - s`` micro-batches' activations are alive on it.
 
 The vocabulary a plan and a run are written in lives here too, once: ``SCHEDULES`` (the schedule
-names ``build`` knows), ``CHECKPOINTS`` (activation checkpointing modes: ``never``; ``except_last``,
+names ``build`` knows), ``RECOMPUTE_MODES`` (activation recompute, "activation checkpointing": ``never``; ``except_last``,
 every micro-batch but a stage's last in flight recomputes its forward in backward; ``always``) and
 ``PRECISIONS`` (``"32"``, ``"bf16"``, ``"fp16"``: the autocast precision of a run).
 
@@ -26,7 +26,7 @@ __all__ = [
     "FORWARD",
     "BACKWARD",
     "SCHEDULES",
-    "CHECKPOINTS",
+    "RECOMPUTE_MODES",
     "PRECISIONS",
     "gpipe",
     "one_f_one_b",
@@ -39,7 +39,7 @@ __all__ = [
 FORWARD = "forward"
 BACKWARD = "backward"
 SCHEDULES = ("gpipe", "1f1b")
-CHECKPOINTS = ("never", "except_last", "always")
+RECOMPUTE_MODES = ("never", "except_last", "always")
 PRECISIONS = ("32", "bf16", "fp16")
 
 

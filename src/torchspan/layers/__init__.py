@@ -10,7 +10,7 @@ Usage: ``from torchspan.layers import model_layers, find_ties``.
 """
 
 from .blocks import Layer, LayerSet, RootTensor, find_layers, param_layers
-from .discovery import descends, execution_order, layer_modules, model_layers, record_forward, top_level_layers
+from .discovery import descends, execution_order, top_level_modules, model_layers, record_forward, top_level_layers
 from .fxsplit import (
     MODES,
     LayerTracer,
@@ -35,7 +35,7 @@ __all__ = [
     "RootTensor",
     "Tie",
     "top_level_layers",
-    "layer_modules",
+    "top_level_modules",
     "execution_order",
     "record_forward",
     "MODES",

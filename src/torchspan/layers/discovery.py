@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_leaves
 from .blocks import Layer, LayerSet, RootTensor, _check_options, _is_block_container, _join, _Picker, find_layers
 from .calltrace import Call, Trace
 
-__all__ = ["top_level_layers", "layer_modules", "execution_order", "record_forward", "descends", "model_layers"]
+__all__ = ["top_level_layers", "top_level_modules", "execution_order", "record_forward", "descends", "model_layers"]
 
 
 def top_level_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -32,10 +32,10 @@ def top_level_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return children or [("", model)]
 
 
-def layer_modules(model: nn.Module) -> dict[str, nn.Module]:
+def top_level_modules(model: nn.Module) -> dict[str, nn.Module]:
     """The model's layers by name (registration order), as placement, hooks and metering look them up.
 
-    Usage: ``layer_modules(model)["head"]``. Raises like ``top_level_layers`` if there are none.
+    Usage: ``top_level_modules(model)["head"]``. Raises like ``top_level_layers`` if there are none.
     """
     return dict(top_level_layers(model))
 

@@ -15,9 +15,9 @@ Usage::
     plan = search(profile)                                      # search only (pure data)
 """
 
-from .plans import CHECKPOINTS, SCHEDULES, Plan, StagePlan
+from .plans import RECOMPUTE_MODES, SCHEDULES, Plan, StagePlan
 from .errors import PlanError
 from .optimize import search
 from .api import plan  # bound last: the function, not the ``plan`` submodule
 
-__all__ = ["plan", "search", "Plan", "StagePlan", "PlanError", "SCHEDULES", "CHECKPOINTS"]
+__all__ = ["plan", "search", "Plan", "StagePlan", "PlanError", "SCHEDULES", "RECOMPUTE_MODES"]

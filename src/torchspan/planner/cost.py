@@ -88,7 +88,7 @@ from typing import Any
 import numpy as np
 
 from ..profiler.costs import Profile
-from ..schedule import CHECKPOINTS, SCHEDULES
+from ..schedule import RECOMPUTE_MODES, SCHEDULES
 from .physical import INF, budget_of, host_bandwidth, link_bandwidth, memory_bandwidth, physical_names
 from .plans import Plan, StagePlan
 from .stages import Evaluation, Stage, StageMemory
@@ -143,8 +143,8 @@ class CostModel:
         ``ties``: tied parameters, charged when a placement splits them (module docstring)."""
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
-        if checkpoint not in CHECKPOINTS:
-            raise ValueError(f"checkpoint={checkpoint!r} is not one of {', '.join(CHECKPOINTS)}")
+        if checkpoint not in RECOMPUTE_MODES:
+            raise ValueError(f"checkpoint={checkpoint!r} is not one of {', '.join(RECOMPUTE_MODES)}")
         if not profile.layers:
             raise ValueError("profile has no layers; profile a model with at least one child module")
         if not profile.devices:

@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..hardware import format_bytes
-from ..schedule import CHECKPOINTS, SCHEDULES
+from ..schedule import RECOMPUTE_MODES, SCHEDULES
 
-__all__ = ["Plan", "StagePlan", "SCHEDULES", "CHECKPOINTS"]
+__all__ = ["Plan", "StagePlan", "SCHEDULES", "RECOMPUTE_MODES"]
 
 _FORMAT = "torchspan.plan/1"
 _CLUSTER_FIELDS = ("data_parallel", "nodes", "devices_per_node", "stage_ranks", "interconnect", "intra_link", "predicted_times")
@@ -106,8 +106,8 @@ class Plan:
             raise ValueError(f"Plan(microbatches={self.microbatches!r}) must be an int >= 1")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"Plan(schedule={self.schedule!r}) is not one of {', '.join(SCHEDULES)}")
-        if self.checkpoint not in CHECKPOINTS:
-            raise ValueError(f"Plan(checkpoint={self.checkpoint!r}) is not one of {', '.join(CHECKPOINTS)}")
+        if self.checkpoint not in RECOMPUTE_MODES:
+            raise ValueError(f"Plan(checkpoint={self.checkpoint!r}) is not one of {', '.join(RECOMPUTE_MODES)}")
         seen: dict[str, int] = {}
         for i, s in enumerate(self.stages):
             if not s.layers:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from ..schedule import CHECKPOINTS, SCHEDULES
+from ..schedule import RECOMPUTE_MODES, SCHEDULES
 
 __all__ = ["Setting", "microbatch_candidates", "settings_grid"]
 
@@ -51,8 +51,8 @@ def settings_grid(
         raise ValueError(f"schedule={schedule!r} is not one of auto, {', '.join(SCHEDULES)}")
     if checkpoint == "auto":
         checkpoints = ["never", "except_last"]  # 'always' saves no more memory than except_last, at more time
-    elif checkpoint in CHECKPOINTS:
+    elif checkpoint in RECOMPUTE_MODES:
         checkpoints = [checkpoint]
     else:
-        raise ValueError(f"checkpoint={checkpoint!r} is not one of auto, {', '.join(CHECKPOINTS)}")
+        raise ValueError(f"checkpoint={checkpoint!r} is not one of auto, {', '.join(RECOMPUTE_MODES)}")
     return [(m, s, c) for c in checkpoints for s in schedules for m in ms]

@@ -18,7 +18,7 @@ from torch import nn
 from ..layers import discovery
 from ..layers import fxsplit as split
 from ..planner.plans import Plan
-from ..schedule import CHECKPOINTS, PRECISIONS, SCHEDULES
+from ..schedule import RECOMPUTE_MODES, PRECISIONS, SCHEDULES
 from .executor import Executor, Settings
 from .local.hooked import HookedExecutor
 from .local.pipelined import PipelinedExecutor
@@ -111,7 +111,7 @@ def span(
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches={microbatches!r} must be an int >= 1")
     _choice("schedule", schedule, SCHEDULES)
-    _choice("checkpoint", checkpoint, CHECKPOINTS)
+    _choice("checkpoint", checkpoint, RECOMPUTE_MODES)
     precision = _choice("precision", str(precision), PRECISIONS)
     _choice("workers", workers, ("device", "stage"))
     if launched_stages(plan, devices, balance) == 1 and launched_replica(plan):  # launched: one replica per process

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..layers import layer_modules
+from ..layers import top_level_modules
 
 __all__ = ["stage_memory"]
 
@@ -42,7 +42,7 @@ def stage_memory(
     owned: list[list[torch.Tensor]] = [[] for _ in devices]
     bufs: list[list[torch.Tensor]] = [[] for _ in devices]
     seen: set[int] = set()
-    for name, layer in (layers if layers is not None else layer_modules(model)).items():
+    for name, layer in (layers if layers is not None else top_level_modules(model)).items():
         s = stage_of.get(name, 0)
         for p in layer.parameters():
             if id(p) not in seen:

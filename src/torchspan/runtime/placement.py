@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..hardware import resolve_device, to_device
-from ..layers import layer_modules
+from ..layers import top_level_modules
 from ..planner.plans import Plan
 from .microbatch import split_sizes
 from .ties import TiedCopies
@@ -118,7 +118,7 @@ def check_shared(model: nn.Module, stage_of: dict[str, int], layers: Mapping[str
     Without ``devices`` any two stages count as different. ``layers``: name -> module (default: top-level children).
     """
     owner: dict[int, tuple[str, int]] = {}
-    for name, child in (layers if layers is not None else layer_modules(model)).items():
+    for name, child in (layers if layers is not None else top_level_modules(model)).items():
         if name not in stage_of:
             continue
         for bname, t in child.named_buffers():
@@ -153,7 +153,7 @@ def place(
     that several layers hold stays one ``nn.Parameter`` on the first such layer's device; layers on
     other devices read a copy during their forward (the returned, installed ``TiedCopies``).
     """
-    layers = dict(layers if layers is not None else layer_modules(model))
+    layers = dict(layers if layers is not None else top_level_modules(model))
     home: dict[int, torch.device] = {}
     for name in [n for n in layers if n in stage_of]:
         dev = devices[stage_of[name]]

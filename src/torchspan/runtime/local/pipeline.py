@@ -30,13 +30,13 @@ from ...layers.slots import Slot, kept
 from ..lossweights import weighted_loss
 from ...hardware import to_device
 from ... import schedule as sched
-from ...schedule import CHECKPOINTS, PRECISIONS
+from ...schedule import RECOMPUTE_MODES, PRECISIONS
 from ..memory import ActivationMeter, MeteredSteps
 from ..record import Recorder
 from .stream import copy_stream, transfer, use_device, wait_ready
 from .worker import Mailbox, Transport, run_workers
 
-__all__ = ["Pipeline", "autocast_for", "once_context", "CHECKPOINTS", "PRECISIONS"]
+__all__ = ["Pipeline", "autocast_for", "once_context", "RECOMPUTE_MODES", "PRECISIONS"]
 
 
 

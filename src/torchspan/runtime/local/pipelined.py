@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...layers import Slot, buffer_slots, layer_modules
+from ...layers import Slot, buffer_slots, top_level_modules
 from ...layers import fxsplit as split
 from ..executor import Executor, Settings, Work
 from ..memory import ActivationMeter
@@ -104,7 +104,7 @@ class PipelinedExecutor(Executor):
     def _sequential_fns(self) -> list[Callable[..., Any]]:
         """One callable per stage running its layers in order (non-last stages return a 1-tuple)."""
         n = len(self.devices)
-        layers = layer_modules(self.model)
+        layers = top_level_modules(self.model)
 
         def make(group: list[str], last: bool) -> Callable[..., Any]:
             mods = [layers[name] for name in group]
@@ -133,7 +133,7 @@ class PipelinedExecutor(Executor):
         """Each stage's buffer slots, which a checkpoint recompute must leave unchanged (None: no recompute)."""
         if self.settings.checkpoint == "never":
             return None
-        layers = layer_modules(self.model)
+        layers = top_level_modules(self.model)
         own: list[list[Slot]] = [[] for _ in self.devices]
         for name, b in self.model._buffers.items():
             if b is not None:

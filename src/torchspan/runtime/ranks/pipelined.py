@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...layers import fxsplit as split
-from ...layers import layer_modules
+from ...layers import top_level_modules
 from ..executor import Settings, Work
 from ..local.pipeline import Pipeline
 from ..local.pipelined import PipelinedExecutor, _concrete_id
@@ -76,7 +76,7 @@ class RankPipelineExecutor(RankStage, PipelinedExecutor):
 
     # ------------------------------------------------------------------ placement
     def _place(self, graph: Any) -> None:
-        layers = layer_modules(self.model)
+        layers = top_level_modules(self.model)
         local = self._tie_parameters(layers, self.groups)
         for s, group in enumerate(self.groups):
             if s != self.stage:
