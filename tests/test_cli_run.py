@@ -189,7 +189,7 @@ def test_compare_ratios_and_step_time() -> None:
 
 def test_out_budgets_use_the_device_names_of_the_plan(models: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     # regression: --memory CPU=... was passed to memory.png under the raw key 'CPU', so no budget line was drawn
-    from torchspan.commands import measure as run_command
+    from torchspan.commands import run as run_command
 
     seen: dict[str, int] = {}
     real = run_command._write_outputs

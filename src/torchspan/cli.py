@@ -1,6 +1,6 @@
 """The ``torchspan`` command line: ``torchspan devices|doctor|plan|run|verify|demo|bench|launch``.
 
-Each subcommand lives in ``torchspan.commands.<name>`` (``MODULES`` names the exceptions) and
+Each subcommand lives in ``torchspan.commands.<name>`` and
 exposes ``register(subparsers)``, which adds its parser and sets ``func(args) -> int``. Tests call ``main([...])`` directly.
 
 Usage: ``torchspan devices --json``; in Python, ``main(["devices", "cpu"])``.
@@ -20,10 +20,8 @@ from .commands._common import UsageError
 
 # Order is the order shown in --help.
 COMMANDS = ("devices", "doctor", "plan", "run", "verify", "demo", "bench", "launch")
-# command -> module of torchspan.commands, where the module's name differs (it says what it holds)
-MODULES = {"run": "measure"}
 
-__all__ = ["COMMANDS", "MODULES", "UsageError", "build_parser", "main"]
+__all__ = ["COMMANDS", "UsageError", "build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,9 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         try:
-            module = importlib.import_module(f"torchspan.commands.{MODULES.get(name, name)}")
+            module = importlib.import_module(f"torchspan.commands.{name}")
         except ModuleNotFoundError as exc:
-            if exc.name == f"torchspan.commands.{MODULES.get(name, name)}":
+            if exc.name == f"torchspan.commands.{name}":
                 continue  # command not shipped in this build
             raise
         module.register(sub)

@@ -1,7 +1,5 @@
 """``torchspan run TARGET --input-shape 32,512``: measure a plan by training ``span`` on synthetic data, predicted vs measured.
 
-(The module is named for what it does; the command is ``run``.)
-
 Builds the model named by TARGET (``package.module:factory`` or ``path/to/file.py:factory``), takes
 a plan (``--plan plan.json`` from ``torchspan plan --out``, or plans now for ``--devices``), and
 trains ``span(model, plan)`` for ``--steps`` steps on one random batch of the given shape and dtype
