@@ -36,6 +36,7 @@ How each figure is obtained
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,7 +48,7 @@ from ..hardware import devices as find_devices
 from ..layers import descends, model_layers, top_level_layers
 from .costs import LayerCost, Profile
 from .optim_state import optimizer_spec, param_state_bytes
-from .sizing import Sizes, as_call, batch_size_of, float_dtype, resize_batch, sizing_pass
+from .sizing import Sizes, as_call, batch_size_of, float_dtype, input_bytes, nbytes_as, parse_dtype, resize_batch, sizing_pass
 from .timing import Speed, capture, estimate, fit, host_speed_device, on_device, preserved, speed_of, time_layer
 
 __all__ = ["profile"]
@@ -86,23 +87,56 @@ def profile(
     The model's parameters, buffers, gradients and RNG state are as before when this returns; the
     model runs in its current mode (call ``model.train()`` first for training figures).
     """
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model={type(model).__name__} is not an nn.Module; pass the model to profile")
-    for name, value in (("warmup", warmup), ("repeats", repeats)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "repeats" else 0):
-            raise ValueError(f"{name}={value!r} must be an int >= {1 if name == 'repeats' else 0}")
-    dtype = _parse_dtype(dtype)
+    _check_arguments(model, warmup, repeats)
+    dtype = parse_dtype(dtype)
     args, kwargs = as_call(example_inputs)
     batch = batch_size_of((args, kwargs))
     devs = find_devices(devices)
     spec = optimizer_spec(optimizer)
     compute_dtype = float_dtype(model, dtype)
     layers_of = _layers(model, args, kwargs)  # the one layer list: sizing and timing get it from here
-    children = dict(layers_of)
     notes: list[str] = []
 
-    # ---- sizes, FLOPs and traffic from fake passes
-    # a second, smaller batch for the time fit (>= 2 samples: BatchNorm refuses one in training)
+    sizes_at, small = _size_passes(model, layers_of, args, kwargs, batch, dtype, notes)
+    layers = _layer_costs(dict(layers_of), sizes_at, small, batch, spec, dtype, notes)
+    _note_glue(sizes_at[batch], notes)
+    timing = _Timing(model, layers_of, (args, kwargs), batch, small, sizes_at, dtype, warmup, repeats, notes)
+    out_devices, measured = _time_devices(timing, devs, layers, compute_dtype, measure)
+    calibration = _calibration(devs, out_devices, measured, layers, sizes_at, batch, compute_dtype)
+    return Profile(
+        layers=layers,
+        devices=out_devices,
+        batch_size=batch,
+        input_bytes=input_bytes((args, kwargs), dtype) / batch,
+        optimizer=spec.label,
+        dtype=str(compute_dtype).replace("torch.", ""),
+        notes=notes,
+        calibration=calibration,
+    )
+
+
+def _check_arguments(model: Any, warmup: Any, repeats: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model={type(model).__name__} is not an nn.Module; pass the model to profile")
+    for name, value in (("warmup", warmup), ("repeats", repeats)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "repeats" else 0):
+            raise ValueError(f"{name}={value!r} must be an int >= {1 if name == 'repeats' else 0}")
+
+
+def _size_passes(
+    model: nn.Module,
+    layers_of: list[tuple[str, nn.Module]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    batch: int,
+    dtype: torch.dtype | None,
+    notes: list[str],
+) -> tuple[dict[int, Sizes], int]:
+    """Fake passes at ``batch``, ``2 * batch`` and a smaller batch for the time fit: ``(sizes by batch, small)``.
+
+    The small batch is ``>= 2`` samples (BatchNorm refuses one in training); a model that does not run
+    at it gets ``small = batch`` and a note.
+    """
     small = min(batch, max(2, batch // 4))
     sizes_at: dict[int, Sizes] = {}
     for s in sorted({small, batch, 2 * batch}, reverse=True):
@@ -119,30 +153,26 @@ def profile(
                 "fit the forward (shape, dtype); otherwise data-dependent Python control flow (e.g. `if x.sum() > 0`, "
                 "`.item()`) or ops without fake/meta kernels prevent sizing"
             ) from exc
-    base = sizes_at[batch]
-    order = base.order
+    return sizes_at, small
 
-    # ---- per-layer state bytes
-    owned: set[int] = set()
+
+def _layer_costs(
+    children: dict[str, nn.Module],
+    sizes_at: dict[int, Sizes],
+    small: int,
+    batch: int,
+    spec: Any,
+    dtype: torch.dtype | None,
+    notes: list[str],
+) -> list[LayerCost]:
+    """One ``LayerCost`` per layer in call order, without times: state bytes, activations, outputs, FLOPs."""
+    base = sizes_at[batch]
+    owned: set[int] = set()  # a tensor shared by layers counts in the first one
     cache: dict[Any, int] = {}
     layers: list[LayerCost] = []
-    for name in order:
+    for name in base.order:
         child = children[name]
-        pb = gb = ob = bb = 0
-        for p in child.parameters():
-            if id(p) in owned:
-                continue
-            owned.add(id(p))
-            size = _nbytes(p, dtype)
-            pb += size
-            if p.requires_grad:
-                gb += size
-            ob += param_state_bytes(spec, p, dtype, cache)
-        for b in child.buffers():
-            if id(b) in owned:
-                continue
-            owned.add(id(b))
-            bb += _nbytes(b, dtype)
+        pb, gb, ob, bb = _state_bytes(child, owned, cache, spec, dtype)
         act_ps, act_fixed = _per_sample(sizes_at, batch, lambda sz, n=name: sz.saved[n])
         out_ps, out_fixed = _per_sample(sizes_at, batch, lambda sz, n=name: sz.output[n])
         shared_ps, _ = _per_sample(sizes_at, batch, lambda sz, n=name: sz.shared[n])
@@ -168,26 +198,82 @@ def profile(
                 shared_activation_bytes=shared_ps,
             )
         )
+    return layers
+
+
+def _state_bytes(
+    child: nn.Module, owned: set[int], cache: dict[Any, int], spec: Any, dtype: torch.dtype | None
+) -> tuple[int, int, int, int]:
+    """``(parameters, gradients, optimizer state, buffers)`` bytes of ``child``'s tensors not in ``owned`` (added to it)."""
+    pb = gb = ob = bb = 0
+    for p in child.parameters():
+        if id(p) in owned:
+            continue
+        owned.add(id(p))
+        size = nbytes_as(p, dtype)
+        pb += size
+        if p.requires_grad:
+            gb += size
+        ob += param_state_bytes(spec, p, dtype, cache)
+    for b in child.buffers():
+        if id(b) in owned:
+            continue
+        owned.add(id(b))
+        bb += nbytes_as(b, dtype)
+    return pb, gb, ob, bb
+
+
+def _note_glue(base: Sizes, notes: list[str]) -> None:
     glue = sum(f for (n, _), ops in base.ops.items() if n is None for f, _ in ops)
     total = sum(f for ops in base.ops.values() for f, _ in ops)
     if total and glue / total > 0.05:
         notes.append(f"{glue / total:.0%} of FLOPs run outside the top-level children (in the model's own forward) and are not in any layer")
 
-    # ---- times per device
+
+@dataclass
+class _Timing:
+    """What timing the layers needs: the model, its layers, the example call, the fake passes, the run counts."""
+
+    model: nn.Module
+    layers_of: list[tuple[str, nn.Module]]
+    call: tuple[tuple[Any, ...], dict[str, Any]]
+    batch: int
+    small: int
+    sizes_at: dict[int, Sizes]
+    dtype: torch.dtype | None
+    warmup: int
+    repeats: int
+    notes: list[str]
+
+
+Times = dict[str, tuple[float, float, float, float]]  # layer -> (forward fixed, per sample, backward fixed, per sample)
+
+
+def _time_devices(
+    timing: _Timing, devs: list[Device], layers: list[LayerCost], compute_dtype: torch.dtype, measure: bool
+) -> tuple[list[Device], dict[tuple[str, str], Times]]:
+    """Append every device's times to ``layers``: measured once per present device model, else estimated.
+
+    Returns the profile's devices (a present CPU with this host's speed) and the measured times by device model.
+    """
+    notes = timing.notes
+    model = timing.model
     meta_params = any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
     if meta_params and measure:
         notes.append("parameters are on meta (no data): times on present devices are estimated, not measured")
     out_devices: list[Device] = []
-    measured: dict[tuple[str, str], dict[str, tuple[float, float, float, float]]] = {}
+    measured: dict[tuple[str, str], Times] = {}
     measured_on: dict[tuple[str, str], str] = {}
     for d in devs:
         present_cpu = d.present and d.kind in ("cpu", "meta")
-        dd = host_speed_device(d) if present_cpu else d
-        out_devices.append(dd)
+        out_devices.append(host_speed_device(d) if present_cpu else d)
         can_measure = measure and d.present and d.kind != "meta" and not meta_params
         key = _model_key(d)
         if can_measure and key not in measured:
-            measured[key] = _measure(model, layers_of, (args, kwargs), batch, small, order, base, d.device, dtype, warmup, repeats, notes)
+            t, base = timing, timing.sizes_at[timing.batch]
+            measured[key] = _measure(
+                t.model, t.layers_of, t.call, t.batch, t.small, base.order, base, d.device, t.dtype, t.warmup, t.repeats, notes
+            )
             measured_on[key] = str(d.device)
     for i, (d, dd) in enumerate(zip(devs, out_devices)):
         key = _model_key(d)
@@ -198,18 +284,33 @@ def profile(
                     "one set of times per model keeps the planner's devices interchangeable, not split by timing noise"
                 )
             for lay in layers:
-                ff, fp, bf, bp = measured[key][lay.name]
-                _append_times(lay, ff, fp, bf, bp, "measured")
-            continue
-        try:
-            speed = speed_of(catalog.with_figures(dd), compute_dtype)
-        except ValueError as exc:
-            raise ValueError(f"devices[{i}]={str(d.device)!r}: {exc}") from None
-        label = speed.label + (" (meta has no speed of its own; this CPU's figures)" if d.kind == "meta" else "")
-        for lay in layers:
-            _append_times(lay, *_estimate_layer(sizes_at, small, batch, lay.name, speed), label)
+                _append_times(lay, *measured[key][lay.name], "measured")
+        else:
+            _append_estimates(timing, i, d, dd, layers, compute_dtype)
+    return out_devices, measured
 
-    # ---- how well FLOP-based estimates match measurements on this machine
+
+def _append_estimates(timing: _Timing, i: int, d: Device, dd: Device, layers: list[LayerCost], compute_dtype: torch.dtype) -> None:
+    """Times of device ``i`` from its figures (FLOPs and bytes per op), at the two batch sizes of the fit."""
+    try:
+        speed = speed_of(catalog.with_figures(dd), compute_dtype)
+    except ValueError as exc:
+        raise ValueError(f"devices[{i}]={str(d.device)!r}: {exc}") from None
+    label = speed.label + (" (meta has no speed of its own; this CPU's figures)" if d.kind == "meta" else "")
+    for lay in layers:
+        _append_times(lay, *_estimate_layer(timing.sizes_at, timing.small, timing.batch, lay.name, speed), label)
+
+
+def _calibration(
+    devs: list[Device],
+    out_devices: list[Device],
+    measured: dict[tuple[str, str], Times],
+    layers: list[LayerCost],
+    sizes_at: dict[int, Sizes],
+    batch: int,
+    compute_dtype: torch.dtype,
+) -> dict[str, float]:
+    """How well FLOP-based estimates match measurements on this machine: measured / estimated, per measured CPU."""
     calibration: dict[str, float] = {}
     for i, (d, dd) in enumerate(zip(devs, out_devices)):
         key = str(d.device)
@@ -219,16 +320,7 @@ def profile(
             meas = sum(lay.forward_seconds(i, batch) + lay.backward_seconds(i, batch) for lay in layers)
             if est > 0:
                 calibration[key] = meas / est
-    return Profile(
-        layers=layers,
-        devices=out_devices,
-        batch_size=batch,
-        input_bytes=_input_bytes((args, kwargs), dtype) / batch,
-        optimizer=spec.label,
-        dtype=str(compute_dtype).replace("torch.", ""),
-        notes=notes,
-        calibration=calibration,
-    )
+    return calibration
 
 
 def _layers(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, nn.Module]]:
@@ -301,7 +393,8 @@ def _measure(
     warmup: int,
     repeats: int,
     notes: list[str],
-) -> dict[str, tuple[float, float, float, float]]:
+) -> Times:
+    """Each layer timed alone on ``dev`` at the two batch sizes (rescaled to a whole-model pass when it lives there)."""
     children = dict(layers_of)
     fwd: dict[str, dict[int, float]] = {n: {} for n in order}
     bwd: dict[str, dict[int, float]] = {n: {} for n in order}
@@ -382,30 +475,3 @@ def _linear(sizes_at: dict[int, Sizes], small: int, batch: int, get: Callable[[S
     predicted = fixed + small * per
     actual = float(get(sizes_at[small]))
     return abs(predicted - actual) <= 0.01 * max(predicted, actual) + 64
-
-
-def _input_bytes(args: Any, dtype: torch.dtype | None) -> int:
-    """Bytes of the example inputs as profiled: floating tensors counted in ``dtype`` when one is given."""
-    from torch.utils._pytree import tree_leaves
-
-    tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
-    return sum(_nbytes(t, dtype) for t in tensors)
-
-
-def _nbytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
-    """Bytes of ``t`` as profiled: a floating tensor counted in ``dtype`` when one is given."""
-    return t.numel() * (dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size())
-
-
-def _parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None:
-        return None
-    value = getattr(torch, dtype.strip().replace("torch.", ""), None) if isinstance(dtype, str) else dtype
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"dtype={dtype!r} is not a torch dtype; use e.g. torch.bfloat16 or 'float32'")
-    if not value.is_floating_point:
-        raise ValueError(
-            f"dtype={dtype!r} is not a floating dtype; dtype casts floating parameters and inputs (e.g. 'bfloat16'). "
-            "For integer inputs such as token ids, pass them as example_inputs and leave dtype unset"
-        )
-    return value

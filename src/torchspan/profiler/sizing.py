@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 if TYPE_CHECKING:
     from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Sizes", "as_args", "as_call", "batch_size_of", "bytes_of", "float_dtype", "resize_batch", "sizing_pass"]
+__all__ = ["Sizes", "as_args", "as_call", "batch_size_of", "bytes_of", "float_dtype", "input_bytes", "nbytes_as", "parse_dtype", "resize_batch", "sizing_pass"]
 
 def as_args(example_inputs: Any) -> tuple[Any, ...]:
     return tuple(example_inputs) if isinstance(example_inputs, tuple) else (example_inputs,)
@@ -79,6 +79,33 @@ def float_dtype(model: nn.Module, dtype: torch.dtype | None) -> torch.dtype:
     return torch.get_default_dtype()
 
 
+def input_bytes(args: Any, dtype: torch.dtype | None) -> int:
+    """Bytes of the example inputs as profiled: floating tensors counted in ``dtype`` when one is given."""
+    from torch.utils._pytree import tree_leaves
+
+    tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
+    return sum(nbytes_as(t, dtype) for t in tensors)
+
+
+def nbytes_as(t: torch.Tensor, dtype: torch.dtype | None) -> int:
+    """Bytes of ``t`` as profiled: a floating tensor counted in ``dtype`` when one is given."""
+    return t.numel() * (dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size())
+
+
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None:
+        return None
+    value = getattr(torch, dtype.strip().replace("torch.", ""), None) if isinstance(dtype, str) else dtype
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"dtype={dtype!r} is not a torch dtype; use e.g. torch.bfloat16 or 'float32'")
+    if not value.is_floating_point:
+        raise ValueError(
+            f"dtype={dtype!r} is not a floating dtype; dtype casts floating parameters and inputs (e.g. 'bfloat16'). "
+            "For integer inputs such as token ids, pass them as example_inputs and leave dtype unset"
+        )
+    return value
+
+
 @dataclass
 class Sizes:
     """What one fake forward/backward at one batch size saw, per layer."""
@@ -126,10 +153,29 @@ def sizing_pass(
     ``kwargs``: keyword arguments of the forward (resized like ``args``).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.multiprocessing.reductions import StorageWeakRef
-    from torch.utils.flop_counter import FlopCounterMode
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    state, fargs, fkwargs = _fake_call(model, fake_mode, args, dict(kwargs or {}), batch, size, dtype)
+    tally = _Tally(children, state)
+    handles = tally.hook(children)
+    try:
+        _fake_step(model, fake_mode, tally, state, fargs, fkwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return tally.finish(model, children)
+
+
+def _fake_call(
+    model: nn.Module,
+    fake_mode: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    batch: int,
+    size: int,
+    dtype: torch.dtype | None,
+) -> tuple[dict[str, torch.Tensor], tuple[Any, ...], dict[str, Any]]:
+    """Fake parameters and buffers (by name) and the forward's arguments resized to batch ``size``, cast to ``dtype``."""
 
     def cast(t: torch.Tensor) -> torch.dtype:
         return dtype if dtype is not None and t.is_floating_point() else t.dtype
@@ -140,85 +186,117 @@ def sizing_pass(
             state[name] = torch.empty(tuple(p.shape), dtype=cast(p), device="cpu").requires_grad_(p.requires_grad)
         for name, b in model.named_buffers():
             state[name] = torch.empty(tuple(b.shape), dtype=cast(b), device="cpu")
-        fargs, fkwargs = resize_batch((args, dict(kwargs or {})), batch, size, lambda t, shape: torch.empty(shape, dtype=cast(t), device="cpu"))
-    state_keys = {StorageWeakRef(t.untyped_storage()).cdata for t in state.values()}
+        fargs, fkwargs = resize_batch((args, kwargs), batch, size, lambda t, shape: torch.empty(shape, dtype=cast(t), device="cpu"))
+    return state, tuple(fargs), fkwargs
 
-    zeros = {n: 0 for n, _ in children}
-    sizes = Sizes([], dict(zeros), dict(zeros), dict(zeros), dict(zeros), {n: [] for n, _ in children}, {})
-    first_saver: dict[int, str] = {}
-    shared_seen: set[tuple[str, int]] = set()
-    stack: list[str] = []
-    segment: list[tuple[str | None, str]] = [(None, "forward")]
 
-    def sink(flops: float, moved: float) -> None:
-        sizes.ops.setdefault(segment[0], []).append((flops, moved))
+class _Tally:
+    """Per-layer bookkeeping of one sizing pass: forward hooks, the saved-tensor hook and the op sink write here."""
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def __init__(self, children: list[tuple[str, nn.Module]], state: dict[str, torch.Tensor]) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        zeros = {n: 0 for n, _ in children}
+        self.sizes = Sizes([], dict(zeros), dict(zeros), dict(zeros), dict(zeros), {n: [] for n, _ in children}, {})
+        self.state_keys = {StorageWeakRef(t.untyped_storage()).cdata for t in state.values()}
+        self.first_layer = children[0][0]
+        self.first_saver: dict[int, str] = {}
+        self.shared_seen: set[tuple[str, int]] = set()
+        self.stack: list[str] = []
+        self.segment: tuple[str | None, str] = (None, "forward")
+
+    def sink(self, flops: float, moved: float) -> None:
+        """One aten op's (flops, bytes moved), filed under the running (layer, phase)."""
+        self.sizes.ops.setdefault(self.segment, []).append((flops, moved))
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """``saved_tensors_hooks`` pack: count a saved storage once, in the layer running (shared if another saved it first)."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+
         try:
             storage = t.untyped_storage()
             key = StorageWeakRef(storage).cdata
             nbytes = storage.nbytes()
         except Exception:  # tensors without storage (sparse, nested): count their elements
             key, nbytes = id(t), t.numel() * t.element_size()
-        if key in state_keys:
+        if key in self.state_keys:
             return t
-        owner = stack[-1] if stack else (sizes.order[-1] if sizes.order else children[0][0])
-        first = first_saver.setdefault(key, owner)
-        if (owner, key) in shared_seen:
+        sizes = self.sizes
+        owner = self.stack[-1] if self.stack else (sizes.order[-1] if sizes.order else self.first_layer)
+        first = self.first_saver.setdefault(key, owner)
+        if (owner, key) in self.shared_seen:
             return t
-        shared_seen.add((owner, key))
+        self.shared_seen.add((owner, key))
         if first == owner:
             sizes.saved[owner] += nbytes
         else:
             sizes.shared[owner] += nbytes
         return t
 
-    handles = []
-    for cname, child in children:
+    def enter(self, name: str, a: Any, kw: Any) -> None:
+        """A layer's forward starts: its call, which inputs need grad, and the forward segment."""
+        sizes = self.sizes
+        if name not in sizes.order:
+            sizes.order.append(name)
+        sizes.calls[name] += 1
+        sizes.requires_grad[name].append([isinstance(x, torch.Tensor) and x.requires_grad for x in tree_flatten((a, kw))[0]])
+        self.stack.append(name)
+        self.segment = (name, "forward")
 
-        def pre(_m: nn.Module, a: Any, kw: Any, _n: str = cname) -> None:
-            if _n not in sizes.order:
-                sizes.order.append(_n)
-            sizes.calls[_n] += 1
-            sizes.requires_grad[_n].append([isinstance(x, torch.Tensor) and x.requires_grad for x in tree_flatten((a, kw))[0]])
-            stack.append(_n)
-            segment[0] = (_n, "forward")
+    def leave(self, name: str, out: Any) -> None:
+        """A layer's forward ends: its output bytes, and a grad hook on each output that opens its backward segment."""
+        self.stack.pop()
+        self.segment = (self.stack[-1] if self.stack else None, "forward")
+        self.sizes.output[name] += bytes_of(out)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda _grad, _n=name: self._start_backward(_n))
 
-        def post(_m: nn.Module, _a: Any, _kw: Any, out: Any, _n: str = cname) -> None:
-            stack.pop()
-            segment[0] = (stack[-1] if stack else None, "forward")
-            sizes.output[_n] += bytes_of(out)
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
+    def _start_backward(self, name: str) -> None:
+        self.segment = (name, "backward")
 
-                    def start_backward(grad: torch.Tensor, _n: str = _n) -> None:
-                        segment[0] = (_n, "backward")
+    def hook(self, children: list[tuple[str, nn.Module]]) -> list[Any]:
+        """Forward pre/post hooks on every layer; the caller removes the returned handles."""
+        handles = []
+        for cname, child in children:
+            handles.append(child.register_forward_pre_hook(lambda _m, a, kw, _n=cname: self.enter(_n, a, kw), with_kwargs=True))
+            handles.append(child.register_forward_hook(lambda _m, _a, _kw, out, _n=cname: self.leave(_n, out), with_kwargs=True))
+        return handles
 
-                    t.register_hook(start_backward)
+    def finish(self, model: nn.Module, children: list[tuple[str, nn.Module]]) -> Sizes:
+        """The sizes, layers in call order (a Sequential's, or one never called, in module order)."""
+        sizes = self.sizes
+        if isinstance(model, nn.Sequential) or not sizes.order:
+            sizes.order = [n for n, _ in children]
+        else:
+            sizes.order.extend(n for n, _ in children if n not in sizes.order)
+        return sizes
 
-        handles.append(child.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(child.register_forward_hook(post, with_kwargs=True))
+
+def _fake_step(
+    model: nn.Module,
+    fake_mode: Any,
+    tally: _Tally,
+    state: dict[str, torch.Tensor],
+    fargs: tuple[Any, ...],
+    fkwargs: dict[str, Any],
+) -> None:
+    """The forward (saved tensors packed by ``tally``) and backward, every aten op counted into ``tally.sink``."""
+    from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
-    recorder = _op_recorder(counter, sink)
+    recorder = _op_recorder(counter, tally.sink)
     # FakeTensorMode logs a full traceback (at ERROR) for every op that raises, e.g. on a wrong input
     # shape; the caller turns the exception into one clear message, so keep the log quiet meanwhile.
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
     was_disabled, fake_log.disabled = fake_log.disabled, True
     try:
         with fake_mode, counter, recorder:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = torch.func.functional_call(model, state, tuple(fargs), fkwargs, strict=False, tie_weights=True)
-            segment[0] = (None, "backward")
+            with torch.autograd.graph.saved_tensors_hooks(tally.pack, lambda t: t):
+                out = torch.func.functional_call(model, state, fargs, fkwargs, strict=False, tie_weights=True)
+            tally.segment = (None, "backward")
             roots = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if roots:
                 torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
     finally:
         fake_log.disabled = was_disabled
-        for h in handles:
-            h.remove()
-    if isinstance(model, nn.Sequential) or not sizes.order:
-        sizes.order = [n for n, _ in children]
-    else:
-        sizes.order.extend(n for n, _ in children if n not in sizes.order)
-    return sizes
