@@ -35,7 +35,7 @@ def test_choose_mode() -> None:
     assert split.choose_mode(sequential())[0] == "sequential"
     assert split.choose_mode(residual())[0] == "fx"
     mode, why, graph = split.choose_mode(untraceable())
-    assert mode == "hooks" and "Untraceable" in why and "TraceError" in why
+    assert mode == "own-forward" and "Untraceable" in why and "TraceError" in why
 
 
 def test_split_graph_carries_live_values_and_matches_model() -> None:

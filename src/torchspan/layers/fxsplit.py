@@ -5,8 +5,8 @@ How ``span`` turns a model into stages (``choose_mode``), in this order of prefe
 - ``"sequential"``: an ``nn.Sequential``; each stage is a run of consecutive children.
 - ``"fx"``: ``torch.fx`` traces the forward with top-level children as leaves; ``split_graph``
   cuts the graph at child boundaries and carries every live value across each cut.
-- ``"hooks"``: anything else; children stay whole and forward pre-hooks move inputs
-  (see ``torchspan.runtime.local.hooks``).
+- ``"own-forward"``: anything else; the model's own forward runs, children stay whole and each
+  runs on its stage's device (see ``torchspan.runtime``).
 
 Usage: ``mode, why, graph = choose_mode(model)``; ``mods, attrs = split_graph(model, graph, {"a": 0, "b": 1}, 2)``.
 """
@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 
-MODES = ("sequential", "fx", "hooks")
+MODES = ("sequential", "fx", "own-forward")
 
 
 class LayerTracer(fx.Tracer):
@@ -103,7 +103,7 @@ def trace(model: nn.Module, concrete_args: dict[str, Any] | None = None) -> fx.G
 
 
 def choose_mode(model: nn.Module) -> tuple[str, str, fx.Graph | None]:
-    """``("sequential"|"fx"|"hooks", why, graph)``: how ``span`` will turn ``model`` into stages.
+    """``("sequential"|"fx"|"own-forward", why, graph)``: how ``span`` will turn ``model`` into stages.
 
     ``graph`` is the trace made with ``default_concrete_args(model)`` in fx mode (``None`` otherwise),
     so that the caller need not trace again: each trace adds ``_tensor_constantN`` attributes to the model.
@@ -116,7 +116,7 @@ def choose_mode(model: nn.Module) -> tuple[str, str, fx.Graph | None]:
         graph = trace(model, default_concrete_args(model))
     except Exception as exc:  # fx raises many kinds (TraceError, TypeError, NotImplementedError…)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return "hooks", f"torch.fx cannot trace {type(model).__name__} ({type(exc).__name__}: {first})", None
+        return "own-forward", f"torch.fx cannot trace {type(model).__name__} ({type(exc).__name__}: {first})", None
     return "fx", "torch.fx traced the forward; it is split at top-level child boundaries", graph
 
 
@@ -155,6 +155,17 @@ def split_graph(
     Usage: ``mods, attrs = split_graph(model, trace(model), {"a": 0, "b": 1}, 2)``.
     """
     nodes = list(graph.nodes)
+    where = _node_stages(model, nodes, stage_of, stages)
+    root_attrs = _attr_stages(model, nodes, where, stage_of, stages)
+    if before_build is not None:
+        before_build(root_attrs)
+    last_use = {node: max((where[u] for u in node.users), default=where[node]) for node in nodes}
+    modules = [_stage_module(model, nodes, where, last_use, s, stages) for s in range(stages)]
+    return modules, root_attrs
+
+
+def _node_stages(model: nn.Module, nodes: list[fx.Node], stage_of: dict[str, int], stages: int) -> dict[fx.Node, int]:
+    """The stage of every node but ``get_attr``: a layer call's stage, else the stage running at that point."""
     where: dict[fx.Node, int] = {}
     current = 0
     last_layer: str | None = None
@@ -177,6 +188,16 @@ def split_graph(
             where[node] = stages - 1
         elif node.op != "get_attr":
             where[node] = current
+    return where
+
+
+def _attr_stages(
+    model: nn.Module, nodes: list[fx.Node], where: dict[fx.Node, int], stage_of: dict[str, int], stages: int
+) -> dict[str, int]:
+    """Place ``get_attr`` nodes in ``where``: a layer's in its stage, the model's own in the first stage that reads it.
+
+    Returns the model's own attributes (not a layer's) with that stage.
+    """
     root_attrs: dict[str, int] = {}
     for node in nodes:
         if node.op != "get_attr":
@@ -195,32 +216,33 @@ def split_graph(
         else:
             where[node] = first_use
             root_attrs[str(node.target)] = first_use
-    if before_build is not None:
-        before_build(root_attrs)
-    last_use = {node: max((where[u] for u in node.users), default=where[node]) for node in nodes}
+    return root_attrs
 
-    def live_after(s: int) -> list[fx.Node]:
-        return [n for n in nodes if n.op != "output" and where[n] <= s < last_use[n]]
 
-    modules: list[fx.GraphModule] = []
-    for s in range(stages):
-        g = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        if s == 0:
-            for n in nodes:
-                if n.op == "placeholder":
-                    env[n] = g.node_copy(n, lambda a: env[a])
-        else:
-            for n in live_after(s - 1):
-                env[n] = g.placeholder(f"carry_{n.name}")
+def _stage_module(
+    model: nn.Module, nodes: list[fx.Node], where: dict[fx.Node, int], last_use: dict[fx.Node, int], s: int, stages: int
+) -> fx.GraphModule:
+    """Stage ``s`` as a ``GraphModule``: carried values in (the model's arguments for stage 0), carried values or the output out."""
+
+    def live_after(k: int) -> list[fx.Node]:
+        return [n for n in nodes if n.op != "output" and where[n] <= k < last_use[n]]
+
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    if s == 0:
         for n in nodes:
-            if where[n] == s and n.op not in ("placeholder", "output"):
+            if n.op == "placeholder":
                 env[n] = g.node_copy(n, lambda a: env[a])
-        if s < stages - 1:
-            g.output(tuple(env[n] for n in live_after(s)))
-        else:
-            out = next(n for n in nodes if n.op == "output")
-            g.output(fx.map_arg(out.args[0], lambda a: env[a]))
-        g.lint()
-        modules.append(fx.GraphModule(model, g, class_name=f"Stage{s}"))
-    return modules, root_attrs
+    else:
+        for n in live_after(s - 1):
+            env[n] = g.placeholder(f"carry_{n.name}")
+    for n in nodes:
+        if where[n] == s and n.op not in ("placeholder", "output"):
+            env[n] = g.node_copy(n, lambda a: env[a])
+    if s < stages - 1:
+        g.output(tuple(env[n] for n in live_after(s)))
+    else:
+        out = next(n for n in nodes if n.op == "output")
+        g.output(fx.map_arg(out.args[0], lambda a: env[a]))
+    g.lint()
+    return fx.GraphModule(model, g, class_name=f"Stage{s}")

@@ -125,7 +125,7 @@ def span(
     blocks = discovery.descends(model, split_points, no_split)
     layer_set = discovery.model_layers(model, split_points=split_points, no_split=no_split) if blocks else None
     if layer_set is not None:
-        mode, graph = "hooks", None
+        mode, graph = "own-forward", None
         why = f"its layers are blocks inside containers ({', '.join(layer_set.names()[:3])}, ...), which torch.fx splits do not cut"
         names = layer_set.names()
     else:
@@ -177,19 +177,19 @@ def span(
     # Choosing the executor: the one place that knows them all.
     executor: Executor
     unthreaded = ThreadedExecutor.unsupported(devs, microbatches, checkpoint)
-    if ranked is not None and mode == "hooks":  # the model's own forward on every rank, its stage for real
+    if ranked is not None and mode == "own-forward":  # the model's own forward on every rank, its stage for real
         executor = RankHookExecutor(
             model, groups, settings, recorder, meter, *ranked, balance_given=plan is None, layers=layer_set,
             even=balance is None, split_points=split_points, no_split=no_split,
         )  # fmt: skip
     elif ranked is not None:
         executor = RankPipelineExecutor(model, mode, graph, groups, settings, recorder, meter, *ranked)
-    elif mode == "hooks" and not unthreaded:  # the model's own forward, one thread per micro-batch
+    elif mode == "own-forward" and not unthreaded:  # the model's own forward, one thread per micro-batch
         executor = ThreadedExecutor(
             model, devs, groups, settings, recorder, meter, balance_given=plan is None, layers=layer_set,
             even=balance is None, split_points=split_points, no_split=no_split,
         )  # fmt: skip
-    elif mode == "hooks":
+    elif mode == "own-forward":
         warnings.warn(
             f"torchspan: {why}; using hook placement. Each layer lives on its device and inputs are moved to "
             f"it, but micro-batches run one after another (no pipelining): {unthreaded}.",
