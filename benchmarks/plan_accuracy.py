@@ -128,7 +128,7 @@ def run_case(name: str, devices: list[str], steps: int) -> dict[str, Any]:
     # one device: the planner's own choice (torchspan.plan = profile + search); two entries of the CPU:
     # the planner keeps one stage, so the two-stage pipeline is built by hand and scored by the cost model
     plan = search(prof) if len(devices) == 1 else two_stage_plan(prof)
-    cm = CostModel(prof, plan.microbatches, plan.schedule, plan.checkpoint)
+    cm = CostModel(prof, plan.microbatches, plan.schedule, plan.recompute)
     placed = cm.stages_for(plan)
     again = cm.evaluate(placed).step_time
     if abs(again - float(plan.predicted_step_time or 0.0)) > 1e-9 * again:
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, res in ((f"{name}/cpu", single), (f"{name}/cpu,cpu", split)):
             plan = res["plan"]
             print(f"\n== {label}: {len(plan.stages)} stage(s) {plan.balance}, {plan.microbatches} micro-batch(es), "
-                  f"{plan.schedule}, checkpoint={plan.checkpoint}")
+                  f"{plan.schedule}, recompute={plan.recompute}")
             lo, hi = res["spread"]
             print(f"   step: predicted {res['predicted_step'] * 1e3:.2f} ms, measured median {res['measured_step'] * 1e3:.2f} ms "
                   f"(min {lo * 1e3:.2f}, max {hi * 1e3:.2f})")

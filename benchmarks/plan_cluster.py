@@ -173,7 +173,7 @@ def main() -> None:
         for n in (2, 4):
             meas, alone = run(n, "ddp", {**args, "width": width})
             pl = plan(mlp(width), x, devices="cpu", nodes=n, interconnect="loopback", data_parallel=n,
-                      microbatches=1, checkpoint="never", optimizer="sgd")  # fmt: skip
+                      microbatches=1, recompute="never", optimizer="sgd")  # fmt: skip
             rows.append((width, n, meas, alone, pl))
     print("\n| width | processes | DDP fwd+bwd measured ms | all at the end: compute + all-reduce ms | pred/meas "
           "| overlapped: compute + exposed ms | pred/meas | plan |")  # fmt: skip

@@ -11,7 +11,7 @@ The models are small enough to profile here, so budgets are scaled to make them 
 models that need several devices: the accelerators' budgets are proportional to their datasheet
 memory and add up to ``share`` x what the whole model needs on one device at its most frugal
 setting (parameters, gradients, Adam state, buffers, and activations with the most micro-batches,
-1F1B and checkpointing: the figure a ``PlanError`` prints): 1.5x on homogeneous and mixed (no
+1F1B and recompute: the figure a ``PlanError`` prints): 1.5x on homogeneous and mixed (no
 single GPU holds the model, not even the largest), 0.7x on tight_cpu (part of it must live on the
 CPU, the situation of ``seeds/000``); but never less than 1.1x the largest layer's need, so that
 every device can hold some layer. The CPU keeps its real memory.
@@ -21,7 +21,7 @@ for the described GPUs, and for this CPU from its measured speed), then plans wi
 ``torchspan.planner.search`` and with each baseline of ``torchspan.planner.baselines`` (uniform
 layer counts; DeepSpeed-style parameter balance; accelerate-style greedy fill by parameter bytes;
 the same greedy fill counting training state). Every plan is scored by the same cost model and
-each baseline gets its own best micro-batch count / schedule / checkpointing, so the ratios compare
+each baseline gets its own best micro-batch count / schedule / recompute, so the ratios compare
 placement alone. A baseline whose placement exceeds a budget (out of memory in training) is shown
 as OOM and left out of "best baseline".
 
@@ -122,7 +122,7 @@ def run_case(model_name: str, cluster: str, quick: bool) -> None:
     prof = torchspan.profile(model, x, devs, optimizer="adam", measure=False)
     t_profile = time.perf_counter() - t0
     # what the whole model needs on one device at its most frugal setting (most micro-batches, 1F1B,
-    # checkpointing): the same figure a PlanError prints
+    # recompute): the same figure a PlanError prints
     need, largest, _ = frugal_needs(prof, settings_grid(prof.batch_size, "auto", "auto", "auto"))
     accel = [d for d in prof.devices if d.kind != "cpu"]
     sheet = sum(d.total_memory or 0 for d in accel)
@@ -142,14 +142,14 @@ def run_case(model_name: str, cluster: str, quick: bool) -> None:
     budgets = ", ".join(f"{d.device}={format_bytes(d.capacity)}" for d in prof.devices)
     print(f"   budgets: {budgets}")
     print(f"   {'strategy':<13} {'samples/s':>11} {'vs torchspan':>12}  {'M':>3} {'sched':>5} {'ckpt':>11}  balance (devices)")
-    print(f"   {'torchspan':<13} {ours:>11.1f} {'1.00x':>12}  {plan.microbatches:>3} {plan.schedule:>5} {plan.checkpoint:>11}  "
+    print(f"   {'torchspan':<13} {ours:>11.1f} {'1.00x':>12}  {plan.microbatches:>3} {plan.schedule:>5} {plan.recompute:>11}  "
           f"{plan.balance} ({', '.join(plan.devices)})")
     best_name, best_tp, any_tp = None, 0.0, 0.0
     for strategy in STRATEGIES:
         bplan, ev = baseline(prof, strategy)
         tp = bplan.batch_size / ev.step_time
         tag = f"{ours / tp:.2f}x" if ev.fits else "OOM"
-        print(f"   {strategy:<13} {tp:>11.1f} {tag:>12}  {bplan.microbatches:>3} {bplan.schedule:>5} {bplan.checkpoint:>11}  "
+        print(f"   {strategy:<13} {tp:>11.1f} {tag:>12}  {bplan.microbatches:>3} {bplan.schedule:>5} {bplan.recompute:>11}  "
               f"{bplan.balance} ({', '.join(bplan.devices)})")
         any_tp = max(any_tp, tp)
         if ev.fits and tp > best_tp:
@@ -199,8 +199,8 @@ def time_case(prof: Profile, title: str) -> float:
     """Best-of-3 search time, slowest of (settings fixed, settings on auto); prints both."""
     print(f"\n== search speed: {title}")
     worst = 0.0
-    for label, kwargs in [("fixed M=8, 1f1b, never", dict(microbatches=8, schedule="1f1b", checkpoint="never")),
-                          ("auto (M, schedule, checkpoint)", {})]:
+    for label, kwargs in [("fixed M=8, 1f1b, never", dict(microbatches=8, schedule="1f1b", recompute="never")),
+                          ("auto (M, schedule, recompute)", {})]:
         runs = []
         for _ in range(3):
             t0 = time.perf_counter()

@@ -105,7 +105,7 @@ def test_plan_json_round_trip_with_and_without_cluster_fields(tmp_path: Path) ->
     assert "data_parallel" not in single.to_dict() and "stage_ranks" not in single.to_dict()
     # a plan file written before the cluster fields existed still loads
     old = {"format": "torchspan.plan/1", "stages": [{"device": "cpu", "layers": ["a"]}], "microbatches": 1,
-           "schedule": "gpipe", "checkpoint": "never", "batch_size": 8, "predicted_step_time": None,
+           "schedule": "gpipe", "recompute": "never", "batch_size": 8, "predicted_step_time": None,
            "peak_memory": {}, "strategy": "torchspan", "notes": []}  # fmt: skip
     path = tmp_path / "old.json"
     path.write_text(json.dumps(old))
@@ -234,18 +234,18 @@ def test_data_parallel_all_reduce_exposed_when_backward_is_tiny() -> None:
     assert slow.allreduce == pytest.approx(finish_time([-2.4e-3, -1.6e-3, -0.8e-3, 0.0], parts), rel=1e-9)
 
 
-@pytest.mark.parametrize("checkpoint", ["never", "always"])
-def test_pipeline_later_stages_hide_their_reduction_behind_earlier_backward(checkpoint: str) -> None:
+@pytest.mark.parametrize("recompute", ["never", "always"])
+def test_pipeline_later_stages_hide_their_reduction_behind_earlier_backward(recompute: str) -> None:
     """dp 2 x pp 2: stage 1 ends its last backward Bw_0 (+ F_0 recomputed) + one hand-over before stage 0."""
     prof = _profile(2, None, params=4_000_000, out=1e5, batch=8, layers=4)
     mesh = Mesh.describe(prof.devices, 2, intra="pcie4", interconnect="eth-25g")
-    cm = CostModel(replica_profile(prof, 2, 4), 2, "1f1b", checkpoint)
+    cm = CostModel(replica_profile(prof, 2, 4), 2, "1f1b", recompute)
     ev = even_cut(cm, 2)
     ranks = [[0, 1], [2, 3]]  # each stage's replicas on one node (pcie4); hand-overs cross nodes
     cand = evaluate_cluster(cm, ev, mesh, ranks, "replicas-in-node")
     pcie, eth = links.lookup("pcie4"), links.lookup("eth-25g")
     ar = allreduce_time(8e6, 2, pcie)
-    lead = ev.backward[0] + (ev.forward[0] if checkpoint == "always" else 0.0) + p2p_time(2 * 1e5, eth)
+    lead = ev.backward[0] + (ev.forward[0] if recompute == "always" else 0.0) + p2p_time(2 * 1e5, eth)
     r0, r1 = cand.reductions
     assert r0.buckets == r1.buckets == 1 and r0.seconds == pytest.approx(ar, rel=1e-12)
     assert r0.end == pytest.approx(ar, rel=1e-12)  # stage 0 finishes last: all of its reduction is exposed
@@ -303,7 +303,7 @@ def test_cli_cluster_option_errors(extra: list[str], message: str, capsys: pytes
 
 def test_data_parallel_plans_run_as_the_replica_runs_one_batch_per_shard() -> None:
     """A one-stage plan is run by DataParallelReplica, which refuses micro-batches and recompute: the search
-    gives every data-parallel plan microbatches=1 and checkpoint='never', and with micro-batches fixed by the
+    gives every data-parallel plan microbatches=1 and recompute='never', and with micro-batches fixed by the
     caller it leaves data parallel out, saying why."""
     for prof, mesh in [
         (_profile(4, None, params=1000, out=10.0), None),
@@ -312,7 +312,7 @@ def test_data_parallel_plans_run_as_the_replica_runs_one_batch_per_shard() -> No
         m = Mesh.describe(prof.devices, 2 if mesh is None else 1, intra="nvlink4", interconnect="ib-400g" if mesh is None else None)
         plan = cluster_search(prof, m)
         assert len(plan.stages) == 1 and plan.data_parallel > 1
-        assert plan.microbatches == 1 and plan.checkpoint == "never", (plan.microbatches, plan.checkpoint)
+        assert plan.microbatches == 1 and plan.recompute == "never", (plan.microbatches, plan.recompute)
     prof = _profile(4, None, params=1000, out=10.0)
     fixed = cluster_search(prof, Mesh.describe(prof.devices, 2, intra="nvlink4", interconnect="ib-400g"), microbatches=4)
     assert len(fixed.stages) > 1

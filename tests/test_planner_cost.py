@@ -26,7 +26,7 @@ def two_layer_profile(batch: int = 8) -> Profile:
 
 def test_step_time_formula_by_hand() -> None:
     prof = two_layer_profile()
-    cm = CostModel(prof, microbatches=4, schedule="1f1b", checkpoint="never")
+    cm = CostModel(prof, microbatches=4, schedule="1f1b", recompute="never")
     ev = cm.evaluate([Stage(0, 0, 1), Stage(1, 1, 2)])
     b = 2  # 8 samples / 4 micro-batches
     f0, bw0 = b * 1e-4, b * 2e-4  # gpu, speed 1
@@ -41,7 +41,7 @@ def test_step_time_formula_by_hand() -> None:
     assert ev.links == pytest.approx((c_in, c_01))
 
 
-def test_checkpoint_modes_trade_memory_for_recompute() -> None:
+def test_recompute_modes_trade_memory_for_time() -> None:
     prof = two_layer_profile()
     stages = [Stage(0, 0, 2)]
     never = CostModel(prof, 4, "gpipe", "never").evaluate(stages)
@@ -108,10 +108,10 @@ def test_evaluate_rejects_bad_placements(stages: list[Stage], needle: str) -> No
 @pytest.mark.parametrize(
     "kwargs, needle",
     [
-        (dict(microbatches=0, schedule="gpipe", checkpoint="never"), "microbatches=0"),
-        (dict(microbatches=9, schedule="gpipe", checkpoint="never"), "batch size 8"),
-        (dict(microbatches=1, schedule="zigzag", checkpoint="never"), "schedule='zigzag'"),
-        (dict(microbatches=1, schedule="gpipe", checkpoint="sometimes"), "checkpoint='sometimes'"),
+        (dict(microbatches=0, schedule="gpipe", recompute="never"), "microbatches=0"),
+        (dict(microbatches=9, schedule="gpipe", recompute="never"), "batch size 8"),
+        (dict(microbatches=1, schedule="zigzag", recompute="never"), "schedule='zigzag'"),
+        (dict(microbatches=1, schedule="gpipe", recompute="sometimes"), "recompute='sometimes'"),
     ],
 )
 def test_cost_model_rejects_bad_settings(kwargs: dict, needle: str) -> None:
@@ -158,18 +158,18 @@ def shared_profile(cpu_budget: int | None = None, batch: int = 8) -> Profile:
     return Profile(layers=layers, devices=devs, batch_size=batch, input_bytes=5.0, optimizer="adam")
 
 
-@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
-def test_stages_sharing_a_device_run_one_after_another(checkpoint: str) -> None:
+@pytest.mark.parametrize("recompute", ["never", "except_last", "always"])
+def test_stages_sharing_a_device_run_one_after_another(recompute: str) -> None:
     prof = shared_profile()
     M = 4
-    cm = CostModel(prof, M, "1f1b", checkpoint)
+    cm = CostModel(prof, M, "1f1b", recompute)
     split = cm.evaluate([Stage(0, 0, 1), Stage(1, 1, 3)])
     whole = cm.evaluate([Stage(0, 0, 3)])
     b = 2
     # the first entry's times for both entries: one CPU, one speed
     f = sum(lay.forward_seconds(0, b) for lay in prof.layers)
     bw = sum(lay.backward_seconds(0, b) for lay in prof.layers)
-    serial = {"never": M * (f + bw), "except_last": M * (f + bw) + (M - 1) * f, "always": M * (2 * f + bw)}[checkpoint]
+    serial = {"never": M * (f + bw), "except_last": M * (f + bw) + (M - 1) * f, "always": M * (2 * f + bw)}[recompute]
     assert split.step_time == pytest.approx(serial, rel=1e-12)
     assert whole.step_time == pytest.approx(serial, rel=1e-12)
     assert split.devices == ("cpu",) and split.device_busy[0] == pytest.approx(split.bottleneck)

@@ -85,11 +85,11 @@ def test_fixed_settings_point_at_the_setting_that_fits() -> None:
     for d in prof.devices:
         d.budget = budget
     with pytest.raises(PlanError) as info:
-        search(prof, microbatches=8, schedule="gpipe", checkpoint="never")
+        search(prof, microbatches=8, schedule="gpipe", recompute="never")
     tips = info.value.suggestions
     assert any(t.startswith("schedule='1f1b' fits") for t in tips), tips
-    assert any(t.startswith("checkpoint='except_last' fits") for t in tips), tips
-    assert search(prof, microbatches=8, schedule="1f1b", checkpoint="never").schedule == "1f1b"
+    assert any(t.startswith("recompute='except_last' fits") for t in tips), tips
+    assert search(prof, microbatches=8, schedule="1f1b", recompute="never").schedule == "1f1b"
 
 
 def test_a_layer_larger_than_every_device_is_named() -> None:

@@ -44,6 +44,15 @@ def test_plans_written_before_workspace_bytes_still_load() -> None:
     assert Plan.from_dict(data).stages[0].workspace_bytes == 0
 
 
+def test_plans_written_with_the_old_checkpoint_key_still_load() -> None:
+    data = search(mixed_profile()).to_dict()
+    data["checkpoint"] = data.pop("recompute")
+    assert Plan.from_dict(data) == Plan.from_dict(search(mixed_profile()).to_dict())
+    data["recompute"] = data["checkpoint"]
+    with pytest.raises(ValueError, match="both 'recompute' and its old name 'checkpoint'"):
+        Plan.from_dict(data)
+
+
 def _edited(change) -> dict:  # type: ignore[no-untyped-def]
     data = search(mixed_profile()).to_dict()
     change(data)
@@ -92,7 +101,7 @@ def test_plan_figures_agree_with_the_cost_model() -> None:
         assert s.layers == names[pos : pos + len(s.layers)]
         stages.append(Stage(index[s.device], pos, pos + len(s.layers)))
         pos += len(s.layers)
-    ev = CostModel(prof, plan.microbatches, plan.schedule, plan.checkpoint).evaluate(stages)
+    ev = CostModel(prof, plan.microbatches, plan.schedule, plan.recompute).evaluate(stages)
     assert ev.step_time == pytest.approx(plan.predicted_step_time)
     assert [m.total for m in ev.memory] == [s.total_bytes for s in plan.stages]
     assert sum(plan.peak_memory.values()) == sum(s.total_bytes for s in plan.stages)

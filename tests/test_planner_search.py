@@ -125,7 +125,7 @@ def test_a_cpu_stage_is_chosen_when_pipelining_hides_its_time() -> None:
     prof = Profile(layers=layers, devices=[gpu, cpu], batch_size=64, input_bytes=1.0, optimizer="sgd")
     plan = search(prof, microbatches=16)
     assert plan.devices == ["cuda:0", "cpu"] and plan.layers[-1] == "tail" and plan.stages[1].layers == ["tail"]
-    alone = CostModel(prof, 16, plan.schedule, plan.checkpoint).evaluate([Stage(0, 0, 9)])
+    alone = CostModel(prof, 16, plan.schedule, plan.recompute).evaluate([Stage(0, 0, 9)])
     assert plan.predicted_step_time < alone.step_time
 
 
@@ -139,8 +139,8 @@ def test_identical_devices_are_interchangeable_and_all_used_when_it_pays() -> No
 
 
 def test_fixed_settings_are_respected() -> None:
-    plan = search(spill_profile(), microbatches=2, schedule="gpipe", checkpoint="always")
-    assert (plan.microbatches, plan.schedule, plan.checkpoint) == (2, "gpipe", "always")
+    plan = search(spill_profile(), microbatches=2, schedule="gpipe", recompute="always")
+    assert (plan.microbatches, plan.schedule, plan.recompute) == (2, "gpipe", "always")
 
 
 @pytest.mark.parametrize(
@@ -149,7 +149,7 @@ def test_fixed_settings_are_respected() -> None:
         (dict(microbatches=0), "microbatches=0"),
         (dict(microbatches=99), "more than the batch size 8"),
         (dict(schedule="zigzag"), "schedule='zigzag'"),
-        (dict(checkpoint="maybe"), "checkpoint='maybe'"),
+        (dict(recompute="maybe"), "recompute='maybe'"),
     ],
 )
 def test_bad_settings_name_the_argument(kwargs: dict, needle: str) -> None:
@@ -174,7 +174,7 @@ def test_thousand_layers_on_eight_devices_is_fast() -> None:
     ]
     prof = Profile(layers=layers, devices=devs, batch_size=64, input_bytes=1e4, optimizer="adam")
     start = time.perf_counter()
-    plan = search(prof, microbatches=8, schedule="1f1b", checkpoint="never")
+    plan = search(prof, microbatches=8, schedule="1f1b", recompute="never")
     elapsed = time.perf_counter() - start
     assert len(plan.layers) == 1000
     assert elapsed < 10.0, f"search took {elapsed:.2f}s for 1,000 layers on 8 devices"

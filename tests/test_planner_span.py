@@ -31,6 +31,16 @@ def test_cpu_listed_twice_is_planned_as_one_stage_with_one_budget() -> None:
         torchspan.plan(net, x, devices=["cpu", "cpu"], memory={"cpu": budget}, schedule="1f1b")
 
 
+def test_plan_takes_the_old_checkpoint_keyword_with_a_future_warning() -> None:
+    net, x = model(), torch.randn(8, 16)
+    with pytest.warns(FutureWarning, match="checkpoint= is now recompute="):
+        old = torchspan.plan(net, x, devices="a100-40gb*2", microbatches=2, schedule="1f1b", checkpoint="always")
+    assert old.recompute == "always"
+    assert old == torchspan.plan(net, x, devices="a100-40gb*2", microbatches=2, schedule="1f1b", recompute="always")
+    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="recompute='never' and checkpoint='always' disagree"):
+        torchspan.plan(net, x, devices="a100-40gb*2", recompute="never", checkpoint="always")
+
+
 def test_a_two_stage_plan_on_one_cpu_is_predicted_serial_and_placed_exactly() -> None:
     net = model()
     x, y = torch.randn(8, 16), torch.randn(8, 4)
@@ -45,7 +55,7 @@ def test_a_two_stage_plan_on_one_cpu_is_predicted_serial_and_placed_exactly() ->
     reference = copy.deepcopy(net)
     spanned = torchspan.span(net, plan)
     assert spanned.stages == [(s.device, s.layers) for s in plan.stages]
-    assert (spanned.microbatches, spanned.schedule, spanned.checkpoint) == (plan.microbatches, plan.schedule, plan.checkpoint)
+    assert (spanned.microbatches, spanned.schedule, spanned.checkpoint) == (plan.microbatches, plan.schedule, plan.recompute)
     loss = spanned.train_step(x, y, nn.functional.mse_loss)
     ref_loss = nn.functional.mse_loss(reference(x), y)
     ref_loss.backward()

@@ -31,9 +31,9 @@ def _profile(layers: int = 4, batch: int = 8, params: int = 2_000_000) -> Profil
 def test_split_tie_charges_a_copy_each_way_per_microbatch_on_the_remote_stage() -> None:
     prof = _profile()
     stages = [Stage(0, 0, 2), Stage(1, 2, 4)]
-    for checkpoint, lat_copies, steady_copies in (("never", 2, 2), ("except_last", 2, 3), ("always", 3, 3)):
-        plain = CostModel(prof, 4, "gpipe", checkpoint).evaluate(stages)
-        tied = CostModel(prof, 4, "gpipe", checkpoint, ties=[TIE]).evaluate(stages)
+    for recompute, lat_copies, steady_copies in (("never", 2, 2), ("except_last", 2, 3), ("always", 3, 3)):
+        plain = CostModel(prof, 4, "gpipe", recompute).evaluate(stages)
+        tied = CostModel(prof, 4, "gpipe", recompute, ties=[TIE]).evaluate(stages)
         t = TIE.nbytes / BW
         assert tied.ties == pytest.approx((0.0, steady_copies * t), rel=1e-12)
         assert tied.latency_sum == pytest.approx(plain.latency_sum + lat_copies * t, rel=1e-12)
@@ -74,9 +74,9 @@ def test_tie_on_one_stage_or_one_device_costs_nothing() -> None:
 def test_charging_the_tie_changes_the_cut() -> None:
     prof = _profile(layers=4, params=1000)
     tie = TieCost("w", (1, 2), 4_000_000)  # 4 ms each way: more than the imbalance of cutting elsewhere
-    blind = search(prof, microbatches=2, schedule="gpipe", checkpoint="never")
+    blind = search(prof, microbatches=2, schedule="gpipe", recompute="never")
     assert [len(s.layers) for s in blind.stages] == [2, 2]  # balanced: between l1 and l2, splitting the tie
-    charged = search(prof, microbatches=2, schedule="gpipe", checkpoint="never", ties=[tie])
+    charged = search(prof, microbatches=2, schedule="gpipe", recompute="never", ties=[tie])
     assert charged.stage_of("l1") == charged.stage_of("l2")
     assert [t["stages"] for t in charged.ties] == [[charged.stage_of("l1")]] and "seconds" not in charged.ties[0]
     cm = CostModel(prof, 2, "gpipe", "never", ties=[tie])
@@ -89,7 +89,7 @@ def test_charging_the_tie_changes_the_cut() -> None:
 def test_a_cheap_tie_stays_split_and_is_charged() -> None:
     prof = _profile(layers=4, params=1000)
     tie = TieCost("w", (1, 2), 1000)  # 1 us each way
-    plan = search(prof, microbatches=2, schedule="gpipe", checkpoint="never", ties=[tie])
+    plan = search(prof, microbatches=2, schedule="gpipe", recompute="never", ties=[tie])
     assert [len(s.layers) for s in plan.stages] == [2, 2]
     (entry,) = plan.ties
     assert entry["stages"] == [0, 1] and entry["seconds"] == pytest.approx(2 * 2 * 1000 / BW, rel=1e-9)
@@ -139,7 +139,7 @@ def test_cluster_tie_leaves_the_home_stage_allreduce_and_spans_every_replica() -
 def test_cluster_plan_splits_its_step_with_ties() -> None:
     from torchspan.planner.cluster import cluster_search
 
-    plan = cluster_search(_profile(), _mesh(2), data_parallel=1, microbatches=2, schedule="gpipe", checkpoint="never", ties=[TIE])
+    plan = cluster_search(_profile(), _mesh(2), data_parallel=1, microbatches=2, schedule="gpipe", recompute="never", ties=[TIE])
     t = plan.predicted_times
     assert plan.predicted_step_time == pytest.approx(t["compute"] + t["allreduce"] + t["p2p"] + t["ties"], rel=1e-12)
     (entry,) = plan.ties

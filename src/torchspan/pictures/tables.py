@@ -33,10 +33,10 @@ DEVICE_COLUMNS = ("device", "name", "total", "free", "budget")
 
 
 def plan_summary(plan: Plan) -> str:
-    """One line: stages, micro-batches, schedule, checkpointing and predicted step time."""
+    """One line: stages, micro-batches, schedule, recompute and predicted step time."""
     head = (
         f"{len(plan.stages)} stage(s), {plan.microbatches} micro-batch(es), schedule {plan.schedule}, "
-        f"checkpoint {plan.checkpoint}"
+        f"recompute {plan.recompute}"
     )
     if plan.predicted_step_time is not None:
         head += f", predicted step {plan.predicted_step_time * 1e3:.1f} ms"

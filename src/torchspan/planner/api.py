@@ -9,6 +9,7 @@ Usage::
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,7 +23,7 @@ from .cluster import cluster_search
 from .mesh import Mesh
 from .ties import TieCost
 
-__all__ = ["plan"]
+__all__ = ["plan", "recompute_alias"]
 
 
 def plan(
@@ -32,7 +33,7 @@ def plan(
     memory: Mapping[str, int | float | str] | None = None,
     microbatches: int | str = "auto",
     schedule: str = "auto",
-    checkpoint: str = "auto",
+    recompute: str = "auto",
     optimizer: Any = "adam",
     *,
     dtype: torch.dtype | str | None = None,
@@ -40,6 +41,7 @@ def plan(
     interconnect: str | None = None,
     intra_link: str | None = None,
     data_parallel: int | str = "auto",
+    checkpoint: str | None = None,
 ) -> Plan:
     """The fastest placement of ``model``'s layers on ``devices`` within every memory budget.
 
@@ -48,8 +50,9 @@ def plan(
     plan places ``torchspan.layers.model_layers`` (blocks by qualified name, e.g. ``transformer.h.3``),
     and ``span(model, plan)`` accepts it for the same model. ``devices``/``memory``: as ``torchspan.devices`` (described devices such as
     ``"a100-40gb*2,cpu"`` are planned from FLOP estimates). ``microbatches`` (int or ``"auto"``),
-    ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"auto"``), ``checkpoint`` (``"never"``,
-    ``"except_last"``, ``"always"``, ``"auto"``): fix a setting or let the search choose.
+    ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"auto"``), ``recompute`` (``"never"``,
+    ``"except_last"``, ``"always"``, ``"auto"``; activation recompute): fix a setting or let the search
+    choose. ``checkpoint=``: the old name of ``recompute=`` (a ``FutureWarning``).
     ``optimizer`` sizes optimizer state (e.g. ``"sgd"``, ``"adam"``).
 
     Raises ``PlanError`` (a ``ValueError``) when nothing fits, with needed vs available memory per
@@ -63,6 +66,7 @@ def plan(
     """
     from ..profiler.measure import profile
 
+    recompute = recompute_alias(recompute, checkpoint, "auto")
     devs = find_devices(devices, memory)
     one_process = (nodes is None or nodes == 1) and intra_link is None and data_parallel == "auto"
     # the cluster is checked before the (slow) profile
@@ -70,15 +74,36 @@ def plan(
     prof = profile(model, example_inputs, devs, optimizer=optimizer, dtype=dtype)
     ties = tie_costs(model, [lay.name for lay in prof.layers])
     if mesh is None:
-        result = search(prof, microbatches=microbatches, schedule=schedule, checkpoint=checkpoint, ties=ties)
+        result = search(prof, microbatches=microbatches, schedule=schedule, recompute=recompute, ties=ties)
     else:
         result = cluster_search(
-            prof, mesh, microbatches=microbatches, schedule=schedule, checkpoint=checkpoint, data_parallel=data_parallel,
+            prof, mesh, microbatches=microbatches, schedule=schedule, recompute=recompute, data_parallel=data_parallel,
             ties=ties,
         )  # fmt: skip
     if not result.ties:  # the searches record (and charge) the ties they were given
         record_ties(result, model)
     return result
+
+
+def recompute_alias(recompute: str, checkpoint: str | None, default: str) -> str:
+    """``recompute``, or the value given under its old name ``checkpoint=`` (with a ``FutureWarning``).
+
+    Usage: ``recompute = recompute_alias(recompute, checkpoint, "auto")``.
+    """
+    if checkpoint is None:
+        return recompute
+    warnings.warn(
+        f"checkpoint= is now recompute= (activation recompute; 'checkpoint' names saved files); "
+        f"pass recompute={checkpoint!r}",
+        FutureWarning,
+        stacklevel=3,
+    )
+    if recompute != default and recompute != checkpoint:
+        raise ValueError(
+            f"recompute={recompute!r} and checkpoint={checkpoint!r} disagree; checkpoint= is the old name of "
+            "recompute=, pass recompute= alone"
+        )
+    return checkpoint
 
 
 def tie_costs(model: nn.Module, layer_names: list[str]) -> list[TieCost]:

@@ -6,7 +6,7 @@ Usage::
     plan.predicted_step_time, ev.fits
 
 Strategies (each picks layer splits by its own rule; all get the best micro-batch count, schedule
-and checkpoint mode for that split, so the comparison is about placement alone). Devices are taken
+and recompute mode for that split, so the comparison is about placement alone). Devices are taken
 as listed, as those tools take them: a device listed twice gets a stage per entry, and the cost
 model scores those stages as sharing one device (its time and its budget).
 
@@ -115,7 +115,7 @@ def baseline(
     *,
     microbatches: int | str = "auto",
     schedule: str = "auto",
-    checkpoint: str = "auto",
+    recompute: str = "auto",
 ) -> tuple[Plan, Evaluation]:
     """The ``strategy`` placement as a ``Plan`` with the best settings for it, and its evaluation.
 
@@ -123,7 +123,7 @@ def baseline(
     runs out (``evaluation.fits`` is False).
     """
     stages = _stages(profile, strategy)
-    grid = settings_grid(profile.batch_size, microbatches, schedule, checkpoint)
+    grid = settings_grid(profile.batch_size, microbatches, schedule, recompute)
     tables = time_tables(profile)
     scored = [(cm, cm.evaluate(stages)) for cm in (CostModel(profile, m, s, c, tables) for m, s, c in grid)]
     # fitting before not fitting, then the fastest; among equals the first setting (min keeps it)

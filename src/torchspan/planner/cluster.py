@@ -7,7 +7,7 @@ Usage::
 
 What is searched: every data-parallel degree ``dp`` with ``dp * pp = nodes * per_node`` (the world
 size; ``pp <= layers``, ``dp <= batch``), both ``mesh.layouts``, and for each the pipeline cut,
-micro-batch count, schedule and checkpoint mode of one replica (``optimize.search`` on
+micro-batch count, schedule and recompute mode of one replica (``optimize.search`` on
 ``mesh.replica_profile``: ``pp`` copies of the node's device, ``ceil(B / dp)`` samples, hand-overs
 priced at the slowest link the layout's pipelines cross). When that best pipeline leaves some
 of its ``pp`` devices idle (fewer stages are faster for one replica), ``even_cut`` cuts it into
@@ -34,7 +34,7 @@ on the link its replicas span) ends, in seconds after the pipeline's last backwa
   the rest of the backward is exposed, and at least the last bucket's all-reduce;
 * several stages (``RankStage``): one flat buffer per stage, launched once its last backward ran;
   stage ``s`` finishes ``lead_s = sum_{s' < s} (Bw_s' + p2p(out_s'))`` before stage 0 (``Bw``: one
-  micro-batch's backward, plus its recompute under ``checkpoint="always"``), so
+  micro-batch's backward, plus its recompute under ``recompute="always"``), so
   ``end_s = AR_s - lead_s``: later stages hide their reduction behind earlier stages' backward.
 
 Tied parameters (``planner.ties``; ``RankStage``): a tie held by stages ``T`` (more than one) is all-reduced
@@ -132,7 +132,7 @@ class ClusterCandidate:
     def row(self) -> str:
         mem = "/".join(format_bytes(m.total) for m in self.evaluation.memory)
         return (
-            f"dp {self.dp} x pp {self.pp} ({self.layout}), {self.cm.M} micro-batch(es), {self.cm.checkpoint}: "
+            f"dp {self.dp} x pp {self.pp} ({self.layout}), {self.cm.M} micro-batch(es), {self.cm.recompute}: "
             f"step {self.step * 1e3:.3f} ms = compute {self.compute * 1e3:.3f} + all-reduce {self.allreduce * 1e3:.3f} "
             f"exposed (of {self.allreduce_total * 1e3:.3f}) + p2p {self.p2p * 1e3:.3f}"
             + (f" + ties {self.ties * 1e3:.3f}" if self.tie_reductions else "") + f"; memory per stage {mem}"
@@ -208,7 +208,7 @@ def _leads(cm: CostModel, ev: Evaluation, back: list[float]) -> list[float]:
     out, lead = [], 0.0
     for s in range(len(ev.stages)):
         out.append(lead)
-        recompute = ev.forward[s] if cm.checkpoint == "always" else 0.0
+        recompute = ev.forward[s] if cm.recompute == "always" else 0.0
         lead += ev.backward[s] + recompute + (back[s] if s < len(ev.stages) - 1 else 0.0)
     return out
 
@@ -234,7 +234,7 @@ def stage_reductions(
         seconds = [allreduce_time(b, dp, link) for b in sizes]
         end = finish_time([r - lead for r in ready], seconds)
         out.append(Reduction(link.key, sum(seconds), len(sizes), end))
-        recompute = ev.forward[s] if cm.checkpoint == "always" else 0.0
+        recompute = ev.forward[s] if cm.recompute == "always" else 0.0
         lead += ev.backward[s] + recompute + (back[s] if s < S - 1 else 0.0)
     return out
 
@@ -290,9 +290,9 @@ def _slowest_hop(mesh: Mesh, here: list[int], there: list[int]) -> Link:
     return mesh.inter if crosses else mesh.intra
 
 
-def _replica_settings(microbatches: int | str, schedule: str, checkpoint: str) -> list[tuple[int, str, str]]:
+def _replica_settings(microbatches: int | str, schedule: str, recompute: str) -> list[tuple[int, str, str]]:
     """The one setting a data-parallel replica runs (none when the caller fixed another)."""
-    if microbatches not in ("auto", 1) or checkpoint not in ("auto", "never"):
+    if microbatches not in ("auto", 1) or recompute not in ("auto", "never"):
         return []
     return [(1, schedule if schedule != "auto" else "gpipe", "never")]
 
@@ -303,7 +303,7 @@ def cluster_search(
     *,
     microbatches: int | str = "auto",
     schedule: str = "auto",
-    checkpoint: str = "auto",
+    recompute: str = "auto",
     data_parallel: int | str = "auto",
     bucket_bytes: float = BUCKET_BYTES,
     ties: Sequence[TieCost] = (),
@@ -334,25 +334,25 @@ def cluster_search(
         for layout, ranks in layouts(dp, pp):
             priced = replica_profile(profile, pp, b, _stage_link(mesh, ranks).effective_bandwidth)
             try:
-                chosen = search(priced, microbatches=microbatches, schedule=schedule, checkpoint=checkpoint)
+                chosen = search(priced, microbatches=microbatches, schedule=schedule, recompute=recompute)
             except PlanError as exc:
                 last_error = exc
                 skipped.append(f"dp {dp} x pp {pp} ({layout}): a {pp}-stage replica does not fit")
                 break  # the other layout has the same memory
             if len(chosen.stages) == pp and pp > 1:
-                cm = CostModel(compute_only, chosen.microbatches, chosen.schedule, chosen.checkpoint)
+                cm = CostModel(compute_only, chosen.microbatches, chosen.schedule, chosen.recompute)
                 candidates.append(evaluate_cluster(cm, cm.evaluate(cm.stages_for(chosen)), mesh, ranks, layout, bucket_bytes, ties))
                 continue
             # the replica's best pipeline leaves devices idle: cut it into exactly pp stages instead. One stage is a
             # data-parallel replica (DataParallelReplica): it runs its shard as one batch, without recompute
-            grid = settings_grid(b, microbatches, schedule, checkpoint) if pp > 1 else _replica_settings(microbatches, schedule, checkpoint)
+            grid = settings_grid(b, microbatches, schedule, recompute) if pp > 1 else _replica_settings(microbatches, schedule, recompute)
             if not grid:
-                skipped.append(f"dp {dp} x pp 1: a data-parallel replica runs its shard as one batch (microbatches=1, checkpoint='never')")
+                skipped.append(f"dp {dp} x pp 1: a data-parallel replica runs its shard as one batch (microbatches=1, recompute='never')")
                 continue
             forced = [
                 evaluate_cluster(cm, ev, mesh, ranks, layout, bucket_bytes, ties)
-                for m, sch, ck in grid
-                for cm in [CostModel(compute_only, m, sch, ck)]
+                for m, sch, rc in grid
+                for cm in [CostModel(compute_only, m, sch, rc)]
                 for ev in [even_cut(cm, pp)]
                 if ev is not None
             ]

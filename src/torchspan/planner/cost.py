@@ -2,7 +2,7 @@
 
 Usage::
 
-    cm = CostModel(profile, microbatches=8, schedule="1f1b", checkpoint="never")
+    cm = CostModel(profile, microbatches=8, schedule="1f1b", recompute="never")
     ev = cm.evaluate([Stage(device=0, start=0, end=3), Stage(device=2, start=3, end=7)])
     ev.step_time, ev.fits, ev.memory[0].total, ev.device_memory
     ev = cm.evaluate(cm.stages_for(plan))          # any Plan over these devices, e.g. a hand-made one
@@ -18,10 +18,10 @@ X}`` gives every ``'cpu'`` entry ``X``; ``X`` then bounds all of them together).
 (``span``, default ``workers="device"``) runs every stage of one device in one worker, one action
 after another: stages on distinct devices overlap, stages on one device never do.
 
-Time. Checkpointing recomputes a stage's forward before its backward:
+Time. Recompute runs a stage's forward again before its backward:
 
 =============  =====================  ======================
-checkpoint     latency  ``lat_s``     steady  ``st_s``
+recompute     latency  ``lat_s``     steady  ``st_s``
 =============  =====================  ======================
 never          ``F + Bw``             ``F + Bw + G``
 except_last    ``F + Bw``             ``2F + Bw + G``
@@ -65,7 +65,7 @@ and ``out_max`` its largest layer output:
     workspace   = in + 2 * out_max      (received input, largest output and its gradient)
 
 Assumption about the loss: the profile sizes the model only, but the runtime computes the loss
-on the last stage, inside that stage's forward (and its checkpoint), and autograd keeps what the
+on the last stage, inside that stage's forward (and its recompute), and autograd keeps what the
 loss saves until that micro-batch's backward. The model charges one tensor the size of the model's
 output per micro-batch (``loss = output_fixed_bytes + b * output_bytes`` of the last layer): a
 loss that saves its input, as cross-entropy (its log-softmax) and MSE do. Not charged: what a
@@ -127,39 +127,56 @@ def time_tables(profile: Profile) -> tuple[np.ndarray, np.ndarray, np.ndarray, n
     return out[0], out[1], out[2], out[3]
 
 
+def _check_settings(profile: Profile, microbatches: int, schedule: str, recompute: str) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute={recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
+    if not profile.layers:
+        raise ValueError("profile has no layers; profile a model with at least one child module")
+    if not profile.devices:
+        raise ValueError("profile has no devices; profile with at least one device, e.g. devices='cpu'")
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches={microbatches!r} must be an int >= 1")
+    if microbatches > profile.batch_size:
+        raise ValueError(
+            f"microbatches={microbatches} is more than the batch size {profile.batch_size}; "
+            f"use at most {profile.batch_size} micro-batches (one sample each)"
+        )
+
+
+def _range_max_table(values: np.ndarray) -> np.ndarray:
+    """Sparse table for range maxima: row ``p`` holds ``max(values[i : i + 2**p])`` (clipped at the end)."""
+    rows = [values]
+    n = len(values)
+    while (1 << len(rows)) <= n:
+        prev = rows[-1]
+        half = 1 << (len(rows) - 1)
+        nxt = prev.copy()
+        nxt[: n - half] = np.maximum(prev[: n - half], prev[half:])
+        rows.append(nxt)
+    return np.stack(rows)
+
+
 class CostModel:
-    """Prefix sums over a ``Profile`` for one micro-batch count, schedule and checkpoint mode."""
+    """Prefix sums over a ``Profile`` for one micro-batch count, schedule and recompute mode."""
 
     def __init__(
         self,
         profile: Profile,
         microbatches: int,
         schedule: str,
-        checkpoint: str,
+        recompute: str,
         tables: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
         ties: Sequence[TieCost] = (),
     ) -> None:
         """``tables``: ``time_tables(profile)`` when the caller already has them (saves the work).
         ``ties``: tied parameters, charged when a placement splits them (module docstring)."""
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
-        if checkpoint not in RECOMPUTE_MODES:
-            raise ValueError(f"checkpoint={checkpoint!r} is not one of {', '.join(RECOMPUTE_MODES)}")
-        if not profile.layers:
-            raise ValueError("profile has no layers; profile a model with at least one child module")
-        if not profile.devices:
-            raise ValueError("profile has no devices; profile with at least one device, e.g. devices='cpu'")
-        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-            raise ValueError(f"microbatches={microbatches!r} must be an int >= 1")
-        if microbatches > profile.batch_size:
-            raise ValueError(
-                f"microbatches={microbatches} is more than the batch size {profile.batch_size}; "
-                f"use at most {profile.batch_size} micro-batches (one sample each)"
-            )
+        _check_settings(profile, microbatches, schedule, recompute)
         self.profile = profile
         self.M = microbatches
         self.schedule = schedule
-        self.checkpoint = checkpoint
+        self.recompute = recompute
         self.L = len(profile.layers)
         self.D = len(profile.devices)
         self.ties = tuple(ties)
@@ -167,20 +184,27 @@ class CostModel:
             raise ValueError(f"ties {[t.name for t in self.ties]} name a layer outside the profile's {self.L}")
         self.uncut = np.zeros(self.L + 1, dtype=bool)  # stage boundaries the search may not cut (``keeping``)
         self.b = math.ceil(profile.batch_size / microbatches)
-        layers = profile.layers
-        devs = profile.devices
         # physical devices: entries that are one device share its first entry's times and link
-        self.names = physical_names(devs)
+        self.names = physical_names(profile.devices)
         first: dict[str, int] = {}
         self.rep = [first.setdefault(name, d) for d, name in enumerate(self.names)]
-        tables = time_tables(profile) if tables is None else tables
+        self._time_sums(time_tables(profile) if tables is None else tables)
+        self._memory_sums()
+        own = [budget_of(d) for d in profile.devices]
+        shared = {name: min(c for c, n in zip(own, self.names) if n == name) for name in first}
+        self.capacity = [shared[name] for name in self.names]  # per entry: its physical device's budget
+        self.host_bw = [host_bandwidth(profile.devices[r]) for r in self.rep]
+        self._out_table = _range_max_table(self.out)
+
+    def _time_sums(self, tables: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]) -> None:
+        """Per-micro-batch times by physical device and layer (``fwd``, ``bwd``, ``lat``, ``steady``) and their prefix sums."""
         self.fwd = (tables[0] + self.b * tables[1])[self.rep]
         self.bwd = (tables[2] + self.b * tables[3])[self.rep]
-        lat = self.fwd + self.bwd if checkpoint != "always" else 2 * self.fwd + self.bwd
-        steady = self.fwd + self.bwd if checkpoint == "never" else 2 * self.fwd + self.bwd
+        lat = self.fwd + self.bwd if self.recompute != "always" else 2 * self.fwd + self.bwd
+        steady = self.fwd + self.bwd if self.recompute == "never" else 2 * self.fwd + self.bwd
         # G: gradient accumulation of every micro-batch after the first (read both, write one)
-        membw = [memory_bandwidth(devs[r]) for r in self.rep]
-        grads = np.array([float(lay.grad_bytes) for lay in layers])
+        membw = [memory_bandwidth(self.profile.devices[r]) for r in self.rep]
+        grads = np.array([float(lay.grad_bytes) for lay in self.profile.layers])
         self.accumulate = np.stack([3.0 * grads / bw if bw > 0 else np.zeros(self.L) for bw in membw])
         steady = steady + self.accumulate
         self.lat = lat
@@ -189,6 +213,10 @@ class CostModel:
         self.PS = np.stack([_prefix(row) for row in steady])
         self.PF = np.stack([_prefix(row) for row in self.fwd])
         self.PB = np.stack([_prefix(row) for row in self.bwd])
+
+    def _memory_sums(self) -> None:
+        """Prefix sums of state bytes, per-micro-batch saved activations, and the boundary and loss tensors."""
+        layers = self.profile.layers
         self.P_param = _prefix([lay.param_bytes for lay in layers])
         self.P_grad = _prefix([lay.grad_bytes for lay in layers])
         self.P_opt = _prefix([lay.optimizer_bytes for lay in layers])
@@ -206,20 +234,7 @@ class CostModel:
         self.tail = np.zeros(self.L + 1)
         self.tail[self.L] = self.loss_saved
         # input boundary of a stage starting at layer i
-        self.inb = np.concatenate([[b * float(profile.input_bytes)], self.out[:-1]])
-        own = [budget_of(d) for d in devs]
-        shared = {name: min(c for c, n in zip(own, self.names) if n == name) for name in first}
-        self.capacity = [shared[name] for name in self.names]  # per entry: its physical device's budget
-        self.host_bw = [host_bandwidth(devs[r]) for r in self.rep]
-        # sparse table of layer output bytes, for the largest output inside [i, j)
-        self._out_max = [self.out]
-        while (1 << len(self._out_max)) <= self.L:
-            prev = self._out_max[-1]
-            half = 1 << (len(self._out_max) - 1)
-            nxt = prev.copy()
-            nxt[: self.L - half] = np.maximum(prev[: self.L - half], prev[half:])
-            self._out_max.append(nxt)
-        self._out_table = np.stack(self._out_max)
+        self.inb = np.concatenate([[b * float(self.profile.input_bytes)], self.out[:-1]])
 
     # ------------------------------------------------------------------ pieces
     def in_flight(self, stage_index: int, num_stages: int) -> int:
@@ -241,11 +256,11 @@ class CostModel:
         """Saved-activation bytes with ``k`` micro-batches in flight (arrays or floats alike).
 
         ``act``: one micro-batch's saved bytes in the stage; ``inb``: its input bytes, all that a
-        checkpointed micro-batch keeps. ``except_last`` keeps the last micro-batch's full set.
+        micro-batch under recompute keeps. ``except_last`` keeps the last micro-batch's full set.
         """
-        if self.checkpoint == "never":
+        if self.recompute == "never":
             return k * act
-        if self.checkpoint == "except_last":
+        if self.recompute == "except_last":
             return (k - 1) * inb + act
         return k * inb + act
 
@@ -352,13 +367,13 @@ class CostModel:
         fwd, bwd, lat, mem, tied = [], [], [], [], []
         busy: dict[str, float] = {}
         held: dict[str, int] = {}
-        ck = self.checkpoint
+        rc = self.recompute
         for idx, (s, (tf, tb)) in enumerate(zip(stages, self.tie_copies(stages, ties))):
             d = s.device
             fwd.append(float(self.PF[d, s.end] - self.PF[d, s.start]))
             bwd.append(float(self.PB[d, s.end] - self.PB[d, s.start]))
-            tied.append((1 if ck == "never" else 2) * tf + tb)  # steady: recompute copies again
-            lat.append(float(self.PL[d, s.end] - self.PL[d, s.start]) + (2 if ck == "always" else 1) * tf + tb)
+            tied.append((1 if rc == "never" else 2) * tf + tb)  # steady: recompute copies again
+            lat.append(float(self.PL[d, s.end] - self.PL[d, s.start]) + (2 if rc == "always" else 1) * tf + tb)
             mem.append(self.stage_memory(s.start, s.end, self.in_flight(idx, S)))
             name = self.names[d]
             busy[name] = busy.get(name, 0.0) + float(self.PS[d, s.end] - self.PS[d, s.start]) + tied[-1]
@@ -439,7 +454,7 @@ class CostModel:
             stages=stage_plans,
             microbatches=self.M,
             schedule=self.schedule,
-            checkpoint=self.checkpoint,
+            recompute=self.recompute,
             batch_size=self.profile.batch_size,
             predicted_step_time=ev.step_time,
             peak_memory=peak,

@@ -1,7 +1,7 @@
 """Why nothing fits, with numbers: builds the ``PlanError`` that ``search`` raises.
 
 Usage: ``raise explain_no_fit(profile, settings)`` where ``settings`` is ``search``'s grid of
-``(microbatches, schedule, checkpoint)``. Every suggestion is checked with the same search
+``(microbatches, schedule, recompute)``. Every suggestion is checked with the same search
 (a larger budget, another device, other settings) before it is printed. Figures are per physical
 device: entries of one device (``['cpu', 'cpu']``) share one budget and are reported once.
 """
@@ -121,10 +121,10 @@ def explain_no_fit(profile: Profile, settings: Sequence[Setting]) -> PlanError:
     whole, largest, largest_name = frugal_needs(profile, settings)
     ms = sorted({m for m, _, _ in settings})
     scheds = sorted({s for _, s, _ in settings})
-    ckpts = sorted({c for _, _, c in settings})
+    recomputes = sorted({c for _, _, c in settings})
     head = (
         f"no placement of the {L} layer(s) fits the memory budgets "
-        f"(tried microbatches {ms[0]}..{ms[-1]}, schedule {'/'.join(scheds)}, checkpoint {'/'.join(ckpts)}, "
+        f"(tried microbatches {ms[0]}..{ms[-1]}, schedule {'/'.join(scheds)}, recompute {'/'.join(recomputes)}, "
         f"optimizer {profile.optimizer}, batch {profile.batch_size}).\n"
         f"The whole model needs {_at_least(whole)} on one device at its most frugal setting; "
         f"its largest layer {largest_name!r} alone needs {_at_least(largest)}."
@@ -177,8 +177,8 @@ def explain_no_fit(profile: Profile, settings: Sequence[Setting]) -> PlanError:
     if "1f1b" not in scheds and fits(profile, [(m, "1f1b", c) for m, _, c in settings]):
         tips.append("schedule='1f1b' fits (a stage keeps at most as many micro-batches in flight as stages after it)")
     for c in ("except_last", "always"):
-        if c not in ckpts and fits(profile, [(m, s, c) for m, s, _ in settings]):
-            tips.append(f"checkpoint={c!r} fits (stages keep their inputs and recompute activations in backward)")
+        if c not in recomputes and fits(profile, [(m, s, c) for m, s, _ in settings]):
+            tips.append(f"recompute={c!r} fits (stages keep their inputs and recompute activations in backward)")
             break
     if len(ms) == 1:
         for m in all_ms:
@@ -186,9 +186,9 @@ def explain_no_fit(profile: Profile, settings: Sequence[Setting]) -> PlanError:
                 tips.append(f"microbatches={m} fits (micro-batches of {-(-profile.batch_size // m)} sample(s))")
                 break
     relaxed = [(m, "1f1b", c) for c in ("never", "except_last") for m in all_ms]
-    settings_tips = [t for t in tips if t.startswith(("schedule=", "checkpoint=", "microbatches="))]
+    settings_tips = [t for t in tips if t.startswith(("schedule=", "recompute=", "microbatches="))]
     if not settings_tips and set(settings) != set(relaxed) and fits(profile, relaxed):
-        tips.append("letting torchspan choose (microbatches, schedule and checkpoint 'auto') fits")
+        tips.append("letting torchspan choose (microbatches, schedule and recompute 'auto') fits")
     if not tips:
         tips.append(f"a smaller batch than {profile.batch_size}, or a device with {_at_least(whole)} free for the whole model")
     return PlanError(head, needed=needed, available=available, suggestions=tips)

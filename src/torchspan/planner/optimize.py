@@ -2,10 +2,10 @@
 
 Usage::
 
-    plan = search(profile, microbatches="auto", schedule="auto", checkpoint="auto")
+    plan = search(profile, microbatches="auto", schedule="auto", recompute="auto")
 
 What is searched: contiguous stages over any subset and order of the profile's *physical* devices,
-each holding one contiguous run of layers, the micro-batch count, the schedule and the checkpoint
+each holding one contiguous run of layers, the micro-batch count, the schedule and the recompute
 mode; what is minimised: the step time of ``cost.py`` (``sum lat + links + (M - 1) * bottleneck``)
 with every device within its budget.
 
@@ -31,7 +31,7 @@ How (exact for the cost model, up to a relative ``rtol``, default 1e-9):
   A branch and bound over ``tau`` finds its minimum: a piece ``[lo, hi)`` whose top value is known
   is bounded by ``minsum(hi) + (M-1)*lo`` and is either bisected or cut just below ``hi`` (one
   programme gives the next step of ``minsum`` exactly; bisection alone needs ~30 halvings to close
-  the piece under the incumbent). Settings (micro-batch counts, checkpoint modes) are visited in
+  the piece under the incumbent). Settings (micro-batch counts, recompute modes) are visited in
   order of a cheap lower bound (sum of each layer's fastest latency + (M-1) * bottleneck floor);
   a setting whose bound cannot beat the best so far gets no programme at all.
 * Dominated settings are skipped under ``"auto"`` (see ``settings.settings_grid``).
@@ -76,7 +76,7 @@ def bottleneck_floor(cm: CostModel) -> float:
 
 
 class _Setting:
-    """One (micro-batches, schedule, checkpoint) setting: its solver and best placement so far."""
+    """One (micro-batches, schedule, recompute) setting: its solver and best placement so far."""
 
     def __init__(self, cm: CostModel) -> None:
         self.cm = cm
@@ -174,7 +174,7 @@ def search(
     *,
     microbatches: int | str = "auto",
     schedule: str = "auto",
-    checkpoint: str = "auto",
+    recompute: str = "auto",
     rtol: float = 1e-9,
     ties: Sequence[TieCost] = (),
 ) -> Plan:
@@ -189,7 +189,7 @@ def search(
     Usage: ``search(profile, microbatches=8, schedule="1f1b")``. Raises ``PlanError`` (listing
     needed vs available memory and what would make it fit) when no placement fits.
     """
-    grid = settings_grid(profile.batch_size, microbatches, schedule, checkpoint)
+    grid = settings_grid(profile.batch_size, microbatches, schedule, recompute)
     tables = time_tables(profile)
     ties = tuple(ties)
     kept = [c for r in range(1, len(ties) + 1) for c in itertools.combinations(ties, r)] if len(ties) <= 3 else [ties]

@@ -73,12 +73,12 @@ class StagePlan:
 
 @dataclass
 class Plan:
-    """A placement of a model's layers on devices, with micro-batching, schedule and checkpointing."""
+    """A placement of a model's layers on devices, with micro-batching, schedule and activation recompute."""
 
     stages: list[StagePlan]
     microbatches: int = 1
     schedule: str = "gpipe"
-    checkpoint: str = "never"
+    recompute: str = "never"
     batch_size: int | None = None
     predicted_step_time: float | None = None
     peak_memory: dict[str, int] = field(default_factory=dict)
@@ -106,8 +106,8 @@ class Plan:
             raise ValueError(f"Plan(microbatches={self.microbatches!r}) must be an int >= 1")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"Plan(schedule={self.schedule!r}) is not one of {', '.join(SCHEDULES)}")
-        if self.checkpoint not in RECOMPUTE_MODES:
-            raise ValueError(f"Plan(checkpoint={self.checkpoint!r}) is not one of {', '.join(RECOMPUTE_MODES)}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"Plan(recompute={self.recompute!r}) is not one of {', '.join(RECOMPUTE_MODES)}")
         seen: dict[str, int] = {}
         for i, s in enumerate(self.stages):
             if not s.layers:
@@ -146,6 +146,11 @@ class Plan:
         flat = [r for row in rows for r in row]
         if sorted(flat) != list(range(world)) or any(isinstance(r, bool) for r in flat):
             raise ValueError(f"Plan(stage_ranks={rows!r}) must name every rank 0..{world - 1} exactly once")
+
+    @property
+    def checkpoint(self) -> str:
+        """Temporary read-only alias of ``recompute`` while the runtime switches to it (issue 17); to be removed."""
+        return self.recompute
 
     @property
     def world_size(self) -> int:
@@ -193,6 +198,10 @@ class Plan:
         if not isinstance(data, dict):
             raise ValueError(f"a plan is a JSON object with 'stages', not {type(data).__name__}; write one with Plan.save")
         data = dict(data)
+        if "checkpoint" in data:  # the key before recompute was named so (plans saved by older versions)
+            if "recompute" in data:
+                raise ValueError("plan has both 'recompute' and its old name 'checkpoint'; keep 'recompute'")
+            data["recompute"] = data.pop("checkpoint")
         fmt = data.pop("format", _FORMAT)
         if fmt != _FORMAT:
             raise ValueError(f"plan format {fmt!r} is not {_FORMAT!r}; re-create the plan with this torchspan version")
@@ -253,7 +262,7 @@ class Plan:
     def __str__(self) -> str:
         head = (
             f"Plan ({self.strategy}): {len(self.stages)} stage(s), {self.microbatches} micro-batch(es), "
-            f"schedule={self.schedule}, checkpoint={self.checkpoint}"
+            f"schedule={self.schedule}, recompute={self.recompute}"
         )
         if self.batch_size is not None:
             head += f", batch={self.batch_size}"

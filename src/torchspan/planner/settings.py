@@ -1,4 +1,4 @@
-"""The settings a search visits: micro-batch counts, schedules and checkpoint modes, validated.
+"""The settings a search visits: micro-batch counts, schedules and recompute modes, validated.
 
 Dominated settings are skipped under ``"auto"``: 1F1B has GPipe's time with no more memory, and
 ``except_last`` has ``always``'s memory saving at less recompute (``tests/test_planner_search.py``
@@ -15,7 +15,7 @@ from ..schedule import RECOMPUTE_MODES, SCHEDULES
 
 __all__ = ["Setting", "microbatch_candidates", "settings_grid"]
 
-Setting = tuple[int, str, str]  # (microbatches, schedule, checkpoint)
+Setting = tuple[int, str, str]  # (microbatches, schedule, recompute)
 
 
 def microbatch_candidates(batch_size: int) -> list[int]:
@@ -30,9 +30,9 @@ def microbatch_candidates(batch_size: int) -> list[int]:
 
 
 def settings_grid(
-    batch_size: int, microbatches: int | str, schedule: str, checkpoint: str
+    batch_size: int, microbatches: int | str, schedule: str, recompute: str
 ) -> list[Setting]:
-    """``(microbatches, schedule, checkpoint)`` settings to search, validated, in preference order."""
+    """``(microbatches, schedule, recompute)`` settings to search, validated, in preference order."""
     if microbatches == "auto":
         ms = microbatch_candidates(batch_size)
     elif isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
@@ -49,10 +49,10 @@ def settings_grid(
         schedules = [schedule]
     else:
         raise ValueError(f"schedule={schedule!r} is not one of auto, {', '.join(SCHEDULES)}")
-    if checkpoint == "auto":
-        checkpoints = ["never", "except_last"]  # 'always' saves no more memory than except_last, at more time
-    elif checkpoint in RECOMPUTE_MODES:
-        checkpoints = [checkpoint]
+    if recompute == "auto":
+        recomputes = ["never", "except_last"]  # 'always' saves no more memory than except_last, at more time
+    elif recompute in RECOMPUTE_MODES:
+        recomputes = [recompute]
     else:
-        raise ValueError(f"checkpoint={checkpoint!r} is not one of auto, {', '.join(RECOMPUTE_MODES)}")
-    return [(m, s, c) for c in checkpoints for s in schedules for m in ms]
+        raise ValueError(f"recompute={recompute!r} is not one of auto, {', '.join(RECOMPUTE_MODES)}")
+    return [(m, s, c) for c in recomputes for s in schedules for m in ms]

@@ -21,7 +21,7 @@ from .stages import Evaluation, Stage
 __all__ = ["spread_plan"]
 
 
-def spread_plan(prof: Profile, *, microbatches: int | str = "auto", schedule: str = "auto", checkpoint: str = "auto") -> Plan | None:
+def spread_plan(prof: Profile, *, microbatches: int | str = "auto", schedule: str = "auto", recompute: str = "auto") -> Plan | None:
     """The fastest fitting plan with one stage on each of ``prof.devices``, in order; ``None`` if none fits.
 
     Exhaustive over contiguous cuts and the planner's settings grid, scored by ``CostModel`` (the
@@ -31,7 +31,7 @@ def spread_plan(prof: Profile, *, microbatches: int | str = "auto", schedule: st
     n_layers, n_devs = len(prof.layers), len(prof.devices)
     if n_devs < 2 or n_layers < n_devs:
         return None
-    settings = settings_grid(prof.batch_size, microbatches, schedule, checkpoint)
+    settings = settings_grid(prof.batch_size, microbatches, schedule, recompute)
     if microbatches == "auto":
         # A pipeline shows (and pays off) only with at least two micro-batches per stage in flight.
         piped = [st for st in settings if st[0] >= 2 * n_devs]

@@ -7,7 +7,7 @@ nothing; a split one costs, per the runtime:
 
 * **One process** (``runtime.ties.TiedCopies``): the parameter lives on its home layer's device; every
   other holder on another physical device ``p`` reads ``param.to(p)`` for the duration of each of its
-  forward calls, i.e. once per micro-batch (and once more in a checkpoint recompute), and the copy's
+  forward calls, i.e. once per micro-batch (and once more when it is recomputed), and the copy's
   backward sends the gradient back into the home parameter's ``.grad``. Both transfers run inside
   that holder's stage, on its worker, so they are charged to that stage (``copy_times``):
   ``nbytes / bw(home, p)`` added to its forward (recompute included, as for its compute) and the
