@@ -139,20 +139,9 @@ def run_demo(
     """
     import torchspan
 
-    cfg = config or DemoConfig()
-    overrides = {"steps": steps, "schedule": schedule, "microbatches": microbatches}
-    overrides = {k: v for k, v in overrides.items() if v is not None}
-    if overrides:
-        cfg = replace(cfg, **overrides)
+    cfg = _config(config, steps=steps, schedule=schedule, microbatches=microbatches)
     con = console or Console()
-    out_dir = Path(out)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"out={str(out)!r} is a file; name a folder for the report (it is created if missing), e.g. out='torchspan-demo'")
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"out={str(out)!r}: cannot create the folder ({exc.strerror or exc}); name a folder you can write to") from exc
-
+    out_dir = _out_folder(out)
     devs = find_devices(devices, memory=memory)
     con.print(_device_table(devs, f"devices ({devices if isinstance(devices, str) else ','.join(devices)})"))
 
@@ -164,16 +153,9 @@ def run_demo(
         f"corpus: {len(corpus.text):,} characters of torchspan's own {cfg.corpus} text; "
         f"model: {n_params:,} parameters in {len(list(model.children()))} layers"
     )
-
     gen = torch.Generator().manual_seed(cfg.seed)
-    example, _ = corpus.batch(cfg.batch_size, cfg.seq_len, gen)
-    with con.status("profiling the model and planning ..."):
-        spread = len(devs) > 1 and not (isinstance(devices, str) and devices.strip().lower() == "auto")
-        plan = demo_plan(model, example, devs, spread=spread, microbatches=cfg.microbatches, schedule=cfg.schedule)
-    plan.save(out_dir / "plan.json")
-    con.print(_plan_table(plan))
-    for note in plan.notes:
-        con.print(f"[dim]note: {note}[/dim]")
+    spread = len(devs) > 1 and not (isinstance(devices, str) and devices.strip().lower() == "auto")
+    plan = _plan(model, corpus, cfg, devs, spread, gen, out_dir, con)
 
     spanned = torchspan.span(model, plan)
     optimizer = torch.optim.AdamW(spanned.parameters(), lr=cfg.lr)
@@ -188,38 +170,99 @@ def run_demo(
         speed_unit="tok/s",
         memory_every=10,
     )
-    losses, seconds, tokens_per_second = trained.losses, trained.seconds, trained.items_per_second
-
     events = list(spanned.timeline())
     mem = spanned.memory(optimizer)
-    sample = ""
-    if cfg.sample_chars:
-        ids = generate(spanned.module, corpus.encode(cfg.prompt), cfg.sample_chars, generator=gen)
-        sample = cfg.prompt + corpus.decode(ids)
-        con.print(Panel(sample, title="sample from the trained model", expand=False))
+    sample = _sample(spanned.module, corpus, cfg, gen, con)
+    result = DemoResult(
+        out=out_dir,
+        plan=plan,
+        devices=devs,
+        losses=trained.losses,
+        seconds=trained.seconds,
+        tokens_per_second=trained.items_per_second,
+        sample=sample,
+        events=events,
+        memory=mem,
+    )
+    result.files = _write_report(result, cfg, n_params, con)
+    return result
 
+
+def _config(config: DemoConfig | None, **overrides: Any) -> DemoConfig:
+    """``config`` (default ``DemoConfig()``) with the keyword arguments that are not ``None``."""
+    cfg = config or DemoConfig()
+    given = {k: v for k, v in overrides.items() if v is not None}
+    return replace(cfg, **given) if given else cfg
+
+
+def _out_folder(out: str | Path) -> Path:
+    """The report folder, created if missing; a ``ValueError`` naming ``out`` when it cannot be."""
+    out_dir = Path(out)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"out={str(out)!r} is a file; name a folder for the report (it is created if missing), e.g. out='torchspan-demo'")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"out={str(out)!r}: cannot create the folder ({exc.strerror or exc}); name a folder you can write to") from exc
+    return out_dir
+
+
+def _plan(
+    model: CharTransformer,
+    corpus: Corpus,
+    cfg: DemoConfig,
+    devs: list[Device],
+    spread: bool,
+    gen: torch.Generator,
+    out_dir: Path,
+    con: Console,
+) -> Plan:
+    """Profile and plan on one example batch (drawn from ``gen``), save ``plan.json`` and print the plan."""
+    example, _ = corpus.batch(cfg.batch_size, cfg.seq_len, gen)
+    with con.status("profiling the model and planning ..."):
+        plan = demo_plan(model, example, devs, spread=spread, microbatches=cfg.microbatches, schedule=cfg.schedule)
+    plan.save(out_dir / "plan.json")
+    con.print(_plan_table(plan))
+    for note in plan.notes:
+        con.print(f"[dim]note: {note}[/dim]")
+    return plan
+
+
+def _sample(model: torch.nn.Module, corpus: Corpus, cfg: DemoConfig, gen: torch.Generator, con: Console) -> str:
+    """Text the trained model writes after ``cfg.prompt`` (empty when ``cfg.sample_chars`` is 0)."""
+    if not cfg.sample_chars:
+        return ""
+    ids = generate(model, corpus.encode(cfg.prompt), cfg.sample_chars, generator=gen)
+    sample = cfg.prompt + corpus.decode(ids)
+    con.print(Panel(sample, title="sample from the trained model", expand=False))
+    return sample
+
+
+def _write_report(result: DemoResult, cfg: DemoConfig, n_params: int, con: Console) -> dict[str, Path]:
+    """Draw the report and save the losses into ``result.out``; returns the files written by name."""
+    out_dir, plan, losses, seconds = result.out, result.plan, result.losses, result.seconds
     summary = {
-        "devices": ", ".join(str(d.device) for d in devs),
+        "devices": ", ".join(str(d.device) for d in result.devices),
         "steps": cfg.steps,
         "batch": f"{cfg.batch_size} x {cfg.seq_len} characters",
         "model": f"{n_params:,} parameters, {cfg.depth} blocks, dim {cfg.dim}",
         "loss": f"{losses[0]:.3f} -> {losses[-1]:.3f} (mean of the last {min(20, len(losses))} steps: {_tail_mean(losses):.3f})",
         "training time": f"{seconds:.1f} s ({seconds / cfg.steps * 1e3:.1f} ms per step"
         + (f"; plan predicted {plan.predicted_step_time * 1e3:.1f} ms)" if plan.predicted_step_time else ")"),
-        "tokens/s": f"{tokens_per_second:,.0f}",
+        "tokens/s": f"{result.tokens_per_second:,.0f}",
     }
     with con.status("drawing the report ..."):
         files = pictures.write_report(
             out_dir,
             title="torchspan demo",
             plan=plan,
-            devices=devs,
-            events=events,
-            memory=mem,
+            devices=result.devices,
+            events=result.events,
+            memory=result.memory,
             losses=losses,
-            budgets=_budgets(devs),
+            budgets=_budgets(result.devices),
             summary=summary,
-            sample=sample or None,
+            sample=result.sample or None,
         )
     (out_dir / "losses.json").write_text(json.dumps(losses), encoding="utf-8")
     written = {"plan": out_dir / "plan.json", "report": files.report, "losses": out_dir / "losses.json"}
@@ -229,17 +272,6 @@ def run_demo(
             written[name] = path
     con.print(
         f"loss {losses[0]:.3f} -> {losses[-1]:.3f} (last-20 mean {_tail_mean(losses):.3f}) in {cfg.steps} steps, {seconds:.1f} s, "
-        f"{tokens_per_second:,.0f} tokens/s. Report: {files.report}"
+        f"{result.tokens_per_second:,.0f} tokens/s. Report: {files.report}"
     )
-    return DemoResult(
-        out=out_dir,
-        plan=plan,
-        devices=devs,
-        losses=losses,
-        seconds=seconds,
-        tokens_per_second=tokens_per_second,
-        sample=sample,
-        events=events,
-        memory=mem,
-        files=written,
-    )
+    return written
