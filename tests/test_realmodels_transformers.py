@@ -129,7 +129,7 @@ def test_plan_places_a_gpt2_no_single_device_holds_and_span_runs_it() -> None:
     batch = {"input_ids": IDS, "use_cache": False}
     plan = torchspan.plan(
         model, batch, devices="a100-40gb*4", memory={f"cuda:{i}": budget for i in range(4)},
-        optimizer="sgd", microbatches=2, schedule="gpipe", checkpoint="never",
+        optimizer="sgd", microbatches=2, schedule="gpipe", recompute="never",
     )  # fmt: skip
     assert len(plan.stages) >= 2 and any(name.startswith("transformer.h.") for name in plan.layers)
     assert plan.layers == torchspan.layers.model_layers(model, (), batch).names()

@@ -1,9 +1,9 @@
 """Buffers a recomputation must not change twice: BatchNorm running statistics, in-place counters.
 
-Activation checkpointing runs a micro-batch's forward a second time during backward. A forward
+Activation recompute runs a micro-batch's forward a second time during backward. A forward
 that updates buffers in place (``BatchNorm``'s ``running_mean``/``running_var``/
 ``num_batches_tracked``, a registered step counter) would update them again, so after a step they
-would differ from an un-checkpointed run. ``kept`` wraps the recompute and puts every buffer of
+would differ from a run without recompute. ``kept`` wraps the recompute and puts every buffer of
 the stage back as it was before it. (Tensor version counters cannot tell which buffers changed:
 BatchNorm's kernels update the running statistics without bumping them; so all are copied.)
 
