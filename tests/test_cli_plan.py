@@ -45,12 +45,12 @@ def test_plan_prints_a_table(target: str, capsys: pytest.CaptureFixture[str]) ->
 def test_plan_json_and_out_file(target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out_file = tmp_path / "plan.json"
     argv = ["plan", f"{target}:build", "--input-shape", "16,32", "--devices", "cpu,cpu", "--memory", "cpu=1GiB"]
-    argv += ["--microbatches", "4", "--schedule", "gpipe", "--checkpoint", "except_last", "--json", "--out", str(out_file)]
+    argv += ["--microbatches", "4", "--schedule", "gpipe", "--recompute", "except_last", "--json", "--out", str(out_file)]
     assert main(argv) == 0
     printed = json.loads(capsys.readouterr().out)
     saved = Plan.load(out_file)
     assert Plan.from_dict(printed) == saved
-    assert (saved.microbatches, saved.schedule, saved.checkpoint, saved.batch_size) == (4, "gpipe", "except_last", 16)
+    assert (saved.microbatches, saved.schedule, saved.recompute, saved.batch_size) == (4, "gpipe", "except_last", 16)
     assert saved.layers == ["0", "1", "2", "3", "4"]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import textwrap
 from pathlib import Path
 
@@ -62,3 +63,26 @@ def test_verify_usage_errors(models: str, capsys: pytest.CaptureFixture[str]) ->
     assert "--input-shape 'ten,8'" in capsys.readouterr().err
     assert main(["verify", f"{models}:mlp", "--input-shape", "8,8", "--balance", "1,1"]) == 2
     assert "balance=[1, 1]" in capsys.readouterr().err
+
+
+def test_verify_json_gives_layers_parameters_and_the_verdict(models: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["verify", f"{models}:mlp", "--input-shape", "10,8", "--balance", "2,3", "--microbatches", "3", "--json"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["verdict"] == "PASS" and result["mode"] == "sequential" and result["recompute"] == "never"
+    assert [s["layers"] for s in result["stages"]] == [["0", "1"], ["2", "3", "4"]]
+    assert [r["layer"] for r in result["layers"]] == ["0", "1", "2", "3", "4"]
+    assert {p["name"] for p in result["parameters"]} == {f"{i}.{k}" for i in (0, 2, 4) for k in ("weight", "bias")}
+    assert all(p["within"] for p in result["parameters"]) and result["loss"] == pytest.approx(result["reference_loss"])
+    assert main(["verify", f"{models}:drift", "--input-shape", "8,8", "--microbatches", "4", "--json"]) == 1
+    result = json.loads(capsys.readouterr().out)
+    assert result["verdict"] == "FAIL" and any(r["result"] == "DIFFERENT" for r in result["layers"])
+
+
+def test_verify_strategies_json_gives_each_strategy(models: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["verify", f"{models}:mlp", "--input-shape", "6,8", "--microbatches", "2", "--strategies", "single,local-pipeline", "--json"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["verdict"] == "PASS" and [s["name"] for s in result["strategies"]] == ["single", "local-pipeline"]
+    assert all(s["processes"] == 0 and s["verdict"] == "PASS" and s["error"] is None for s in result["strategies"])
+    assert len(result["strategies"][1]["parameters"]) == 6

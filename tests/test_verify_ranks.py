@@ -107,9 +107,9 @@ def test_verify_hybrid_on_four_processes(models: str, capsys: pytest.CaptureFixt
 
 
 def test_hybrid_on_two_processes_is_a_one_line_usage_error(models: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(_verify(models, "--strategies", "single,hybrid", "--nproc", "2")) == 2
+    assert main(_verify(models, "--strategies", "single,hybrid", "--nproc-per-node", "2")) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "dp(2) * pp(2) != nproc(2)" in err and "--nproc 4" in err, err
+    assert err.count("\n") == 1 and "dp(2) * pp(2) != nproc(2)" in err and "--nproc-per-node 4" in err, err
     assert main(_verify(models, "--strategies", "dp,fsdp")) == 2
     assert "strategy 'fsdp' is unknown" in capsys.readouterr().err
     assert main(_verify(models, "--strategies", "rank-pipeline", "--nproc", "2", "--balance", "1,1,3")) == 2

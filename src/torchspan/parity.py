@@ -43,6 +43,15 @@ class GradDiff:
     max_rel: float
     within: bool
 
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as JSON values: an infinite difference (a gradient on one side only) as ``"inf"``."""
+        return {
+            "name": self.name,
+            "max_abs": self.max_abs if math.isfinite(self.max_abs) else str(self.max_abs),
+            "max_rel": self.max_rel if math.isfinite(self.max_rel) else str(self.max_rel),
+            "within": self.within,
+        }
+
 
 @dataclass(frozen=True)
 class Parity:

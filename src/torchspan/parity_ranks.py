@@ -58,7 +58,7 @@ class StepOptions:
 
     microbatches: int = 4
     schedule: str = "gpipe"
-    checkpoint: str = "never"
+    recompute: str = "never"
     balance: tuple[int, ...] | None = None
     devices: tuple[str, ...] = ("cpu", "cpu")
     loss_reduction: str | None = None
@@ -147,7 +147,7 @@ def _local_pipeline(model: nn.Module, inputs: Any, target: Any, loss_fn: Callabl
         balance=list(opts.balance) if opts.balance else None,
         microbatches=opts.microbatches,
         schedule=opts.schedule,
-        checkpoint=opts.checkpoint,
+        checkpoint=opts.recompute,
     )
     return spanned.train_step(inputs, target, loss_fn, loss_reduction=opts.loss_reduction)
 
@@ -169,7 +169,7 @@ def _pipeline_processes(nproc: int, opts: StepOptions) -> int:
     if stages != nproc:
         raise ValueError(
             f"rank-pipeline runs one stage per process: pp({stages}) != nproc({nproc}); "
-            f"give --balance with {nproc} entries or --nproc {stages}"
+            f"give --balance with {nproc} entries or --nproc-per-node {stages}"
         )
     return nproc
 
@@ -180,7 +180,7 @@ def _hybrid_shape(nproc: int, opts: StepOptions) -> tuple[int, int]:
     dp = max(2, nproc // pp)
     if dp * pp != nproc:
         raise ValueError(
-            f"hybrid needs {dp * pp} processes ({pp} stages x {dp} replicas): dp({dp}) * pp({pp}) != nproc({nproc}); pass --nproc {dp * pp}"
+            f"hybrid needs {dp * pp} processes ({pp} stages x {dp} replicas): dp({dp}) * pp({pp}) != nproc({nproc}); pass --nproc-per-node {dp * pp}"
         )
     return dp, pp
 
@@ -199,7 +199,7 @@ def _span_ranked(model: nn.Module, stages: int, opts: StepOptions) -> Any:
         balance=list(opts.balance) if opts.balance else None,
         microbatches=opts.microbatches,
         schedule=opts.schedule,
-        checkpoint=opts.checkpoint,
+        checkpoint=opts.recompute,
     )
 
 
@@ -231,7 +231,7 @@ def processes_for(strategies: Sequence[str], nproc: int, options: StepOptions | 
     """
     opts = options or StepOptions()
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"nproc={nproc!r} must be an int >= 1, e.g. --nproc 2")
+        raise ValueError(f"nproc={nproc!r} must be an int >= 1, e.g. --nproc-per-node 2")
     known = [*LOCAL, *RANKED]
     out: dict[str, int] = {}
     for name in strategies:

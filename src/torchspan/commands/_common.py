@@ -1,4 +1,6 @@
-"""Helpers shared by subcommands: ``UsageError``, ``DEV=SIZE`` options, targets, batches and the rich console.
+"""Helpers shared by subcommands: ``UsageError``, parsing ``DEV=SIZE``, shapes, dtypes and micro-batches, targets, batches, the rich console.
+
+The options themselves are defined in ``_options``.
 
 Usage: ``raise UsageError("--steps '0' must be >= 1")``; ``parse_memory_options(["cpu=32GB"])``.
 """
@@ -6,6 +8,7 @@ Usage: ``raise UsageError("--steps '0' must be >= 1")``; ``parse_memory_options(
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -30,15 +33,6 @@ def parse_memory_options(items: Sequence[str] | None) -> dict[str, str] | None:
     return out
 
 
-def add_memory_option(parser: Any) -> None:
-    parser.add_argument(
-        "--memory",
-        action="append",
-        metavar="DEV=SIZE",
-        help="memory budget for a device, e.g. cuda:0=10GiB or cpu=32GB (repeatable)",
-    )
-
-
 def console() -> Console:
     """A console on stdout; plain text (no colour codes) when stdout is not a terminal."""
     return Console(file=sys.stdout, highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 120)
@@ -46,6 +40,11 @@ def console() -> Console:
 
 def print_json(data: Any) -> None:
     print(json.dumps(data, indent=2, sort_keys=False))
+
+
+def json_float(value: float) -> float | str:
+    """``value`` for JSON, which has no infinity or NaN: those as ``"inf"`` / ``"nan"``."""
+    return value if math.isfinite(value) else str(value)
 
 
 def load_target(target: str) -> Any:
@@ -148,17 +147,6 @@ def synthetic_batch(shape: tuple[int, ...], dtype: Any, vocab: int) -> Any:
     if dtype == torch.bool:
         return torch.randint(0, 2, shape).bool()
     return torch.randint(0, vocab, shape, dtype=dtype)
-
-
-def add_input_options(parser: Any, *, shape_required: bool = False) -> None:
-    """``--input NAME=SHAPE[:DTYPE]`` (repeatable): named keyword inputs, e.g. ``--input input_ids=8,128:int64``."""
-    parser.add_argument(
-        "--input",
-        action="append",
-        metavar="NAME=SHAPE[:DTYPE]",
-        help="a keyword input of the forward, batch first (repeatable), e.g. --input input_ids=8,128:int64 "
-        "--input attention_mask=8,128:int64; integer inputs are drawn from [0, --vocab) (masks: use --vocab 2 or a bool dtype)",
-    )
 
 
 def named_inputs(items: Sequence[str] | None, vocab: int, default_dtype: Any = None) -> dict[str, Any] | None:

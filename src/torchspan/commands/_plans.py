@@ -93,17 +93,17 @@ def make_plan(model: torch.nn.Module, x: Any, args: argparse.Namespace, memory: 
     from ..profiler import profile
 
     devices = args.devices or "auto"
-    schedule, checkpoint = args.schedule or "auto", args.checkpoint or "auto"
+    schedule, recompute = args.schedule or "auto", args.recompute or "auto"
     if not args.spread:
         return plan_now(
-            model, x, devices=devices, memory=memory, microbatches=microbatches, schedule=schedule, checkpoint=checkpoint,
+            model, x, devices=devices, memory=memory, microbatches=microbatches, schedule=schedule, recompute=recompute,
             optimizer=args.optimizer, dtype=dtype,
         )  # fmt: skip
     devs = find_devices(devices, memory)
     if len(devs) < 2:
         raise UsageError(f"--spread needs at least two devices; --devices {devices!r} gives {len(devs)}. Try --devices cpu,cpu")
     prof = profile(model, x, devs, optimizer=args.optimizer, dtype=dtype)
-    wide = spread_plan(prof, microbatches=microbatches, schedule=schedule, checkpoint=checkpoint)
+    wide = spread_plan(prof, microbatches=microbatches, schedule=schedule, recompute=recompute)
     if wide is None:
         raise UsageError(
             f"--spread: no placement with one stage on each of the {len(devs)} devices fits "

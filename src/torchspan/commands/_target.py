@@ -14,7 +14,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -22,28 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._common import UsageError, add_input_options, load_target, synthetic_batch
+from ._common import UsageError, load_target, synthetic_batch
 
-__all__ = ["add_target_arguments", "build_model", "make_batch", "example_inputs", "first_call", "require_data_devices"]
-
-
-def add_target_arguments(p: argparse.ArgumentParser, dtype_effect: str) -> None:
-    """TARGET and its example batch (``--input-shape``, ``--dtype``/``--input-dtype``, ``--input``,
-    ``--vocab``), worded alike for every command that builds a target; ``dtype_effect`` ends the dtype help.
-
-    Usage: ``add_target_arguments(p, "a floating dtype also casts the model to it")``.
-    """
-    p.add_argument("target", metavar="TARGET", help="package.module:factory or path/to/file.py:factory returning the model")
-    p.add_argument("--input-shape", metavar="B,D...", help="shape of one training batch, batch first, e.g. 32,512 (or named inputs with --input)")
-    p.add_argument(
-        "--dtype",
-        "--input-dtype",
-        dest="dtype",
-        default="float32",
-        help=f"input dtype (default float32), also of --input without :DTYPE; {dtype_effect}",
-    )
-    add_input_options(p)
-    p.add_argument("--vocab", type=int, default=2, help="integer inputs are token ids drawn from [0, VOCAB) (default 2)")
+__all__ = ["require_inputs", "build_model", "make_batch", "example_inputs", "first_call", "require_data_devices"]
 
 
 def _first_line(exc: BaseException) -> str:
@@ -101,6 +81,17 @@ def _too_big(shape: Sequence[int], dtype: torch.dtype, need: int, free: int | No
     )
 
 
+def require_inputs(input_shape: str | None, named: Sequence[str] | None, dtype_option: str) -> None:
+    """Exactly one of ``--input-shape`` and ``--input``, else a ``UsageError`` (checked before the model is built).
+
+    Usage: ``require_inputs(args.input_shape, args.input, "--dtype")``.
+    """
+    if not input_shape and not named:
+        raise UsageError(f"give the input: --input-shape 32,512 [{dtype_option} int64], or named inputs --input input_ids=8,128:int64")
+    if input_shape and named:
+        raise UsageError("give either --input-shape (one positional input) or --input NAME=SHAPE (keyword inputs), not both")
+
+
 def example_inputs(input_shape: str | None, named: Sequence[str] | None, dtype: torch.dtype, vocab: int, dtype_option: str) -> tuple[Any, int, str]:
     """The example batch from ``--input-shape`` or ``--input NAME=SHAPE[:DTYPE]`` (exactly one of them).
 
@@ -110,10 +101,7 @@ def example_inputs(input_shape: str | None, named: Sequence[str] | None, dtype: 
     """
     from ._common import named_inputs, parse_shape
 
-    if not input_shape and not named:
-        raise UsageError(f"give the input: --input-shape 32,512 [{dtype_option} int64], or named inputs --input input_ids=8,128:int64")
-    if input_shape and named:
-        raise UsageError("give either --input-shape (one positional input) or --input NAME=SHAPE (keyword inputs), not both")
+    require_inputs(input_shape, named, dtype_option)
     if named:
         inputs = named_inputs(named, vocab, dtype)
         assert inputs is not None

@@ -1,11 +1,11 @@
-"""``torchspan verify ... --strategies single,local-pipeline,dp,rank-pipeline,hybrid --nproc 2|4``: the printing half.
+"""``torchspan verify ... --strategies single,local-pipeline,dp,rank-pipeline,hybrid --nproc-per-node 2|4``: the printing half.
 
 ``torchspan.parity_ranks.compare_strategies`` runs the steps (multi-process ones in gloo processes);
 this prints one table per strategy (per-parameter max abs / rel difference against one device), a
-summary line per strategy and PASS/FAIL, and returns the exit status (1 when any strategy is out of
-tolerance or failed to run).
+summary line per strategy and PASS/FAIL (``--json``: the same as JSON), and returns the exit status
+(1 when any strategy is out of tolerance or failed to run).
 
-Usage: ``torchspan verify models.py:mlp --input-shape 7,16 --strategies single,dp,rank-pipeline --nproc 2``.
+Usage: ``torchspan verify models.py:mlp --input-shape 7,16 --strategies single,dp,rank-pipeline --nproc-per-node 2``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from rich.table import Table
 
 from ..parity_ranks import StepOptions, StrategyResult, compare_strategies, processes_for
 from ..training import mse_loss
-from ._common import UsageError, console, load_target
+from ._common import UsageError, console, load_target, print_json
 
 __all__ = ["run_strategies"]
 
@@ -67,24 +67,26 @@ def run_strategies(
 ) -> int:
     """Compare ``args.strategies`` with one device and print them (``target(output)``: the step's target); 0 when all pass, 1 otherwise."""
     names = _names(args.strategies)
-    if args.nproc < 1:
-        raise UsageError(f"--nproc {args.nproc} must be >= 1, e.g. --nproc 2")
+    nproc = args.nproc_per_node
+    if nproc < 1:
+        raise UsageError(f"--nproc-per-node {nproc} must be >= 1, e.g. --nproc-per-node 2")
     if not args.timeout > 0:
         raise UsageError(f"--timeout {args.timeout:g} must be > 0 seconds, e.g. --timeout 180")
     options = StepOptions(
         microbatches=args.microbatches,
         schedule=args.schedule,
-        checkpoint=args.checkpoint,
+        recompute=args.recompute,
         balance=tuple(balance) if balance else None,
         devices=tuple(d.strip() for d in args.devices.split(",") if d.strip()),
         loss_reduction="mean",  # mse_loss: a mean over rows, so shards weigh by their row counts
     )
-    counts = processes_for(names, args.nproc, options)  # a ValueError (exit 2) before anything runs
+    counts = processes_for(names, nproc, options)  # a ValueError (exit 2) before anything runs
     con = console()
-    con.print(
-        f"torchspan verify {args.target}: strategies {', '.join(f'{n} ({c} processes)' if c else n for n, c in counts.items())}; "
-        f"microbatches={args.microbatches}, schedule={args.schedule}, balance={list(balance) if balance else 'even'}, seed={args.seed}"
-    )
+    if not args.json:
+        con.print(
+            f"torchspan verify {args.target}: strategies {', '.join(f'{n} ({c} processes)' if c else n for n, c in counts.items())}; "
+            f"microbatches={args.microbatches}, schedule={args.schedule}, balance={list(balance) if balance else 'even'}, seed={args.seed}"
+        )
     results = compare_strategies(
         model,
         x,
@@ -92,17 +94,52 @@ def run_strategies(
         mse_loss,
         names,
         build=functools.partial(load_target, args.target),
-        nproc=args.nproc,
+        nproc=nproc,
         options=options,
         atol=args.atol,
         rtol=args.rtol,
         timeout=args.timeout,
     )
+    ok = all(r.ok for r in results)
+    if args.json:
+        print_json(_as_json(args, options, results, ok))
+        return 0 if ok else 1
     for r in results:
         if r.parity is not None:
             con.print(_table(r))
     for r in results:
         con.print(_summary(r))
-    ok = all(r.ok for r in results)
     con.print(f"{'PASS' if ok else 'FAIL'}: {sum(r.ok for r in results)} of {len(results)} strategies match one device (atol={args.atol:g}, rtol={args.rtol:g})")
     return 0 if ok else 1
+
+
+def _strategy_json(r: StrategyResult) -> dict[str, Any]:
+    """One strategy's result: processes (0: this process), verdict, the error that stopped it, losses and per-parameter differences."""
+    p = r.parity
+    return {
+        "name": r.name,
+        "processes": r.processes,
+        "verdict": "PASS" if r.ok else "FAIL",
+        "error": r.error,
+        "seconds": r.seconds,
+        "loss": p.loss if p is not None else None,
+        "reference_loss": p.reference_loss if p is not None else None,
+        "same_loss": p.same_loss if p is not None else None,
+        "parameters": [g.to_dict() for g in p.grads] if p is not None else [],
+    }
+
+
+def _as_json(args: argparse.Namespace, options: StepOptions, results: list[StrategyResult], ok: bool) -> dict[str, Any]:
+    return {
+        "target": args.target,
+        "microbatches": options.microbatches,
+        "schedule": options.schedule,
+        "recompute": options.recompute,
+        "balance": list(options.balance) if options.balance else None,
+        "seed": args.seed,
+        "nproc_per_node": args.nproc_per_node,
+        "atol": args.atol,
+        "rtol": args.rtol,
+        "strategies": [_strategy_json(r) for r in results],
+        "verdict": "PASS" if ok else "FAIL",
+    }

@@ -33,6 +33,7 @@ from pathlib import Path
 from rich.table import Table
 
 from ._common import UsageError, console, print_json
+from ._options import add_json_option
 
 __all__ = ["Ratio", "ScriptResult", "parse_ratios", "parse_skips", "goal_met", "find_scripts", "run_benchmarks", "machine_description"]
 
@@ -213,7 +214,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dir", type=Path, default=None, help="benchmarks folder (default: ./benchmarks, else the source checkout's)")
     p.add_argument("--only", action="append", metavar="NAME", help="run only this benchmark (script stem; repeatable)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per script (default 600)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_json_option(p, "the ratios and each script's outcome")
     p.set_defaults(func=run)
 
 

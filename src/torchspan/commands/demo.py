@@ -1,11 +1,12 @@
-"""``torchspan demo [--devices SPEC] [--memory DEV=SIZE ...] [--steps N] [--out DIR]``: watch torchspan train across your devices.
+"""``torchspan demo [--devices SPEC] [--memory DEV=SIZE ...] [--steps N] [--out DIR] [--json]``: watch torchspan train across your devices.
 
 Also ``--schedule gpipe|1f1b`` and ``--microbatches N`` to override the planner's choice, and
-``--nproc N`` to train data-parallel over N processes instead (report.md gives per-rank throughput).
+``--nproc-per-node N`` to train data-parallel over N processes instead (report.md gives per-rank throughput).
 
 Trains a small character-level transformer on torchspan's own source code, planned for the given
 devices and run pipelined with ``span``; shows the devices, the plan and live training figures,
 prints a text sample, and writes plan.json, loss.png, timeline.png, memory.png and report.md to DIR.
+``--json`` prints the report's figures and the paths written as JSON (the live output goes to stderr).
 
 Usage: ``torchspan demo``; ``torchspan demo --devices cpu,cpu --steps 100 --out /tmp/demo``.
 """
@@ -13,22 +14,36 @@ Usage: ``torchspan demo``; ``torchspan demo --devices cpu,cpu --steps 100 --out 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
+from typing import Any
 
-from ._common import UsageError, add_memory_option, console, parse_memory_options, parse_microbatches
+from rich.console import Console
+
+from ._common import UsageError, console, parse_memory_options, parse_microbatches, print_json
+from ._options import (
+    add_devices_option,
+    add_json_option,
+    add_memory_option,
+    add_microbatches_option,
+    add_nproc_option,
+    add_out_option,
+    add_schedule_option,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     from ..demo.run import DEFAULT_STEPS
 
     p = sub.add_parser("demo", help="train a small language model across your devices and draw what happened", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--devices", default="auto", metavar="SPEC", help="device spec: auto (default), cpu, 'cpu,cpu' (two-stage pipeline), 'cuda:0,cpu', ...")
+    add_devices_option(p, "train on these devices ('cpu,cpu': a two-stage pipeline)", default="auto")
     add_memory_option(p)
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"training steps (default {DEFAULT_STEPS})")
-    p.add_argument("--out", default="torchspan-demo", metavar="DIR", help="folder for plan.json, the pictures and report.md (default ./torchspan-demo)")
-    p.add_argument("--schedule", choices=("auto", "gpipe", "1f1b"), default="auto", help="pipeline schedule (default: the planner's choice)")
-    p.add_argument("--microbatches", default="auto", metavar="N", help="micro-batches per step (default: the planner's choice)")
-    p.add_argument("--nproc", type=int, default=None, metavar="N", help="train data-parallel over N >= 2 processes instead (gloo on this machine's CPU)")
+    add_out_option(p, "DIR", "plan.json, the pictures and report.md", default="torchspan-demo")
+    add_schedule_option(p, default="auto")
+    add_microbatches_option(p, auto=True, default="auto")
+    add_nproc_option(p, "train data-parallel over N >= 2 processes instead (gloo on this machine's CPU)", default=None)
+    add_json_option(p, "the report's figures and the files written", " (the live output goes to stderr)")
     p.set_defaults(func=run)
 
 
@@ -40,26 +55,30 @@ def run(args: argparse.Namespace) -> int:
     microbatches = parse_microbatches(args.microbatches)
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise UsageError(f"--out {args.out!r} is a file; name a folder for plan.json, the pictures and report.md (it is created if missing), e.g. --out torchspan-demo")
-    if args.nproc is not None:
-        return _run_ranks(args, microbatches)
-    run_demo(
+    con = Console(file=sys.stderr, highlight=False) if args.json else console()
+    if args.nproc_per_node is not None:
+        return _run_ranks(args, microbatches, con)
+    result = run_demo(
         devices=args.devices,
         memory=parse_memory_options(args.memory),
         steps=args.steps,
         out=args.out,
-        console=console(),
+        console=con,
         schedule=args.schedule,
         microbatches=microbatches,
     )
+    if args.json:
+        print_json(_demo_json(result))
     return 0
 
 
-def _run_ranks(args: argparse.Namespace, microbatches: object) -> int:
-    """``--nproc N``: data parallel over N processes (``demo.ranks``); pipeline options do not apply."""
+def _run_ranks(args: argparse.Namespace, microbatches: object, con: Console) -> int:
+    """``--nproc-per-node N``: data parallel over N processes (``demo.ranks``); pipeline options do not apply."""
     from ..demo.ranks import run_demo_ranks
 
-    if args.nproc < 2:
-        raise UsageError(f"--nproc {args.nproc} must be >= 2 (data parallel over N processes); drop --nproc to train in one process")
+    nproc = args.nproc_per_node
+    if nproc < 2:
+        raise UsageError(f"--nproc-per-node {nproc} must be >= 2 (data parallel over N processes); drop --nproc-per-node to train in one process")
     given = [
         opt
         for opt, on in (
@@ -71,6 +90,48 @@ def _run_ranks(args: argparse.Namespace, microbatches: object) -> int:
         if on
     ]
     if given:
-        raise UsageError(f"--nproc {args.nproc} trains one replica per CPU process, so {', '.join(given)} do not apply; drop them or drop --nproc")
-    run_demo_ranks(args.nproc, steps=args.steps, out=args.out, console=console())
+        raise UsageError(
+            f"--nproc-per-node {nproc} trains one replica per CPU process, so {', '.join(given)} do not apply; drop them or drop --nproc-per-node"
+        )
+    result = run_demo_ranks(nproc, steps=args.steps, out=args.out, console=con)
+    if args.json:
+        print_json(_ranks_json(result))
     return 0
+
+
+def _losses(losses: list[float]) -> dict[str, Any]:
+    tail = losses[-20:]
+    return {"first": losses[0], "last": losses[-1], "last_20_mean": sum(tail) / len(tail), "steps": len(losses)}
+
+
+def _demo_json(result: Any) -> dict[str, Any]:
+    """The pipelined demo's figures (``demo.run.DemoResult``): plan, devices, loss, speed, sample and files."""
+    return {
+        "strategy": "pipeline",
+        "out": str(result.out),
+        "devices": [str(d.device) for d in result.devices],
+        "plan": result.plan.to_dict(),
+        "loss": _losses(result.losses),
+        "seconds": result.seconds,
+        "seconds_per_step": result.seconds / len(result.losses),
+        "predicted_step_time": result.plan.predicted_step_time,
+        "tokens_per_second": result.tokens_per_second,
+        "sample": result.sample,
+        "losses": result.losses,
+        "files": {name: str(path) for name, path in result.files.items()},
+    }
+
+
+def _ranks_json(result: Any) -> dict[str, Any]:
+    """The data-parallel demo's figures (``demo.ranks.RanksDemoResult``): per-rank throughput, loss, sample and files."""
+    return {
+        "strategy": "data-parallel",
+        "out": str(result.out),
+        "nproc_per_node": result.nproc,
+        "ranks": [{k: v for k, v in r.items() if k not in ("losses", "sample")} for r in result.ranks],
+        "loss": _losses(result.losses),
+        "seconds": result.seconds,
+        "sample": result.sample,
+        "losses": result.losses,
+        "files": {name: str(path) for name, path in result.files.items()},
+    }

@@ -8,14 +8,15 @@ from rich.table import Table
 
 from .. import pictures
 from ..hardware import devices
-from ._common import add_memory_option, console, parse_memory_options, print_json
+from ._common import console, parse_memory_options, print_json
+from ._options import add_json_option, add_memory_option
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("devices", help="list devices with memory and budgets", description=__doc__)
     p.add_argument("spec", nargs="?", default="auto", help="device spec: auto (default), cpu, cuda, 'cuda:0,1', 'cuda:0,cpu', mps")
     add_memory_option(p)
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_json_option(p, "the devices")
     p.set_defaults(func=run)
 
 

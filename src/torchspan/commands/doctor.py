@@ -33,6 +33,7 @@ from ..diagnosis.naming import find_in_frames, location, tb_frames, traceback_fr
 from ..diagnosis.report import Finding, Report
 from ..diagnosis.watcher import watch
 from ._common import UsageError, console, print_json
+from ._options import add_json_option
 
 __all__ = ["register", "run", "run_script", "ScriptOutcome", "EXIT_DEVICE_ERROR"]
 
@@ -46,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--json", action="store_true", help="print a JSON report (the script's own output goes to stderr)")
+    add_json_option(p, "the report", " (the script's own output goes to stderr)")
     p.add_argument("script", help="the Python script to run, e.g. train.py")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script (after an optional --)")
     p.set_defaults(func=run)

@@ -3,7 +3,7 @@
 TARGET is ``package.module:factory`` or ``path/to/file.py:factory`` returning the model. Examples::
 
     torchspan plan mymodels:build --input-shape 32,512 --devices cuda:0,cpu --memory cuda:0=8GiB
-    torchspan plan train.py:make_model --input-shape 8,128 --dtype int64 --devices "a100-40gb*2,cpu" --json
+    torchspan plan train.py:make_model --input-shape 8,128 --input-dtype int64 --devices "a100-40gb*2,cpu" --json
     torchspan plan train.py:make_model --input-shape 32,512 --out plan.json
     torchspan plan train.py:gpt2 --input input_ids=8,128:int64 --input attention_mask=8,128:int64 --vocab 2 --devices cpu,cpu
     torchspan plan train.py:make_model --input-shape 64,512 --nodes 2 --devices "h100-80gb*8" --interconnect ib-400g
@@ -16,11 +16,21 @@ from pathlib import Path
 
 import torch
 
-from ._common import UsageError, add_memory_option, parse_memory_options, print_json
+from ._common import UsageError, parse_memory_options, print_json
 from ._common import parse_dtype as _dtype
 from ._common import parse_microbatches as _microbatches
 from ._cluster import add_cluster_options, cluster_kwargs
-from ._target import add_target_arguments, build_model, example_inputs, first_call
+from ._options import (
+    add_devices_option,
+    add_json_option,
+    add_memory_option,
+    add_microbatches_option,
+    add_out_option,
+    add_recompute_option,
+    add_schedule_option,
+    add_target_arguments,
+)
+from ._target import build_model, example_inputs, first_call
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,23 +40,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_target_arguments(
-        p, "a floating dtype also profiles the model as if cast to it, an integer dtype (e.g. int64 token ids) feeds ids in [0, --vocab)"
-    )
-    p.add_argument("--devices", default="auto", metavar="SPEC", help="device spec, e.g. auto, 'cuda:0,cpu', 'a100-40gb*2,cpu'")
+    add_target_arguments(p, "a floating dtype also profiles the model cast to it")
+    add_devices_option(p, "plan for these devices, this machine's (auto) or described ('a100-40gb*2,cpu')", default="auto")
     add_memory_option(p)
     p.add_argument("--optimizer", default="adam", help="optimizer whose state to budget: sgd, sgd-momentum, adam, adamw, ... (default adam)")
-    p.add_argument("--microbatches", default="auto", metavar="N", help="micro-batches per step (default: search)")
-    p.add_argument("--schedule", default="auto", choices=("auto", "gpipe", "1f1b"), help="pipeline schedule (default: search)")
-    p.add_argument(
-        "--checkpoint",
-        default="auto",
-        choices=("auto", "never", "except_last", "always"),
-        help="activation checkpointing per micro-batch (default: search)",
-    )
+    add_microbatches_option(p, auto=True, default="auto")
+    add_schedule_option(p, default="auto")
+    add_recompute_option(p, default="auto")
     add_cluster_options(p)
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--out", metavar="FILE", help="also write the plan as JSON to FILE (atomically)")
+    add_json_option(p, "the plan")
+    add_out_option(p, "FILE", "the plan as JSON, atomically, as well as printing it,")
     p.set_defaults(func=run)
 
 
@@ -73,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         memory=memory,
         microbatches=microbatches,
         schedule=args.schedule,
-        checkpoint=args.checkpoint,
+        recompute=args.recompute,
         optimizer=args.optimizer,
         dtype=profile_dtype,
         **cluster_kwargs(args),

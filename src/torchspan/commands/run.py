@@ -27,22 +27,25 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from ..training import LossNotFinite, OutOfMemoryAtStep, mse_loss, train
-from ._common import (
-    UsageError,
+from ..training import LossNotFinite, OutOfMemoryAtStep, Trained, mse_loss, train
+from ._common import UsageError, console, parse_dtype, parse_memory_options, parse_microbatches, parse_shape, print_json
+from ._options import (
+    add_devices_option,
+    add_json_option,
     add_memory_option,
-    console,
-    parse_dtype,
-    parse_memory_options,
-    parse_microbatches,
-    parse_shape,
-    print_json,
+    add_microbatches_option,
+    add_out_option,
+    add_precision_option,
+    add_recompute_option,
+    add_schedule_option,
+    add_seed_option,
+    add_target_arguments,
 )
-from ._target import add_target_arguments, build_model, example_inputs, first_call, require_data_devices
+from ._target import build_model, example_inputs, first_call, require_data_devices, require_inputs
 from ._plans import check_plan_devices, check_plan_layers, device_entries, first_line, load_plan, make_plan
 
 OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
-_PLANNING_OPTIONS = ("devices", "memory", "microbatches", "schedule", "checkpoint", "spread")
+_PLANNING_OPTIONS = ("devices", "memory", "microbatches", "schedule", "recompute", "spread")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -54,11 +57,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_target_arguments(p, "a floating dtype also casts the model to it")
     p.add_argument("--plan", metavar="FILE", help="run this plan (from `torchspan plan --out FILE`) instead of planning now")
-    p.add_argument("--devices", metavar="SPEC", help="plan for these devices (default auto), e.g. 'cpu,cpu' or 'cuda:0,cpu'")
+    add_devices_option(p, "plan for these devices (not with --plan)", default=None, default_text="auto")
     add_memory_option(p)
-    p.add_argument("--microbatches", metavar="N", help="micro-batches per step (default: the planner's choice)")
-    p.add_argument("--schedule", choices=("auto", "gpipe", "1f1b"), help="pipeline schedule (default: the planner's choice)")
-    p.add_argument("--checkpoint", choices=("auto", "never", "except_last", "always"), help="activation checkpointing (default: the planner's choice)")
+    add_microbatches_option(p, auto=True, default=None)
+    add_schedule_option(p, default=None)
+    add_recompute_option(p, default=None)
     p.add_argument(
         "--spread",
         action="store_true",
@@ -68,16 +71,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adam", help="optimizer (default adam)")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
-    p.add_argument(
-        "--precision",
-        choices=("32", "bf16", "fp16"),
-        default="32",
-        help="autocast with fp32 master weights: bf16, or fp16 with a gradient scaler (default 32); unlike --dtype float16 it trains with Adam",
-    )
+    add_precision_option(p, "; unlike --input-dtype float16 it trains with Adam")
     p.add_argument("--loss", choices=("mse", "ce"), default="mse", help="mse to random targets, or cross-entropy to random classes (default mse)")
-    p.add_argument("--seed", type=int, default=0, help="seed for the synthetic batch (default 0)")
-    p.add_argument("--out", metavar="DIR", help="write plan.json, run.json, timeline.png, memory.png and loss.png into DIR")
-    p.add_argument("--json", action="store_true", help="print the measured and predicted figures as JSON (progress goes to stderr)")
+    add_seed_option(p)
+    add_out_option(p, "DIR", "plan.json, run.json, timeline.png, memory.png and loss.png")
+    add_json_option(p, "the measured and predicted figures", " (progress goes to stderr)")
     p.set_defaults(func=run)
 
 
@@ -97,7 +95,7 @@ def _check_args(args: argparse.Namespace) -> None:
         given = [f"--{name}" for name in _PLANNING_OPTIONS if getattr(args, name) not in (None, False)]
         if given:
             raise UsageError(
-                f"--plan {args.plan} already fixes devices, micro-batches, schedule and checkpointing; drop {', '.join(given)}, "
+                f"--plan {args.plan} already fixes devices, micro-batches, schedule and recompute; drop {', '.join(given)}, "
                 "or drop --plan to plan afresh with them"
             )
 
@@ -194,73 +192,129 @@ def _write_outputs(out: Path, plan: Any, spanned: Any, memory: Any, losses: list
 
 
 def run(args: argparse.Namespace) -> int:
-    import torchspan
+    """``torchspan run``: plan (or load ``--plan``), train ``span(model, plan)``, print predicted vs measured."""
+    microbatches, memory = _check_inputs(args)
+    plan, notes = _given_plan(args)
+    model, x, batch, target, loss_fn = _model_and_batch(args)
+    out_con = console()
+    con = Console(file=sys.stderr, highlight=False) if args.json else out_con
+    if plan is not None:
+        notes += _fit_given_plan(plan, model, batch, args)
+    else:
+        plan, more = _plan_now(model, x, args, memory, microbatches, con)
+        notes += more
+    spanned = _span(model, plan, args)
+    optimizer = OPTIMIZERS[args.optimizer](spanned.parameters(), lr=args.lr)
+    _print_setup(con, args, model, plan, spanned, notes)
+    trained = _train(spanned, optimizer, x, target, loss_fn, batch, args, con)
+    measured_memory = spanned.memory(optimizer)
+    result = _result(args, x, spanned, plan, measured_memory, trained, notes)
+    if args.out:
+        result["files"] = _write_outputs(Path(args.out), plan, spanned, measured_memory, trained.losses, _budgets(memory), result)
+    if args.json:
+        print_json(result)
+        return 0
+    _print_result(out_con, result, trained, args)
+    return 0
 
-    from .. import pictures
-    from ..planner.measured import compare, typical_step_time
-    from ..hardware import budget_key, parse_memory
 
+# --------------------------------------------------------------------------- run's steps
+
+
+def _given_inputs(args: argparse.Namespace) -> str:
+    """The input options as given (``--input-shape 4,16`` or ``--input a=4,16 ...``)."""
+    return f"--input-shape {args.input_shape}" if args.input_shape else " ".join(f"--input {item}" for item in args.input)
+
+
+def _argv_hint(args: argparse.Namespace) -> str:
+    """The input options to repeat in a ``torchspan plan`` command that re-creates the plan."""
+    return _given_inputs(args) + (f" --dtype {args.dtype}" if args.dtype != "float32" else "")
+
+
+def _check_inputs(args: argparse.Namespace) -> tuple[int | str, dict[str, str] | None]:
+    """Every check that needs no model: options, inputs, micro-batches and budgets; returns the last two parsed."""
     _check_args(args)
-    dtype = parse_dtype(args.dtype)
-    if not args.input_shape and not args.input:
-        raise UsageError("give the input: --input-shape 32,512 [--dtype int64], or named inputs --input input_ids=8,128:int64")
-    if args.input_shape and args.input:
-        raise UsageError("give either --input-shape (one positional input) or --input NAME=SHAPE (keyword inputs), not both")
+    parse_dtype(args.dtype)
+    require_inputs(args.input_shape, args.input, "--dtype")
     if args.input_shape:
         parse_shape(args.input_shape)  # a typo is reported before the model is built
     microbatches = parse_microbatches(args.microbatches) if args.microbatches is not None else "auto"
-    memory = parse_memory_options(args.memory)
-    given = f"--input-shape {args.input_shape}" if args.input_shape else " ".join(f"--input {item}" for item in args.input)
-    argv_hint = given + (f" --dtype {args.dtype}" if args.dtype != "float32" else "")
-    plan = notes = None
-    if args.plan:
-        plan = load_plan(args.plan, args.target, argv_hint)
-        notes = check_plan_devices(plan, args.plan, args.target, argv_hint)
+    return microbatches, parse_memory_options(args.memory)
 
-    if plan is not None:
-        require_data_devices(
-            [st.device for st in plan.stages],
-            f"--plan {args.plan} has stages on",
-            fix=f"re-plan for devices with memory: torchspan plan {args.target} {argv_hint} --devices cpu --out {args.plan}",
-        )
-    else:
+
+def _given_plan(args: argparse.Namespace) -> tuple[Any, list[str]]:
+    """The ``--plan`` file checked against this machine, and notes about it (``(None, [])`` without ``--plan``);
+    refuses devices that hold no data, given or planned."""
+    if not args.plan:
         require_data_devices(device_entries(args.devices), "--devices")
+        return None, []
+    hint = _argv_hint(args)
+    plan = load_plan(args.plan, args.target, hint)
+    notes = check_plan_devices(plan, args.plan, args.target, hint)
+    require_data_devices(
+        [st.device for st in plan.stages],
+        f"--plan {args.plan} has stages on",
+        fix=f"re-plan for devices with memory: torchspan plan {args.target} {hint} --devices cpu --out {args.plan}",
+    )
+    return plan, list(notes)
+
+
+def _model_and_batch(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, int, Any, Any]:
+    """The model (cast to a floating ``--dtype``), its seeded example batch, the batch size, random targets and the loss."""
+    dtype = parse_dtype(args.dtype)
     model = build_model(args.target)
-    floating = dtype.is_floating_point
-    if floating:
+    if dtype.is_floating_point:
         model.to(dtype)
     torch.manual_seed(args.seed)
     x, batch, _ = example_inputs(args.input_shape, args.input, dtype, args.vocab, "--dtype")
     options = "--input" if args.input else "--input-shape/--dtype"
     target, loss_fn = _targets_and_loss(first_call(model, x, options, vocab=args.vocab), args.loss)
+    return model, x, batch, target, loss_fn
 
-    out_con = console()
-    con = Console(file=sys.stderr, highlight=False) if args.json else out_con
-    notes = list(notes or [])
-    if plan is not None:
-        check_plan_layers(plan, model, args.plan, args.target, argv_hint)
-        if plan.microbatches > batch:
-            raise UsageError(
-                f"--plan {args.plan} splits each batch into {plan.microbatches} micro-batches, but {given} has batch "
-                f"{batch}; use a batch of at least {plan.microbatches}, or re-plan for this batch"
-            )
-        if plan.batch_size is not None and plan.batch_size != batch:
-            notes.append(f"the plan was made for batch {plan.batch_size}, this run uses batch {batch}: predictions are for its batch")
-    else:
-        with con.status("profiling the model and planning ..."):
-            plan = make_plan(model, x, args, memory, microbatches, dtype if floating else None)
-        if len(plan.stages) < len(device_entries(args.devices)) and not args.spread:
-            notes.append(
-                f"the planner uses {len(plan.stages)} of the {len(device_entries(args.devices))} devices listed: it predicts "
-                "that fastest (entries of one device share its cores and memory); --spread puts a stage on each"
-            )
+
+def _fit_given_plan(plan: Any, model: torch.nn.Module, batch: int, args: argparse.Namespace) -> list[str]:
+    """Refuse a ``--plan`` made for another model or for fewer rows than its micro-batches; note another batch size."""
+    check_plan_layers(plan, model, args.plan, args.target, _argv_hint(args))
+    if plan.microbatches > batch:
+        raise UsageError(
+            f"--plan {args.plan} splits each batch into {plan.microbatches} micro-batches, but {_given_inputs(args)} has batch "
+            f"{batch}; use a batch of at least {plan.microbatches}, or re-plan for this batch"
+        )
+    if plan.batch_size is not None and plan.batch_size != batch:
+        return [f"the plan was made for batch {plan.batch_size}, this run uses batch {batch}: predictions are for its batch"]
+    return []
+
+
+def _plan_now(
+    model: torch.nn.Module, x: Any, args: argparse.Namespace, memory: Any, microbatches: int | str, con: Console
+) -> tuple[Any, list[str]]:
+    """A plan made now for ``--devices`` (``--spread``: a stage on each), and a note when it leaves devices out."""
+    dtype = parse_dtype(args.dtype)
+    with con.status("profiling the model and planning ..."):
+        plan = make_plan(model, x, args, memory, microbatches, dtype if dtype.is_floating_point else None)
+    listed = len(device_entries(args.devices))
+    if len(plan.stages) < listed and not args.spread:
+        return plan, [
+            f"the planner uses {len(plan.stages)} of the {listed} devices listed: it predicts "
+            "that fastest (entries of one device share its cores and memory); --spread puts a stage on each"
+        ]
+    return plan, []
+
+
+def _span(model: torch.nn.Module, plan: Any, args: argparse.Namespace) -> Any:
+    """``span(model, plan)`` with ``--precision``; a plan ``span`` refuses names ``--plan``."""
+    import torchspan
+
     try:
-        spanned = torchspan.span(model, plan, precision=args.precision)
+        return torchspan.span(model, plan, precision=args.precision)
     except ValueError as exc:
         if args.plan:
             raise UsageError(f"--plan {args.plan}: {first_line(exc)}") from exc
         raise
-    optimizer = OPTIMIZERS[args.optimizer](spanned.parameters(), lr=args.lr)
+
+
+def _print_setup(con: Console, args: argparse.Namespace, model: torch.nn.Module, plan: Any, spanned: Any, notes: list[str]) -> None:
+    from .. import pictures
 
     n_params = sum(p.numel() for p in model.parameters())
     stages = " | ".join(f"{d}: {', '.join(g)}" for d, g in spanned.stages)
@@ -270,17 +324,24 @@ def run(args: argparse.Namespace) -> int:
     for note in notes:
         con.print(f"note: {note}")
 
+
+def _train(spanned: Any, optimizer: Any, x: Any, target: Any, loss_fn: Any, batch: int, args: argparse.Namespace, con: Console) -> Trained:
+    """``training.train`` on the one batch for ``--steps``; a loss that is not finite or a full device becomes advice."""
     try:
-        trained = train(spanned, optimizer, lambda step: (x, target), loss_fn, args.steps, console=con, items_per_step=batch)
+        return train(spanned, optimizer, lambda step: (x, target), loss_fn, args.steps, console=con, items_per_step=batch)
     except LossNotFinite as exc:
         raise UsageError(_not_finite_advice(exc, args)) from exc
     except OutOfMemoryAtStep as exc:  # pragma: no cover - needs a GPU
         raise UsageError(
-            f"{exc}; re-plan with a smaller --memory budget for that device, more --microbatches or --checkpoint always"
+            f"{exc}; re-plan with a smaller --memory budget for that device, more --microbatches or --recompute always"
         ) from exc
-    measured_memory = spanned.memory(optimizer)
-    comparison = compare(plan, measured_memory, trained.step_times)
-    result: dict[str, Any] = {
+
+
+def _result(args: argparse.Namespace, x: Any, spanned: Any, plan: Any, measured_memory: Any, trained: Trained, notes: list[str]) -> dict[str, Any]:
+    """What ``--json`` prints and ``run.json`` holds: the options, predicted vs measured, speed, losses, notes and the plan."""
+    from ..planner.measured import compare, typical_step_time
+
+    return {
         "target": args.target,
         "input_shape": [int(d) for d in x.shape] if isinstance(x, torch.Tensor) else None,
         "inputs": {k: [*map(int, v.shape), str(v.dtype).removeprefix("torch.")] for k, v in x.items()} if isinstance(x, dict) else None,
@@ -291,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
         "precision": args.precision,
         "loss": args.loss,
         "mode": spanned.mode,
-        **comparison,
+        **compare(plan, measured_memory, trained.step_times),
         "optimizer_step_time": typical_step_time(trained.optimizer_times),
         "samples_per_second": trained.items_per_second,
         "seconds": trained.seconds,
@@ -299,18 +360,21 @@ def run(args: argparse.Namespace) -> int:
         "notes": notes,
         "plan": plan.to_dict(),
     }
-    if args.out:
-        budgets = {budget_key(dev): parse_memory(size, name=f"--memory {dev}") for dev, size in (memory or {}).items()}
-        result["files"] = _write_outputs(Path(args.out), plan, spanned, measured_memory, trained.losses, budgets, result)
-    if args.json:
-        print_json(result)
-        return 0
+
+
+def _budgets(memory: dict[str, str] | None) -> dict[str, int]:
+    """``--memory`` budgets in bytes under the plan's device names (``CPU=1GiB`` -> ``{"cpu": 2**30}``)."""
+    from ..hardware import budget_key, parse_memory
+
+    return {budget_key(dev): parse_memory(size, name=f"--memory {dev}") for dev, size in (memory or {}).items()}
+
+
+def _print_result(con: Console, result: dict[str, Any], trained: Trained, args: argparse.Namespace) -> None:
     losses = trained.losses
-    out_con.print(_comparison_table(comparison, result["optimizer_step_time"]))
-    out_con.print(
+    con.print(_comparison_table(result, result["optimizer_step_time"]))
+    con.print(
         f"loss {losses[0]:.4g} -> {losses[-1]:.4g} in {args.steps} step(s), {trained.seconds:.2f} s, "
         f"{trained.items_per_second:,.0f} samples/s"
     )
     if args.out:
-        out_con.print(f"wrote {', '.join(Path(p).name for p in result['files'].values())} to {args.out}")
-    return 0
+        con.print(f"wrote {', '.join(Path(p).name for p in result['files'].values())} to {args.out}")

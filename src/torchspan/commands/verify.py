@@ -5,12 +5,14 @@ step on random data with an MSE loss to a random target twice: with ``torchspan.
 given devices, and on one device as the reference. Prints the largest absolute and relative
 gradient difference per layer and PASS/FAIL (exit status 1 on FAIL).
 
-``--strategies single,local-pipeline,dp,rank-pipeline,hybrid --nproc 2|4`` instead runs one step of
-each strategy from the same weights and global batch (multi-process ones in gloo processes on
-127.0.0.1) and prints each one's per-parameter differences from one device.
+``--strategies single,local-pipeline,dp,rank-pipeline,hybrid --nproc-per-node 2|4`` instead runs one
+step of each strategy from the same weights and global batch (multi-process ones in gloo processes on
+127.0.0.1) and prints each one's per-parameter differences from one device. ``--json`` prints the
+same results (per layer and parameter, or per strategy and parameter) and the verdict as JSON; the
+exit status is the same.
 
 Usage: ``torchspan verify mymodels:build --input-shape 32,512 --devices cpu,cpu --microbatches 4``;
-``torchspan verify mymodels:build --input-shape 7,16 --strategies single,dp,rank-pipeline --nproc 2``.
+``torchspan verify mymodels:build --input-shape 7,16 --strategies single,dp,rank-pipeline --nproc-per-node 2``.
 """
 
 from __future__ import annotations
@@ -24,35 +26,48 @@ import torch
 from rich.table import Table
 from torch.utils._pytree import tree_map
 
+from ..parity import Parity
 from ..training import mse_loss
-from ._common import UsageError, add_input_options, console, named_inputs, parse_dtype
-from ._target import build_model, first_call, make_batch, require_data_devices
+from ._common import UsageError, console, json_float, parse_dtype, print_json
+from ._options import (
+    add_devices_option,
+    add_json_option,
+    add_microbatches_option,
+    add_nproc_option,
+    add_recompute_option,
+    add_schedule_option,
+    add_seed_option,
+    add_target_arguments,
+)
+from ._target import build_model, example_inputs, first_call, require_data_devices, require_inputs
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="check that span's gradients equal single-device gradients", description=__doc__)
-    p.add_argument("target", metavar="TARGET", help="model factory: package.module:factory or path/to/file.py:factory")
-    p.add_argument("--input-shape", help="input tensor shape, batch first, e.g. 32,512 (or named inputs with --input)")
-    p.add_argument("--input-dtype", default="float32", help="input dtype, e.g. float32 or int64 (token ids in [0, --vocab))")
-    add_input_options(p)
-    p.add_argument("--vocab", type=int, default=100, help="int64 inputs are drawn from [0, VOCAB) (default 100)")
-    p.add_argument("--devices", default="cpu,cpu", help="stage devices, comma separated (default cpu,cpu)")
-    p.add_argument("--balance", default=None, help="layers per stage, e.g. 2,2 (default: even split)")
-    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (default 4)")
-    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
-    p.add_argument("--checkpoint", choices=("never", "except_last", "always"), default="never")
+    add_target_arguments(p, "the model keeps its own dtype")
+    add_devices_option(p, "one pipeline stage on each of these devices", default="cpu,cpu")
+    p.add_argument("--balance", default=None, metavar="N,N...", help="layers per stage, e.g. 2,2 (default: even split)")
+    add_microbatches_option(p, auto=False, default=4)
+    add_schedule_option(p, default="gpipe")
+    add_recompute_option(p, default="never")
     p.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default 1e-5)")
     p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
-    p.add_argument("--seed", type=int, default=0)
+    add_seed_option(p)
     p.add_argument(
         "--strategies",
         default=None,
         metavar="LIST",
         help="compare several strategies with one device instead: any of single,local-pipeline,dp,rank-pipeline,hybrid "
-        "(dp, rank-pipeline and hybrid run in --nproc gloo processes on 127.0.0.1)",
+        "(dp, rank-pipeline and hybrid run in --nproc-per-node gloo processes on 127.0.0.1)",
     )
-    p.add_argument("--nproc", type=int, default=2, help="processes for dp and rank-pipeline; hybrid needs 4 = 2 stages x 2 replicas (default 2)")
-    p.add_argument("--timeout", type=float, default=180.0, help="seconds the processes of one --nproc run may take before they are killed (default 180)")
+    add_nproc_option(p, "processes for dp and rank-pipeline with --strategies; hybrid needs 4 = 2 stages x 2 replicas", default=2)
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=180.0,
+        help="seconds the processes of one --nproc-per-node run may take before they are killed (default 180)",
+    )
+    add_json_option(p, "the per-layer and per-parameter results (per strategy with --strategies) and the verdict")
     p.set_defaults(func=run)
 
 
@@ -72,32 +87,64 @@ def _random_like(out: Any) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torchspan
-
-    from ..parity import check_parity
-
-    if not args.input_shape and not args.input:
-        raise UsageError("give the input: --input-shape 32,512 [--input-dtype int64], or named inputs --input input_ids=8,128:int64")
-    if args.input_shape and args.input:
-        raise UsageError("give either --input-shape (one positional input) or --input NAME=SHAPE (keyword inputs), not both")
-    dtype = parse_dtype(args.input_dtype, "--input-dtype")
-    shape = _ints(args.input_shape, "--input-shape") if args.input_shape else []
-    balance = _ints(args.balance, "--balance") if args.balance else None
-    if args.microbatches < 1:
-        raise UsageError(f"--microbatches {args.microbatches} must be >= 1")
-    require_data_devices([d for d in args.devices.split(",") if d.strip()], "--devices")
+    """``torchspan verify``: one step with ``span`` against one device (or ``--strategies``); 0 on PASS, 1 otherwise."""
+    balance = _check_options(args)
     model = build_model(args.target)
     reference = copy.deepcopy(model)
-    torch.manual_seed(args.seed)
-    x: Any = named_inputs(args.input, args.vocab, dtype)  # keyword inputs: the forward's own errors name them
-    if x is None:
-        x = make_batch(shape, dtype, args.vocab, option=f"--input-shape {args.input_shape}")
-        first_call(model, x, "--input-shape/--input-dtype", vocab=args.vocab)
-
+    x = _example(args, model)
     if args.strategies is not None:
         from ._verify_ranks import run_strategies
 
         return run_strategies(args, model, x, balance, _random_like)
+    spanned, notes = _span(model, args, balance)
+    result = _parity(spanned, reference, x, args)
+    zero = _zero_on_both_sides(model, reference)
+    trained = [n for n, p in reference.named_parameters() if p.requires_grad]
+    verdict = _verdict(result, zero, trained)
+    rows = _layer_rows(spanned, result, zero)
+    if args.json:
+        print_json(_as_json(args, spanned, result, rows, zero, notes, verdict))
+    else:
+        _print(args, spanned, result, rows, zero, trained, notes, verdict)
+    return 0 if verdict == "PASS" else 1
+
+
+def _parity(spanned: Any, reference: torch.nn.Module, x: Any, args: argparse.Namespace) -> Parity:
+    """``check_parity`` of one step with an MSE loss to a random target, at ``--atol``/``--rtol``."""
+    from ..parity import check_parity
+
+    return check_parity(spanned, reference, x, _random_like, mse_loss, atol=args.atol, rtol=args.rtol)
+
+
+def _check_options(args: argparse.Namespace) -> list[int] | None:
+    """Every check that needs no model; returns ``--balance`` parsed."""
+    from ._common import parse_shape
+
+    require_inputs(args.input_shape, args.input, "--input-dtype")
+    parse_dtype(args.dtype, "--input-dtype")
+    if args.input_shape:
+        parse_shape(args.input_shape)
+    balance = _ints(args.balance, "--balance") if args.balance else None
+    if args.microbatches < 1:
+        raise UsageError(f"--microbatches {args.microbatches} must be >= 1")
+    require_data_devices([d for d in args.devices.split(",") if d.strip()], "--devices")
+    return balance
+
+
+def _example(args: argparse.Namespace, model: torch.nn.Module) -> Any:
+    """The seeded example batch; one tensor is tried on the model first (keyword inputs: the forward's own errors name them)."""
+    dtype = parse_dtype(args.dtype, "--input-dtype")
+    torch.manual_seed(args.seed)
+    x, _, _ = example_inputs(args.input_shape, args.input, dtype, args.vocab, "--input-dtype")
+    if not isinstance(x, dict):
+        first_call(model, x, "--input-shape/--input-dtype", vocab=args.vocab)
+    return x
+
+
+def _span(model: torch.nn.Module, args: argparse.Namespace, balance: list[int] | None) -> tuple[Any, list[str]]:
+    """``span`` with the pipeline options, and the warnings it gave as notes."""
+    import torchspan
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         spanned = torchspan.span(
@@ -106,46 +153,92 @@ def run(args: argparse.Namespace) -> int:
             balance=balance,
             microbatches=args.microbatches,
             schedule=args.schedule,
-            checkpoint=args.checkpoint,
+            checkpoint=args.recompute,
         )
-    result = check_parity(spanned, reference, x, _random_like, mse_loss, atol=args.atol, rtol=args.rtol)
+    return spanned, [str(w.message) for w in caught]
 
-    con = console()
-    con.print(
-        f"torchspan verify {args.target}: mode={spanned.mode}, stages="
-        + "; ".join(f"{d}: {', '.join(g)}" for d, g in spanned.stages)
-        + f", microbatches={args.microbatches}, schedule={args.schedule}, checkpoint={args.checkpoint}"
-    )
-    for w in caught:
-        con.print(f"note: {w.message}")
-    table = Table(title="gradient difference vs one device, per layer")
-    for col in ("layer", "stage device", "params", "max abs diff", "max rel diff", "result"):
-        table.add_column(col, justify="left" if col in ("layer", "stage device", "result") else "right")
+
+def _verdict(result: Parity, zero: list[str], trained: list[str]) -> str:
+    """PASS, FAIL, or INCONCLUSIVE when every trained gradient is exactly zero on both sides."""
+    if result.ok and trained and len(zero) == len(trained):
+        return "INCONCLUSIVE"
+    return "PASS" if result.ok else "FAIL"
+
+
+def _layer_rows(spanned: Any, result: Parity, zero: list[str]) -> list[dict[str, Any]]:
+    """Per layer in stage order: its device, parameter count, worst differences and ok / DIFFERENT / zero grads."""
     device_of = {name: dev for dev, group in spanned.stages for name in group}
-    zero = _zero_on_both_sides(model, reference)
+    rows = []
     for layer in [name for _, group in spanned.stages for name in group]:
         diffs = result.under(layer)
-        worst_abs = max((d.max_abs for d in diffs), default=0.0)
-        worst_rel = max((d.max_rel for d in diffs), default=0.0)
         ok = all(d.within for d in diffs)
         flag = "ok" if ok else "DIFFERENT"
         if ok and diffs and all(d.name in zero for d in diffs):
             flag = "zero grads"
-        table.add_row(layer, device_of.get(layer, "-"), str(len(diffs)), f"{worst_abs:.3e}", f"{worst_rel:.3e}", flag)
+        rows.append(
+            {
+                "layer": layer,
+                "device": device_of.get(layer, "-"),
+                "parameters": len(diffs),
+                "max_abs": max((d.max_abs for d in diffs), default=0.0),
+                "max_rel": max((d.max_rel for d in diffs), default=0.0),
+                "result": flag,
+            }
+        )
+    return rows
+
+
+def _print(
+    args: argparse.Namespace, spanned: Any, result: Parity, rows: list[dict[str, Any]], zero: list[str], trained: list[str], notes: list[str], verdict: str
+) -> None:
+    con = console()
+    con.print(
+        f"torchspan verify {args.target}: mode={spanned.mode}, stages="
+        + "; ".join(f"{d}: {', '.join(g)}" for d, g in spanned.stages)
+        + f", microbatches={args.microbatches}, schedule={args.schedule}, recompute={args.recompute}"
+    )
+    for note in notes:
+        con.print(f"note: {note}")
+    table = Table(title="gradient difference vs one device, per layer")
+    for col in ("layer", "stage device", "params", "max abs diff", "max rel diff", "result"):
+        table.add_column(col, justify="left" if col in ("layer", "stage device", "result") else "right")
+    for r in rows:
+        table.add_row(r["layer"], r["device"], str(r["parameters"]), f"{r['max_abs']:.3e}", f"{r['max_rel']:.3e}", r["result"])
     con.print(table)
     con.print(f"loss: torchspan {result.loss:.6g}, one device {result.reference_loss:.6g}")
-    trained = [n for n, p in reference.named_parameters() if p.requires_grad]
     if zero:
         con.print(
             f"warning: {len(zero)} of {len(trained)} parameter(s) got gradients that are exactly zero on both sides "
             f"({', '.join(zero[:5])}{', ...' if len(zero) > 5 else ''}): equal, but that proves nothing for them "
             "(a zero-initialised head, an unused branch, a detached path). Check the model, or verify after a training step"
         )
-    if result.ok and trained and len(zero) == len(trained):
+    if verdict == "INCONCLUSIVE":
         con.print(f"INCONCLUSIVE: every gradient is exactly zero on both sides (atol={args.atol:g}, rtol={args.rtol:g})")
-        return 1
-    con.print(f"{'PASS' if result.ok else 'FAIL'} (atol={args.atol:g}, rtol={args.rtol:g})")
-    return 0 if result.ok else 1
+        return
+    con.print(f"{verdict} (atol={args.atol:g}, rtol={args.rtol:g})")
+
+
+def _as_json(
+    args: argparse.Namespace, spanned: Any, result: Parity, rows: list[dict[str, Any]], zero: list[str], notes: list[str], verdict: str
+) -> dict[str, Any]:
+    return {
+        "target": args.target,
+        "mode": spanned.mode,
+        "stages": [{"device": d, "layers": list(g)} for d, g in spanned.stages],
+        "microbatches": args.microbatches,
+        "schedule": args.schedule,
+        "recompute": args.recompute,
+        "seed": args.seed,
+        "atol": args.atol,
+        "rtol": args.rtol,
+        "loss": result.loss,
+        "reference_loss": result.reference_loss,
+        "layers": [{**r, "max_abs": json_float(r["max_abs"]), "max_rel": json_float(r["max_rel"])} for r in rows],
+        "parameters": [g.to_dict() for g in result.grads],
+        "zero_on_both_sides": zero,
+        "notes": notes,
+        "verdict": verdict,
+    }
 
 
 def _zero_on_both_sides(model: torch.nn.Module, reference: torch.nn.Module) -> list[str]:
