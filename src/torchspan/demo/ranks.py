@@ -1,4 +1,4 @@
-"""``torchspan demo --nproc N``: the demo language model trained data-parallel over N processes.
+"""``torchspan demo --nproc-per-node N``: the demo language model trained data-parallel over N processes.
 
 Each process (gloo on 127.0.0.1, forked from one forkserver so torch is imported once) calls
 ``torchspan.span(model)`` on the same ``CharTransformer``, as a user's script does (in a launched
