@@ -86,3 +86,8 @@ def test_verify_strategies_json_gives_each_strategy(models: str, capsys: pytest.
     assert result["verdict"] == "PASS" and [s["name"] for s in result["strategies"]] == ["single", "local-pipeline"]
     assert all(s["processes"] == 0 and s["verdict"] == "PASS" and s["error"] is None for s in result["strategies"])
     assert len(result["strategies"][1]["parameters"]) == 6
+
+
+def test_verify_refuses_an_empty_vocab_as_plan_and_run_do(models: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", f"{models}:mlp", "--input-shape", "8,8", "--vocab", "0"]) == 2
+    assert "--vocab 0 must be >= 1" in capsys.readouterr().err

@@ -124,6 +124,8 @@ def _check_options(args: argparse.Namespace) -> list[int] | None:
     parse_dtype(args.dtype, "--input-dtype")
     if args.input_shape:
         parse_shape(args.input_shape)
+    if args.vocab < 1:
+        raise UsageError(f"--vocab {args.vocab} must be >= 1 (token ids are drawn from [0, VOCAB))")
     balance = _ints(args.balance, "--balance") if args.balance else None
     if args.microbatches < 1:
         raise UsageError(f"--microbatches {args.microbatches} must be >= 1")
