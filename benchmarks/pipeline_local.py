@@ -80,7 +80,7 @@ def torchspan_step(
     half = len(model) // 2
     balance = [half, len(model) - half] if len(devices) == 2 else [len(model)]
     spanned = torchspan.span(
-        model, devices=devices, balance=balance, microbatches=CHUNKS, schedule=schedule, checkpoint=checkpoint, workers=workers
+        model, devices=devices, balance=balance, microbatches=CHUNKS, schedule=schedule, recompute=checkpoint, workers=workers
     )
     cuda = [torch.device(d) for d in devices if d.startswith("cuda")]
 
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if "torchgpipe except_last" in t:
         print(
             f"RATIO torchspan_default/torchgpipe_default {t['torchspan gpipe never'] / t['torchgpipe except_last']:.3f} <=0.8 "
-            "torchgpipe 0.0.7 defaults (torchspan checkpoint=never vs torchgpipe except_last), cpu,cpu"
+            "torchgpipe 0.0.7 defaults (torchspan recompute=never vs torchgpipe checkpoint=except_last), cpu,cpu"
         )
         print(
             f"RATIO torchspan/torchgpipe_except_last {t['torchspan gpipe except_last'] / t['torchgpipe except_last']:.3f} - "

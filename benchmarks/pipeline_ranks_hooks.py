@@ -10,7 +10,7 @@ medians; absolute times drift on a shared machine, so the ratios are what to rea
    (a) torchspan on an ``nn.Sequential`` of the blocks: stage functions (``RankPipelineExecutor``);
    (b) torchspan on a wrapper whose ``forward`` loops over an ``nn.ModuleList`` of the same blocks:
        the model's own forward on every rank, the other stage's blocks on ``meta``
-       (``RankHookExecutor``);
+       (``RankOwnForwardExecutor``);
    (c) ``torch.distributed.pipelining``: ``PipelineStage`` + ``Schedule1F1B`` on the Sequential cut in two.
 
    The three losses are checked equal once before timing.
@@ -165,7 +165,7 @@ def _share(stats: dict, file_end: str, func: str, wall: float, steps: int, own: 
 
 class _MetaClock:
     """Times the other stage's layer calls on this rank (to_meta + the block on meta), by wrapping
-    ``RankHookExecutor._call`` for non-local layers only: cProfile cannot split a layer's forward by
+    ``RankOwnForwardExecutor._call`` for non-local layers only: cProfile cannot split a layer's forward by
     whether it ran on meta."""
 
     def __init__(self, executor: Any) -> None:
@@ -209,16 +209,16 @@ def _profile(rank: int, args: argparse.Namespace, n: int, step: Callable[[], Any
         lines += [f"{title}: cProfile of rank {rank} (stage {spanned._executor.stage}), top {args.top} torchspan entries by cumulative time"]
         lines += table
         parts = [
-            ("forward of every micro-batch (model's own forward)", "ranks/hooked.py", "_forward", False),
-            ("  one layer call: routing + send/recv + the layer (_call)", "ranks/hooked.py", "_call", False),
+            ("forward of every micro-batch (model's own forward)", "ranks/ownforward.py", "_forward", False),
+            ("  one layer call: routing + send/recv + the layer (_call)", "ranks/ownforward.py", "_call", False),
             ("  MetaTaint.__torch_function__ (glue between layers)", "ranks/taint.py", "__torch_function__", False),
             ("  to_meta (other stage's arguments made meta)", "ranks/taint.py", "to_meta", False),
             ("  route check (CallRoute.check)", "ranks/routes.py", "check", False),
             ("  tree_flatten/unflatten of layer arguments (all callers)", "utils/_pytree.py", "tree_flatten", False),
-            ("backward of every micro-batch (_backward, incl. grad recv)", "ranks/hooked.py", "_backward", False),
-            ("blocking receives (_recv: activations + gradients)", "ranks/hooked.py", "_recv", False),
-            ("sends (_isend, posting)", "ranks/hooked.py", "_isend", False),
-            ("waiting on sends at the end (_settle_sends)", "ranks/hooked.py", "_settle_sends", False),
+            ("backward of every micro-batch (_backward, incl. grad recv)", "ranks/ownforward.py", "_backward", False),
+            ("blocking receives (_recv: activations + gradients)", "ranks/ownforward.py", "_recv", False),
+            ("sends (_isend, posting)", "ranks/ownforward.py", "_isend", False),
+            ("waiting on sends at the end (_settle_sends)", "ranks/ownforward.py", "_settle_sends", False),
             ("activation meter saved-tensor hooks (pack)", "runtime/memory.py", "pack", False),
         ]
         lines.append("  breakdown (cumulative ms/step, % of step; parts nest as indented):")
@@ -270,7 +270,7 @@ def _summary(stats: dict, steps: int, wall: float, meta_pct: float, per_call: fl
         meta_mm, real_linear = op_us(lambda: torch.mm(x, w)), op_us(lambda: F.linear(xc, wc, bc))
     small = sum(_share(stats, f, fn, wall, steps)[1] for f, fn in (
         ("ranks/taint.py", "__torch_function__"), ("ranks/taint.py", "to_meta"), ("ranks/routes.py", "check")))
-    recv = _share(stats, "ranks/hooked.py", "_recv", wall, steps)[1]
+    recv = _share(stats, "ranks/ownforward.py", "_recv", wall, steps)[1]
     return [
         f"  summary: running the other stage's layers on meta is the largest own-forward cost: {meta_pct:.0f}% of this "
         f"rank's step ({per_call * 1e3:.2f} ms per layer call).",
@@ -327,7 +327,7 @@ def _mlp_section(rank: int, world: int, args: argparse.Namespace) -> tuple[list[
         torch.testing.assert_close(lc, la, rtol=1e-5, atol=1e-7)
         lines.append(f"check: losses (a) {la.item():.6f}, (b) {lb.item():.6f}, (c) {lc.item():.6f}: equal to float tolerance")
 
-    names = ["(b) own forward (RankHookExecutor)", "(a) Sequential (RankPipelineExecutor)", "(c) torch Schedule1F1B"]
+    names = ["(b) own forward (RankOwnForwardExecutor)", "(a) Sequential (RankPipelineExecutor)", "(c) torch Schedule1F1B"]
     fns = [step_b, step_a, step_c]
     times: dict[str, list[list[float]]] = {k: [] for k in names}
     for r in range(args.rounds):

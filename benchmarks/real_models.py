@@ -41,7 +41,7 @@ from torch import nn
 import torchspan
 from torchspan.parity import grad_differences
 from torchspan.runtime.executor import Settings
-from torchspan.runtime.local.hooked import HookedExecutor
+from torchspan.runtime.local.serial import SerialExecutor
 from torchspan.runtime.memory import ActivationMeter
 from torchspan.runtime.record import Recorder
 from torchspan.runtime.spanned import Spanned
@@ -68,7 +68,7 @@ def _hooks_with_microbatches(model: nn.Module, devices: list[str], m: int) -> Sp
     devs = [torch.device(d) for d in devices]
     settings = Settings(m, "1f1b", "never", "32")
     rec, meter = Recorder(), ActivationMeter(len(devs))
-    ex = HookedExecutor(model, devs, [["?"]] * len(devs), settings, rec, meter, balance_given=True, even=True)
+    ex = SerialExecutor(model, devs, [["?"]] * len(devs), settings, rec, meter, balance_given=True, even=True)
     return Spanned(model, ex, settings, rec, meter, mode_reason="benchmark: hook placement, micro-batches in turn")
 
 

@@ -1,4 +1,5 @@
-"""The package's floors read straight down: no import cycle, no import up a floor, no module over 500 lines.
+"""The package's floors read straight down: no import cycle, no import up a floor, no module over 500 lines,
+no function over 80 lines.
 
 Every module under ``src/torchspan`` is read with ``ast`` (never imported): top-level and
 function-level imports count, relative imports are resolved, and ``if TYPE_CHECKING:`` imports
@@ -45,6 +46,7 @@ ONLY_FROM: dict[str, tuple[str, frozenset[str], frozenset[str]]] = {
     "torchspan.planner": ("torchspan.profiler", frozenset({"torchspan.profiler.costs"}), frozenset({"torchspan.planner.api"})),
 }
 MAX_LINES = 500
+MAX_FUNCTION_LINES = 80  # from the ``def`` line to the last line: docstring and nested functions included
 SRC = Path(__file__).resolve().parents[1] / "src" / "torchspan"
 
 
@@ -263,6 +265,18 @@ def restricted_imports(modules: Mapping[str, Module], rules: Mapping[str, tuple[
     return problems
 
 
+def long_functions(root: Path = SRC, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """``path:line name has N lines`` for every function (methods and nested ones too) longer than ``limit``."""
+    problems = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > limit:
+                    problems.append(f"{path.relative_to(root)}:{node.lineno} {node.name} has {lines} lines (limit {limit}); cut it into named steps")
+    return problems
+
+
 def long_modules(modules: Mapping[str, Module], limit: int = MAX_LINES) -> list[str]:
     return [f"{name} has {mod.lines} lines (limit {limit}); cut it by concept" for name, mod in sorted(modules.items()) if mod.lines > limit]
 
@@ -292,6 +306,11 @@ def test_every_import_goes_down_a_floor(package: dict[str, Module]) -> None:
 
 def test_no_module_over_the_line_limit(package: dict[str, Module]) -> None:
     problems = long_modules(package)
+    assert not problems, "\n".join(problems)
+
+
+def test_no_function_over_the_line_limit() -> None:
+    problems = long_functions()
     assert not problems, "\n".join(problems)
 
 
@@ -336,6 +355,13 @@ def test_checker_finds_an_upward_import_and_a_missing_floor(tmp_path: Path) -> N
         "torchspan.newthing has no floor; add its package to FLOORS in tests/test_layering.py",
         "torchspan.planner.solver (floor 3) imports torchspan.runtime.spanned (floor 5)",
     ]
+
+
+def test_checker_finds_a_long_function_and_counts_nested_ones_in_it(tmp_path: Path) -> None:
+    body = "".join(f"    x{i} = {i}\n" for i in range(75))
+    (tmp_path / "a.py").write_text("def short():\n    return 1\n\n\ndef outer():\n    def inner():\n        pass\n" + body)
+    assert long_functions(tmp_path, limit=77) == ["a.py:5 outer has 78 lines (limit 77); cut it into named steps"]
+    assert long_functions(tmp_path, limit=78) == []
 
 
 def test_checker_finds_the_planner_taking_measuring_code_and_long_modules(tmp_path: Path) -> None:

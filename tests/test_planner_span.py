@@ -55,7 +55,7 @@ def test_a_two_stage_plan_on_one_cpu_is_predicted_serial_and_placed_exactly() ->
     reference = copy.deepcopy(net)
     spanned = torchspan.span(net, plan)
     assert spanned.stages == [(s.device, s.layers) for s in plan.stages]
-    assert (spanned.microbatches, spanned.schedule, spanned.checkpoint) == (plan.microbatches, plan.schedule, plan.recompute)
+    assert (spanned.microbatches, spanned.schedule, spanned.recompute) == (plan.microbatches, plan.schedule, plan.recompute)
     loss = spanned.train_step(x, y, nn.functional.mse_loss)
     ref_loss = nn.functional.mse_loss(reference(x), y)
     ref_loss.backward()

@@ -253,7 +253,7 @@ def _hf_worker(rank: int, world: int, port: int, plan: torchspan.Plan) -> None:
         _train_and_compare(_llama, f"llama tied {schedule}", rank, world, 40, True,
                            devices=["cpu", "cpu"], microbatches=3, schedule=schedule)  # fmt: skip
     _train_and_compare(_gpt2, "gpt2 balance [5, 3] checkpointed", rank, world, 40, True,
-                       balance=[5, 3], microbatches=3, schedule="1f1b", checkpoint="except_last")  # fmt: skip
+                       balance=[5, 3], microbatches=3, schedule="1f1b", recompute="except_last")  # fmt: skip
     _train_and_compare(Wrapped, "wrapper", rank, world, 30, False, balance=[3, 3], microbatches=3, schedule="1f1b")
     _t5_across_ranks(rank)
     # A plan made for a described cluster (two H100s) runs on whatever device each launched rank has.
@@ -270,11 +270,11 @@ def _bf16_worker(rank: int, world: int, port: int) -> None:
     inputs = {"input_ids": ids, "attention_mask": mask}
     options = dict(devices=["cpu", "cpu"], microbatches=3, schedule="1f1b", precision="bf16")
     local = torchspan.span(make(), **options)  # before joining the job: this process's own pipeline
-    assert local.mode == "threads"
+    assert local.mode == "own-forward"
     want = local.train_step(inputs, labels, _token_ce, loss_normalizer=_tokens)
     _join(rank, world, port)
     spanned = torchspan.span(make(), **options)
-    assert spanned.mode == "hooks"
+    assert spanned.mode == "own-forward"
     got = spanned.train_step(inputs, labels, _token_ce, loss_normalizer=_tokens)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     ref = dict(local.module.named_parameters())

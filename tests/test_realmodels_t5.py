@@ -33,7 +33,7 @@ def test_t5_four_stages_tied_shared_gradients_and_step_equal_one_device() -> Non
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         spanned = torchspan.span(model, devices=["cpu"] * 4, microbatches=2)
-    assert len(spanned.stages) == 4 and spanned.mode == "threads"
+    assert len(spanned.stages) == 4 and spanned.mode == "own-forward"
     layers = [name for _, group in spanned.stages for name in group]
     assert "encoder.block.1" in layers and "decoder.block.0" in layers and layers[-1] == "lm_head"
     opt, ref_opt = torch.optim.SGD(spanned.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)

@@ -97,7 +97,7 @@ def test_a_tie_across_devices_stays_one_parameter_read_through_a_copy() -> None:
     # the one parameter lives with its first layer (the embedding, stage 0); the head reads a copy
     assert model.head.weight is model.embed.weight and model.embed.weight.device.type == "cpu"
     assert isinstance(model.head._parameters["weight"], nn.Parameter)  # restored after the call
-    copies = spanned._executor.copies
+    copies = spanned._executor.placed.copies
     assert copies.names() == ["head"]
     with copies.swapped("head"):
         assert model.head.weight.device.type == "meta" and not isinstance(model.head.weight, nn.Parameter)

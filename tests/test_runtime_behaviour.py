@@ -118,20 +118,20 @@ def test_explicit_arguments_win_over_the_plan_even_when_they_equal_the_defaults(
             stages=[StagePlan("cpu", ["0", "1", "2"]), StagePlan("cpu", ["3", "4", "5", "6"])],
             microbatches=4,
             schedule="1f1b",
-            checkpoint="always",
+            recompute="always",
         )
 
-    spanned = torchspan.span(sequential(), plan(), microbatches=1, schedule="gpipe", checkpoint="never")
-    assert (spanned.microbatches, spanned.schedule, spanned.checkpoint) == (1, "gpipe", "never")
+    spanned = torchspan.span(sequential(), plan(), microbatches=1, schedule="gpipe", recompute="never")
+    assert (spanned.microbatches, spanned.schedule, spanned.recompute) == (1, "gpipe", "never")
     spanned.train_step(torch.randn(8, 6), torch.randn(8, 3), nn.functional.mse_loss)
     assert {e.microbatch for e in spanned.timeline()} == {0}
     assert not any(e.kind == "recompute" for e in spanned.timeline())
     # left out (None): the plan's values
     spanned = torchspan.span(sequential(), plan())
-    assert (spanned.microbatches, spanned.schedule, spanned.checkpoint, spanned.precision) == (4, "1f1b", "always", "32")
+    assert (spanned.microbatches, spanned.schedule, spanned.recompute, spanned.precision) == (4, "1f1b", "always", "32")
     # no plan: the defaults
     spanned = torchspan.span(sequential(), devices=["cpu", "cpu"])
-    assert (spanned.microbatches, spanned.schedule, spanned.checkpoint, spanned.precision) == (1, "gpipe", "never", "32")
+    assert (spanned.microbatches, spanned.schedule, spanned.recompute, spanned.precision) == (1, "gpipe", "never", "32")
 
 
 def test_plan_for_fx_model_puts_model_owned_parameter_where_first_read() -> None:
@@ -200,7 +200,7 @@ def test_hook_mode_balance_follows_execution_order_and_trains_everything() -> No
     model = Backwards()
     before = copy.deepcopy(model)
     spanned = torchspan.span(model, devices=["cpu", "cpu"], balance=[2, 1], microbatches=3)
-    assert spanned.mode == "threads"
+    assert spanned.mode == "own-forward"
     opt = torch.optim.SGD(spanned.parameters(), lr=0.1)
     spanned.train_step(torch.randn(6, 5), torch.randn(6, 2), dict_loss)
     assert spanned.stages == [("cpu", ["a", "b"]), ("cpu", ["c"])]  # placed after a recording forward
@@ -276,7 +276,7 @@ def test_timeline_is_consistent_and_1f1b_differs_from_gpipe(workers: str) -> Non
 
 
 def test_timeline_records_recompute_and_hook_mode_blocks() -> None:
-    spanned = torchspan.span(sequential(), devices=["cpu", "cpu"], microbatches=3, checkpoint="except_last")
+    spanned = torchspan.span(sequential(), devices=["cpu", "cpu"], microbatches=3, recompute="except_last")
     spanned.train_step(torch.randn(6, 6), torch.randn(6, 3), nn.functional.mse_loss)
     recomputes = {(e.stage, e.microbatch) for e in spanned.timeline() if e.kind == "recompute"}
     assert recomputes == {(s, mb) for s in (0, 1) for mb in (0, 1)}

@@ -47,10 +47,10 @@ def _net(kind: str) -> nn.Module:
     torch.manual_seed(0)
     if kind == "sequential":
         return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), Counter(), nn.Linear(8, 2))
-    return Net(branch=kind == "hooks")
+    return Net(branch=kind == "own-forward-serial")
 
 
-@pytest.mark.parametrize("kind", ["sequential", "fx", "hooks"])
+@pytest.mark.parametrize("kind", ["sequential", "fx", "own-forward-serial"])
 @pytest.mark.parametrize("path", ["train_step", "forward"])
 def test_checkpoint_recompute_leaves_buffers_as_one_forward(kind: str, path: str) -> None:
     model = _net(kind)
@@ -59,7 +59,7 @@ def test_checkpoint_recompute_leaves_buffers_as_one_forward(kind: str, path: str
     nn.functional.mse_loss(ref(x), y).backward()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # hook-mode notice
-        spanned = torchspan.span(model, devices=["cpu", "cpu", "cpu"], microbatches=1, checkpoint="always")
+        spanned = torchspan.span(model, devices=["cpu", "cpu", "cpu"], microbatches=1, recompute="always")
     assert spanned.mode == kind
     if path == "train_step":
         spanned.train_step(x, y, nn.functional.mse_loss)
@@ -74,7 +74,7 @@ def test_checkpoint_recompute_leaves_buffers_as_one_forward(kind: str, path: str
 def test_counter_counts_each_sample_once_with_microbatches() -> None:
     model = _net("fx")
     model.bn.eval()  # keep BatchNorm out of it: per-micro-batch statistics are expected to differ
-    spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=3, checkpoint="except_last", schedule="1f1b")
+    spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=3, recompute="except_last", schedule="1f1b")
     spanned.train_step(torch.randn(7, 4), torch.randn(7, 2), nn.functional.mse_loss)
     assert float(model.count.seen) == 7.0
 

@@ -17,7 +17,7 @@ from torch import nn
 
 import torchspan
 from torchspan.runtime.executor import Executor, Settings, Work
-from torchspan.runtime.local.hooked import HookedExecutor
+from torchspan.runtime.local.serial import SerialExecutor
 from torchspan.runtime.local.pipelined import PipelinedExecutor
 from torchspan.runtime.memory import ActivationMeter
 from torchspan.runtime.record import Recorder
@@ -49,7 +49,8 @@ class Recording(Executor):
         return [self.model(*c) for c in work.chunks]
 
     def train(
-        self, work: Work, targets: Sequence[Any], loss_fn: Callable[[Any, Any], torch.Tensor], weights: Sequence[float]
+        self, work: Work, targets: Sequence[Any], loss_fn: Callable[[Any, Any], torch.Tensor], weights: Sequence[float],
+        spec: Any = None,
     ) -> torch.Tensor:
         self.calls.append(f"train in step {self.recorder.step}")
         total = torch.zeros(())
@@ -86,7 +87,7 @@ def test_the_facade_runs_everything_through_the_executor() -> None:
 def test_settings_belong_to_the_facade_and_the_executor_alike() -> None:
     spanned, ex, _ = spanned_with_recording(2)
     assert ex.settings is spanned._settings
-    assert (spanned.microbatches, spanned.schedule, spanned.checkpoint, spanned.precision, spanned.scaler) == (
+    assert (spanned.microbatches, spanned.schedule, spanned.recompute, spanned.precision, spanned.scaler) == (
         2,
         "gpipe",
         "never",
@@ -97,14 +98,14 @@ def test_settings_belong_to_the_facade_and_the_executor_alike() -> None:
 
 @pytest.mark.parametrize(
     ("make", "kind"),
-    [(sequential, PipelinedExecutor), (residual, PipelinedExecutor), (untraceable, HookedExecutor)],
+    [(sequential, PipelinedExecutor), (residual, PipelinedExecutor), (untraceable, SerialExecutor)],
 )
 def test_span_chooses_the_executor_by_mode(make: Callable[[], nn.Module], kind: type) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         spanned = torchspan.span(make(), devices=["cpu", "cpu"])
     hook_warnings = [w for w in caught if "hook placement" in str(w.message)]
-    assert len(hook_warnings) == (1 if kind is HookedExecutor else 0)
+    assert len(hook_warnings) == (1 if kind is SerialExecutor else 0)
     assert all(w.filename == __file__ for w in hook_warnings)  # the warning points at the span() call
     assert isinstance(spanned._executor, kind) and spanned.mode == spanned._executor.mode
 
@@ -112,8 +113,8 @@ def test_span_chooses_the_executor_by_mode(make: Callable[[], nn.Module], kind: 
 def test_a_pipelined_executor_refuses_the_hooks_mode_and_foreign_work() -> None:
     settings = Settings(1, "gpipe", "never", "32")
     dev = [torch.device("cpu")]
-    with pytest.raises(ValueError, match="mode='hooks' is not a pipelined mode"):
-        PipelinedExecutor(sequential(), "hooks", None, dev, [[str(i) for i in range(7)]], settings, Recorder(), ActivationMeter(1))
+    with pytest.raises(ValueError, match="mode='own-forward' is not a pipelined mode"):
+        PipelinedExecutor(sequential(), "own-forward", None, dev, [[str(i) for i in range(7)]], settings, Recorder(), ActivationMeter(1))
     ex = PipelinedExecutor(sequential(), "sequential", None, dev, [[str(i) for i in range(7)]], settings, Recorder(), ActivationMeter(1))
     with pytest.raises(ValueError, match="work.fns is None"):
         ex.forward(Work([[torch.randn(2, 6)]]))

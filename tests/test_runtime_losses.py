@@ -92,7 +92,7 @@ def test_hook_mode_uses_the_same_weights() -> None:
     ref = _reference(model, X, Y, loss_fn)
     spanned = torchspan.span(model, devices=["cpu", "cpu"], balance=[1, 1], microbatches=4)
     _check(spanned, model, ref, spanned.train_step(X, Y, loss_fn))
-    assert spanned.mode == "threads"  # the model's own forward, one thread per micro-batch
+    assert spanned.mode == "own-forward"  # the model's own forward, one thread per micro-batch
 
 
 def test_reduction_is_read_from_the_loss_module() -> None:

@@ -1,4 +1,4 @@
-"""Gradient parity: every mode, schedule and checkpoint setting vs single-device full-batch training."""
+"""Gradient parity: every mode, schedule and recompute setting vs single-device full-batch training."""
 
 from __future__ import annotations
 
@@ -31,13 +31,13 @@ def _assert_same_grads(model: nn.Module, ref: nn.Module, atol: float = 1e-6, rto
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+@pytest.mark.parametrize("recompute", ["never", "except_last", "always"])
 @pytest.mark.parametrize("devices,balance", [(["cpu", "cpu"], [3, 4]), (["cpu", "cpu", "cpu"], [2, 2, 3])])
-def test_sequential_parity(schedule: str, checkpoint: str, devices: list[str], balance: list[int]) -> None:
+def test_sequential_parity(schedule: str, recompute: str, devices: list[str], balance: list[int]) -> None:
     model = sequential()
     x, y = torch.randn(10, 6), torch.randn(10, 3)  # 10 samples in 4 micro-batches: 3, 3, 2, 2
     ref, ref_loss = _reference(model, nn.functional.mse_loss, (x,), {}, y)
-    spanned = torchspan.span(model, devices=devices, balance=balance, microbatches=4, schedule=schedule, checkpoint=checkpoint)
+    spanned = torchspan.span(model, devices=devices, balance=balance, microbatches=4, schedule=schedule, recompute=recompute)
     assert spanned.mode == "sequential"
     loss = spanned.train_step(x, y, nn.functional.mse_loss)
     assert not loss.requires_grad
@@ -56,12 +56,12 @@ def test_threads_per_stage_parity(schedule: str) -> None:
     _assert_same_grads(model, ref)
 
 
-@pytest.mark.parametrize("schedule,checkpoint", [("gpipe", "never"), ("1f1b", "except_last"), ("gpipe", "always")])
-def test_fx_residual_parity(schedule: str, checkpoint: str) -> None:
+@pytest.mark.parametrize("schedule,recompute", [("gpipe", "never"), ("1f1b", "except_last"), ("gpipe", "always")])
+def test_fx_residual_parity(schedule: str, recompute: str) -> None:
     model = residual()
     x, extra, y, mask = torch.randn(7, 6), torch.randn(7, 16), torch.randn(7, 3), torch.rand(16)
     ref, ref_loss = _reference(model, residual_loss, (x, extra), {"mask": mask, "gain": 2.0}, y)
-    spanned = torchspan.span(model, devices="cpu,cpu,cpu", balance=[1, 2, 1], microbatches=3, schedule=schedule, checkpoint=checkpoint)
+    spanned = torchspan.span(model, devices="cpu,cpu,cpu", balance=[1, 2, 1], microbatches=3, schedule=schedule, recompute=recompute)
     assert spanned.mode == "fx"
     loss = spanned.train_step({"x": x, "extra": extra, "mask": NoSplit(mask), "gain": 2.0}, y, residual_loss)
     torch.testing.assert_close(loss, ref_loss)
@@ -72,23 +72,23 @@ def test_fx_forward_call_then_backward_matches() -> None:
     model = residual()
     x, extra, y = torch.randn(6, 6), torch.randn(6, 16), torch.randn(6, 3)
     ref, _ = _reference(model, residual_loss, (x, extra), {}, y)
-    spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=3, checkpoint="except_last")
+    spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=3, recompute="except_last")
     out = spanned(x, extra)  # tuple of two outputs, each concatenated over micro-batches
     assert out[0].shape == (6, 3) and out[1].shape == (6, 1)
     residual_loss(out, y).backward()
     _assert_same_grads(model, ref)
 
 
-@pytest.mark.parametrize("checkpoint", ["never", "always"])
-@pytest.mark.parametrize("microbatches,mode", [(4, "threads"), (1, "hooks")])
-def test_hook_mode_parity_trains_every_parameter(checkpoint: str, microbatches: int, mode: str) -> None:
+@pytest.mark.parametrize("recompute", ["never", "always"])
+@pytest.mark.parametrize("microbatches,mode", [(4, "own-forward"), (1, "own-forward-serial")])
+def test_hook_mode_parity_trains_every_parameter(recompute: str, microbatches: int, mode: str) -> None:
     model = untraceable()
     x, y = torch.randn(9, 5), torch.randn(9, 2)
     ref, ref_loss = _reference(model, dict_loss, (x,), {}, y)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=microbatches, checkpoint=checkpoint)
-    assert spanned.mode == mode and len([w for w in caught if "no pipelining" in str(w.message)]) == (mode == "hooks")
+        spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=microbatches, recompute=recompute)
+    assert spanned.mode == mode and len([w for w in caught if "no pipelining" in str(w.message)]) == (mode == "own-forward-serial")
     loss = spanned.train_step(x, y, dict_loss)
     torch.testing.assert_close(loss, ref_loss)
     _assert_same_grads(model, ref)
@@ -138,14 +138,14 @@ def test_fp16_with_grad_scaler_trains() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("schedule,checkpoint", [("gpipe", "never"), ("1f1b", "except_last")])
+@pytest.mark.parametrize("schedule,recompute", [("gpipe", "never"), ("1f1b", "except_last")])
 @pytest.mark.parametrize("devices", [["cpu", "cuda:0"], ["cuda:0", "cpu"], ["cuda:0", "cuda:0"]])
-def test_gpu_parity(devices: list[str], schedule: str, checkpoint: str) -> None:
+def test_gpu_parity(devices: list[str], schedule: str, recompute: str) -> None:
     """Threads + copy streams + CUDA timeline events: same gradients as one device."""
     model = residual()
     x, extra, y = torch.randn(10, 6), torch.randn(10, 16), torch.randn(10, 3)
     ref, ref_loss = _reference(model, residual_loss, (x, extra), {}, y)
-    spanned = torchspan.span(model, devices=devices, microbatches=4, schedule=schedule, checkpoint=checkpoint)
+    spanned = torchspan.span(model, devices=devices, microbatches=4, schedule=schedule, recompute=recompute)
     loss = spanned.train_step((x, extra), y, residual_loss)
     torch.testing.assert_close(loss.cpu(), ref_loss, atol=1e-5, rtol=1e-4)
     _assert_same_grads(model, ref, atol=1e-5, rtol=1e-4)

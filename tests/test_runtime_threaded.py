@@ -20,7 +20,7 @@ import torchspan
 from torchspan import schedule as sched
 from torchspan.parity import grad_differences
 from torchspan.runtime.executor import Settings
-from torchspan.runtime.local.threaded import ThreadedExecutor
+from torchspan.runtime.local.threaded import OwnForwardExecutor
 from torchspan.runtime.local.turns import Flow, OrderError, Turns, orders
 from torchspan.runtime.local.worker import Aborted, Mailbox
 from torchspan.runtime.memory import ActivationMeter
@@ -66,14 +66,14 @@ def _stage_orders(events: list[Any], stages: int) -> list[list[tuple[str, int]]]
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
-def test_parity_and_the_schedule_order_on_every_stage(schedule: str, checkpoint: str) -> None:
+@pytest.mark.parametrize("recompute", ["never", "except_last", "always"])
+def test_parity_and_the_schedule_order_on_every_stage(schedule: str, recompute: str) -> None:
     model = _chain()
     x, y = torch.randn(7, 5), torch.randn(7, 2)
     ref = copy.deepcopy(model)
     nn.functional.mse_loss(ref(x), y).backward()
-    spanned = torchspan.span(model, devices=CPU4, microbatches=3, schedule=schedule, checkpoint=checkpoint)
-    assert spanned.mode == "threads" and spanned.stages == [("cpu", [n]) for n in "abcd"]
+    spanned = torchspan.span(model, devices=CPU4, microbatches=3, schedule=schedule, recompute=recompute)
+    assert spanned.mode == "own-forward" and spanned.stages == [("cpu", [n]) for n in "abcd"]
     loss = spanned.train_step(x, y, nn.functional.mse_loss)
     torch.testing.assert_close(loss, nn.functional.mse_loss(ref(x), y).detach())
     _same_grads(model, ref)
@@ -110,7 +110,7 @@ def test_gpt2_blocks_tied_embedding_exact_and_micro_batch_1_enters_before_0_reac
     ref_loss = lm_loss(ref(input_ids=ids), ids)
     ref_loss.backward()
     spanned = torchspan.span(model, devices=CPU4, microbatches=3, schedule="1f1b")
-    assert spanned.mode == "threads"
+    assert spanned.mode == "own-forward"
     loss = spanned.train_step({"input_ids": ids}, ids, lm_loss)
     torch.testing.assert_close(loss, ref_loss.detach())
     assert model.lm_head.weight is model.transformer.wte.weight  # still one tied parameter, its gradient from both uses
@@ -204,7 +204,7 @@ def test_an_error_in_backward_releases_the_other_threads() -> None:
 def test_stages_against_execution_order_are_refused_by_name() -> None:
     model = _chain()
     st = Settings(2, "gpipe", "never", "32")
-    ex = ThreadedExecutor(model, [torch.device("cpu")] * 2, [["c", "d"], ["a", "b"]], st, Recorder(), ActivationMeter(2), balance_given=False)
+    ex = OwnForwardExecutor(model, [torch.device("cpu")] * 2, [["c", "d"], ["a", "b"]], st, Recorder(), ActivationMeter(2), balance_given=False)
     work = ex.prepare((torch.randn(4, 5),), {})
     ex.place(work)
     with pytest.raises(OrderError, match="layer 'c' of stage 0 after stage 1"):
@@ -215,12 +215,12 @@ def test_span_keeps_hook_placement_where_threads_cannot_and_says_why() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         one = torchspan.span(_chain(), devices=["cpu", "cpu"], microbatches=1)
-        meta = torchspan.span(_chain(), devices=["meta", "cpu"], microbatches=2, checkpoint="always")
-    assert one.mode == meta.mode == "hooks"
+        meta = torchspan.span(_chain(), devices=["meta", "cpu"], microbatches=2, recompute="always")
+    assert one.mode == meta.mode == "own-forward-serial"
     text = [str(w.message) for w in caught]
     assert any("microbatches > 1" in t for t in text)
-    assert any("checkpoint='always' with a non-CPU stage" in t for t in text)
-    assert ThreadedExecutor.unsupported([torch.device("meta"), torch.device("cpu")], 2, "never") == ""
+    assert any("recompute='always' with a non-CPU stage" in t for t in text)
+    assert OwnForwardExecutor.unsupported([torch.device("meta"), torch.device("cpu")], 2, "never") == ""
 
 
 # ---------------------------------------------------------------------- turns on their own

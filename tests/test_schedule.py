@@ -92,9 +92,9 @@ def test_the_plan_and_run_vocabulary_has_one_definition() -> None:
     from torchspan import planner
     from torchspan.planner import plans
     from torchspan.runtime import build as spanned
-    from torchspan.runtime.local import pipeline
 
+    # the runtime validates span()'s settings in build (the pipeline no longer re-exports them)
     assert plans.SCHEDULES is planner.SCHEDULES is spanned.SCHEDULES is sched.SCHEDULES
-    assert plans.RECOMPUTE_MODES is planner.RECOMPUTE_MODES is spanned.RECOMPUTE_MODES is pipeline.RECOMPUTE_MODES is sched.RECOMPUTE_MODES
-    assert spanned.PRECISIONS is pipeline.PRECISIONS is sched.PRECISIONS
+    assert plans.RECOMPUTE_MODES is planner.RECOMPUTE_MODES is spanned.RECOMPUTE_MODES is sched.RECOMPUTE_MODES
+    assert spanned.PRECISIONS is sched.PRECISIONS
     assert sched.SCHEDULES == ("gpipe", "1f1b") and sched.RECOMPUTE_MODES == ("never", "except_last", "always")

@@ -148,11 +148,6 @@ class Plan:
             raise ValueError(f"Plan(stage_ranks={rows!r}) must name every rank 0..{world - 1} exactly once")
 
     @property
-    def checkpoint(self) -> str:
-        """Temporary read-only alias of ``recompute`` while the runtime switches to it (issue 17); to be removed."""
-        return self.recompute
-
-    @property
     def world_size(self) -> int:
         """Processes the plan runs on: ``data_parallel * len(stages)`` (1 for a one-process plan)."""
         return self.data_parallel * len(self.stages) if self.stage_ranks else 1

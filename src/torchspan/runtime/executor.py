@@ -1,30 +1,31 @@
 """The executor interface: what runs a ``Spanned``'s forward and training steps on its stages.
 
 ``Spanned`` (the façade) validates arguments, opens and closes each step (timeline, activation
-meter) and gathers outputs; an executor owns placement and execution. In one process
-(``runtime.local``): ``PipelinedExecutor`` (stage functions from an ``nn.Sequential`` or an fx
-split, run by the threaded ``Pipeline``), ``HookedExecutor`` (hook placement, the model's own
-forward) and ``ThreadedExecutor`` (the same, micro-batches pipelined by threads). Across processes
-(``runtime.ranks``): ``RankPipelineExecutor``, ``RankHookExecutor`` and ``ReplicaExecutor``, the
-same methods.
+meter) and gathers outputs; an executor owns placement and execution. ``runtime.choose`` is the one
+place that picks one. In one process (``runtime.local``): ``PipelinedExecutor`` (stage functions
+from an ``nn.Sequential`` or an fx split, run by the threaded ``Pipeline``), ``OwnForwardExecutor``
+(the model's own forward, micro-batches pipelined by threads) and ``SerialExecutor`` (the same,
+micro-batches one after another). Across processes (``runtime.ranks``): ``RankPipelineExecutor``,
+``RankOwnForwardExecutor`` and ``ReplicaExecutor``, the same methods.
 
 Usage (``Spanned`` does this)::
 
     work = executor.prepare(args, kwargs)          # micro-batch chunks (+ stage functions)
     executor.place(work)                           # placement that needs an input, once
     outputs = executor.forward(work)               # one output per micro-batch
-    loss = executor.train(work, targets, loss_fn, weights)
+    loss = executor.train(work, targets, loss_fn, weights, spec)
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from .losscheck import LossChecks
 from .lossweights import LossSpec
@@ -38,7 +39,7 @@ class Settings:
 
     microbatches: int
     schedule: str
-    checkpoint: str
+    recompute: str
     precision: str
     workers: str = "device"
     scaler: Any = None
@@ -65,7 +66,7 @@ class Executor(ABC):
     only a recording forward can find).
     """
 
-    mode: str  # how it runs the model: "sequential", "fx", "hooks", ...
+    mode: str  # how it runs the model: "sequential", "fx", "own-forward", "own-forward-serial", "data-parallel"
     empty_batches = False  # True where a batch of zero rows is a valid step (a data-parallel rank's empty shard)
 
     def __init__(self, devices: Sequence[torch.device], groups: Sequence[Sequence[str]]) -> None:
@@ -84,6 +85,10 @@ class Executor(ABC):
 
     def place(self, work: Work) -> None:
         """Placement that needs an example input (runs before the step opens); default: already placed."""
+
+    def placed_layers(self) -> Mapping[str, nn.Module] | None:
+        """Layer name -> module where the layers are blocks (the own-forward executors); ``None``: top-level children."""
+        return None
 
     def resolve_loss(
         self,
@@ -129,8 +134,10 @@ class Executor(ABC):
         targets: Sequence[Any],
         loss_fn: Callable[[Any, Any], torch.Tensor],
         weights: Sequence[float],
+        spec: LossSpec | None = None,
     ) -> torch.Tensor:
-        """Forward and backward of every micro-batch; ``weights[i]`` scales micro-batch ``i``'s loss.
+        """Forward and backward of every micro-batch; ``weights[i]`` scales micro-batch ``i``'s loss
+        (``spec``: the loss contract they came from, for executors whose shard is part of a larger batch).
 
         Returns the summed weighted loss (detached) on the last stage's device.
         """

@@ -33,7 +33,7 @@ from ..layers.slots import buffer_slots, kept
 from .lossweights import LossSpec
 from .microbatch import NoSplit, gather
 
-__all__ = ["calibrate", "batch_structure", "LossChecks", "dry_run", "RTOL"]
+__all__ = ["calibrate", "batch_structure", "LossChecks", "dry_run", "loss_identity", "same_identity", "RTOL"]
 
 RTOL = 1e-5  # relative tolerance of a match, for float32 losses (wider for half precision)
 _ATOL = 1e-7  # absolute floor, relative to the largest weighted micro-batch loss
@@ -165,7 +165,7 @@ def batch_structure(targets: Sequence[Any], sizes: Sequence[int]) -> tuple[Any, 
     return tuple(key)
 
 
-def _identity(fn: Any) -> tuple[Any, ...]:
+def loss_identity(fn: Any) -> tuple[Any, ...]:
     """Objects that make a loss the same loss, compared with ``is``: a lambda re-created each step
     with the same code and the same captured objects is the same loss."""
     if isinstance(fn, types.FunctionType):
@@ -202,10 +202,10 @@ class LossChecks:
             return spec
         if len(sizes) == 1:
             return calibrate(spec, [None], targets, sizes)  # weight 1: nothing to run
-        ident = _identity(spec.loss_fn) + _identity(spec.user_normalizer)
+        ident = loss_identity(spec.loss_fn) + loss_identity(spec.user_normalizer)
         structure = batch_structure(targets, sizes)
         for i, (known_ident, known_structure, kind, decided) in enumerate(self._entries):
-            if known_structure == structure and kind == spec.kind and _same(known_ident, ident):
+            if known_structure == structure and kind == spec.kind and same_identity(known_ident, ident):
                 self._entries.append(self._entries.pop(i))
                 return decided if decided.loss_fn is spec.loss_fn else spec.resolved(decided.kind)
         self.calibrations += 1
@@ -215,7 +215,8 @@ class LossChecks:
         return decided
 
 
-def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+def same_identity(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether two ``loss_identity`` tuples name the same loss (element by element, ``is``)."""
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 

@@ -74,8 +74,9 @@ def _load_under_module(
 class Spanned(nn.Module):
     """A model whose layers live on several devices, trained with micro-batch pipelining.
 
-    ``module`` is the original model; ``mode`` is ``"sequential"``, ``"fx"``, ``"threads"``, ``"hooks"``
-    or ``"data-parallel"`` (a launched job's replica);
+    ``module`` is the original model; ``mode`` says how it runs: ``"sequential"`` / ``"fx"`` (stage
+    functions), ``"own-forward"`` (the model's own forward, micro-batches pipelined), ``"own-forward-serial"``
+    (own forward, micro-batches one after another) or ``"data-parallel"`` (a launched job's replica);
     ``stages`` lists each stage's ``(device, layers)``. Outputs of ``spanned(...)`` are the
     micro-batch outputs concatenated on dim 0 on the last stage's device.
     """
@@ -113,8 +114,15 @@ class Spanned(nn.Module):
         return self._settings.schedule
 
     @property
+    def recompute(self) -> str:
+        """Activation recompute: ``"never"``, ``"except_last"`` or ``"always"``."""
+        return self._settings.recompute
+
+    @property
     def checkpoint(self) -> str:
-        return self._settings.checkpoint
+        """Deprecated name of ``recompute`` (``checkpoint`` now means checkpoint files only)."""
+        warnings.warn("Spanned.checkpoint is now Spanned.recompute", FutureWarning, stacklevel=2)
+        return self._settings.recompute
 
     @property
     def precision(self) -> str:
@@ -219,7 +227,7 @@ class Spanned(nn.Module):
         spec = self._executor.resolve_loss(self._loss_checks, spec, targets, sizes, lambda: self._dry_forward(work), target)
         weights = self._executor.weights(spec, targets, sizes)
         with self._step():
-            return self._executor.train(work, targets, loss_fn, weights)
+            return self._executor.train(work, targets, loss_fn, weights, spec)
 
     def _dry_forward(self, work: Any) -> list[Any]:
         """Per-micro-batch outputs of a forward that leaves no trace (for a loss calibration)."""
@@ -261,8 +269,7 @@ class Spanned(nn.Module):
         since the last step began (CUDA stages; ``None`` elsewhere).
         """
         ex = self._executor
-        layers = getattr(ex, "layers", None) or None
-        return stage_memory(self.module, ex.devices, ex.groups, ex.root_attrs, self._meter.peak, optimizer, layers)
+        return stage_memory(self.module, ex.devices, ex.groups, ex.root_attrs, self._meter.peak, optimizer, ex.placed_layers())
 
     # ------------------------------------------------------------------ state and placement
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:  # type: ignore[override]
@@ -311,5 +318,5 @@ class Spanned(nn.Module):
         stages = "; ".join(f"{d}: {', '.join(g)}" for d, g in self.stages)
         return (
             f"mode={self.mode}, microbatches={self.microbatches}, schedule={self.schedule}, "
-            f"checkpoint={self.checkpoint}, precision={self.precision}, stages=[{stages}]"
+            f"recompute={self.recompute}, precision={self.precision}, stages=[{stages}]"
         )

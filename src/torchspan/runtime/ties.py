@@ -5,7 +5,7 @@ A parameter shared by layers on two stages (GPT-2's ``transformer.wte.weight`` i
 it. The optimizer sees that original ``nn.Parameter`` only (``model.parameters()`` yields it once)
 and ``state_dict`` keeps every key the model's own has (tied keys included, same tensor). A
 layer on another device gets ``original.to(its device)`` in place of the parameter for the
-duration of its forward (and of a checkpoint recompute, through ``swapped``): autograd sums the
+duration of its forward (and of a recompute, through ``swapped``): autograd sums the
 gradient of every use into the one parameter exactly, and there are no copies that could drift.
 On stages that share a device nothing is copied.
 

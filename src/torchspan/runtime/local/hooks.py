@@ -22,14 +22,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ...hardware import to_device
+from ..layercall import LayerCalls
 from ..memory import ActivationMeter
-from ...layers import buffer_slots
-from .pipeline import autocast_for, once_context
 from ..record import Recorder
 from ..ties import Hook, TiedCopies
 
@@ -39,7 +37,7 @@ __all__ = ["HookPlacement"]
 class HookPlacement:
     """Input-moving hooks on a model's layers (name -> module, qualified names), plus per-step recording.
 
-    ``copies``: the placement's ``TiedCopies``, so that a checkpoint recompute reads tied parameters
+    ``copies``: the placement's ``TiedCopies``, so that a recompute reads tied parameters
     on its own device too.
     """
 
@@ -57,6 +55,7 @@ class HookPlacement:
         self.model = model
         self.layers = dict(layers)
         self.copies = copies
+        self.calls = LayerCalls(self.layers, stage_of, devices, precision, copies)
         self.stage_of = dict(stage_of)
         self.devices = list(devices)
         self.recorder = recorder
@@ -135,19 +134,14 @@ class HookPlacement:
 
     # ------------------------------------------------------------------ one micro-batch
     @contextlib.contextmanager
-    def recording(self, mb: int, checkpointed: bool) -> Iterator[None]:
-        """Record the forward of micro-batch ``mb`` (wrap the model call in this)."""
+    def recording(self, mb: int, recompute: bool) -> Iterator[None]:
+        """Record the forward of micro-batch ``mb`` (wrap the model call in this); each layer runs by the
+        call policy (``layercall``: autocast on its device, recomputed in backward when ``recompute``)."""
         self._recording, self._mb, self._open = True, mb, []
-        wrappers = self._wrap_children(checkpointed)
         try:
-            with self.meter.saving(self.current_stage):
+            with self.calls.installed(lambda: recompute, may_recompute=recompute), self.meter.saving(self.current_stage):
                 yield
         finally:
-            for child, had in wrappers:
-                if had is None:
-                    del child.forward
-                else:  # pragma: no cover - a child with its own instance-level forward
-                    child.forward = had
             self._close_forward()
             self._recording = False
 
@@ -168,36 +162,3 @@ class HookPlacement:
         for i, (stage, t0) in enumerate(blocks):
             t1 = blocks[i + 1][1] if i + 1 < len(blocks) else end
             self.recorder.add(stage, self.devices[stage], mb, "backward", t0, t1)
-
-    @staticmethod
-    def _swapping(fn: Any, name: str, copies: TiedCopies) -> Any:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            with copies.swapped(name):
-                return fn(*args, **kwargs)
-
-        return run
-
-    def _wrap_children(self, checkpointed: bool) -> list[tuple[nn.Module, Any]]:
-        """Per-stage autocast and (if ``checkpointed``) activation checkpointing around each child."""
-        if self.precision == "32" and not checkpointed:
-            return []
-        done = []
-        for name, child in self.layers.items():
-            if name not in self.stage_of:
-                continue
-            dev = self.devices[self.stage_of[name]]
-            original = child.forward
-            if self.copies is not None and name in self.copies.remote:
-                original = self._swapping(original, name, self.copies)
-            had = child.__dict__.get("forward")
-            context_fn = once_context(buffer_slots([child]))  # a recompute must not update BatchNorm stats again
-
-            def forward(*args: Any, _f: Any = original, _d: torch.device = dev, _c: Any = context_fn, **kwargs: Any) -> Any:
-                with autocast_for(_d, self.precision):
-                    if checkpointed and torch.is_grad_enabled():
-                        return torch.utils.checkpoint.checkpoint(_f, *args, use_reentrant=False, context_fn=_c, **kwargs)
-                    return _f(*args, **kwargs)
-
-            child.forward = forward  # type: ignore[method-assign]
-            done.append((child, had))
-        return done

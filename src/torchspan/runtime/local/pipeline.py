@@ -11,7 +11,7 @@ of the mailbox, and only the local stages' actions run here.
 
 Usage (``Spanned`` does this)::
 
-    pipe = Pipeline(devices, checkpoint="never", precision="32", recorder=Recorder(), meter=ActivationMeter(2))
+    pipe = Pipeline(devices, recompute="never", precision="32", recorder=Recorder(), meter=ActivationMeter(2))
     loss = pipe.train(stage_fns, mb_inputs, mb_targets, loss_fn, weights, "gpipe")
 """
 
@@ -23,29 +23,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ...layers.slots import Slot, kept
-from ..lossweights import weighted_loss
-from ...hardware import to_device
 from ... import schedule as sched
-from ...schedule import RECOMPUTE_MODES, PRECISIONS
+from ...hardware import to_device
+from ...layers.slots import Slot, kept
+from ..layercall import autocast_for, recomputes, run_layer
+from ..lossweights import weighted_loss
 from ..memory import ActivationMeter, MeteredSteps
 from ..record import Recorder
 from .stream import copy_stream, transfer, use_device, wait_ready
-from .worker import Mailbox, Transport, run_workers
+from .worker import Mailbox, Transport, intra_op_threads, note_failure, run_workers, worker_groups
 
-__all__ = ["Pipeline", "autocast_for", "once_context", "RECOMPUTE_MODES", "PRECISIONS"]
-
-
-
-def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
-    """The autocast context of one stage: none for ``"32"``, bf16/fp16 autocast on its device type."""
-    if precision == "32" or device.type == "meta":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
+__all__ = ["Pipeline"]
 
 
 def _needs_grad(t: Any) -> bool:
@@ -60,14 +50,10 @@ class _Saved:
     spec: Any
     outputs: list[Any] = field(default_factory=list)  # flattened output leaves (not last stage)
     loss: torch.Tensor | None = None  # last stage
-    stash: list[Any] = field(default_factory=list)  # checkpointed: holders that count the kept inputs
+    stash: list[Any] = field(default_factory=list)  # recomputed: holders that count the kept inputs
     rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
 
-
-def checkpointed(checkpoint: str, mb: int, microbatches: int) -> bool:
-    """Whether micro-batch ``mb`` of ``microbatches`` recomputes its forward in backward."""
-    return checkpoint == "always" or (checkpoint == "except_last" and mb < microbatches - 1)
 
 class Pipeline:
     """Executes stage functions on their devices by a schedule. One instance per ``Spanned``."""
@@ -76,7 +62,7 @@ class Pipeline:
         self,
         devices: Sequence[torch.device],
         *,
-        checkpoint: str,
+        recompute: str,
         precision: str,
         recorder: Recorder,
         meter: ActivationMeter,
@@ -85,15 +71,12 @@ class Pipeline:
     ) -> None:
         self.devices = list(devices)
         self.transport = transport if transport is not None else Transport()
-        self.checkpoint = checkpoint
+        self.recompute = recompute
         self.precision = precision
         self.recorder = recorder
         self.meter = meter
         if groups is None:  # one worker per distinct device
-            by_dev: dict[torch.device, list[int]] = {}
-            for s, d in enumerate(self.devices):
-                by_dev.setdefault(d, []).append(s)
-            groups = list(by_dev.values())
+            groups = worker_groups(self.devices)
         self.groups = [list(g) for g in groups]
         self._plans: dict[tuple[str, int, int], list[list[sched.Action]]] = {}
         self._orders: dict[tuple[int, tuple[int, ...]], list[sched.Action]] = {}
@@ -152,22 +135,19 @@ class Pipeline:
                         try:
                             do(box, action)
                         except BaseException as exc:
-                            if hasattr(exc, "add_note") and not getattr(exc, "_torchspan_noted", False):
-                                where = self.transport.where(action.stage)
-                                exc.add_note(
-                                    f"(raised by torchspan in stage {action.stage} on {where or ''}{self.devices[action.stage]}"
-                                    f"{')' if where else ''}, {action.kind} of micro-batch {action.microbatch})"
-                                )
-                                exc._torchspan_noted = True  # type: ignore[attr-defined]
+                            where = self.transport.where(action.stage)
+                            note_failure(
+                                exc,
+                                f" in stage {action.stage} on {where or ''}{self.devices[action.stage]}{')' if where else ''}, "
+                                f"{action.kind} of micro-batch {action.microbatch}",
+                            )
                             raise
 
             return run
 
         # Only this process's stages run here (all of them unless the transport crosses processes).
         groups = [local for local in ([s for s in g if self.transport.is_local(s)] for g in self.groups) if local]
-        # Several CPU workers share the cores: split the intra-op threads between them (no oversubscription).
-        cpu_workers = sum(1 for g in groups if self.devices[g[0]].type == "cpu")
-        threads = max(1, torch.get_num_threads() // cpu_workers) if len(groups) > 1 and cpu_workers > 1 else None
+        threads = intra_op_threads(self.devices, groups)  # several CPU workers share the cores
         names = [f"torchspan-{self.devices[g[0]]}-stages-{'-'.join(map(str, g))}" for g in groups]
         ok = False
         try:
@@ -195,122 +175,24 @@ class Pipeline:
         last backward, with the pipeline's loss, while later stages' work may still run (a
         data-parallel gradient reduction starts there).
 
-        ``buffers[s]`` are stage ``s``'s buffer slots: a recompute (checkpointing) leaves them as
-        the real forward left them (BatchNorm statistics are updated once per micro-batch).
+        ``buffers[s]`` are stage ``s``'s buffer slots: a recompute leaves them as the real forward
+        left them (BatchNorm statistics are updated once per micro-batch).
         """
-        n, m = len(fns), len(inputs)
-        slots: Sequence[Sequence[Slot]] = buffers if buffers is not None else [[] for _ in fns]
-        plan = self._plan(schedule, m, n)
+        plan = self._plan(schedule, len(inputs), len(fns))
         signature = _signature(fns, inputs, targets)
         metering = self._steps.wants(signature)
-        saving = self.meter.saving if metering else _unmetered
-        saved: dict[tuple[int, int], _Saved] = {}
-        losses: list[torch.Tensor | None] = [None] * m
-        last = n - 1
+        step = _TrainStep(self, fns, inputs, targets, loss_fn, weights, scaler, buffers, finished, metering)
         # Across processes the summed loss rides on each stage's last backward message down to stage 0
         # (no collective after the step): every process returns it.
-        carry = _carried_microbatch(plan) if any(not self.transport.is_local(t) for t in range(n)) else None
-        carried: list[torch.Tensor] = []
-
-        def summed() -> torch.Tensor:
-            done = [t.float() for t in losses if t is not None]
-            return torch.stack(done).sum() if done else torch.zeros((), device=self.devices[last])
-
-        def forward_of(s: int, mb: int, leaves: list[Any], spec: Any) -> tuple[Any, torch.Tensor | None]:
-            dev = self.devices[s]
-            with autocast_for(dev, self.precision):
-                out = fns[s](*_unflat(leaves, spec))
-                loss = None
-                if s == last:
-                    loss = weighted_loss(loss_fn, out, to_device(targets[mb], dev), weights[mb])
-            return out, loss
-
-        def do(box: Mailbox, a: sched.Action) -> None:
-            s, mb, dev = a.stage, a.microbatch, self.devices[a.stage]
-            ckpt = checkpointed(self.checkpoint, mb, m)
-            if a.kind == sched.FORWARD:
-                if s == 0:
-                    leaves, spec = _flat(to_device(list(inputs[mb]), dev))
-                else:
-                    leaves, spec = self._receive(box, "fwd", s, s - 1, mb)
-                    leaves = [v.requires_grad_(True) if _needs_grad(v) and not ckpt else v for v in leaves]
-                st = _Saved(leaves, spec)
-                with self.recorder.block(s, dev, mb, "forward"):
-                    if ckpt:
-                        st.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
-                        if metering:
-                            st.stash = [self.meter.hold(s, v) for v in leaves if isinstance(v, torch.Tensor)]
-                        with torch.no_grad():
-                            out, loss = forward_of(s, mb, leaves, spec)
-                    else:
-                        with saving(s):
-                            out, loss = forward_of(s, mb, leaves, spec)
-                if s == last:
-                    assert loss is not None
-                    st.loss = loss
-                    losses[mb] = loss.detach()
-                else:
-                    outs, out_spec = _flat(out)
-                    st.outputs = outs
-                    self._send(box, "fwd", outs, out_spec, s, s + 1, mb)
-                saved[(s, mb)] = st
-                return
-            # backward
-            st = saved.pop((s, mb))
-            if ckpt:
-                with self.recorder.block(s, dev, mb, "recompute"):
-                    leaves = [v.detach().requires_grad_(True) if _needs_grad(v) else v for v in st.inputs]
-                    st.inputs = leaves
-                    devs = [dev] if dev.type == "cuda" else []
-                    with torch.random.fork_rng(devices=devs):
-                        assert st.rng is not None
-                        torch.set_rng_state(st.rng[0])
-                        if st.rng[1] is not None:  # pragma: no cover - needs a GPU
-                            torch.cuda.set_rng_state(st.rng[1], dev)
-                        with torch.enable_grad(), saving(s), kept(slots[s]):
-                            out, loss = forward_of(s, mb, leaves, st.spec)
-                    st.stash = []
-                    if s == last:
-                        st.loss = loss
-                    else:
-                        st.outputs = _flat(out)[0]
-            if s == last:
-                grads_in: list[Any] = []
-            else:
-                grads_in, _ = self._receive(box, "bwd", s, s + 1, mb)
-                if mb == carry:
-                    carried.append(grads_in.pop())
-            with self.recorder.block(s, dev, mb, "backward"):
-                if s == last:
-                    assert st.loss is not None
-                    target = scaler.scale(st.loss) if scaler is not None else st.loss
-                    if target.requires_grad:
-                        target.backward()
-                else:
-                    pairs = [
-                        (o, g)
-                        for o, g in zip(st.outputs, grads_in)
-                        if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
-                    ]
-                    if pairs:
-                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            if s > 0:
-                grads = [v.grad if isinstance(v, torch.Tensor) and v.requires_grad else None for v in st.inputs]
-                if mb == carry:
-                    grads.append(summed() if s == last else carried[-1])
-                self._send(box, "bwd", grads, None, s, s - 1, mb)
-            if mb == carry and finished is not None:
-                finished(s, summed() if s == last else carried[-1])
-
+        if any(not self.transport.is_local(t) for t in range(len(fns))):
+            step.carry = _carried_microbatch(plan)
         try:
-            self._run(plan, do)
+            self._run(plan, step.do)
         finally:
-            saved.clear()
+            step.saved.clear()
         if metering:
             self._steps.done(signature)
-        if carry is not None and not self.transport.is_local(last):
-            return carried[-1]
-        return summed()
+        return step.result()
 
     # ------------------------------------------------------------------ forward only
     def forward(
@@ -321,7 +203,7 @@ class Pipeline:
         Copies here stay in autograd (``loss.backward()`` on the result reaches every stage; a
         transport to other processes carries values only, so there outputs exist on the last
         stage's process, ``None`` elsewhere, and autograd stops at the process), and
-        checkpointed micro-batches use ``torch.utils.checkpoint`` so that backward recomputes them
+        recomputed micro-batches use ``torch.utils.checkpoint`` so that backward recomputes them
         (leaving ``buffers[s]`` as the real forward left them).
         """
         n, m = len(fns), len(inputs)
@@ -339,16 +221,10 @@ class Pipeline:
                 args = tree_unflatten(leaves, spec)
             else:
                 args = box.get(("fwd", s, mb))
-            with self.recorder.block(s, dev, mb, "forward"), autocast_for(dev, self.precision):
-                if grad and checkpointed(self.checkpoint, mb, m):
-                    out = torch.utils.checkpoint.checkpoint(
-                        fns[s], *args, use_reentrant=False, context_fn=once_context(slots[s])
-                    )
-                elif grad:
-                    with self.meter.saving(s):
-                        out = fns[s](*args)
-                else:
-                    out = fns[s](*args)
+            recompute = grad and recomputes(self.recompute, mb, m)  # torch.utils.checkpoint: backward recomputes
+            metered = self.meter.saving(s) if grad and not recompute else contextlib.nullcontext()
+            with self.recorder.block(s, dev, mb, "forward"), metered:
+                out = run_layer(fns[s], args, {}, device=dev, precision=self.precision, recompute=recompute, slots=slots[s])
             if s == n - 1:
                 outputs[mb] = out
                 return
@@ -365,6 +241,136 @@ class Pipeline:
 
         self._run(plan, do)
         return outputs
+
+
+class _TrainStep:
+    """One training step of a ``Pipeline``: what each action does, and what the stages keep meanwhile."""
+
+    def __init__(
+        self,
+        pipe: Pipeline,
+        fns: Sequence[Callable[..., Any]],
+        inputs: Sequence[Sequence[Any]],
+        targets: Sequence[Any],
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        weights: Sequence[float],
+        scaler: Any,
+        buffers: Sequence[Sequence[Slot]] | None,
+        finished: Callable[[int, torch.Tensor], None] | None,
+        metering: bool,
+    ) -> None:
+        self.pipe, self.fns, self.inputs, self.targets = pipe, fns, inputs, targets
+        self.loss_fn, self.weights, self.scaler, self.finished = loss_fn, weights, scaler, finished
+        self.slots: Sequence[Sequence[Slot]] = buffers if buffers is not None else [[] for _ in fns]
+        self.metering = metering
+        self.saving = pipe.meter.saving if metering else _unmetered
+        self.saved: dict[tuple[int, int], _Saved] = {}
+        self.losses: list[torch.Tensor | None] = [None] * len(inputs)
+        self.last = len(fns) - 1
+        self.carry: int | None = None  # across processes: the micro-batch whose backward carries the loss
+        self.carried: list[torch.Tensor] = []
+
+    def summed(self) -> torch.Tensor:
+        done = [t.float() for t in self.losses if t is not None]
+        return torch.stack(done).sum() if done else torch.zeros((), device=self.pipe.devices[self.last])
+
+    def result(self) -> torch.Tensor:
+        if self.carry is not None and not self.pipe.transport.is_local(self.last):
+            return self.carried[-1]
+        return self.summed()
+
+    def run_stage(self, s: int, mb: int, leaves: list[Any], spec: Any) -> tuple[Any, torch.Tensor | None]:
+        """Stage ``s``'s function on micro-batch ``mb`` (and the weighted loss on the last stage)."""
+        dev = self.pipe.devices[s]
+        with autocast_for(dev, self.pipe.precision):
+            out = self.fns[s](*_unflat(leaves, spec))
+            loss = None
+            if s == self.last:
+                loss = weighted_loss(self.loss_fn, out, to_device(self.targets[mb], dev), self.weights[mb])
+        return out, loss
+
+    def do(self, box: Mailbox, a: sched.Action) -> None:
+        recompute = recomputes(self.pipe.recompute, a.microbatch, len(self.inputs))
+        if a.kind == sched.FORWARD:
+            self.forward(box, a.stage, a.microbatch, recompute)
+        else:
+            self.backward(box, a.stage, a.microbatch, recompute)
+
+    def forward(self, box: Mailbox, s: int, mb: int, recompute: bool) -> None:
+        pipe, dev = self.pipe, self.pipe.devices[s]
+        if s == 0:
+            leaves, spec = _flat(to_device(list(self.inputs[mb]), dev))
+        else:
+            leaves, spec = pipe._receive(box, "fwd", s, s - 1, mb)
+            leaves = [v.requires_grad_(True) if _needs_grad(v) and not recompute else v for v in leaves]
+        st = _Saved(leaves, spec)
+        with pipe.recorder.block(s, dev, mb, "forward"):
+            if recompute:  # no graph now: backward runs this forward again from the kept inputs
+                st.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
+                if self.metering:
+                    st.stash = [pipe.meter.hold(s, v) for v in leaves if isinstance(v, torch.Tensor)]
+                with torch.no_grad():
+                    out, loss = self.run_stage(s, mb, leaves, spec)
+            else:
+                with self.saving(s):
+                    out, loss = self.run_stage(s, mb, leaves, spec)
+        if s == self.last:
+            assert loss is not None
+            st.loss = loss
+            self.losses[mb] = loss.detach()
+        else:
+            outs, out_spec = _flat(out)
+            st.outputs = outs
+            pipe._send(box, "fwd", outs, out_spec, s, s + 1, mb)
+        self.saved[(s, mb)] = st
+
+    def recompute(self, s: int, mb: int, st: _Saved) -> None:
+        """The forward of micro-batch ``mb`` on stage ``s`` again, with its random state, keeping its graph."""
+        dev = self.pipe.devices[s]
+        with self.pipe.recorder.block(s, dev, mb, "recompute"):
+            leaves = [v.detach().requires_grad_(True) if _needs_grad(v) else v for v in st.inputs]
+            st.inputs = leaves
+            with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+                assert st.rng is not None
+                torch.set_rng_state(st.rng[0])
+                if st.rng[1] is not None:  # pragma: no cover - needs a GPU
+                    torch.cuda.set_rng_state(st.rng[1], dev)
+                with torch.enable_grad(), self.saving(s), kept(self.slots[s]):
+                    out, loss = self.run_stage(s, mb, leaves, st.spec)
+            st.stash = []
+            if s == self.last:
+                st.loss = loss
+            else:
+                st.outputs = _flat(out)[0]
+
+    def backward(self, box: Mailbox, s: int, mb: int, recompute: bool) -> None:
+        pipe, dev = self.pipe, self.pipe.devices[s]
+        st = self.saved.pop((s, mb))
+        if recompute:
+            self.recompute(s, mb, st)
+        grads_in: list[Any] = []
+        if s != self.last:
+            grads_in, _ = pipe._receive(box, "bwd", s, s + 1, mb)
+            if mb == self.carry:
+                self.carried.append(grads_in.pop())
+        with pipe.recorder.block(s, dev, mb, "backward"):
+            if s == self.last:
+                assert st.loss is not None
+                target = self.scaler.scale(st.loss) if self.scaler is not None else st.loss
+                if target.requires_grad:
+                    target.backward()
+            else:
+                pairs = [(o, g) for o, g in zip(st.outputs, grads_in) if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        loss = (self.summed() if s == self.last else self.carried[-1]) if mb == self.carry else None
+        if s > 0:
+            grads = [v.grad if isinstance(v, torch.Tensor) and v.requires_grad else None for v in st.inputs]
+            if loss is not None:
+                grads.append(loss)
+            pipe._send(box, "bwd", grads, None, s, s - 1, mb)
+        if loss is not None and self.finished is not None:
+            self.finished(s, loss)
 
 
 def _unmetered(stage: int) -> contextlib.AbstractContextManager[None]:
@@ -419,13 +425,3 @@ def _carried_microbatch(plan: list[list[sched.Action]]) -> int:
     if len(lasts) != 1 or any(a.kind != sched.BACKWARD for a in (actions[-1] for actions in plan)):
         raise ValueError("this schedule does not end every stage with the same micro-batch's backward; the loss cannot ride on it")
     return lasts.pop()
-
-
-def once_context(slots: Sequence[Slot]) -> Callable[[], tuple[Any, Any]]:
-    """``context_fn`` for ``torch.utils.checkpoint``: the recompute undoes the buffer updates the forward made."""
-
-    def make() -> tuple[Any, Any]:
-        return contextlib.nullcontext(), kept(slots)
-
-    return make
-

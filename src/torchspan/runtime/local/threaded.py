@@ -1,4 +1,4 @@
-"""The threaded executor: micro-batches overlap across stages with the model's own, unmodified forward.
+"""The own-forward executor: micro-batches overlap across stages with the model's own, unmodified forward.
 
 For models that are neither an ``nn.Sequential`` nor fx-traceable (every transformers model). One
 thread per micro-batch calls ``model(...)``; a forward pre-hook on each layer moves the layer's
@@ -15,52 +15,50 @@ schedule allows, which bounds the micro-batches in flight per stage). Autograd r
 on its own per-device threads, which must never block: there, only the start of each backward
 takes turns on the last stage, and the hooks just mark the timeline.
 
-Checkpointing and precision are per micro-batch and per stage, entered inside each thread
-(autocast and grad mode are thread-local). Limitation: with ``checkpoint`` on a CPU stage whose
-layers draw random numbers (dropout) while a GPU stage runs backward unordered, a recompute can
-replay a different mask; use ``checkpoint="never"`` or dropout 0 there.
+Recompute and precision are per micro-batch and per stage (``layercall``), entered inside each
+thread (autocast and grad mode are thread-local). Limitation: with ``recompute`` on a CPU stage
+whose layers draw random numbers (dropout) while a GPU stage runs backward unordered, a recompute
+can replay a different mask; use ``recompute="never"`` or dropout 0 there.
 
 Usage (``span`` does this)::
 
-    ex = ThreadedExecutor(model, devices, groups, settings, recorder, meter, balance_given=False)
-    work = ex.prepare((x,), {}); ex.place(work); loss = ex.train(work, targets, loss_fn, weights)
+    ex = OwnForwardExecutor(model, devices, groups, settings, recorder, meter, balance_given=False)
+    work = ex.prepare((x,), {}); ex.place(work); loss = ex.train(work, targets, loss_fn, weights, spec)
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ... import schedule as sched
 from ...hardware import to_device
-from ...layers import buffer_slots
-from ..executor import Settings, Work
-from ..lossweights import weighted_loss
+from ..executor import Executor, Settings, Work
+from ..layercall import LayerCalls, autocast_for, recomputes
+from ..lossweights import LossSpec, weighted_loss
 from ..memory import ActivationMeter
 from ..record import Recorder
-from ..ties import Hook, TiedCopies
-from .hooked import HookedExecutor
-from .pipeline import autocast_for, checkpointed, once_context
+from ..ties import Hook
+from .placed import PlacedModel
 from .turns import Flow, Turns, orders
-from .worker import Aborted, Mailbox, run_workers
+from .worker import Aborted, Mailbox, intra_op_threads, note_failure, run_workers, worker_groups
 
-__all__ = ["ThreadedExecutor"]
+__all__ = ["OwnForwardExecutor"]
 
 
-class ThreadedExecutor(HookedExecutor):
-    """Hook placement (layers, roots, tied copies: as ``HookedExecutor``), run by one thread per micro-batch.
+class OwnForwardExecutor(Executor):
+    """A ``PlacedModel`` run by one thread per micro-batch (options: as ``OwnForwardLayers``).
 
-    ``HookPlacement``'s pre-hooks still move each layer's inputs; this executor adds, in front of
+    ``PlacedModel``'s pre-hooks still move each layer's inputs; this executor adds, in front of
     them, the pre-hooks that take turns, and runs the steps itself.
     """
 
-    mode = "threads"
+    mode = "own-forward"
 
     def __init__(
         self,
@@ -72,30 +70,53 @@ class ThreadedExecutor(HookedExecutor):
         meter: ActivationMeter,
         **options: Any,
     ) -> None:
+        self.model, self.settings, self.recorder, self.meter = model, settings, recorder, meter
         self._local = threading.local()
         self._turn_handles: list[Any] = []
         # Autograd runs CPU backward in the calling thread (it may wait for a turn); GPU backward on
         # shared device threads (it must not).
         self.ordered_backward = all(torch.device(d).type == "cpu" for d in devices)
-        super().__init__(model, devices, groups, settings, recorder, meter, **options)
+        self.placed = PlacedModel(model, devices, groups, settings, recorder, meter, **options)
+        self.placed.on_placed.append(self._add_turn_hooks)
+        self.placed.place_now()
+
+    @property
+    def devices(self) -> list[torch.device]:  # type: ignore[override]
+        return self.placed.devices
+
+    @property
+    def groups(self) -> list[list[str]]:  # type: ignore[override]
+        return self.placed.groups
+
+    @property
+    def root_attrs(self) -> dict[str, int]:  # type: ignore[override]
+        return self.placed.root_attrs
+
+    def placed_layers(self) -> Mapping[str, nn.Module] | None:
+        return self.placed.layers
 
     @staticmethod
-    def unsupported(devices: Sequence[torch.device], microbatches: int, checkpoint: str) -> str:
-        """Why these settings cannot be pipelined by threads ("" when they can); ``span`` then uses hook placement."""
+    def unsupported(devices: Sequence[torch.device], microbatches: int, recompute: str) -> str:
+        """Why these settings cannot be pipelined by threads ("" when they can); ``span`` then runs them serially."""
         if len(devices) == 1 or microbatches == 1:
             return "pipelining needs more than one stage and microbatches > 1"
-        if checkpoint != "never" and any(torch.device(d).type != "cpu" for d in devices):
+        if recompute != "never" and any(torch.device(d).type != "cpu" for d in devices):
             return (
-                f"checkpoint={checkpoint!r} with a non-CPU stage is not threaded, since recomputes on autograd's device "
-                "threads could replay another micro-batch's random state; use checkpoint='never' to pipeline"
+                f"recompute={recompute!r} with a non-CPU stage is not threaded, since recomputes on autograd's device "
+                "threads could replay another micro-batch's random state; use recompute='never' to pipeline"
             )
         return ""
 
     # ------------------------------------------------------------------ placement
-    def _place(self, root_attrs: dict[str, int]) -> None:
-        super()._place(root_attrs)
-        stage_of = self.stage_of
-        for name, module in self.layers.items():
+    def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Work:
+        return self.placed.prepare(args, kwargs)
+
+    def place(self, work: Work) -> None:
+        self.placed.place(work)
+
+    def _add_turn_hooks(self) -> None:
+        stage_of = self.placed.stage_of
+        for name, module in self.placed.layers.items():
             if name in stage_of:  # in front of the input-moving hooks: wait for the turn, then move
                 hook = Hook(self._pre(name, stage_of[name]))
                 self._turn_handles.append(module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
@@ -115,56 +136,13 @@ class ThreadedExecutor(HookedExecutor):
 
         return hook
 
-    def _wrap_layers(self, local: threading.local) -> list[tuple[nn.Module, Any]]:
-        """Per-stage autocast and per-micro-batch checkpointing around each layer, for one step."""
-        s = self.settings
-        if s.precision == "32" and s.checkpoint == "never":
-            return []
-        done = []
-        stage_of, copies = self.stage_of, self.copies
-        for name, module in self.layers.items():
-            if name not in stage_of:
-                continue
-            dev = self.devices[stage_of[name]]
-            had = module.__dict__.get("forward")
-            original = module.forward
-            if copies is not None and name in copies.remote:  # a recompute reads tied parameters on its device too
-                original = _swapping(original, copies, name)
-            context_fn = once_context(buffer_slots([module]))  # a recompute must not update BatchNorm stats again
-
-            def forward(*args: Any, _f: Any = original, _d: torch.device = dev, _c: Any = context_fn, **kwargs: Any) -> Any:
-                with autocast_for(_d, s.precision):
-                    if getattr(local, "ckpt", False) and torch.is_grad_enabled():
-                        return torch.utils.checkpoint.checkpoint(_f, *args, use_reentrant=False, context_fn=_c, **kwargs)
-                    return _f(*args, **kwargs)
-
-            module.forward = forward  # type: ignore[method-assign]
-            done.append((module, had))
-        return done
-
     # ------------------------------------------------------------------ running
-    def _intra_op_threads(self) -> int | None:
-        """Intra-op threads per micro-batch thread: the cores split between CPU workers that run at once."""
-        if self.settings.workers == "stage":
-            cpu_workers = sum(1 for d in self.devices if d.type == "cpu")
-        else:
-            cpu_workers = 1 if any(d.type == "cpu" for d in self.devices) else 0
-        cpu_workers = min(cpu_workers, self.settings.microbatches)
-        return max(1, torch.get_num_threads() // cpu_workers) if cpu_workers > 1 else None
-
-    def _worker_groups(self) -> list[list[int]]:
-        if self.settings.workers == "stage":
-            return [[s] for s in range(len(self.devices))]
-        by_dev: dict[torch.device, list[int]] = {}
-        for s, d in enumerate(self.devices):
-            by_dev.setdefault(d, []).append(s)
-        return list(by_dev.values())
-
     def _run(self, schedule: list[list[sched.Action]], backward: str, job: Callable[[Turns, int], None]) -> None:
         """``job(turns, mb)`` for every micro-batch, one thread each; the first error is re-raised here."""
         m = self.settings.microbatches
-        group_orders = orders(schedule, self._worker_groups(), backward=backward)
-        threads = self._intra_op_threads()
+        groups = worker_groups(self.devices, per_stage=self.settings.workers == "stage")
+        group_orders = orders(schedule, groups, backward=backward)
+        threads = intra_op_threads(self.devices, groups, limit=m)
         local = self._local
         state: dict[str, Turns] = {}
         lock = threading.Lock()
@@ -188,34 +166,29 @@ class ThreadedExecutor(HookedExecutor):
 
             return run
 
-        wrapped = self._wrap_layers(local)
-        try:
+        s, p = self.settings, self.placed
+        calls = LayerCalls(p.layers, p.stage_of, self.devices, s.precision, p.hooks.copies)
+        with calls.installed(lambda: getattr(local, "recompute", False), may_recompute=s.recompute != "never"):
             run_workers([make(i) for i in range(m)], names=[f"torchspan-microbatch-{i}" for i in range(m)])
-        finally:
-            for module, had in wrapped:
-                if had is None:
-                    del module.forward
-                else:  # pragma: no cover - a layer with its own instance-level forward
-                    module.forward = had
 
     def _start(self, turns: Turns, mb: int, *, backward: bool) -> tuple[Flow, Flow | None]:
-        """This thread's flows for micro-batch ``mb`` (and whether it checkpoints)."""
+        """This thread's flows for micro-batch ``mb`` (and whether it recomputes)."""
         n, s = len(self.devices), self.settings
         fwd = Flow(turns, sched.FORWARD, mb, n, self.recorder, self.devices)
         back = None
         if backward:
             back = Flow(turns if self.ordered_backward else None, sched.BACKWARD, mb, n, self.recorder, self.devices)
         self._local.flow, self._local.back = fwd, back
-        self._local.ckpt = checkpointed(s.checkpoint, mb, s.microbatches)
+        self._local.recompute = recomputes(s.recompute, mb, s.microbatches)
         return fwd, back
 
     def _model_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        args, kwargs = self._to_first_stage(args, kwargs)
-        with self.meter.saving(self._placed_hooks().current_stage):  # the stage whose layer runs in this thread
+        args, kwargs = self.placed.to_first_stage(args, kwargs)
+        with self.meter.saving(self.placed.hooks.current_stage):  # the stage whose layer runs in this thread
             return self.model(*args, **kwargs)
 
     def forward(self, work: Work) -> list[Any]:
-        self._placed_hooks()
+        _ = self.placed.hooks  # raises if not placed yet
         m, n = self.settings.microbatches, len(self.devices)
         outs: list[Any] = [None] * m
 
@@ -234,8 +207,9 @@ class ThreadedExecutor(HookedExecutor):
         targets: Sequence[Any],
         loss_fn: Callable[[Any, Any], torch.Tensor],
         weights: Sequence[float],
+        spec: LossSpec | None = None,
     ) -> torch.Tensor:
-        self._placed_hooks()
+        _ = self.placed.hooks  # raises if not placed yet
         s, n, last = self.settings, len(self.devices), self.devices[-1]
         losses: list[torch.Tensor | None] = [None] * s.microbatches
 
@@ -262,14 +236,6 @@ class ThreadedExecutor(HookedExecutor):
         return torch.stack([t for t in losses if t is not None]).sum()
 
 
-def _swapping(fn: Callable[..., Any], copies: TiedCopies, name: str) -> Callable[..., Any]:
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with copies.swapped(name):
-            return fn(*args, **kwargs)
-
-    return run
-
-
 def _arrival(back: Flow, producer: int) -> Callable[[torch.Tensor], None]:
     """A gradient hook: this micro-batch's backward has reached what ``producer`` handed on."""
 
@@ -281,12 +247,9 @@ def _arrival(back: Flow, producer: int) -> Callable[[torch.Tensor], None]:
 
 def _note(exc: BaseException, local: threading.local, devices: Sequence[torch.device], mb: int) -> None:
     """Say where a micro-batch thread failed (stage, device, forward or backward), once."""
-    if not hasattr(exc, "add_note") or getattr(exc, "_torchspan_noted", False):
-        return
     where = ""
     for flow in (getattr(local, "back", None), getattr(local, "flow", None)):
         if flow is not None and flow.current is not None:
             where = f" in stage {flow.current} on {devices[flow.current]}, {flow.kind}"
             break
-    exc.add_note(f"(raised by torchspan{where} of micro-batch {mb}, in its thread)")
-    exc._torchspan_noted = True  # type: ignore[attr-defined]
+    note_failure(exc, f"{where} of micro-batch {mb}, in its thread")

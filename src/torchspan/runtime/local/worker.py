@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Mailbox", "Aborted", "Transport", "run_workers"]
+__all__ = ["Mailbox", "Aborted", "Transport", "run_workers", "worker_groups", "intra_op_threads", "note_failure"]
 
 
 class Aborted(Exception):
@@ -89,6 +89,34 @@ class Transport:
 
     def finish(self, ok: bool) -> None:
         """End of a run: wait for sends still in flight (``ok``), or drop them after an error."""
+
+
+def worker_groups(devices: Sequence[torch.device], per_stage: bool = False) -> list[list[int]]:
+    """Stage indices per worker thread: one worker per distinct device (stages sharing it take turns),
+    or one per stage (``per_stage``)."""
+    if per_stage:
+        return [[s] for s in range(len(devices))]
+    by_dev: dict[torch.device, list[int]] = {}
+    for s, d in enumerate(devices):
+        by_dev.setdefault(d, []).append(s)
+    return list(by_dev.values())
+
+
+def intra_op_threads(devices: Sequence[torch.device], groups: Sequence[Sequence[int]], limit: int | None = None) -> int | None:
+    """Intra-op threads for each CPU worker when several run at once (the cores split between them, no
+    oversubscription); ``None`` where one CPU worker or none runs. ``limit``: at most this many run at once."""
+    cpu_workers = sum(1 for g in groups if g and devices[g[0]].type == "cpu")
+    if limit is not None:
+        cpu_workers = min(cpu_workers, limit)
+    return max(1, torch.get_num_threads() // cpu_workers) if cpu_workers > 1 else None
+
+
+def note_failure(exc: BaseException, where: str) -> None:
+    """Add ``(raised by torchspan <where>)`` to ``exc``'s notes, once (the innermost torchspan frame wins)."""
+    if not hasattr(exc, "add_note") or getattr(exc, "_torchspan_noted", False):
+        return
+    exc.add_note(f"(raised by torchspan{where})")
+    exc._torchspan_noted = True  # type: ignore[attr-defined]
 
 
 def run_workers(jobs: Sequence[Callable[[Mailbox], None]], names: Sequence[str] | None = None) -> None:

@@ -155,7 +155,7 @@ class DataParallelReplica:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The replica's forward on this rank's inputs (through DDP: a ``backward`` you run yourself
         sums the gradients of every rank's loss, as one device would for the sum of those losses)."""
-        return self._ddp(*self._to(args), **self._to(kwargs))
+        return self._ddp(*self.to_device(args), **self.to_device(kwargs))
 
     __call__ = forward
 
@@ -254,7 +254,7 @@ class DataParallelReplica:
 
     def _stats(self, norm: float, size: int, active: bool) -> torch.Tensor:
         """(normalizer, rows, active ranks) of this rank, all-reduced as the first collective of every step."""
-        return torch.tensor([norm, float(size), 1.0 if active else 0.0], dtype=torch.float64, device=self._comm_device())
+        return torch.tensor([norm, float(size), 1.0 if active else 0.0], dtype=torch.float64, device=self.comm_device)
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Callable[..., Any], weight: Callable[[], float]) -> torch.Tensor:
         if isinstance(loss_fn, nn.Module):
@@ -265,8 +265,8 @@ class DataParallelReplica:
         earlier = [p.grad for p in params]
         for p in params:
             p.grad = None
-        out = self._ddp(*self._to(args), **self._to(kwargs))
-        loss = weighted_loss(loss_fn, out, self._to(target), weight())  # the weight waits for the normalizer exchange
+        out = self._ddp(*self.to_device(args), **self.to_device(kwargs))
+        loss = weighted_loss(loss_fn, out, self.to_device(target), weight())  # the weight waits for the normalizer exchange
         total = loss.detach().clone().reshape(1)  # the ranks' weighted losses sum to the global loss
         work = dist.all_reduce(total, group=self.group, async_op=True)  # overlaps the backward
         loss.backward()
@@ -276,9 +276,12 @@ class DataParallelReplica:
                 p.grad = g if p.grad is None else g.add_(p.grad)
         return total[0]
 
-    def _to(self, value: Any) -> Any:
+    def to_device(self, value: Any) -> Any:
+        """``value`` (any nested structure) with its tensors on this replica's device."""
         dev = self.device
         return tree_map(lambda t: t.to(dev, non_blocking=dev.type == "cuda") if isinstance(t, torch.Tensor) else t, value)
 
-    def _comm_device(self) -> torch.device:
+    @property
+    def comm_device(self) -> torch.device:
+        """Where this replica's collectives run: its GPU under nccl, else the CPU."""
         return self.device if self.info.backend is not None and "nccl" in self.info.backend else torch.device("cpu")

@@ -10,7 +10,7 @@ call, the first included, returns outputs built from the template, so a forward 
 whether or not the layer ran. A call with an argument or output that is not a tensor or a plain
 value (a cache object a layer may update) is run every time.
 
-Usage (``RankHookExecutor`` does this)::
+Usage (``RankOwnForwardExecutor`` does this)::
 
     calls = MetaCalls()
     leaves, spec = tree_flatten(to_meta((args, kwargs)))

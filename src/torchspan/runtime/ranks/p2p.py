@@ -19,7 +19,7 @@ once (1F1B) never block each other. Receives are posted when the schedule needs 
 a receive posted early makes gloo write the payload inside the sender's ``isend`` (on the
 compute thread), where a late one lets gloo's own thread ship it; measured on 2 shared cores,
 posting every receive one transfer ahead made 2-rank 1F1B steps 5-20% slower. Batched ``P2POp`` lists are not used: they can hang on gloo.
-Tags keep forward (0) and backward (1) traffic apart.
+Tags (``TAGS``, all defined here) keep forward and backward traffic, and the two executors' messages, apart.
 
 Usage (``RankPipelineExecutor`` does this)::
 
@@ -40,10 +40,12 @@ from torch.utils._pytree import treespec_dumps, treespec_loads
 from ..local.worker import Transport
 from .mesh import Mesh
 
-__all__ = ["RankTransport", "PeerError"]
+__all__ = ["RankTransport", "PeerError", "TAGS"]
 
-_TAGS = {"fwd": 0, "bwd": 1}
-_WHAT = {"fwd": "activations", "bwd": "gradients"}
+# Every message tag of a pipeline across ranks: stage functions' transfers (``send``/``receive``) and the
+# own-forward executor's raw tensors (``post``/``receive_into``) never share one.
+TAGS = {"fwd": 0, "bwd": 1, "own-fwd": 2, "own-bwd": 3}
+_WHAT = {"fwd": "activations", "bwd": "gradients", "own-fwd": "activations", "own-bwd": "gradients"}
 _PREFIX = 16  # two int64: header length (0: as predicted), data bytes
 _ALIGN = 16
 
@@ -150,9 +152,9 @@ class RankTransport(Transport):
         return f"rank {self.peer(stage)} ("
 
     # ------------------------------------------------------------------ sending
-    def post(self, buf: torch.Tensor, peer: int, tag: int) -> None:
-        """``isend`` ``buf`` (on ``comm_device``) to rank ``peer``; kept alive and waited for in ``finish``."""
-        self._pending.append((dist.isend(buf, dst=peer, tag=tag), buf))
+    def post(self, buf: torch.Tensor, peer: int, kind: str) -> None:
+        """``isend`` ``buf`` (on ``comm_device``) to rank ``peer`` with ``kind``'s tag; kept alive and waited for in ``finish``."""
+        self._pending.append((dist.isend(buf, dst=peer, tag=TAGS[kind]), buf))
 
     def _pack(self, head: torch.Tensor, values: list[Any]) -> torch.Tensor:
         """One ``uint8`` message: ``head`` (a multiple of 16 bytes), then each tensor leaf's bytes, 16-byte
@@ -174,24 +176,24 @@ class RankTransport(Transport):
         return z
 
     def send(self, values: list[Any], spec: Any, src: int, dst: int, kind: str, mb: int = 0) -> None:
-        peer, tag = self.peer(dst), _TAGS[kind]
+        peer = self.peer(dst)
         known = self._sent.get((peer, kind, mb))
         if known is not None and known.matches(values, spec):  # as predicted: one message, prefix [0, 0]
-            self.post(self._pack(self._zeros(_PREFIX), values), peer, tag)
+            self.post(self._pack(self._zeros(_PREFIX), values), peer, kind)
             return
         header = _Header.of(values, spec)
         blob = header.dumps()
         first = torch.zeros(_PREFIX + (known.nbytes if known is not None else 0), dtype=torch.uint8)
         first[:_PREFIX].view(torch.int64).copy_(torch.tensor([len(blob), header.nbytes]))
-        self.post(first.to(self.comm_device), peer, tag)
+        self.post(first.to(self.comm_device), peer, kind)
         head = torch.zeros(_aligned(len(blob)), dtype=torch.uint8)
         head[: len(blob)].copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
-        self.post(self._pack(head.to(self.comm_device), values), peer, tag)
+        self.post(self._pack(head.to(self.comm_device), values), peer, kind)
         self._sent[(peer, kind, mb)] = header
 
     # ------------------------------------------------------------------ receiving
     def receive(self, src: int, dst: int, kind: str, mb: int = 0) -> tuple[list[Any], Any]:
-        peer, tag = self.peer(src), _TAGS[kind]
+        peer, tag = self.peer(src), TAGS[kind]
         known = self._received.get((peer, kind, mb))
         try:
             buf = torch.empty(_PREFIX + (known.nbytes if known is not None else 0), dtype=torch.uint8, device=self.comm_device)
@@ -220,13 +222,13 @@ class RankTransport(Transport):
                 values.append(pickle.loads(meta[1]))
         return values, header.spec
 
-    def receive_into(self, buf: torch.Tensor, src: int, dst: int, tag: int, what: str) -> torch.Tensor:
-        """Receive one raw tensor message from stage ``src``'s rank into ``buf`` (any device) and return it."""
+    def receive_into(self, buf: torch.Tensor, src: int, dst: int, kind: str) -> torch.Tensor:
+        """Receive one raw tensor message of ``kind`` from stage ``src``'s rank into ``buf`` (any device) and return it."""
         comm = buf if buf.device == self.comm_device else torch.empty_like(buf, device=self.comm_device)
         try:
-            dist.recv(comm, src=self.peer(src), tag=tag)
+            dist.recv(comm, src=self.peer(src), tag=TAGS[kind])
         except RuntimeError as exc:
-            raise self._lost(what, dst, src, exc) from exc
+            raise self._lost(_WHAT[kind], dst, src, exc) from exc
         return comm if comm is buf else buf.copy_(comm)
 
     def _lost(self, what: str, dst: int, src: int, exc: BaseException) -> PeerError:

@@ -1,12 +1,12 @@
 """A pipeline across ranks, optionally replicated data-parallel: ``span(model, ...)`` in a launched job.
 
-Each rank runs one stage of one replica (``Mesh``: ``rank = replica * stages + stage``). It is the
-local ``PipelinedExecutor`` with another ``Transport``: the same stage functions, schedule walk
-(``Pipeline``) and loss weights, but values to other stages travel by point-to-point
-(``RankTransport``). What several processes need (other stages' layers as ``meta``, the
-data-parallel and tied-parameter groups, the global loss normalizer, this step's gradient
-reductions started once the rank's last backward ran) is ``RankStage``'s, shared with
-``RankHookExecutor`` (models that run their own forward). Here:
+Each rank runs one stage of one replica (``Mesh``: ``rank = replica * stages + stage``). It holds
+what the local ``PipelinedExecutor`` holds with another ``Transport``: the same stage functions
+(``StageFunctions``), schedule walk (``Pipeline``) and loss weights, but values to other stages
+travel by point-to-point (``RankTransport``). What several processes need (other stages' layers as
+``meta``, the data-parallel and tied-parameter groups, the global loss normalizer, this step's
+gradient reductions started once the rank's last backward ran) is the ``RankStage`` it holds, as
+``RankOwnForwardExecutor`` (models that run their own forward) does. Here:
 
 - **Loss**: the last stage's summed weighted loss rides down the pipeline on the last backward
   messages (no collective in a single pipeline); with replicas it is summed (float64) in the
@@ -28,11 +28,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...layers import fxsplit as split
 from ...layers import top_level_modules
-from ..executor import Settings, Work
+from ..executor import Executor, Settings, Work
 from ..local.pipeline import Pipeline
-from ..local.pipelined import PipelinedExecutor, _concrete_id
+from ..local.pipelined import stage_functions
+from ..local.stagefns import StageFunctions
+from ..lossweights import LossSpec
 from ..memory import ActivationMeter
 from ..placement import check_shared, place
 from ..record import Recorder
@@ -44,7 +45,7 @@ from .stage import RankStage
 __all__ = ["RankPipelineExecutor", "launched_mesh"]
 
 
-class RankPipelineExecutor(RankStage, PipelinedExecutor):
+class RankPipelineExecutor(Executor):
     """This rank's stage of a ``mesh.replicas`` x ``mesh.stages`` pipeline mesh (see the module docstring)."""
 
     def __init__(
@@ -59,31 +60,29 @@ class RankPipelineExecutor(RankStage, PipelinedExecutor):
         mesh: Mesh,
         info: RankInfo,
     ) -> None:
-        self._rank_setup(mesh, info, len(groups), settings.precision)
+        self.ranks = RankStage(model, mesh, info, len(groups), settings.precision)
         if mode not in ("sequential", "fx"):
-            raise ValueError(f"RankPipelineExecutor runs stage functions (sequential or fx), not {mode!r}: span uses RankHookExecutor")
-        super().__init__(model, mode, graph, [info.device] * mesh.stages, groups, settings, recorder, meter)
+            raise ValueError(f"RankPipelineExecutor runs stage functions (sequential or fx), not {mode!r}: span uses RankOwnForwardExecutor")
+        super().__init__([info.device] * mesh.stages, groups)
+        self.mode, self.model, self.settings = mode, model, settings
+        self.stage = self.ranks.stage
+        self.fns = StageFunctions(model, mode, self.groups)
         self._pipeline = Pipeline(
-            self.devices,
-            checkpoint=settings.checkpoint,
-            precision=settings.precision,
-            recorder=recorder,
-            meter=meter,
-            transport=RankTransport(mesh, info.rank, info.device, self._comm),
-        )
-        self._make_groups()
-        self._sync_start()
+            self.devices, recompute=settings.recompute, precision=settings.precision, recorder=recorder, meter=meter,
+            transport=RankTransport(mesh, info.rank, info.device, self.ranks.comm),
+        )  # fmt: skip
+        self._place(graph)
+        self.ranks.start()
 
-    # ------------------------------------------------------------------ placement
     def _place(self, graph: Any) -> None:
+        """Only this stage's layers move to this rank's device; the other stages' become meta. An fx split
+        still cuts every stage (the transport needs their boundaries), placing only ours."""
         layers = top_level_modules(self.model)
-        local = self._tie_parameters(layers, self.groups)
+        local = self.ranks.find_ties(layers, self.groups)
         for s, group in enumerate(self.groups):
             if s != self.stage:
                 for name in group:
-                    self._to_meta(layers[name], local)
-        # Only this stage's layers move to this rank's device (the others are meta by now); an fx
-        # split still cuts every stage (the transport needs their boundaries), placing only ours.
+                    self.ranks.to_meta(layers[name], local)
         stage_of = self.stage_of
         mine = {name: s for name, s in stage_of.items() if s == self.stage}
         check_shared(self.model, stage_of)
@@ -92,14 +91,15 @@ class RankPipelineExecutor(RankStage, PipelinedExecutor):
             self.root_attrs = dict(attrs)
             place(self.model, mine, self.devices, self.root_attrs)
 
-        if graph is None:
-            put({})
-        else:
-            mods, _ = split.split_graph(self.model, graph, stage_of, len(self.devices), before_build=put)
-            self._default_trace = (_concrete_id(split.default_concrete_args(self.model)), mods)
-        self._root_to_meta(self.root_attrs, local)
+        self.fns.split(graph, put)
+        self.ranks.roots_to_meta(self.root_attrs, local)
 
-    # ------------------------------------------------------------------ steps
+    def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Work:
+        return self.fns.prepare(args, kwargs, self.settings.microbatches)
+
+    def weights(self, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
+        return self.ranks.weights(spec, targets, sizes)
+
     def meters(self) -> bool:
         """Until one training step has counted its saved activations; later steps skip the saved-tensor
         hooks (~5% of a small 2-rank step) unless their micro-batches' shapes, dtypes or structure differ
@@ -113,22 +113,24 @@ class RankPipelineExecutor(RankStage, PipelinedExecutor):
         targets: Sequence[Any],
         loss_fn: Callable[[Any, Any], torch.Tensor],
         weights: Sequence[float],
+        spec: LossSpec | None = None,
     ) -> torch.Tensor:
         s = self.settings
-        self._check_same_batch(work.chunks, targets)
-        with self._reducing() as reduce:  # this step's gradients summed in each group once its last backward ran
+        self.ranks.check_same_batch(work.chunks, targets)
+        buffers = self.fns.buffers(self.root_attrs, s.recompute)
+        with self.ranks.reducing() as reduction:  # this step's gradients summed in each group once its last backward ran
             loss = self._pipeline.train(
-                self._fns(work), work.chunks, targets, loss_fn, weights, s.schedule, s.scaler, self._stage_buffers(),
-                finished=lambda _stage, total: reduce(total),
+                stage_functions(work), work.chunks, targets, loss_fn, weights, s.schedule, s.scaler, buffers,
+                finished=lambda _stage, total: reduction.finished(total),
             )
-        total = self._step_total
+        total = reduction.total
         return total[0].to(loss.device, loss.dtype) if total is not None else loss
 
     def forward(self, work: Work) -> list[Any]:
         """Outputs of every micro-batch on every rank of this pipeline (no autograd across processes)."""
         with torch.no_grad():
-            outs = super().forward(work)
-        return self._shared_outputs(outs)
+            outs = self._pipeline.forward(stage_functions(work), work.chunks, self.fns.buffers(self.root_attrs, self.settings.recompute))
+        return self.ranks.shared_outputs(outs)
 
 
 def launched_mesh(plan: Any, devices: Any, balance: Sequence[int] | None) -> tuple[Mesh, RankInfo] | None:

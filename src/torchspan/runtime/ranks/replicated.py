@@ -20,7 +20,7 @@ normalizer all-reduced): after ``spanned.train_step(x_shard, y_shard, loss_fn)``
 - ``spanned(x)`` with gradients enabled runs through DDP (a ``backward`` you run yourself sums
   the ranks' gradients; every rank must run it); under ``torch.no_grad()`` the plain module runs
   (no collective).
-- ``microbatches`` > 1, ``precision`` other than ``"32"`` and activation ``checkpoint`` are
+- ``microbatches`` > 1, ``precision`` other than ``"32"`` and activation ``recompute`` are
   refused with the fix: a replica runs its shard as one batch.
 
 Usage (``span`` does this when launched with one pipeline stage)::
@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..executor import Executor, Settings, Work
-from ..losscheck import LossChecks, _identity, _same
+from ..losscheck import LossChecks, loss_identity, same_identity
 from ..lossweights import LossSpec
 from ..memory import ActivationMeter
 from ..microbatch import batch_size, split_sizes, split_value
@@ -77,8 +77,8 @@ def _refuse_settings(settings: Settings) -> None:
                      "span balance=[...] for a pipeline across ranks)")  # fmt: skip
     if settings.precision != "32":
         fixes.append(f"precision={settings.precision!r} (use torch.autocast around train_step yourself, or precision='32')")
-    if settings.checkpoint != "never":
-        fixes.append(f"checkpoint={settings.checkpoint!r} (use torch.utils.checkpoint inside the model, or checkpoint='never')")
+    if settings.recompute != "never":
+        fixes.append(f"recompute={settings.recompute!r} (use torch.utils.checkpoint inside the model, or recompute='never')")
     if fixes:
         raise ValueError("span(model) in a launched job is a data-parallel replica, which does not take " + "; ".join(fixes))
 
@@ -104,7 +104,6 @@ class ReplicaExecutor(Executor):
         self.model = model
         self.info = rank_info()
         self._recorder, self._meter = recorder, meter
-        self._spec: LossSpec | None = None
         self._decided: list[tuple[tuple[Any, ...], LossSpec]] = []  # opaque losses the ranks agreed on
         self._timing: dict[str, Any] = {}
         self._metered = False  # one training step's activation peak is counted; later steps skip the meter
@@ -132,8 +131,8 @@ class ReplicaExecutor(Executor):
         if not spec.needs_check:
             return spec
         size = sizes[0]
-        ident = _identity(spec.loss_fn) + _identity(spec.user_normalizer)
-        agreed = next((s for known, s in self._decided if _same(known, ident)), None)
+        ident = loss_identity(spec.loss_fn) + loss_identity(spec.user_normalizer)
+        agreed = next((s for known, s in self._decided if same_identity(known, ident)), None)
         local: LossSpec | None = None
         message = ""
         if size >= 2:
@@ -164,7 +163,7 @@ class ReplicaExecutor(Executor):
 
     def _vote(self, spec: LossSpec, local: LossSpec | None, message: str) -> LossSpec:
         """Every rank's calibration combined (one all-reduce; the refusal messages gathered only on a refusal)."""
-        votes = torch.zeros(len(_VOTES), dtype=torch.float64, device=self.replica._comm_device())
+        votes = torch.zeros(len(_VOTES), dtype=torch.float64, device=self.replica.comm_device)
         if message:
             votes[0] = 1
         elif local is not None:
@@ -192,8 +191,7 @@ class ReplicaExecutor(Executor):
         )
 
     def weights(self, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
-        """Keeps ``spec`` for ``train``: the replica weighs its shard against the all-reduced global normalizer."""
-        self._spec = spec
+        """``[1.0]``: ``train`` weighs the shard by ``spec`` against the all-reduced global normalizer."""
         return [1.0]
 
     # ------------------------------------------------------------------ steps
@@ -202,7 +200,7 @@ class ReplicaExecutor(Executor):
         ((args, kwargs),) = work.chunks
         with self._recorder.block(0, self.replica.device, 0, "forward"):
             if not torch.is_grad_enabled():
-                return [self.model(*self.replica._to(args), **self.replica._to(kwargs))]
+                return [self.model(*self.replica.to_device(args), **self.replica.to_device(kwargs))]
             return [self.replica(*args, **kwargs)]
 
     def train(
@@ -211,12 +209,11 @@ class ReplicaExecutor(Executor):
         targets: Sequence[Any],
         loss_fn: Callable[[Any, Any], torch.Tensor],
         weights: Sequence[float],
+        spec: LossSpec | None = None,
     ) -> torch.Tensor:
-        """``DataParallelReplica.train_step`` on the shard; returns the global full-batch loss on every rank."""
-        spec = self._spec
+        """``DataParallelReplica.train_step`` on the shard, weighed by ``spec``; returns the global full-batch loss on every rank."""
         if spec is None:
-            raise RuntimeError("ReplicaExecutor.train needs weights(spec, ...) first (Spanned.train_step calls both)")
-        self._spec = None
+            raise ValueError("ReplicaExecutor.train needs the loss spec (Spanned.train_step passes it): train(work, targets, loss_fn, weights, spec)")
         ((args, kwargs),) = work.chunks
         inputs = dict(kwargs) if kwargs else tuple(args)
         if kwargs and args:

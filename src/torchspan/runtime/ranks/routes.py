@@ -1,6 +1,6 @@
 """Which values cross between pipeline ranks, found from what each rank can compute itself.
 
-Every rank of a pipeline runs the model's own forward (``runtime.ranks.hooked``); a tensor is
+Every rank of a pipeline runs the model's own forward (``runtime.ranks.ownforward``); a tensor is
 real on a rank when that rank computed it and ``meta`` when another stage did (``taint``). At
 each call of a layer, the rank owning the layer needs every argument real: each ``meta`` one is
 sent by the latest earlier stage holding it real (or reused, when the owner received the very
@@ -9,7 +9,7 @@ each describes the call (``Seen``), they exchange descriptions, and ``route_call
 the same ``CallRoute`` on every rank. Later forwards replay the routes and check that every rank
 still sees what it saw (``CallRoute.check``): a forward that takes another path raises.
 
-Usage (``RankHookExecutor`` does this)::
+Usage (``RankOwnForwardExecutor`` does this)::
 
     seen = [Seen("model.layers.2", (GRAD, REAL), (None, None)), Seen("model.layers.2", (META, REAL), (None, None))]
     route = route_call(5, "model.layers.2", 1, seen)   # Transfer(leaf=0, src=0, dst=1, grad=True)

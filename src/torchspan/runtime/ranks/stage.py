@@ -1,7 +1,7 @@
-"""What every executor holding one pipeline stage per rank shares, whatever runs the stage.
+"""What every executor holding one pipeline stage per rank holds, whatever runs the stage.
 
-``RankStage`` is mixed into ``RankPipelineExecutor`` (stage functions) and ``RankHookExecutor``
-(the model's own forward). It keeps:
+``RankStage`` is an object that ``RankPipelineExecutor`` (stage functions) and
+``RankOwnForwardExecutor`` (the model's own forward) each hold. It keeps:
 
 - **Memory**: layers of other stages become ``meta`` tensors (``requires_grad=False``) on this
   rank, so only this stage's parameters take memory and reach the optimizer.
@@ -15,13 +15,16 @@
 
 Usage (an executor does this)::
 
-    class MyExecutor(RankStage, Executor): ...
-    self._rank_setup(mesh, info, len(groups)); keep = self._tie_parameters(layers, groups) ...
+    ranks = RankStage(model, mesh, info, stages=len(groups))
+    keep = ranks.find_ties(layers, groups); ...; ranks.start()
+    with ranks.reducing() as reduction:
+        ...; reduction.finished(loss)          # after this rank's last backward
+    total = reduction.total                      # the step's loss over replicas (None without)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -42,13 +45,14 @@ def _meta_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 class RankStage:
-    """This rank's stage of a ``mesh.replicas`` x ``mesh.stages`` mesh (see the module docstring)."""
+    """This rank's stage of a ``mesh.replicas`` x ``mesh.stages`` mesh (see the module docstring).
 
-    mesh: Mesh
-    info: RankInfo
-    model: nn.Module
+    ``comm``: the device collectives run on (this rank's GPU under nccl, else the CPU);
+    ``pipe_group``/``stage_group``: this replica's pipeline and this stage's replicas (``None`` without
+    replicas: the default group), made by ``start``.
+    """
 
-    def _rank_setup(self, mesh: Mesh, info: RankInfo, stages: int, precision: str = "32") -> None:
+    def __init__(self, model: nn.Module, mesh: Mesh, info: RankInfo, stages: int, precision: str = "32") -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("no process group: call torchspan.init_distributed() before span() in a launched job")
         if precision == "fp16":
@@ -60,14 +64,28 @@ class RankStage:
             raise ValueError(f"dp({mesh.replicas}) * pp({mesh.stages}) != WORLD_SIZE({info.world_size})")
         if stages != mesh.stages:
             raise ValueError(f"{stages} layer group(s) for pp({mesh.stages}) stages; give one group per stage")
-        self.mesh, self.info = mesh, info
+        self.model, self.mesh, self.info = model, mesh, info
         self.replica, self.stage = mesh.coords(info.rank)
         self.device = info.device
-        self._comm = info.device if info.backend and "nccl" in info.backend else torch.device("cpu")
+        self.comm = info.device if info.backend and "nccl" in info.backend else torch.device("cpu")
+        self.stage_group: Any = None
+        self.pipe_group: Any = None
+        self._tie_stages: list[tuple[int, ...]] = []
+        self._tie_of: dict[int, int] = {}  # id(tied parameter this stage holds) -> index of its tie group
+        self._tie_groups: list[tuple[Any, int]] = []  # (group, its lowest rank)
         self._batch_checked: Any = None  # the batch structure last compared across the pipeline
 
+    @property
+    def last(self) -> bool:
+        """Whether this rank holds the last stage (where the loss is taken)."""
+        return self.stage == self.mesh.stages - 1
+
+    def rank_of(self, stage: int) -> int:
+        """The rank holding ``stage`` in this rank's replica."""
+        return self.mesh.rank(self.replica, stage)
+
     # ------------------------------------------------------------------ placement
-    def _tie_parameters(self, layers: Mapping[str, nn.Module], groups: Sequence[Sequence[str]]) -> set[int]:
+    def find_ties(self, layers: Mapping[str, nn.Module], groups: Sequence[Sequence[str]]) -> set[int]:
         """Find parameters shared across stages (before any is made meta); returns the ids of every
         tensor this stage's layers hold (kept real)."""
         holders: dict[int, set[int]] = {}
@@ -77,14 +95,14 @@ class RankStage:
                     holders.setdefault(id(p), set()).add(s)
         local = {id(t) for name in groups[self.stage] for t in [*layers[name].parameters(), *layers[name].buffers()]}
         self._tie_stages = sorted({tuple(sorted(st)) for st in holders.values() if len(st) > 1})
-        self._tie_of: dict[int, int] = {}
+        self._tie_of = {}
         for pid, st in holders.items():
             if len(st) > 1 and pid in local:
                 self._tie_of[pid] = self._tie_stages.index(tuple(sorted(st)))
         return local
 
     @staticmethod
-    def _to_meta(module: nn.Module, keep: set[int], only: str | None = None) -> None:
+    def to_meta(module: nn.Module, keep: set[int], only: str | None = None) -> None:
         """Tensors of ``module`` (or only its attribute ``only``) not in ``keep`` become frozen meta copies."""
         for mod in module.modules() if only is None else [module]:
             for key, p in list(mod._parameters.items()):
@@ -94,45 +112,40 @@ class RankStage:
                 if b is not None and id(b) not in keep and (only is None or key == only):
                     mod._buffers[key] = _meta_copy(b)
 
-    def _root_to_meta(self, root_attrs: Mapping[str, int], keep: set[int]) -> None:
+    def roots_to_meta(self, root_attrs: Mapping[str, int], keep: set[int]) -> None:
         """The model's own tensors read by other stages become meta."""
         for qname, s in root_attrs.items():
             if s != self.stage:
                 path, _, attr = qname.rpartition(".")
-                self._to_meta(self.model.get_submodule(path) if path else self.model, keep, only=attr)
+                self.to_meta(self.model.get_submodule(path) if path else self.model, keep, only=attr)
 
     def local_parameters(self) -> list[nn.Parameter]:
         """This rank's trainable parameters (its stage's, tied ones included), in model order."""
         return [p for p in self.model.parameters() if p.device.type != "meta" and p.requires_grad]
 
     # ------------------------------------------------------------------ groups and start
-    def _make_groups(self) -> None:
-        """Every rank creates every group, in one order (``new_group`` is collective)."""
+    def start(self) -> None:
+        """Make every group (all ranks, one order: ``new_group`` is collective) and start identical:
+        replicas of a stage and tied copies are broadcast from the lowest holding rank."""
         m = self.mesh
-        self._stage_group: Any = None
-        self._pipe_group: Any = None
         if m.replicas > 1:
             for s in range(m.stages):
                 g = dist.new_group(m.stage_ranks(s))
                 if s == self.stage:
-                    self._stage_group = g
+                    self.stage_group = g
             for r in range(m.replicas):
                 g = dist.new_group(m.pipeline_ranks(r))
                 if r == self.replica:
-                    self._pipe_group = g
-        self._tie_groups: list[tuple[Any, int]] = []  # (group, its lowest rank)
+                    self.pipe_group = g
         for stages in self._tie_stages:
             ranks = m.tie_ranks(stages)
             self._tie_groups.append((dist.new_group(ranks), ranks[0]))
-
-    def _sync_start(self) -> None:
-        """Replicas of a stage and tied copies start identical: broadcast from the lowest holding rank."""
         with torch.no_grad():
-            if self._stage_group is not None:
+            if self.stage_group is not None:
                 src = self.mesh.rank(0, self.stage)
                 for t in [*self.model.parameters(), *self.model.buffers()]:
                     if t.device.type != "meta" and id(t) not in self._tie_of:
-                        self._broadcast(t, src, self._stage_group)
+                        self._broadcast(t, src, self.stage_group)
             for p in self.model.parameters():
                 i = self._tie_of.get(id(p))
                 if i is not None:
@@ -140,13 +153,13 @@ class RankStage:
                     self._broadcast(p, src, group)
 
     def _broadcast(self, t: torch.Tensor, src: int, group: Any) -> None:
-        buf = t.detach().to(self._comm)
+        buf = t.detach().to(self.comm)
         dist.broadcast(buf, src=src, group=group)
         if buf is not t:
             t.detach().copy_(buf)
 
     # ------------------------------------------------------------------ steps
-    def _check_same_batch(self, chunks: Sequence[Any], targets: Sequence[Any]) -> None:
+    def check_same_batch(self, chunks: Sequence[Any], targets: Sequence[Any]) -> None:
         """Every rank of a pipeline must be given the same batch (its replica's shard): a rank's stage reads
         its own copy of the inputs (and the last stage its targets). Compared by fingerprint (the values'
         sum and position-weighted sum) on the first step and whenever the batch's shapes change; a rank
@@ -156,13 +169,13 @@ class RankStage:
         shapes = (str(spec), tuple((tuple(t.shape), t.dtype) for t in tensors))
         if shapes == self._batch_checked:
             return
-        mine = torch.zeros(2, dtype=torch.float64, device=self._comm)
+        mine = torch.zeros(2, dtype=torch.float64, device=self.comm)
         for t in tensors:
             v = t.detach().reshape(-1).to(torch.float64)
-            mine[0] += v.sum().to(self._comm)
-            mine[1] += (v * torch.arange(1, v.numel() + 1, dtype=torch.float64, device=v.device)).sum().to(self._comm)
+            mine[0] += v.sum().to(self.comm)
+            mine[1] += (v * torch.arange(1, v.numel() + 1, dtype=torch.float64, device=v.device)).sum().to(self.comm)
         views = [torch.empty_like(mine) for _ in range(self.mesh.stages)]
-        dist.all_gather(views, mine, group=self._pipe_group)
+        dist.all_gather(views, mine, group=self.pipe_group)
         other = [s for s, v in enumerate(views) if not torch.allclose(v, views[0], rtol=0, atol=0, equal_nan=True)]
         if other:
             ranks = [self.mesh.rank(self.replica, s) for s in other]
@@ -174,63 +187,55 @@ class RankStage:
             )
         self._batch_checked = shapes
 
-    def _shared_outputs(self, outs: list[Any] | None) -> list[Any]:
+    def shared_outputs(self, outs: list[Any] | None) -> list[Any]:
         """The last stage's outputs (``outs`` there, ignored elsewhere) on every rank of this pipeline, on this rank's device."""
-        last = self.mesh.rank(self.replica, self.mesh.stages - 1)
+        last = self.rank_of(self.mesh.stages - 1)
         box = [outs if self.info.rank == last else None]
-        dist.broadcast_object_list(box, src=last, group=self._pipe_group, device=self._comm)
+        dist.broadcast_object_list(box, src=last, group=self.pipe_group, device=self.comm)
         return [tree_map(lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t, o) for o in box[0] or []]
+
+    def shared_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The last stage's ``loss`` (a scalar there, ignored elsewhere) on every rank of this pipeline, float32."""
+        box = loss.detach().reshape(1).to(self.comm, torch.float64)
+        dist.broadcast(box, src=self.rank_of(self.mesh.stages - 1), group=self.pipe_group)
+        return box[0].to(self.device, torch.float32)
 
     def weights(self, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
         """Micro-batch weights against the global batch. Only the last stages weigh losses: they all-reduce
         their normalizers among themselves (the other stages start their forward at once)."""
-        if self.mesh.replicas == 1 or spec.kind == "sum" or self.stage != self.mesh.stages - 1:
+        if self.mesh.replicas == 1 or spec.kind == "sum" or not self.last:
             return spec.weights(targets, sizes)
         local = sum(spec.normalizer(t, n) for t, n in zip(targets, sizes))
-        total = torch.tensor([local], dtype=torch.float64, device=self._comm)
-        dist.all_reduce(total, group=self._stage_group)
+        total = torch.tensor([local], dtype=torch.float64, device=self.comm)
+        dist.all_reduce(total, group=self.stage_group)
         return spec.weights(targets, sizes, total=float(total.item()))
 
     @contextmanager
-    def _reducing(self) -> Iterator[Callable[[torch.Tensor], None]]:
-        """Around one training step: yields ``finished(loss)``, to call once this rank's last backward ran
-        (``loss``: this rank's summed loss, reduced among replicas of the last stage). Only this step's
-        gradients are reduced; on exit they are settled and earlier steps' gradients added back."""
+    def reducing(self) -> Iterator[Reduction]:
+        """Around one training step: yields the step's ``Reduction`` (call ``finished(loss)`` once this rank's
+        last backward ran). Only this step's gradients are reduced; on exit they are settled and earlier
+        steps' gradients added back."""
         params = self.local_parameters()
         earlier = [p.grad for p in params]
         for p in params:
             p.grad = None
-        launched: list[tuple[Any, Any]] = []
-        self._step_total: torch.Tensor | None = None
-
-        def finished(loss: torch.Tensor) -> None:
-            if self._stage_group is not None:
-                total = loss.detach().to(self._comm, torch.float64).reshape(1)
-                launched.append((dist.all_reduce(total, group=self._stage_group, async_op=True), None))
-                self._step_total = total
-                launched.extend(self._launch([p for p in params if id(p) not in self._tie_of], self._stage_group))
-            for i, (group, _) in enumerate(self._tie_groups):
-                launched.extend(self._launch([p for p in params if self._tie_of.get(id(p)) == i], group))
-
+        reduction = Reduction(self, params)
         try:
-            yield finished
-            for handle, unpack in launched:  # the SUMs of this step's gradients and the replicas' losses
-                handle.wait()
-                if unpack is not None:
-                    unpack()
+            yield reduction
+            reduction.settle()
         finally:
             for p, g in zip(params, earlier):
                 if g is not None:
                     p.grad = g if p.grad is None else g.add_(p.grad)
 
-    def _launch(self, params: list[nn.Parameter], group: Any) -> list[tuple[Any, Any]]:
+    def launch(self, params: list[nn.Parameter], group: Any) -> list[tuple[Any, Any]]:
         """Start SUMs of ``params``' gradients over ``group``: one flat buffer per dtype (a missing grad counts as 0)."""
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
         for p in params:
             by_dtype.setdefault(p.dtype, []).append(p)
         out = []
         for ps in by_dtype.values():
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps]).to(self._comm)
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps]).to(self.comm)
 
             def unpack(ps: list[nn.Parameter] = ps, flat: torch.Tensor = flat) -> None:
                 k = 0
@@ -242,3 +247,34 @@ class RankStage:
 
             out.append((dist.all_reduce(flat, group=group, async_op=True), unpack))
         return out
+
+
+class Reduction:
+    """One step's gradient reductions on this rank: started by ``finished``, settled when the step ends.
+
+    ``total``: the step's loss summed over the replicas of the last stage (float64, shape ``(1,)``),
+    once settled; ``None`` without replicas."""
+
+    def __init__(self, ranks: RankStage, params: list[nn.Parameter]) -> None:
+        self.ranks, self.params = ranks, params
+        self.total: torch.Tensor | None = None
+        self._launched: list[tuple[Any, Any]] = []
+
+    def finished(self, loss: torch.Tensor) -> None:
+        """This rank ran its last backward (``loss``: its summed loss): start the SUMs in every group."""
+        r = self.ranks
+        if r.stage_group is not None:
+            total = loss.detach().to(r.comm, torch.float64).reshape(1)
+            self._launched.append((dist.all_reduce(total, group=r.stage_group, async_op=True), None))
+            self.total = total
+            self._launched.extend(r.launch([p for p in self.params if id(p) not in r._tie_of], r.stage_group))
+        for i, (group, _) in enumerate(r._tie_groups):
+            self._launched.extend(r.launch([p for p in self.params if r._tie_of.get(id(p)) == i], group))
+
+    def settle(self) -> None:
+        """Wait for the SUMs of this step's gradients and the replicas' losses, and unpack them."""
+        for handle, unpack in self._launched:
+            handle.wait()
+            if unpack is not None:
+                unpack()
+        self._launched = []

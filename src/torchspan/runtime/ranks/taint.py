@@ -15,7 +15,7 @@ device computes. Plain torch refuses to mix ``meta`` with real tensors, so ``Met
   stale value: never silently wrong), as does reading a value of a ``meta`` tensor
   (``.item()``, ``if x.any():``), which torch refuses itself.
 
-Usage (``RankHookExecutor`` does this)::
+Usage (``RankOwnForwardExecutor`` does this)::
 
     with MetaTaint(torch.device("cpu")):
         out = model(ids)      # other stages' layers wrapped to run on meta

@@ -7,20 +7,20 @@ tensor is real on a rank exactly when that rank could compute it. When a layer o
 needs an argument another stage computed, that stage sends it at the same call
 (``routes``: found the first time a forward takes a path, by comparing what each rank sees,
 then replayed and checked); gradients of what crossed travel back in backward. Tied parameters,
-data-parallel replicas, the loss normalizer and gradient reductions are ``RankStage``'s, as for
-stage functions.
+data-parallel replicas, the loss normalizer and gradient reductions are the ``RankStage`` it
+holds, as for stage functions; the layers and their recording forward are ``OwnForwardLayers``'.
 
 Schedules are ``torchspan.schedule``'s (GPipe, 1F1B): this rank runs its stage's actions in
 order; a forward blocks where an argument from an earlier stage has not arrived yet. Exact: the
 loss is weighed against the whole batch on the last stage and every rank's gradients are those
-of one device. ``checkpoint`` recomputes this rank's layers in backward; ``precision="bf16"``
+of one device. ``recompute`` recomputes this rank's layers in backward; ``precision="bf16"``
 autocasts them (a value crosses in the dtype its holder has: meta knows no autocast). A forward
 must take the same path on every rank (no branches on values other stages compute, which
 ``meta`` cannot answer: such a model raises, naming the call).
 
 Usage (``span`` does this in a launched job)::
 
-    ex = RankHookExecutor(model, groups, settings, recorder, meter, Mesh(1, 2), rank_info(), balance_given=True)
+    ex = RankOwnForwardExecutor(model, groups, settings, recorder, meter, Mesh(1, 2), rank_info(), balance_given=True)
 """
 
 from __future__ import annotations
@@ -31,17 +31,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils.checkpoint
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ... import schedule as sched
 from ...hardware import to_device
 from ...layers import buffer_slots
-from ..executor import Settings, Work
-from ..local.hooked import HookedExecutor
-from ..local.pipeline import autocast_for, checkpointed, once_context
-from ..lossweights import weighted_loss
+from ..executor import Executor, Settings, Work
+from ..layercall import autocast_for, recomputes, run_layer
+from ..local.placed import OwnForwardLayers
+from ..lossweights import LossSpec, weighted_loss
+from ..microbatch import split_batch
 from ..memory import ActivationMeter, MeteredSteps
 from ..placement import place
 from ..record import Recorder
@@ -53,17 +53,15 @@ from .routes import GRAD, META, REAL, CallRoute, DivergedError, Seen, route_call
 from .stage import RankStage
 from .taint import MetaTaint, check_unchanged, container_sizes, meta_like, to_meta
 
-__all__ = ["RankHookExecutor"]
-
-_FWD, _BWD = 2, 3  # message tags (stage functions' transport uses 0 and 1)
+__all__ = ["RankOwnForwardExecutor"]
 
 
 class _Forward:
     """One micro-batch's forward on this rank: where it is, what crossed, what backward needs."""
 
-    def __init__(self, mb: int, grad: bool, node: _Path, metering: bool = False, ckpt: bool = False) -> None:
+    def __init__(self, mb: int, grad: bool, node: _Path, metering: bool = False, recompute: bool = False) -> None:
         self.mb, self.grad, self.node = mb, grad, node
-        self.metering, self.ckpt = metering, ckpt
+        self.metering, self.recompute = metering, recompute
         self.call = 0
         self.at: dict[int, tuple[int, int]] = {}  # id(meta placeholder) -> (call, leaf) where it was received
         self.value: dict[tuple[int, int], torch.Tensor] = {}  # (call, leaf) -> the received tensor
@@ -97,10 +95,11 @@ def _guarded(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     return run
 
 
-class RankHookExecutor(RankStage, HookedExecutor):
-    """This rank's stage, run inside the model's own forward (see the module docstring)."""
+class RankOwnForwardExecutor(Executor):
+    """This rank's stage, run inside the model's own forward (see the module docstring; options: as
+    ``OwnForwardLayers``)."""
 
-    mode = "hooks"
+    mode = "own-forward"
 
     def __init__(
         self,
@@ -113,15 +112,31 @@ class RankHookExecutor(RankStage, HookedExecutor):
         info: RankInfo,
         **options: Any,
     ) -> None:
-        self._rank_setup(mesh, info, len(groups), settings.precision)
-        self._recording = self._placed = False
+        self.ranks = RankStage(model, mesh, info, len(groups), settings.precision)
+        super().__init__([info.device] * mesh.stages, groups)
+        self.model, self.settings, self.recorder, self.meter = model, settings, recorder, meter
+        self.mesh, self.stage, self.device = mesh, self.ranks.stage, info.device
+        self.own = OwnForwardLayers(model, self.devices, self.groups, **options)
+        self._placed = False
         self._paths = {True: _Path(), False: _Path()}  # training forwards, no-grad forwards
         self._fwd: _Forward | None = None
-        self._transport = RankTransport(mesh, info.rank, info.device, self._comm)  # raw tensors, tags _FWD/_BWD
+        self._transport = RankTransport(mesh, info.rank, info.device, self.ranks.comm)  # raw tensors, tags "own-fwd"/"own-bwd"
         self._swaps: dict[str, list[tuple[nn.Module, str, str, Any, Any]]] = {}
         self._steps = MeteredSteps(meter)  # which training steps count saved activations (micro-batch shapes)
         self._meta_calls = MetaCalls()
-        super().__init__(model, [info.device] * mesh.stages, groups, settings, recorder, meter, **options)
+
+    @property
+    def layers(self) -> dict[str, nn.Module]:
+        return self.own.layers
+
+    def placed_layers(self) -> dict[str, nn.Module]:
+        return self.own.layers
+
+    def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Work:
+        return Work(split_batch(args, kwargs, self.settings.microbatches))
+
+    def weights(self, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
+        return self.ranks.weights(spec, targets, sizes)
 
     # ------------------------------------------------------------------ placement
     def place(self, work: Work) -> None:
@@ -129,17 +144,9 @@ class RankHookExecutor(RankStage, HookedExecutor):
         where the model's own tensors are read; then this rank keeps only its stage."""
         if self._placed:
             return
-        self._recording = True
-        try:
-            super().place(work)
-        finally:
-            self._recording = False
-
-    def _place(self, root_attrs: dict[str, int]) -> None:
-        if not self._recording:  # the façade's eager placement: ours waits for the recording forward
-            return
+        self.groups, root_attrs = self.own.record(work, self.devices, self.groups)
         self.root_attrs = dict(root_attrs)
-        keep = self._tie_parameters(self.layers, self.groups)
+        keep = self.ranks.find_ties(self.layers, self.groups)
         mine_roots = [q for q, s in root_attrs.items() if s == self.stage]
         for q in mine_roots:
             path, _, attr = q.rpartition(".")
@@ -150,22 +157,27 @@ class RankHookExecutor(RankStage, HookedExecutor):
         for s, group in enumerate(self.groups):
             if s != self.stage:
                 for name in group:
-                    self._to_meta(self.layers[name], keep)
-        self._root_to_meta(root_attrs, keep)
+                    self.ranks.to_meta(self.layers[name], keep)
+        self.ranks.roots_to_meta(root_attrs, keep)
         mine = {name: self.stage for name in self.groups[self.stage]}
         place(self.model, mine, self.devices, self.root_attrs, self.layers, mine_roots)
-        for s, group in enumerate(self.groups):  # tied tensors other stages' layers hold real here
+        self._swaps = self._tied_swaps()
+        self.ranks.start()
+        self._placed = True
+
+    def _tied_swaps(self) -> dict[str, list[tuple[nn.Module, str, str, Any, Any]]]:
+        """For each other stage's layer, the tied tensors it holds real here, with their meta stand-ins."""
+        swaps = {}
+        for s, group in enumerate(self.groups):
             for name in group if s != self.stage else []:
-                self._swaps[name] = [
+                swaps[name] = [
                     (sub, kind, key, t, nn.Parameter(to_meta(t), requires_grad=False) if kind == "_parameters" else to_meta(t))
                     for sub in self.layers[name].modules()
                     for kind in ("_parameters", "_buffers")
                     for key, t in getattr(sub, kind).items()
                     if t is not None and not t.is_meta
                 ]
-        self._make_groups()
-        self._sync_start()
-        self._placed = True
+        return swaps
 
     @contextmanager
     def _swapped(self, name: str) -> Iterator[None]:
@@ -218,7 +230,7 @@ class RankHookExecutor(RankStage, HookedExecutor):
             aliases = tuple(st.at.get(id(t)) if local and t.is_meta else None for t in tensors)
             views: list[Any] = [None] * self.mesh.stages
             dtypes = tuple(t.dtype for t in tensors)
-            dist.all_gather_object(views, Seen(name, codes, aliases, dtypes), group=self._pipe_group)
+            dist.all_gather_object(views, Seen(name, codes, aliases, dtypes), group=self.ranks.pipe_group)
             known = (route_call(k, name, stage, views), _Path())
             st.node.next[signature] = known
             recording = True
@@ -230,7 +242,7 @@ class RankHookExecutor(RankStage, HookedExecutor):
             if tr.src == self.stage:
                 if tr.dtype is not None and tensors[tr.leaf].dtype != tr.dtype:
                     raise DivergedError(f"torchspan: layer {name!r}'s argument {tr.leaf} is {tensors[tr.leaf].dtype} now, {tr.dtype} when recorded")
-                self._isend(tensors[tr.leaf], tr.dst, _FWD)
+                self._isend(tensors[tr.leaf], tr.dst, "own-fwd")
                 if st.grad and tr.grad:
                     st.sent.append((tensors[tr.leaf], tr.dst))
         if not local:  # another stage's layer: its outputs' shapes, on meta (replayed once known)
@@ -241,7 +253,7 @@ class RankHookExecutor(RankStage, HookedExecutor):
         for tr in route.transfers:
             held = tensors[tr.leaf]
             dtype = tr.dtype if tr.dtype is not None else held.dtype  # autocast on the sender: its dtype
-            got = self._recv(torch.empty(held.shape, dtype=dtype, device=self.device), tr.src, _FWD, "activations")
+            got = self._recv(torch.empty(held.shape, dtype=dtype, device=self.device), tr.src, "own-fwd")
             try:  # the glue's own variable becomes the value (a residual `h = block(h) + h` reads it again)
                 torch.utils.swap_tensors(held, got)
                 got = held
@@ -264,12 +276,11 @@ class RankHookExecutor(RankStage, HookedExecutor):
         shared = []
         if recording:  # an in-place write to an input other ranks hold would leave theirs stale
             shared = [(i, leaves[where[i]], leaves[where[i]]._version) for i in range(len(tensors)) if self._shared(route, i)]
-        with self.meter.saving(self.stage) if st.metering else nullcontext(), autocast_for(self.device, self.settings.precision):
-            if st.ckpt:  # backward recomputes this layer from its inputs; buffer updates happen once
-                context = once_context(buffer_slots([self.layers[name]]))
-                out = torch.utils.checkpoint.checkpoint(fn, *real_args, use_reentrant=False, context_fn=context, **real_kwargs)
-            else:
-                out = fn(*real_args, **real_kwargs)
+        with self.meter.saving(self.stage) if st.metering else nullcontext():
+            out = run_layer(
+                fn, real_args, real_kwargs, device=self.device, precision=self.settings.precision, recompute=st.recompute,
+                slots=buffer_slots([self.layers[name]]) if st.recompute else (),
+            )  # fmt: skip
         check_unchanged(sizes, name)
         for i, t, version in shared:
             if t._version != version:
@@ -287,14 +298,11 @@ class RankHookExecutor(RankStage, HookedExecutor):
         )
 
     # ------------------------------------------------------------------ messages
-    def _peer(self, stage: int) -> int:
-        return self._transport.peer(stage)
+    def _isend(self, t: torch.Tensor, stage: int, kind: str) -> None:
+        self._transport.post(t.detach().contiguous().to(self.ranks.comm), self._transport.peer(stage), kind)
 
-    def _isend(self, t: torch.Tensor, stage: int, tag: int) -> None:
-        self._transport.post(t.detach().contiguous().to(self._comm), self._peer(stage), tag)
-
-    def _recv(self, buf: torch.Tensor, stage: int, tag: int, what: str) -> torch.Tensor:
-        return self._transport.receive_into(buf, stage, self.stage, tag, what)
+    def _recv(self, buf: torch.Tensor, stage: int, kind: str) -> torch.Tensor:
+        return self._transport.receive_into(buf, stage, self.stage, kind)
 
     # ------------------------------------------------------------------ steps
     def meters(self) -> bool:
@@ -312,7 +320,7 @@ class RankHookExecutor(RankStage, HookedExecutor):
     def _forward(self, work: Work, mb: int, grad: bool, metering: bool = False) -> tuple[Any, _Forward]:
         args, kwargs = to_device(work.chunks[mb], self.device)
         s = self.settings
-        st = _Forward(mb, grad, self._paths[grad], metering, grad and checkpointed(s.checkpoint, mb, s.microbatches))
+        st = _Forward(mb, grad, self._paths[grad], metering, grad and recomputes(s.recompute, mb, s.microbatches))
         self._fwd = st
         try:
             with torch.set_grad_enabled(grad), MetaTaint(self.device):
@@ -341,14 +349,14 @@ class RankHookExecutor(RankStage, HookedExecutor):
         grads: list[torch.Tensor | None] = []
         for t, stage in st.sent:
             outs.append(t)
-            grads.append(self._recv(torch.empty_like(t, device=self.device), stage, _BWD, "gradients"))
+            grads.append(self._recv(torch.empty_like(t, device=self.device), stage, "own-bwd"))
         if st.loss is not None and st.loss.requires_grad:
             outs.append(st.loss)
             grads.append(None)
         if outs:
             torch.autograd.backward(outs, grads)
         for t, stage in st.inbound:
-            self._isend(t.grad if t.grad is not None else torch.zeros_like(t), stage, _BWD)
+            self._isend(t.grad if t.grad is not None else torch.zeros_like(t), stage, "own-bwd")
 
     def train(
         self,
@@ -356,38 +364,42 @@ class RankHookExecutor(RankStage, HookedExecutor):
         targets: Sequence[Any],
         loss_fn: Callable[[Any, Any], torch.Tensor],
         weights: Sequence[float],
+        spec: LossSpec | None = None,
     ) -> torch.Tensor:
-        s, n = self.settings, self.mesh.stages
-        last = self.stage == n - 1
-        losses: list[torch.Tensor] = []
-        live: dict[int, _Forward] = {}
-        self._check_same_batch(work.chunks, targets)
+        self.ranks.check_same_batch(work.chunks, targets)
         metering, signature = self._metering(work)
-        with self._layers_wrapped(), self._reducing() as finished:
-            ok = False
-            try:
-                for action in sched.build(s.schedule, s.microbatches, n)[self.stage]:
-                    mb = action.microbatch
-                    with self.recorder.block(self.stage, self.device, mb, action.kind):
-                        if action.kind == sched.FORWARD:
-                            out, st = self._forward(work, mb, grad=True, metering=metering)
-                            if last:
-                                st.loss = self._loss(out, targets[mb], loss_fn, weights[mb])
-                                losses.append(st.loss.detach().to(torch.float64))
-                            live[mb] = st
-                        else:
-                            self._backward(live.pop(mb))
-                ok = True
-            finally:
-                self._transport.finish(ok)
+        with self._layers_wrapped(), self.ranks.reducing() as reduction:
+            mine = self._run_schedule(work, targets, loss_fn, weights, metering)
             if metering:
                 self._steps.done(signature)
-            mine = torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float64, device=self.device)
-            finished(mine)
+            reduction.finished(mine)
         # the last stage's loss (summed over replicas when there are any) on every rank of this pipeline
-        box = (self._step_total if self._step_total is not None else mine).reshape(1).to(self._comm)
-        dist.broadcast(box, src=self._peer(n - 1), group=self._pipe_group)
-        return box[0].to(self.device, torch.float32)
+        return self.ranks.shared_loss(reduction.total if reduction.total is not None else mine)
+
+    def _run_schedule(
+        self, work: Work, targets: Sequence[Any], loss_fn: Callable[..., Any], weights: Sequence[float], metering: bool
+    ) -> torch.Tensor:
+        """This stage's actions of the schedule; returns the summed loss (float64; 0 on other stages)."""
+        s, n = self.settings, self.mesh.stages
+        losses: list[torch.Tensor] = []
+        live: dict[int, _Forward] = {}
+        ok = False
+        try:
+            for action in sched.build(s.schedule, s.microbatches, n)[self.stage]:
+                mb = action.microbatch
+                with self.recorder.block(self.stage, self.device, mb, action.kind):
+                    if action.kind == sched.FORWARD:
+                        out, st = self._forward(work, mb, grad=True, metering=metering)
+                        if self.ranks.last:
+                            st.loss = self._loss(out, targets[mb], loss_fn, weights[mb])
+                            losses.append(st.loss.detach().to(torch.float64))
+                        live[mb] = st
+                    else:
+                        self._backward(live.pop(mb))
+            ok = True
+        finally:
+            self._transport.finish(ok)
+        return torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float64, device=self.device)
 
     def forward(self, work: Work) -> list[Any]:
         """Outputs of every micro-batch on every rank of this pipeline (no autograd across processes)."""
@@ -401,4 +413,4 @@ class RankHookExecutor(RankStage, HookedExecutor):
                 ok = True
             finally:
                 self._transport.finish(ok)
-        return self._shared_outputs(outs)
+        return self.ranks.shared_outputs(outs)

@@ -1,0 +1,107 @@
+"""Layers to stages: what ``span`` cuts a model into, how it will run it, and on which devices.
+
+``layout(model, plan, devices, balance, ...)`` finds the model's layers (blocks inside containers,
+or top-level children), how its forward can be cut (``"sequential"``, ``"fx"``, or its own forward:
+``"own-forward"``), whether this process is one stage of a pipeline across ranks, and the layer
+groups and devices of the stages. It returns a ``Layout`` (data); ``runtime.choose`` picks the
+executor that runs it.
+
+Usage: ``lay = layout(model, None, devices=["cpu", "cpu"], balance=[2, 2])``; ``lay.groups``, ``lay.mode``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..layers import LayerSet, discovery
+from ..layers import fxsplit as split
+from ..planner.plans import Plan
+from .placement import parse_devices, stages_from_balance, stages_from_plan
+from .ranks.env import RankInfo
+from .ranks.mesh import Mesh
+from .ranks.pipelined import launched_mesh
+
+__all__ = ["Layout", "layout"]
+
+
+@dataclass
+class Layout:
+    """A model's stages: ``groups[s]`` (layer names) on ``devices[s]``, run the ``mode`` way.
+
+    ``why``: the reason for the mode; ``graph``: the fx graph (mode ``"fx"``); ``layer_set``: the
+    blocks (own forward of a model with blocks; else ``None``); ``ranked``: ``(mesh, rank info)`` when
+    this process is one stage of a pipeline across ranks.
+    """
+
+    mode: str
+    why: str
+    graph: Any
+    layer_set: LayerSet | None
+    groups: list[list[str]]
+    devices: list[torch.device]
+    ranked: tuple[Mesh, RankInfo] | None = None
+
+
+def _cut(model: nn.Module, split_points: Any, no_split: Any) -> tuple[str, str, Any, LayerSet | None, list[str], list[str] | None]:
+    """``(mode, why, graph, layer_set, names, order)``: how the forward is cut and the layers' names
+    (``order``: execution order where known before a first call)."""
+    if discovery.descends(model, split_points, no_split):
+        layer_set = discovery.model_layers(model, split_points=split_points, no_split=no_split)
+        names = layer_set.names()
+        why = f"its layers are blocks inside containers ({', '.join(names[:3])}, ...), which torch.fx splits do not cut"
+        return "own-forward", why, None, layer_set, names, None
+    mode, why, graph = split.choose_mode(model)
+    names = [n for n, _ in discovery.top_level_layers(model)]
+    if graph is not None:
+        return mode, why, graph, None, names, split.graph_layer_order(graph, names)
+    return mode, why, graph, None, names, (names if mode == "sequential" else None)
+
+
+def layout(
+    model: nn.Module, plan: Plan | None, devices: Any, balance: Sequence[int] | None, split_points: Any = None, no_split: Any = None
+) -> Layout:
+    """The stages of ``model`` placed by ``plan``, or by ``devices`` and ``balance`` (see the module docstring)."""
+    mode, why, graph, layer_set, names, order = _cut(model, split_points, no_split)
+    ranked = launched_mesh(plan, devices, balance)  # launched with pp > 1: one stage per rank (runtime.ranks)
+    here = ranked[1].device if ranked is not None else None
+    if ranked is not None and plan is None:
+        devices = [ranked[1].device] * ranked[0].stages
+    if plan is not None:
+        if layer_set is not None:
+            _check_plan_names(model, plan, names)
+            groups, devs = stages_from_plan(plan, plan.layers, None, here)
+        else:
+            groups, devs = stages_from_plan(plan, names, order, here)
+    else:
+        devs = _devices(model, devices, balance)
+        groups = stages_from_balance(order or names, devs, balance)
+    if ranked is not None:
+        devs = [ranked[1].device] * len(groups)
+    return Layout(mode, why, graph, layer_set, groups, devs, ranked)
+
+
+def _check_plan_names(model: nn.Module, plan: Plan, names: list[str]) -> None:
+    """Every layer a plan names is a module of ``model`` (the recording forward checks order later)."""
+    modules = dict(model.named_modules())
+    for i, st in enumerate(plan.stages):
+        unknown = [n for n in st.layers if n not in modules]
+        if unknown:
+            raise ValueError(
+                f"plan stage {i} names layer(s) {unknown}, which the model does not have; its layers are "
+                f"{', '.join(names)}. Re-plan for this model (torchspan.plan(model, x, ...))"
+            )
+
+
+def _devices(model: nn.Module, devices: Any, balance: Sequence[int] | None) -> list[torch.device]:
+    """``devices`` as given, else one stage on the device of the model's first parameter (or the CPU)."""
+    if devices is not None:
+        return parse_devices(devices)
+    if balance is not None and len(balance) != 1:
+        raise ValueError(f"balance={balance} needs devices=[...] with {len(balance)} entries")
+    first = next(iter(model.parameters()), None)
+    return [first.device if first is not None else torch.device("cpu")]
