@@ -147,7 +147,7 @@ def _local_pipeline(model: nn.Module, inputs: Any, target: Any, loss_fn: Callabl
         balance=list(opts.balance) if opts.balance else None,
         microbatches=opts.microbatches,
         schedule=opts.schedule,
-        checkpoint=opts.recompute,
+        recompute=opts.recompute,
     )
     return spanned.train_step(inputs, target, loss_fn, loss_reduction=opts.loss_reduction)
 
@@ -199,7 +199,7 @@ def _span_ranked(model: nn.Module, stages: int, opts: StepOptions) -> Any:
         balance=list(opts.balance) if opts.balance else None,
         microbatches=opts.microbatches,
         schedule=opts.schedule,
-        checkpoint=opts.recompute,
+        recompute=opts.recompute,
     )
 
 

@@ -155,7 +155,7 @@ def _span(model: torch.nn.Module, args: argparse.Namespace, balance: list[int] |
             balance=balance,
             microbatches=args.microbatches,
             schedule=args.schedule,
-            checkpoint=args.recompute,
+            recompute=args.recompute,
         )
     return spanned, [str(w.message) for w in caught]
 
