@@ -16,7 +16,7 @@ from torchspan.planner import Plan, StagePlan
 from torchspan.planner.cluster import ClusterCandidate, cluster_search, evaluate_cluster, even_cut, stage_reductions, world_splits
 from torchspan.planner.comm import BUCKET_BYTES, allreduce_time, buckets, finish_time, p2p_time, ring_bytes, slowest
 from torchspan.planner.cost import CostModel
-from torchspan.planner.mesh import Mesh, layouts, replica_profile
+from torchspan.planner.topology import Cluster, layouts, replica_profile
 from torchspan.profiler.costs import Profile
 
 from planner_synth import device, layer
@@ -119,19 +119,19 @@ def test_layouts_and_mesh() -> None:
     assert layouts(2, 2) == [("pipelines-in-node", [[0, 2], [1, 3]]), ("replicas-in-node", [[0, 1], [2, 3]])]
     assert layouts(1, 4) == [("pipelines-in-node", [[0], [1], [2], [3]])]
     prof = _profile(2, None, 1000, 10.0)
-    mesh = Mesh.describe(prof.devices, 2, intra="nvlink4", interconnect="eth-25g")
+    mesh = Cluster.describe(prof.devices, 2, intra="nvlink4", interconnect="eth-25g")
     assert mesh.world == 4 and mesh.link([0, 1]).key == "nvlink4" and mesh.link([1, 2]).key == "eth-25g"
     mixed = [device("cuda", "gpu", None, index=0), device("cuda", "other", None, index=1)]
     with pytest.raises(ValueError, match="one kind of device per node"):
-        Mesh.describe(mixed, 2)
+        Cluster.describe(mixed, 2)
     with pytest.raises(ValueError, match="nodes=0"):
-        Mesh.describe(prof.devices, 0)
+        Cluster.describe(prof.devices, 0)
 
 
 def test_evaluate_cluster_exact_for_data_parallel() -> None:
     """dp 2 x pp 1: step = the cost model's step + the ring all-reduce of all gradients."""
     prof = _profile(1, None, params=4000, out=10.0, batch=8, layers=2)
-    mesh = Mesh.describe(prof.devices, 2, intra="nvlink4", interconnect="ib-400g")
+    mesh = Cluster.describe(prof.devices, 2, intra="nvlink4", interconnect="ib-400g")
     cm = CostModel(replica_profile(prof, 1, 4), 1, "1f1b", "never")
     ev = cm.evaluate(even_cut(cm, 1).stages)
     cand = evaluate_cluster(cm, ev, mesh, [[0, 1]], "pipelines-in-node")
@@ -145,7 +145,7 @@ def test_evaluate_cluster_exact_for_data_parallel() -> None:
 
 def test_picks_data_parallel_when_the_model_fits_and_the_link_is_fast() -> None:
     prof = _profile(4, None, params=1000, out=10.0)
-    plan = cluster_search(prof, Mesh.describe(prof.devices, 2, intra="nvlink4", interconnect="ib-400g"))
+    plan = cluster_search(prof, Cluster.describe(prof.devices, 2, intra="nvlink4", interconnect="ib-400g"))
     assert plan.data_parallel == 8 and len(plan.stages) == 1 and plan.world_size == 8
     assert sorted(r for row in plan.stage_ranks for r in row) == list(range(8))
     t = plan.predicted_times
@@ -156,11 +156,11 @@ def test_picks_data_parallel_when_the_model_fits_and_the_link_is_fast() -> None:
 def test_picks_a_pipeline_when_the_model_does_not_fit_one_device() -> None:
     state = 4 * 1_000_000  # params + grads + adam state per layer
     prof = _profile(2, capacity=3 * state, params=1_000_000, out=10.0)  # 8 layers: 32 MB, 12 MB per device
-    plan = cluster_search(prof, Mesh.describe(prof.devices, 2, intra="nvlink4", interconnect="ib-400g"))
+    plan = cluster_search(prof, Cluster.describe(prof.devices, 2, intra="nvlink4", interconnect="ib-400g"))
     assert len(plan.stages) == 4 and plan.data_parallel == 1
     assert all(s.total_bytes <= 3 * state for s in plan.stages)
     with pytest.raises(torchspan.PlanError, match="no data x pipeline split"):
-        cluster_search(_profile(1, capacity=state // 2, params=1_000_000, out=10.0), Mesh.describe(
+        cluster_search(_profile(1, capacity=state // 2, params=1_000_000, out=10.0), Cluster.describe(
             _profile(1, capacity=state // 2, params=1_000_000, out=10.0).devices, 2))
 
 
@@ -168,7 +168,7 @@ def test_slow_interconnect_keeps_each_stages_replicas_on_one_node() -> None:
     """Big gradients, small activations, 25 Gb/s between nodes: all-reduce inside a node, hand over across."""
     state = 4 * 1_000_000
     prof = _profile(2, capacity=5 * state, params=1_000_000, out=10.0)  # needs 2 stages
-    plan = cluster_search(prof, Mesh.describe(prof.devices, 2, intra="nvlink4", interconnect="eth-25g"), data_parallel=2)
+    plan = cluster_search(prof, Cluster.describe(prof.devices, 2, intra="nvlink4", interconnect="eth-25g"), data_parallel=2)
     assert plan.data_parallel == 2 and len(plan.stages) == 2
     for row in plan.stage_ranks:
         assert len({r // 2 for r in row}) == 1  # one node per stage
@@ -203,7 +203,7 @@ def _dp_candidate(backward: bool, bucket: float, link: str = "eth-25g") -> tuple
     if not backward:
         for lay in prof.layers:
             lay.backward_per_sample = [0.0]
-    mesh = Mesh.describe(prof.devices, 2, intra="nvlink4", interconnect=link)
+    mesh = Cluster.describe(prof.devices, 2, intra="nvlink4", interconnect=link)
     cm = CostModel(replica_profile(prof, 1, 4), 1, "1f1b", "never")
     return evaluate_cluster(cm, even_cut(cm, 1), mesh, [[0, 1]], "pipelines-in-node", bucket_bytes=bucket), links.lookup(link)
 
@@ -238,7 +238,7 @@ def test_data_parallel_all_reduce_exposed_when_backward_is_tiny() -> None:
 def test_pipeline_later_stages_hide_their_reduction_behind_earlier_backward(recompute: str) -> None:
     """dp 2 x pp 2: stage 1 ends its last backward Bw_0 (+ F_0 recomputed) + one hand-over before stage 0."""
     prof = _profile(2, None, params=4_000_000, out=1e5, batch=8, layers=4)
-    mesh = Mesh.describe(prof.devices, 2, intra="pcie4", interconnect="eth-25g")
+    mesh = Cluster.describe(prof.devices, 2, intra="pcie4", interconnect="eth-25g")
     cm = CostModel(replica_profile(prof, 2, 4), 2, "1f1b", recompute)
     ev = even_cut(cm, 2)
     ranks = [[0, 1], [2, 3]]  # each stage's replicas on one node (pcie4); hand-overs cross nodes
@@ -259,7 +259,7 @@ def test_overlap_makes_data_parallel_the_choice() -> None:
     """800 MB of gradients: all-reduced after backward (one bucket) a 2-stage pipeline wins; in 25 MiB
     buckets during backward, data parallel does."""
     prof = _profile(2, None, params=100_000_000, out=1e4, batch=64)
-    mesh = Mesh.describe(prof.devices, 1, intra="nvlink4")
+    mesh = Cluster.describe(prof.devices, 1, intra="nvlink4")
     after = cluster_search(prof, mesh, bucket_bytes=float("inf"))
     assert after.data_parallel == 1 and len(after.stages) == 2
     plan = cluster_search(prof, mesh)
@@ -309,11 +309,11 @@ def test_data_parallel_plans_run_as_the_replica_runs_one_batch_per_shard() -> No
         (_profile(4, None, params=1000, out=10.0), None),
         (_profile(2, None, params=100_000_000, out=1e4, batch=64), "one-node"),
     ]:
-        m = Mesh.describe(prof.devices, 2 if mesh is None else 1, intra="nvlink4", interconnect="ib-400g" if mesh is None else None)
+        m = Cluster.describe(prof.devices, 2 if mesh is None else 1, intra="nvlink4", interconnect="ib-400g" if mesh is None else None)
         plan = cluster_search(prof, m)
         assert len(plan.stages) == 1 and plan.data_parallel > 1
         assert plan.microbatches == 1 and plan.recompute == "never", (plan.microbatches, plan.recompute)
     prof = _profile(4, None, params=1000, out=10.0)
-    fixed = cluster_search(prof, Mesh.describe(prof.devices, 2, intra="nvlink4", interconnect="ib-400g"), microbatches=4)
+    fixed = cluster_search(prof, Cluster.describe(prof.devices, 2, intra="nvlink4", interconnect="ib-400g"), microbatches=4)
     assert len(fixed.stages) > 1
     assert any("a data-parallel replica runs its shard as one batch" in n for n in fixed.notes), fixed.notes

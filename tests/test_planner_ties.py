@@ -10,7 +10,7 @@ from torchspan.hardware.links import Link
 from torchspan.planner.cluster import evaluate_cluster
 from torchspan.planner.comm import allreduce_time
 from torchspan.planner.cost import CostModel
-from torchspan.planner.mesh import Mesh
+from torchspan.planner.topology import Cluster
 from torchspan.planner.optimize import search
 from torchspan.planner.stages import Stage
 from torchspan.planner.ties import TieCost
@@ -95,9 +95,9 @@ def test_a_cheap_tie_stays_split_and_is_charged() -> None:
     assert entry["stages"] == [0, 1] and entry["seconds"] == pytest.approx(2 * 2 * 1000 / BW, rel=1e-9)
 
 
-def _mesh(per_node: int) -> Mesh:
+def _mesh(per_node: int) -> Cluster:
     link = Link("test", "test link", BW, 1e-5, 1.0, "test figures")
-    return Mesh(1, per_node, device("cuda", "gpu", None, bandwidth=BW), link, link)
+    return Cluster(1, per_node, device("cuda", "gpu", None, bandwidth=BW), link, link)
 
 
 def test_cluster_charges_the_tie_groups_allreduce() -> None:

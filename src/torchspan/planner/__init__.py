@@ -7,7 +7,7 @@ step time and memory), ``settings`` (the
 settings grid), ``solver`` (the exact dynamic programme), ``explain`` (why nothing fits:
 ``PlanError``'s text), ``optimize`` (``search``), ``baselines``, ``spread`` (one stage per
 device), ``measured`` (predicted vs measured), ``comm`` (all-reduce and point-to-point times over
-``hardware.links``), ``mesh`` and ``cluster`` (data x pipeline plans for nodes you describe), ``api`` (``plan``).
+``hardware.links``), ``topology`` (``Cluster``: nodes you describe) and ``cluster`` (data x pipeline plans on it), ``api`` (``plan``).
 
 Usage::
 

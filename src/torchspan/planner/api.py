@@ -20,7 +20,7 @@ from ..hardware import devices as find_devices
 from .plans import Plan
 from .optimize import search
 from .cluster import cluster_search
-from .mesh import Mesh
+from .topology import Cluster
 from .ties import TieCost
 
 __all__ = ["plan", "recompute_alias"]
@@ -70,14 +70,14 @@ def plan(
     devs = find_devices(devices, memory)
     one_process = (nodes is None or nodes == 1) and intra_link is None and data_parallel == "auto"
     # the cluster is checked before the (slow) profile
-    mesh = None if one_process else Mesh.describe(devs, nodes or 1, intra=intra_link, interconnect=interconnect)
+    cluster = None if one_process else Cluster.describe(devs, nodes or 1, intra=intra_link, interconnect=interconnect)
     prof = profile(model, example_inputs, devs, optimizer=optimizer, dtype=dtype)
     ties = tie_costs(model, [lay.name for lay in prof.layers])
-    if mesh is None:
+    if cluster is None:
         result = search(prof, microbatches=microbatches, schedule=schedule, recompute=recompute, ties=ties)
     else:
         result = cluster_search(
-            prof, mesh, microbatches=microbatches, schedule=schedule, recompute=recompute, data_parallel=data_parallel,
+            prof, cluster, microbatches=microbatches, schedule=schedule, recompute=recompute, data_parallel=data_parallel,
             ties=ties,
         )  # fmt: skip
     if not result.ties:  # the searches record (and charge) the ties they were given

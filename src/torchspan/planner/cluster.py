@@ -1,14 +1,14 @@
-"""Data x pipeline plans for a cluster you describe: ``cluster_search(profile, mesh) -> Plan``.
+"""Data x pipeline plans for a cluster you describe: ``cluster_search(profile, cluster) -> Plan``.
 
 Usage::
 
-    mesh = Mesh.describe(profile.devices, nodes=2, interconnect="ib-400g")   # profile of ONE node
-    plan = cluster_search(profile, mesh)            # plan.data_parallel, plan.stage_ranks, plan.predicted_times
+    cluster = Cluster.describe(profile.devices, nodes=2, interconnect="ib-400g")   # profile of ONE node
+    plan = cluster_search(profile, cluster)            # plan.data_parallel, plan.stage_ranks, plan.predicted_times
 
 What is searched: every data-parallel degree ``dp`` with ``dp * pp = nodes * per_node`` (the world
-size; ``pp <= layers``, ``dp <= batch``), both ``mesh.layouts``, and for each the pipeline cut,
+size; ``pp <= layers``, ``dp <= batch``), both ``cluster.layouts``, and for each the pipeline cut,
 micro-batch count, schedule and recompute mode of one replica (``optimize.search`` on
-``mesh.replica_profile``: ``pp`` copies of the node's device, ``ceil(B / dp)`` samples, hand-overs
+``cluster.replica_profile``: ``pp`` copies of the node's device, ``ceil(B / dp)`` samples, hand-overs
 priced at the slowest link the layout's pipelines cross). When that best pipeline leaves some
 of its ``pp`` devices idle (fewer stages are faster for one replica), ``even_cut`` cuts it into
 exactly ``pp`` stages instead, for every setting: ``dp * pp`` fills the world.
@@ -39,7 +39,7 @@ on the link its replicas span) ends, in seconds after the pipeline's last backwa
 
 Tied parameters (``planner.ties``; ``RankStage``): a tie held by stages ``T`` (more than one) is all-reduced
 in its own group, the ranks of ``T`` in every replica (``n = dp * |T|``), on the slowest link among them
-(``mesh.link``), one flat buffer launched with the stage's own, after each rank's last backward; its
+(``cluster.link``), one flat buffer launched with the stage's own, after each rank's last backward; its
 bytes leave the home stage's buffer. A collective starts when its last member joins, the stage of
 ``T`` that finished backward last (the least ``lead_s``), so ``end_t = AR_t - min_{s in T} lead_s``.
 It runs beside the stages' all-reduces (other groups, other communicators), so only what it adds
@@ -69,7 +69,7 @@ from ..profiler.costs import Profile
 from .comm import BUCKET_BYTES, allreduce_time, buckets, finish_time, p2p_time
 from .cost import CostModel
 from .errors import PlanError
-from .mesh import Mesh, layouts, replica_profile, shard_size
+from .topology import Cluster, layouts, replica_profile, shard_size
 from .optimize import search
 from .physical import INF, host_bandwidth
 from .plans import Plan
@@ -166,21 +166,21 @@ def world_splits(world: int, layers: int, batch_size: int, data_parallel: int | 
 
 
 def evaluate_cluster(
-    cm: CostModel, ev: Evaluation, mesh: Mesh, stage_ranks: list[list[int]], layout: str, bucket_bytes: float = BUCKET_BYTES,
+    cm: CostModel, ev: Evaluation, cluster: Cluster, stage_ranks: list[list[int]], layout: str, bucket_bytes: float = BUCKET_BYTES,
     ties: Sequence[TieCost] = (),
 ) -> ClusterCandidate:
-    """Predict a replica placement ``ev`` (under ``cm``, hand-overs free) on ``mesh`` (see the module docstring).
+    """Predict a replica placement ``ev`` (under ``cm``, hand-overs free) on ``cluster`` (see the module docstring).
     ``ties``: tied parameters, all-reduced in their own group where ``ev`` splits them.
 
-    Usage: ``evaluate_cluster(cm, cm.evaluate(stages), mesh, [[0, 1]], "pipelines-in-node").step``.
+    Usage: ``evaluate_cluster(cm, cm.evaluate(stages), cluster, [[0, 1]], "pipelines-in-node").step``.
     """
     S, M = len(ev.stages), cm.M
-    host = host_bandwidth(mesh.device)
+    host = host_bandwidth(cluster.device)
     c_in = 0.0 if host == INF else float(cm.inb[0]) / host
     hand: list[float] = []
     link_keys: list[str] = []
     for s in range(S - 1):
-        link = _slowest_hop(mesh, stage_ranks[s], stage_ranks[s + 1])
+        link = _slowest_hop(cluster, stage_ranks[s], stage_ranks[s + 1])
         hand.append(2.0 * p2p_time(float(cm.out[ev.stages[s].end - 1]), link))
         link_keys.append(link.key)
     base = ev.latency_sum - sum(ev.links)  # stages only (the cost model's own links are free here)
@@ -188,13 +188,13 @@ def evaluate_cluster(
     pipeline = base + c_in + sum(hand) + (M - 1) * max([ev.bottleneck, c_in, *hand])
     split = [(t, split_stages(t, ev.stages)) for t in ties]
     split = [(t, st) for t, st in split if len(st) > 1]
-    reductions = stage_reductions(cm, ev, mesh, stage_ranks, [h / 2 for h in hand], bucket_bytes, [t for t, _ in split])
+    reductions = stage_reductions(cm, ev, cluster, stage_ranks, [h / 2 for h in hand], bucket_bytes, [t for t, _ in split])
     exposed = max(0.0, *(r.end for r in reductions))
     leads = _leads(cm, ev, [h / 2 for h in hand])
     tied = []
     for tie, held in split:
         ranks = sorted(r for s in held for r in stage_ranks[s])
-        link = mesh.link(ranks)
+        link = cluster.link(ranks)
         seconds = allreduce_time(float(tie.nbytes), len(ranks), link)
         tied.append((tie, len(ranks), Reduction(link.key, seconds, 1, seconds - min(leads[s] for s in held))))
     beyond = max(exposed, *(r.end for _, _, r in tied)) - exposed if tied else 0.0
@@ -214,7 +214,7 @@ def _leads(cm: CostModel, ev: Evaluation, back: list[float]) -> list[float]:
 
 
 def stage_reductions(
-    cm: CostModel, ev: Evaluation, mesh: Mesh, stage_ranks: list[list[int]], back: list[float], bucket_bytes: float = BUCKET_BYTES,
+    cm: CostModel, ev: Evaluation, cluster: Cluster, stage_ranks: list[list[int]], back: list[float], bucket_bytes: float = BUCKET_BYTES,
     split: Sequence[TieCost] = (),
 ) -> list[Reduction]:
     """Each stage's gradient all-reduce and when it ends after the last backward (see the module docstring).
@@ -222,13 +222,13 @@ def stage_reductions(
     ``back[s]``: seconds to hand a gradient from stage ``s + 1`` back to ``s``. One stage: DDP buckets
     of ``bucket_bytes`` during its backward; several: one buffer per stage once its last backward ran,
     without the ties in ``split`` (reduced in their own groups; the profile counts one in its home layer).
-    Usage: ``stage_reductions(cm, ev, mesh, [[0, 1]], [])[0].end``.
+    Usage: ``stage_reductions(cm, ev, cluster, [[0, 1]], [])[0].end``.
     """
     S, dp = len(ev.stages), len(stage_ranks[0])
     out: list[Reduction] = []
     lead = 0.0  # how long before stage 0 this stage ran its last backward
     for s, stage in enumerate(ev.stages):
-        link = mesh.link(stage_ranks[s])
+        link = cluster.link(stage_ranks[s])
         own = float(ev.memory[s].grads) - sum(t.nbytes for t in split if stage.start <= t.layers[0] < stage.end)
         ready, sizes = _bucket_ready(cm, stage, bucket_bytes) if S == 1 else ([0.0], [max(0.0, own)])
         seconds = [allreduce_time(b, dp, link) for b in sizes]
@@ -284,10 +284,10 @@ def even_cut(cm: CostModel, stages: int) -> Evaluation | None:
     return cm.evaluate(out)
 
 
-def _slowest_hop(mesh: Mesh, here: list[int], there: list[int]) -> Link:
+def _slowest_hop(cluster: Cluster, here: list[int], there: list[int]) -> Link:
     """The slowest link between stage ``s`` and ``s + 1`` over all replicas (they move in step)."""
-    crosses = any(mesh.node_of(a) != mesh.node_of(b) for a, b in zip(here, there))
-    return mesh.inter if crosses else mesh.intra
+    crosses = any(cluster.node_of(a) != cluster.node_of(b) for a, b in zip(here, there))
+    return cluster.inter if crosses else cluster.intra
 
 
 def _replica_settings(microbatches: int | str, schedule: str, recompute: str) -> list[tuple[int, str, str]]:
@@ -299,7 +299,7 @@ def _replica_settings(microbatches: int | str, schedule: str, recompute: str) ->
 
 def cluster_search(
     profile: Profile,
-    mesh: Mesh,
+    cluster: Cluster,
     *,
     microbatches: int | str = "auto",
     schedule: str = "auto",
@@ -308,20 +308,20 @@ def cluster_search(
     bucket_bytes: float = BUCKET_BYTES,
     ties: Sequence[TieCost] = (),
 ) -> Plan:
-    """The fastest data x pipeline plan of ``profile`` (one node's devices) on ``mesh``.
+    """The fastest data x pipeline plan of ``profile`` (one node's devices) on ``cluster``.
 
     ``bucket_bytes``: the data-parallel runtime's gradient bucket (``DataParallelReplica``'s 25 MiB).
     ``ties``: tied parameters (``planner.ties``), all-reduced per step where a candidate splits them.
 
-    Usage: ``cluster_search(profile, Mesh.describe(profile.devices, nodes=2))``. Raises ``PlanError``
+    Usage: ``cluster_search(profile, Cluster.describe(profile.devices, nodes=2))``. Raises ``PlanError``
     when no split fits memory, ``ValueError`` when no split of the world exists.
     """
-    if len(profile.devices) != mesh.per_node:
+    if len(profile.devices) != cluster.per_node:
         raise ValueError(
-            f"profile has {len(profile.devices)} device(s) but mesh.per_node={mesh.per_node}; "
-            "profile one node's devices and describe the mesh from them"
+            f"profile has {len(profile.devices)} device(s) but cluster.per_node={cluster.per_node}; "
+            "profile one node's devices and describe the cluster from them"
         )
-    splits = world_splits(mesh.world, len(profile.layers), profile.batch_size, data_parallel)
+    splits = world_splits(cluster.world, len(profile.layers), profile.batch_size, data_parallel)
     candidates: list[ClusterCandidate] = []
     skipped: list[str] = []
     last_error: PlanError | None = None
@@ -332,7 +332,7 @@ def cluster_search(
             continue
         compute_only = replica_profile(profile, pp, b)
         for layout, ranks in layouts(dp, pp):
-            priced = replica_profile(profile, pp, b, _stage_link(mesh, ranks).effective_bandwidth)
+            priced = replica_profile(profile, pp, b, _stage_link(cluster, ranks).effective_bandwidth)
             try:
                 chosen = search(priced, microbatches=microbatches, schedule=schedule, recompute=recompute)
             except PlanError as exc:
@@ -341,7 +341,7 @@ def cluster_search(
                 break  # the other layout has the same memory
             if len(chosen.stages) == pp and pp > 1:
                 cm = CostModel(compute_only, chosen.microbatches, chosen.schedule, chosen.recompute)
-                candidates.append(evaluate_cluster(cm, cm.evaluate(cm.stages_for(chosen)), mesh, ranks, layout, bucket_bytes, ties))
+                candidates.append(evaluate_cluster(cm, cm.evaluate(cm.stages_for(chosen)), cluster, ranks, layout, bucket_bytes, ties))
                 continue
             # the replica's best pipeline leaves devices idle: cut it into exactly pp stages instead. One stage is a
             # data-parallel replica (DataParallelReplica): it runs its shard as one batch, without recompute
@@ -350,7 +350,7 @@ def cluster_search(
                 skipped.append(f"dp {dp} x pp 1: a data-parallel replica runs its shard as one batch (microbatches=1, recompute='never')")
                 continue
             forced = [
-                evaluate_cluster(cm, ev, mesh, ranks, layout, bucket_bytes, ties)
+                evaluate_cluster(cm, ev, cluster, ranks, layout, bucket_bytes, ties)
                 for m, sch, rc in grid
                 for cm in [CostModel(compute_only, m, sch, rc)]
                 for ev in [even_cut(cm, pp)]
@@ -363,21 +363,21 @@ def cluster_search(
     if not candidates:
         if last_error is not None and all("does not fit" in s for s in skipped):
             raise PlanError(
-                f"no data x pipeline split of {mesh.world} ranks fits: even {splits[-1][1]} stage(s) per replica "
+                f"no data x pipeline split of {cluster.world} ranks fits: even {splits[-1][1]} stage(s) per replica "
                 f"need more memory than a device has.\n{last_error}"
             )
         raise ValueError(
-            f"no data x pipeline split of {mesh.world} ranks fills the world: " + "; ".join(skipped)
+            f"no data x pipeline split of {cluster.world} ranks fills the world: " + "; ".join(skipped)
             + ". Use fewer devices per node or nodes, or a larger batch"
         )
     best = min(candidates, key=lambda c: (c.step, c.pp, c.layout))
-    return _to_plan(best, candidates, skipped, mesh, profile.batch_size, bucket_bytes, ties)
+    return _to_plan(best, candidates, skipped, cluster, profile.batch_size, bucket_bytes, ties)
 
 
-def _stage_link(mesh: Mesh, ranks: list[list[int]]) -> Link:
+def _stage_link(cluster: Cluster, ranks: list[list[int]]) -> Link:
     """The slowest link any hand-over of this layout crosses (the search prices every boundary at it)."""
-    hops = [_slowest_hop(mesh, ranks[s], ranks[s + 1]) for s in range(len(ranks) - 1)]
-    return mesh.inter if mesh.inter in hops else mesh.intra
+    hops = [_slowest_hop(cluster, ranks[s], ranks[s + 1]) for s in range(len(ranks) - 1)]
+    return cluster.inter if cluster.inter in hops else cluster.intra
 
 
 def _overlap_note(best: ClusterCandidate, bucket_bytes: float) -> str:
@@ -395,14 +395,14 @@ def _overlap_note(best: ClusterCandidate, bucket_bytes: float) -> str:
 
 
 def _to_plan(
-    best: ClusterCandidate, all_: list[ClusterCandidate], skipped: list[str], mesh: Mesh, batch: int, bucket_bytes: float,
+    best: ClusterCandidate, all_: list[ClusterCandidate], skipped: list[str], cluster: Cluster, batch: int, bucket_bytes: float,
     ties: Sequence[TieCost] = (),
 ) -> Plan:
     """The chosen candidate as a ``Plan``: replica 0's stages on their ranks' devices, the others in notes."""
     notes = [f"chosen: {best.row()}"]
-    notes += [f"assumed {a}" for a in mesh.assumed]
+    notes += [f"assumed {a}" for a in cluster.assumed]
     notes.append(
-        f"links: intra-node {mesh.intra.short()}, interconnect {mesh.inter.short()}; "
+        f"links: intra-node {cluster.intra.short()}, interconnect {cluster.inter.short()}; "
         "figures and sources: torchspan.hardware.links"
     )
     if best.dp > 1:
@@ -422,8 +422,8 @@ def _to_plan(
         for t in plan.ties if "seconds" in t
     ]  # fmt: skip
     replica0 = [row[0] for row in best.stage_ranks]
-    stages = [dataclasses.replace(sp, device=mesh.local_device(r)) for sp, r in zip(plan.stages, replica0)]
-    peak = {f"rank {r} ({mesh.local_device(r)}, node {mesh.node_of(r)})": m.total for r, m in zip(replica0, best.evaluation.memory)}
+    stages = [dataclasses.replace(sp, device=cluster.local_device(r)) for sp, r in zip(plan.stages, replica0)]
+    peak = {f"rank {r} ({cluster.local_device(r)}, node {cluster.node_of(r)})": m.total for r, m in zip(replica0, best.evaluation.memory)}
     return dataclasses.replace(
         plan,
         stages=stages,
@@ -431,11 +431,11 @@ def _to_plan(
         predicted_step_time=best.step,
         peak_memory=peak,
         data_parallel=best.dp,
-        nodes=mesh.nodes,
-        devices_per_node=mesh.per_node,
+        nodes=cluster.nodes,
+        devices_per_node=cluster.per_node,
         stage_ranks=[list(r) for r in best.stage_ranks],
-        interconnect=mesh.inter.key,
-        intra_link=mesh.intra.key,
+        interconnect=cluster.inter.key,
+        intra_link=cluster.intra.key,
         # "allreduce": the exposed part (compute + allreduce + p2p = the step); "allreduce_total": all of it
         predicted_times={
             "compute": best.compute, "allreduce": best.allreduce, "allreduce_total": best.allreduce_total, "p2p": best.p2p,

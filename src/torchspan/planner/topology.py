@@ -1,6 +1,6 @@
 """A cluster you describe, and where a data x pipeline plan puts each (stage, replica) on it.
 
-``Mesh``: ``nodes`` machines of ``per_node`` identical devices joined by ``intra`` inside a node
+``Cluster``: ``nodes`` machines of ``per_node`` identical devices joined by ``intra`` inside a node
 and ``inter`` between nodes; global rank ``node * per_node + local index``. A data x pipeline
 plan runs ``dp`` replicas of a ``pp``-stage pipeline: ``world = nodes * per_node = dp * pp``.
 Two layouts place them (``layouts``):
@@ -16,9 +16,9 @@ node's device (times of its first entry, the smallest budget of the node) at the
 
 Usage::
 
-    mesh = Mesh.describe(profile.devices, nodes=2, intra="nvlink", interconnect="ib-400g")
+    cluster = Cluster.describe(profile.devices, nodes=2, intra="nvlink", interconnect="ib-400g")
     for name, ranks in layouts(dp=4, pp=4): ...      # ranks[s][r]: rank of stage s in replica r
-    rep = replica_profile(profile, pp=4, batch_size=8, link_bandwidth=mesh.intra.effective_bandwidth)
+    rep = replica_profile(profile, pp=4, batch_size=8, link_bandwidth=cluster.intra.effective_bandwidth)
 """
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ from ..hardware.links import Link, default_interconnect, default_intra, lookup
 from ..profiler.costs import LayerCost, Profile
 from .physical import INF, physical_names
 
-__all__ = ["Mesh", "layouts", "replica_profile", "shard_size", "LAYOUTS"]
+__all__ = ["Cluster", "layouts", "replica_profile", "shard_size", "LAYOUTS"]
 
 LAYOUTS = ("pipelines-in-node", "replicas-in-node")
 
 
 @dataclass(frozen=True)
-class Mesh:
+class Cluster:
     """``nodes`` x ``per_node`` identical devices; ``intra``/``inter``: links inside/between nodes."""
 
     nodes: int
@@ -70,8 +70,8 @@ class Mesh:
     @classmethod
     def describe(
         cls, devices: Sequence[Device], nodes: int, intra: str | None = None, interconnect: str | None = None
-    ) -> Mesh:
-        """The mesh of ``nodes`` machines each with ``devices`` (one node's list). Raises ``ValueError``."""
+    ) -> Cluster:
+        """The cluster of ``nodes`` machines each with ``devices`` (one node's list). Raises ``ValueError``."""
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
             raise ValueError(f"nodes={nodes!r} must be an int >= 1 (machines, each with the listed devices)")
         if not devices:
