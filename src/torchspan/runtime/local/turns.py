@@ -1,6 +1,6 @@
 """Turn-taking for threads that run micro-batches through one model: whose turn it is on each stage.
 
-The threaded executor runs one thread per micro-batch, each calling the model's own forward (and
+The own-forward executor (``threaded``) runs one thread per micro-batch, each calling the model's own forward (and
 backward). ``Turns`` decides when a thread may run a stage: the actions ``(kind, stage,
 micro-batch)`` of ``torchspan.schedule`` are grouped per worker (stages sharing one worker take
 turns, as in the pipelined mode) and merged in clock order; an action may start once the action
@@ -16,7 +16,7 @@ stages the micro-batch skips, and takes the new stage's turn; ``finish()`` passe
 
 Usage::
 
-    turns = Turns(box, orders(sched.gpipe(3, 2), [[0], [1]], backward=True), stages=2)
+    turns = Turns(box, orders(sched.gpipe(3, 2), [[0], [1]], backward="all"))   # box: the step's Mailbox
     flow = Flow(turns, "forward", mb=0, stages=2, recorder=rec, devices=devs)
     flow.go(0); ...; flow.go(1); ...; flow.finish()
 """
