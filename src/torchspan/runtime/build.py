@@ -22,6 +22,7 @@ from .executor import Settings
 from .layout import layout
 from .memory import ActivationMeter
 from .placement import parse_devices
+from .ranks.env import join_launched_job
 from .ranks.mesh import launched_stages
 from .ranks.replicated import launched_replica
 from .record import Recorder
@@ -121,10 +122,12 @@ def span(
     ``spanned.parameters()`` as usual.
 
     In a launched job (a process group of size > 1: ``torchspan launch``/``torchrun`` and
-    ``torchspan.init_distributed()``), ``span(model)`` with one stage (no ``balance``, one device
-    or none, or a one-stage plan) returns this rank's exact data-parallel replica
-    (``runtime.ranks.replicated``: ``train_step`` on the rank's shard leaves every rank the
-    single-device gradient of all shards; ``join(optimizer)`` for uneven epoch ends); with more
+    ``torchspan.init_distributed()``; a script launched without that call joins its job here, as
+    ``init_distributed()`` would, rather than train as one lone process per rank), ``span(model)``
+    with one stage (no ``balance``, one device or none, or a one-stage plan) returns this rank's
+    exact data-parallel replica (``runtime.ranks.replicated``: ``train_step`` on the rank's shard
+    leaves every rank the single-device gradient of all shards, ``microbatches``, ``precision`` and
+    ``recompute`` as in one process; ``join(optimizer)`` for uneven epoch ends); with more
     stages, a pipeline across ranks: stage functions for an ``nn.Sequential`` or fx-traceable model
     (``runtime.ranks.pipelined``), else the model's own forward on every rank with the other stages'
     layers on ``meta`` (``runtime.ranks.ownforward``: transformers models, wrappers around ``ModuleList``s).
@@ -133,6 +136,7 @@ def span(
     """
     _check_arguments(model, plan, devices, balance)
     settings = span_settings(plan, microbatches, schedule, recompute_alias(recompute, checkpoint, None), precision, workers)  # type: ignore[arg-type]
+    join_launched_job("torchspan.span")  # launched without init_distributed(): join, never train as a lone process
     recorder = Recorder()
     if launched_stages(plan, devices, balance) == 1 and launched_replica(plan):  # launched: one replica per process
         device = parse_devices(devices)[0] if devices is not None else None

@@ -8,6 +8,12 @@ that is already initialised (Ray Train, the user's own ``init_process_group``) i
 under plain ``python``, ``init_distributed`` opens a world of one on a free local port, so the same
 script runs with and without a launcher.
 
+A launched script that forgets ``init_distributed()`` is not left to train unsynchronised: the
+first torchspan call that needs the job (``span``, ``shard_batch``/``rank_batches`` without an
+explicit rank) calls ``join_launched_job``, which joins it as ``init_distributed()`` would (every
+rank runs the same script, so every rank reaches that call; what Accelerate's ``Accelerator()`` and
+Lightning Fabric's ``launch()`` do), or refuses where joining cannot be right (a DataLoader worker).
+
 Usage::
 
     info = init_distributed()                # gloo on CPU, nccl with CUDA; idempotent
@@ -27,7 +33,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankInfo", "DEFAULT_TIMEOUT_S", "launch_env", "is_launched", "rank_info", "init_distributed", "free_port"]
+__all__ = [
+    "RankInfo", "DEFAULT_TIMEOUT_S", "launch_env", "is_launched", "rank_info", "init_distributed", "join_launched_job", "free_port",
+]  # fmt: skip
 
 DEFAULT_TIMEOUT_S = 600.0  # how long a collective waits for a missing peer before raising
 
@@ -241,3 +249,28 @@ def init_distributed(backend: str | None = None, timeout: float | timedelta | No
         url = f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
         dist.init_process_group(chosen, init_method=url, rank=rank, world_size=world, timeout=wait)
     return rank_info()
+
+
+def join_launched_job(caller: str) -> RankInfo | None:
+    """Join the job where the launcher's variables say this process is one rank of several and no
+    process group exists yet (``init_distributed()`` with its defaults); returns the ``RankInfo``
+    then, ``None`` where there is nothing to join (a group exists, or no launcher / a world of one).
+
+    ``caller`` names the torchspan call that needs the job, for the refusal: inside a DataLoader
+    worker process joining would open a second member for the same rank, so it raises
+    ``RuntimeError`` naming ``torchspan.init_distributed()`` (call it in the main process first).
+    """
+    if dist.is_available() and dist.is_initialized():
+        return None
+    env = launch_env()
+    if env is None or int(env["WORLD_SIZE"]) < 2:
+        return None
+    from torch.utils.data import get_worker_info
+
+    if get_worker_info() is not None:
+        raise RuntimeError(
+            f"{caller} ran in a DataLoader worker of rank {env['RANK']} (WORLD_SIZE={env['WORLD_SIZE']}) before the job's "
+            "process group exists, and a worker cannot join the job for its rank: call torchspan.init_distributed() in the "
+            "main process before creating the DataLoader, or pass rank= and world_size= explicitly"
+        )
+    return init_distributed()

@@ -7,6 +7,10 @@ concatenated in rank order are exactly the global batch. ``rank_batches`` splits
 batch over the ranks, so every rank takes the same number of steps per epoch (a rank whose part
 of the last batch is empty still calls ``train_step`` with its empty shard and adds zero).
 
+Without an explicit ``rank``/``world_size`` they read this process's rank; in a launched job with no
+process group yet they join it first (``env.join_launched_job``), so a script that forgot
+``init_distributed()`` still shards by the rank that trains.
+
 Usage::
 
     x_mine, y_mine = shard_batch((x, y))                      # this rank's rows of a global batch
@@ -22,13 +26,16 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .env import rank_info
+from .env import join_launched_job, rank_info
 
 __all__ = ["shard_sizes", "shard_range", "shard_batch", "rank_batches"]
 
 
-def _where(rank: int | None, world_size: int | None) -> tuple[int, int]:
+def _where(rank: int | None, world_size: int | None, caller: str = "shard_batch") -> tuple[int, int]:
     if rank is None or world_size is None:
+        # launched without init_distributed(): join the job first, so that the rank sharded by here is the
+        # rank that trains (span in the same script would otherwise be a lone process on every rank)
+        join_launched_job(f"torchspan.{caller}")
         info = rank_info()
         rank = info.rank if rank is None else rank
         world_size = info.world_size if world_size is None else world_size
@@ -50,7 +57,7 @@ def shard_sizes(total: int, world_size: int) -> list[int]:
 
 def shard_range(total: int, rank: int | None = None, world_size: int | None = None) -> range:
     """The contiguous indices of ``range(total)`` that ``rank`` owns (default: this process's rank)."""
-    rank, world_size = _where(rank, world_size)
+    rank, world_size = _where(rank, world_size, "shard_range")
     sizes = shard_sizes(total, world_size)
     start = sum(sizes[:rank])
     return range(start, start + sizes[rank])
@@ -95,7 +102,7 @@ def rank_batches(
     every rank, e.g. the epoch number). ``drop_last`` drops a final global batch smaller than
     ``batch_size``. Batches can be uneven or empty on some ranks; nothing is repeated.
     """
-    rank, world_size = _where(rank, world_size)
+    rank, world_size = _where(rank, world_size, "rank_batches")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be an integer >= 1 (the global batch over all ranks)")
     indices = list(range(samples)) if isinstance(samples, int) else [int(i) for i in samples]
