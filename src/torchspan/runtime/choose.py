@@ -65,10 +65,15 @@ def choose(
     unthreaded = OwnForwardExecutor.unsupported(lay.devices, settings.microbatches, settings.recompute)
     if not unthreaded:  # the model's own forward, one thread per micro-batch
         return OwnForwardExecutor(model, lay.devices, lay.groups, settings, recorder, meter, **options)
+    if len(lay.devices) > 1:  # one stage has nothing to pipeline: nothing to warn about
+        _warn_serial(lay.why, unthreaded, stacklevel + 1)
+    return SerialExecutor(model, lay.devices, lay.groups, settings, recorder, meter, **options)
+
+
+def _warn_serial(why: str, unthreaded: str, stacklevel: int) -> None:
     warnings.warn(
-        f"torchspan: {lay.why}; using hook placement (mode 'own-forward-serial'). Each layer lives on its device and "
+        f"torchspan: {why}; using hook placement (mode 'own-forward-serial'). Each layer lives on its device and "
         f"inputs are moved to it, but micro-batches run one after another (no pipelining): {unthreaded}.",
         UserWarning,
         stacklevel=stacklevel + 1,
     )
-    return SerialExecutor(model, lay.devices, lay.groups, settings, recorder, meter, **options)

@@ -68,6 +68,7 @@ class Executor(ABC):
 
     mode: str  # how it runs the model: "sequential", "fx", "own-forward", "own-forward-serial", "data-parallel"
     empty_batches = False  # True where a batch of zero rows is a valid step (a data-parallel rank's empty shard)
+    shards_batch = False  # True where this process's batch is one shard of a larger one (data-parallel replicas)
 
     def __init__(self, devices: Sequence[torch.device], groups: Sequence[Sequence[str]]) -> None:
         self.devices = list(devices)
@@ -100,7 +101,7 @@ class Executor(ABC):
         target: Any = None,
     ) -> LossSpec:
         """``spec`` made exact for this batch: an opaque loss calibrated on ``dry_outputs()`` (see ``losscheck``)."""
-        return checks.resolve(spec, targets, sizes, dry_outputs, target=target)
+        return checks.resolve(spec, targets, sizes, dry_outputs, target=target, shards=self.shards_batch)
 
     def join(self, optimizer: torch.optim.Optimizer | None = None) -> int:
         """End-of-epoch join of a data-parallel rank; in one process there is no other rank to wait for (0 steps)."""

@@ -20,6 +20,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -30,6 +31,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ..layers.slots import buffer_slots, kept
+from . import modelloss
 from .lossweights import LossSpec
 from .microbatch import NoSplit, gather
 
@@ -87,48 +89,98 @@ def calibrate(
     """
     if not spec.needs_check:
         return spec
+    if spec.kind == "model":
+        return modelloss.verify(spec, outputs, targets)
     if not (len(outputs) == len(targets) == len(sizes)) or not sizes:
         raise ValueError(
             f"outputs, targets and sizes must have one entry per micro-batch; got {len(outputs)}, {len(targets)}, "
             f"{len(sizes)}"
         )
     if len(sizes) == 1:  # one micro-batch weighs 1 whatever the loss divides by: nothing to check
-        return spec if spec.kind == "user" else spec.resolved("samples")
-    candidates = [spec] if spec.kind == "user" else [spec.resolved("samples"), spec.resolved("sum")]
-    all_weights = [c.weights(targets, sizes) for c in candidates]
-    device = _first_device(outputs[0])
-    with torch.no_grad():
-        parts: list[float | None] = []
-        for i, (out, tgt) in enumerate(zip(outputs, targets)):
-            if all(w[i] == 0.0 for w in all_weights):
-                parts.append(None)  # adds exactly 0 in training (an all-padding chunk): never evaluated
-            else:
-                parts.append(_scalar(spec, spec.loss_fn(out, _to(tgt, _first_device(out))), f"micro-batch {i}")[0])
-        whole_target = gather(list(targets)) if target is None else tree_map(_unwrap, target, is_leaf=_is_nosplit)
-        full, dtype = _scalar(spec, spec.loss_fn(gather(list(outputs)), _to(whole_target, device)), "the full batch")
-    rtol = max(RTOL, 8 * torch.finfo(dtype).eps) if dtype.is_floating_point else RTOL
-    values = []
-    matches = []
-    for c, w in zip(candidates, all_weights):
-        terms = [wi * p for wi, p in zip(w, parts) if wi != 0.0 and p is not None]
-        value = math.fsum(terms)
-        atol = _ATOL + rtol * max((abs(t) for t in terms), default=0.0)
-        values.append(value)
-        if _close(value, full, rtol, atol):
-            matches.append(c)
+        return spec if spec.kind == "user" or spec.declared else spec.resolved("samples")
+    verifying = spec.kind == "user" or spec.declared  # a declaration is checked, never trusted
+    parts, full, rtol = _evaluate(spec, outputs, targets, target)
+    if verifying:
+        value, ok = _reproduces(spec, parts, full, rtol, targets, sizes)
+        if ok:
+            return spec
+        values = [_reproduces(c, parts, full, rtol, targets, sizes)[0] for c in (spec.resolved("samples"), spec.resolved("sum"))]
+        raise ValueError(_refusal(spec, full, [value, *values], sizes, hints=_hints(spec, parts, full, rtol, targets, sizes)))
+    candidates = [spec.resolved("samples"), spec.resolved("sum")]
+    checked = [_reproduces(c, parts, full, rtol, targets, sizes) for c in candidates]
+    matches = [c for c, (_, ok) in zip(candidates, checked) if ok]
     if len(matches) == 1:
         return matches[0]
-    raise ValueError(_refusal(spec, full, values, sizes, ambiguous=len(matches) > 1))
+    values = [v for v, _ in checked]
+    hints = [] if matches else _hints(spec, parts, full, rtol, targets, sizes)
+    raise ValueError(_refusal(spec, full, values, sizes, ambiguous=len(matches) > 1, hints=hints))
 
 
-def _refusal(spec: LossSpec, full: float, values: list[float], sizes: Sequence[int], *, ambiguous: bool) -> str:
+def _evaluate(spec: LossSpec, outputs: Sequence[Any], targets: Sequence[Any], target: Any) -> tuple[list[float], float, float]:
+    """Each micro-batch's loss, the full batch's loss and the relative tolerance of a match (no grad)."""
+    device = _first_device(outputs[0])
+    with torch.no_grad():
+        parts = [_scalar(spec, spec.loss_fn(out, _to(tgt, _first_device(out))), f"micro-batch {i}")[0] for i, (out, tgt) in enumerate(zip(outputs, targets))]
+        whole_target = gather(list(targets)) if target is None else tree_map(_unwrap, target, is_leaf=_is_nosplit)
+        whole = gather(list(outputs), scalars="drop")  # a model's own 0-d loss cannot be concatenated: the loss_fn reads logits
+        full, dtype = _scalar(spec, spec.loss_fn(whole, _to(whole_target, device)), "the full batch")
+    rtol = max(RTOL, 8 * torch.finfo(dtype).eps) if dtype.is_floating_point else RTOL
+    return parts, full, rtol
+
+
+def _reproduces(
+    spec: LossSpec, parts: Sequence[float], full: float, rtol: float, targets: Sequence[Any], sizes: Sequence[int]
+) -> tuple[float, bool]:
+    """The micro-batch losses weighted by ``spec``, and whether that is the full-batch loss."""
+    weights = spec.weights(targets, sizes)
+    terms = [w * p for w, p in zip(weights, parts) if w != 0.0]
+    value = math.fsum(terms)
+    atol = _ATOL + rtol * max((abs(t) for t in terms), default=0.0)
+    return value, _close(value, full, rtol, atol)
+
+
+def _hints(spec: LossSpec, parts: Sequence[float], full: float, rtol: float, targets: Sequence[Any], sizes: Sequence[int]) -> list[str]:
+    """Token normalizers (``loss_normalizer=`` as a user writes it) that reproduce the full-batch loss on this
+    batch: a refusal suggests only advice that works."""
+    labels = [t for t in targets if isinstance(t, torch.Tensor)]
+    if len(labels) != len(targets) or not labels or labels[0].is_floating_point() or labels[0].dim() == 0:
+        return []
+    negatives = sorted({int(v) for t in labels for v in t[t < 0].unique().tolist()}) if any((t < 0).any() for t in labels) else []
+    pad = negatives[0] if len(negatives) == 1 else -100
+    found = []
+    for text, fn in (
+        (f"lambda y: (y != {pad}).sum()", lambda y: (y != pad).sum()),
+        (f"lambda y: (y[..., 1:] != {pad}).sum()", lambda y: (y[..., 1:] != pad).sum()),
+    ):
+        if labels[0].dim() < 2 and "1:" in text:
+            continue
+        candidate = dataclasses.replace(spec, kind="user", user_normalizer=fn, declared=True)
+        if _reproduces(candidate, parts, full, rtol, targets, sizes)[1]:
+            found.append(f"loss_normalizer={text}")
+    return found
+
+
+def _refusal(
+    spec: LossSpec, full: float, values: list[float], sizes: Sequence[int], *, ambiguous: bool = False, hints: Sequence[str] = ()
+) -> str:
     split = f"{len(sizes)} micro-batches of {', '.join(map(str, sizes))} samples"
+    works = (
+        f" On this batch {' and '.join(hints)} reproduces it (checked): pass that to train_step." if hints else ""
+    )
     if spec.kind == "user":
         return (
             f"loss_normalizer does not make loss_fn={spec.name} exact: the full-batch loss is {full:.8g} but the "
             f"micro-batch losses weighted by loss_normalizer add up to {values[0]:.8g} ({split}). It must return what "
-            "the loss's mean divides by for a chunk's target (e.g. lambda y: (y != -100).sum() for a token mean over "
-            "non-padding labels); or declare loss_reduction='sum' / 'mean' instead"
+            "the loss's mean divides by for a chunk's target; or declare loss_reduction='sum' / 'mean' instead." + works
+        )
+    if spec.declared:
+        other = "mean" if spec.kind == "sum" else "sum"
+        return (
+            f"loss_reduction={spec.reduction!r} is declared for loss_fn={spec.name}, but it does not hold on this batch: the "
+            f"full-batch loss is {full:.8g}, while its {split} give {values[0]:.8g} weighted as declared "
+            f"({values[1]:.8g} weighted by sample share, {values[2]:.8g} summed), so torchspan refuses before any "
+            f"backward. Drop loss_reduction (torchspan then calibrates it), or declare loss_reduction={other!r} if that "
+            "is what it does." + works
         )
     if ambiguous:
         head = (
@@ -144,8 +196,7 @@ def _refusal(spec: LossSpec, full: float, values: list[float], sizes: Sequence[i
     return (
         f"{head}, so torchspan cannot weight it to the single-device gradient and refuses before any backward. "
         "Declare it: loss_reduction='sum' (it adds per-sample losses), loss_reduction='mean' (it averages over "
-        "samples), or loss_normalizer=callable returning what its mean divides by for a chunk's target, e.g. "
-        "loss_normalizer=lambda y: (y != -100).sum() for a mean over non-padding tokens"
+        "samples), or loss_normalizer=callable returning what its mean divides by for a chunk's target." + works
     )
 
 
@@ -194,13 +245,17 @@ class LossChecks:
         dry_outputs: Callable[[], Sequence[Any]],
         *,
         target: Any = None,
+        shards: bool = False,
     ) -> LossSpec:
-        """``spec`` made exact: unchanged when known or declared, else calibrated on ``dry_outputs()``
+        """``spec`` made exact: unchanged when known, else calibrated (or, declared, verified) on ``dry_outputs()``
         (the per-micro-batch outputs of a no-grad forward of this batch), which runs only when this
-        loss has not been checked on a batch of this structure yet."""
+        loss has not been checked on a batch of this structure yet. ``shards``: this batch is part of a
+        larger one (data-parallel replicas), so even one chunk is weighed against the others."""
         if not spec.needs_check:
             return spec
-        if len(sizes) == 1:
+        if len(sizes) == 1 and spec.kind == "model" and not shards:
+            return spec  # the whole batch in one chunk: the model's own loss is the loss, whatever it adds
+        if len(sizes) == 1 and spec.kind != "model":
             return calibrate(spec, [None], targets, sizes)  # weight 1: nothing to run
         ident = loss_identity(spec.loss_fn) + loss_identity(spec.user_normalizer)
         structure = batch_structure(targets, sizes)

@@ -32,7 +32,7 @@ from torch import nn
 
 __all__ = ["LossSpec", "loss_spec", "describe_loss", "resolve_reduction", "microbatch_weights", "weighted_loss"]
 
-Kind = Literal["sum", "samples", "class_weights", "user", "opaque"]
+Kind = Literal["sum", "samples", "class_weights", "user", "model", "opaque"]
 
 _MEAN_LIKE = ("mean", "batchmean")
 
@@ -59,7 +59,8 @@ class LossSpec:
 
     ``kind``: ``"sum"`` (weight 1 per chunk), ``"samples"`` (mean over samples or elements),
     ``"class_weights"`` (``CrossEntropyLoss``/``NLLLoss``: class weights of non-ignored targets),
-    ``"user"`` (``loss_normalizer(target)``) or ``"opaque"`` (not known: calibrate first).
+    ``"user"`` (``loss_normalizer(target)``), ``"model"`` (the model's own ``output.loss``, its normalizer
+    ``user_normalizer`` found by ``modelloss.verify``) or ``"opaque"`` (not known: calibrate first).
     ``declared`` says the kind came from the user's ``loss_reduction=`` rather than the loss.
     """
 
@@ -79,7 +80,7 @@ class LossSpec:
     @property
     def needs_check(self) -> bool:
         """True when only a calibration on a batch can make the weights exact (or verify a user normalizer)."""
-        return self.kind in ("opaque", "user")
+        return self.kind in ("opaque", "user", "model") or self.declared
 
     def resolved(self, kind: Kind) -> LossSpec:
         """This spec with ``kind`` decided (by a calibration)."""
@@ -97,8 +98,9 @@ class LossSpec:
         if self.kind == "class_weights":
             found = _class_weight_sum(target, self.class_weight, self.ignore_index)
             return float(size) if found is None else found
-        if self.kind == "user":
-            assert self.user_normalizer is not None  # kind "user" is only built with one
+        if self.kind in ("user", "model"):
+            if self.user_normalizer is None:  # a model's own loss before modelloss.verify
+                raise ValueError(self._opaque_message())
             return _user_value(self.user_normalizer, target)
         return float(size)
 
@@ -113,6 +115,8 @@ class LossSpec:
             raise ValueError(f"targets has {len(targets)} chunk(s) but sizes has {len(sizes)}; give one target per chunk")
         if self.kind == "sum":
             return [1.0] * len(sizes)
+        if self.kind == "model" and self.user_normalizer is None and len(sizes) == 1 and total is None:
+            return [1.0]  # the whole batch in one chunk: the model's own loss is the loss
         parts = [self.normalizer(t, n) for t, n in zip(targets, sizes)]
         whole = sum(parts) if total is None else float(total)
         if not math.isfinite(whole) or whole < 0:
@@ -299,7 +303,8 @@ def weighted_loss(loss_fn: Callable[..., Any], out: Any, target: Any, weight: fl
     ``loss_fn`` does not return a scalar.
     """
     if weight == 0.0:
-        leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        # outputs only: a model's own 0-d loss of such a chunk is nan (0/0), and nan * 0 is nan
+        leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() > 0]
         if leaves:
             return sum(t.sum() for t in leaves) * 0.0  # keeps the graph so backward still runs
     loss = loss_fn(out, target)

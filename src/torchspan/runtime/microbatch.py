@@ -105,22 +105,31 @@ def split_batch(args: tuple[Any, ...], kwargs: dict[str, Any], microbatches: int
     return [(tuple(a), dict(k)) for a, k in split_value((list(args), kwargs), microbatches, total, name="inputs")]
 
 
-def gather(outputs: list[Any], device: torch.device | None = None) -> Any:
+def gather(outputs: list[Any], device: torch.device | None = None, *, scalars: str = "refuse", loss: Any = None) -> Any:
     """Concatenate micro-batch outputs on dim 0 (on ``device`` if given), keeping their structure and types.
 
-    Non-tensor values must agree across micro-batches (the first is returned).
+    Non-tensor values must agree across micro-batches (the first is returned). A 0-dimensional
+    tensor (a loss computed inside forward) cannot be concatenated: ``scalars="refuse"`` raises,
+    ``"drop"`` leaves ``None`` in its place; ``loss(values)``, when given, combines the ``loss``
+    fields of ``ModelOutput``s and dicts (the model's own loss, weighed exactly: ``modelloss``).
     """
-    return _merge(list(outputs), device, "output")
+    return _merge(list(outputs), device, "output", scalars, loss)
 
 
-def _merge(column: list[Any], device: torch.device | None, where: str) -> Any:
+def _merge(column: list[Any], device: torch.device | None, where: str, scalars: str = "refuse", loss: Any = None) -> Any:
     first = column[0]
     if isinstance(first, torch.Tensor):
         if first.dim() == 0:
+            if len(column) == 1:  # one micro-batch: its value is the batch's
+                return first if device is None else first.to(device)
+            if where.endswith((".loss", "['loss']")) and loss is not None:
+                return loss(column)
+            if scalars == "drop":
+                return None
             raise ValueError(
                 f"{where} is a 0-dimensional tensor (e.g. a loss computed inside forward); micro-batch "
-                "outputs are concatenated on dim 0, so return per-sample values, or compute the loss with "
-                "spanned.train_step(inputs, target, loss_fn)"
+                "outputs are concatenated on dim 0, so return per-sample values; to train on the model's own loss "
+                "call spanned.train_step(batch) with labels in the batch, or spanned.train_step(inputs, target, loss_fn)"
             )
         if device is not None:
             column = [t.to(device) for t in column]
@@ -130,17 +139,20 @@ def _merge(column: list[Any], device: torch.device | None, where: str) -> Any:
     if dataclasses.is_dataclass(first) and not isinstance(first, type):
         # dataclasses and transformers ModelOutputs: the same class, field by field (None fields stay None)
         fields = {f.name: getattr(first, f.name) for f in dataclasses.fields(first) if f.init}
-        merged = {k: (None if v is None else _merge([getattr(o, k) for o in column], device, f"{where}.{k}")) for k, v in fields.items()}
+        merged = {
+            k: (None if v is None else _merge([getattr(o, k) for o in column], device, f"{where}.{k}", scalars, loss))
+            for k, v in fields.items()
+        }
         return dataclasses.replace(first, **merged)
     if isinstance(first, Mapping):
         if any(list(o.keys()) != list(first.keys()) for o in column[1:]):
             raise ValueError(f"micro-batch outputs have different keys at {where}, so they cannot be concatenated")
-        items = {k: _merge([o[k] for o in column], device, f"{where}[{k!r}]") for k in first}
+        items = {k: _merge([o[k] for o in column], device, f"{where}[{k!r}]", scalars, loss) for k in first}
         return type(first)(items) if type(first) is not dict else items
     if isinstance(first, (tuple, list)):
         if any(len(o) != len(first) for o in column[1:]):
             raise ValueError(f"micro-batch outputs have different structures at {where}, so they cannot be concatenated")
-        parts = [_merge([o[i] for o in column], device, f"{where}[{i}]") for i in range(len(first))]
+        parts = [_merge([o[i] for o in column], device, f"{where}[{i}]", scalars, loss) for i in range(len(first))]
         if isinstance(first, tuple) and hasattr(first, "_fields"):
             return type(first)(*parts)
         return type(first)(parts)

@@ -28,6 +28,7 @@ from .executor import Executor, Settings
 from .footprint import stage_memory
 from .losscheck import LossChecks, dry_run
 from .lossweights import loss_spec
+from .modelloss import model_loss, own_loss, verify
 from .memory import ActivationMeter
 from .microbatch import batch_size, call_args, gather, split_sizes, split_value
 from .ranks.checkpoint import model_keys
@@ -172,18 +173,38 @@ class Spanned(nn.Module):
             self._recorder.finish_step()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Pipelined forward; outputs concatenated on dim 0 on the last stage's device."""
+        """Pipelined forward; outputs concatenated on dim 0 on the last stage's device.
+
+        With ``labels=`` the model's own ``loss`` of each micro-batch is combined into the whole batch's
+        (weighed as ``train_step(batch)`` weighs it), so ``spanned(**batch).loss`` is one device's."""
         work = self._executor.prepare(args, kwargs)
         self._executor.place(work)
         with self._step():
             outs = self._executor.forward(work)
-        return gather(outs, self._executor.devices[-1])
+        dev = self._executor.devices[-1]
+        return gather(outs, dev, loss=self._own_loss(args, kwargs, outs, dev))
+
+    def _own_loss(self, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[Any], dev: torch.device) -> Any:
+        """``combine(chunk losses)`` for a forward given ``labels``: the whole batch's loss (``modelloss``)."""
+        labels = kwargs.get("labels")
+        if labels is None or len(outs) < 2 or any(own_loss(o) is None for o in outs):
+            return None
+        total = batch_size(args, kwargs)
+        sizes = split_sizes(total, len(outs))
+        chunks = split_value(labels, len(outs), total, name="labels")
+        _, _, spec = model_loss(kwargs)
+        weights = verify(spec, outs, chunks).weights(chunks, sizes)
+
+        def combine(losses: list[torch.Tensor]) -> torch.Tensor:
+            return sum((l.to(dev) * w for l, w in zip(losses, weights) if w != 0.0), torch.zeros((), device=dev))
+
+        return combine
 
     def train_step(
         self,
         inputs: Any,
-        target: Any,
-        loss_fn: Callable[[Any, Any], torch.Tensor],
+        target: Any = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         loss_reduction: str | None = None,
         loss_normalizer: Callable[[Any], Any] | None = None,
     ) -> torch.Tensor:
@@ -192,6 +213,14 @@ class Spanned(nn.Module):
         ``inputs``: a tensor (one argument), a tuple (positional arguments) or a dict (keyword
         arguments). Gradients are *added* to ``.grad`` exactly as ``loss_fn(model(inputs),
         target).backward()`` would on one device, or torchspan refuses before any backward.
+
+        **The model's own loss**: ``train_step(batch)`` with ``labels`` in the batch (what a transformers
+        data collator gives) and no ``target``/``loss_fn`` trains on ``model(**batch).loss``, as on one
+        device: each chunk's loss is weighed by its share of what the whole batch's mean divides by,
+        found by recomputing the loss from the chunk's logits once per batch structure
+        (``runtime.modelloss``); a loss that does not split exactly (an MoE auxiliary loss) is refused.
+
+        **Your own loss**: ``loss_fn(outputs, target)``.
         Each micro-batch's loss is weighted by its share of what the loss divides by, read from
         loss modules, ``torch.nn.functional`` losses and ``functools.partial`` of either: the
         samples, or for ``CrossEntropyLoss``/``NLLLoss`` the class weights of non-ignored targets
@@ -200,9 +229,10 @@ class Spanned(nn.Module):
         random state and buffers left as they were, finds whether it is a per-sample mean or a
         sum (measured: 0.3-0.4x of one step on a small MLP, once, not per step); if neither
         reproduces the full-batch value, ``ValueError`` names both values and the ways out.
-        Declare it to skip the check: ``loss_reduction="sum"`` / ``"mean"``; or give
+        Declare it: ``loss_reduction="sum"`` / ``"mean"``; or give
         ``loss_normalizer=`` what its mean divides by for a chunk's target, e.g.
-        ``lambda y: (y != -100).sum()`` for a token mean with padding (verified on the first batch).
+        ``lambda y: (y != -100).sum()`` for a token mean with padding (a declaration is verified on the
+        first batch and whenever its structure changes, like a calibration, and refused with both values when wrong).
         Call ``optimizer.zero_grad()`` first as usual; with ``precision="fp16"`` step with
         ``spanned.step(optimizer)``.
         """
@@ -212,7 +242,11 @@ class Spanned(nn.Module):
                 f"train_step: the model ({type(self.module).__name__}) has no parameter that requires grad, so there is "
                 "nothing to train and no backward to run; span the model with its weights, or unfreeze them (p.requires_grad_())"
             )
-        spec = loss_spec(loss_fn, loss_reduction, loss_normalizer)
+        if loss_fn is None:
+            inputs, target, spec = model_loss(inputs, target, loss_reduction, loss_normalizer)
+        else:
+            spec = loss_spec(loss_fn, loss_reduction, loss_normalizer)
+        loss_fn = spec.loss_fn
         args, kwargs = call_args(inputs)
         if not torch.is_grad_enabled():
             raise RuntimeError("train_step runs backward, but gradients are disabled here (torch.no_grad()); call it outside no_grad")

@@ -82,6 +82,7 @@ class OwnForwardLayers:
         self.layer_set = layers if layers is not None else model_layers(model, split_points=split_points, no_split=no_split)
         self.layers = {layer.name: layer.module for layer in self.layer_set}
         self.even = even
+        self.balance_given = balance_given  # groups are counts over the order the first call records
         self.lazy_balance = balance_given and len(devices) > 1
         blocks = any("." in name for name in self.layers) or bool(split_points or no_split)
         # Tensors held outside every layer go where the forward first reads them, and blocks are confirmed
@@ -102,7 +103,7 @@ class OwnForwardLayers:
         with torch.random.fork_rng(devices=cuda), kept(buffer_slots([self.model])):
             found = model_layers(self.model, tuple(first_args), dict(first_kwargs), split_points=split_points, no_split=no_split)
         order = found.names()
-        if self.lazy_balance:
+        if self.balance_given:  # one stage too: its layers are simply all of them, in the recorded order
             counts = even_balance(len(order), len(devices)) if self.even else [len(g) for g in groups]
             groups = stages_from_balance(order, devices, counts)
         else:

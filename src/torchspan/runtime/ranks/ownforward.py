@@ -116,6 +116,7 @@ class RankOwnForwardExecutor(Executor):
         super().__init__([info.device] * mesh.stages, groups)
         self.model, self.settings, self.recorder, self.meter = model, settings, recorder, meter
         self.mesh, self.stage, self.device = mesh, self.ranks.stage, info.device
+        self.shards_batch = mesh.replicas > 1  # each pipeline trains one shard of the global batch
         self.own = OwnForwardLayers(model, self.devices, self.groups, **options)
         self._placed = False
         self._paths = {True: _Path(), False: _Path()}  # training forwards, no-grad forwards

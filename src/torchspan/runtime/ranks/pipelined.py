@@ -66,6 +66,7 @@ class RankPipelineExecutor(Executor):
         super().__init__([info.device] * mesh.stages, groups)
         self.mode, self.model, self.settings = mode, model, settings
         self.stage = self.ranks.stage
+        self.shards_batch = mesh.replicas > 1  # each pipeline trains one shard of the global batch
         self.fns = StageFunctions(model, mode, self.groups)
         self._pipeline = Pipeline(
             self.devices, recompute=settings.recompute, precision=settings.precision, recorder=recorder, meter=meter,

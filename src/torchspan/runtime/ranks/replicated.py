@@ -31,6 +31,7 @@ Usage (``span`` does this when launched with one pipeline stage)::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +42,7 @@ from torch import nn
 from ..executor import Executor, Settings, Work
 from ..losscheck import LossChecks, loss_identity, same_identity
 from ..lossweights import LossSpec
+from ..modelloss import tokens
 from ..memory import ActivationMeter
 from ..microbatch import batch_size, split_sizes, split_value
 from ..record import Recorder
@@ -88,6 +90,7 @@ class ReplicaExecutor(Executor):
 
     mode = "data-parallel"
     empty_batches = True
+    shards_batch = True
 
     def __init__(
         self,
@@ -135,7 +138,12 @@ class ReplicaExecutor(Executor):
         agreed = next((s for known, s in self._decided if same_identity(known, ident)), None)
         local: LossSpec | None = None
         message = ""
-        if size >= 2:
+        if spec.kind == "model" and size >= 1:  # the model's own loss: verified on the whole shard's logits
+            try:
+                local = checks.resolve(spec, targets, sizes, dry_outputs, target=target, shards=True)
+            except ValueError as e:
+                message = f"rank {self.info.rank} (its shard of {size} samples): {e}"
+        elif size >= 2:
             halves = split_sizes(size, 2)
             try:
                 local = checks.resolve(
@@ -155,6 +163,8 @@ class ReplicaExecutor(Executor):
                     f"rank {self.info.rank}: loss_fn={spec.name} behaved as {agreed.kind!r} on earlier shards but as "
                     f"{local.kind!r} on this one ({size} samples); declare loss_reduction='mean' / 'sum' or loss_normalizer="
                 )
+            if spec.kind == "model":
+                return local if local is not None else agreed
             return agreed if agreed.loss_fn is spec.loss_fn else spec.resolved(agreed.kind)
         decided = self._vote(spec, local, message)
         self._decided.append((ident, decided))
@@ -181,8 +191,12 @@ class ReplicaExecutor(Executor):
             )
         if spec.kind == "user":
             return spec  # verified where a shard could be split; a normalizer needs no vote
+        if spec.kind == "model":  # verified where this rank has rows; an empty shard's normalizer is 0 whatever it counts
+            return local if local is not None else dataclasses.replace(spec, user_normalizer=tokens)
         if samples or summed:
             return spec.resolved("samples" if samples else "sum")
+        if spec.declared:
+            return spec  # no shard could check it yet (1 row each): used as declared, checked once a shard can
         raise ValueError(
             f"loss_fn={spec.name} is opaque and no rank's shard has 2 samples or more to calibrate it on, so torchspan "
             "cannot tell whether it averages or sums (data-parallel weights depend on it). Declare it: "
@@ -219,7 +233,7 @@ class ReplicaExecutor(Executor):
         if kwargs and args:
             raise ValueError("a data-parallel replica takes positional or keyword inputs, not both; pass a tuple or a dict")
         reduction = "sum" if spec.kind == "sum" else "mean" if spec.kind == "samples" else None
-        normalizer = spec.user_normalizer if spec.kind == "user" else None
+        normalizer = spec.user_normalizer if spec.kind in ("user", "model") else None
         self._timing = {"on": True}
         metering = self.meters()
         try:
