@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_leaves
 
 from .profiler.timing import synchronize
 from .progress import TrainingProgress
+from .runtime.nonfinite import NonFiniteLoss
 from .runtime.spanned import Spanned
 
 __all__ = ["Trained", "LossNotFinite", "OutOfMemoryAtStep", "train", "mse_loss"]
@@ -76,7 +77,8 @@ def train(
 ) -> Trained:
     """Train ``steps`` steps; ``batch(step)`` gives ``(inputs, target)`` for ``spanned.train_step``.
 
-    Raises :class:`LossNotFinite` when a loss is not finite (after that step's optimizer step) and
+    Raises :class:`LossNotFinite` when a loss is not finite (before that step's optimizer step, as
+    ``train_step`` refuses it; after it where ``spanned.nonfinite == "warn"``) and
     :class:`OutOfMemoryAtStep` when a device runs out of memory.
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -96,6 +98,8 @@ def train(
                 loss = spanned.train_step(inputs, target, loss_fn)
             except torch.OutOfMemoryError as exc:  # pragma: no cover - needs a GPU
                 raise OutOfMemoryAtStep(step, exc) from exc
+            except NonFiniteLoss as exc:  # refused by train_step before any optimizer step
+                raise LossNotFinite(step, exc.loss, optimizer.param_groups[0]["lr"]) from exc
             value = float(loss)
             _synchronize(devices)
             t1 = time.perf_counter()

@@ -19,8 +19,10 @@ from ..planner.plans import Plan
 from ..schedule import PRECISIONS, RECOMPUTE_MODES, SCHEDULES
 from .choose import choose, replica
 from .executor import Settings
+from .fp16 import SpanScaler
 from .layout import layout
 from .memory import ActivationMeter
+from .nonfinite import NONFINITE
 from .placement import parse_devices
 from .ranks.env import join_launched_job
 from .ranks.mesh import launched_stages
@@ -99,6 +101,7 @@ def span(
     split_points: list[str] | None = None,
     no_split: list[Any] | None = None,
     checkpoint: str | None = None,
+    nonfinite: str = "raise",
 ) -> Spanned:
     """Place ``model``'s layers (``torchspan.layers``) on devices and return a pipelined ``Spanned``.
 
@@ -110,7 +113,8 @@ def span(
     ``"gpipe"``, ``"never"``;
     ``precision`` defaults to ``"32"``. ``workers="device"`` runs one thread per distinct device
     (stages sharing a device take turns, which is fastest when they share the same cores);
-    ``"stage"`` gives every stage its own thread.
+    ``"stage"`` gives every stage its own thread. ``nonfinite``: what ``train_step`` does when the loss
+    is inf/NaN, ``"raise"`` (``FloatingPointError`` naming the step and micro-batch) or ``"warn"``.
 
     Layers are ``torchspan.layers.model_layers(model)``: a model with repeated blocks inside
     ``nn.ModuleList``/``nn.Sequential`` containers is cut into those blocks (qualified names,
@@ -136,6 +140,7 @@ def span(
     """
     _check_arguments(model, plan, devices, balance)
     settings = span_settings(plan, microbatches, schedule, recompute_alias(recompute, checkpoint, None), precision, workers)  # type: ignore[arg-type]
+    settings.nonfinite = _choice("nonfinite", nonfinite, NONFINITE)
     join_launched_job("torchspan.span")  # launched without init_distributed(): join, never train as a lone process
     recorder = Recorder()
     if launched_stages(plan, devices, balance) == 1 and launched_replica(plan):  # launched: one replica per process
@@ -146,7 +151,7 @@ def span(
     lay = layout(model, plan, devices, balance, split_points, no_split)
     _check_workers(settings, lay.devices)
     if settings.precision == "fp16":
-        settings.scaler = torch.amp.GradScaler(lay.devices[-1].type)
+        settings.scaler = SpanScaler(lay.devices[-1].type)  # train_step leaves .grad unscaled (runtime.fp16)
     meter = ActivationMeter(len(lay.devices))
     executor = choose(
         model, lay, settings, recorder, meter, planned=plan is not None, even=balance is None,

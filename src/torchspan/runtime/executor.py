@@ -43,6 +43,7 @@ class Settings:
     precision: str
     workers: str = "device"
     scaler: Any = None
+    nonfinite: str = "raise"  # train_step on an inf/NaN loss: "raise" or "warn" (runtime.nonfinite)
 
 
 @dataclass

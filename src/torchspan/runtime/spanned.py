@@ -26,11 +26,14 @@ from torch import nn
 
 from .executor import Executor, Settings
 from .footprint import stage_memory
+from .fp16 import SpanScaler
+from .gradients import clip_grad_norm, guard_plain_clip, holding
 from .losscheck import LossChecks, dry_run
 from .lossweights import loss_spec
 from .modelloss import model_loss, own_loss, verify
 from .memory import ActivationMeter
 from .microbatch import batch_size, call_args, gather, split_sizes, split_value
+from .nonfinite import NONFINITE, check_loss, locate
 from .ranks.checkpoint import model_keys
 from .record import Event, Recorder
 
@@ -233,8 +236,10 @@ class Spanned(nn.Module):
         ``loss_normalizer=`` what its mean divides by for a chunk's target, e.g.
         ``lambda y: (y != -100).sum()`` for a token mean with padding (a declaration is verified on the
         first batch and whenever its structure changes, like a calibration, and refused with both values when wrong).
-        Call ``optimizer.zero_grad()`` first as usual; with ``precision="fp16"`` step with
-        ``spanned.step(optimizer)``.
+        Call ``optimizer.zero_grad()`` first and ``optimizer.step()`` after, as usual (clip with
+        ``spanned.clip_grad_norm_``); with ``precision="fp16"`` ``.grad`` comes back unscaled and an
+        overflowed step is skipped by the optimizer, as ``GradScaler`` skips it (``runtime.fp16``). An
+        inf/NaN loss raises ``FloatingPointError`` (``span(..., nonfinite="warn")`` warns instead).
         """
         # a rank of a pipeline holds other stages' parameters as frozen meta copies: they still count
         if not any(p.requires_grad or p.device.type == "meta" for p in self.module.parameters()):
@@ -260,8 +265,11 @@ class Spanned(nn.Module):
         self._executor.place(work)
         spec = self._executor.resolve_loss(self._loss_checks, spec, targets, sizes, lambda: self._dry_forward(work), target)
         weights = self._executor.weights(spec, targets, sizes)
-        with self._step():
-            return self._executor.train(work, targets, loss_fn, weights, spec)
+        with self._step(), self._finishing():
+            loss = self._executor.train(work, targets, loss_fn, weights, spec)
+        shard = getattr(getattr(self._executor, "info", None), "rank", None) if self.mode == "data-parallel" else None
+        self._after_train(loss, lambda: locate(lambda: self._dry_forward(work), loss_fn, targets, weights, sizes, self.precision, shard))
+        return loss
 
     def _dry_forward(self, work: Any) -> list[Any]:
         """Per-micro-batch outputs of a forward that leaves no trace (for a loss calibration)."""
@@ -280,12 +288,58 @@ class Spanned(nn.Module):
         return self._executor.join(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """``optimizer.step()``; with ``precision="fp16"`` through the gradient scaler (unscale, skip on inf, update)."""
+        """``optimizer.step()``, the same as calling it yourself: with ``precision="fp16"`` ``train_step`` already
+        left ``.grad`` unscaled, an overflowed step's gradients are dropped (the optimizer skips them) and the
+        scale is updated when it steps (``runtime.fp16``)."""
         if self.scaler is None:
             optimizer.step()
             return
         self.scaler.step(optimizer)
-        self.scaler.update()
+        if not isinstance(self.scaler, SpanScaler):  # a plain GradScaler given in Settings
+            self.scaler.update()
+
+    @property
+    def nonfinite(self) -> str:
+        """What ``train_step`` does when the loss is inf/NaN: ``"raise"`` (``FloatingPointError``, the default) or
+        ``"warn"``; settable (``spanned.nonfinite = "warn"``) or ``span(..., nonfinite=)`` (``runtime.nonfinite``)."""
+        return getattr(self._settings, "nonfinite", "raise")
+
+    @nonfinite.setter
+    def nonfinite(self, value: str) -> None:
+        if value not in NONFINITE:
+            raise ValueError(f"nonfinite={value!r} is not one of {', '.join(map(repr, NONFINITE))}")
+        self._settings.nonfinite = value
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` as on one device with the whole model.
+
+        Same arguments, same clipping, same returned total norm, for every strategy: stages on several
+        devices, a data-parallel replica, a pipeline across ranks (the norm is taken over every stage's
+        gradients: call it on every rank), replicas of a pipeline; a tied parameter counts once. Call it
+        after ``train_step`` and before ``optimizer.step()``. On a pipeline rank the plain torch call would
+        clip each stage by its own norm, so it raises, naming this method (``runtime.gradients``).
+        ``max_norm=float("inf")`` gives the total norm without clipping.
+        """
+        overflowed = isinstance(self.scaler, SpanScaler) and self.scaler.overflowed
+        return clip_grad_norm(holding(self.module, self._executor), max_norm, norm_type, error_if_nonfinite, foreach, overflowed)
+
+    def _finishing(self) -> contextlib.AbstractContextManager[None]:
+        """Around the executor's training step: with fp16, its gradients unscaled and checked (``runtime.fp16``)."""
+        if not isinstance(self.scaler, SpanScaler):
+            return contextlib.nullcontext()
+        return self.scaler.finishing([p for p in self.module.parameters() if p.requires_grad and p.device.type != "meta"])
+
+    def _after_train(self, loss: torch.Tensor, where: Callable[[], str]) -> None:
+        """After a training step: count it, guard a pipeline rank's gradients from a plain torch clip, check the loss."""
+        self._train_steps = getattr(self, "_train_steps", 0) + 1
+        ranks = getattr(self._executor, "ranks", None)
+        if ranks is not None and ranks.mesh.stages > 1:
+            guard_plain_clip(ranks)
+            where = str  # naming the micro-batch would re-run a forward across ranks: the step only
+        skipped = isinstance(self.scaler, SpanScaler) and self.scaler.overflowed
+        check_loss(loss, self.nonfinite, self._train_steps, where, skipped)
 
     # ------------------------------------------------------------------ observing
     def timeline(self) -> list[Event]:

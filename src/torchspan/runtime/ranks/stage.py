@@ -248,6 +248,11 @@ class RankStage:
             out.append((dist.all_reduce(flat, group=group, async_op=True), unpack))
         return out
 
+    def norm_parameters(self) -> list[nn.Parameter]:
+        """This rank's trainable parameters that count in a norm over its pipeline, each once: a parameter
+        tied across stages counts on the lowest stage holding it (``runtime.gradients``)."""
+        return [p for p in self.local_parameters() if id(p) not in self._tie_of or self.stage == self._tie_stages[self._tie_of[id(p)]][0]]
+
 
 class Reduction:
     """One step's gradient reductions on this rank: started by ``finished``, settled when the step ends.

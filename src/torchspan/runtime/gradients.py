@@ -1,0 +1,231 @@
+"""Gradient norms and clipping, exact for every strategy: ``Spanned.clip_grad_norm_``.
+
+``torch.nn.utils.clip_grad_norm_`` takes one norm over the gradients it is given. In one process
+(stages on several devices, or a data-parallel replica whose ``.grad`` already holds the summed
+gradient) that is every gradient of the model, so torch's call is right there. On a rank of a
+pipeline it sees this stage's gradients only and clips each stage by its own norm.
+
+``clip_grad_norm_`` here gives what torch gives on one device with the whole model:
+
+- every process takes the per-tensor norms of the gradients it counts (a parameter tied across
+  stages counts on the lowest stage holding it; replicas hold the same gradients, so the norms
+  are summed over one replica's pipeline only) and puts each in its slot of the model's parameter
+  order; across ranks one all-reduce of ``2 x len(named parameters)`` float64 values (norms and
+  "present" flags) gives every rank all of them;
+- the total is ``torch.linalg.vector_norm`` of that list stacked in the order one device stacks it
+  (grouped by dtype, model order within), so the same number for any ``norm_type`` (``inf``: the
+  max), and ``error_if_nonfinite`` raises as torch does, on every rank;
+- every gradient this process holds (tied copies included) is scaled by
+  ``min(max_norm / (total + 1e-6), 1)``, as torch scales them.
+
+``guard_plain_clip(ranks)`` makes a plain ``torch.nn.utils.clip_grad_norm_`` over a pipeline
+rank's gradients raise ``RuntimeError`` naming ``spanned.clip_grad_norm_``, before it scales
+anything (the check wraps the norm function torch's clip calls; it costs one pass over this
+rank's parameters per clip call, nothing otherwise).
+
+Usage::
+
+    loss = spanned.train_step(x, y, loss_fn)
+    norm = spanned.clip_grad_norm_(1.0)     # = clip_grad_norm_(model.parameters(), 1.0) on one device
+    optimizer.step()
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._foreach_utils import _device_has_foreach_support, _group_tensors_by_device_and_dtype, _has_foreach_support
+
+__all__ = ["Holding", "clip_grad_norm", "guard_plain_clip", "holding", "total_norm"]
+
+
+@dataclass
+class Holding:
+    """What this process holds of a model's gradients.
+
+    ``local``: its trainable parameters (scaled by a clip); ``counted``: ids of those whose norms
+    count here (``None``: all); ``across``: whether the norms are summed over ``group`` (a pipeline's
+    ranks; ``None`` is the default group), through tensors on ``comm``; ``device``: where a rank's total lives.
+    """
+
+    module: nn.Module
+    local: list[nn.Parameter]
+    counted: set[int] | None = None
+    across: bool = False
+    group: Any = None
+    comm: torch.device = torch.device("cpu")
+    device: torch.device = torch.device("cpu")
+
+
+def holding(module: nn.Module, executor: Any) -> Holding:
+    """This process's ``Holding`` for ``module`` run by ``executor`` (a pipeline rank holds a ``RankStage``)."""
+    ranks = getattr(executor, "ranks", None)
+    if ranks is not None and ranks.mesh.stages > 1:
+        counted = {id(p) for p in ranks.norm_parameters()}
+        return Holding(module, ranks.local_parameters(), counted, True, ranks.pipe_group, ranks.comm, ranks.device)
+    local = [p for p in module.parameters() if p.requires_grad and p.device.type != "meta"]
+    return Holding(module, local)
+
+
+def _tensor_norms(grads: list[torch.Tensor], norm_type: float, foreach: bool | None) -> list[torch.Tensor]:
+    """Each gradient's ``norm_type``-norm, computed per (device, dtype) group as torch computes it."""
+    norms: list[Any] = [None] * len(grads)
+    if not grads:
+        return norms
+    grouped = _group_tensors_by_device_and_dtype([grads], with_indices=True)  # type: ignore[list-item]
+    for (device, _), ([tensors], indices) in grouped.items():
+        if (foreach is None and _has_foreach_support(tensors, device)) or (foreach and _device_has_foreach_support(device)):
+            values = list(torch._foreach_norm(tensors, norm_type))
+        elif foreach:
+            raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+        else:
+            values = [torch.linalg.vector_norm(g, norm_type) for g in tensors]
+        for i, v in zip(indices, values):
+            norms[i] = v
+    return norms
+
+
+def _slots(module: nn.Module) -> tuple[list[torch.dtype], dict[int, int]]:
+    """Every named parameter's dtype (duplicates included: the same list on every rank) and, per
+    parameter object, the slot of its first name (where one device's ``parameters()`` yields it)."""
+    dtypes: list[torch.dtype] = []
+    slot: dict[int, int] = {}
+    for i, (_, p) in enumerate(module.named_parameters(remove_duplicate=False)):
+        dtypes.append(p.dtype)
+        slot.setdefault(id(p), i)
+    return dtypes, slot
+
+
+def _stacked(order: Sequence[int], dtypes: Sequence[torch.dtype], value: Any, device: torch.device) -> torch.Tensor:
+    """Norms of the ``order`` slots stacked as one device stacks them: by dtype (first seen first), slot order within."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for s in order:
+        groups.setdefault(dtypes[s], []).append(s)
+    return torch.stack([value(s).to(device, dt) for dt, slots in groups.items() for s in slots])
+
+
+def total_norm(h: Holding, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+    """The norm of every gradient of the model (counted once), as one device's ``get_total_norm``;
+    across ranks a collective: every rank of the job calls it."""
+    norm_type = float(norm_type)
+    dtypes, slot = _slots(h.module)
+    params = [p for p in h.local if p.grad is not None and (h.counted is None or id(p) in h.counted)]
+    norms = _tensor_norms([p.grad for p in params], norm_type, foreach)  # type: ignore[misc]
+    if h.across:
+        buf = torch.zeros(2, len(dtypes), dtype=torch.float64, device=h.comm)
+        if params:
+            where = torch.tensor([slot[id(p)] for p in params], device=h.comm)
+            buf[0, where] = torch.stack([n.to(h.comm, torch.float64) for n in norms])
+            buf[1, where] = 1.0
+        dist.all_reduce(buf, group=h.group)
+        present = buf[1].nonzero().flatten().tolist()
+        if not present:
+            return torch.tensor(0.0, device=h.device)
+        total = torch.linalg.vector_norm(_stacked(present, dtypes, lambda s: buf[0, s], h.device), norm_type)
+    else:
+        if not params:
+            return torch.tensor(0.0)
+        by_slot = {slot[id(p)]: n for p, n in zip(params, norms)}
+        total = torch.linalg.vector_norm(_stacked(sorted(by_slot), dtypes, by_slot.__getitem__, params[0].grad.device), norm_type)  # type: ignore[union-attr]
+    if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+        raise _nonfinite_error(norm_type)
+    return total
+
+
+def _nonfinite_error(norm_type: float) -> RuntimeError:
+    return RuntimeError(
+        f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be clipped. "
+        "To disable this error and scale the gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
+    )
+
+
+def _scale_grads(params: Iterable[nn.Parameter], max_norm: float, total: torch.Tensor, foreach: bool | None) -> None:
+    """``grad *= min(max_norm / (total + 1e-6), 1)`` for every gradient, as ``clip_grads_with_norm_``."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    for (device, _), ([tensors], _) in _group_tensors_by_device_and_dtype([grads]).items():  # type: ignore[list-item]
+        if (foreach is None and _has_foreach_support(tensors, device)) or (foreach and _device_has_foreach_support(device)):
+            torch._foreach_mul_(tensors, coef.to(device))
+        elif foreach:
+            raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+        else:
+            for g in tensors:
+                g.mul_(coef.to(device))
+
+
+def clip_grad_norm(
+    h: Holding,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+    overflowed: bool = False,
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over the whole model's gradients (see the module docstring).
+
+    ``overflowed``: an fp16 step whose gradients overflowed was dropped (``.grad`` is None until the
+    optimizer's skipped step): the norm is ``inf``, as torch's clip after ``unscale_`` would find."""
+    with torch.no_grad():
+        if overflowed:
+            if error_if_nonfinite:
+                raise _nonfinite_error(float(norm_type))
+            return torch.tensor(float("inf"), device=h.device if h.across else None)
+        total = total_norm(h, norm_type, error_if_nonfinite, foreach)
+        _scale_grads(h.local, max_norm, total, foreach)
+        return total
+
+
+# ---------------------------------------------------------------------- the plain torch call on a pipeline rank
+_GUARDED: weakref.WeakSet[Any] = weakref.WeakSet()  # RankStages of pipelines: their gradients are one stage's
+
+
+def _refuse_stage_grads(tensors: Sequence[Any]) -> None:
+    """``RuntimeError`` when ``tensors`` hold a pipeline rank's gradients (a norm over one stage only)."""
+    for ranks in list(_GUARDED):
+        mine = {id(p.grad) for p in ranks.local_parameters() if p.grad is not None}
+        if any(id(t) in mine for t in tensors):
+            raise RuntimeError(
+                f"torch.nn.utils.clip_grad_norm_ on rank {ranks.info.rank} sees only the gradients of stage {ranks.stage} "
+                f"of a {ranks.mesh.stages}-stage pipeline, so it would clip each stage by its own norm and the update would "
+                "differ from one device's. Call spanned.clip_grad_norm_(max_norm, norm_type) instead: the same arguments "
+                "and return value, the norm taken over every stage's gradients (nothing was clipped)"
+            )
+
+
+def guard_plain_clip(ranks: Any) -> None:
+    """From now on, ``torch.nn.utils.clip_grad_norm_`` over ``ranks``' gradients (a ``RankStage``) raises.
+
+    Wraps the norm function torch's clip looks up in its module (``_get_total_norm``, torch >= 2.6;
+    else ``clip_grad_norm_`` itself, where ``torch.nn.utils`` exposes it). Installed once per process."""
+    _GUARDED.add(ranks)
+    module = torch.nn.utils.clip_grad
+    if getattr(module, "_torchspan_guarded", False):
+        return
+    inner = getattr(module, "_get_total_norm", None)
+    if inner is not None:
+
+        def guarded_norm(tensors: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+            _refuse_stage_grads(tensors)
+            return inner(tensors, *args, **kwargs)
+
+        module._get_total_norm = guarded_norm  # type: ignore[attr-defined]
+    else:  # pragma: no cover - torch < 2.6
+        plain = module.clip_grad_norm_
+
+        def guarded_clip(parameters: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            _refuse_stage_grads([p.grad for p in parameters if p.grad is not None])
+            return plain(parameters, *args, **kwargs)
+
+        module.clip_grad_norm_ = guarded_clip  # type: ignore[assignment]
+        torch.nn.utils.clip_grad_norm_ = guarded_clip  # type: ignore[assignment]
+    module._torchspan_guarded = True  # type: ignore[attr-defined]
