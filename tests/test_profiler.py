@@ -86,11 +86,11 @@ def test_buffers_shared_parameters_and_dtype() -> None:
     assert half.layers[1].buffer_bytes == 8 * 2 * 2 + 8  # the int64 counter is not cast
     assert (prof.input_bytes, half.input_bytes) == (8 * 4, 8 * 2)  # the float32 batch is profiled as cast
     tied = nn.Linear(8, 8)
-    shared = nn.Sequential(tied, nn.ReLU(), tied)  # one child module that runs twice
+    shared = nn.Sequential(tied, nn.ReLU(), tied)  # one module at two entries: two layers, tied (issue 18)
     prof2 = torchspan.profile(shared, torch.randn(4, 8), "l4")
-    assert [lay.param_bytes for lay in prof2.layers] == [(64 + 8) * 4, 0]
-    assert prof2.layers[0].calls == 2
-    assert prof2.layers[0].flops == 2 * (2 * 8 * 8)
+    assert [lay.param_bytes for lay in prof2.layers] == [(64 + 8) * 4, 0, 0]
+    assert [lay.calls for lay in prof2.layers] == [1, 1, 1]
+    assert prof2.layers[0].flops == prof2.layers[2].flops == 2 * 8 * 8
 
 
 def test_parameters_shared_between_layers_are_counted_once() -> None:

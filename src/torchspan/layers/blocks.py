@@ -12,12 +12,17 @@ children. ``no_split`` classes are never descended into; ``split_points`` force 
 
 Order is *execution* order, recorded by ``calltrace.record_calls`` (one no-grad forward, random
 state and buffers untouched); layers that never run follow, in registration order. Each layer
-must run once, in one piece, because the runtime enforces stage turns with pre-hooks on layers:
+must run in one piece, because the runtime enforces stage turns with pre-hooks on layers:
 
-- a layer that runs more than once per forward (ALBERT's shared layer), is called inside another
-  layer, or whose sub-modules run outside its own call, is **merged** into its innermost ancestor
-  module that runs once and encloses all of it (``Layer.merged`` says why); when no ancestor
-  short of the whole model does, ``find_layers`` raises ``ValueError`` naming the module;
+- a layer that runs more than once per forward (ALBERT's shared layer) is **merged** into its
+  innermost ancestor module that runs once and encloses every call (``Layer.merged`` says why);
+  when no ancestor short of the whole model does (``for blk in self.blocks`` twice in the model's
+  own forward), it stays a layer that is **called several times** (``Layer.calls``): every call
+  must then run in its stage, which ``reuse.check_stages`` enforces on the stages (``LayerSet.calls``
+  lists the layer of every call, in order);
+- a layer called inside another layer, or whose sub-modules run outside its own call, is merged
+  the same way; when no ancestor short of the whole model encloses it, ``find_layers`` raises
+  ``ValueError`` naming the module;
 - a module with no parameters and no buffers that runs other than once (a dropout reused, an
   unused activation) or inside another layer is not a layer at all: it has nothing to place
   (listed in ``LayerSet.skipped``).
@@ -46,10 +51,12 @@ _CONTAINERS = (nn.ModuleList, nn.Sequential)
 
 @dataclass(frozen=True, eq=False)
 class Layer:
-    """One placeable block: a module that is called once per forward.
+    """One placeable block: a module that is called once per forward (``calls`` times: see below).
 
     ``aliases``: other qualified names of the same module object. ``ran``: whether the recording
     forward called it. ``merged``: why finer blocks were merged into it ("" when they were not).
+    ``calls``: how many times one forward calls it (more than 1: a module reused, e.g. weight sharing
+    like ALBERT's, whose calls must all run in one stage).
     Counts and bytes are over the distinct tensors inside it (a tied parameter counts in each layer).
     """
 
@@ -62,6 +69,7 @@ class Layer:
     ran: bool = True
     aliases: tuple[str, ...] = ()
     merged: str = ""
+    calls: int = 1
 
 
 @dataclass(frozen=True)
@@ -90,12 +98,17 @@ class ForeignRead:
 
 @dataclass(frozen=True, eq=False)
 class LayerSet(Sequence[Layer]):
-    """The layers of a model in execution order, plus what the recording saw around them."""
+    """The layers of a model in execution order, plus what the recording saw around them.
+
+    ``calls``: the layer of every layer call of the recorded forward, in order (a layer called twice
+    appears twice); empty when no forward was recorded.
+    """
 
     layers: tuple[Layer, ...]
     roots: tuple[RootTensor, ...] = ()
     skipped: tuple[str, ...] = ()
     foreign_reads: tuple[ForeignRead, ...] = ()
+    calls: tuple[str, ...] = ()
 
     def __getitem__(self, i: Any) -> Any:
         return self.layers[i]
@@ -167,6 +180,7 @@ class _Picker:
         self.descended: dict[str, nn.Module] = {}
         self.merged: dict[int, str] = {}
         self.skipped: list[str] = []
+        self.reused: set[int] = set()  # layers called several times that no module short of the model encloses
         self.visit("", model, False)
 
     def visit(self, name: str, mod: nn.Module, in_container: bool) -> None:
@@ -220,7 +234,7 @@ class _Picker:
         t = self.trace
         for lid, mod in self.modules.items():
             runs = t.outer_calls(mod)
-            if len(runs) > 1 or (not runs and not _stateful(mod)):
+            if (len(runs) > 1 and lid not in self.reused) or (not runs and not _stateful(mod)):
                 return [lid], runs, f"{self.layers[lid][0]!r} runs {len(runs)} times in one forward"
         owners = self.owners()
         for i, call in enumerate(t.calls):
@@ -264,6 +278,9 @@ class _Picker:
                 self.absorb(path, mod, why)
                 return
             path = path.rpartition(".")[0]
+        if len(lids) == 1 and lids[0] not in self.reused and len(t.outer_calls(self.modules[lids[0]])) > 1:
+            self.reused.add(lids[0])  # a layer called several times: the stages must keep its calls together
+            return
         raise ValueError(
             f"{why}, and no module short of the whole model runs once around it, so it cannot be one "
             "layer of a pipeline. Give each use its own module (share the nn.Parameter instead: torchspan "
@@ -273,6 +290,7 @@ class _Picker:
     def absorb(self, path: str, mod: nn.Module, why: str) -> None:
         for lid in [lid for lid, names in self.layers.items() if any(_under(n, path) for n in names)]:
             del self.layers[lid], self.modules[lid]
+            self.reused.discard(lid)
         for name in [n for n in self.descended if _under(n, path)]:
             del self.descended[name]
         lost = [p for p in self.points if _under(p, path) and p != path]
@@ -328,6 +346,7 @@ def find_layers(
                 ran=trace.ran(mod),
                 aliases=tuple(dict.fromkeys(picker.layers[lid][1:])),
                 merged=picker.merged.get(lid, ""),
+                calls=len(trace.outer_calls(mod)),
             )
         )
     return _annotate(model, trace, picker, layers)
@@ -347,7 +366,7 @@ def _reader(trace: Trace, by_id: dict[int, Layer], starts: list[tuple[int, str]]
 
 def _annotate(model: nn.Module, trace: Trace, picker: _Picker, layers: list[Layer]) -> LayerSet:
     by_id = {id(layer.module): layer for layer in layers}
-    starts = sorted((trace.calls[trace.outer_calls(layer.module)[0]].start, layer.name) for layer in layers if layer.ran)
+    starts = sorted((trace.calls[c].start, layer.name) for layer in layers for c in trace.outer_calls(layer.module))
     roots = []
     for owner, mod in picker.descended.items():
         tensors = [("parameter", n, t) for n, t in mod._parameters.items()] + [("buffer", n, t) for n, t in mod._buffers.items()]
@@ -369,7 +388,8 @@ def _annotate(model: nn.Module, trace: Trace, picker: _Picker, layers: list[Laye
                 reader = _reader(trace, by_id, starts, call, None)
                 if reader not in owners[id(t)]:
                     foreign.append(ForeignRead(_join(layer.name, n), layer.name, reader))
-    return LayerSet(tuple(layers), tuple(roots), tuple(picker.skipped), tuple(dict.fromkeys(foreign)))
+    calls = tuple(name for _, name in starts)  # every layer call, in order
+    return LayerSet(tuple(layers), tuple(roots), tuple(picker.skipped), tuple(dict.fromkeys(foreign)), calls)
 
 
 def param_layers(model: nn.Module, layers: Sequence[Layer], buffers: bool = False) -> dict[str, str]:

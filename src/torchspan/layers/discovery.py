@@ -12,7 +12,8 @@ Usage: ``model_layers(model, (x,), {}).names()`` → ``["embed", "blocks.0", "bl
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -23,13 +24,34 @@ from torch.utils._pytree import tree_leaves
 from .blocks import Layer, LayerSet, RootTensor, _check_options, _is_block_container, _join, _Picker, find_layers
 from .calltrace import Call, Trace
 
-__all__ = ["top_level_layers", "top_level_modules", "execution_order", "record_forward", "descends", "model_layers"]
+__all__ = ["top_level_layers", "top_level_modules", "module_entries", "execution_order", "record_forward", "descends", "model_layers"]
 
 
 def top_level_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's top-level children, in registration order; a model without children is one layer, named ``""``."""
+    """The model's top-level children, in registration order; a model without children is one layer, named ``""``.
+
+    An ``nn.Sequential`` gives every entry, each one a layer: one module object at two indices
+    (``nn.Sequential(a, b, a)``) is called at both, so both are layers (``"0"`` and ``"2"``) that
+    share its parameters (a tie). Other models give each child once (``named_children``).
+    """
     children = list(model.named_children())
+    if isinstance(model, nn.Sequential) and len(children) < sum(m is not None for m in model._modules.values()):
+        children = [(n, m) for n, m in model._modules.items() if m is not None]  # an entry repeats a module
     return children or [("", model)]
+
+
+def module_entries(children: Sequence[tuple[str, nn.Module]]) -> list[tuple[nn.Module, Callable[[], str]]]:
+    """Each module of ``children`` (layers: name and module) once, with a function naming the layer of its
+    next call. A module at several entries (``nn.Sequential(a, b, a)``) is called once per entry, in
+    order, so its k-th call is its k-th entry (cycling on to the next forward). For hooks that must file
+    each call under its layer: one hook per module, ``name = next_name()`` at each call.
+    """
+    names: dict[int, list[str]] = {}
+    modules: dict[int, nn.Module] = {}
+    for name, mod in children:
+        names.setdefault(id(mod), []).append(name)
+        modules[id(mod)] = mod
+    return [(modules[key], itertools.cycle(entries).__next__) for key, entries in names.items()]
 
 
 def top_level_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -76,13 +98,22 @@ def record_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 
     Usage: ``order, uses = record_forward(model, (x,), {})`` → ``["a", "b"], {"scale": "a"}``.
     """
+    order, uses, _ = _record_children(model, args, kwargs)
+    return order, uses
+
+
+def _record_children(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[str], dict[str, str | None], list[str]]:
+    """``record_forward``'s order and uses, and the child of every call in order (a child called twice
+    appears twice; one called inside another child's call too)."""
     owned = {id(t): n for n, t in list(model._parameters.items()) + list(model._buffers.items()) if t is not None}
     order: list[str] = []
+    calls: list[str] = []
     last: list[str | None] = [None]
     handles = []
     for name, child in model.named_children():
 
         def pre(_mod: nn.Module, _inp: Any, _name: str = name) -> None:
+            calls.append(_name)
             last[0] = _name
             if _name not in order:
                 order.append(_name)
@@ -96,26 +127,22 @@ def record_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         for h in handles:
             h.remove()
     order.extend(name for name, _ in model.named_children() if name not in order)
-    return order, watch.uses
+    return order, watch.uses, calls
 
 
 # ---------------------------------------------------------------------------------------- layer sets
 
 
-def _flat_layers(model: nn.Module, order: list[str]) -> LayerSet:
-    """Top-level children as a ``LayerSet`` in ``order`` (aliases: a child registered twice)."""
-    by_id: dict[int, list[str]] = {}
-    mods: dict[int, nn.Module] = {}
-    for name, child in top_level_layers(model):
-        by_id.setdefault(id(child), []).append(name)
-        mods[id(child)] = child
-    first = {names[0]: cid for cid, names in by_id.items()}
+def _flat_layers(model: nn.Module, order: list[str], calls: list[str] | None = None) -> LayerSet:
+    """Top-level children as a ``LayerSet`` in ``order``; ``calls``: the child of every call, in order
+    (``None``: each layer called once, in ``order``)."""
+    mods = dict(top_level_layers(model))
+    calls = list(order) if calls is None else calls
     out = []
     for name in order:
-        cid = first.get(name)
-        if cid is None:
+        mod = mods.get(name)
+        if mod is None:
             continue
-        mod = mods[cid]
         params, buffers = list(mod.parameters()), list(mod.buffers())
         out.append(
             Layer(
@@ -125,10 +152,10 @@ def _flat_layers(model: nn.Module, order: list[str]) -> LayerSet:
                 param_count=sum(p.numel() for p in params),
                 param_bytes=sum(p.numel() * p.element_size() for p in params),
                 buffer_bytes=sum(b.numel() * b.element_size() for b in buffers),
-                aliases=tuple(by_id[cid][1:]),
+                calls=calls.count(name),
             )
         )
-    return LayerSet(tuple(out))
+    return LayerSet(tuple(out), calls=tuple(calls))
 
 
 def descends(model: nn.Module, split_points: Iterable[str] | None = None, no_split: Iterable[Any] | None = None) -> bool:
@@ -210,9 +237,10 @@ def model_layers(
         flat = _flat_layers(model, [n for n, _ in top_level_layers(model)])
         roots_named = [(n, "parameter") for n, t in model._parameters.items() if t is not None]
         roots_named += [(n, "buffer") for n, t in model._buffers.items() if t is not None]
-        return LayerSet(flat.layers, tuple(RootTensor(n, k, "", None) for n, k in roots_named))
-    order, uses = record_forward(model, args, kwargs)
-    flat = _flat_layers(model, order)
+        calls = flat.calls if isinstance(model, nn.Sequential) else ()  # a Sequential calls each entry once, in order
+        return LayerSet(flat.layers, tuple(RootTensor(n, k, "", None) for n, k in roots_named), calls=calls)
+    order, uses, calls = _record_children(model, args, kwargs)
+    flat = _flat_layers(model, order, calls)
     roots = [RootTensor(n, "parameter", "", uses.get(n)) for n, t in model._parameters.items() if t is not None]
     roots += [RootTensor(n, "buffer", "", uses.get(n)) for n, t in model._buffers.items() if t is not None]
-    return LayerSet(flat.layers, tuple(roots))
+    return LayerSet(flat.layers, tuple(roots), calls=flat.calls)

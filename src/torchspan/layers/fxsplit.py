@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from .discovery import top_level_layers
+from .reuse import check_stages, reused
 
 __all__ = [
     "MODES",
@@ -33,6 +34,7 @@ __all__ = [
     "concrete_key",
     "default_concrete_args",
     "graph_layer_order",
+    "graph_calls",
     "split_graph",
 ]
 
@@ -133,6 +135,13 @@ def graph_layer_order(graph: fx.Graph, layers: list[str]) -> list[str]:
     return order
 
 
+def graph_calls(graph: fx.Graph, layers: list[str]) -> list[str]:
+    """The layer of every layer call in ``graph``, in order (a layer called twice appears twice)."""
+    known = set(layers)
+    heads = (str(node.target).split(".")[0] for node in graph.nodes if node.op == "call_module")
+    return [head for head in heads if head in known]
+
+
 def split_graph(
     model: nn.Module,
     graph: fx.Graph,
@@ -151,10 +160,16 @@ def split_graph(
     itself (not by a layer) to the stage that first reads them, so placement can put them there.
     ``before_build(root_attrs)`` runs before the stage modules are built (they hold the model's
     tensors as they are then): the place to move those tensors to their stages.
-    Raises ``ValueError`` naming the layer when the graph calls layers out of stage order.
+    Raises ``ValueError`` naming the layer when the graph calls layers out of stage order, or calls one
+    layer more than once with a stage cut between its calls (``reuse.check_stages``).
     Usage: ``mods, attrs = split_graph(model, trace(model), {"a": 0, "b": 1}, 2)``.
     """
     nodes = list(graph.nodes)
+    groups: list[list[str]] = [[] for _ in range(stages)]
+    for name, s in stage_of.items():
+        groups[s].append(name)
+    calls = graph_calls(graph, list(stage_of))
+    check_stages(calls, groups, model=type(model).__name__, kinds={n: type(model.get_submodule(n)).__name__ for n in reused(calls)})
     where = _node_stages(model, nodes, stage_of, stages)
     root_attrs = _attr_stages(model, nodes, where, stage_of, stages)
     if before_build is not None:

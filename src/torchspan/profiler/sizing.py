@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..layers import module_entries
+
 if TYPE_CHECKING:
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -258,9 +260,9 @@ class _Tally:
     def hook(self, children: list[tuple[str, nn.Module]]) -> list[Any]:
         """Forward pre/post hooks on every layer; the caller removes the returned handles."""
         handles = []
-        for cname, child in children:
-            handles.append(child.register_forward_pre_hook(lambda _m, a, kw, _n=cname: self.enter(_n, a, kw), with_kwargs=True))
-            handles.append(child.register_forward_hook(lambda _m, _a, _kw, out, _n=cname: self.leave(_n, out), with_kwargs=True))
+        for child, next_name in module_entries(children):  # one module at two entries: each call is the next entry's
+            handles.append(child.register_forward_pre_hook(lambda _m, a, kw, _n=next_name: self.enter(_n(), a, kw), with_kwargs=True))
+            handles.append(child.register_forward_hook(lambda _m, _a, _kw, out: self.leave(self.stack[-1], out), with_kwargs=True))
         return handles
 
     def finish(self, model: nn.Module, children: list[tuple[str, nn.Module]]) -> Sizes:

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..hardware import Device, catalog
-from ..layers import buffer_slots, kept
+from ..layers import buffer_slots, kept, module_entries
 
 __all__ = ["Speed", "capture", "estimate", "fit", "host_speed_device", "on_device", "preserved", "speed_of", "synchronize", "time_layer"]
 
@@ -71,11 +71,11 @@ def capture(
     """
     calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {n: [] for n, _ in children}
     handles = []
-    for name, child in children:
+    for child, next_name in module_entries(children):  # one module at two entries: each call is the next entry's
 
-        def pre(_m: nn.Module, a: Any, kw: Any, _n: str = name) -> None:
+        def pre(_m: nn.Module, a: Any, kw: Any, _next: Any = next_name) -> None:
             detached = tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, (a, kw))
-            calls[_n].append(detached)
+            calls[_next()].append(detached)
 
         handles.append(child.register_forward_pre_hook(pre, with_kwargs=True))
     try:
