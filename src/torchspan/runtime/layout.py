@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..layers import LayerSet, discovery
+from ..layers import LayerSet, discovery, reuse
 from ..layers import fxsplit as split
 from ..planner.plans import Plan
-from .placement import parse_devices, stages_from_balance, stages_from_plan
+from .placement import check_entries, parse_devices, stages_from_balance, stages_from_plan
 from .ranks.env import RankInfo
 from .ranks.mesh import Mesh
 from .ranks.pipelined import launched_mesh
@@ -82,7 +82,27 @@ def layout(
         groups = stages_from_balance(order or names, devs, balance)
     if ranked is not None:
         devs = [ranked[1].device] * len(groups)
+    _check_reuse(model, mode, graph, names, groups, devs, ranked is not None)
     return Layout(mode, why, graph, layer_set, groups, devs, ranked)
+
+
+def _check_reuse(
+    model: nn.Module, mode: str, graph: Any, names: list[str], groups: list[list[str]], devices: list[torch.device], ranked: bool
+) -> None:
+    """A module called more than once in a forward, refused before anything is placed where its calls cannot be exact.
+
+    fx: the layers between a reused child's first and last call share one stage (``reuse.check_stages``;
+    the split checks each re-trace again). ``nn.Sequential``: one module at several entries is a tie,
+    exact across stages and ranks, but not across devices of one process (``check_entries``). The model's
+    own forward is recorded at the first call, which checks the same (``OwnForwardLayers.record``).
+    """
+    stage_of = {name: s for s, g in enumerate(groups) for name in g}
+    if mode == "fx" and graph is not None:
+        calls = split.graph_calls(graph, names)
+        kinds = {n: type(model.get_submodule(n)).__name__ for n in reuse.reused(calls)}
+        reuse.check_stages(calls, groups, model=type(model).__name__, kinds=kinds)
+    elif mode == "sequential" and not ranked:
+        check_entries(discovery.top_level_modules(model), stage_of, devices)
 
 
 def _check_plan_names(model: nn.Module, plan: Plan, names: list[str]) -> None:

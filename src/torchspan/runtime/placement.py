@@ -15,12 +15,13 @@ import torch
 from torch import nn
 
 from ..hardware import resolve_device, to_device
-from ..layers import top_level_modules
+from ..layers import LayerSet, top_level_modules
+from ..layers.reuse import balance_advice, check_stages
 from ..planner.plans import Plan
 from .microbatch import split_sizes
 from .ties import TiedCopies
 
-__all__ = ["parse_devices", "even_balance", "stages_from_balance", "stages_from_plan", "check_shared", "place"]
+__all__ = ["parse_devices", "even_balance", "stages_from_balance", "stages_from_plan", "check_shared", "check_entries", "check_calls", "place"]
 
 
 def parse_devices(devices: Any) -> list[torch.device]:
@@ -111,6 +112,46 @@ def stages_from_plan(
     return [list(st.layers) for st in plan.stages], devs
 
 
+def _entries_together(stage_of: Mapping[str, int], first: str, last: str) -> str:
+    """The balance advice keeping layers ``first`` to ``last`` (execution order: ``stage_of``'s) in one stage."""
+    order = list(stage_of)
+    counts = [0] * (max(stage_of.values()) + 1)
+    for s in stage_of.values():
+        counts[s] += 1
+    return balance_advice(len(order), [(order.index(first), order.index(last))], [c for c in counts if c])
+
+
+def check_calls(model: nn.Module, layers: LayerSet, groups: Sequence[Sequence[str]]) -> None:
+    """Every call of a layer called more than once (``layers.calls``, from a recording forward) runs in the
+    stage holding it: else ``ValueError`` naming the module, its calls and a balance that works (``reuse.check_stages``)."""
+    kinds = {
+        layer.name: type(layer.module).__name__ + "".join(f", also {a!r}" for a in layer.aliases) for layer in layers if layer.calls > 1
+    }
+    check_stages(layers.calls, groups, model=type(model).__name__, kinds=kinds)
+
+
+def check_entries(layers: Mapping[str, nn.Module], stage_of: Mapping[str, int], devices: Sequence[torch.device]) -> None:
+    """Raise if one module object is several layers (``nn.Sequential(a, b, a)``: entries ``"0"`` and ``"2"``) in
+    stages on different devices of one process. Across stages of one device it needs nothing (its parameters
+    are there); across ranks it is a tie (``RankStage``); but in one process one module cannot be read on two
+    devices at once (the other stage's thread may be inside it)."""
+    entries: dict[int, list[str]] = {}
+    for name, mod in layers.items():
+        if name in stage_of:
+            entries.setdefault(id(mod), []).append(name)
+    for names in entries.values():
+        devs = {str(devices[stage_of[n]]) for n in names}
+        if len(devs) < 2:
+            continue
+        where = ", ".join(f"{n!r} (stage {stage_of[n]}, {devices[stage_of[n]]})" for n in names)
+        raise ValueError(
+            f"torchspan: entries {where} are one module ({type(layers[names[0]]).__name__}), called at each, in stages on "
+            "different devices of one process, where its parameters can live on one device only. Keep its calls in "
+            f"one stage: pass {_entries_together(stage_of, names[0], names[-1])}; or put those stages on one device; "
+            "or give each entry its own module holding the same nn.Parameter objects (a tie, kept exact across devices)"
+        )
+
+
 def check_shared(model: nn.Module, stage_of: dict[str, int], layers: Mapping[str, nn.Module] | None = None,
                  devices: Sequence[torch.device] | None = None) -> None:
     """Raise if one buffer belongs to layers on different devices (a tied *parameter* is kept by ``TiedCopies``).
@@ -118,13 +159,21 @@ def check_shared(model: nn.Module, stage_of: dict[str, int], layers: Mapping[str
     Without ``devices`` any two stages count as different. ``layers``: name -> module (default: top-level children).
     """
     owner: dict[int, tuple[str, int]] = {}
-    for name, child in (layers if layers is not None else top_level_modules(model)).items():
+    layers = layers if layers is not None else top_level_modules(model)
+    for name, child in layers.items():
         if name not in stage_of:
             continue
         for bname, t in child.named_buffers():
             prev = owner.get(id(t))
             s = stage_of[name]
             if prev is not None and prev[1] != s and (devices is None or devices[prev[1]] != devices[s]):
+                if layers[prev[0]] is child:
+                    raise ValueError(
+                        f"torchspan: layers {prev[0]!r} (stage {prev[1]}) and {name!r} (stage {s}) are one module "
+                        f"({type(child).__name__}) called at both, and it holds buffer {bname!r}: a buffer's in-place "
+                        "updates (running statistics) cannot be kept in step across stages. Keep its calls in one "
+                        f"stage: pass {_entries_together(stage_of, prev[0], name)}"
+                    )
                 raise ValueError(
                     f"buffer {name}.{bname} is shared with layer {prev[0]!r}: layers {prev[0]!r} (stage {prev[1]}) and "
                     f"{name!r} (stage {s}) use the same buffer on different devices, and a buffer's in-place updates "

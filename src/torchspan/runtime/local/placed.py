@@ -32,7 +32,7 @@ from ...layers import LayerSet, buffer_slots, kept, model_layers
 from ..executor import Settings, Work
 from ..memory import ActivationMeter
 from ..microbatch import split_batch
-from ..placement import check_shared, even_balance, place, stages_from_balance
+from ..placement import check_calls, check_shared, even_balance, place, stages_from_balance
 from ..record import Recorder
 from ..ties import TiedCopies
 from .hooks import HookPlacement
@@ -108,6 +108,7 @@ class OwnForwardLayers:
             groups = stages_from_balance(order, devices, counts)
         else:
             self._check_planned(groups, order)
+        check_calls(self.model, found, groups)  # a module called more than once: all its calls in one stage
         self.layer_set = found
         self.layers = {layer.name: layer.module for layer in found}
         self.order_checked = True
