@@ -1,4 +1,5 @@
-"""Other stages' layers on ``meta``, run once per call shape and replayed from then on.
+"""Other stages' layers on ``meta``, run once per call shape and replayed from then on; or, for a
+layer that cannot run on ``meta``, its outputs' shapes as the stage that runs it describes them.
 
 A rank runs the layers of other stages on ``meta`` only for their outputs' shapes and dtypes, yet
 torch's meta kernels for common ops (``addmm``, ``relu``, ``add``) are Python decompositions that
@@ -9,6 +10,14 @@ strides and dtypes, its plain arguments, the layer's training flag) and records 
 call, the first included, returns outputs built from the template, so a forward behaves the same
 whether or not the layer ran. A call with an argument or output that is not a tensor or a plain
 value (a cache object a layer may update) is run every time.
+
+Some layers cannot run on ``meta``: routing that depends on values (an MoE block's ``nonzero``/
+``torch.where`` over the tokens each expert takes, a loop over the experts hit), kernels without a
+meta implementation. Their outputs' shapes rarely depend on values (an MoE block returns its input's
+shape), so the stage that runs the layer for real describes its outputs (``describe``: a template of
+real tensors) and sends the description to the other ranks once per call shape (``shape_key``:
+shapes and plain values only, the same on every rank); ``Described`` keeps what was sent or
+received and checks, on the owner, that every later call of that shape returns those shapes.
 
 Usage (``RankOwnForwardExecutor`` does this)::
 
@@ -23,10 +32,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
-__all__ = ["MetaCalls"]
+__all__ = ["MetaCalls", "Described", "describe", "shape_key"]
 
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 _LIMIT = 4096  # templates kept (distinct call shapes); past it the cache starts over
@@ -40,14 +50,26 @@ class _Template:
     def __init__(self, spec: Any, leaves: list[tuple[Any, ...]]) -> None:
         self.spec, self.leaves = spec, leaves
 
+    def __getstate__(self) -> tuple[Any, ...]:  # sent to other ranks: the spec as text where it has one
+        try:
+            return ("text", treespec_dumps(self.spec), self.leaves)
+        except Exception:  # noqa: BLE001 - a pytree node without a serialized name: pickled as is
+            return ("spec", self.spec, self.leaves)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        kind, spec, self.leaves = state
+        self.spec = treespec_loads(spec) if kind == "text" else spec
+
     @classmethod
-    def of(cls, out: Any, inputs: list[torch.Tensor]) -> _Template | None:
+    def of(cls, out: Any, inputs: list[torch.Tensor], real: bool = False) -> _Template | None:
+        """The template of ``out`` (``None`` when a leaf is neither a tensor nor a plain value, or, unless
+        ``real``, a tensor that is not ``meta``)."""
         leaves, spec = tree_flatten(out)
         ids = {id(t): i for i, t in enumerate(inputs)}
         made: list[tuple[Any, ...]] = []
         for v in leaves:
             if isinstance(v, torch.Tensor):
-                if not v.is_meta:
+                if not (real or v.is_meta):
                     return None
                 made.append(("in", ids[id(v)]) if id(v) in ids else ("new", tuple(v.shape), v.stride(), v.dtype))
             elif isinstance(v, _PLAIN):
@@ -55,6 +77,16 @@ class _Template:
             else:
                 return None
         return cls(spec, made)
+
+    def shapes_of(self, out: Any) -> str | None:
+        """``None`` when ``out``'s tensors have this template's shapes and dtypes, else what differs."""
+        leaves, spec = tree_flatten(out)
+        if len(leaves) != len(self.leaves):
+            return f"{len(leaves)} outputs where the first call of this shape returned {len(self.leaves)}"
+        for i, (v, leaf) in enumerate(zip(leaves, self.leaves)):
+            if leaf[0] == "new" and isinstance(v, torch.Tensor) and (tuple(v.shape), v.dtype) != (leaf[1], leaf[3]):
+                return f"output {i} is {tuple(v.shape)} {v.dtype} where the first call of this shape returned {leaf[1]} {leaf[3]}"
+        return None
 
     def build(self, inputs: list[torch.Tensor]) -> Any:
         out = []
@@ -76,8 +108,8 @@ class MetaCalls:
         self.ran = 0  # calls that ran the layer (the rest were replayed)
 
     @staticmethod
-    def _key(route: Any, module: nn.Module, leaves: list[Any]) -> tuple[Any, ...] | None:
-        key: list[Any] = [id(route), module.training]
+    def _key(where: Any, module: nn.Module, leaves: list[Any]) -> tuple[Any, ...] | None:
+        key: list[Any] = [where, module.training]
         for v in leaves:
             if isinstance(v, torch.Tensor):
                 key.append((tuple(v.shape), v.stride(), v.dtype))
@@ -87,11 +119,12 @@ class MetaCalls:
                 return None
         return tuple(key)
 
-    def run(self, route: Any, module: nn.Module, fn: Callable[..., Any], leaves: list[Any], spec: Any) -> Any:
+    def run(self, where: Any, module: nn.Module, fn: Callable[..., Any], leaves: list[Any], spec: Any) -> Any:
         """``fn(*args, **kwargs)`` for the flattened ``(args, kwargs)`` (``leaves``: meta tensors and plain
-        values, ``spec``), run without grad, or its recorded outputs for this call's key."""
+        values, ``spec``), run without grad, or its recorded outputs for this call's key (``where``: the
+        call's place in the forward, hashable)."""
         inputs = [t for t in leaves if isinstance(t, torch.Tensor)]
-        key = self._key(route, module, leaves)
+        key = self._key(where, module, leaves)
         template = self._templates.get(key) if key is not None else None
         if template is None:
             self.ran += 1
@@ -104,3 +137,105 @@ class MetaCalls:
                 self._templates.clear()
             self._templates[key] = template
         return template.build(inputs)
+
+
+def shape_key(where: Any, module: nn.Module, leaves: list[Any]) -> tuple[Any, ...] | None:
+    """A call's key that every rank computes alike: its place, the layer's training flag, its tensor
+    arguments' shapes (a ``meta`` stand-in has its real value's shape, not always its dtype or strides)
+    and its plain arguments; ``None`` when an argument is neither (then described at every call)."""
+    key: list[Any] = [where, module.training]
+    for v in leaves:
+        if isinstance(v, torch.Tensor):
+            key.append(tuple(v.shape))
+        elif isinstance(v, _PLAIN):
+            key.append(v)
+        else:
+            return None
+    return tuple(key)
+
+
+def describe(out: Any, inputs: list[torch.Tensor]) -> _Template | str:
+    """The template of a layer's real outputs ``out`` (``inputs``: its tensor arguments), or why there is none."""
+    template = _Template.of(out, inputs, real=True)
+    if template is not None:
+        return template
+    odd = sorted({type(v).__name__ for v in tree_flatten(out)[0] if not isinstance(v, (torch.Tensor, *_PLAIN))})
+    return f"it returns {', '.join(odd)}, which is neither a tensor nor a plain value"
+
+
+class Described:
+    """Outputs of layers that other ranks cannot run on ``meta``, described by the rank that runs them
+    (see the module docstring). Per layer stage, the templates by ``shape_key``: received (other ranks)
+    or sent (the owner, which checks later calls against them); every rank keeps the same keys, so
+    every rank of the pipeline takes part in the same exchanges (``broadcast_object_list`` from the owner).
+
+    ``rank_of(stage)``: the global rank holding a stage in this pipeline; ``group``/``device``: the pipeline's
+    process group and where its messages travel.
+    """
+
+    def __init__(self, stages: int, rank_of: Callable[[int], int], group: Any, device: torch.device) -> None:
+        self._templates: list[dict[tuple[Any, ...], _Template]] = [{} for _ in range(stages)]
+        self.rank_of, self.group, self.device = rank_of, group, device
+        self.exchanged = 0  # descriptions sent or received
+
+    def _keep(self, stage: int, key: tuple[Any, ...] | None, template: _Template) -> None:
+        if key is not None:
+            kept = self._templates[stage]
+            if len(kept) >= _LIMIT:  # every rank clears a stage's templates at the same count
+                kept.clear()
+            kept[key] = template
+
+    def _exchange(self, stage: int, sent: Any) -> Any:
+        box = [sent]
+        dist.broadcast_object_list(box, src=self.rank_of(stage), group=self.group, device=self.device)
+        self.exchanged += 1
+        return box[0]
+
+    def outputs(self, layer: str, stage: int, key: tuple[Any, ...] | None, inputs: list[torch.Tensor], failures: Any) -> Any:
+        """On a rank that cannot run ``layer`` (of ``stage``) on meta: its outputs as meta tensors of the
+        described shapes (``inputs``: the call's tensor arguments, meta). Raises what the owner raises."""
+        template = self._templates[stage].get(key) if key is not None else None
+        if template is None:
+            got = self._exchange(stage, None)
+            if isinstance(got, tuple):
+                raise RuntimeError(
+                    f"torchspan: stage {stage} (rank {self.rank_of(stage)}) failed running layer {layer!r}, whose "
+                    f"outputs' shapes this rank waited for: {got[1]}; see that rank's traceback"
+                )
+            _raise_refused(layer, stage, failures, got)
+            template = got
+            self._keep(stage, key, template)
+        return template.build(inputs)
+
+    def send(self, layer: str, stage: int, key: tuple[Any, ...] | None, inputs: list[torch.Tensor], out: Any, failures: Any) -> None:
+        """On ``layer``'s owner, after the call (``out``: its outputs, or the exception it raised): the outputs'
+        description, the first time this call shape is reached; later calls are checked against it."""
+        template = self._templates[stage].get(key) if key is not None else None
+        if isinstance(out, BaseException):
+            if template is None:  # the other ranks wait for this call's description: they stop too
+                self._exchange(stage, ("failed", f"{type(out).__name__}: {out}"[:500]))
+            return
+        if template is not None:
+            differs = template.shapes_of(out)
+            if differs is not None:
+                raise ValueError(
+                    f"torchspan: layer {layer!r}'s outputs change shape with the values of its inputs ({differs}); the "
+                    "other ranks of the pipeline cannot run it on meta and take its outputs' shapes from this rank once "
+                    "per input shape. Run this model in one process (span with devices=[...])"
+                )
+            return
+        made = describe(out, inputs)
+        _raise_refused(layer, stage, failures, self._exchange(stage, made))
+        self._keep(stage, key, made)  # type: ignore[arg-type]
+
+
+def _raise_refused(layer: str, stage: int, failures: Any, got: Any) -> None:
+    """The owner could not describe the outputs (``got``: why): every rank of the pipeline raises this."""
+    if isinstance(got, str):
+        meta = "; ".join(f"stage {s}: {why}" for s, why in failures)
+        raise ValueError(
+            f"torchspan: layer {layer!r} (stage {stage}) cannot run on meta on the other ranks of the pipeline ({meta}), "
+            f"and its outputs cannot be described to them by their shapes: {got}. Make the layer return tensors and "
+            "plain values only (for a transformers model, use_cache=False), or run this model in one process "
+            "(span with devices=[...])"
+        )

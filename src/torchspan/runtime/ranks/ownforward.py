@@ -2,8 +2,11 @@
 
 Nothing is traced. Every rank of a pipeline calls the model's own ``forward`` on the same
 micro-batch; its own stage's layers run for real on its device, other stages' layers run on
-``meta`` (shapes only; once per call shape, then replayed: ``metacalls``), and the glue between layers follows the ``taint`` rules, so a
-tensor is real on a rank exactly when that rank could compute it. When a layer of this rank
+``meta`` (shapes only; once per call shape, then replayed: ``metacalls``), and the glue between
+layers follows the ``taint`` rules, so a tensor is real on a rank exactly when that rank could
+compute it. A layer that cannot run on ``meta`` (an MoE block's value-dependent routing) runs only
+on its own stage, which describes its outputs' shapes to the other ranks once per call shape
+(``metacalls.Described``); a failure there raises on every rank of the pipeline. When a layer of this rank
 needs an argument another stage computed, that stage sends it at the same call
 (``routes``: found the first time a forward takes a path, by comparing what each rank sees,
 then replayed and checked); gradients of what crossed travel back in backward. Tied parameters,
@@ -47,7 +50,7 @@ from ..placement import place
 from ..record import Recorder
 from .env import RankInfo
 from .mesh import Mesh
-from .metacalls import MetaCalls
+from .metacalls import Described, MetaCalls, shape_key
 from .p2p import RankTransport
 from .routes import GRAD, META, REAL, CallRoute, DivergedError, Seen, route_call
 from .stage import RankStage
@@ -81,6 +84,28 @@ class _Path:
 
     def __init__(self) -> None:
         self.next: dict[tuple[Any, ...], tuple[CallRoute, _Path]] = {}
+
+
+_NOT_RUN: Any = object()  # a meta call not run (yet)
+
+
+class _LayerCall:
+    """One call of a layer inside the forward: its flattened arguments and its place on the path."""
+
+    __slots__ = ("name", "stage", "fn", "args", "kwargs", "leaves", "spec", "where", "tensors", "k", "signature", "place")
+
+    def __init__(self, st: _Forward, name: str, stage: int, fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
+        self.name, self.stage, self.fn, self.args, self.kwargs = name, stage, fn, args, kwargs
+        self.leaves, self.spec = tree_flatten((args, kwargs))
+        self.where = [i for i, v in enumerate(self.leaves) if isinstance(v, torch.Tensor)]
+        self.tensors: list[torch.Tensor] = [self.leaves[i] for i in self.where]
+        self.k = st.call
+        st.call += 1
+        self.signature = (name, len(self.leaves), tuple(self.where))
+        self.place = (id(st.node), self.signature)  # where on the path tree: the same on every rank
+
+    def codes(self, grad: bool) -> tuple[int, ...]:
+        return tuple(META if t.is_meta else GRAD if grad and t.requires_grad else REAL for t in self.tensors)
 
 
 def _guarded(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -125,6 +150,7 @@ class RankOwnForwardExecutor(Executor):
         self._swaps: dict[str, list[tuple[nn.Module, str, str, Any, Any]]] = {}
         self._steps = MeteredSteps(meter)  # which training steps count saved activations (micro-batch shapes)
         self._meta_calls = MetaCalls()
+        self._described = Described(mesh.stages, self._transport.peer, self.ranks.pipe_group, self.ranks.comm)
 
     @property
     def layers(self) -> dict[str, nn.Module]:
@@ -164,6 +190,7 @@ class RankOwnForwardExecutor(Executor):
         place(self.model, mine, self.devices, self.root_attrs, self.layers, mine_roots)
         self._swaps = self._tied_swaps()
         self.ranks.start()
+        self._described.group = self.ranks.pipe_group  # made by start() when there are replicas
         self._placed = True
 
     def _tied_swaps(self) -> dict[str, list[tuple[nn.Module, str, str, Any, Any]]]:
@@ -219,40 +246,67 @@ class RankOwnForwardExecutor(Executor):
 
     # ------------------------------------------------------------------ one layer call
     def _call(self, st: _Forward, name: str, stage: int, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        leaves, spec = tree_flatten((args, kwargs))
-        where = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-        tensors: list[torch.Tensor] = [leaves[i] for i in where]
-        codes = tuple(META if t.is_meta else GRAD if st.grad and t.requires_grad else REAL for t in tensors)
-        k, local = st.call, stage == self.stage
-        st.call += 1
-        signature = (name, len(leaves), tuple(where))
-        known = st.node.next.get(signature)
-        if known is None:  # a new branch: every rank of the pipeline is here too
-            aliases = tuple(st.at.get(id(t)) if local and t.is_meta else None for t in tensors)
-            views: list[Any] = [None] * self.mesh.stages
-            dtypes = tuple(t.dtype for t in tensors)
-            dist.all_gather_object(views, Seen(name, codes, aliases, dtypes), group=self.ranks.pipe_group)
-            known = (route_call(k, name, stage, views), _Path())
-            st.node.next[signature] = known
-            recording = True
-        else:
-            recording = False
-            known[0].check(self.stage, name, codes)
-        route, st.node = known
+        c = _LayerCall(st, name, stage, fn, args, kwargs)
+        local = stage == self.stage
+        recording = c.signature not in st.node.next  # a new branch: every rank of the pipeline is here too
+        ran, failed = _NOT_RUN, None
+        if recording and not local:  # tried first: a layer that fails on meta here takes its shapes from its owner
+            ran, failed = self._try_meta(c)
+        route = self._route(st, c, failed)
         for tr in route.transfers:
             if tr.src == self.stage:
-                if tr.dtype is not None and tensors[tr.leaf].dtype != tr.dtype:
-                    raise DivergedError(f"torchspan: layer {name!r}'s argument {tr.leaf} is {tensors[tr.leaf].dtype} now, {tr.dtype} when recorded")
-                self._isend(tensors[tr.leaf], tr.dst, "own-fwd")
+                sent = c.tensors[tr.leaf]
+                if tr.dtype is not None and sent.dtype != tr.dtype:
+                    raise DivergedError(f"torchspan: layer {name!r}'s argument {tr.leaf} is {sent.dtype} now, {tr.dtype} when recorded")
+                self._isend(sent, tr.dst, "own-fwd")
                 if st.grad and tr.grad:
-                    st.sent.append((tensors[tr.leaf], tr.dst))
+                    st.sent.append((sent, tr.dst))
         if not local:  # another stage's layer: its outputs' shapes, on meta (replayed once known)
-            with torch.no_grad(), self._swapped(name):
-                meta = [meta_like(v) if isinstance(v, torch.Tensor) else v for v in leaves]
-                return self._meta_calls.run(route, self.layers[name], _guarded(fn, name), meta, spec)
+            if route.described:  # it failed on meta somewhere: shapes as its owner describes them
+                meta = [meta_like(v) if isinstance(v, torch.Tensor) else v for v in c.leaves]
+                key = shape_key(c.place, self.layers[name], meta)
+                return self._described.outputs(name, stage, key, [t for t in meta if isinstance(t, torch.Tensor)], route.failures)
+            return ran if ran is not _NOT_RUN else self._meta_run(c)
+        return self._run_here(st, c, route, recording)
+
+    def _route(self, st: _Forward, c: _LayerCall, failed: str | None) -> CallRoute:
+        """This call's route: recorded with every rank of the pipeline on a new branch, else checked; ``st`` moves on."""
+        known = st.node.next.get(c.signature)
+        codes = c.codes(st.grad)
+        if known is None:
+            local = c.stage == self.stage
+            aliases = tuple(st.at.get(id(t)) if local and t.is_meta else None for t in c.tensors)
+            views: list[Any] = [None] * self.mesh.stages
+            dtypes = tuple(t.dtype for t in c.tensors)
+            dist.all_gather_object(views, Seen(c.name, codes, aliases, dtypes, failed), group=self.ranks.pipe_group)
+            known = (route_call(c.k, c.name, c.stage, views), _Path())
+            st.node.next[c.signature] = known
+        else:
+            known[0].check(self.stage, c.name, codes)
+        route, st.node = known
+        return route
+
+    def _try_meta(self, c: _LayerCall) -> tuple[Any, str | None]:
+        """Another stage's layer on meta, the first time its call is reached: its outputs, or why it failed."""
+        try:
+            return self._meta_run(c), None
+        except Exception as exc:  # noqa: BLE001 - any failure: the owner describes the outputs instead
+            text = str(exc)
+            if text.startswith("torchspan:"):  # a refusal (e.g. a container changed): every rank raises it
+                return _NOT_RUN, text
+            return _NOT_RUN, f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:300]
+
+    def _meta_run(self, c: _LayerCall) -> Any:
+        with torch.no_grad(), self._swapped(c.name):
+            meta = [meta_like(v) if isinstance(v, torch.Tensor) else v for v in c.leaves]
+            return self._meta_calls.run(c.place, self.layers[c.name], _guarded(c.fn, c.name), meta, c.spec)
+
+    def _run_here(self, st: _Forward, c: _LayerCall, route: CallRoute, recording: bool) -> Any:
+        """This stage's layer: arguments other stages computed are received (or reused), then it runs for real."""
+        leaves, where = c.leaves, c.where
         replaced = False  # a leaf of the call had to be replaced: the layer gets rebuilt containers
         for tr in route.transfers:
-            held = tensors[tr.leaf]
+            held = c.tensors[tr.leaf]
             dtype = tr.dtype if tr.dtype is not None else held.dtype  # autocast on the sender: its dtype
             got = self._recv(torch.empty(held.shape, dtype=dtype, device=self.device), tr.src, "own-fwd")
             try:  # the glue's own variable becomes the value (a residual `h = block(h) + h` reads it again)
@@ -263,34 +317,45 @@ class RankOwnForwardExecutor(Executor):
             if st.grad and tr.grad:
                 got.requires_grad_(True)
                 st.inbound.append((got, tr.src))
-            st.at[id(held)] = (k, tr.leaf)
+            st.at[id(held)] = (c.k, tr.leaf)
             st.placeholders.append(held)
-            st.value[(k, tr.leaf)] = got
+            st.value[(c.k, tr.leaf)] = got
             leaves[where[tr.leaf]] = got
         for r in route.reuses:
-            if st.at.get(id(tensors[r.leaf])) != (r.call, r.at):
-                raise DivergedError(f"torchspan: layer {name!r} no longer reads what call {r.call} received (argument {r.at})")
+            if st.at.get(id(c.tensors[r.leaf])) != (r.call, r.at):
+                raise DivergedError(f"torchspan: layer {c.name!r} no longer reads what call {r.call} received (argument {r.at})")
             leaves[where[r.leaf]] = st.value[(r.call, r.at)]
             replaced = True
-        real_args, real_kwargs = tree_unflatten(leaves, spec) if replaced else (args, kwargs)
+        real_args, real_kwargs = tree_unflatten(leaves, c.spec) if replaced else (c.args, c.kwargs)
         sizes = container_sizes((real_args, real_kwargs)) if replaced else []
         shared = []
         if recording:  # an in-place write to an input other ranks hold would leave theirs stale
-            shared = [(i, leaves[where[i]], leaves[where[i]]._version) for i in range(len(tensors)) if self._shared(route, i)]
+            shared = [(i, leaves[where[i]], leaves[where[i]]._version) for i in range(len(c.tensors)) if self._shared(route, i)]
         with self.meter.saving(self.stage) if st.metering else nullcontext():
-            out = run_layer(
-                fn, real_args, real_kwargs, device=self.device, precision=self.settings.precision, recompute=st.recompute,
-                slots=buffer_slots([self.layers[name]]) if st.recompute else (),
-            )  # fmt: skip
-        check_unchanged(sizes, name)
+            try:
+                out = run_layer(
+                    c.fn, real_args, real_kwargs, device=self.device, precision=self.settings.precision,
+                    recompute=st.recompute, slots=buffer_slots([self.layers[c.name]]) if st.recompute else (),
+                )  # fmt: skip
+            except BaseException as exc:
+                if route.described:  # the other ranks may wait for this call's description: they stop too
+                    self._describe(c, route, exc)
+                raise
+        if route.described:
+            self._describe(c, route, out)
+        check_unchanged(sizes, c.name)
         for i, t, version in shared:
             if t._version != version:
                 raise ValueError(
-                    f"torchspan: layer {name!r} modifies its tensor argument {i} in place, and other pipeline ranks hold "
+                    f"torchspan: layer {c.name!r} modifies its tensor argument {i} in place, and other pipeline ranks hold "
                     "that tensor too (they would keep the old value); make the layer work out of place "
                     "(e.g. nn.ReLU(inplace=False)) or run the model in one process"
                 )
         return out
+
+    def _describe(self, c: _LayerCall, route: CallRoute, out: Any) -> None:
+        key = shape_key(c.place, self.layers[c.name], c.leaves)
+        self._described.send(c.name, c.stage, key, [c.leaves[i] for i in c.where], out, route.failures)
 
     def _shared(self, route: CallRoute, leaf: int) -> bool:
         """Whether argument ``leaf`` of this call is held by another rank too (received, or computed there)."""

@@ -7,7 +7,9 @@ sent by the latest earlier stage holding it real (or reused, when the owner rece
 same tensor for an earlier call of this forward). The ranks find this the first time a forward reaches a call by a new path:
 each describes the call (``Seen``), they exchange descriptions, and ``route_call`` turns them into
 the same ``CallRoute`` on every rank. Later forwards replay the routes and check that every rank
-still sees what it saw (``CallRoute.check``): a forward that takes another path raises.
+still sees what it saw (``CallRoute.check``): a forward that takes another path raises. A rank that
+cannot run another stage's layer on ``meta`` says why in its ``Seen``; the route then has every
+other rank take the outputs' shapes from the owner (``CallRoute.described``, ``metacalls``).
 
 Usage (``RankOwnForwardExecutor`` does this)::
 
@@ -39,6 +41,7 @@ class Seen:
     codes: tuple[int, ...]
     aliases: tuple[tuple[int, int] | None, ...]
     dtypes: tuple[Any, ...] = ()  # per tensor argument (a meta one may lack autocast's dtype: the holder's counts)
+    failed: str | None = None  # another stage's layer: why it could not run on meta here (None: it ran; "torchspan: ...": refused)
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,12 @@ class CallRoute:
     codes: list[tuple[int, ...]]  # per stage
     transfers: list[Transfer] = field(default_factory=list)
     reuses: list[Reuse] = field(default_factory=list)
+    failures: list[tuple[int, str]] = field(default_factory=list)  # (stage, why) where the layer failed on meta
+
+    @property
+    def described(self) -> bool:
+        """Whether the other ranks take this call's outputs from the owner's description (it failed on meta)."""
+        return bool(self.failures)
 
     def check(self, stage: int, layer: str, codes: tuple[int, ...]) -> None:
         """Raise ``DivergedError`` unless stage ``stage`` sees this call as it did when recorded."""
@@ -102,7 +111,10 @@ def route_call(call: int, layer: str, stage: int, seen: Sequence[Seen]) -> CallR
                 f"{len(seen[stage].codes)} tensor argument(s), stage {s} calls {view.layer!r} with {len(view.codes)}. "
                 "Every rank must run the same forward: give every rank of a pipeline the same batch"
             )
-    route = CallRoute(call, layer, stage, [v.codes for v in seen])
+    refused = [v.failed for v in seen if v.failed and v.failed.startswith("torchspan:")]
+    if refused:  # a rank refused the call on meta: every rank raises it
+        raise ValueError(refused[0])
+    route = CallRoute(call, layer, stage, [v.codes for v in seen], failures=[(s, v.failed) for s, v in enumerate(seen) if v.failed])
     owner = seen[stage]
     for i, code in enumerate(owner.codes):
         if code != META:
