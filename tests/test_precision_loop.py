@@ -96,6 +96,41 @@ def test_fp16_plain_loop_matches_autocast_with_grad_scaler(microbatches: int, st
     assert ref.scaler.get_scale() == 65536.0 / 4
 
 
+class Residual(nn.Module):
+    """Blocks in a ModuleList: the model's own forward runs (modes own-forward / own-forward-serial)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.out = nn.Linear(6, 16), nn.Linear(16, 3)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h) + h
+        return self.out(h)
+
+
+@pytest.mark.parametrize("microbatches,mode", [(1, "own-forward-serial"), (2, "own-forward")])
+def test_fp16_plain_loop_when_the_models_own_forward_runs(microbatches: int, mode: str) -> None:
+    model = Residual()
+    ref = Reference(copy.deepcopy(model), microbatches, lr=0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # one micro-batch: "no pipelining"
+        spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=microbatches, precision="fp16")
+    opt = torch.optim.SGD(spanned.parameters(), lr=0.05)
+    for i, (x, y) in enumerate(_batches(4, big=(2,))):
+        opt.zero_grad()
+        ref.opt.zero_grad()
+        spanned.train_step(x, y, nn.functional.mse_loss)
+        ref.backward(x, y)
+        opt.step()
+        ref.step()
+        _same(model, ref.model, f"step {i}: weights")
+    assert spanned.mode == mode and spanned.scaler.get_scale() == ref.scaler.get_scale() == 32768.0
+
+
 def test_fp16_accumulation_over_train_steps_and_an_overflow_inside_it() -> None:
     model = _model()
     ref = Reference(copy.deepcopy(model), 1, opt=torch.optim.Adam, lr=0.01)
