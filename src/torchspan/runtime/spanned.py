@@ -258,7 +258,7 @@ class Spanned(nn.Module):
         work = self._executor.prepare(args, kwargs)
         total = batch_size(args, kwargs)
         empty = total == 0 and self._executor.empty_batches  # a data-parallel rank's empty shard adds zero
-        sizes = [0] if empty else split_sizes(total, self.microbatches)
+        sizes = [0] if empty else split_sizes(total, len(work.chunks))  # a data-parallel shard may hold fewer rows
         targets = split_value(target, len(sizes), total, name="target")
         if isinstance(loss_fn, nn.Module):
             loss_fn.to(self._executor.devices[-1])
@@ -337,7 +337,7 @@ class Spanned(nn.Module):
         ranks = getattr(self._executor, "ranks", None)
         if ranks is not None and ranks.mesh.stages > 1:
             guard_plain_clip(ranks)
-            where = str  # naming the micro-batch would re-run a forward across ranks: the step only
+            where = lambda: ""  # naming the micro-batch would re-run a forward across ranks: the step only
         skipped = isinstance(self.scaler, SpanScaler) and self.scaler.overflowed
         check_loss(loss, self.nonfinite, self._train_steps, where, skipped)
 
