@@ -52,3 +52,11 @@ def test_rank_batches_same_step_count_every_sample_once() -> None:
 def test_rank_batches_errors() -> None:
     with pytest.raises(ValueError, match="batch_size=0 must be an integer >= 1"):
         rank_batches(10, 0, 0, 2)
+
+
+def test_rank_batches_refuses_a_negative_dataset_length() -> None:
+    # issue 19: rank_batches(-5, 2) returned [] (no batch, no error): a training loop that silently does nothing
+    for bad in (-5, True):
+        with pytest.raises(ValueError, match=rf"samples={bad!r} must be the dataset length \(an integer >= 0\)"):
+            rank_batches(bad, 2, 0, 1)
+    assert rank_batches(0, 2, 0, 1) == []  # an empty dataset is no error

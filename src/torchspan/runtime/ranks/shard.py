@@ -105,6 +105,8 @@ def rank_batches(
     rank, world_size = _where(rank, world_size, "rank_batches")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be an integer >= 1 (the global batch over all ranks)")
+    if isinstance(samples, bool) or (isinstance(samples, int) and samples < 0):
+        raise ValueError(f"samples={samples!r} must be the dataset length (an integer >= 0) or its indices, e.g. rank_batches(len(dataset), 32)")
     indices = list(range(samples)) if isinstance(samples, int) else [int(i) for i in samples]
     if seed is not None:
         order = torch.randperm(len(indices), generator=torch.Generator().manual_seed(int(seed))).tolist()
