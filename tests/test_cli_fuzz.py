@@ -120,11 +120,15 @@ CASES: list[tuple[str, str, str]] = [
     ("plan {models}:lin --input-shape 4,16 --dtype float99", "malformed argument", "not a torch dtype"),
     ("plan {models} --input-shape 4,16", "target without factory", "TARGET"),
     ("plan {models}:lin --input-shape 4,16 --out {dir}", "folder for a file", "is a folder"),
+    ("plan {models}:lin --input-shape -8,16", "negative number", "--input-shape '-8,16' is not a shape"),
+    ("plan {models}:lin --input-shape -8x16", "negative number", "--input-shape '-8x16' is not a shape"),
     # run
     ("run {models}:lin", "missing argument", "--input-shape"),
     ("run {models}:lin --input-shape 4,16 --steps 0", "zero number", "--steps 0"),
     ("run {models}:lin --input-shape 4,16 --steps -3", "negative number", "--steps -3"),
     ("run {models}:lin --input-shape 4,16 --lr nan", "malformed number", "--lr"),
+    ("run {models}:lin --input-shape -8,16", "negative number", "--input-shape '-8,16' is not a shape"),
+    ("run {models}:lin --input-shape 4,16 --lr -1e-3", "negative number", "--lr -0.001"),
     ("run {models}:lin --input-shape 100000000000,16", "huge number", "Plan a smaller batch"),
     ("run {dir}/nope.py:lin --input-shape 4,16", "nonexistent file", "does not exist"),
     ("run {models}:raises --input-shape 4,16", "factory that raises", "factory exploded"),
@@ -154,6 +158,16 @@ CASES: list[tuple[str, str, str]] = [
     ("verify {models}:lin --input-shape 4,16 --devices meta,cpu", "device without data", "meta holds shapes"),
     ("verify {models}:lin --input-shape 4,16 --devices nvidia", "unknown device", "nvidia"),
     ("verify {models}:lin --input-shape 4,16 --balance 1,x", "malformed argument", "--balance"),
+    # issue 19: accepted and a wrong verdict (inf passes everything, nan nothing); PASS with nothing data-parallel run
+    ("verify {models}:lin --input-shape 4,16 --rtol inf", "infinite number", "--rtol inf must be a finite number >= 0"),
+    ("verify {models}:lin --input-shape 4,16 --atol nan", "malformed number", "--atol nan must be a finite number >= 0"),
+    ("verify {models}:lin --input-shape 4,16 --atol -1e-3", "negative number", "--atol -0.001 must be"),
+    ("verify {models}:lin --input-shape 4,16 --strategies dp --nproc 1", "strategy it cannot run", "--nproc-per-node 2"),
+    ("verify {models}:lin --input-shape 4,16 --strategies single,rank-pipeline --nproc-per-node 1", "strategy it cannot run",
+     "rank-pipeline with --nproc-per-node 1"),
+    # issue 19: argparse took "-8,16" for an option ("expected one argument"); negative values reach the checks
+    ("verify {models}:lin --input-shape -8,16", "negative number", "--input-shape '-8,16' is not a shape"),
+    ("verify {models}:lin --input-shape 4,16 --balance -1,2", "negative number", "--balance '-1,2' needs positive integers"),
     # demo
     ("demo --steps 0 --out {dir}/demo", "zero number", "--steps 0"),
     ("demo --steps -5 --out {dir}/demo", "negative number", "--steps -5"),
@@ -247,3 +261,19 @@ def test_console_script_prints_one_line(argv: list[str], needle: str, files: dic
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stderr.startswith(f"torchspan {argv[0]}: error: ")
     assert needle in proc.stderr
+
+
+def test_negative_values_are_joined_to_their_option_only() -> None:
+    from torchspan.commands._common import join_negative_values
+
+    parser = cli.build_parser()
+    assert join_negative_values(parser, ["plan", "m.py:f", "--input-shape", "-8,16", "--json"]) == ["plan", "m.py:f", "--input-shape=-8,16", "--json"]
+    assert join_negative_values(parser, ["run", "m.py:f", "--lr", "-1e-3", "--steps", "3"]) == ["run", "m.py:f", "--lr=-1e-3", "--steps", "3"]
+    unchanged = [
+        ["plan", "m.py:f", "--json", "-8"],  # a flag takes no value: left for argparse to refuse
+        ["plan", "m.py:f", "--", "--input-shape", "-8,16"],  # after -- nothing is an option
+        ["launch", "train.py", "--input-shape", "-8,16"],  # the script's own arguments
+        ["plan", "m.py:f", "--input-shape=-8,16"],
+    ]
+    for argv in unchanged:
+        assert join_negative_values(parser, argv) == argv

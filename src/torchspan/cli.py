@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import __version__
-from .commands._common import UsageError
+from .commands._common import UsageError, join_negative_values
 
 # Order is the order shown in --help.
 COMMANDS = ("devices", "doctor", "plan", "run", "verify", "demo", "bench", "launch")
@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI with ``argv`` (default: ``sys.argv[1:]``) and return the exit status."""
     parser = build_parser()
-    args, extra = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    argv = join_negative_values(parser, sys.argv[1:] if argv is None else argv)  # `--input-shape -8,16` reaches its check
+    args, extra = parser.parse_known_args(argv)
     if extra:  # name the subcommand, as its own errors do (argparse would say `torchspan: error:`)
         print(f"torchspan {args.command or ''}".rstrip() + f": error: unrecognized arguments: {' '.join(extra)}; see torchspan {args.command or ''} --help".rstrip(), file=sys.stderr)
         return 2

@@ -7,8 +7,10 @@ Usage: ``raise UsageError("--steps '0' must be >= 1")``; ``parse_memory_options(
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -30,6 +32,34 @@ def parse_memory_options(items: Sequence[str] | None) -> dict[str, str] | None:
         if not sep or not key.strip() or not value.strip():
             raise UsageError(f"--memory {item!r} is not DEV=SIZE; write e.g. --memory cuda:0=10GiB --memory cpu=32GB")
         out[key.strip()] = value.strip()
+    return out
+
+
+_LEADING_MINUS = re.compile(r"^-\.?\d")  # -8,16  -1e-3  -.5: a value, not an option
+
+
+def join_negative_values(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """``--input-shape -8,16`` -> ``--input-shape=-8,16`` for options that take a value, so that a negative
+    value reaches the command's own check (argparse takes ``-8,16`` for an option and says only
+    "expected one argument"). ``launch`` is left alone: what follows its SCRIPT is the script's.
+    """
+    argv = list(argv)
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    command = next((w for w in argv if not w.startswith("-")), None)
+    if sub is None or command not in sub.choices or command == "launch":
+        return argv
+    takes_value = {s for a in sub.choices[command]._actions for s in a.option_strings if a.nargs is None}
+    out: list[str] = []
+    words = iter(argv)
+    for word in words:
+        if word == "--":
+            out += [word, *words]
+            break
+        nxt = next(words, None) if word in takes_value else None
+        if nxt is not None and _LEADING_MINUS.match(nxt):
+            out.append(f"{word}={nxt}")
+        else:
+            out += [word] + ([nxt] if nxt is not None else [])
     return out
 
 

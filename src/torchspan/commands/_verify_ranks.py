@@ -25,6 +25,11 @@ from ._common import UsageError, console, load_target, print_json
 __all__ = ["run_strategies"]
 
 
+# strategies that run nothing of their kind in one process, and what each would need the others for
+_NEEDS_TWO = {"dp": "data parallel (gradients averaged across replicas)", "rank-pipeline": "a pipeline across ranks (one stage per process)",
+              "hybrid": "the hybrid (2 stages x 2 replicas)"}  # fmt: skip
+
+
 def _names(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
@@ -70,6 +75,12 @@ def run_strategies(
     nproc = args.nproc_per_node
     if nproc < 1:
         raise UsageError(f"--nproc-per-node {nproc} must be >= 1, e.g. --nproc-per-node 2")
+    alone = [n for n in names if n in _NEEDS_TWO]
+    if alone and nproc < 2:  # one process: no replica to average with, no stage to hand over to; a PASS would prove nothing
+        raise UsageError(
+            f"--strategies {','.join(alone)} with --nproc-per-node {nproc}: {_NEEDS_TWO[alone[0]]} needs at least 2 processes; "
+            f"pass --nproc-per-node {4 if 'hybrid' in alone else 2}, or compare single and local-pipeline alone"
+        )
     if not args.timeout > 0:
         raise UsageError(f"--timeout {args.timeout:g} must be > 0 seconds, e.g. --timeout 180")
     options = StepOptions(

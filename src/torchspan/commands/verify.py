@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import warnings
 from typing import Any
 
@@ -71,13 +72,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _ints(text: str, name: str) -> list[int]:
+def _ints(text: str, name: str, example: str = "2,2") -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise UsageError(f"{name} {text!r} is not a comma-separated list of integers, e.g. 32,512") from None
+        raise UsageError(f"{name} {text!r} is not a comma-separated list of integers, e.g. {name} {example}") from None
     if not values or any(v < 1 for v in values):
-        raise UsageError(f"{name} {text!r} needs positive integers, e.g. 32,512")
+        raise UsageError(f"{name} {text!r} needs positive integers, e.g. {name} {example}")
     return values
 
 
@@ -129,6 +130,9 @@ def _check_options(args: argparse.Namespace) -> list[int] | None:
     balance = _ints(args.balance, "--balance") if args.balance else None
     if args.microbatches < 1:
         raise UsageError(f"--microbatches {args.microbatches} must be >= 1")
+    for option, value, example in (("--atol", args.atol, "1e-5"), ("--rtol", args.rtol, "1e-4")):
+        if not math.isfinite(value) or value < 0:  # inf passes every difference, nan none: either verdict is wrong
+            raise UsageError(f"{option} {value!r} must be a finite number >= 0, e.g. {option} {example}")
     require_data_devices([d for d in args.devices.split(",") if d.strip()], "--devices")
     return balance
 
