@@ -57,12 +57,12 @@ class TrainingProgress:
 
     def __init__(self, console: Console, total: int, *, speed_unit: str = "samples/s", label: str = "training") -> None:
         self._progress = Progress(
-            TextColumn(f"[bold]{label}"),
+            TextColumn("{task.description}", style="bold", markup=False),  # the label as given, brackets and braces too
             BarColumn(bar_width=24),
             MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"),
-            TextColumn("{task.fields[speed]} " + speed_unit),
-            TextColumn("{task.fields[mem]}"),
+            TextColumn("loss {task.fields[loss]}", markup=False),
+            TextColumn("{task.fields[speed]} " + speed_unit.replace("{", "{{").replace("}", "}}"), markup=False),
+            TextColumn("{task.fields[mem]}", markup=False),
             TimeElapsedColumn(),
             TimeRemainingColumn(),
             console=console,

@@ -63,9 +63,16 @@ def join_negative_values(parser: argparse.ArgumentParser, argv: Sequence[str]) -
     return out
 
 
-def console() -> Console:
-    """A console on stdout; plain text (no colour codes) when stdout is not a terminal."""
-    return Console(file=sys.stdout, highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 120)
+def console(file: Any = None) -> Console:
+    """A console on ``file`` (default stdout); plain text (no colour codes) when it is not a terminal.
+
+    ``markup=False``: strings print as they are. Model output, paths, hints such as
+    ``pip install 'torchspan[bench]'`` and type names such as ``dict[str, Any]`` keep their square
+    brackets (rich markup would take ``[bench]`` for a style and drop it); styled text is a ``rich.text.Text``.
+    """
+    file = sys.stdout if file is None else file
+    tty = file.isatty() if hasattr(file, "isatty") else False
+    return Console(file=file, markup=False, highlight=False, soft_wrap=False, width=None if tty else 120)
 
 
 def print_json(data: Any) -> None:

@@ -30,7 +30,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from ._common import UsageError, console, print_json
 from ._options import add_json_option
@@ -156,6 +158,7 @@ def run_benchmarks(
     for script in scripts:
         if on_start:
             on_start(script)
+        script = script.resolve()  # the script runs from the folder above benchmarks/: a relative --dir would not reach it
         cmd = [sys.executable, str(script)] + (["--quick"] if quick else [])
         t0 = time.perf_counter()
         try:
@@ -198,13 +201,13 @@ def render(results: Sequence[ScriptResult], machine: str, quick: bool) -> Table:
     for r in results:
         if not r.ratios:
             why = f"failed (exit {r.returncode})" if r.returncode else "printed no RATIO lines"
-            table.add_row(r.script, f"[red]{why}[/red]", "-", "-", "-", r.tail.splitlines()[-1] if r.tail else "", f"{r.seconds:.0f}")
+            table.add_row(r.script, Text(why, style="red"), "-", "-", "-", Text(r.tail.splitlines()[-1] if r.tail else ""), f"{r.seconds:.0f}")
             continue
         for i, q in enumerate(r.ratios):
-            met = {True: "[green]yes[/green]", False: "[red]no[/red]", None: "-"}[q.met]
-            table.add_row(r.script if i == 0 else "", q.name, _fmt_value(q.value), q.goal, met, q.anchor, f"{r.seconds:.0f}" if i == 0 else "")
-        for name, why in r.skipped.items():
-            table.add_row("", name, "-", "-", "[yellow]skipped[/yellow]", why, "")
+            met = {True: Text("yes", style="green"), False: Text("no", style="red"), None: Text("-")}[q.met]
+            table.add_row(r.script if i == 0 else "", Text(q.name), _fmt_value(q.value), q.goal, met, Text(q.anchor), f"{r.seconds:.0f}" if i == 0 else "")
+        for name, why in r.skipped.items():  # the reason is the script's text (e.g. pip install 'torchspan[bench]'): never markup
+            table.add_row("", Text(name), "-", "-", Text("skipped", style="yellow"), Text(why), "")
     return table
 
 
@@ -234,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
                 scripts,
                 quick=args.quick,
                 timeout=args.timeout,
-                on_start=lambda s: status.update(f"running {s.name}{' --quick' if args.quick else ''} ..."),
+                on_start=lambda s: status.update(f"running {escape(s.name)}{' --quick' if args.quick else ''} ..."),  # status text is markup
             )
     machine = machine_description()
     if args.json:

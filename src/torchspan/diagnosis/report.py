@@ -199,7 +199,7 @@ class Report:
             body.add_column(style="dim", no_wrap=True)
             body.add_column()
             if f.where:
-                body.add_row("where", Text(f.where, style="bold"))
+                body.add_row("where", Text(f.where, style="bold"))  # every cell a Text: no markup
             for d in f.details:
                 body.add_row("", Text(d))
             if f.tensors:
@@ -208,7 +208,8 @@ class Report:
                     args.add_column(col)
                 for t in f.tensors:
                     style = "bold red" if t.odd else ""
-                    args.add_row(t.label, Text(t.device, style=style), str(tuple(t.shape)), t.dtype, t.what)
+                    # Text, not str: a console with markup would read `x[0]` or `dict[str, Tensor]` as styles
+                    args.add_row(Text(t.label), Text(t.device, style=style), Text(str(tuple(t.shape))), Text(t.dtype), Text(t.what))
                 body.add_row("tensors", args)
             body.add_row("fix", Text(f.fix, style="green"))
             c = colour.get(f.severity, "white")
