@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     microbatches = parse_microbatches(args.microbatches)
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise UsageError(f"--out {args.out!r} is a file; name a folder for plan.json, the pictures and report.md (it is created if missing), e.g. --out torchspan-demo")
-    con = Console(file=sys.stderr, highlight=False) if args.json else console()
+    con = console(sys.stderr) if args.json else console()
     if args.nproc_per_node is not None:
         return _run_ranks(args, microbatches, con)
     result = run_demo(

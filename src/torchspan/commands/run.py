@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     plan, notes = _given_plan(args)
     model, x, batch, target, loss_fn = _model_and_batch(args)
     out_con = console()
-    con = Console(file=sys.stderr, highlight=False) if args.json else out_con
+    con = console(sys.stderr) if args.json else out_con
     if plan is not None:
         notes += _fit_given_plan(plan, model, batch, args)
     else:

@@ -141,7 +141,7 @@ def run_demo_ranks(
         cfg = replace(cfg, steps=steps)
     if cfg.batch_size < nproc:
         raise ValueError(f"batch_size={cfg.batch_size} gives some of nproc={nproc} processes no rows; use batch_size >= {nproc}")
-    con = console or Console()
+    con = console or Console(markup=False)  # printed text keeps its square brackets
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"out={str(out)!r} is a file; name a folder for the report (it is created if missing), e.g. out='torchspan-demo'")

@@ -22,6 +22,7 @@ import torch
 from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
+from rich.text import Text
 
 from .. import pictures
 from ..hardware import Device, devices as find_devices
@@ -140,7 +141,7 @@ def run_demo(
     import torchspan
 
     cfg = _config(config, steps=steps, schedule=schedule, microbatches=microbatches)
-    con = console or Console()
+    con = console or Console(markup=False)  # printed text keeps its square brackets
     out_dir = _out_folder(out)
     devs = find_devices(devices, memory=memory)
     con.print(_device_table(devs, f"devices ({devices if isinstance(devices, str) else ','.join(devices)})"))
@@ -224,7 +225,7 @@ def _plan(
     plan.save(out_dir / "plan.json")
     con.print(_plan_table(plan))
     for note in plan.notes:
-        con.print(f"[dim]note: {note}[/dim]")
+        con.print(Text(f"note: {note}", style="dim"))  # a note may hold brackets (shapes, lists): never markup
     return plan
 
 
@@ -234,7 +235,7 @@ def _sample(model: torch.nn.Module, corpus: Corpus, cfg: DemoConfig, gen: torch.
         return ""
     ids = generate(model, corpus.encode(cfg.prompt), cfg.sample_chars, generator=gen)
     sample = cfg.prompt + corpus.decode(ids)
-    con.print(Panel(sample, title="sample from the trained model", expand=False))
+    con.print(Panel(Text(sample), title="sample from the trained model", expand=False))  # as written: `dict[str, Any]` stays
     return sample
 
 
