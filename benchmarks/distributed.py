@@ -19,6 +19,7 @@ Usage::
     python benchmarks/distributed.py --rounds 12 --steps 10 --hidden 2048
     python benchmarks/distributed.py --backend nccl --nproc 1   # one-GPU sanity run
     python benchmarks/distributed.py --pipeline --steps 30      # torchspan 1F1B vs Schedule1F1B, 2 gloo ranks
+    python benchmarks/distributed.py --pipeline --steps 30 --batch-check-cost   # + the same-batch check's cost per step
     python benchmarks/distributed.py --hybrid --steps 20        # torchspan 2x2 vs DDP x4
     python benchmarks/distributed.py --pipeline --help          # the pipeline flags
 """

@@ -5,7 +5,8 @@
    ``torch.distributed.pipelining`` ``PipelineStage`` + ``Schedule1F1B``. Prints the median step
    times, their ratio torchspan / torch and the median of per-round ratios (goal <= 0.9).
    ``--schedule 1f1b gpipe`` times several torchspan schedules in the same rounds (torch's
-   stays ``Schedule1F1B``), each with its own ratios.
+   stays ``Schedule1F1B``), each with its own ratios. ``--batch-check-cost`` adds each torchspan
+   pipeline with its per-step same-batch check off, and prints checked / unchecked.
 2. **Hybrid 2 x 2** (``hybrid``) on 4 processes against plain ``DistributedDataParallel`` of the
    whole model (each DDP rank a quarter of the batch).
 
@@ -90,6 +91,13 @@ def _pipeline(rank: int, world: int, port: int, args: argparse.Namespace, out: s
         f"torchspan {name}": torchspan.span(_model(args.width, args.depth), balance=[n // 2, n - n // 2], microbatches=args.microbatches, schedule=name)
         for name in args.schedule
     }
+    spent: dict[str, tuple[list[float], list[float]]] = {}  # seconds in check_same_batch and its verdict's wait, per step
+    if args.batch_check_cost:  # the same pipelines with the per-step same-batch check switched off, in the same rounds
+        for name in args.schedule:
+            unchecked = torchspan.span(_model(args.width, args.depth), balance=[n // 2, n - n // 2], microbatches=args.microbatches, schedule=name)
+            unchecked._executor.ranks.check_same_batch = lambda *args: None
+            ours[f"{name} unchecked"] = unchecked
+            spent[name] = _clocked(ours[f"torchspan {name}"]._executor.ranks)
     whole = _model(args.width, args.depth)
     half = nn.Sequential(*list(whole)[: n // 2]) if rank == 0 else nn.Sequential(*list(whole)[n // 2 :])
     stage = PipelineStage(half, rank, world, torch.device("cpu"))
@@ -112,7 +120,59 @@ def _pipeline(rank: int, world: int, port: int, args: argparse.Namespace, out: s
     steps = {name: step_ours(spanned) for name, spanned in ours.items()}
     times = _rounds({**steps, "torch": step_theirs}, args)
     if rank == 0:
-        _report(out, "pipeline 2 ranks (torch: Schedule1F1B)", times, list(steps), "torch")
+        _report(out, "pipeline 2 ranks (torch: Schedule1F1B)", times, [k for k in steps if "unchecked" not in k], "torch")
+        if args.batch_check_cost:
+            with open(out, "a") as f:
+                f.write(_check_cost(times, spent, args.schedule))
+
+
+def _clocked(ranks: Any) -> tuple[list[float], list[float]]:
+    """Time every ``check_same_batch`` call of ``ranks`` (a ``RankStage``), its verdict's wait before the
+    first transfer apart (the ``gate`` it leaves on the transport); returns the per-step lists it fills."""
+    spent: list[float] = []
+    waits: list[float] = []
+    check = ranks.check_same_batch
+
+    def timed(chunks: Any, targets: Any, transport: Any = None) -> None:
+        start = time.perf_counter()
+        check(chunks, targets, transport)
+        spent.append(time.perf_counter() - start)
+        waits.append(0.0)
+        gate = getattr(transport, "gate", None)
+        if gate is not None:
+
+            def waited() -> None:
+                start = time.perf_counter()
+                try:
+                    gate()
+                finally:
+                    waits[-1] = time.perf_counter() - start
+
+            transport.gate = waited
+
+    ranks.check_same_batch = timed
+    return spent, waits
+
+
+def _check_cost(times: dict[str, list[float]], spent: dict[str, tuple[list[float], list[float]]], schedules: list[str]) -> str:
+    """The same-batch check's cost: time inside the check (rank 0) against the step, and checked / unchecked
+    step times from the same rounds (medians and median of per-round ratios)."""
+    lines = ["per-step same-batch check (RankStage.check_same_batch), checked / unchecked in the same rounds:"]
+    for name in schedules:
+        on, off = times[f"torchspan {name}"], times[f"{name} unchecked"]
+        per_round = [a / b for a, b in zip(on, off)]
+        inside, waits = spent[name]
+        both = statistics.median([a + b for a, b in zip(inside, waits)])
+        lines.append(
+            f"  {name}: rank 0 spent {statistics.median(inside) * 1e3:.3f} ms in the check (fingerprint, all-gather started) and "
+            f"{statistics.median(waits) * 1e3:.3f} ms waiting for its verdict before the first send (medians of {len(inside)} steps); "
+            f"together {both * 1e3:.3f} ms = {100 * both / statistics.median(on):.2f}% of the checked step"
+        )
+        lines.append(
+            f"  {name}: checked {statistics.median(on) * 1e3:.2f} ms, unchecked {statistics.median(off) * 1e3:.2f} ms: "
+            f"{statistics.median(on) / statistics.median(off):.4f} (medians); median of per-round ratios {statistics.median(per_round):.4f}"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def _hybrid(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
@@ -164,6 +224,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--schedule", nargs="+", choices=SCHEDULES, default=["1f1b"],
                    help="torchspan's pipeline schedule(s), each timed against Schedule1F1B in the same rounds (default 1f1b)")
+    p.add_argument("--batch-check-cost", action="store_true",
+                   help="also time each torchspan pipeline with its per-step same-batch check off, in the same rounds (the check's cost)")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads per process (0: cores // processes)")
     p.add_argument("--only", nargs="+", choices=("pipeline", "hybrid"), default=("pipeline", "hybrid"))
     p.add_argument("--skip-hybrid", action="store_true", help="same as --only pipeline")

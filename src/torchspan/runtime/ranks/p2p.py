@@ -20,6 +20,8 @@ a receive posted early makes gloo write the payload inside the sender's ``isend`
 compute thread), where a late one lets gloo's own thread ship it; measured on 2 shared cores,
 posting every receive one transfer ahead made 2-rank 1F1B steps 5-20% slower. Batched ``P2POp`` lists are not used: they can hang on gloo.
 Tags (``TAGS``, all defined here) keep forward and backward traffic, and the two executors' messages, apart.
+A ``gate`` set for one step (``RankStage.check_same_batch``'s verdict) runs before that step's first
+transfer, so a refused step leaves every channel as it was.
 
 Usage (``RankPipelineExecutor`` does this)::
 
@@ -30,7 +32,7 @@ Usage (``RankPipelineExecutor`` does this)::
 from __future__ import annotations
 
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -140,6 +142,14 @@ class RankTransport(Transport):
         self._sent: dict[tuple[int, str, int], _Header] = {}  # (peer, kind, micro-batch) -> last header sent
         self._received: dict[tuple[int, str, int], _Header] = {}  # ... -> last header received
         self._zero_bytes: dict[int, torch.Tensor] = {}  # zero padding by length (read-only)
+        self.gate: Callable[[], None] | None = None  # run once before the step's first transfer (RankStage.check_same_batch)
+
+    def _open(self) -> None:
+        """Before a transfer: the step's ``gate`` (set by ``RankStage.check_same_batch``) runs once and may raise."""
+        gate = self.gate
+        if gate is not None:
+            self.gate = None
+            gate()
 
     def peer(self, stage: int) -> int:
         """The rank holding ``stage`` in this rank's replica."""
@@ -154,6 +164,7 @@ class RankTransport(Transport):
     # ------------------------------------------------------------------ sending
     def post(self, buf: torch.Tensor, peer: int, kind: str) -> None:
         """``isend`` ``buf`` (on ``comm_device``) to rank ``peer`` with ``kind``'s tag; kept alive and waited for in ``finish``."""
+        self._open()
         self._pending.append((dist.isend(buf, dst=peer, tag=TAGS[kind]), buf))
 
     def _pack(self, head: torch.Tensor, values: list[Any]) -> torch.Tensor:
@@ -193,6 +204,7 @@ class RankTransport(Transport):
 
     # ------------------------------------------------------------------ receiving
     def receive(self, src: int, dst: int, kind: str, mb: int = 0) -> tuple[list[Any], Any]:
+        self._open()
         peer, tag = self.peer(src), TAGS[kind]
         known = self._received.get((peer, kind, mb))
         try:
@@ -224,6 +236,7 @@ class RankTransport(Transport):
 
     def receive_into(self, buf: torch.Tensor, src: int, dst: int, kind: str) -> torch.Tensor:
         """Receive one raw tensor message of ``kind`` from stage ``src``'s rank into ``buf`` (any device) and return it."""
+        self._open()
         comm = buf if buf.device == self.comm_device else torch.empty_like(buf, device=self.comm_device)
         try:
             dist.recv(comm, src=self.peer(src), tag=TAGS[kind])
@@ -239,6 +252,9 @@ class RankTransport(Transport):
         )
 
     def finish(self, ok: bool) -> None:
+        if ok:
+            self._open()  # a step without a transfer still gets its verdict
+        self.gate = None
         pending, self._pending = self._pending, []
         if not ok:  # a failed run: peers are stopping too; waiting on their receives could hang
             self._sent.clear()  # and what each side predicts may differ now: start again from announced headers

@@ -117,7 +117,7 @@ class RankPipelineExecutor(Executor):
         spec: LossSpec | None = None,
     ) -> torch.Tensor:
         s = self.settings
-        self.ranks.check_same_batch(work.chunks, targets)
+        self.ranks.check_same_batch(work.chunks, targets, self._pipeline.transport)  # verdict before the first transfer
         buffers = self.fns.buffers(self.root_attrs, s.recompute)
         with self.ranks.reducing() as reduction:  # this step's gradients summed in each group once its last backward ran
             loss = self._pipeline.train(

@@ -24,6 +24,7 @@ Usage (an executor does this)::
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -42,6 +43,52 @@ __all__ = ["RankStage"]
 
 def _meta_copy(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t, device="meta")
+
+
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # an odd pytree context: hash the structure again
+        return False
+
+
+def batch_fingerprint(batch: Any, known: tuple[Any, int] | None = None) -> tuple[torch.Tensor, tuple[Any, int]]:
+    """Three int64s that differ when two ranks' batches differ: a hash of the structure (pytree spec,
+    shapes, dtypes, plain non-tensor values), and the sum and a position-weighted sum of every tensor's
+    bits read as integers (int32 words; smaller elements one each), summed in int64. Integer sums do
+    not depend on the order of additions, so equal batches give equal fingerprints whatever the threads
+    or memory layout (no float rounding), and any changed bit or moved row changes them. ``known``: the
+    previous call's ``(structure, hash)``, reused when the structure repeats (the usual step). Returned
+    on the device of the first tensor (the CPU without one).
+
+    Usage: ``fp, known = batch_fingerprint((chunks, targets), known)``.
+    """
+    leaves, spec = tree_flatten(batch)
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    plain = tuple(v if isinstance(v, _PLAIN) else type(v).__name__ for v in leaves if not isinstance(v, torch.Tensor))
+    structure = (spec, tuple((t.shape, t.dtype) for t in tensors), plain)
+    if known is None or not _same(known[0], structure):
+        known = (structure, zlib.crc32(repr((str(spec), structure[1:])).encode()))
+    words = []
+    for t in tensors:
+        bits = t.detach().reshape(-1)
+        if bits.is_complex():
+            bits = torch.view_as_real(bits).reshape(-1)
+        bits = bits.contiguous()
+        size = bits.element_size()  # each element read alike whatever its offset in memory
+        words.append(bits.view(torch.int32) if size >= 4 else bits.view(torch.int16 if size == 2 else torch.uint8).to(torch.int32))
+    head = torch.tensor([known[1], 0, 0], dtype=torch.int64)
+    if not any(w.numel() for w in words):
+        return head, known
+    device = words[0].device  # one buffer, one pass, one copy to the host at the end
+    flat = torch.cat([w.to(device) for w in words]) if len(words) > 1 else words[0]
+    # running sums in int64 (a flipped sign bit never cancels out mod 2**32): the last is the plain sum, and
+    # their sum weighs word i by the n - i words from it to the end (position-weighted, in one pass)
+    run = torch.cumsum(flat, 0, dtype=torch.int64)
+    return torch.cat([head[:1].to(device), run[-1:], run.sum().reshape(1)]), known
 
 
 class RankStage:
@@ -73,7 +120,7 @@ class RankStage:
         self._tie_stages: list[tuple[int, ...]] = []
         self._tie_of: dict[int, int] = {}  # id(tied parameter this stage holds) -> index of its tie group
         self._tie_groups: list[tuple[Any, int]] = []  # (group, its lowest rank)
-        self._batch_checked: Any = None  # the batch structure last compared across the pipeline
+        self._batch_checked: Any = None  # (structure, its hash) of the last batch compared across the pipeline
 
     @property
     def last(self) -> bool:
@@ -159,33 +206,42 @@ class RankStage:
             t.detach().copy_(buf)
 
     # ------------------------------------------------------------------ steps
-    def check_same_batch(self, chunks: Sequence[Any], targets: Sequence[Any]) -> None:
+    def check_same_batch(self, chunks: Sequence[Any], targets: Sequence[Any], transport: Any = None) -> None:
         """Every rank of a pipeline must be given the same batch (its replica's shard): a rank's stage reads
-        its own copy of the inputs (and the last stage its targets). Compared by fingerprint (the values'
-        sum and position-weighted sum) on the first step and whenever the batch's shapes change; a rank
-        given other data raises ``ValueError`` on every rank of the pipeline, before any compute."""
-        leaves, spec = tree_flatten((list(chunks), list(targets)))
-        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        shapes = (str(spec), tuple((tuple(t.shape), t.dtype) for t in tensors))
-        if shapes == self._batch_checked:
-            return
-        mine = torch.zeros(2, dtype=torch.float64, device=self.comm)
-        for t in tensors:
-            v = t.detach().reshape(-1).to(torch.float64)
-            mine[0] += v.sum().to(self.comm)
-            mine[1] += (v * torch.arange(1, v.numel() + 1, dtype=torch.float64, device=v.device)).sum().to(self.comm)
+        its own copy of the inputs (and the last stage its targets). Checked on every training step: each
+        rank's ``batch_fingerprint`` (structure, and integer sums of the values' bits, plain and
+        position-weighted) is all-gathered in the pipeline (3 integers per rank); a rank given other data
+        raises ``ValueError`` on every rank of the pipeline, before any gradient reaches ``.grad``.
+
+        Without ``transport`` the verdict is waited for here, before any compute. With the step's
+        ``RankTransport`` the all-gather runs while the stage computes and the verdict is its ``gate``:
+        waited for before this rank's first send or receive, so no rank has sent or received anything
+        of a refused step (its channels stay consistent) and the check costs no rendezvous of its own
+        (the first stage may have run its first micro-batch's forward: random state and BatchNorm
+        statistics advanced, nothing else).
+        """
+        mine, self._batch_checked = batch_fingerprint((list(chunks), list(targets)), self._batch_checked)
+        mine = mine.to(self.comm)
         views = [torch.empty_like(mine) for _ in range(self.mesh.stages)]
-        dist.all_gather(views, mine, group=self.pipe_group)
-        other = [s for s, v in enumerate(views) if not torch.allclose(v, views[0], rtol=0, atol=0, equal_nan=True)]
-        if other:
-            ranks = [self.mesh.rank(self.replica, s) for s in other]
-            raise ValueError(
-                f"rank(s) {ranks} of pipeline replica {self.replica} were given another batch than rank "
-                f"{self.mesh.rank(self.replica, 0)}: every rank of a pipeline must call train_step with the same batch "
-                f"(with replicas, its replica's shard: torchspan.shard_batch(batch, rank // {self.mesh.stages}, "
-                f"{self.mesh.replicas})); seed the data the same on every rank of a pipeline"
-            )
-        self._batch_checked = shapes
+        work = dist.all_gather(views, mine, group=self.pipe_group, async_op=transport is not None)
+
+        def verdict() -> None:
+            if work is not None:
+                work.wait()
+            other = [s for s, v in enumerate(views) if not torch.equal(v, views[0])]
+            if other:
+                ranks = [self.mesh.rank(self.replica, s) for s in other]
+                raise ValueError(
+                    f"rank(s) {ranks} of pipeline replica {self.replica} were given another batch than rank "
+                    f"{self.mesh.rank(self.replica, 0)}: every rank of a pipeline must call train_step with the same "
+                    f"batch (with replicas, its replica's shard: torchspan.shard_batch(batch, rank // {self.mesh.stages}, "
+                    f"{self.mesh.replicas})); seed the data the same on every rank of a pipeline"
+                )
+
+        if transport is None:
+            verdict()
+        else:
+            transport.gate = verdict
 
     def shared_outputs(self, outs: list[Any] | None) -> list[Any]:
         """The last stage's outputs (``outs`` there, ignored elsewhere) on every rank of this pipeline, on this rank's device."""
