@@ -32,8 +32,9 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,8 +43,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from ...layers import model_layers
+from ...schedule import PRECISIONS, RECOMPUTE_MODES
+from ..layercall import LayerCalls, autocast_for, recomputes
 from ..lossweights import LossSpec, describe_loss, loss_spec, weighted_loss
-from ..microbatch import batch_size, call_args
+from ..microbatch import batch_size, call_args, split_value
 from .checkpoint import model_keys
 from .env import RankInfo, rank_info
 
@@ -99,6 +103,20 @@ def _refuse_batchnorm(module: nn.Module) -> None:
             )
 
 
+def _check_policy(precision: str, recompute: str, scaler: Any) -> None:
+    """``ValueError`` naming a precision or recompute mode a replica does not know, or fp16 without a scaler."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one of {', '.join(map(repr, PRECISIONS))}")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute={recompute!r} is not one of {', '.join(map(repr, RECOMPUTE_MODES))}")
+    if precision == "fp16" and scaler is None:
+        raise ValueError(
+            "precision='fp16' needs a gradient scaler: pass scaler=torch.amp.GradScaler(device_type) and step with "
+            "scaler.step(optimizer); scaler.update() (every rank decides alike: it reads the all-reduced gradients), "
+            "or use torchspan.span(model, precision='fp16'), whose plain optimizer.step() is right"
+        )
+
+
 def _zero_rows(value: Any) -> Any:
     """The same structure with every batched tensor cut to zero rows."""
     leaves, spec = tree_flatten(value)
@@ -127,9 +145,13 @@ class DataParallelReplica:
         find_unused_parameters: bool = False,
         sync_buffers: bool = True,
         per_shard_batchnorm: bool = False,
+        precision: str = "32",
+        recompute: str = "never",
+        scaler: Any = None,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module")
+        _check_policy(precision, recompute, scaler)
         if not per_shard_batchnorm:
             _refuse_batchnorm(module)
         if not (dist.is_available() and dist.is_initialized()):
@@ -149,15 +171,34 @@ class DataParallelReplica:
             **_buffer_option(sync_buffers),
         )
         self._ddp.register_comm_hook(self, _sum_hook)
-        self._template: tuple[Any, Any, Callable[..., Any], str] | None = None
+        self.precision, self.recompute, self.scaler = precision, recompute, scaler
+        self._calls: LayerCalls | None = None  # recompute's wrappers around the model's layers, made at the first step
+        self._template: tuple[Any, Any, Callable[..., Any]] | None = None  # zero rows of the last inputs, target, loss
 
     # ------------------------------------------------------------------ nn.Module-like surface
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The replica's forward on this rank's inputs (through DDP: a ``backward`` you run yourself
-        sums the gradients of every rank's loss, as one device would for the sum of those losses)."""
-        return self._ddp(*self.to_device(args), **self.to_device(kwargs))
+        sums the gradients of every rank's loss, as one device would for the sum of those losses),
+        autocast at the replica's ``precision``."""
+        with autocast_for(self.device, self.precision):
+            return self._ddp(*self.to_device(args), **self.to_device(kwargs))
 
     __call__ = forward
+
+    def forward_chunks(self, chunks: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
+        """Each chunk's output (``(args, kwargs)`` per micro-batch). With gradients enabled every chunk but the
+        last runs under DDP's ``no_sync``, so one ``backward`` through all outputs reduces once; under
+        ``no_grad`` the plain module runs (no collective)."""
+        outs = []
+        for i, (args, kwargs) in enumerate(chunks):
+            a, k = self.to_device(args), self.to_device(kwargs)
+            with autocast_for(self.device, self.precision):
+                if not torch.is_grad_enabled():
+                    outs.append(self.module(*a, **k))
+                    continue
+                with self._ddp.no_sync() if i < len(chunks) - 1 else contextlib.nullcontext():
+                    outs.append(self._ddp(*a, **k))
+        return outs
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         return self.module.parameters(recurse)
@@ -188,6 +229,8 @@ class DataParallelReplica:
         loss_fn: Callable[[Any, Any], torch.Tensor],
         loss_reduction: str | None = None,
         loss_normalizer: Callable[[Any], Any] | None = None,
+        *,
+        microbatches: int = 1,
     ) -> torch.Tensor:
         """Forward and backward of this rank's shard; returns the global full-batch loss (detached, every rank).
 
@@ -196,32 +239,58 @@ class DataParallelReplica:
         ``optimizer.zero_grad()`` first): after the call they equal, on every rank, those of
         ``loss_fn(model(X), Y).backward()`` on one device for all ranks' shards concatenated.
         ``loss_reduction`` / ``loss_normalizer``: see ``shard_loss`` (needed for losses torchspan
-        cannot read, such as lambdas).
+        cannot read, such as lambdas). ``microbatches``: the shard runs in that many chunks (fewer
+        when it has fewer rows), gradients accumulated (``train_chunks``).
+        """
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches={microbatches!r} must be an int >= 1")
+        args, kwargs = call_args(inputs)
+        size = batch_size(args, kwargs)
+        n = max(1, min(microbatches, size))
+        chunks = [(tuple(a), k) for a, k in split_value((list(args), kwargs), n, size, name="inputs")]
+        return self.train_chunks(chunks, split_value(target, n, size, name="target"), loss_fn, loss_reduction, loss_normalizer)
+
+    def train_chunks(
+        self,
+        chunks: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
+        targets: Sequence[Any],
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        loss_reduction: str | None = None,
+        loss_normalizer: Callable[[Any], Any] | None = None,
+    ) -> torch.Tensor:
+        """``train_step`` on a shard already cut into micro-batches (``(args, kwargs)`` and a target each).
+
+        Gradient accumulation inside the shard: every chunk but the last runs forward and backward
+        under DDP's ``no_sync`` (gradients add up locally), the last one's backward all-reduces the
+        sum once. Each chunk's loss is weighed by its normalizer over the global one (all-reduced
+        while the first chunk's forward runs), so the result is one device's for the whole global
+        batch. Each chunk runs autocast at ``precision`` (its loss too) and, by ``recompute``, with
+        every layer recomputed in backward (``runtime.layercall``: the same per-layer policy as one process).
         """
         if not callable(loss_fn):
             raise TypeError(f"loss_fn={loss_fn!r} is not callable; pass e.g. torch.nn.functional.mse_loss")
         if not torch.is_grad_enabled():
             raise RuntimeError("train_step runs backward, but gradients are disabled here (torch.no_grad()); call it outside no_grad")
+        if not chunks or len(chunks) != len(targets):
+            raise ValueError(f"train_chunks needs one target per chunk and at least one chunk; got {len(chunks)} chunk(s), {len(targets)} target(s)")
         spec = shard_loss(loss_fn, loss_reduction, loss_normalizer)
-        reduction = str(spec.reduction)
-        args, kwargs = call_args(inputs)
-        size = batch_size(args, kwargs)
-        norm = float(size) if reduction == "sum" else spec.normalizer(target, size)
-        self._template = (_zero_rows(inputs), _zero_rows(target), loss_fn, reduction)
-        stats = self._stats(norm, size, active=True)
+        sizes = [batch_size(a, k) for a, k in chunks]
+        norms = [float(n) if spec.reduction == "sum" else spec.normalizer(t, n) for t, n in zip(targets, sizes)]
+        self._template = (_zero_rows(chunks[0]), _zero_rows(targets[0]), loss_fn)
+        stats = self._stats(sum(norms), sum(sizes), active=True)
         work = dist.all_reduce(stats, group=self.group, async_op=True)  # overlaps the forward, waited for by the weight
 
-        def weight() -> float:
-            # this rank's share of the global loss: a mean times its normalizer over the global one
+        def weight(i: int) -> float:
+            # chunk i's share of the global loss: a mean times its normalizer over the global one
             work.wait()
-            if size == 0:
+            if sizes[i] == 0:
                 return 0.0
-            if reduction == "sum":
+            if spec.reduction == "sum":
                 return 1.0
             total = float(stats[0])
-            return norm / total if total != 0.0 else float("nan")  # all targets ignored everywhere: nan, as on one device
+            return norms[i] / total if total != 0.0 else float("nan")  # all targets ignored everywhere: nan, as on one device
 
-        return self._run(args, kwargs, target, loss_fn, weight)
+        return self._run(chunks, targets, loss_fn, weight)
 
     def join(self, optimizer: torch.optim.Optimizer | None = None) -> int:
         """Call after the training loop on every rank; returns the number of steps this rank shadowed.
@@ -243,11 +312,10 @@ class DataParallelReplica:
                     f"rank {self.info.rank} joined before its first train_step, so it has no inputs to shadow the other "
                     "ranks' steps with; give every rank at least one (possibly empty) shard, e.g. with rank_batches"
                 )
-            inputs, target, loss_fn, reduction = self._template
-            args, kwargs = call_args(inputs)
+            chunk, target, loss_fn = self._template
             if optimizer is not None:
                 optimizer.zero_grad()
-            self._run(args, kwargs, target, loss_fn, lambda: 0.0)
+            self._run([chunk], [target], loss_fn, lambda i: 0.0)
             if optimizer is not None:
                 optimizer.step()
             shadowed += 1
@@ -256,7 +324,7 @@ class DataParallelReplica:
         """(normalizer, rows, active ranks) of this rank, all-reduced as the first collective of every step."""
         return torch.tensor([norm, float(size), 1.0 if active else 0.0], dtype=torch.float64, device=self.comm_device)
 
-    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Callable[..., Any], weight: Callable[[], float]) -> torch.Tensor:
+    def _run(self, chunks: Sequence[Any], targets: Sequence[Any], loss_fn: Callable[..., Any], weight: Callable[[int], float]) -> torch.Tensor:
         if isinstance(loss_fn, nn.Module):
             loss_fn.to(self.device)
         # DDP all-reduces whatever .grad holds after backward, earlier steps' gradients included;
@@ -265,16 +333,33 @@ class DataParallelReplica:
         earlier = [p.grad for p in params]
         for p in params:
             p.grad = None
-        out = self._ddp(*self.to_device(args), **self.to_device(kwargs))
-        loss = weighted_loss(loss_fn, out, self.to_device(target), weight())  # the weight waits for the normalizer exchange
-        total = loss.detach().clone().reshape(1)  # the ranks' weighted losses sum to the global loss
-        work = dist.all_reduce(total, group=self.group, async_op=True)  # overlaps the backward
-        loss.backward()
+        last, losses, state = len(chunks) - 1, [], {"recompute": False}
+        with self._layer_calls(state):
+            for i, ((args, kwargs), target) in enumerate(zip(chunks, targets)):
+                state["recompute"] = recomputes(self.recompute, i, len(chunks))
+                with self._ddp.no_sync() if i < last else contextlib.nullcontext():  # the last chunk's backward reduces
+                    with autocast_for(self.device, self.precision):
+                        out = self._ddp(*self.to_device(args), **self.to_device(kwargs))
+                        loss = weighted_loss(loss_fn, out, self.to_device(target), weight(i))  # waits for the normalizers
+                    losses.append(loss.detach().reshape(1).to(torch.promote_types(loss.dtype, torch.float32)))
+                    if i == last:  # the ranks' weighted losses sum to the global loss: all-reduced while backward runs
+                        total = torch.cat(losses).sum().reshape(1) if last else losses[0].clone()
+                        work = dist.all_reduce(total, group=self.group, async_op=True)
+                    (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         work.wait()
         for p, g in zip(params, earlier):
             if g is not None:
                 p.grad = g if p.grad is None else g.add_(p.grad)
         return total[0]
+
+    def _layer_calls(self, state: dict[str, bool]) -> contextlib.AbstractContextManager[None]:
+        """Every layer of the model recomputed in backward while ``state["recompute"]`` (nothing without recompute)."""
+        if self.recompute == "never":
+            return contextlib.nullcontext()
+        if self._calls is None:
+            layers = {layer.name: layer.module for layer in model_layers(self.module).layers} or {"": self.module}
+            self._calls = LayerCalls(layers, dict.fromkeys(layers, 0), [self.device], "32")  # autocast: the whole forward's
+        return self._calls.installed(lambda: state["recompute"])
 
     def to_device(self, value: Any) -> Any:
         """``value`` (any nested structure) with its tensors on this replica's device."""

@@ -20,8 +20,15 @@ normalizer all-reduced): after ``spanned.train_step(x_shard, y_shard, loss_fn)``
 - ``spanned(x)`` with gradients enabled runs through DDP (a ``backward`` you run yourself sums
   the ranks' gradients; every rank must run it); under ``torch.no_grad()`` the plain module runs
   (no collective).
-- ``microbatches`` > 1, ``precision`` other than ``"32"`` and activation ``recompute`` are
-  refused with the fix: a replica runs its shard as one batch.
+- **Settings as in one process**: ``microbatches`` cut the rank's shard into that many chunks
+  (fewer when it has fewer rows): gradient accumulation, every chunk but the last under DDP's
+  ``no_sync``, each chunk's loss weighed against the global normalizer, so ``.grad`` is one
+  device's for the whole batch. ``precision="bf16"`` autocasts each chunk's forward and loss on
+  the rank's device, as one process does. ``precision="fp16"``: the span's ``SpanScaler`` scales
+  each chunk's loss and ``Spanned`` unscales the step's gradients after they are all-reduced, so
+  every rank reads the same gradients and skips the same steps (``runtime.fp16``; plain
+  ``optimizer.step()`` is right). ``recompute``: every layer (``model_layers``) recomputed in
+  backward by ``runtime.layercall``, chunk by chunk as ``recomputes`` says.
 
 Usage (``span`` does this when launched with one pipeline stage)::
 
@@ -40,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..executor import Executor, Settings, Work
+from ..fp16 import SpanScaler
 from ..losscheck import LossChecks, loss_identity, same_identity
 from ..lossweights import LossSpec
 from ..modelloss import tokens
@@ -72,19 +80,6 @@ def launched_replica(plan: Any) -> bool:
     return True
 
 
-def _refuse_settings(settings: Settings) -> None:
-    fixes = []
-    if settings.microbatches != 1:
-        fixes.append(f"microbatches={settings.microbatches} (a replica runs its shard as one batch; drop microbatches, or give "
-                     "span balance=[...] for a pipeline across ranks)")  # fmt: skip
-    if settings.precision != "32":
-        fixes.append(f"precision={settings.precision!r} (use torch.autocast around train_step yourself, or precision='32')")
-    if settings.recompute != "never":
-        fixes.append(f"recompute={settings.recompute!r} (use torch.utils.checkpoint inside the model, or recompute='never')")
-    if fixes:
-        raise ValueError("span(model) in a launched job is a data-parallel replica, which does not take " + "; ".join(fixes))
-
-
 class ReplicaExecutor(Executor):
     """This rank's data-parallel replica of ``model`` (see the module docstring); ``device`` defaults to the rank's."""
 
@@ -101,10 +96,14 @@ class ReplicaExecutor(Executor):
         meter: ActivationMeter,
         device: torch.device | None = None,
     ) -> None:
-        _refuse_settings(settings)
-        self.replica = DataParallelReplica(model, device=device)
+        place = torch.device(device) if device is not None else rank_info().device
+        if settings.precision == "fp16" and settings.scaler is None:
+            settings.scaler = SpanScaler(place.type)  # one decision on every rank: it reads the all-reduced gradients
+        self.replica = DataParallelReplica(
+            model, device=place, precision=settings.precision, recompute=settings.recompute, scaler=settings.scaler
+        )
         super().__init__([self.replica.device], [list(names)])
-        self.model = model
+        self.model, self.settings = model, settings
         self.info = rank_info()
         self._recorder, self._meter = recorder, meter
         self._decided: list[tuple[tuple[Any, ...], LossSpec]] = []  # opaque losses the ranks agreed on
@@ -115,10 +114,11 @@ class ReplicaExecutor(Executor):
 
     # ------------------------------------------------------------------ inputs
     def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Work:
-        """One chunk: this rank's whole shard (``NoSplit`` values unwrapped; zero rows allowed)."""
+        """This rank's shard in ``microbatches`` chunks, fewer when it has fewer rows (one for an empty
+        shard; ``NoSplit`` values unwrapped): a rank's shard may be smaller than another's."""
         total = batch_size(args, kwargs)
-        a, k = split_value((list(args), kwargs), 1, total, name="inputs")[0]
-        return Work(chunks=[(tuple(a), dict(k))])
+        n = max(1, min(self.settings.microbatches, total))
+        return Work(chunks=[(tuple(a), dict(k)) for a, k in split_value((list(args), kwargs), n, total, name="inputs")])
 
     # ------------------------------------------------------------------ loss contract
     def resolve_loss(
@@ -205,17 +205,15 @@ class ReplicaExecutor(Executor):
         )
 
     def weights(self, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
-        """``[1.0]``: ``train`` weighs the shard by ``spec`` against the all-reduced global normalizer."""
-        return [1.0]
+        """``1.0`` per chunk: ``train`` weighs each chunk by ``spec`` against the all-reduced global normalizer."""
+        return [1.0] * len(sizes)
 
     # ------------------------------------------------------------------ steps
     def forward(self, work: Work) -> list[Any]:
-        """The shard's output: through DDP with gradients enabled, the plain module under ``no_grad``."""
-        ((args, kwargs),) = work.chunks
+        """Each chunk's output: through DDP with gradients enabled (one reduction for a backward through all of
+        them), the plain module under ``no_grad``; autocast at the span's precision."""
         with self._recorder.block(0, self.replica.device, 0, "forward"):
-            if not torch.is_grad_enabled():
-                return [self.model(*self.replica.to_device(args), **self.replica.to_device(kwargs))]
-            return [self.replica(*args, **kwargs)]
+            return self.replica.forward_chunks(work.chunks)
 
     def train(
         self,
@@ -228,23 +226,17 @@ class ReplicaExecutor(Executor):
         """``DataParallelReplica.train_step`` on the shard, weighed by ``spec``; returns the global full-batch loss on every rank."""
         if spec is None:
             raise ValueError("ReplicaExecutor.train needs the loss spec (Spanned.train_step passes it): train(work, targets, loss_fn, weights, spec)")
-        ((args, kwargs),) = work.chunks
-        inputs = dict(kwargs) if kwargs else tuple(args)
-        if kwargs and args:
-            raise ValueError("a data-parallel replica takes positional or keyword inputs, not both; pass a tuple or a dict")
         reduction = "sum" if spec.kind == "sum" else "mean" if spec.kind == "samples" else None
         normalizer = spec.user_normalizer if spec.kind in ("user", "model") else None
-        self._timing = {"on": True}
+        self._timing = {"on": True, "mb": 0}
         metering = self.meters()
         try:
             with self._meter.saving(0) if metering else contextlib.nullcontext():
-                loss = self.replica.train_step(inputs, targets[0], loss_fn, loss_reduction=reduction, loss_normalizer=normalizer)
+                loss = self.replica.train_chunks(work.chunks, targets, loss_fn, loss_reduction=reduction, loss_normalizer=normalizer)
             self._metered = self._metered or (metering and self._meter.peak[0] > 0)
         finally:
-            backward = self._timing.pop("backward", None)
+            self._close_block()
             self._timing = {}
-            if backward is not None:
-                backward.__exit__(None, None, None)
         return loss
 
     def meters(self) -> bool:
@@ -257,16 +249,25 @@ class ReplicaExecutor(Executor):
         return self.replica.join(optimizer)
 
     # ------------------------------------------------------------------ timeline
+    def _close_block(self) -> None:
+        block = self._timing.pop("open", None)
+        if block is not None:
+            block.__exit__(None, None, None)
+
+    def _open_block(self, kind: str) -> None:
+        block = self._recorder.block(0, self.replica.device, self._timing["mb"], kind)
+        block.__enter__()
+        self._timing["open"] = block
+
     def _forward_starts(self, module: nn.Module, args: Any) -> None:
-        if self._timing.get("on") and "forward" not in self._timing:
-            block = self._recorder.block(0, self.replica.device, 0, "forward")
-            block.__enter__()
-            self._timing["forward"] = block
+        """A training chunk's forward begins: the previous chunk's backward block ends, its forward block opens."""
+        if self._timing.get("on"):
+            self._close_block()
+            self._open_block("forward")
 
     def _forward_ends(self, module: nn.Module, args: Any, output: Any) -> None:
-        block = self._timing.get("forward")
-        if block is not None and "backward" not in self._timing:
-            block.__exit__(None, None, None)
-            backward = self._recorder.block(0, self.replica.device, 0, "backward")
-            backward.__enter__()
-            self._timing["backward"] = backward
+        """Its forward ends: the backward block (loss, backward and, on the last chunk, the all-reduce) opens."""
+        if self._timing.get("on") and "open" in self._timing:
+            self._close_block()
+            self._open_block("backward")
+            self._timing["mb"] += 1
