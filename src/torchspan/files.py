@@ -1,0 +1,351 @@
+"""Writing files safely: every file torchspan writes (plans, reports, pictures, JSON, checkpoints) goes through here.
+
+- **Atomic**: the bytes go to a temporary file beside the target, then ``os.replace`` puts it in place,
+  so a reader sees the old file or the new one, never half of one; ``durable=True`` (checkpoints) also
+  fsyncs the file and its folder, so a crash right after the save keeps it.
+- **Into the real target**: a symbolic link is followed, and the file it points to is replaced (the
+  link stays a link); the temporary is made in the real target's folder.
+- **Regular files only**: a folder, a device, a FIFO or a socket at the path is refused with a
+  ``ValueError`` naming the argument and what is there, before anything is written.
+- **Checked first**: :func:`output_file` and :func:`output_folder` check a location (its folder
+  exists and is writable, nothing but a regular file is in the way) so that commands refuse a bad
+  ``--out`` before they train or profile, not after.
+- **Recognisable temporaries**: ``.NAME.torchspan.PID.TOKEN.HOST.tmp``. A write killed midway leaves
+  one; :func:`clean_temporaries` (run by every atomic write and by ``load_checkpoint``) removes the
+  ones whose writer is dead (same host, pid gone or reused) or, for another host's and unnamed ones,
+  whose last change is older than this process. A live writer's temporary is never touched.
+
+Usage::
+
+    target = output_file(args.out, name="--out")              # before the slow work
+    write_text(target, plan.to_json() + "\\n", name="--out")
+    with atomic_open("ckpt.pt", "wb", durable=True) as f:
+        torch.save(state, f)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import socket
+import stat
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = [
+    "atomic_open",
+    "clean_temporaries",
+    "describe",
+    "output_file",
+    "output_folder",
+    "real_target",
+    "require_regular_file",
+    "write_bytes",
+    "write_text",
+]
+
+_MARK = "torchspan"  # .NAME.torchspan.PID.TOKEN.HOST.tmp
+_NAME_MAX = 150  # characters of the target's name kept in a temporary's name (NAME_MAX is 255)
+_ACTIVE: set[str] = set()  # temporaries this process is writing now (threads included)
+_ACTIVE_LOCK = threading.Lock()
+_IMPORTED = time.time()
+
+
+def _shown(name: str, value: Any) -> str:
+    """``--out 'x'`` for a command-line option, ``path='x'`` for an API argument."""
+    text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else value
+    return f"{name} {text!r}" if name.startswith("-") or name.isupper() else f"{name}={text!r}"
+
+
+def describe(path: str | os.PathLike[str]) -> str:
+    """What is at ``path`` in a few words: ``"a regular file"``, ``"a folder"``, ``"a character device"``,
+    ``"a FIFO (named pipe)"``, ``"a socket"``, ``"a block device"``, ``"missing"`` (symbolic links followed)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "missing"
+    except NotADirectoryError:
+        return "missing (a part of its path is a file, not a folder)"
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"
+    for test, words in (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return words
+    return "not a regular file"  # pragma: no cover - doors, whiteouts
+
+
+def require_regular_file(path: str | os.PathLike[str], *, name: str = "path", what: str = "a file", fix: str = "") -> Path:
+    """``path`` when a regular file is there (a link to one counts); else a one-line ``ValueError`` that names
+    ``name``, the value, what is there instead and ``fix`` (e.g. ``"give the path of a Python file, e.g. train.py"``)."""
+    found = describe(path)
+    if found == "a regular file":
+        return Path(path)
+    there = "does not exist" if found.startswith("missing") else f"is {found}, not {what}"
+    raise ValueError(f"{_shown(name, path)} {there}" + (f"; {fix}" if fix else ""))
+
+
+def real_target(path: str | os.PathLike[str]) -> Path:
+    """The file a write to ``path`` changes: ``path`` with every symbolic link resolved (a dangling link: the
+    file it names)."""
+    return Path(os.path.realpath(os.fspath(path)))
+
+
+def output_file(path: str | os.PathLike[str], *, name: str = "path", make_parent: bool = False, example: str = "out.json") -> Path:
+    """Check that a file can be written at ``path`` before any work; returns its real target.
+
+    Refused with a one-line ``ValueError`` naming ``name`` and ``path`` (``example``: a file name for the
+    advice): a folder, device, FIFO or socket at the path (or at the end of its links), a folder that does
+    not exist (``make_parent=True`` creates it), a part of the path that is a file, a folder this process
+    cannot write to.
+    """
+    shown, fix = _shown(name, path), f"name a file, e.g. {_shown(name, example)}"
+    if not os.fspath(path):
+        raise ValueError(f"{shown} is empty; {fix}")
+    target = real_target(path)
+    found = describe(target)
+    if found != "a regular file" and not found.startswith("missing"):
+        if found == "a folder":
+            fix = f"name a file inside it, e.g. {_shown(name, os.path.join(os.fspath(path), example))}"
+        via = f" (where its link points: {str(target)!r})" if str(target) != os.path.abspath(os.fspath(path)) else ""
+        raise ValueError(f"{shown} is {found}{via}; torchspan writes only regular files: {fix}")
+    _writable_folder(target.parent, shown, make_parent, fix)
+    return target
+
+
+def output_folder(path: str | os.PathLike[str], *, name: str = "out", files: Iterable[str] = (), example: str = "run-out") -> Path:
+    """Check that the folder ``path`` exists or can be created, is writable, and that each of ``files`` in it
+    could be written; nothing is created. Returns ``Path(path)``. A one-line ``ValueError`` otherwise
+    (``example``: a folder name for the advice)."""
+    shown, fix = _shown(name, path), f"name a folder (it is created if missing), e.g. {_shown(name, example)}"
+    if not os.fspath(path):
+        raise ValueError(f"{shown} is empty; {fix}")
+    folder = Path(path)
+    found = describe(folder)
+    if found.startswith("missing"):
+        _creatable(folder, shown, fix)
+        return folder
+    if found != "a folder":
+        raise ValueError(f"{shown} is {'a file' if found == 'a regular file' else found}; {fix}")
+    _writable_folder(real_target(folder), shown, False, fix)
+    for file in files:
+        there = describe(folder / file)
+        if there != "a regular file" and not there.startswith("missing"):
+            raise ValueError(f"{shown}: {str(folder / file)!r} is {there}, where torchspan writes {file}; move it away or {fix}")
+    return folder
+
+
+def _creatable(folder: Path, shown: str, fix: str) -> None:
+    """The nearest existing folder above ``folder`` is a writable folder (so ``mkdir(parents=True)`` works)."""
+    above = folder.absolute().parent
+    while describe(above).startswith("missing") and above.parent != above:
+        above = above.parent
+    found = describe(above)
+    if found != "a folder":
+        raise ValueError(f"{shown}: {str(above)!r} is {found}, so nothing can be created under it; {fix}")
+    _writable_folder(real_target(above), shown, False, fix)
+
+
+def _writable_folder(folder: Path, shown: str, make: bool, fix: str) -> None:
+    found = describe(folder)
+    if found.startswith("missing"):
+        _creatable(folder, shown, fix)  # a file in the way is named as such
+        if not make:
+            raise ValueError(f"{shown}: folder {str(folder)!r} does not exist; create it first")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"{shown}: cannot create its folder {str(folder)!r} ({exc.strerror or exc}); {fix} in a folder you can write to") from None
+        return
+    if found != "a folder":
+        raise ValueError(f"{shown}: {str(folder)!r} is {found}, so nothing can be created under it; {fix}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"{shown}: cannot write in folder {str(folder)!r} (permission denied or read-only); {fix} in a folder you can write to")
+
+
+# --------------------------------------------------------------------------- atomic writes
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:32] or "host"
+
+
+def _prefix(target: Path) -> str:
+    return f".{target.name[:_NAME_MAX]}.{_MARK}."
+
+
+def _temporary(target: Path) -> Path:
+    return target.with_name(f"{_prefix(target)}{os.getpid()}.{secrets.token_hex(4)}.{_host()}.tmp")
+
+
+@contextlib.contextmanager
+def atomic_open(
+    path: str | os.PathLike[str], mode: str = "wb", *, name: str = "path", durable: bool = False, make_parent: bool = False
+) -> Iterator[IO[Any]]:
+    """A file object whose contents replace ``path``'s real target when the block ends without an exception
+    (and are discarded when it raises). ``mode`` is ``"wb"`` or ``"w"`` (UTF-8). ``durable=True`` fsyncs the
+    file and its folder; ``make_parent=True`` creates a missing folder. The target keeps its permission
+    bits; a new file gets the umask's. Refusals (see :func:`output_file`) come before anything is written.
+    """
+    if mode not in ("wb", "w"):
+        raise ValueError(f"mode={mode!r} must be 'wb' or 'w'")
+    target = output_file(path, name=name, make_parent=make_parent)
+    clean_temporaries(target)
+    tmp = _open_temporary(target)
+    try:
+        with open(tmp, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as fh:
+            yield fh
+            fh.flush()
+            if durable:
+                os.fsync(fh.fileno())
+        _keep_mode(target, tmp)
+        if describe(target) not in ("a regular file", "missing"):  # something else appeared meanwhile (a folder, a device)
+            raise ValueError(f"{_shown(name, path)} became {describe(target)} while it was written; nothing was replaced")
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    finally:
+        with _ACTIVE_LOCK:
+            _ACTIVE.discard(str(tmp))
+    if durable:
+        _fsync_folder(target.parent)
+
+
+def _open_temporary(target: Path) -> Path:
+    """Create an empty temporary beside ``target`` (``O_EXCL``: never someone else's) and mark it ours."""
+    for _ in range(16):
+        tmp = _temporary(target)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:  # pragma: no cover - a 32-bit token collided
+            continue
+        os.close(fd)
+        with _ACTIVE_LOCK:
+            _ACTIVE.add(str(tmp))
+        return tmp
+    raise FileExistsError(f"no free temporary name beside {str(target)!r}")  # pragma: no cover
+
+
+def _keep_mode(target: Path, tmp: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make the rename itself durable (skipped where folders cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory handles
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_text(path: str | os.PathLike[str], text: str, *, name: str = "path", durable: bool = False, make_parent: bool = False) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically; returns ``Path(path)``."""
+    with atomic_open(path, "w", name=name, durable=durable, make_parent=make_parent) as fh:
+        fh.write(text)
+    return Path(path)
+
+
+def write_bytes(path: str | os.PathLike[str], data: bytes, *, name: str = "path", durable: bool = False, make_parent: bool = False) -> Path:
+    """Write ``data`` to ``path`` atomically; returns ``Path(path)``."""
+    with atomic_open(path, "wb", name=name, durable=durable, make_parent=make_parent) as fh:
+        fh.write(data)
+    return Path(path)
+
+
+# --------------------------------------------------------------------------- leftovers of interrupted writes
+
+
+def _started(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch), from ``/proc``; ``None`` where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            ticks = int(fh.read().rpartition(")")[2].split()[19])
+        with open("/proc/stat", encoding="ascii") as fh:
+            boot = next(int(line.split()[1]) for line in fh if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _this_process_started() -> float:
+    started = _started(os.getpid())
+    return started if started is not None else _IMPORTED
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def _stale(entry: Path, rest: str, since: float) -> bool:
+    """Whether the temporary ``entry`` (``rest``: its name after ``.NAME.torchspan.``) has no live writer."""
+    try:
+        changed = entry.lstat().st_mtime
+    except FileNotFoundError:
+        return False
+    if str(entry) in _ACTIVE:
+        return False
+    match = re.fullmatch(r"(\d+)\.[0-9a-f]+\.([A-Za-z0-9-]+)\.tmp", rest)
+    if match is None or match.group(2) != _host():  # another machine's pid means nothing here: go by age
+        return changed < since
+    pid = int(match.group(1))
+    if pid == os.getpid():
+        return True  # ours, and not being written: a write of ours that failed to clean up
+    if not _alive(pid):
+        return True
+    started = _started(pid)
+    return started is not None and started > changed + 1.0  # the pid was reused after the writer died
+
+
+def clean_temporaries(path: str | os.PathLike[str]) -> list[Path]:
+    """Remove the temporaries that interrupted writes of ``path`` left beside its real target; returns them.
+
+    Removed: torchspan's own (``.NAME.torchspan.PID.TOKEN.HOST.tmp``) whose writer on this machine is dead,
+    and those from another machine or in the older ``.NAME.XXXXXXXX.tmp`` form whose last change is older
+    than this process. A temporary a live process (or another thread here) is writing stays.
+    """
+    target = real_target(path)
+    try:
+        entries = list(os.scandir(target.parent))
+    except OSError:
+        return []
+    since = _this_process_started()
+    prefix, legacy = _prefix(target), re.compile(re.escape(f".{target.name}.") + r"[A-Za-z0-9_]{8}\.tmp")
+    removed = []
+    for entry in entries:
+        if entry.name.startswith(prefix):
+            stale = _stale(Path(entry.path), entry.name[len(prefix) :], since)
+        elif legacy.fullmatch(entry.name):
+            stale = _stale(Path(entry.path), "", since)
+        else:
+            continue
+        if stale and entry.is_file(follow_symlinks=False):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+    return removed
