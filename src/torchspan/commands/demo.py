@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -48,13 +47,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..demo.run import run_demo
+    from ..demo.run import DEMO_FILES, run_demo
+    from ..files import output_folder
 
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps} must be >= 1")
     microbatches = parse_microbatches(args.microbatches)
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise UsageError(f"--out {args.out!r} is a file; name a folder for plan.json, the pictures and report.md (it is created if missing), e.g. --out torchspan-demo")
+    output_folder(args.out, name="--out", files=DEMO_FILES, example="torchspan-demo")  # before any training
     con = console(sys.stderr) if args.json else console()
     if args.nproc_per_node is not None:
         return _run_ranks(args, microbatches, con)

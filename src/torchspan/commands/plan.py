@@ -12,7 +12,6 @@ TARGET is ``package.module:factory`` or ``path/to/file.py:factory`` returning th
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 
@@ -93,11 +92,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _prepare_out(out: str) -> None:
-    """Check ``--out`` before the (slow) profiling; create its folder if missing."""
-    path = Path(out)
-    if path.is_dir():
-        raise UsageError(f"--out {out!r} is a folder; name a file, e.g. --out {path / 'plan.json'}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--out {out!r}: cannot create its folder {str(path.parent)!r} ({exc.strerror or exc})") from exc
+    """Check ``--out`` before the (slow) profiling: a regular file or nothing there (a link's target counts), in a
+    writable folder; create the folder if missing."""
+    from ..files import output_file
+
+    output_file(out, name="--out", make_parent=True, example="plan.json")

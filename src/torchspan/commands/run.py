@@ -27,6 +27,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from ..files import output_folder, write_text
 from ..training import LossNotFinite, OutOfMemoryAtStep, Trained, mse_loss, train
 from ._common import UsageError, console, parse_dtype, parse_memory_options, parse_microbatches, parse_shape, print_json
 from ._options import (
@@ -44,6 +45,7 @@ from ._options import (
 from ._target import build_model, example_inputs, first_call, require_data_devices, require_inputs
 from ._plans import check_plan_devices, check_plan_layers, device_entries, first_line, load_plan, make_plan
 
+RUN_FILES = ("plan.json", "run.json", "timeline.png", "memory.png", "loss.png")  # what --out DIR receives
 OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 _PLANNING_OPTIONS = ("devices", "memory", "microbatches", "schedule", "recompute", "spread")
 
@@ -89,8 +91,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--lr {args.lr} must be a finite number > 0, e.g. --lr 1e-3")
     if args.vocab < 1:
         raise UsageError(f"--vocab {args.vocab} must be >= 1 (token ids are drawn from [0, VOCAB))")
-    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
-        raise UsageError(f"--out {args.out!r} is a file; name a folder (it is created if missing), e.g. --out run-out")
+    if args.out is not None:  # before the model is built or trained: results are never lost to a bad --out
+        output_folder(args.out, name="--out", files=RUN_FILES)
     if args.plan:
         given = [f"--{name}" for name in _PLANNING_OPTIONS if getattr(args, name) not in (None, False)]
         if given:
@@ -187,7 +189,7 @@ def _write_outputs(out: Path, plan: Any, spanned: Any, memory: Any, losses: list
     files["loss"] = pictures.loss_png(losses, out / "loss.png")
     written = {name: str(path) for name, path in files.items()}
     written["run"] = str(out / "run.json")
-    (out / "run.json").write_text(json.dumps({**result, "files": written}, indent=2) + "\n", encoding="utf-8")
+    write_text(out / "run.json", json.dumps({**result, "files": written}, indent=2) + "\n", name="--out")
     return written
 
 

@@ -31,12 +31,13 @@ import torch.multiprocessing as mp
 from rich.console import Console
 
 from .. import pictures
+from ..files import write_text
 from ..pictures.tables import md_table
 from ..runtime import span
 from ..runtime.ranks import free_port, init_distributed, shard_batch
 from .corpus import build_corpus
 from .model import CharTransformer, generate, lm_loss
-from .run import DemoConfig
+from .run import DemoConfig, out_folder
 
 __all__ = ["RanksDemoResult", "run_demo_ranks"]
 
@@ -87,7 +88,7 @@ def _rank_main(rank: int, world: int, port: int, folder: str, cfg: DemoConfig, t
             ids = generate(model, corpus.encode(cfg.prompt), cfg.sample_chars, generator=gen)
             sample = cfg.prompt + corpus.decode(ids)
         record = {"rank": rank, "samples": samples, "seconds": seconds, "threads": threads, "losses": losses, "sample": sample}
-        Path(folder, f"rank{rank}.json").write_text(json.dumps(record), encoding="utf-8")
+        write_text(Path(folder, f"rank{rank}.json"), json.dumps(record))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -142,10 +143,7 @@ def run_demo_ranks(
     if cfg.batch_size < nproc:
         raise ValueError(f"batch_size={cfg.batch_size} gives some of nproc={nproc} processes no rows; use batch_size >= {nproc}")
     con = console or Console(markup=False)  # printed text keeps its square brackets
-    out_dir = Path(out)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"out={str(out)!r} is a file; name a folder for the report (it is created if missing), e.g. out='torchspan-demo'")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = out_folder(out)
     rows = ", ".join(str(len(shard_batch(torch.empty(cfg.batch_size), r, nproc))) for r in range(nproc))
     con.print(
         f"data parallel over {nproc} processes (gloo on 127.0.0.1): one replica each, every global batch of "
@@ -180,9 +178,9 @@ def run_demo_ranks(
         ("rank", "samples", "training seconds", "samples/s", "tokens/s"),
         [(str(r["rank"]), str(r["samples"]), f"{r['seconds']:.2f}", f"{r['samples_per_second']:,.1f}", f"{r['tokens_per_second']:,.0f}") for r in ranks],
     )
-    with files.report.open("a", encoding="utf-8") as fh:
-        fh.write("\n## Per-rank throughput\n\n" + "\n".join(table) + "\n")
-    (out_dir / "losses.json").write_text(json.dumps(losses), encoding="utf-8")
+    report = files.report.read_text(encoding="utf-8") + "\n## Per-rank throughput\n\n" + "\n".join(table) + "\n"
+    write_text(files.report, report, name="out")
+    write_text(out_dir / "losses.json", json.dumps(losses), name="out")
     written = {"report": files.report, "losses": out_dir / "losses.json"}
     if files.loss is not None:
         written["loss"] = files.loss

@@ -25,6 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import pictures
+from ..files import output_folder, write_text
 from ..hardware import Device, devices as find_devices
 from ..planner.plans import Plan
 from ..runtime.record import Event
@@ -36,6 +37,7 @@ from .placement import demo_plan
 __all__ = ["run_demo", "DemoResult", "DemoConfig", "DEFAULT_STEPS"]
 
 DEFAULT_STEPS = 500
+DEMO_FILES = ("plan.json", "report.md", "losses.json", "loss.png", "timeline.png", "memory.png")  # what `out` receives
 
 
 @dataclass
@@ -142,7 +144,7 @@ def run_demo(
 
     cfg = _config(config, steps=steps, schedule=schedule, microbatches=microbatches)
     con = console or Console(markup=False)  # printed text keeps its square brackets
-    out_dir = _out_folder(out)
+    out_dir = out_folder(out)
     devs = find_devices(devices, memory=memory)
     con.print(_device_table(devs, f"devices ({devices if isinstance(devices, str) else ','.join(devices)})"))
 
@@ -196,11 +198,10 @@ def _config(config: DemoConfig | None, **overrides: Any) -> DemoConfig:
     return replace(cfg, **given) if given else cfg
 
 
-def _out_folder(out: str | Path) -> Path:
-    """The report folder, created if missing; a ``ValueError`` naming ``out`` when it cannot be."""
-    out_dir = Path(out)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"out={str(out)!r} is a file; name a folder for the report (it is created if missing), e.g. out='torchspan-demo'")
+def out_folder(out: str | Path) -> Path:
+    """The report folder, checked (nothing but regular files where the report goes, writable) and created if
+    missing; a ``ValueError`` naming ``out`` when it cannot be."""
+    out_dir = output_folder(out, name="out", files=DEMO_FILES, example="torchspan-demo")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -265,7 +266,7 @@ def _write_report(result: DemoResult, cfg: DemoConfig, n_params: int, con: Conso
             summary=summary,
             sample=result.sample or None,
         )
-    (out_dir / "losses.json").write_text(json.dumps(losses), encoding="utf-8")
+    write_text(out_dir / "losses.json", json.dumps(losses), name="out")
     written = {"plan": out_dir / "plan.json", "report": files.report, "losses": out_dir / "losses.json"}
     for name in ("loss", "timeline", "memory"):
         path = getattr(files, name)

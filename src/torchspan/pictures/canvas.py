@@ -9,10 +9,12 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..files import atomic_open, output_file
+
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
 
-__all__ = ["pyplot", "save", "unit_for"]
+__all__ = ["check_path", "pyplot", "save", "unit_for"]
 
 
 def pyplot() -> Any:
@@ -25,13 +27,21 @@ def pyplot() -> Any:
     return plt
 
 
+def check_path(path: str | os.PathLike[str]) -> None:
+    """Refuse ``path`` before drawing when a picture cannot be written there (``torchspan.files.output_file``);
+    a missing folder is created."""
+    output_file(path, name="path", make_parent=True, example="picture.png")
+
+
 def save(fig: Figure, path: str | os.PathLike[str], dpi: int) -> Path:
-    """Write ``fig`` to ``path`` (creating its folder) and close it."""
+    """Write ``fig`` to ``path`` atomically (``torchspan.files``: into a link's target; a folder or device there is
+    refused), creating its folder, and close it. The format follows the suffix (``.png`` when there is none)."""
     out = Path(path)
-    if out.parent and not out.parent.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=dpi, bbox_inches="tight")
-    pyplot().close(fig)
+    try:
+        with atomic_open(out, "wb", name="path", make_parent=True) as fh:
+            fig.savefig(fh, format=out.suffix.lstrip(".").lower() or "png", dpi=dpi, bbox_inches="tight")
+    finally:
+        pyplot().close(fig)
     return out
 
 

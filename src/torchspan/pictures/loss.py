@@ -10,7 +10,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from .canvas import pyplot, save
+from .canvas import check_path, pyplot, save
 
 __all__ = ["loss_png"]
 
@@ -35,6 +35,7 @@ def loss_png(
         raise ValueError(f"losses[{bad}]={values[bad]!r} is not finite; training diverged, lower the learning rate")
     if not 0 <= smoothing < 1:
         raise ValueError(f"smoothing={smoothing!r} must be in [0, 1)")
+    check_path(path)  # before drawing: a folder or device at path is refused
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.6))
     steps = range(1, len(values) + 1)

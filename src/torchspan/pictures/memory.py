@@ -16,7 +16,7 @@ from typing import Any
 
 from ..hardware import format_bytes
 from ..profiler.costs import MEMORY_KINDS
-from .canvas import pyplot, save, unit_for
+from .canvas import check_path, pyplot, save, unit_for
 
 __all__ = ["memory_png", "normalize_memory", "MEMORY_KINDS", "MEMORY_COLORS"]
 
@@ -140,6 +140,7 @@ def memory_png(
     """
     rows = normalize_memory(memory)
     clean_budgets = {k: int(v) for k, v in (budgets or {}).items() if v is not None}
+    check_path(path)  # before drawing: a folder or device at path is refused
     plt = pyplot()
     labels = list(rows)
     totals = [sum(rows[label].values()) for label in labels]

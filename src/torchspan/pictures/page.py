@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..files import output_folder, write_text
 from ..runtime.record import Event
 from .loss import loss_png
 from .memory import memory_png
@@ -65,7 +66,7 @@ def write_report(
     ``memory.png``, ``losses`` → ``loss.png``. ``summary`` adds a key/value table; ``sample`` a
     text block. Usage: ``write_report("torchspan-demo", plan=plan, events=spanned.timeline(), losses=losses)``.
     """
-    out = Path(out_dir)
+    out = output_folder(out_dir, name="out_dir", files=("report.md", "loss.png", "timeline.png", "memory.png"), example="report")
     out.mkdir(parents=True, exist_ok=True)
     files = ReportFiles(report=out / "report.md")
     if losses is not None:
@@ -101,5 +102,5 @@ def write_report(
         while fence in sample:
             fence += "`"
         lines += ["## Sample", "", fence + "text", sample, fence, ""]
-    files.report.write_text("\n".join(lines), encoding="utf-8")
+    write_text(files.report, "\n".join(lines), name="out_dir")
     return files

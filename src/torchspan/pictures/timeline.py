@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..runtime.record import KINDS, Event
-from .canvas import pyplot, save
+from .canvas import check_path, pyplot, save
 from .events import check_events, lanes as lanes_of, select_step
 
 __all__ = ["timeline_png", "COLORS"]
@@ -41,6 +41,7 @@ def timeline_png(
     evs = select_step(check_events(events), step)
     if not evs:
         raise ValueError("events is empty; run at least one spanned.train_step() before drawing its timeline")
+    check_path(path)  # before drawing: a folder or device at path is refused
     plt = pyplot()
     from matplotlib.patches import Patch
 

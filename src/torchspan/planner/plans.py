@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..files import require_regular_file, write_text
 from ..hardware import format_bytes
 from ..schedule import RECOMPUTE_MODES, SCHEDULES
 
@@ -231,25 +231,13 @@ class Plan:
         return cls.from_dict(data)
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the plan as JSON atomically (temporary file, then rename)."""
-        path = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".json", dir=directory)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(self.to_json())
-                fh.write("\n")
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a plan is an ordinary file
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        """Write the plan as JSON atomically into ``path`` (or the file its link points to); anything there but a
+        regular file is refused (``torchspan.files``)."""
+        write_text(path, self.to_json() + "\n", name="path")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
+        require_regular_file(path, name="path", what="a plan file", fix="name the JSON file Plan.save or `torchspan plan --out` wrote")
         with open(path, encoding="utf-8") as fh:
             return cls.from_json(fh.read())
 
