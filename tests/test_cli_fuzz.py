@@ -69,10 +69,13 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     (d / "truncated.json").write_text(text[: len(text) // 2])
     (d / "not_a_plan.json").write_text(json.dumps({"hello": "world"}))
     (d / "list.json").write_text("[1, 2, 3]")
+    os.mkfifo(d / "pipe")  # files (issue 19): a FIFO and a link to a device are refused, never written through
+    (d / "null_link").symlink_to("/dev/null")
     return {k: str(v) for k, v in {
         "models": d / "models.py", "broken": d / "broken.py", "binary": d / "binary.py", "device_error": d / "device_error.py",
         "existing": d / "existing.txt", "dir": d, "empty_benchmarks": d / "empty_benchmarks",
         "truncated": d / "truncated.json", "not_a_plan": d / "not_a_plan.json", "list": d / "list.json",
+        "fifo": d / "pipe", "null_link": d / "null_link",
     }.items()}  # fmt: skip
 
 
@@ -98,6 +101,8 @@ CASES: list[tuple[str, str, str]] = [
     ("doctor {broken}", "script with a syntax error", "not valid Python"),
     ("doctor {binary}", "binary file", "SCRIPT"),
     ("doctor {existing}", "not a python file", "not valid Python"),
+    ("doctor /dev/null", "device file for a script", "SCRIPT '/dev/null' is a character device"),
+    ("doctor {fifo}", "FIFO for a script", "is a FIFO"),
     ("doctor --bogus {broken}", "unknown option", "unrecognized arguments"),
     ("doctor {broken} --json", "syntax error, options after the script", "not valid Python"),
     ("doctor {device_error}", "device finding", ""),
@@ -120,6 +125,9 @@ CASES: list[tuple[str, str, str]] = [
     ("plan {models}:lin --input-shape 4,16 --dtype float99", "malformed argument", "not a torch dtype"),
     ("plan {models} --input-shape 4,16", "target without factory", "TARGET"),
     ("plan {models}:lin --input-shape 4,16 --out {dir}", "folder for a file", "is a folder"),
+    ("plan {models}:lin --input-shape 4,16 --out {fifo}", "FIFO for a file", "is a FIFO"),
+    ("plan {models}:lin --input-shape 4,16 --out {null_link}", "link to a device for a file", "is a character device"),
+    ("plan {models}:lin --input-shape 4,16 --out {existing}/plan.json", "output under a file", "nothing can be created under it"),
     ("plan {models}:lin --input-shape -8,16", "negative number", "--input-shape '-8,16' is not a shape"),
     ("plan {models}:lin --input-shape -8x16", "negative number", "--input-shape '-8x16' is not a shape"),
     # run
@@ -143,6 +151,10 @@ CASES: list[tuple[str, str, str]] = [
     ("run {models}:lin --input-shape 4,16 --plan {not_a_plan}", "hand-edited plan JSON", "is not a torchspan plan"),
     ("run {models}:lin --input-shape 4,16 --plan {list}", "hand-edited plan JSON", "is not a torchspan plan"),
     ("run {models}:lin --input-shape 4,16 --out {existing}", "file for a folder", "is a file"),
+    ("run {models}:lin --input-shape 4,16 --out {existing}/run", "output under a file", "nothing can be created under it"),
+    ("run {models}:lin --input-shape 4,16 --out {null_link}", "link to a device for a folder", "is a character device"),
+    ("run {models}:lin --input-shape 4,16 --plan /dev/null", "device file for a plan", "--plan '/dev/null' is a character device"),
+    ("run {models}:lin --input-shape 4,16 --plan {dir}", "folder for a plan", "is a folder, not a plan file"),
     # verify
     ("verify {models}:lin", "missing argument", "--input"),
     ("verify {models}:lin --input-shape 4,x", "malformed argument", "--input-shape"),
@@ -173,6 +185,8 @@ CASES: list[tuple[str, str, str]] = [
     ("demo --steps -5 --out {dir}/demo", "negative number", "--steps -5"),
     ("demo --steps many", "malformed number", "invalid int value"),
     ("demo --out {existing}", "file for a folder", "is a file"),
+    ("demo --out {existing}/demo", "output under a file", "nothing can be created under it"),
+    ("demo --out {fifo}", "FIFO for a folder", "is a FIFO"),
     ("demo --devices nvidia --out {dir}/demo", "unknown device", "unknown device"),
     ("demo --devices cpu --memory cpu=abc --out {dir}/demo", "malformed budget", "not a memory size"),
     ("demo --devices cpu --memory cpu=1e999GiB --out {dir}/demo", "huge number", "infinite"),
@@ -192,6 +206,8 @@ CASES: list[tuple[str, str, str]] = [
 LAUNCH_CASES: list[tuple[str, str, str]] = [
     ("launch", "missing argument", "required"),
     ("launch {dir}/nope.py", "nonexistent file", "does not exist"),
+    ("launch {dir}", "folder for a script", "is a folder, not a Python file"),
+    ("launch /dev/null", "device file for a script", "is a character device"),
     ("launch --nproc-per-node 0 {device_error}", "zero number", "--nproc-per-node"),
     ("launch --nproc-per-node many {device_error}", "malformed number", "--nproc-per-node"),
     ("launch --nnodes 0 {device_error}", "zero number", "--nnodes"),

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .files import require_regular_file
+
 __all__ = ["LaunchConfig", "cpu_layout", "torchrun_argv", "launch"]
 
 MAX_CPU_PROCESSES = 8
@@ -51,8 +53,7 @@ class LaunchConfig:
     max_restarts: int = 0
 
     def __post_init__(self) -> None:
-        if not Path(self.script).is_file():
-            raise ValueError(f"SCRIPT {self.script!r} does not exist; give the path of a Python training script")
+        require_regular_file(self.script, name="SCRIPT", what="a Python file", fix="give the path of a Python training script, e.g. train.py")
         n = self.nproc_per_node
         if not (n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= 1)):
             raise ValueError(f"--nproc-per-node {n!r} must be 'auto' or an integer >= 1")

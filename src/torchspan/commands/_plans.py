@@ -9,11 +9,11 @@ Usage: ``plan = load_plan(args.plan, args.target, "--input-shape 32,512")``.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..files import describe
 from ..layers import model_layers
 from ._common import UsageError
 
@@ -32,8 +32,11 @@ def load_plan(path: str, target: str, argv_hint: str) -> Any:
 
     out = path if path.endswith(".json") else "plan.json"
     replan = f"re-create it: torchspan plan {target} {argv_hint} --out {out}"
-    if not Path(path).is_file():
+    found = describe(path)
+    if found.startswith("missing"):
         raise UsageError(f"--plan {path!r} does not exist; write one with torchspan plan {target} {argv_hint} --out {path}")
+    if found != "a regular file":
+        raise UsageError(f"--plan {path!r} is {found}, not a plan file; name the JSON file `torchspan plan --out` wrote, or {replan}")
     try:
         return Plan.load(path)
     except (ValueError, TypeError, KeyError) as exc:

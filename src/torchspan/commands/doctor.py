@@ -127,6 +127,16 @@ def _load_state_dict_findings(exc: BaseException) -> list[Finding]:
     return []
 
 
+def _require_script(script: str) -> None:
+    """A regular file (a link to one counts): a folder, a device or a FIFO is named as what it is, before anything runs."""
+    from ..files import require_regular_file
+
+    try:
+        require_regular_file(script, name="SCRIPT", what="a Python file", fix="give the path of a Python file, e.g. train.py")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _check_compiles(script: str) -> None:
     """A script that is not Python (a syntax error, binary data) is a usage error, before anything runs."""
     try:
@@ -143,8 +153,7 @@ def run_script(script: str, script_args: list[str], *, quiet_stdout: bool = Fals
 
     Usage: ``outcome = run_script("train.py", ["--epochs", "1"])``; ``outcome.report``.
     """
-    if not os.path.isfile(script):
-        raise UsageError(f"SCRIPT {script!r} {'is a folder' if os.path.isdir(script) else 'does not exist'}; give the path of a Python file, e.g. train.py")
+    _require_script(script)
     _check_compiles(script)
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [script, *script_args]
