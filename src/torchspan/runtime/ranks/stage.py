@@ -58,7 +58,8 @@ def _same(a: Any, b: Any) -> bool:
 def batch_fingerprint(batch: Any, known: tuple[Any, int] | None = None) -> tuple[torch.Tensor, tuple[Any, int]]:
     """Three int64s that differ when two ranks' batches differ: a hash of the structure (pytree spec,
     shapes, dtypes, plain non-tensor values), and the sum and a position-weighted sum of every tensor's
-    bits read as integers (int32 words; smaller elements one each), summed in int64. Integer sums do
+    bits read as integers (int32 words; smaller elements one each; the tensors of one device and dtype
+    concatenated in order), summed in int64. Integer sums do
     not depend on the order of additions, so equal batches give equal fingerprints whatever the threads
     or memory layout (no float rounding), and any changed bit or moved row changes them. ``known``: the
     previous call's ``(structure, hash)``, reused when the structure repeats (the usual step). Returned
@@ -72,23 +73,26 @@ def batch_fingerprint(batch: Any, known: tuple[Any, int] | None = None) -> tuple
     structure = (spec, tuple((t.shape, t.dtype) for t in tensors), plain)
     if known is None or not _same(known[0], structure):
         known = (structure, zlib.crc32(repr((str(spec), structure[1:])).encode()))
-    words = []
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}  # one buffer per device and dtype
     for t in tensors:
-        bits = t.detach().reshape(-1)
+        if t.numel():
+            groups.setdefault((t.device, t.dtype), []).append(t.detach().reshape(-1))
+    if not groups:
+        return torch.tensor([known[1], 0, 0], dtype=torch.int64), known
+    words = []
+    for (device, dtype), parts in groups.items():
+        bits = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
         if bits.is_complex():
             bits = torch.view_as_real(bits).reshape(-1)
-        bits = bits.contiguous()
         size = bits.element_size()  # each element read alike whatever its offset in memory
         words.append(bits.view(torch.int32) if size >= 4 else bits.view(torch.int16 if size == 2 else torch.uint8).to(torch.int32))
-    head = torch.tensor([known[1], 0, 0], dtype=torch.int64)
-    if not any(w.numel() for w in words):
-        return head, known
-    device = words[0].device  # one buffer, one pass, one copy to the host at the end
+    device = words[0].device
     flat = torch.cat([w.to(device) for w in words]) if len(words) > 1 else words[0]
     # running sums in int64 (a flipped sign bit never cancels out mod 2**32): the last is the plain sum, and
     # their sum weighs word i by the n - i words from it to the end (position-weighted, in one pass)
     run = torch.cumsum(flat, 0, dtype=torch.int64)
-    return torch.cat([head[:1].to(device), run[-1:], run.sum().reshape(1)]), known
+    head = torch.tensor([known[1]], dtype=torch.int64, device=device)
+    return torch.cat([head, run[-1:], run.sum().reshape(1)]), known
 
 
 class RankStage:
