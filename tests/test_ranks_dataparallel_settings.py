@@ -215,10 +215,27 @@ def _fp16_case(rank: int) -> None:
         ref_scaler.update()
         if step == 1:
             assert ref_scaler.get_scale() == skipped / 2, "the reference did not overflow"
-        assert spanned.scaler.get_scale() == ref_scaler.get_scale(), f"step {step}: scale"
-        for name, p in reference.named_parameters():
-            mine = dict(spanned.module.named_parameters())[name].detach()
-            torch.testing.assert_close(mine, p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"fp16 step {step}: {name}: {m}")
+        _same_weights(spanned, reference, ref_scaler, f"fp16 step {step}")
+    # an uneven epoch end: rank 0 trains two more steps alone (the second overflows), rank 1 shadows them
+    for step, scale in ((4, 1.0), (5, 1e5)):
+        x, y = torch.randn(3, 5, generator=g), torch.randn(3, 4, generator=g) * scale
+        if rank == 0:
+            opt.zero_grad()
+            spanned.train_step(x, y, nn.functional.mse_loss)
+            opt.step()
+        ref_opt.zero_grad()
+        _chunk_reference(reference, torch.cat([x, x[:0]]), y, [[slice(0, 2), slice(2, 3)]], torch.float16, ref_scaler)
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+    assert spanned.join(opt) == (0 if rank == 0 else 2)
+    _same_weights(spanned, reference, ref_scaler, "fp16 after join")
+
+
+def _same_weights(spanned: torchspan.Spanned, reference: nn.Module, ref_scaler, label: str) -> None:  # type: ignore[no-untyped-def]
+    assert spanned.scaler.get_scale() == ref_scaler.get_scale(), f"{label}: scale"
+    for name, p in reference.named_parameters():
+        mine = dict(spanned.module.named_parameters())[name].detach()
+        torch.testing.assert_close(mine, p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{label}: {name}: {m}")
 
 
 CASES = (_microbatch_cases, _recompute_cases, _gpt2_case, _bf16_case, _fp16_case)

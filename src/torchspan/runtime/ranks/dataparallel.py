@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ...layers import model_layers
 from ...schedule import PRECISIONS, RECOMPUTE_MODES
+from ..fp16 import SpanScaler
 from ..layercall import LayerCalls, autocast_for, recomputes
 from ..lossweights import LossSpec, describe_loss, loss_spec, weighted_loss
 from ..microbatch import batch_size, call_args, split_value
@@ -132,7 +133,11 @@ class DataParallelReplica:
     ``nn.SyncBatchNorm.convert_sync_batchnorm``, or accept that with ``per_shard_batchnorm=True``).
     ``bucket_cap_mb`` / ``find_unused_parameters`` are passed to
     ``DistributedDataParallel``; ``sync_buffers`` (default True) copies rank 0's buffers (e.g.
-    BatchNorm statistics) to every rank before each forward. Requires ``init_distributed()`` first.
+    BatchNorm statistics) to every rank before each forward. ``precision`` (``"32"``, ``"bf16"``,
+    ``"fp16"``) autocasts each chunk's forward and loss on ``device``; fp16 needs ``scaler`` (a
+    ``GradScaler``; every rank reads the same all-reduced gradients, so every rank skips alike).
+    ``recompute`` (``"never"``, ``"except_last"``, ``"always"``) reruns each layer's forward in backward
+    (``runtime.layercall``). Requires ``init_distributed()`` first.
     """
 
     def __init__(
@@ -315,10 +320,20 @@ class DataParallelReplica:
             chunk, target, loss_fn = self._template
             if optimizer is not None:
                 optimizer.zero_grad()
-            self._run([chunk], [target], loss_fn, lambda i: 0.0)
-            if optimizer is not None:
+            with self._unscaled():  # fp16: the same unscaled gradients, and skip, as the ranks still training
+                self._run([chunk], [target], loss_fn, lambda i: 0.0)
+            if optimizer is not None and self.scaler is not None and not isinstance(self.scaler, SpanScaler):
+                self.scaler.step(optimizer)  # a bare replica's own GradScaler steps as the other ranks' loop does
+                self.scaler.update()
+            elif optimizer is not None:
                 optimizer.step()
             shadowed += 1
+
+    def _unscaled(self) -> contextlib.AbstractContextManager[None]:
+        """Around a step ``Spanned.train_step`` does not wrap (``join``'s): a ``SpanScaler`` unscales its gradients."""
+        if isinstance(self.scaler, SpanScaler):
+            return self.scaler.finishing([p for p in self.module.parameters() if p.requires_grad])
+        return contextlib.nullcontext()
 
     def _stats(self, norm: float, size: int, active: bool) -> torch.Tensor:
         """(normalizer, rows, active ranks) of this rank, all-reduced as the first collective of every step."""
