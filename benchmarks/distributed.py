@@ -22,6 +22,9 @@ Usage::
     python benchmarks/distributed.py --pipeline --steps 30 --batch-check-cost   # + the same-batch check's cost per step
     python benchmarks/distributed.py --hybrid --steps 20        # torchspan 2x2 vs DDP x4
     python benchmarks/distributed.py --pipeline --help          # the pipeline flags
+    python benchmarks/distributed.py --quick                    # tiny, 2 rounds of 1 step (torchspan bench --quick)
+
+Prints ``RATIO distributed/<variant>_vs_raw_ddp <median of per-round ratios> <goal> ...`` lines for ``torchspan bench``.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 import torchspan
 from torchspan.runtime.ranks import DataParallelReplica, free_port, init_distributed
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _quick import add_quick  # noqa: E402  (benchmarks/_quick.py, beside this script)
 
 VARIANTS = ("raw DDP", "span", "replica")
 
@@ -140,6 +146,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=12, help="rounds; each times every variant, order rotating")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="intra-op threads per process")
+    add_quick(p, None, hidden=64, layers=1, batch=8, steps=1, rounds=2, warmup=1)
     opts = p.parse_args()
     if opts.backend == "nccl" and opts.nproc > torch.cuda.device_count():
         sys.exit(f"--nproc {opts.nproc} > {torch.cuda.device_count()} visible GPUs")
@@ -159,6 +166,8 @@ def main() -> None:
         paired = statistics.median(t / r for t, r in zip(res[name], res["raw DDP"]))
         goal = "; goal <= 1.03" if name == "span" else ""
         print(f"  ratio {name} / raw DDP: {ratio:.3f} (median of per-round ratios {paired:.3f}{goal})")
+        print(f"RATIO distributed/{name}_vs_raw_ddp {paired:.3f} {'<=1.03' if name == 'span' else '-'} raw DistributedDataParallel, "
+              f"{opts.nproc} x {res['backend']}")
 
 if __name__ == "__main__":
     main()

@@ -18,6 +18,7 @@ machine with few cores the processes share them: say so (and the load average) n
 
 Usage: ``python benchmarks/distributed_pipeline.py [--steps 20] [--only pipeline|hybrid]``, or the same
 through ``python benchmarks/distributed.py --pipeline`` / ``--hybrid`` (flags below pass through).
+``--quick`` (``torchspan bench --quick``): tiny sizes, 2 rounds; each ratio also as a ``RATIO`` line.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import torchspan  # noqa: E402
 from torchspan.schedule import SCHEDULES  # noqa: E402
 from torchspan.runtime.ranks import free_port, init_distributed  # noqa: E402
+from _quick import add_quick  # noqa: E402  (benchmarks/_quick.py, beside this script)
 
 
 def _model(width: int, depth: int) -> nn.Sequential:
@@ -120,7 +122,7 @@ def _pipeline(rank: int, world: int, port: int, args: argparse.Namespace, out: s
     steps = {name: step_ours(spanned) for name, spanned in ours.items()}
     times = _rounds({**steps, "torch": step_theirs}, args)
     if rank == 0:
-        _report(out, "pipeline 2 ranks (torch: Schedule1F1B)", times, [k for k in steps if "unchecked" not in k], "torch")
+        _report(out, "pipeline 2 ranks (torch: Schedule1F1B)", times, [k for k in steps if "unchecked" not in k], "torch", "pipeline_2ranks <=0.9")
         if args.batch_check_cost:
             with open(out, "a") as f:
                 f.write(_check_cost(times, spent, args.schedule))
@@ -200,10 +202,11 @@ def _hybrid(rank: int, world: int, port: int, args: argparse.Namespace, out: str
 
     times = _rounds({"torchspan 2x2": step_ours, "DDP x4": step_ddp}, args)
     if rank == 0:
-        _report(out, "hybrid 2 stages x 2 replicas vs DDP on 4 processes", times, ["torchspan 2x2"], "DDP x4")
+        _report(out, "hybrid 2 stages x 2 replicas vs DDP on 4 processes", times, ["torchspan 2x2"], "DDP x4", "hybrid_2x2 -")
 
 
-def _report(out: str, title: str, times: dict[str, list[float]], ours: list[str], anchor: str) -> None:
+def _report(out: str, title: str, times: dict[str, list[float]], ours: list[str], anchor: str, ratio: str) -> None:
+    """Medians and ratios to ``anchor`` into ``out``; ``ratio`` ("<key> <goal>") names the ``RATIO`` lines (median of per-round ratios)."""
     med = {k: statistics.median(v) for k, v in times.items()}
     lines = [f"{title}:"]
     lines += [f"  {k:20s} median {v * 1e3:8.2f} ms/step over {len(times[k])} rounds" for k, v in med.items()]
@@ -211,6 +214,9 @@ def _report(out: str, title: str, times: dict[str, list[float]], ours: list[str]
         per_round = [a / b for a, b in zip(times[name], times[anchor])]
         lines.append(f"  ratio {name} / {anchor} = {med[name] / med[anchor]:.3f} (medians); median of per-round ratios {statistics.median(per_round):.3f}")
         lines.append("    per-round ratios: " + " ".join(f"{r:.2f}" for r in per_round))
+    key, goal = ratio.split()
+    lines += [f"RATIO {key}/{n.replace(' ', '_')}_vs_{anchor.replace(' ', '_')} {statistics.median(a / b for a, b in zip(times[n], times[anchor])):.3f} "
+              f"{goal} {title}" for n in ours]  # fmt: skip
     Path(out).write_text("\n".join(lines) + "\n")
 
 
@@ -233,7 +239,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    add_quick(p, argv, steps=2, warmup=1, width=32, depth=2, batch=8, microbatches=2)
+    args = p.parse_args(argv)
     only = ["pipeline"] if args.skip_hybrid else list(args.only)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores shared by all processes (gloo on 127.0.0.1)")
     print("load average (1, 5, 15 min) before: " + ", ".join(f"{v:.2f}" for v in os.getloadavg()))

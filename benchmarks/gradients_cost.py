@@ -19,6 +19,9 @@ Usage::
 
     python benchmarks/gradients_cost.py                 # local: step, clip, fp16
     python benchmarks/gradients_cost.py --ranks         # 2 gloo ranks
+    python benchmarks/gradients_cost.py --quick         # tiny, 2 rounds (torchspan bench --quick)
+
+Prints ``RATIO gradients_cost/... <ratio> - ...`` lines for ``torchspan bench``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -33,6 +37,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import torchspan
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _quick import add_quick  # noqa: E402  (benchmarks/_quick.py, beside this script)
 
 
 class Block(nn.Module):
@@ -100,6 +107,9 @@ def _local(args: argparse.Namespace) -> None:
         print(f"  {k:28s} {statistics.median(v) * 1e3:9.3f} ms")
     on, off = statistics.median(times["step (check on)"]), statistics.median(times["step (check off)"])
     print(f"  check on / off: {on / off:.4f}; clip / step: {statistics.median(times['spanned.clip_grad_norm_']) / on:.4f}")
+    ours_clip, torch_clip = statistics.median(times["spanned.clip_grad_norm_"]), statistics.median(times["torch clip_grad_norm_"])
+    print(f"RATIO gradients_cost/step_check_on_vs_off {on / off:.3f} - the same step with the non-finite loss check off")
+    print(f"RATIO gradients_cost/spanned_clip_vs_torch_clip {ours_clip / torch_clip:.3f} - torch.nn.utils.clip_grad_norm_ on the same parameters")
 
 
 def _fp16(args: argparse.Namespace) -> None:
@@ -146,6 +156,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     if rank == 0:
         s, c = statistics.median(steps), statistics.median(clips)
         print(f"2 gloo ranks, 2-stage pipeline: step {s * 1e3:.3f} ms, spanned.clip_grad_norm_ {c * 1e3:.3f} ms ({c / s:.4f} of a step)")
+        print(f"RATIO gradients_cost/ranks_clip_vs_step {c / s:.4f} - one train step of the 2-rank pipeline")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
@@ -160,6 +171,7 @@ def main() -> None:
     parser.add_argument("--only", choices=["local", "fp16"], default=None)
     parser.add_argument("--fp16-loop", choices=["new", "old"], default="new")
     parser.add_argument("--ranks", action="store_true")
+    add_quick(parser, None, steps=2, width=32, depth=2, batch=4, tokens=8)
     args = parser.parse_args()
     if args.ranks:
         from torchspan.runtime.ranks import free_port

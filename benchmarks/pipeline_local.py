@@ -111,9 +111,11 @@ def measure(cases: dict[str, Callable[[torch.Tensor, torch.Tensor], None]], roun
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="fewer rounds")
+    p.add_argument("--quick", action="store_true", help="fewer rounds, batch 64 of width 256 (a smoke run for torchspan bench --quick)")
     p.add_argument("--rounds", type=int, default=None)
     args = p.parse_args(argv)
+    if args.quick:
+        globals().update(BATCH=64, WIDTH=256)  # the step functions read these at call time
     rounds = args.rounds or (3 if args.quick else 15)
     per_round = 1 if args.quick else 2
 
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     t = measure(cases, rounds, per_round)
     load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"1-minute load average: {load0:.2f} before, {load1:.2f} after (above the core count means a noisy run)")
-    print(f"\nstep time, median of {rounds} rounds x {per_round} steps (batch {BATCH}, {CHUNKS} micro-batches):")
+    print(f"\nstep time, median of {rounds} rounds x {per_round} steps (batch {BATCH}, width {WIDTH}, {CHUNKS} micro-batches):")
     for name, sec in t.items():
         print(f"  {name:32s} {sec * 1e3:8.1f} ms")
     print()

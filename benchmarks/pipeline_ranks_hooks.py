@@ -36,7 +36,7 @@ medians; absolute times drift on a shared machine, so the ratios are what to rea
 
 Usage: ``python benchmarks/pipeline_ranks_hooks.py [--steps 20] [--rounds 3] [--skip-hf] [--hf-steps 6]
 [--profile-steps 10] [--hf-profile-steps 3] [--no-profile-hf] [--profile-rank 0]`` (defaults: about 2-3 minutes
-on 2 cores).
+on 2 cores); ``--quick``: tiny, few steps; ``--profile-steps 0``: no profile. Ratios also as ``RATIO`` lines (torchspan bench).
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torchspan  # noqa: E402
 from torchspan.runtime.ranks import free_port, init_distributed  # noqa: E402
+from _quick import add_quick  # noqa: E402  (benchmarks/_quick.py, beside this script)
 
 
 # ---------------------------------------------------------------------- models
@@ -128,17 +129,19 @@ def _short(name: str) -> str:
     return name.split()[0]
 
 
-def _table(title: str, times: dict[str, list[list[float]]], ratios: list[tuple[str, str]]) -> list[str]:
-    """Per-variant medians over all steps, and each ratio overall and per round (its spread)."""
+def _table(title: str, times: dict[str, list[list[float]]], ratios: list[tuple[str, str]], key: str) -> list[str]:
+    """Per-variant medians over all steps, and each ratio overall and per round (its spread); ``RATIO`` lines under ``key``."""
     lines = [f"{title}:"]
     med = {k: statistics.median([t for r in v for t in r]) for k, v in times.items()}
     for k, v in times.items():
         steps = sum(len(r) for r in v)
         per_round = ", ".join(f"{statistics.median(r) * 1e3:.1f}" for r in v)
         lines.append(f"  {k:34s} median {med[k] * 1e3:8.2f} ms/step over {steps} steps (per round: {per_round})")
+    slug = {"(a)": "sequential", "(b)": "own_forward", "(c)": "torch_1f1b", "plain 2 thr": "plain_2thr", "plain 1 thr": "plain_1thr"}
     for num, den in ratios:
         rounds = ", ".join(f"{statistics.median(a) / statistics.median(b):.3f}" for a, b in zip(times[num], times[den]))
         lines.append(f"  ratio {_short(num)} / {_short(den)} = {med[num] / med[den]:.3f} (per round: {rounds})")
+        lines.append(f"RATIO pipeline_ranks_hooks/{key}/{slug.get(_short(num), 'torchspan')}_vs_{slug[_short(den)]} {med[num] / med[den]:.3f} - {den}")
     return lines
 
 
@@ -195,6 +198,8 @@ class _MetaClock:
 def _profile(rank: int, args: argparse.Namespace, n: int, step: Callable[[], Any], spanned: Any, title: str) -> list[str]:
     """cProfile ``n`` steps of ``step`` on ``args.profile_rank``; the other rank runs them unprofiled."""
     lines: list[str] = []
+    if n < 1:  # --profile-steps 0: nothing to profile (every rank returns: no barrier is left waiting)
+        return lines
     if rank == args.profile_rank:
         prof = cProfile.Profile()
         dist.barrier()
@@ -345,7 +350,7 @@ def _mlp_section(rank: int, world: int, args: argparse.Namespace) -> tuple[list[
         f"1. same blocks three ways: {d} x (Linear({w}, {w}) + ReLU), batch {args.batch}, {m} micro-batches, 1F1B, "
         "2 ranks x 1 thread"
     )
-    lines += _table(title, times, [(names[0], names[1]), (names[0], names[2]), (names[1], names[2])])
+    lines += _table(title, times, [(names[0], names[1]), (names[0], names[2]), (names[1], names[2])], "mlp")
     return lines, _profile(rank, args, args.profile_steps, step_b, hooked, "3. profile of (b)")
 
 
@@ -431,7 +436,7 @@ def _hf_section(rank: int, world: int, args: argparse.Namespace) -> tuple[list[s
         f"{args.intermediate}, vocab {args.vocab}, tied, float32), batch {args.hf_batch} x seq {args.seq}, "
         f"{args.microbatches} micro-batches, 1F1B"
     )
-    lines += _table(title, times, [(names[0], names[1]), (names[0], names[2]), (names[1], names[2])])
+    lines += _table(title, times, [(names[0], names[1]), (names[0], names[2]), (names[1], names[2])], "decoder")
     steps = 2 * (args.rounds * args.hf_steps + 1)
     lines.append(f"  rank 1's own CPU time while waiting at the barrier over all {steps} plain steps: {cpu_box[1] * 1e3:.1f} ms")
     if args.no_profile_hf:
@@ -463,24 +468,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round of each MLP variant")
     parser.add_argument("--rounds", type=int, default=3, help="rounds (each with its own medians, to show the spread)")
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--depth", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--microbatches", type=int, default=4)
+    for name, default in (("--width", 512), ("--depth", 8), ("--batch", 64), ("--microbatches", 4)):
+        parser.add_argument(name, type=int, default=default)
     parser.add_argument("--skip-hf", action="store_true", help="skip the transformers decoder")
     parser.add_argument("--hf-steps", type=int, default=6, help="timed steps per round of each decoder variant")
-    parser.add_argument("--hf-batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--intermediate", type=int, default=688)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=1000)
+    for name, default in (("--hf-batch", 8), ("--seq", 128), ("--hidden", 256), ("--intermediate", 688), ("--layers", 8),
+                          ("--heads", 4), ("--vocab", 1000)):
+        parser.add_argument(name, type=int, default=default)
     parser.add_argument("--profile-steps", type=int, default=10)
     parser.add_argument("--profile-rank", type=int, default=0, choices=[0, 1])
     parser.add_argument("--hf-profile-steps", type=int, default=3)
     parser.add_argument("--no-profile-hf", action="store_true", help="do not profile the decoder pipeline")
     parser.add_argument("--top", type=int, default=15)
+    add_quick(parser, argv, steps=2, rounds=1, width=32, depth=2, batch=8, microbatches=2, hf_steps=1, hf_batch=2, seq=16,
+              hidden=32, intermediate=64, layers=2, heads=2, vocab=64, profile_steps=1, hf_profile_steps=1, top=5)  # fmt: skip
     args = parser.parse_args(argv)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores shared by both processes (gloo on 127.0.0.1)")
     print("load average (1, 5, 15 min) before: " + ", ".join(f"{v:.2f}" for v in os.getloadavg()))

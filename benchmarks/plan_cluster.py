@@ -18,6 +18,9 @@ Usage::
 
     python benchmarks/plan_cluster.py                 # default sizes and repeats
     python benchmarks/plan_cluster.py --repeats 20 --batch 64 --widths 512,2048
+    python benchmarks/plan_cluster.py --quick         # 2 processes, 3 sizes, width 64, 2 repeats (torchspan bench --quick)
+
+Also prints ``RATIO plan_cluster/... <predicted / measured> - ...`` lines (read by ``torchspan bench``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+from _quick import add_quick  # benchmarks/_quick.py, beside this script
 
 SIZES = [4 * 1024, 64 * 1024, 1024**2, 4 * 1024**2, 16 * 1024**2]
 
@@ -148,12 +153,15 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--widths", default="512,2048", help="MLP widths of the data-parallel step, comma-separated")
+    add_quick(ap, None, repeats=2, warmup=1, batch=16, widths="64")  # and 2 processes only, sizes up to 1 MiB
     opts = ap.parse_args()
+    procs = (2,) if opts.quick else (2, 4)
+    sizes = SIZES[:3] if opts.quick else SIZES
     torch.set_num_threads(1)
-    args = {"sizes": SIZES, "warmup": opts.warmup, "repeats": opts.repeats, "batch": opts.batch}
+    args = {"sizes": sizes, "warmup": opts.warmup, "repeats": opts.repeats, "batch": opts.batch}
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU(s), load average {os.getloadavg()[0]:.2f}")
 
-    measured = {n: run(n, "allreduce", args) for n in (2, 4)}
+    measured = {n: run(n, "allreduce", args) for n in procs}
     bw, lat = fit(measured[2])
     table = links.lookup("loopback")
     fitted = links.calibrated(table, bw, lat, "this run")
@@ -161,8 +169,8 @@ def main() -> None:
           f"(links.py table: {table.bandwidth / 1e9:.3f} GB/s x {table.efficiency:g}, {table.latency * 1e6:.1f} us)")  # fmt: skip
     print("\n| processes | bytes | measured ms | predicted ms (table) | pred/meas | predicted ms (this run's fit) | pred/meas |")
     print("|---|---|---|---|---|---|---|")
-    for n in (2, 4):
-        for size in SIZES:
+    for n in procs:
+        for size in sizes:
             m = measured[n][size]
             p_table, p_fit = allreduce_time(size, n, table), allreduce_time(size, n, fitted)
             print(f"| {n} | {size:,} | {m * 1e3:.3f} | {p_table * 1e3:.3f} | {_err(p_table, m)} | {p_fit * 1e3:.3f} | {_err(p_fit, m)} |")
@@ -170,7 +178,7 @@ def main() -> None:
     rows = []
     for width in [int(w) for w in opts.widths.split(",")]:
         x = torch.randn(opts.batch, width)
-        for n in (2, 4):
+        for n in procs:
             meas, alone = run(n, "ddp", {**args, "width": width})
             pl = plan(mlp(width), x, devices="cpu", nodes=n, interconnect="loopback", data_parallel=n,
                       microbatches=1, recompute="never", optimizer="sgd")  # fmt: skip
@@ -196,6 +204,12 @@ def main() -> None:
         print(f"| {width} | {n} | {alone * 1e3:.2f} | {wait * 1e3:.2f} | {t['allreduce_total'] * 1e3:.2f} | "
               f"{_err(t['allreduce_total'], wait)} | {t['allreduce'] * 1e3:.2f} | {_err(t['allreduce'], wait)} |")  # fmt: skip
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
+    for n in procs:  # for torchspan bench: the comm model's all-reduce (links.py's loopback row) over gloo's, median over sizes
+        ratio = statistics.median(allreduce_time(size, n, table) / measured[n][size] for size in sizes)
+        print(f"RATIO plan_cluster/allreduce_{n}proc/predicted_vs_measured {ratio:.3f} - gloo all_reduce on 127.0.0.1, median over {len(sizes)} sizes")
+    for width, n, meas, _, pl in rows:
+        print(f"RATIO plan_cluster/ddp_width{width}_{n}proc/predicted_vs_measured {(pl.predicted_step_time or 0.0) / meas:.3f} - "
+              "DDP forward+backward measured (plan: compute + exposed all-reduce)")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,9 @@ Usage::
 
     python benchmarks/real_models.py                      # GPT-2, 8 blocks, d=256, batch 16 x 64 tokens, 1 thread
     python benchmarks/real_models.py --layers 4 --rounds 3 --devices cuda:0,cuda:1,cpu,cpu
+    python benchmarks/real_models.py --quick              # tiny GPT-2 on cpu,cpu, one round (torchspan bench --quick)
+
+Prints ``RATIO real_models/<approach>/one_device <step time ratio> - ...`` lines for ``torchspan bench``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch
 from torch import nn
 
 import torchspan
+from _quick import add_quick  # benchmarks/_quick.py, beside this script
 from torchspan.parity import grad_differences
 from torchspan.runtime.executor import Settings
 from torchspan.runtime.local.serial import SerialExecutor
@@ -129,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per approach per round")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
+    add_quick(ap, argv, layers=2, embd=32, heads=2, vocab=64, seq=16, batch=4, microbatches=2, devices="cpu,cpu", rounds=1, steps=1)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -150,6 +155,10 @@ def main(argv: list[str] | None = None) -> None:
     for name, ts in times.items():
         t = statistics.median(ts)
         print(f"{name:40s} {t * 1e3:16.1f} {t / ref_time:13.2f}x")
+    for name, ts in times.items():  # for torchspan bench: overhead over one device (the stages share this machine's cores)
+        if name != "one device":
+            slug = name.split(" (")[0].replace(", ", "_").replace(" ", "_").replace("=", "_")
+            print(f"RATIO real_models/{slug}/one_device {statistics.median(ts) / ref_time:.3f} - one device, plain GPT-2 {args.layers} blocks on {args.devices}")
     ref = runs["one device"][0]
     _step(ref, runs["one device"][1], ids)
     print("\ntrains every parameter? (one step from the same weights, gradients against one device)")

@@ -125,3 +125,34 @@ def test_a_comparison_skipped_for_a_missing_anchor_is_shown(tmp_path: Path, caps
     assert "a/torchgpipe" in out and "skipped" in out and "torchgpipe is not installed" in out
     assert main(["bench", "--quick", "--dir", str(d), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["results"][0]["skipped"] == {"a/torchgpipe": "torchgpipe is not installed"}
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_every_benchmark_script_takes_quick() -> None:
+    # issue 19: five scripts rejected --quick (argparse: unrecognized arguments) and `torchspan bench --quick` exited 1
+    missing = [p.name for p in bench.find_scripts(BENCHMARKS) if "add_quick(" not in p.read_text() and '"--quick"' not in p.read_text()]
+    assert missing == []
+
+
+@pytest.mark.slow
+def test_bench_quick_runs_every_benchmark_for_real(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every script in benchmarks/ in its --quick form, as a new user runs it: exit 0, ratios from each (about 2 minutes
+    on 2 shared cores)."""
+    rc = main(["bench", "--quick", "--json", "--dir", str(BENCHMARKS), "--timeout", "300"])
+    data = json.loads(capsys.readouterr().out)
+    failed = {r["script"]: f"exit {r['returncode']}: {r['tail']}" for r in data["results"] if not r["ok"]}
+    assert failed == {} and rc == 0
+    assert [r["script"] for r in data["results"]] == [p.stem for p in bench.find_scripts(BENCHMARKS)]
+
+
+@pytest.mark.slow
+def test_pipeline_ranks_hooks_profiles_nothing_with_zero_profile_steps() -> None:
+    # issue 19: --profile-steps 0 died with ZeroDivisionError after the timed rounds
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "pipeline_ranks_hooks.py"), "--quick", "--skip-hf", "--profile-steps", "0"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "RATIO pipeline_ranks_hooks/mlp/" in proc.stdout and "profile of (b)" not in proc.stdout

@@ -194,7 +194,10 @@ def _fmt_value(value: float) -> str:
 
 def render(results: Sequence[ScriptResult], machine: str, quick: bool) -> Table:
     """The ratio table: one row per ratio, or per script that gave none."""
-    table = Table(title=f"torchspan bench{' --quick' if quick else ''}", caption=f"machine: {machine}", caption_justify="left")
+    caption = f"machine: {machine}"
+    if quick:  # a new user must not read a smoke run's figures as the benchmarks' results
+        caption += "\n--quick: tiny sizes and the fewest steps, to show that every benchmark runs; its figures are not measurements (run without --quick for those)"
+    table = Table(title=f"torchspan bench{' --quick' if quick else ''}", caption=caption, caption_justify="left")
     for col, justify in (("benchmark", "left"), ("ratio", "left"), ("value", "right"), ("goal", "right"), ("met", "center"), ("anchor", "left"), ("s", "right")):
         # Ratio names are identifiers people grep for: fold them rather than cut them short.
         table.add_column(col, justify=justify, overflow="fold" if col == "ratio" else "ellipsis", no_wrap=col in ("value", "goal", "met", "s"))  # type: ignore[arg-type]
