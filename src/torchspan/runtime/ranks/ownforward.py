@@ -9,7 +9,10 @@ on its own stage, which describes its outputs' shapes to the other ranks once pe
 (``metacalls.Described``); a failure there raises on every rank of the pipeline. When a layer of this rank
 needs an argument another stage computed, that stage sends it at the same call
 (``routes``: found the first time a forward takes a path, by comparing what each rank sees,
-then replayed and checked); gradients of what crossed travel back in backward. Tied parameters,
+then replayed and checked); gradients of what crossed travel back in backward. A value the glue
+combined from several stages (``inputs_embeds + position_embeds`` across a cut right after the token
+embedding, a skip connection across a cut) is rebuilt on the stage that needs it: it receives the
+operands it lacks and replays the glue ops (``glue``). Tied parameters,
 data-parallel replicas, the loss normalizer and gradient reductions are the ``RankStage`` it
 holds, as for stage functions; the layers and their recording forward are ``OwnForwardLayers``'.
 
@@ -35,11 +38,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ... import schedule as sched
 from ...hardware import to_device
 from ...layers import buffer_slots
+from ...layers.reuse import balance_advice
 from ..executor import Executor, Settings, Work
 from ..layercall import autocast_for, recomputes, run_layer
 from ..local.placed import OwnForwardLayers
@@ -50,62 +54,24 @@ from ..placement import place
 from ..record import Recorder
 from .env import RankInfo
 from .mesh import Mesh
+from .forwardstate import Forward, LayerCall, Path, real_arguments, sent_tensor
 from .metacalls import Described, MetaCalls, shape_key
 from .p2p import RankTransport
-from .routes import GRAD, META, REAL, CallRoute, DivergedError, Seen, route_call
+from .routes import META, CallRoute, DivergedError, Seen, resolve_rebuilds, route_call
 from .stage import RankStage
-from .taint import MetaTaint, check_unchanged, container_sizes, meta_like, to_meta
+from .taint import MetaTaint, check_unchanged, container_sizes, is_meta, meta_like, to_meta
 
 __all__ = ["RankOwnForwardExecutor"]
-
-
-class _Forward:
-    """One micro-batch's forward on this rank: where it is, what crossed, what backward needs."""
-
-    def __init__(self, mb: int, grad: bool, node: _Path, metering: bool = False, recompute: bool = False) -> None:
-        self.mb, self.grad, self.node = mb, grad, node
-        self.metering, self.recompute = metering, recompute
-        self.call = 0
-        self.at: dict[int, tuple[int, int]] = {}  # id(meta placeholder) -> (call, leaf) where it was received
-        self.value: dict[tuple[int, int], torch.Tensor] = {}  # (call, leaf) -> the received tensor
-        self.placeholders: list[torch.Tensor] = []  # kept alive: their ids stay unique for this forward
-        self.sent: list[tuple[torch.Tensor, int]] = []  # (sent tensor whose gradient comes back, its stage)
-        self.inbound: list[tuple[torch.Tensor, int]] = []  # (received leaf needing a gradient, its source stage)
-        self.loss: torch.Tensor | None = None
-
-
-class _Path:
-    """The routes of the forwards seen so far, as a tree: a call's signature (layer, pytree leaves,
-    which are tensors) leads to its route and to the next call. Every rank runs the same Python on
-    the same real values (another stage's values cannot steer it: they are meta), so every rank
-    meets a new branch at the same call of the same micro-batch and records it together."""
-
-    __slots__ = ("next",)
-
-    def __init__(self) -> None:
-        self.next: dict[tuple[Any, ...], tuple[CallRoute, _Path]] = {}
 
 
 _NOT_RUN: Any = object()  # a meta call not run (yet)
 
 
-class _LayerCall:
-    """One call of a layer inside the forward: its flattened arguments and its place on the path."""
+class _Missing:
+    """An output the last stage holds as ``meta`` (shape and dtype only), filled from an earlier stage."""
 
-    __slots__ = ("name", "stage", "fn", "args", "kwargs", "leaves", "spec", "where", "tensors", "k", "signature", "place")
-
-    def __init__(self, st: _Forward, name: str, stage: int, fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
-        self.name, self.stage, self.fn, self.args, self.kwargs = name, stage, fn, args, kwargs
-        self.leaves, self.spec = tree_flatten((args, kwargs))
-        self.where = [i for i, v in enumerate(self.leaves) if isinstance(v, torch.Tensor)]
-        self.tensors: list[torch.Tensor] = [self.leaves[i] for i in self.where]
-        self.k = st.call
-        st.call += 1
-        self.signature = (name, len(self.leaves), tuple(self.where))
-        self.place = (id(st.node), self.signature)  # where on the path tree: the same on every rank
-
-    def codes(self, grad: bool) -> tuple[int, ...]:
-        return tuple(META if t.is_meta else GRAD if grad and t.requires_grad else REAL for t in self.tensors)
+    def __init__(self, t: torch.Tensor) -> None:
+        self.shape, self.dtype = tuple(t.shape), t.dtype
 
 
 def _guarded(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -144,8 +110,8 @@ class RankOwnForwardExecutor(Executor):
         self.shards_batch = mesh.replicas > 1  # each pipeline trains one shard of the global batch
         self.own = OwnForwardLayers(model, self.devices, self.groups, **options)
         self._placed = False
-        self._paths = {True: _Path(), False: _Path()}  # training forwards, no-grad forwards
-        self._fwd: _Forward | None = None
+        self._paths = {True: Path(), False: Path()}  # training forwards, no-grad forwards
+        self._fwd: Forward | None = None
         self._transport = RankTransport(mesh, info.rank, info.device, self.ranks.comm)  # raw tensors, tags "own-fwd"/"own-bwd"
         self._swaps: dict[str, list[tuple[nn.Module, str, str, Any, Any]]] = {}
         self._steps = MeteredSteps(meter)  # which training steps count saved activations (micro-batch shapes)
@@ -172,6 +138,7 @@ class RankOwnForwardExecutor(Executor):
         if self._placed:
             return
         self.groups, root_attrs = self.own.record(work, self.devices, self.groups)
+        self._check_last_stage()
         self.root_attrs = dict(root_attrs)
         keep = self.ranks.find_ties(self.layers, self.groups)
         mine_roots = [q for q, s in root_attrs.items() if s == self.stage]
@@ -192,6 +159,19 @@ class RankOwnForwardExecutor(Executor):
         self.ranks.start()
         self._described.group = self.ranks.pipe_group  # made by start() when there are replicas
         self._placed = True
+
+    def _check_last_stage(self) -> None:
+        """The loss is taken on the last stage: it must hold a layer the forward runs (every rank checks alike)."""
+        ran = [layer.name for layer in self.own.layer_set if layer.ran]
+        last = self.groups[-1]
+        if not ran or any(name in ran for name in last):
+            return
+        order = [n for g in self.groups for n in g]
+        fix = balance_advice(len(order), [(order.index(ran[-1]), len(order) - 1)], [len(g) for g in self.groups])
+        raise ValueError(
+            f"torchspan: the last pipeline stage holds only layers the model's forward does not call ({', '.join(map(repr, last))}), "
+            f"so the model's outputs come from earlier stages while the loss is taken on the last one; use {fix}"
+        )
 
     def _tied_swaps(self) -> dict[str, list[tuple[nn.Module, str, str, Any, Any]]]:
         """For each other stage's layer, the tied tensors it holds real here, with their meta stand-ins."""
@@ -245,8 +225,8 @@ class RankOwnForwardExecutor(Executor):
         return call
 
     # ------------------------------------------------------------------ one layer call
-    def _call(self, st: _Forward, name: str, stage: int, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        c = _LayerCall(st, name, stage, fn, args, kwargs)
+    def _call(self, st: Forward, name: str, stage: int, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        c = LayerCall(st, name, stage, fn, args, kwargs)
         local = stage == self.stage
         recording = c.signature not in st.node.next  # a new branch: every rank of the pipeline is here too
         ran, failed = _NOT_RUN, None
@@ -255,7 +235,7 @@ class RankOwnForwardExecutor(Executor):
         route = self._route(st, c, failed)
         for tr in route.transfers:
             if tr.src == self.stage:
-                sent = c.tensors[tr.leaf]
+                sent = sent_tensor(st, c, tr.leaf, tr.path)
                 if tr.dtype is not None and sent.dtype != tr.dtype:
                     raise DivergedError(f"torchspan: layer {name!r}'s argument {tr.leaf} is {sent.dtype} now, {tr.dtype} when recorded")
                 self._isend(sent, tr.dst, "own-fwd")
@@ -265,11 +245,12 @@ class RankOwnForwardExecutor(Executor):
             if route.described:  # it failed on meta somewhere: shapes as its owner describes them
                 meta = [meta_like(v) if isinstance(v, torch.Tensor) else v for v in c.leaves]
                 key = shape_key(c.place, self.layers[name], meta)
-                return self._described.outputs(name, stage, key, [t for t in meta if isinstance(t, torch.Tensor)], route.failures)
-            return ran if ran is not _NOT_RUN else self._meta_run(c)
-        return self._run_here(st, c, route, recording)
+                inputs = [t for t in meta if isinstance(t, torch.Tensor)]
+                return st.made(name, self._described.outputs(name, stage, key, inputs, route.failures))
+            return st.made(name, ran if ran is not _NOT_RUN else self._meta_run(c))
+        return st.made(name, self._run_here(st, c, route, recording))
 
-    def _route(self, st: _Forward, c: _LayerCall, failed: str | None) -> CallRoute:
+    def _route(self, st: Forward, c: LayerCall, failed: str | None) -> CallRoute:
         """This call's route: recorded with every rank of the pipeline on a new branch, else checked; ``st`` moves on."""
         known = st.node.next.get(c.signature)
         codes = c.codes(st.grad)
@@ -279,14 +260,31 @@ class RankOwnForwardExecutor(Executor):
             views: list[Any] = [None] * self.mesh.stages
             dtypes = tuple(t.dtype for t in c.tensors)
             dist.all_gather_object(views, Seen(c.name, codes, aliases, dtypes, failed), group=self.ranks.pipe_group)
-            known = (route_call(c.k, c.name, c.stage, views), _Path())
+            route = route_call(c.k, c.name, c.stage, views, pending=True)
+            if route.unresolved:  # values the glue combined from several stages: how each rank made them
+                trees = {i: st.recipes.tree(c.tensors[i], st.code, st.layer_of) for i in route.unresolved}
+                dist.all_gather_object(views, trees, group=self.ranks.pipe_group)
+                resolve_rebuilds(route, views, self._advice)
+            known = (route, Path())
             st.node.next[c.signature] = known
         else:
             known[0].check(self.stage, c.name, codes)
         route, st.node = known
         return route
 
-    def _try_meta(self, c: _LayerCall) -> tuple[Any, str | None]:
+    def _advice(self, layers: list[str]) -> str:
+        """Where the stages cut between ``layers``, whose outputs the model's code combines, and a balance keeping them together."""
+        stage_of, order = self.stage_of, [n for g in self.groups for n in g]
+        named = [n for n in layers if n in stage_of]
+        if len({stage_of[n] for n in named}) < 2:
+            return ""
+        first, last = min(stage_of[n] for n in named), max(stage_of[n] for n in named)
+        cuts = ", ".join(f"between {self.groups[s][-1]!r} and {self.groups[s + 1][0]!r}" for s in range(first, last))
+        together = [(min(order.index(n) for n in named), max(order.index(n) for n in named))]
+        fix = balance_advice(len(order), together, [len(g) for g in self.groups])
+        return f"The cut {cuts} separates them: use {fix}"
+
+    def _try_meta(self, c: LayerCall) -> tuple[Any, str | None]:
         """Another stage's layer on meta, the first time its call is reached: its outputs, or why it failed."""
         try:
             return self._meta_run(c), None
@@ -296,36 +294,15 @@ class RankOwnForwardExecutor(Executor):
                 return _NOT_RUN, text
             return _NOT_RUN, f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:300]
 
-    def _meta_run(self, c: _LayerCall) -> Any:
+    def _meta_run(self, c: LayerCall) -> Any:
         with torch.no_grad(), self._swapped(c.name):
             meta = [meta_like(v) if isinstance(v, torch.Tensor) else v for v in c.leaves]
             return self._meta_calls.run(c.place, self.layers[c.name], _guarded(c.fn, c.name), meta, c.spec)
 
-    def _run_here(self, st: _Forward, c: _LayerCall, route: CallRoute, recording: bool) -> Any:
+    def _run_here(self, st: Forward, c: LayerCall, route: CallRoute, recording: bool) -> Any:
         """This stage's layer: arguments other stages computed are received (or reused), then it runs for real."""
         leaves, where = c.leaves, c.where
-        replaced = False  # a leaf of the call had to be replaced: the layer gets rebuilt containers
-        for tr in route.transfers:
-            held = c.tensors[tr.leaf]
-            dtype = tr.dtype if tr.dtype is not None else held.dtype  # autocast on the sender: its dtype
-            got = self._recv(torch.empty(held.shape, dtype=dtype, device=self.device), tr.src, "own-fwd")
-            try:  # the glue's own variable becomes the value (a residual `h = block(h) + h` reads it again)
-                torch.utils.swap_tensors(held, got)
-                got = held
-            except RuntimeError:  # a placeholder with views: only this call's argument is replaced
-                replaced = True
-            if st.grad and tr.grad:
-                got.requires_grad_(True)
-                st.inbound.append((got, tr.src))
-            st.at[id(held)] = (c.k, tr.leaf)
-            st.placeholders.append(held)
-            st.value[(c.k, tr.leaf)] = got
-            leaves[where[tr.leaf]] = got
-        for r in route.reuses:
-            if st.at.get(id(c.tensors[r.leaf])) != (r.call, r.at):
-                raise DivergedError(f"torchspan: layer {c.name!r} no longer reads what call {r.call} received (argument {r.at})")
-            leaves[where[r.leaf]] = st.value[(r.call, r.at)]
-            replaced = True
+        replaced = real_arguments(st, c, route, lambda buf, src: self._recv(buf, src, "own-fwd"), self.device)
         real_args, real_kwargs = tree_unflatten(leaves, c.spec) if replaced else (c.args, c.kwargs)
         sizes = container_sizes((real_args, real_kwargs)) if replaced else []
         shared = []
@@ -353,13 +330,13 @@ class RankOwnForwardExecutor(Executor):
                 )
         return out
 
-    def _describe(self, c: _LayerCall, route: CallRoute, out: Any) -> None:
+    def _describe(self, c: LayerCall, route: CallRoute, out: Any) -> None:
         key = shape_key(c.place, self.layers[c.name], c.leaves)
         self._described.send(c.name, c.stage, key, [c.leaves[i] for i in c.where], out, route.failures)
 
     def _shared(self, route: CallRoute, leaf: int) -> bool:
         """Whether argument ``leaf`` of this call is held by another rank too (received, or computed there)."""
-        return any(t.leaf == leaf for t in route.transfers) or any(
+        return any(t.leaf == leaf and not t.path for t in route.transfers) or any(
             codes[leaf] != META for s, codes in enumerate(route.codes) if s != self.stage
         )
 
@@ -383,16 +360,17 @@ class RankOwnForwardExecutor(Executor):
         )
         return self._steps.wants(signature), signature
 
-    def _forward(self, work: Work, mb: int, grad: bool, metering: bool = False) -> tuple[Any, _Forward]:
+    def _forward(self, work: Work, mb: int, grad: bool, metering: bool = False) -> tuple[Any, Forward]:
         args, kwargs = to_device(work.chunks[mb], self.device)
         s = self.settings
-        st = _Forward(mb, grad, self._paths[grad], metering, grad and recomputes(s.recompute, mb, s.microbatches))
+        st = Forward(mb, grad, self._paths[grad], metering, grad and recomputes(s.recompute, mb, s.microbatches))
         self._fwd = st
         try:
-            with torch.set_grad_enabled(grad), MetaTaint(self.device):
+            with torch.set_grad_enabled(grad), MetaTaint(self.device, st.recipes):
                 out = self.model(*args, **kwargs)
         finally:
             self._fwd = None
+            st.recipes.clear()
         return out, st
 
     def _loss(self, out: Any, target: Any, loss_fn: Callable[..., Any], weight: float) -> torch.Tensor:
@@ -410,7 +388,7 @@ class RankOwnForwardExecutor(Executor):
             )
         return loss
 
-    def _backward(self, st: _Forward) -> None:
+    def _backward(self, st: Forward) -> None:
         outs: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
         for t, stage in st.sent:
@@ -448,7 +426,7 @@ class RankOwnForwardExecutor(Executor):
         """This stage's actions of the schedule; returns the summed loss (float64; 0 on other stages)."""
         s, n = self.settings, self.mesh.stages
         losses: list[torch.Tensor] = []
-        live: dict[int, _Forward] = {}
+        live: dict[int, Forward] = {}
         ok = False
         try:
             for action in sched.build(s.schedule, s.microbatches, n)[self.stage]:
@@ -475,8 +453,32 @@ class RankOwnForwardExecutor(Executor):
             try:
                 for mb in range(len(work.chunks)):
                     out, _ = self._forward(work, mb, grad=False)
-                    outs.append(out if self.stage == self.mesh.stages - 1 else None)
+                    outs.append(out)
                 ok = True
             finally:
                 self._transport.finish(ok)
-        return self.ranks.shared_outputs(outs)
+        return self._shared_outputs(outs)
+
+    def _shared_outputs(self, outs: list[Any]) -> list[Any]:
+        """The last stage's outputs on every rank of this pipeline, where a value the last stage does not hold
+        (``meta`` there: only earlier stages' layers read it, as an encoder's output past the last decoder
+        block) comes from the latest stage that holds it (one that no stage holds stays ``meta``)."""
+        last = self.ranks.last
+        marked = [tree_map(lambda v: _Missing(v) if is_meta(v) else v, o) for o in outs] if last else None
+        shared = self.ranks.shared_outputs(marked)
+        missing = [(mb, j) for mb, o in enumerate(shared) for j, v in enumerate(tree_flatten(o)[0]) if isinstance(v, _Missing)]
+        if not missing:
+            return shared
+        mine = [tree_flatten(o)[0] for o in outs]
+        held = {(mb, j): mine[mb][j].cpu() for mb, j in missing if not is_meta(mine[mb][j])}
+        views: list[Any] = [None] * self.mesh.stages
+        dist.all_gather_object(views, held, group=self.ranks.pipe_group)
+        filled = []
+        for mb, o in enumerate(shared):
+            leaves, spec = tree_flatten(o)
+            for j, v in enumerate(leaves):
+                if isinstance(v, _Missing):
+                    found = [view[(mb, j)] for view in views if (mb, j) in view]
+                    leaves[j] = found[-1].to(self.device) if found else torch.empty(v.shape, dtype=v.dtype, device="meta")
+            filled.append(tree_unflatten(leaves, spec))
+        return filled

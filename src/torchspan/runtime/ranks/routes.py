@@ -9,7 +9,10 @@ each describes the call (``Seen``), they exchange descriptions, and ``route_call
 the same ``CallRoute`` on every rank. Later forwards replay the routes and check that every rank
 still sees what it saw (``CallRoute.check``): a forward that takes another path raises. A rank that
 cannot run another stage's layer on ``meta`` says why in its ``Seen``; the route then has every
-other rank take the outputs' shapes from the owner (``CallRoute.described``, ``metacalls``).
+other rank take the outputs' shapes from the owner (``CallRoute.described``, ``metacalls``). A
+value no stage holds (the model's code combined two stages' values) is rebuilt on the owner from
+the glue ops that made it: the ranks compare how each made it (``glue``) and the owner receives
+the operands earlier stages hold (``resolve_rebuilds``).
 
 Usage (``RankOwnForwardExecutor`` does this)::
 
@@ -19,11 +22,13 @@ Usage (``RankOwnForwardExecutor`` does this)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["META", "REAL", "GRAD", "Seen", "Transfer", "Reuse", "CallRoute", "route_call", "DivergedError"]
+from .glue import Node, layers_in, node_at
+
+__all__ = ["META", "REAL", "GRAD", "Seen", "Transfer", "Reuse", "CallRoute", "route_call", "resolve_rebuilds", "DivergedError"]
 
 META, REAL, GRAD = 0, 1, 2  # a tensor argument as one rank sees it: another stage's; computed here; computed here with grad
 
@@ -53,6 +58,7 @@ class Transfer:
     dst: int
     grad: bool
     dtype: Any = None  # as the sender holds it (None: as the receiver's placeholder)
+    path: tuple[int, ...] = ()  # below the argument, through the glue ops that made it (``glue``): an operand
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,8 @@ class CallRoute:
     transfers: list[Transfer] = field(default_factory=list)
     reuses: list[Reuse] = field(default_factory=list)
     failures: list[tuple[int, str]] = field(default_factory=list)  # (stage, why) where the layer failed on meta
+    rebuilds: list[int] = field(default_factory=list)  # arguments the owner replays from glue ops (``glue``)
+    unresolved: list[int] = field(default_factory=list)  # held by no stage: ``resolve_rebuilds`` decides
 
     @property
     def described(self) -> bool:
@@ -97,12 +105,14 @@ def _describe(codes: Sequence[int]) -> str:
     return "[" + ", ".join(("meta", "real", "real+grad")[c] for c in codes) + "]"
 
 
-def route_call(call: int, layer: str, stage: int, seen: Sequence[Seen]) -> CallRoute:
+def route_call(call: int, layer: str, stage: int, seen: Sequence[Seen], pending: bool = False) -> CallRoute:
     """The route of call ``call`` (``layer``, owned by ``stage``) from every stage's ``Seen`` (index = stage).
 
     Raises ``DivergedError`` when the stages disagree on the call, and ``ValueError`` when the
     owner needs a value no earlier stage computed (a later stage's value read by an earlier
-    stage's layer: the stages are not in execution order).
+    stage's layer: the stages are not in execution order). A value no stage holds (the model's
+    code combined values of several stages) raises too, unless ``pending``: then it is listed in
+    ``route.unresolved`` for ``resolve_rebuilds``.
     """
     for s, view in enumerate(seen):
         if view.layer != layer or len(view.codes) != len(seen[stage].codes):
@@ -132,13 +142,67 @@ def route_call(call: int, layer: str, stage: int, seen: Sequence[Seen]) -> CallR
                     f"{later} compute; a pipeline's stages must follow the model's execution order. Re-plan, or place "
                     "the layers with balance=[...] over the order torchspan.layers.model_layers(model, example_inputs) records"
                 )
-            raise ValueError(
-                f"torchspan: layer {layer!r} (stage {stage}) reads tensor argument {i}, which no single stage computes: "
-                "the model's own code combined values of different stages before this call (a skip connection across "
-                "the cut, e.g. head(h + skip) with skip from an earlier stage). Move the cut so that both come from "
-                "one stage (balance=[...]), or do the combination inside a layer"
-            )
+            if not pending:
+                raise ValueError(_combined(layer, stage, i, ""))
+            route.unresolved.append(i)
+            continue
         src = holders[-1]
         dtype = seen[src].dtypes[i] if seen[src].dtypes else None
         route.transfers.append(Transfer(i, src, stage, seen[src].codes[i] == GRAD, dtype))
     return route
+
+
+def _combined(layer: str, stage: int, leaf: int, why: str, advice: str = "") -> str:
+    fix = advice or "Move the cut so that both come from one stage (balance=[...])"
+    return (
+        f"torchspan: layer {layer!r} (stage {stage}) reads tensor argument {leaf}, which no single stage computes: "
+        f"the model's own code combined values of different stages before this call (a skip connection across "
+        f"the cut, e.g. head(h + skip) with skip from an earlier stage){why}. {fix}, or do the combination inside a layer"
+    )
+
+
+def resolve_rebuilds(route: CallRoute, trees: Sequence[dict[int, Node]], advise: Callable[[list[str]], str] | None = None) -> None:
+    """For each of ``route.unresolved``, from every stage's ``glue`` tree of it (index = stage): the
+    operands the owner receives (``Transfer`` with a ``path``) to replay the glue ops that made it
+    (``route.rebuilds``). Raises ``ValueError`` when some operand is held by no earlier stage and cannot
+    be replayed either, naming the layers whose outputs the value combines (``advise(layers)``: what to
+    do). The same ``trees`` give the same answer on every rank."""
+    stage = route.stage
+    for leaf in route.unresolved:
+        found: list[Transfer] = []
+        nodes = [t.get(leaf) for t in trees]
+        why = _resolve(stage, leaf, (), nodes, found)
+        if why:
+            layers = layers_in(nodes)
+            made = f"; it is made from the outputs of {', '.join(map(repr, layers))}" if layers else ""
+            advice = advise(layers) if advise is not None else ""
+            raise ValueError(_combined(route.layer, stage, leaf, f"{made}, and cannot be recomputed on stage {stage}: {why}", advice))
+        route.transfers.extend(found)
+        route.rebuilds.append(leaf)
+    route.unresolved = []
+
+
+def _resolve(stage: int, leaf: int, path: tuple[int, ...], nodes: list[Node | None], found: list[Transfer]) -> str:
+    """Fill ``found`` with the transfers that let ``stage`` hold position ``path``; returns why not ('' when it can)."""
+    own = nodes[stage]
+    if own is None:
+        return "the model's code made it differently on different ranks"
+    if own[0] != META:
+        return ""
+    holders = [u for u in range(stage) if nodes[u] is not None and nodes[u][0] != META]  # type: ignore[index]
+    if holders and path:
+        src = holders[-1]
+        held = nodes[src]
+        found.append(Transfer(leaf, src, stage, held[0] == GRAD, held[1], path))  # type: ignore[index]
+        return ""
+    what = f"a value it is made of (operand {'.'.join(map(str, path))})" if path else "it"
+    if own[2] is None:
+        later = [u for u in range(stage + 1, len(nodes)) if nodes[u] is not None and nodes[u][0] != META]  # type: ignore[index]
+        return f"{what} is computed only by later stage(s) {later}" if later else f"{what} is made by an op torchspan does not record"
+    if not own[4]:
+        return f"{what} was changed in place after it was made (e.g. h += x or h.mul_(s)); write it out of place (h = h + x)"
+    for j in range(len(own[2])):
+        why = _resolve(stage, leaf, (*path, j), [node_at(n, (j,)) for n in nodes], found)
+        if why:
+            return why
+    return ""

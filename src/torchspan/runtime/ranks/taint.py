@@ -13,7 +13,10 @@ device computes. Plain torch refuses to mix ``meta`` with real tensors, so ``Met
   ``meta``: their values do not depend on ``x``'s data;
 - an in-place op writing ``meta`` data into a real tensor raises (the real tensor would keep a
   stale value: never silently wrong), as does reading a value of a ``meta`` tensor
-  (``.item()``, ``if x.any():``), which torch refuses itself.
+  (``.item()``, ``if x.any():``), which torch refuses itself;
+- a ``meta`` tensor moved to a device (``h.to(x.device)``, ``h.cuda()``) stays ``meta``;
+- with ``recipes`` (``glue.Recipes``), every op whose result is ``meta`` is recorded, so the stage
+  that needs a value the glue combined from several stages can replay it.
 
 Usage (``RankOwnForwardExecutor`` does this)::
 
@@ -30,6 +33,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from .glue import Recipes
+
 __all__ = ["MetaTaint", "check_unchanged", "container_sizes", "meta_like", "to_meta", "is_meta"]
 
 # Functions whose result depends only on the shape/dtype of their tensor argument, not its data.
@@ -38,6 +43,13 @@ _FROM_SHAPE = {
     "new_zeros", "new_ones", "new_full", "new_empty",
 }  # fmt: skip
 _META = torch.device("meta")
+# Moves between devices: a ``meta`` tensor moved to a real device (``h.to(x.device)``) is still another stage's value.
+_MOVES = {"to", "cpu", "cuda", "xpu", "mps"}
+# ``x += y`` on a meta ``x`` made from a real one returns a new meta tensor: replayed out of place.
+_OUT_OF_PLACE = {
+    "__iadd__": torch.Tensor.__add__, "__isub__": torch.Tensor.__sub__, "__imul__": torch.Tensor.__mul__,
+    "__itruediv__": torch.Tensor.__truediv__,
+}  # fmt: skip
 
 
 def is_meta(x: Any) -> bool:
@@ -95,9 +107,9 @@ def _name(func: Callable[..., Any]) -> str:
 class MetaTaint(TorchFunctionMode):
     """The glue rules above; ``device`` is where this rank's real tensors live."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, recipes: Recipes | None = None) -> None:
         super().__init__()
-        self.device = device
+        self.device, self.recipes = device, recipes
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
@@ -111,6 +123,8 @@ class MetaTaint(TorchFunctionMode):
         if name in _FROM_SHAPE and args and is_meta(args[0]):
             kwargs.setdefault("device", self.device)
             return func(*args, **kwargs)
+        if name in _MOVES and args and is_meta(args[0]):  # another stage's value moved here stays another stage's
+            return self._recorded(func, args, kwargs, _meta_moved(name, args, kwargs))
         if name == "to" and args and isinstance(args[0], torch.Tensor) and not args[0].is_meta:
             # a real tensor moved "to x.device" for a meta x stays real, on this rank's device
             args = tuple(self.device if _is_meta_device(a) else a for a in args)
@@ -118,11 +132,14 @@ class MetaTaint(TorchFunctionMode):
                 kwargs = {**kwargs, "device": self.device}
             args, kwargs = _real_tensor_args(args, kwargs) if any(metas[1:]) else (args, kwargs)
             return func(*args, **kwargs)
-        if not any(metas) or all(metas):
+        if not any(metas):
             return func(*args, **kwargs)
-        # Mixed: the result is another stage's value here.
         target = kwargs.get("out", args[0] if args else None)
         writes = "out" in kwargs or name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))
+        if all(metas):
+            out = func(*args, **kwargs)
+            return out if writes else self._recorded(_OUT_OF_PLACE.get(name, func), args, kwargs, out)
+        # Mixed: the result is another stage's value here.
         if writes and isinstance(target, torch.Tensor) and not target.is_meta:
             raise RuntimeError(
                 f"torchspan: the model's forward writes a value computed by another pipeline stage into a tensor "
@@ -130,7 +147,26 @@ class MetaTaint(TorchFunctionMode):
                 "Write it out of place (x = x + y rather than x += y, torch.where rather than x[mask] = y), "
                 "or run this model on one process (span with devices=[...])"
             )
-        return func(*to_meta(args), **to_meta(kwargs))
+        out = func(*to_meta(args), **to_meta(kwargs))
+        return out if writes else self._recorded(_OUT_OF_PLACE.get(name, func), args, kwargs, out)
+
+    def _recorded(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+        """``out``, remembered in ``recipes`` (how this rank's meta values were made) when there are any."""
+        if self.recipes is not None:
+            self.recipes.record(func, args, kwargs, out)
+        return out
+
+
+def _meta_moved(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """``t.to(...)``/``t.cuda()`` for a ``meta`` ``t``: the same op with every device made ``meta`` (dtype kept),
+    a real tensor argument (``t.to(other)``) read for its dtype: another stage's value stays ``meta`` here."""
+    t = args[0]
+    if name != "to":
+        return t
+    device = lambda a: isinstance(a, (torch.device, str)) or (isinstance(a, int) and not isinstance(a, bool))  # noqa: E731
+    fix = lambda a: _META if device(a) else a.dtype if isinstance(a, torch.Tensor) and not a.is_meta else a  # noqa: E731
+    kwargs = {k: _META if k == "device" and v is not None else v for k, v in kwargs.items()}
+    return t.to(*(fix(a) for a in args[1:]), **kwargs)
 
 
 def _real_tensor_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:

@@ -1,0 +1,168 @@
+"""One micro-batch's forward on a pipeline rank of the own-forward executor, and one layer call in it.
+
+``Forward`` is where a forward is on the path of routes, what crossed and what backward needs;
+``LayerCall`` one call of a layer (its flattened arguments, its place on the path); ``Path`` the
+routes of the forwards seen so far. ``sent_tensor`` finds what this rank sends for a transfer and
+``real_arguments`` makes an owner's call arguments real: received (``Transfer``), reused from an
+earlier call (``Reuse``) or rebuilt from the glue ops that combined other stages' values
+(``glue``: operands received, ops replayed).
+
+Usage (``RankOwnForwardExecutor`` does this)::
+
+    st = Forward(mb, grad=True, node=paths[True])
+    c = LayerCall(st, "model.layers.3", 1, fn, args, kwargs)
+    leaves_replaced = real_arguments(st, c, route, receive, device)
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .glue import Recipes
+from .routes import GRAD, META, REAL, CallRoute, DivergedError
+
+__all__ = ["Forward", "LayerCall", "Path", "real_arguments", "sent_tensor"]
+
+
+class Path:
+    """The routes of the forwards seen so far, as a tree: a call's signature (layer, pytree leaves,
+    which are tensors) leads to its route and to the next call. Every rank runs the same Python on
+    the same real values (another stage's values cannot steer it: they are meta), so every rank
+    meets a new branch at the same call of the same micro-batch and records it together."""
+
+    __slots__ = ("next",)
+
+    def __init__(self) -> None:
+        self.next: dict[tuple[Any, ...], tuple[CallRoute, Path]] = {}
+
+
+class Forward:
+    """One micro-batch's forward on this rank: where it is, what crossed, what backward needs."""
+
+    def __init__(self, mb: int, grad: bool, node: Path, metering: bool = False, recompute: bool = False) -> None:
+        self.mb, self.grad, self.node = mb, grad, node
+        self.metering, self.recompute = metering, recompute
+        self.call = 0
+        self.at: dict[int, tuple[int, int]] = {}  # id(meta placeholder) -> (call, leaf) where it was received
+        self.value: dict[tuple[int, int], torch.Tensor] = {}  # (call, leaf) -> the received tensor
+        self.placeholders: list[torch.Tensor] = []  # kept alive: their ids stay unique for this forward
+        self.sent: list[tuple[torch.Tensor, int]] = []  # (sent tensor whose gradient comes back, its stage)
+        self.inbound: list[tuple[torch.Tensor, int]] = []  # (received leaf needing a gradient, its source stage)
+        self.loss: torch.Tensor | None = None
+        self.recipes = Recipes()  # the glue's meta values, while the forward runs
+        self.made_by: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}  # id(layer output) -> (it, the layer)
+
+    def made(self, layer: str, out: Any) -> Any:
+        """``out``, remembered as ``layer``'s outputs (named when a value combining stages is refused)."""
+        for v in tree_flatten(out)[0]:
+            if isinstance(v, torch.Tensor):
+                self.made_by[id(v)] = (weakref.ref(v), layer)
+        return out
+
+    def layer_of(self, t: torch.Tensor) -> str | None:
+        found = self.made_by.get(id(t))
+        return found[1] if found is not None and found[0]() is t else None
+
+    def held(self, t: torch.Tensor) -> torch.Tensor | None:
+        """``t``'s value on this rank: itself when real, what was received for it, else ``None``."""
+        if not t.is_meta:
+            return t
+        at = self.at.get(id(t))
+        return self.value[at] if at is not None else None
+
+    def code(self, t: torch.Tensor) -> tuple[int, Any]:
+        """``t`` as this rank sees it (``routes``' code) and its dtype, for a ``glue`` tree."""
+        v = self.held(t)
+        return (META if v is None else GRAD if self.grad and v.requires_grad else REAL), t.dtype
+
+
+class LayerCall:
+    """One call of a layer inside the forward: its flattened arguments and its place on the path
+    (taking the call's number from ``st``)."""
+
+    __slots__ = ("name", "stage", "fn", "args", "kwargs", "leaves", "spec", "where", "tensors", "k", "signature", "place")
+
+    def __init__(self, st: Forward, name: str, stage: int, fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
+        self.name, self.stage, self.fn, self.args, self.kwargs = name, stage, fn, args, kwargs
+        self.leaves, self.spec = tree_flatten((args, kwargs))
+        self.where = [i for i, v in enumerate(self.leaves) if isinstance(v, torch.Tensor)]
+        self.tensors: list[torch.Tensor] = [self.leaves[i] for i in self.where]
+        self.k = st.call
+        st.call += 1
+        self.signature = (name, len(self.leaves), tuple(self.where))
+        self.place = (id(st.node), self.signature)  # where on the path tree: the same on every rank
+
+    def codes(self, grad: bool) -> tuple[int, ...]:
+        return tuple(META if t.is_meta else GRAD if grad and t.requires_grad else REAL for t in self.tensors)
+
+
+def sent_tensor(st: Forward, c: LayerCall, leaf: int, path: tuple[int, ...]) -> torch.Tensor:
+    """What this rank sends for argument ``leaf`` of ``c`` (at ``path`` below it, through the glue's recipes)."""
+    t = c.tensors[leaf] if not path else st.recipes.at(c.tensors[leaf], path)
+    if t is None or t.is_meta:
+        raise DivergedError(
+            f"torchspan: layer {c.name!r}'s argument {leaf} is no longer made as when its route was recorded "
+            f"(operand {'.'.join(map(str, path))} of the glue that made it); the model's forward must make it the same way every time"
+        )
+    return t
+
+
+def _take(st: Forward, held: torch.Tensor, got: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The glue's own placeholder ``held`` becomes the value ``got`` when it can (a residual ``h = block(h) + h``
+    reads it again); returns the value and whether only this call's argument could be replaced."""
+    try:
+        torch.utils.swap_tensors(held, got)
+        return held, False
+    except RuntimeError:  # a placeholder with views
+        return got, True
+
+
+def real_arguments(
+    st: Forward, c: LayerCall, route: CallRoute, receive: Callable[[torch.Tensor, int], torch.Tensor], device: torch.device
+) -> bool:
+    """Make this (owner) rank's tensor arguments of ``c`` real in ``c.leaves``: received, reused or rebuilt
+    (``receive(buffer, stage)``). Returns whether the layer must get rebuilt containers."""
+    replaced = False
+    received: dict[int, dict[tuple[int, ...], torch.Tensor]] = {}
+    for tr in route.transfers:
+        held = c.tensors[tr.leaf] if not tr.path else st.recipes.at(c.tensors[tr.leaf], tr.path)
+        if held is None:
+            raise DivergedError(f"torchspan: layer {c.name!r}'s argument {tr.leaf} is no longer made as when its route was recorded")
+        dtype = tr.dtype if tr.dtype is not None else held.dtype  # autocast on the sender: its dtype
+        got = receive(torch.empty(held.shape, dtype=dtype, device=device), tr.src)
+        got, only_here = _take(st, held, got)
+        if st.grad and tr.grad:
+            got.requires_grad_(True)
+            st.inbound.append((got, tr.src))
+        st.placeholders.append(held)
+        if tr.path:  # an operand: the glue ops that made the argument are replayed below
+            received.setdefault(tr.leaf, {})[tr.path] = got
+            continue
+        replaced |= only_here
+        _arrived(st, c, tr.leaf, held, got)
+    for leaf in route.rebuilds:
+        held = c.tensors[leaf]
+        got = st.recipes.rebuild(held, received.get(leaf, {}), st.held, device)
+        if got is None:
+            raise DivergedError(f"torchspan: layer {c.name!r}'s argument {leaf} is no longer made as when its route was recorded")
+        got, only_here = _take(st, held, got)
+        replaced |= only_here
+        st.placeholders.append(held)
+        _arrived(st, c, leaf, held, got)
+    for r in route.reuses:
+        if st.at.get(id(c.tensors[r.leaf])) != (r.call, r.at):
+            raise DivergedError(f"torchspan: layer {c.name!r} no longer reads what call {r.call} received (argument {r.at})")
+        c.leaves[c.where[r.leaf]] = st.value[(r.call, r.at)]
+        replaced = True
+    return replaced
+
+
+def _arrived(st: Forward, c: LayerCall, leaf: int, held: torch.Tensor, got: torch.Tensor) -> None:
+    st.at[id(held)] = (c.k, leaf)
+    st.value[(c.k, leaf)] = got
+    c.leaves[c.where[leaf]] = got
