@@ -279,11 +279,6 @@ def test_a_launched_replica_takes_microbatches_precision_and_recompute(ranks: Pa
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="ReplicaExecutor.resolve_loss (the lead's) calibrates chunk 0's halves against the whole shard's target: "
-    "with several chunks it must calibrate on the chunks (or pass target=targets[0])",
-)
 def test_opaque_and_declared_losses_with_microbatches(ranks: Path) -> None:
     for rank in range(2):
         text = (ranks / f"opaque{rank}.txt").read_text()

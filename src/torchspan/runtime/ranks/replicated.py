@@ -143,6 +143,11 @@ class ReplicaExecutor(Executor):
                 local = checks.resolve(spec, targets, sizes, dry_outputs, target=target, shards=True)
             except ValueError as e:
                 message = f"rank {self.info.rank} (its shard of {size} samples): {e}"
+        elif len(sizes) > 1:  # micro-batches: calibrated on the chunks, as one process does
+            try:
+                local = checks.resolve(spec, targets, sizes, dry_outputs, target=target)
+            except ValueError as e:
+                message = f"rank {self.info.rank} (its shard in {len(sizes)} micro-batches): {e}"
         elif size >= 2:
             halves = split_sizes(size, 2)
             try:
