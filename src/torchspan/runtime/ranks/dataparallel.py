@@ -17,8 +17,8 @@ split.
 End of an epoch: every rank must take part in every step. ``rank_batches`` gives every rank the
 same number of steps (an empty shard adds exactly zero). Where ranks may still run out at different
 times, call ``replica.join(optimizer)`` after the loop on every rank: a rank that has finished keeps
-taking part (zero_grad, an empty shard made of zero rows of its last inputs, step; so the model
-must accept zero rows) until all ranks have joined; the others' steps stay exact for the data
+taking part (zero_grad, an empty shard, step: a rank with no rows runs one row of its last inputs
+at weight 0, buffers left as they were, since many models cannot run zero rows) until all ranks have joined; the others' steps stay exact for the data
 that exists, and parameters and optimizer state stay identical everywhere.
 
 Usage::
@@ -43,7 +43,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from ...layers import model_layers
+from ...layers import buffer_slots, kept, model_layers
 from ...schedule import PRECISIONS, RECOMPUTE_MODES
 from ..fp16 import SpanScaler
 from ..layercall import LayerCalls, autocast_for, recomputes
@@ -118,10 +118,10 @@ def _check_policy(precision: str, recompute: str, scaler: Any) -> None:
         )
 
 
-def _zero_rows(value: Any) -> Any:
-    """The same structure with every batched tensor cut to zero rows."""
+def _first_row(value: Any) -> Any:
+    """The same structure with every batched tensor cut to its first row (a stand-in for an empty shard)."""
     leaves, spec = tree_flatten(value)
-    return tree_unflatten([t[:0] if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in leaves], spec)
+    return tree_unflatten([t[:1].clone() if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in leaves], spec)
 
 
 class DataParallelReplica:
@@ -178,7 +178,7 @@ class DataParallelReplica:
         self._ddp.register_comm_hook(self, _sum_hook)
         self.precision, self.recompute, self.scaler = precision, recompute, scaler
         self._calls: LayerCalls | None = None  # recompute's wrappers around the model's layers, made at the first step
-        self._template: tuple[Any, Any, Callable[..., Any]] | None = None  # zero rows of the last inputs, target, loss
+        self._template: tuple[Any, Any, Callable[..., Any]] | None = None  # one row of the last inputs, target, loss
 
     # ------------------------------------------------------------------ nn.Module-like surface
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -281,7 +281,11 @@ class DataParallelReplica:
         spec = shard_loss(loss_fn, loss_reduction, loss_normalizer)
         sizes = [batch_size(a, k) for a, k in chunks]
         norms = [float(n) if spec.reduction == "sum" else spec.normalizer(t, n) for t, n in zip(targets, sizes)]
-        self._template = (_zero_rows(chunks[0]), _zero_rows(targets[0]), loss_fn)
+        if sizes[0] > 0:  # one real row of this step: an empty shard later runs it at weight 0
+            self._template = (_first_row(chunks[0]), _first_row(targets[0]), loss_fn)
+        stand_in = sizes[0] == 0 and self._template is not None
+        if stand_in:  # many models cannot run zero rows (transformers' attention reshapes): one row at weight 0
+            chunks, targets = [self._template[0]], [self._template[1]]  # type: ignore[index]
         stats = self._stats(sum(norms), sum(sizes), active=True)
         work = dist.all_reduce(stats, group=self.group, async_op=True)  # overlaps the forward, waited for by the weight
 
@@ -295,13 +299,13 @@ class DataParallelReplica:
             total = float(stats[0])
             return norms[i] / total if total != 0.0 else float("nan")  # all targets ignored everywhere: nan, as on one device
 
-        return self._run(chunks, targets, loss_fn, weight)
+        return self._run(chunks, targets, loss_fn, weight, stand_in=stand_in)
 
     def join(self, optimizer: torch.optim.Optimizer | None = None) -> int:
         """Call after the training loop on every rank; returns the number of steps this rank shadowed.
 
         Until every rank has called ``join``, a rank that has would block the others' steps; instead
-        it takes part in each of them with an empty shard (zero rows of its last inputs), which adds
+        it takes part in each of them with an empty shard (one row of its last inputs at weight 0), which adds
         nothing to the loss or the gradients. Pass the ``optimizer`` your loop steps (the loop being
         ``zero_grad(); train_step(...); step()``) and a shadowed step does the same, so parameters
         and optimizer state stay identical on every rank.
@@ -321,7 +325,7 @@ class DataParallelReplica:
             if optimizer is not None:
                 optimizer.zero_grad()
             with self._unscaled():  # fp16: the same unscaled gradients, and skip, as the ranks still training
-                self._run([chunk], [target], loss_fn, lambda i: 0.0)
+                self._run([chunk], [target], loss_fn, lambda i: 0.0, stand_in=True)
             if optimizer is not None and self.scaler is not None and not isinstance(self.scaler, SpanScaler):
                 self.scaler.step(optimizer)  # a bare replica's own GradScaler steps as the other ranks' loop does
                 self.scaler.update()
@@ -339,7 +343,11 @@ class DataParallelReplica:
         """(normalizer, rows, active ranks) of this rank, all-reduced as the first collective of every step."""
         return torch.tensor([norm, float(size), 1.0 if active else 0.0], dtype=torch.float64, device=self.comm_device)
 
-    def _run(self, chunks: Sequence[Any], targets: Sequence[Any], loss_fn: Callable[..., Any], weight: Callable[[int], float]) -> torch.Tensor:
+    def _run(
+        self, chunks: Sequence[Any], targets: Sequence[Any], loss_fn: Callable[..., Any], weight: Callable[[int], float], stand_in: bool = False
+    ) -> torch.Tensor:
+        """Every chunk's forward and weighted backward; ``stand_in``: an empty shard's stand-in row (weight 0,
+        buffers left as they were)."""
         if isinstance(loss_fn, nn.Module):
             loss_fn.to(self.device)
         # DDP all-reduces whatever .grad holds after backward, earlier steps' gradients included;
@@ -353,7 +361,7 @@ class DataParallelReplica:
             for i, ((args, kwargs), target) in enumerate(zip(chunks, targets)):
                 state["recompute"] = recomputes(self.recompute, i, len(chunks))
                 with self._ddp.no_sync() if i < last else contextlib.nullcontext():  # the last chunk's backward reduces
-                    with autocast_for(self.device, self.precision):
+                    with autocast_for(self.device, self.precision), kept(buffer_slots([self.module])) if stand_in else contextlib.nullcontext():
                         out = self._ddp(*self.to_device(args), **self.to_device(kwargs))
                         loss = weighted_loss(loss_fn, out, self.to_device(target), weight(i))  # waits for the normalizers
                     losses.append(loss.detach().reshape(1).to(torch.promote_types(loss.dtype, torch.float32)))
