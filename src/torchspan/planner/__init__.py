@@ -5,7 +5,8 @@ Pure data over a ``profiler.costs.Profile`` (only ``api.plan`` measures). Module
 one device; budgets, links), ``ties`` (what a split tied parameter costs), ``cost`` (``CostModel``:
 step time and memory), ``settings`` (the
 settings grid), ``solver`` (the exact dynamic programme), ``explain`` (why nothing fits:
-``PlanError``'s text), ``optimize`` (``search``), ``baselines``, ``spread`` (one stage per
+``PlanError``'s text), ``stable`` (measured predictions within noise are ties, broken the same way every
+run; ``Plan.runner_up``), ``optimize`` (``search``), ``baselines``, ``spread`` (one stage per
 device), ``measured`` (predicted vs measured), ``comm`` (all-reduce and point-to-point times over
 ``hardware.links``), ``topology`` (``Cluster``: nodes you describe) and ``cluster`` (data x pipeline plans on it), ``api`` (``plan``).
 

@@ -35,6 +35,11 @@ How (exact for the cost model, up to a relative ``rtol``, default 1e-9):
   order of a cheap lower bound (sum of each layer's fastest latency + (M-1) * bottleneck floor);
   a setting whose bound cannot beat the best so far gets no programme at all.
 * Dominated settings are skipped under ``"auto"`` (see ``settings.settings_grid``).
+
+Stability: on measured devices the exact optimum is then replaced by the most preferred plan predicted
+within measurement noise of it (fewer stages, devices in listed order, fewer micro-batches), and the
+fastest other device order within noise is kept as ``Plan.runner_up`` (``stable``). Described devices
+have no noise: their plans are the exact optimum.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from .physical import INF
 from .plans import Plan
 from .settings import settings_grid
 from .solver import Solver
+from .stable import stable_choice
 from .stages import Evaluation
 from .ties import TieCost
 
@@ -76,10 +82,12 @@ def bottleneck_floor(cm: CostModel) -> float:
 
 
 class _Setting:
-    """One (micro-batches, schedule, recompute) setting: its solver and best placement so far."""
+    """One (micro-batches, schedule, recompute) setting: its solver and best placement so far; ``sequence``
+    (device types, stage by stage) restricts it to placements in that order (``Solver``)."""
 
-    def __init__(self, cm: CostModel) -> None:
+    def __init__(self, cm: CostModel, sequence: tuple[int, ...] | None = None) -> None:
         self.cm = cm
+        self.sequence = sequence
         self._solver: Solver | None = None
         self.best: Evaluation | None = None
         self.floor = bottleneck_floor(cm)
@@ -89,7 +97,7 @@ class _Setting:
     def solver(self) -> Solver:
         """Built on first use: a setting pruned by its bound never needs one."""
         if self._solver is None:
-            self._solver = Solver(self.cm)
+            self._solver = Solver(self.cm, self.sequence)
         return self._solver
 
     @property
@@ -218,8 +226,14 @@ def search(
         raise explain_no_fit(profile, grid)
     winner = incumbent()
     assert winner is not None and winner.best is not None
-    programmes = sum(st.programmes for st in settings)
-    return winner.cm.to_plan(winner.best, "torchspan", notes=plan_notes(winner.cm, winner.best, programmes, len(grid)))
+    # within measurement noise of the fastest, the same command plans the same way every run (``stable``)
+    seen = [(st.cm, st.best) for st in feasible if st.best is not None and st is not winner]
+    choice = stable_choice(models, kept, winner.cm, winner.best, _Setting, seen, rtol)
+    programmes = sum(st.programmes for st in settings) + choice.programmes
+    notes = plan_notes(choice.cm, choice.ev, programmes, len(grid)) + choice.notes
+    plan = choice.cm.to_plan(choice.ev, "torchspan", notes=notes)
+    plan.runner_up = choice.runner_up
+    return plan
 
 
 def plan_notes(cm: CostModel, ev: Evaluation, programmes: int, settings: int) -> list[str]:

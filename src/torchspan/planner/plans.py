@@ -97,6 +97,9 @@ class Plan:
     # tied parameters: {"name", "layers", "stages", "bytes"} each; "stages" of more than one = a copy per device,
     # and then (planned with ties) "seconds": what the split adds to the predicted step, "charge": how it is paid
     ties: list[dict[str, Any]] = field(default_factory=list)
+    # the fastest plan on another device order predicted within measurement noise of this one (``planner.stable``):
+    # {"devices", "balance", "microbatches", "schedule", "recompute", "predicted_step_time", "noise", "within_noise"}
+    runner_up: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.stages = [s if isinstance(s, StagePlan) else StagePlan(**s) for s in self.stages]
@@ -183,6 +186,8 @@ class Plan:
                 data.pop(name)
         if not self.ties:
             data.pop("ties")  # a plan without tied parameters: its JSON is as before
+        if not self.runner_up:
+            data.pop("runner_up")  # nothing within noise: as before
         return {"format": _FORMAT, **data}
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -217,7 +222,8 @@ class Plan:
             if odd:
                 raise ValueError(f"plan stage {i} has unknown fields {odd}; expected only {sorted(stage_fields)}")
         data["stages"] = [StagePlan(**s) for s in stages]
-        for name, kind in (("peak_memory", dict), ("notes", list), ("stage_ranks", list), ("predicted_times", dict), ("ties", list)):
+        for name, kind in (("peak_memory", dict), ("notes", list), ("stage_ranks", list), ("predicted_times", dict), ("ties", list),
+                           ("runner_up", dict)):
             if name in data and not isinstance(data[name], kind):
                 raise ValueError(f"plan {name!r} must be a JSON {'object' if kind is dict else 'list'}, not {type(data[name]).__name__}")
         return cls(**data)
@@ -281,8 +287,26 @@ class Plan:
             peaks = ", ".join(f"{d}: {format_bytes(b)}" for d, b in self.peak_memory.items())
             lines.append(f"peak memory per device: {peaks}")
         lines.extend(self._tie_lines())
+        if self.runner_up_text():
+            lines.append(self.runner_up_text())
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+    def runner_up_text(self) -> str:
+        """``"runner-up: cpu | cuda:0 | cuda:1 (balance 3,4,5; 8 micro-batches), predicted 217.0 ms, within measurement
+        noise (5%) ..."``, or ``""`` when no other device order was predicted within noise."""
+        r = self.runner_up
+        if not r:
+            return ""
+        where = " | ".join(map(str, r.get("devices", [])))
+        balance = ",".join(map(str, r.get("balance", [])))
+        step = float(r.get("predicted_step_time", 0.0)) * 1e3
+        ours = f" of this plan's {self.predicted_step_time * 1e3:.1f} ms" if self.predicted_step_time is not None else ""
+        why = "this plan is preferred (fewer stages, then devices in listed order, then fewer micro-batches), so the same command keeps it"
+        return (
+            f"runner-up: {where} (balance {balance}; {r.get('microbatches', '?')} micro-batch(es)), predicted {step:.1f} ms, "
+            f"within measurement noise ({float(r.get('noise', 0.0)):.0%}){ours}: {why}"
+        )
 
     def _tie_lines(self) -> list[str]:
         """One line per tied parameter: its layers and their stages; split ones say what that costs."""

@@ -22,6 +22,10 @@ can cover), and the best link into the next stage is found for all types at once
 
 Entries that are one physical device are collapsed to their first entry (``device_groups``); why
 that loses nothing is in ``optimize``'s docstring.
+
+``Solver(cm, sequence=(t0, t1, ...))`` solves the same programme restricted to placements whose stages
+run on exactly these device types in this order (``stable`` compares device orders this way): level
+``n`` then admits only the type ``sequence[-1 - n]`` and only a placement of ``len(sequence)`` stages counts.
 """
 
 from __future__ import annotations
@@ -136,8 +140,9 @@ class Solver:
     ``t'`` into a prefix minimum and a suffix minimum.
     """
 
-    def __init__(self, cm: CostModel) -> None:
+    def __init__(self, cm: CostModel, sequence: tuple[int, ...] | None = None) -> None:
         self.cm = cm
+        self.sequence = sequence  # type indices (into ``groups``), stage by stage; None: any order and count
         ends = physical_ends(cm)
         groups = device_groups(cm, ends)
         self.groups = groups
@@ -165,6 +170,10 @@ class Solver:
         rows = [ends[0].index(g[0]) for g in groups]
         self._max_end: dict[int, np.ndarray] = {k: v[rows] for k, v in ends[1].items()}
         self.evaluations = 0
+
+    def _allowed(self, n: int) -> range | tuple[int]:
+        """Device types a stage with ``n`` stages after it may take: any, or the one ``sequence`` names."""
+        return range(len(self.groups)) if self.sequence is None else (self.sequence[-1 - n],)
 
     def max_end(self, t: int, k: int) -> np.ndarray:
         return self._max_end[k][t]
@@ -201,12 +210,12 @@ class Solver:
             reach.append(L if reach[-1] >= L else int(widest[reach[-1]]))
         G: list[tuple[np.ndarray, int]] = []  # per level >= 1: (values over columns c0.., c0)
         best, best_at = INF, None
-        for n in range(len(self.levels) - 1):
+        for n in range(len(self.levels) - 1 if self.sequence is None else min(len(self.sequence), len(self.levels) - 1)):
             k_his = his[n * T : (n + 1) * T]
             if n == 0:  # the last stage ends at layer L
                 i0, i1 = 0, L - 1
                 nxt = np.full((len(self.levels[1]), T, L), INF)
-                for t in range(T):
+                for t in self._allowed(n):
                     src, dst = self.moves[0][t]
                     if len(src):
                         nxt[dst, t, :] = np.where(k_his[t] >= L, self.PL[t][L] - self.PL[t][:L], INF)
@@ -230,7 +239,7 @@ class Solver:
                 rows = np.arange(i0, i1 + 1)
                 nxt = np.full((len(self.levels[n + 1]), T, i1 - i0 + 1), INF)
                 left = np.maximum(rows + 1, c0) - c0
-                for t in range(T):
+                for t in self._allowed(n):
                     src, dst = self.moves[n][t]
                     if not len(src):
                         continue
@@ -247,7 +256,7 @@ class Solver:
             a = int(np.argmax(finite))
             z = len(finite) - int(np.argmax(finite[::-1]))
             G.append((nxt[:, :, a:z], i0 + a))
-            if i0 + a == 0:
+            if i0 + a == 0 and (self.sequence is None or n + 1 == len(self.sequence)):
                 total = nxt[:, :, 0] + cin[None, :]
                 flat = int(np.argmin(total))
                 if total.flat[flat] < best:
