@@ -174,3 +174,16 @@ def test_the_solver_restricted_to_an_order_matches_brute_force(prof: Profile, m:
             if got is not None and ref is not None:
                 assert tuple(s.device for s in got.stages) == realized
                 assert close(got.step_time, ref, 1e-7), (realized, got.step_time, ref)
+
+
+def test_plan_tables_name_the_runner_up_within_noise(tmp_path) -> None:
+    from torchspan import pictures
+
+    plan = search(two_gpus())
+    caption = pictures.plan_caption(plan)
+    assert caption.splitlines()[0] == pictures.plan_summary(plan)
+    assert caption.splitlines()[1].startswith("runner-up: cuda:1 | cuda:0 (balance 4,4; 8 micro-batch(es))")
+    report = pictures.write_report(tmp_path, plan=plan).report.read_text(encoding="utf-8")
+    assert "runner-up: cuda:1 | cuda:0" in report and "within measurement noise (5%)" in report
+    plan.runner_up = {}
+    assert pictures.plan_caption(plan) == pictures.plan_summary(plan)

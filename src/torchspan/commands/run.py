@@ -321,7 +321,7 @@ def _print_setup(con: Console, args: argparse.Namespace, model: torch.nn.Module,
     n_params = sum(p.numel() for p in model.parameters())
     stages = " | ".join(f"{d}: {', '.join(g)}" for d, g in spanned.stages)
     con.print(f"torchspan run {args.target}: {n_params:,} parameters; batch {args.input_shape or ' '.join(args.input)} {args.dtype}; {args.optimizer} lr {args.lr:g}; {args.loss} loss")
-    con.print(f"plan: {pictures.plan_summary(plan)}")
+    con.print(f"plan: {pictures.plan_caption(plan)}")  # a second line names a runner-up within measurement noise
     con.print(f"stages: {stages}")
     for note in notes:
         con.print(f"note: {note}")

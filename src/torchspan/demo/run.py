@@ -101,7 +101,7 @@ def _device_table(devs: list[Device], title: str) -> Table:
 
 
 def _plan_table(plan: Plan) -> Table:
-    table = Table(title="plan", caption=pictures.plan_summary(plan))
+    table = Table(title="plan", caption=pictures.plan_caption(plan))  # with the runner-up when within noise
     for col in pictures.PLAN_COLUMNS:
         table.add_column(col, justify="left" if col in ("device", "layers") else "right")
     for row in pictures.plan_rows(plan):

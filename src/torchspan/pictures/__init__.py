@@ -20,7 +20,7 @@ from .events import timeline_problems
 from .loss import loss_png
 from .memory import MEMORY_KINDS, memory_png, normalize_memory
 from .page import ReportFiles, write_report
-from .tables import DEVICE_COLUMNS, PLAN_COLUMNS, device_rows, plan_rows, plan_summary
+from .tables import DEVICE_COLUMNS, PLAN_COLUMNS, device_rows, plan_caption, plan_rows, plan_summary
 from .timeline import timeline_png
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "ReportFiles",
     "plan_rows",
     "plan_summary",
+    "plan_caption",
     "device_rows",
     "PLAN_COLUMNS",
     "DEVICE_COLUMNS",

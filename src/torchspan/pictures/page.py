@@ -15,7 +15,7 @@ from ..files import output_folder, write_text
 from ..runtime.record import Event
 from .loss import loss_png
 from .memory import memory_png
-from .tables import DEVICE_COLUMNS, PLAN_COLUMNS, device_rows, md_table, plan_rows, plan_summary
+from .tables import DEVICE_COLUMNS, PLAN_COLUMNS, device_rows, md_table, plan_caption, plan_rows
 from .timeline import timeline_png
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -37,7 +37,7 @@ class ReportFiles:
 
 
 def _plan_section(plan: Plan) -> list[str]:
-    lines = ["## Plan", "", plan_summary(plan), ""]
+    lines = ["## Plan", ""] + [part for line in plan_caption(plan).splitlines() for part in (line, "")]  # runner-up within noise too
     lines += md_table(PLAN_COLUMNS, plan_rows(plan))
     lines += [f"- note: {n}" for n in plan.notes]
     return lines + [""]

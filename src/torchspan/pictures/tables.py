@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..hardware import Device
     from ..planner.plans import Plan
 
-__all__ = ["PLAN_COLUMNS", "DEVICE_COLUMNS", "plan_summary", "plan_rows", "device_rows", "md_table"]
+__all__ = ["PLAN_COLUMNS", "DEVICE_COLUMNS", "plan_summary", "plan_caption", "plan_rows", "device_rows", "md_table"]
 
 
 def md_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
@@ -41,6 +41,13 @@ def plan_summary(plan: Plan) -> str:
     if plan.predicted_step_time is not None:
         head += f", predicted step {plan.predicted_step_time * 1e3:.1f} ms"
     return head
+
+
+def plan_caption(plan: Plan) -> str:
+    """``plan_summary`` and, on a second line, the runner-up when another device order was predicted within
+    measurement noise (``Plan.runner_up_text``): what a plan table shows under it."""
+    runner_up = plan.runner_up_text()
+    return plan_summary(plan) + (f"\n{runner_up}" if runner_up else "")
 
 
 def plan_rows(plan: Plan) -> list[tuple[str, ...]]:
