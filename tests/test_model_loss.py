@@ -296,3 +296,28 @@ def _pipe_worker(rank: int, world: int, port: int, out: str) -> None:
 def test_own_loss_pipeline_across_two_ranks(tmp_path: Path) -> None:
     _spawn(_pipe_worker, 2, free_port(), str(tmp_path), deadline=180.0)
     assert not list(tmp_path.glob("rank*.txt"))
+
+
+# ---------------------------------------------------------------------- bad input gets one line (issue 19 item 3)
+class _Returns(nn.Module):
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.what, self.lin = what, nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        out = self.lin(x)
+        return None if self.what == "none" else float(out.sum())
+
+
+def test_train_step_bad_input_is_named() -> None:
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    spanned = _span(_mlp().float(), devices=["cpu", "cpu"], microbatches=2)
+    with pytest.raises(ValueError, match=r"target=None, loss_fn=MSELoss.*pass the target"):
+        spanned.train_step(x, None, nn.MSELoss())
+    spanned.train_step(x, None, lambda out, _: out.pow(2).mean(), loss_reduction="mean")  # a loss that needs no target
+    with pytest.raises(ValueError, match="forward returned None, which holds no tensor"):
+        torchspan.span(_Returns("none")).train_step(x, y, nn.MSELoss())
+    with pytest.raises(ValueError, match=r"forward returned a float \(.*\), which holds no tensor"):
+        _span(_Returns("float"), microbatches=2).train_step(x, y, nn.MSELoss())
+    with pytest.raises(ValueError, match="stage.s. on meta: meta tensors hold shapes, not values"):
+        _span(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), devices=["cpu", "meta"]).train_step(x, y, nn.MSELoss())

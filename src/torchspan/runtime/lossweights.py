@@ -302,11 +302,18 @@ def weighted_loss(loss_fn: Callable[..., Any], out: Any, target: Any, weight: fl
     (Its own mean would be 0/0 = nan, and nan * 0 is still nan.) Raises ``ValueError`` when
     ``loss_fn`` does not return a scalar.
     """
+    leaves = torch.utils._pytree.tree_leaves(out)
+    if out is None or isinstance(out, (bool, int, float, complex)):
+        raise ValueError(
+            f"the model's forward returned {'None' if out is None else f'a {type(out).__name__} ({_short(out)})'}, which "
+            "holds no tensor, so there is nothing to compute the loss from and no graph to run backward through: "
+            "return the outputs as tensors (e.g. logits), not None or a Python number"
+        )
     if weight == 0.0:
         # outputs only: a model's own 0-d loss of such a chunk is nan (0/0), and nan * 0 is nan
-        leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() > 0]
-        if leaves:
-            return sum(t.sum() for t in leaves) * 0.0  # keeps the graph so backward still runs
+        outputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() > 0]
+        if outputs:
+            return sum(t.sum() for t in outputs) * 0.0  # keeps the graph so backward still runs
     loss = loss_fn(out, target)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"

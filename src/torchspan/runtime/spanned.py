@@ -251,6 +251,18 @@ class Spanned(nn.Module):
             inputs, target, spec = model_loss(inputs, target, loss_reduction, loss_normalizer)
         else:
             spec = loss_spec(loss_fn, loss_reduction, loss_normalizer)
+            if target is None and spec.kind != "opaque" and not (spec.declared and spec.kind in ("sum", "samples")):
+                raise ValueError(
+                    f"train_step(inputs, target=None, loss_fn={spec.name}): this loss compares the outputs with a target; "
+                    "pass the target, or train_step(batch) with batch['labels'] to train on the model's own loss"
+                )
+        meta = [str(d) for d in self._executor.devices if d.type == "meta"]
+        if meta:
+            raise ValueError(
+                f"train_step on a span with stage(s) on {meta[0]}: meta tensors hold shapes, not values, so nothing can be "
+                "trained there (a meta stage is for tracing shapes with spanned(...) under torch.no_grad()); span the model "
+                "on real devices, e.g. devices=['cpu', 'cpu']"
+            )
         loss_fn = spec.loss_fn
         args, kwargs = call_args(inputs)
         if not torch.is_grad_enabled():
