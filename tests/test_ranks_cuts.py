@@ -4,7 +4,8 @@ A cut right after the token embedding puts the token and position embeddings on 
 the model's own code adds them (``inputs_embeds + position_embeds``) before the next layer, a value
 no rank holds. The owner of the next layer now receives the operand it lacks and replays the glue
 op (``runtime.ranks.glue``); a value the glue changed in place after combining is refused on every
-rank, naming the cut and a balance that works (which is then followed). GPT-2 with ``balance=[1, 7]``
+rank, naming the cut and a balance that works (which is then followed), and a rank failing in the
+model's code between layers stops every rank at the next exchange. GPT-2 with ``balance=[1, 7]``
 and BART's default even split (which lands right after the decoder's token embedding) match one
 device in float64; so does a skip connection across the cut. A last stage holding only layers the
 forward never calls is refused at the first step on every rank.
@@ -200,6 +201,21 @@ class Embedded(nn.Module):
         return self.head(h + first if self.skip else h)  # a skip across the cut when the blocks sit on stage 1
 
 
+class Peeks(nn.Module):
+    """The model's own code branches on a value of stage 0's block: stage 1 cannot (it is meta there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks[0](x)
+        if h.sum() > 0:
+            h = h * 2
+        return self.blocks[1](h)
+
+
 def _small_worker(rank: int, world: int, port: int, out: str) -> None:
     _join(rank, world, port)
     g = torch.Generator().manual_seed(5)
@@ -221,6 +237,11 @@ def _small_worker(rank: int, world: int, port: int, out: str) -> None:
             lines.append(f"{label}: no error")
         except ValueError as exc:
             lines.append(f"{label}: {exc}")
+    try:  # fails on stage 1 only, between layer calls: every rank stops at its next exchange
+        torchspan.span(Peeks(), balance=[1, 1], microbatches=2).train_step(torch.randn(4, 4), torch.randn(4, 4), nn.MSELoss())
+        lines.append("peeks: no error")
+    except RuntimeError as exc:
+        lines.append(f"peeks: {exc}")
     model = Embedded(in_place=True)  # the advice followed
     reference = copy.deepcopy(model)
     spanned = torchspan.span(model, balance=[2, 3], microbatches=3)
@@ -246,4 +267,8 @@ def test_skip_connections_across_the_cut_and_refusals_on_every_rank(tmp_path: Pa
             "bart: torchspan: the last pipeline stage holds only layers the model's forward does not call ('model.shared')" in text
             and "use balance=[10, 2] with the same devices" in text
         ), text
+    other, failing = ((tmp_path / f"rank{r}.txt").read_text() for r in range(2))
+    assert "peeks: torchspan: rank 1 (stage 1) failed in micro-batch 0's forward, and every rank" in other, other
+    assert "Tensor.item() cannot be called on meta tensors" in other and "must not read them (.item()" in other, other
+    assert "peeks: torchspan: stage 1 cannot run the model's own code at micro-batch 0" in failing, failing
     assert took < 150

@@ -5,7 +5,8 @@ the tokens each expert takes, a loop over the experts hit), which ``meta`` canno
 run another stage's MoE block take its outputs' shapes from the rank that runs it for real
 (``runtime.ranks.metacalls.Described``), once per call shape. Every spawned rank compares the
 gradients of the parameters it holds with one device on the whole batch in float64 (uneven
-micro-batches, two sequence lengths, a shifted token-mean loss on the logits); a layer that cannot
+micro-batches, two sequence lengths, a shifted token-mean loss on the logits; router logits recorded
+by hooks inside the blocks, which the other ranks fire again on replayed calls); a layer that cannot
 be described is refused on every rank at the first step, and a layer that fails for real stops the
 ranks waiting for it, naming it.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import copy
 import os
 import traceback
+import warnings
 from pathlib import Path
 
 import pytest
@@ -55,10 +57,11 @@ def shifted_tokens(labels: torch.Tensor) -> torch.Tensor:
 
 
 def _mixtral(experts: str = "eager") -> nn.Module:
+    """Router logits recorded (output_router_logits): by hooks inside the blocks, which other ranks replay."""
     cfg = transformers.MixtralConfig(
         vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=4, num_attention_heads=2,
         num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, use_cache=False,
-        tie_word_embeddings=False, experts_implementation=experts,
+        tie_word_embeddings=False, experts_implementation=experts, output_router_logits=True,
     )  # fmt: skip
     torch.manual_seed(0)
     return transformers.MixtralForCausalLM(cfg).double()
@@ -99,10 +102,17 @@ def _train_and_compare(make, label: str, rank: int, **span_args) -> None:
         expected.backward()
         torch.testing.assert_close(loss.double(), expected.detach(), **LOSS_TOL)
         assert _check(spanned, reference, f"{label} step {step}", rank) > 0
-    with torch.no_grad():  # a forward: the last stage's logits on every rank
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:  # a forward: the last stage's outputs on every rank
+        warnings.simplefilter("always")
         ids, _, mask = _batch(30, 3, 6)
-        got = spanned(input_ids=ids, attention_mask=mask).logits
-        torch.testing.assert_close(got, reference(input_ids=ids, attention_mask=mask).logits, **TOL)
+        got, want = spanned(input_ids=ids, attention_mask=mask), reference(input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(got.logits, want.logits, **TOL)
+    if getattr(want, "router_logits", None) is not None:  # each block's, from the stage that runs it
+        assert len(got.router_logits) == len(want.router_logits)
+        for mine, theirs in zip(got.router_logits, want.router_logits):
+            torch.testing.assert_close(mine, theirs, **TOL)
+        assert got.aux_loss is None  # combines every block's router logits: no rank holds it
+        assert any("output ['aux_loss'] combines values of several pipeline stages" in str(w.message) for w in caught)
 
 
 def _moe_worker(rank: int, world: int, port: int) -> None:

@@ -28,13 +28,16 @@ Usage (``RankOwnForwardExecutor`` does this)::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
+from torch.nn.modules.module import register_module_forward_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
+
+from .together import every_rank
 
 __all__ = ["MetaCalls", "Described", "describe", "shape_key"]
 
@@ -100,11 +103,62 @@ class _Template:
         return tree_unflatten(out, self.spec)
 
 
+class _SubHooks:
+    """The forward hooks of a layer's submodules that fired while it ran on meta (transformers records
+    router logits, attentions and hidden states so), fired again with meta stand-ins whenever a call is
+    replayed without running: every call leaves what a meta run would have left."""
+
+    __slots__ = ("calls",)
+
+    def __init__(self, calls: list[tuple[nn.Module, _Template]]) -> None:
+        self.calls = calls
+
+    @classmethod
+    def of(cls, fired: list[tuple[nn.Module, Any]]) -> _SubHooks | None:
+        calls = []
+        for module, seen in fired:
+            template = _Template.of(seen, [])
+            if template is None:
+                return None
+            calls.append((module, template))
+        return cls(calls)
+
+    def fire(self) -> None:
+        for module, template in self.calls:
+            args, kwargs, out = template.build([])
+            for hook_id, hook in list(module._forward_hooks.items()):
+                if hook_id in module._forward_hooks_with_kwargs:
+                    hook(module, args, kwargs, out)
+                else:
+                    hook(module, args, out)
+
+
+@contextmanager
+def _watching(module: nn.Module) -> Iterator[list[tuple[nn.Module, Any]]]:
+    """The calls of ``module``'s hooked submodules while it runs: ``(submodule, (args, kwargs, output))``."""
+    hooked = {id(m) for m in module.modules() if m is not module and m._forward_hooks}
+    fired: list[tuple[nn.Module, Any]] = []
+    if not hooked:
+        yield fired
+        return
+
+    def seen(sub: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
+        if id(sub) in hooked:
+            fired.append((sub, (args, kwargs, out)))
+
+    handle = register_module_forward_hook(seen, with_kwargs=True)
+    try:
+        yield fired
+    finally:
+        handle.remove()
+
+
 class MetaCalls:
     """Templates of other stages' layer calls on this rank (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._templates: dict[tuple[Any, ...], _Template] = {}
+        self._templates: dict[tuple[Any, ...], tuple[_Template, _SubHooks | None]] = {}
+        self._failed: dict[Any, _SubHooks | None] = {}  # key -> submodule hooks that fired before the layer failed
         self.ran = 0  # calls that ran the layer (the rest were replayed)
 
     @staticmethod
@@ -122,21 +176,48 @@ class MetaCalls:
     def run(self, where: Any, module: nn.Module, fn: Callable[..., Any], leaves: list[Any], spec: Any) -> Any:
         """``fn(*args, **kwargs)`` for the flattened ``(args, kwargs)`` (``leaves``: meta tensors and plain
         values, ``spec``), run without grad, or its recorded outputs for this call's key (``where``: the
-        call's place in the forward, hashable)."""
+        call's place in the forward, hashable), its submodules' forward hooks fired again."""
         inputs = [t for t in leaves if isinstance(t, torch.Tensor)]
         key = self._key(where, module, leaves)
-        template = self._templates.get(key) if key is not None else None
-        if template is None:
+        known = self._templates.get(key) if key is not None else None
+        if known is None:
             self.ran += 1
             args, kwargs = tree_unflatten(leaves, spec)
-            out = fn(*args, **kwargs)
+            with _watching(module) as fired:
+                try:
+                    out = fn(*args, **kwargs)
+                except Exception:
+                    if key is not None:
+                        if len(self._failed) >= _LIMIT:
+                            self._failed.clear()
+                        self._failed[key] = _SubHooks.of(fired)
+                    raise
             template = _Template.of(out, inputs) if key is not None else None
-            if template is None:
+            hooks = _SubHooks.of(fired) if fired else None
+            if template is None or (fired and hooks is None):
                 return out
             if len(self._templates) >= _LIMIT:
                 self._templates.clear()
-            self._templates[key] = template
+            self._templates[key] = (template, hooks)
+            return template.build(inputs)
+        template, hooks = known
+        if hooks is not None:
+            hooks.fire()
         return template.build(inputs)
+
+    def run_failed(self, where: Any, module: nn.Module, fn: Callable[..., Any], leaves: list[Any], spec: Any) -> None:
+        """A call of a layer that fails on meta here (its outputs come from its owner's description): what its
+        meta run leaves before failing, its submodules' forward hooks fired, as ``run`` would (run once per key)."""
+        key = self._key(where, module, leaves)
+        if key is not None and key in self._failed:
+            hooks = self._failed[key]
+            if hooks is not None:
+                hooks.fire()
+            return
+        try:
+            self.run(where, module, fn, leaves, spec)
+        except Exception:  # noqa: BLE001 - expected: it failed on meta before
+            pass
 
 
 def shape_key(where: Any, module: nn.Module, leaves: list[Any]) -> tuple[Any, ...] | None:
@@ -167,15 +248,14 @@ class Described:
     """Outputs of layers that other ranks cannot run on ``meta``, described by the rank that runs them
     (see the module docstring). Per layer stage, the templates by ``shape_key``: received (other ranks)
     or sent (the owner, which checks later calls against them); every rank keeps the same keys, so
-    every rank of the pipeline takes part in the same exchanges (``broadcast_object_list`` from the owner).
-
-    ``rank_of(stage)``: the global rank holding a stage in this pipeline; ``group``/``device``: the pipeline's
-    process group and where its messages travel.
+    every rank of the pipeline takes part in the same exchanges. ``gather(mine)``: every stage's
+    ``mine`` (index = stage) from every rank of the pipeline (``together.Together.gather``);
+    ``rank_of(stage)``: the global rank holding a stage.
     """
 
-    def __init__(self, stages: int, rank_of: Callable[[int], int], group: Any, device: torch.device) -> None:
+    def __init__(self, stages: int, gather: Callable[[Any], list[Any]], rank_of: Callable[[int], int]) -> None:
         self._templates: list[dict[tuple[Any, ...], _Template]] = [{} for _ in range(stages)]
-        self.rank_of, self.group, self.device = rank_of, group, device
+        self.gather, self.rank_of = gather, rank_of
         self.exchanged = 0  # descriptions sent or received
 
     def _keep(self, stage: int, key: tuple[Any, ...] | None, template: _Template) -> None:
@@ -186,10 +266,8 @@ class Described:
             kept[key] = template
 
     def _exchange(self, stage: int, sent: Any) -> Any:
-        box = [sent]
-        dist.broadcast_object_list(box, src=self.rank_of(stage), group=self.group, device=self.device)
         self.exchanged += 1
-        return box[0]
+        return self.gather(sent)[stage]
 
     def outputs(self, layer: str, stage: int, key: tuple[Any, ...] | None, inputs: list[torch.Tensor], failures: Any) -> Any:
         """On a rank that cannot run ``layer`` (of ``stage``) on meta: its outputs as meta tensors of the
@@ -198,10 +276,10 @@ class Described:
         if template is None:
             got = self._exchange(stage, None)
             if isinstance(got, tuple):
-                raise RuntimeError(
+                raise every_rank(RuntimeError(
                     f"torchspan: stage {stage} (rank {self.rank_of(stage)}) failed running layer {layer!r}, whose "
                     f"outputs' shapes this rank waited for: {got[1]}; see that rank's traceback"
-                )
+                ))  # fmt: skip
             _raise_refused(layer, stage, failures, got)
             template = got
             self._keep(stage, key, template)
@@ -233,9 +311,9 @@ def _raise_refused(layer: str, stage: int, failures: Any, got: Any) -> None:
     """The owner could not describe the outputs (``got``: why): every rank of the pipeline raises this."""
     if isinstance(got, str):
         meta = "; ".join(f"stage {s}: {why}" for s, why in failures)
-        raise ValueError(
+        raise every_rank(ValueError(
             f"torchspan: layer {layer!r} (stage {stage}) cannot run on meta on the other ranks of the pipeline ({meta}), "
             f"and its outputs cannot be described to them by their shapes: {got}. Make the layer return tensors and "
             "plain values only (for a transformers model, use_cache=False), or run this model in one process "
             "(span with devices=[...])"
-        )
+        ))  # fmt: skip

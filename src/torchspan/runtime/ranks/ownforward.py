@@ -36,14 +36,12 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ... import schedule as sched
 from ...hardware import to_device
 from ...layers import buffer_slots
-from ...layers.reuse import balance_advice
 from ..executor import Executor, Settings, Work
 from ..layercall import autocast_for, recomputes, run_layer
 from ..local.placed import OwnForwardLayers
@@ -56,22 +54,17 @@ from .env import RankInfo
 from .mesh import Mesh
 from .forwardstate import Forward, LayerCall, Path, real_arguments, sent_tensor
 from .metacalls import Described, MetaCalls, shape_key
-from .p2p import RankTransport
-from .routes import META, CallRoute, DivergedError, Seen, resolve_rebuilds, route_call
+from .p2p import PeerError, RankTransport
+from .routes import META, CallRoute, DivergedError, Seen, check_last_stage, cut_advice, resolve_rebuilds, route_call
 from .stage import RankStage
-from .taint import MetaTaint, check_unchanged, container_sizes, is_meta, meta_like, to_meta
+from .taint import MetaTaint, check_unchanged, container_sizes, meta_like, to_meta
+from .together import Together, every_rank, explained, raised_everywhere
 
 __all__ = ["RankOwnForwardExecutor"]
 
 
 _NOT_RUN: Any = object()  # a meta call not run (yet)
-
-
-class _Missing:
-    """An output the last stage holds as ``meta`` (shape and dtype only), filled from an earlier stage."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.shape, self.dtype = tuple(t.shape), t.dtype
+_END = ("end of forward",)  # on the path tree: the forward ended here (an exchange the first time)
 
 
 def _guarded(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -110,13 +103,15 @@ class RankOwnForwardExecutor(Executor):
         self.shards_batch = mesh.replicas > 1  # each pipeline trains one shard of the global batch
         self.own = OwnForwardLayers(model, self.devices, self.groups, **options)
         self._placed = False
+        self._kept: set[int] = set()
         self._paths = {True: Path(), False: Path()}  # training forwards, no-grad forwards
         self._fwd: Forward | None = None
         self._transport = RankTransport(mesh, info.rank, info.device, self.ranks.comm)  # raw tensors, tags "own-fwd"/"own-bwd"
         self._swaps: dict[str, list[tuple[nn.Module, str, str, Any, Any]]] = {}
         self._steps = MeteredSteps(meter)  # which training steps count saved activations (micro-batch shapes)
         self._meta_calls = MetaCalls()
-        self._described = Described(mesh.stages, self._transport.peer, self.ranks.pipe_group, self.ranks.comm)
+        self._together = Together(mesh.stages, self._transport.peer, None)  # the group is made by place()
+        self._described = Described(mesh.stages, self._together.gather, self._transport.peer)
 
     @property
     def layers(self) -> dict[str, nn.Module]:
@@ -138,7 +133,7 @@ class RankOwnForwardExecutor(Executor):
         if self._placed:
             return
         self.groups, root_attrs = self.own.record(work, self.devices, self.groups)
-        self._check_last_stage()
+        check_last_stage([layer.name for layer in self.own.layer_set if layer.ran], self.groups)
         self.root_attrs = dict(root_attrs)
         keep = self.ranks.find_ties(self.layers, self.groups)
         mine_roots = [q for q, s in root_attrs.items() if s == self.stage]
@@ -157,21 +152,9 @@ class RankOwnForwardExecutor(Executor):
         place(self.model, mine, self.devices, self.root_attrs, self.layers, mine_roots)
         self._swaps = self._tied_swaps()
         self.ranks.start()
-        self._described.group = self.ranks.pipe_group  # made by start() when there are replicas
+        self._together.group = self.ranks.pipe_group  # made by start() when there are replicas
+        self._kept = {id(t) for t in [*self.model.parameters(), *self.model.buffers()]}  # the glue never turns them meta
         self._placed = True
-
-    def _check_last_stage(self) -> None:
-        """The loss is taken on the last stage: it must hold a layer the forward runs (every rank checks alike)."""
-        ran = [layer.name for layer in self.own.layer_set if layer.ran]
-        last = self.groups[-1]
-        if not ran or any(name in ran for name in last):
-            return
-        order = [n for g in self.groups for n in g]
-        fix = balance_advice(len(order), [(order.index(ran[-1]), len(order) - 1)], [len(g) for g in self.groups])
-        raise ValueError(
-            f"torchspan: the last pipeline stage holds only layers the model's forward does not call ({', '.join(map(repr, last))}), "
-            f"so the model's outputs come from earlier stages while the loss is taken on the last one; use {fix}"
-        )
 
     def _tied_swaps(self) -> dict[str, list[tuple[nn.Module, str, str, Any, Any]]]:
         """For each other stage's layer, the tied tensors it holds real here, with their meta stand-ins."""
@@ -246,6 +229,8 @@ class RankOwnForwardExecutor(Executor):
                 meta = [meta_like(v) if isinstance(v, torch.Tensor) else v for v in c.leaves]
                 key = shape_key(c.place, self.layers[name], meta)
                 inputs = [t for t in meta if isinstance(t, torch.Tensor)]
+                if not recording:  # what its meta run leaves before failing (hooks recording router logits)
+                    self._meta_run(c, failing=True)
                 return st.made(name, self._described.outputs(name, stage, key, inputs, route.failures))
             return st.made(name, ran if ran is not _NOT_RUN else self._meta_run(c))
         return st.made(name, self._run_here(st, c, route, recording))
@@ -257,32 +242,21 @@ class RankOwnForwardExecutor(Executor):
         if known is None:
             local = c.stage == self.stage
             aliases = tuple(st.at.get(id(t)) if local and t.is_meta else None for t in c.tensors)
-            views: list[Any] = [None] * self.mesh.stages
             dtypes = tuple(t.dtype for t in c.tensors)
-            dist.all_gather_object(views, Seen(c.name, codes, aliases, dtypes, failed), group=self.ranks.pipe_group)
-            route = route_call(c.k, c.name, c.stage, views, pending=True)
-            if route.unresolved:  # values the glue combined from several stages: how each rank made them
-                trees = {i: st.recipes.tree(c.tensors[i], st.code, st.layer_of) for i in route.unresolved}
-                dist.all_gather_object(views, trees, group=self.ranks.pipe_group)
-                resolve_rebuilds(route, views, self._advice)
+            views = self._together.gather(Seen(c.name, codes, aliases, dtypes, failed))
+            try:  # the same views on every rank: the same route, or the same error
+                route = route_call(c.k, c.name, c.stage, views, pending=True)
+                if route.unresolved:  # values the glue combined from several stages: how each rank made them
+                    views = self._together.gather({i: st.recipes.tree(c.tensors[i], st.code, st.layer_of) for i in route.unresolved})
+                    resolve_rebuilds(route, views, lambda layers: cut_advice(self.groups, layers))
+            except (ValueError, DivergedError) as exc:
+                raise every_rank(exc) from None
             known = (route, Path())
             st.node.next[c.signature] = known
         else:
             known[0].check(self.stage, c.name, codes)
         route, st.node = known
         return route
-
-    def _advice(self, layers: list[str]) -> str:
-        """Where the stages cut between ``layers``, whose outputs the model's code combines, and a balance keeping them together."""
-        stage_of, order = self.stage_of, [n for g in self.groups for n in g]
-        named = [n for n in layers if n in stage_of]
-        if len({stage_of[n] for n in named}) < 2:
-            return ""
-        first, last = min(stage_of[n] for n in named), max(stage_of[n] for n in named)
-        cuts = ", ".join(f"between {self.groups[s][-1]!r} and {self.groups[s + 1][0]!r}" for s in range(first, last))
-        together = [(min(order.index(n) for n in named), max(order.index(n) for n in named))]
-        fix = balance_advice(len(order), together, [len(g) for g in self.groups])
-        return f"The cut {cuts} separates them: use {fix}"
 
     def _try_meta(self, c: LayerCall) -> tuple[Any, str | None]:
         """Another stage's layer on meta, the first time its call is reached: its outputs, or why it failed."""
@@ -294,10 +268,11 @@ class RankOwnForwardExecutor(Executor):
                 return _NOT_RUN, text
             return _NOT_RUN, f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:300]
 
-    def _meta_run(self, c: LayerCall) -> Any:
+    def _meta_run(self, c: LayerCall, failing: bool = False) -> Any:
         with torch.no_grad(), self._swapped(c.name):
             meta = [meta_like(v) if isinstance(v, torch.Tensor) else v for v in c.leaves]
-            return self._meta_calls.run(c.place, self.layers[c.name], _guarded(c.fn, c.name), meta, c.spec)
+            run = self._meta_calls.run_failed if failing else self._meta_calls.run
+            return run(c.place, self.layers[c.name], _guarded(c.fn, c.name), meta, c.spec)
 
     def _run_here(self, st: Forward, c: LayerCall, route: CallRoute, recording: bool) -> Any:
         """This stage's layer: arguments other stages computed are received (or reused), then it runs for real."""
@@ -317,6 +292,7 @@ class RankOwnForwardExecutor(Executor):
             except BaseException as exc:
                 if route.described:  # the other ranks may wait for this call's description: they stop too
                     self._describe(c, route, exc)
+                    every_rank(exc)
                 raise
         if route.described:
             self._describe(c, route, out)
@@ -366,12 +342,32 @@ class RankOwnForwardExecutor(Executor):
         st = Forward(mb, grad, self._paths[grad], metering, grad and recomputes(s.recompute, mb, s.microbatches))
         self._fwd = st
         try:
-            with torch.set_grad_enabled(grad), MetaTaint(self.device, st.recipes):
+            kept = self._kept | {id(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+            with torch.set_grad_enabled(grad), MetaTaint(self.device, st.recipes, kept):
                 out = self.model(*args, **kwargs)
+        except Exception as exc:
+            failure = explained(exc, self.stage, mb)
+            if not st.node.next and not raised_everywhere(exc) and not isinstance(exc, PeerError):
+                self._together.join(failure, self.stage, mb)  # the others' next step on this path is an exchange
+            if failure is exc:
+                raise
+            raise failure from exc
         finally:
             self._fwd = None
             st.recipes.clear()
         return out, st
+
+    def _end(self, st: Forward, failure: BaseException | None = None) -> None:
+        """After a forward (and its loss): the first time a path ends here, every rank exchanges how it went, so a
+        rank that failed (``failure``, e.g. the loss refused on the last stage) stops every rank; raises ``failure``."""
+        if _END not in st.node.next:
+            st.node.next[_END] = (None, st.node)  # type: ignore[assignment]
+            if failure is None:
+                self._together.gather(None)
+            elif not raised_everywhere(failure) and not isinstance(failure, PeerError):
+                self._together.join(failure, self.stage, st.mb)
+        if failure is not None:
+            raise failure
 
     def _loss(self, out: Any, target: Any, loss_fn: Callable[..., Any], weight: float) -> torch.Tensor:
         try:
@@ -384,7 +380,8 @@ class RankOwnForwardExecutor(Executor):
         if loss.is_meta:
             raise ValueError(
                 "torchspan: the loss reads model outputs that the last pipeline stage does not compute (they come from "
-                "earlier stages' layers only); compute the loss from the model's final outputs (e.g. logits)"
+                "earlier stages' layers, or combine several stages' values, as an MoE model's aux_loss over every "
+                "block's router logits); compute the loss from the model's final outputs (e.g. logits)"
             )
         return loss
 
@@ -434,8 +431,12 @@ class RankOwnForwardExecutor(Executor):
                 with self.recorder.block(self.stage, self.device, mb, action.kind):
                     if action.kind == sched.FORWARD:
                         out, st = self._forward(work, mb, grad=True, metering=metering)
-                        if self.ranks.last:
-                            st.loss = self._loss(out, targets[mb], loss_fn, weights[mb])
+                        try:
+                            st.loss = self._loss(out, targets[mb], loss_fn, weights[mb]) if self.ranks.last else None
+                        except Exception as exc:  # noqa: BLE001 - raised on every rank by _end
+                            self._end(st, exc)
+                        self._end(st)
+                        if st.loss is not None:
                             losses.append(st.loss.detach().to(torch.float64))
                         live[mb] = st
                     else:
@@ -452,33 +453,10 @@ class RankOwnForwardExecutor(Executor):
             ok = False
             try:
                 for mb in range(len(work.chunks)):
-                    out, _ = self._forward(work, mb, grad=False)
+                    out, st = self._forward(work, mb, grad=False)
+                    self._end(st)
                     outs.append(out)
                 ok = True
             finally:
                 self._transport.finish(ok)
-        return self._shared_outputs(outs)
-
-    def _shared_outputs(self, outs: list[Any]) -> list[Any]:
-        """The last stage's outputs on every rank of this pipeline, where a value the last stage does not hold
-        (``meta`` there: only earlier stages' layers read it, as an encoder's output past the last decoder
-        block) comes from the latest stage that holds it (one that no stage holds stays ``meta``)."""
-        last = self.ranks.last
-        marked = [tree_map(lambda v: _Missing(v) if is_meta(v) else v, o) for o in outs] if last else None
-        shared = self.ranks.shared_outputs(marked)
-        missing = [(mb, j) for mb, o in enumerate(shared) for j, v in enumerate(tree_flatten(o)[0]) if isinstance(v, _Missing)]
-        if not missing:
-            return shared
-        mine = [tree_flatten(o)[0] for o in outs]
-        held = {(mb, j): mine[mb][j].cpu() for mb, j in missing if not is_meta(mine[mb][j])}
-        views: list[Any] = [None] * self.mesh.stages
-        dist.all_gather_object(views, held, group=self.ranks.pipe_group)
-        filled = []
-        for mb, o in enumerate(shared):
-            leaves, spec = tree_flatten(o)
-            for j, v in enumerate(leaves):
-                if isinstance(v, _Missing):
-                    found = [view[(mb, j)] for view in views if (mb, j) in view]
-                    leaves[j] = found[-1].to(self.device) if found else torch.empty(v.shape, dtype=v.dtype, device="meta")
-            filled.append(tree_unflatten(leaves, spec))
-        return filled
+        return self._together.outputs(outs, self.ranks.last, self.ranks.shared_outputs, self.device)

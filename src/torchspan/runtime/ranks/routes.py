@@ -26,9 +26,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...layers.reuse import balance_advice
 from .glue import Node, layers_in, node_at
 
-__all__ = ["META", "REAL", "GRAD", "Seen", "Transfer", "Reuse", "CallRoute", "route_call", "resolve_rebuilds", "DivergedError"]
+__all__ = [
+    "META", "REAL", "GRAD", "Seen", "Transfer", "Reuse", "CallRoute", "route_call", "resolve_rebuilds", "DivergedError",
+    "cut_advice", "check_last_stage",
+]  # fmt: skip
 
 META, REAL, GRAD = 0, 1, 2  # a tensor argument as one rank sees it: another stage's; computed here; computed here with grad
 
@@ -206,3 +210,31 @@ def _resolve(stage: int, leaf: int, path: tuple[int, ...], nodes: list[Node | No
         if why:
             return why
     return ""
+
+
+def cut_advice(groups: Sequence[Sequence[str]], layers: Sequence[str]) -> str:
+    """Where ``groups`` (layer names per stage) cut between ``layers``, whose outputs the model's code combines,
+    and the closest balance keeping them in one stage ('' when they are in one stage already)."""
+    stage_of = {name: s for s, g in enumerate(groups) for name in g}
+    order = [n for g in groups for n in g]
+    named = [n for n in layers if n in stage_of]
+    if len({stage_of[n] for n in named}) < 2:
+        return ""
+    first, last = min(stage_of[n] for n in named), max(stage_of[n] for n in named)
+    cuts = ", ".join(f"between {groups[s][-1]!r} and {groups[s + 1][0]!r}" for s in range(first, last))
+    together = [(min(order.index(n) for n in named), max(order.index(n) for n in named))]
+    return f"The cut {cuts} separates them: use {balance_advice(len(order), together, [len(g) for g in groups])}"
+
+
+def check_last_stage(ran: Sequence[str], groups: Sequence[Sequence[str]]) -> None:
+    """The loss is taken on the last stage: raise ``ValueError`` unless it holds a layer the forward runs
+    (``ran``: the layers the recording forward called, in order), with a balance that gives it one."""
+    last = groups[-1]
+    if not ran or any(name in ran for name in last):
+        return
+    order = [n for g in groups for n in g]
+    fix = balance_advice(len(order), [(order.index(ran[-1]), len(order) - 1)], [len(g) for g in groups])
+    raise ValueError(
+        f"torchspan: the last pipeline stage holds only layers the model's forward does not call ({', '.join(map(repr, last))}), "
+        f"so the model's outputs come from earlier stages while the loss is taken on the last one; use {fix}"
+    )

@@ -11,10 +11,14 @@ device computes. Plain torch refuses to mix ``meta`` with real tensors, so ``Met
 - tensors made from shapes alone (``torch.arange(n, device=x.device)``, ``zeros_like(x)``,
   ``x.new_ones(...)``, ``t.to(x.device)``) are real on this rank's device even when ``x`` is
   ``meta``: their values do not depend on ``x``'s data;
-- an in-place op writing ``meta`` data into a real tensor raises (the real tensor would keep a
-  stale value: never silently wrong), as does reading a value of a ``meta`` tensor
-  (``.item()``, ``if x.any():``), which torch refuses itself;
-- a ``meta`` tensor moved to a device (``h.to(x.device)``, ``h.cuda()``) stays ``meta``;
+- an in-place op writing ``meta`` data into a real tensor of the forward's own
+  (``torch.zeros(n).scatter_add_(0, idx, src)``) turns that tensor ``meta``; into a tensor that
+  outlives the forward (``kept``: weights, buffers, inputs), a view or one with views it raises
+  (a real tensor would keep a stale value: never silently wrong), as does reading a value of a
+  ``meta`` tensor (``.item()``, ``if x.any():``), which torch refuses itself;
+- a ``meta`` tensor moved to a device (``h.to(x.device)``, ``h.cuda()``) stays ``meta``, and its
+  ``.device`` reads as this rank's device (code that chooses by ``x.device.type``, as an MoE
+  router loss does, takes the branch one device takes; ``x.is_meta`` still tells);
 - with ``recipes`` (``glue.Recipes``), every op whose result is ``meta`` is recorded, so the stage
   that needs a value the glue combined from several stages can replay it.
 
@@ -43,6 +47,7 @@ _FROM_SHAPE = {
     "new_zeros", "new_ones", "new_full", "new_empty",
 }  # fmt: skip
 _META = torch.device("meta")
+_REFUSED: Any = object()
 # Moves between devices: a ``meta`` tensor moved to a real device (``h.to(x.device)``) is still another stage's value.
 _MOVES = {"to", "cpu", "cuda", "xpu", "mps"}
 # ``x += y`` on a meta ``x`` made from a real one returns a new meta tensor: replayed out of place.
@@ -107,15 +112,17 @@ def _name(func: Callable[..., Any]) -> str:
 class MetaTaint(TorchFunctionMode):
     """The glue rules above; ``device`` is where this rank's real tensors live."""
 
-    def __init__(self, device: torch.device, recipes: Recipes | None = None) -> None:
+    def __init__(self, device: torch.device, recipes: Recipes | None = None, kept: frozenset[int] | set[int] = frozenset()) -> None:
         super().__init__()
         self.device, self.recipes = device, recipes
+        self.kept = kept  # ids of tensors that outlive the forward (weights, buffers, inputs): never turned meta
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         name = _name(func)
         if name == "__get__":  # .shape, .device, .dtype, ...
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)  # another stage's value reads as on this rank's device: code choosing by
+            return self.device if isinstance(out, torch.device) and out.type == "meta" else out  # device type runs as on one device
         if _is_meta_device(kwargs.get("device")):  # made here from shapes: real on this rank
             kwargs = {**kwargs, "device": self.device}
         leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -141,6 +148,9 @@ class MetaTaint(TorchFunctionMode):
             return out if writes else self._recorded(_OUT_OF_PLACE.get(name, func), args, kwargs, out)
         # Mixed: the result is another stage's value here.
         if writes and isinstance(target, torch.Tensor) and not target.is_meta:
+            written = self._write_meta(func, args, kwargs, target) if id(target) not in self.kept else _REFUSED
+            if written is not _REFUSED:  # the glue's own tensor became another stage's value
+                return written
             raise RuntimeError(
                 f"torchspan: the model's forward writes a value computed by another pipeline stage into a tensor "
                 f"computed on this one, in place ({name}); across ranks this rank's copy would keep a stale value. "
@@ -149,6 +159,22 @@ class MetaTaint(TorchFunctionMode):
             )
         out = func(*to_meta(args), **to_meta(kwargs))
         return out if writes else self._recorded(_OUT_OF_PLACE.get(name, func), args, kwargs, out)
+
+    @staticmethod
+    def _write_meta(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: torch.Tensor) -> Any:
+        """An in-place write of another stage's value into a tensor the glue made here (``torch.zeros(n).scatter_add_(0,
+        idx, src)``): the tensor itself becomes ``meta``, another stage's value, wherever it is referenced. Refused
+        (``_REFUSED``) when it is a view or has views (they would keep the stale value) or autograd saved it."""
+        if target._is_view() or torch._C._storage_Use_Count(target.untyped_storage()._cdata) > 2:  # 2: itself + this query
+            return _REFUSED
+        margs, mkwargs = to_meta(args), to_meta(kwargs)
+        stand_in = mkwargs["out"] if "out" in kwargs else margs[0]
+        out = func(*margs, **mkwargs)
+        try:
+            torch.utils.swap_tensors(target, stand_in)
+        except RuntimeError:
+            return _REFUSED
+        return target if out is stand_in else out
 
     def _recorded(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
         """``out``, remembered in ``recipes`` (how this rank's meta values were made) when there are any."""
