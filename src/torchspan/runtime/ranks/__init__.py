@@ -1,7 +1,7 @@
 """Several processes: joining the job (``env``), sharding data (``shard``), exact data-parallel
 replicas (``dataparallel``, ``replicated``), pipelines across ranks (``mesh``; ``stage``, held by
 ``pipelined``: stage functions over ``p2p``, and ``ownforward``: the model's own forward, with
-``taint``, ``routes``, ``metacalls``, ``glue`` and ``forwardstate``) and checkpoints written once for all ranks (``checkpoint``).
+``taint``, ``routes``, ``metacalls``, ``glue``, ``forwardstate`` and ``together``) and checkpoints written once for all ranks (``checkpoint``).
 
 Usage: ``from torchspan.runtime.ranks import init_distributed, DataParallelReplica, shard_batch``.
 """

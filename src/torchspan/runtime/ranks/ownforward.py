@@ -6,8 +6,8 @@ micro-batch; its own stage's layers run for real on its device, other stages' la
 layers follows the ``taint`` rules, so a tensor is real on a rank exactly when that rank could
 compute it. A layer that cannot run on ``meta`` (an MoE block's value-dependent routing) runs only
 on its own stage, which describes its outputs' shapes to the other ranks once per call shape
-(``metacalls.Described``); a failure there raises on every rank of the pipeline. When a layer of this rank
-needs an argument another stage computed, that stage sends it at the same call
+(``metacalls.Described``). When a layer of this rank needs an argument another stage computed,
+that stage sends it at the same call
 (``routes``: found the first time a forward takes a path, by comparing what each rank sees,
 then replayed and checked); gradients of what crossed travel back in backward. A value the glue
 combined from several stages (``inputs_embeds + position_embeds`` across a cut right after the token
@@ -22,7 +22,10 @@ loss is weighed against the whole batch on the last stage and every rank's gradi
 of one device. ``recompute`` recomputes this rank's layers in backward; ``precision="bf16"``
 autocasts them (a value crosses in the dtype its holder has: meta knows no autocast). A forward
 must take the same path on every rank (no branches on values other stages compute, which
-``meta`` cannot answer: such a model raises, naming the call).
+``meta`` cannot answer: such a model raises, naming the call). The ranks exchange at every new
+call and at the end of a forward the first time they reach them (``together``); a rank that fails
+where the others head for such an exchange (the first step) joins it with its error, so every rank
+of the pipeline raises it instead of waiting for a peer that stopped.
 
 Usage (``span`` does this in a launched job)::
 
