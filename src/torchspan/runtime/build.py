@@ -24,9 +24,10 @@ from .layout import layout
 from .memory import ActivationMeter
 from .nonfinite import NONFINITE
 from .placement import parse_devices
-from .ranks.env import join_launched_job
+from .ranks.env import init_distributed, join_launched_job
 from .ranks.mesh import launched_stages
 from .ranks.replicated import launched_replica
+from .ranks.sharded import check_shard_options
 from .record import Recorder
 from .spanned import Spanned
 
@@ -87,6 +88,38 @@ def _check_workers(settings: Settings, devices: list[torch.device]) -> None:
         )
 
 
+def _sharding(plan: Plan | None, shard: Any, offload: Any, reshard_after_forward: Any, precision: str) -> dict[str, Any]:
+    """``span``'s sharding keywords, else the plan's (``Plan.shard``, ``Plan.offload``), checked before any work."""
+    chosen = dict(
+        shard=_given(shard, getattr(plan, "shard", None), False),
+        offload=_given(offload, getattr(plan, "offload", None), None),
+        reshard_after_forward=reshard_after_forward,
+    )
+    check_shard_options(chosen["shard"], chosen["offload"], precision, reshard_after_forward)
+    return chosen
+
+
+def _replica(
+    model: nn.Module, plan: Plan | None, devices: Any, balance: Any, settings: Settings, recorder: Recorder, sharding: dict[str, Any]
+) -> Spanned | None:
+    """This rank's data-parallel replica (DDP, or sharded by FSDP2) when launched with one stage or sharded; else None."""
+    stages = launched_stages(plan, devices, balance)
+    if sharding["shard"] and stages > 1:
+        raise ValueError(
+            f"shard=True with {stages} pipeline stages is not supported yet: shard one stage (no balance, one device) "
+            "over the data-parallel ranks, or pipeline without shard=True"
+        )
+    if sharding["shard"]:
+        init_distributed()  # a plain process: a world of one, the sharded replica of one rank (offload on one GPU)
+    if stages != 1 or not (launched_replica(plan) or sharding["shard"]):
+        return None
+    device = parse_devices(devices)[0] if devices is not None else None
+    meter = ActivationMeter(1)
+    executor = replica(model, device, settings, recorder, meter, **sharding)
+    why = "launched with one stage per replica" + (", sharded" if sharding["shard"] else "")
+    return Spanned(model, executor, settings, recorder, meter, mode_reason=why)
+
+
 def span(
     model: nn.Module,
     plan: Plan | None = None,
@@ -102,6 +135,9 @@ def span(
     no_split: list[Any] | None = None,
     checkpoint: str | None = None,
     nonfinite: str = "raise",
+    shard: bool | None = None,
+    offload: str | None = None,
+    reshard_after_forward: bool = True,
 ) -> Spanned:
     """Place ``model``'s layers (``torchspan.layers``) on devices and return a pipelined ``Spanned``.
 
@@ -136,18 +172,22 @@ def span(
     (``runtime.ranks.pipelined``), else the model's own forward on every rank with the other stages'
     layers on ``meta`` (``runtime.ranks.ownforward``: transformers models, wrappers around ``ModuleList``s).
 
+    ``shard=True`` (or a plan's ``shard``), one stage: that replica sharded by FSDP2, ``mode == "sharded"``
+    (``runtime.ranks.sharded``: ``.grad`` a ``DTensor`` shard; ``reshard_after_forward`` True is ZeRO-3,
+    False ZeRO-2; ``offload="cpu"``: states in CPU memory, needs a GPU). In a plain process it opens a
+    process group of one (``init_distributed()``): one GPU training with offload.
+
     Usage: ``span(model, devices=["cpu", "cpu"], balance=[2, 2], microbatches=4, schedule="1f1b")``.
     """
     _check_arguments(model, plan, devices, balance)
     settings = span_settings(plan, microbatches, schedule, recompute_alias(recompute, checkpoint, None), precision, workers)  # type: ignore[arg-type]
     settings.nonfinite = _choice("nonfinite", nonfinite, NONFINITE)
+    sharding = _sharding(plan, shard, offload, reshard_after_forward, settings.precision)
     join_launched_job("torchspan.span")  # launched without init_distributed(): join, never train as a lone process
     recorder = Recorder()
-    if launched_stages(plan, devices, balance) == 1 and launched_replica(plan):  # launched: one replica per process
-        device = parse_devices(devices)[0] if devices is not None else None
-        meter = ActivationMeter(1)
-        executor = replica(model, device, settings, recorder, meter)
-        return Spanned(model, executor, settings, recorder, meter, mode_reason="launched with one stage per replica")
+    replicated = _replica(model, plan, devices, balance, settings, recorder, sharding)
+    if replicated is not None:  # launched with one stage, or sharded: one replica per process
+        return replicated
     lay = layout(model, plan, devices, balance, split_points, no_split)
     _check_workers(settings, lay.devices)
     if settings.precision == "fp16":

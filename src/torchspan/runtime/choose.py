@@ -3,7 +3,7 @@
 In one process: ``PipelinedExecutor`` (stage functions of an ``nn.Sequential`` or an fx split),
 ``OwnForwardExecutor`` (the model's own forward, micro-batches pipelined by threads) or, where
 threads cannot pipeline, ``SerialExecutor``. In a launched job: ``ReplicaExecutor`` (one stage:
-an exact data-parallel replica per rank), ``RankPipelineExecutor`` (stage functions, one stage per
+an exact data-parallel replica per rank, DDP or sharded by FSDP2), ``RankPipelineExecutor`` (stage functions, one stage per
 rank) or ``RankOwnForwardExecutor`` (the model's own forward on every rank, its stage for real).
 
 Usage (``span`` does this)::
@@ -34,10 +34,13 @@ from .record import Recorder
 __all__ = ["choose", "replica"]
 
 
-def replica(model: nn.Module, device: torch.device | None, settings: Settings, recorder: Recorder, meter: ActivationMeter) -> Executor:
-    """This rank's data-parallel replica of the whole model (a launched job with one stage)."""
+def replica(
+    model: nn.Module, device: torch.device | None, settings: Settings, recorder: Recorder, meter: ActivationMeter, **sharding: Any
+) -> Executor:
+    """This rank's data-parallel replica of the whole model (a launched job with one stage); ``sharding``:
+    ``shard``, ``reshard_after_forward``, ``offload`` (a sharded replica: FSDP2, ``ranks.sharded``)."""
     names = [n for n, _ in discovery.top_level_layers(model)]
-    return ReplicaExecutor(model, names, settings, recorder, meter, device=device)
+    return ReplicaExecutor(model, names, settings, recorder, meter, device=device, **sharding)
 
 
 def choose(

@@ -67,7 +67,7 @@ class Executor(ABC):
     only a recording forward can find).
     """
 
-    mode: str  # how it runs the model: "sequential", "fx", "own-forward", "own-forward-serial", "data-parallel"
+    mode: str  # how it runs the model: "sequential", "fx", "own-forward", "own-forward-serial", "data-parallel", "sharded"
     empty_batches = False  # True where a batch of zero rows is a valid step (a data-parallel rank's empty shard)
     shards_batch = False  # True where this process's batch is one shard of a larger one (data-parallel replicas)
 
@@ -112,6 +112,14 @@ class Executor(ABC):
                 "steps (torchspan.runtime.ranks.rank_batches splits each global batch over the ranks, empty shards included)"
             )
         return 0
+
+    def state_dict(self, module: nn.Module, **options: Any) -> Any:
+        """``module``'s state dict as one device would hold it (a sharded replica gathers full tensors)."""
+        return module.state_dict(**options)
+
+    def load_state_dict(self, module: nn.Module, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
+        """Load the model's own keys into ``module`` as placed (a sharded replica keeps its shards)."""
+        return module.load_state_dict(state_dict, strict=strict)
 
     def meters(self) -> bool:
         """Whether the coming step counts saved activations (the façade resets the meter's peak only then).

@@ -21,7 +21,9 @@ __all__ = ["stage_memory"]
 
 
 def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    """Bytes ``t`` holds in this process: a ``DTensor`` (a sharded replica's parameter) counts its local shard."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
 
 
 def stage_memory(

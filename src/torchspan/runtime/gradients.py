@@ -17,6 +17,10 @@ pipeline it sees this stage's gradients only and clips each stage by its own nor
   max), and ``error_if_nonfinite`` raises as torch does, on every rank;
 - every gradient this process holds (tied copies included) is scaled by
   ``min(max_norm / (total + 1e-6), 1)``, as torch scales them.
+- a sharded replica's gradients are ``DTensor`` shards (FSDP2): each rank takes its shards' norms, one
+  all-reduce over the shard group combines them per parameter in float64 (``sum of norm ** p``, then the
+  root; ``max``/``min`` for ``inf``/``-inf``), and each rank scales its own shards. With CPU offload the
+  shards live on the CPU; the all-reduce runs on the group's device (pytorch#148532's crash does not arise).
 
 ``guard_plain_clip(ranks)`` makes a plain ``torch.nn.utils.clip_grad_norm_`` over a pipeline
 rank's gradients raise ``RuntimeError`` naming ``spanned.clip_grad_norm_``, before it scales
@@ -32,6 +36,7 @@ Usage::
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -40,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _device_has_foreach_support, _group_tensors_by_device_and_dtype, _has_foreach_support
 
 __all__ = ["Holding", "clip_grad_norm", "guard_plain_clip", "holding", "total_norm"]
@@ -73,11 +79,20 @@ def holding(module: nn.Module, executor: Any) -> Holding:
     return Holding(module, local)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A ``DTensor``'s local shard (a sharded replica's gradient), else ``t`` itself (shares storage: scaling it scales ``t``)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _tensor_norms(grads: list[torch.Tensor], norm_type: float, foreach: bool | None) -> list[torch.Tensor]:
-    """Each gradient's ``norm_type``-norm, computed per (device, dtype) group as torch computes it."""
+    """Each gradient's ``norm_type``-norm, computed per (device, dtype) group as torch computes it; a sharded
+    gradient (a ``DTensor``) is the norm of its shards' norms across the ranks holding them (``_sharded_norms``)."""
     norms: list[Any] = [None] * len(grads)
     if not grads:
         return norms
+    sharded = [i for i, g in enumerate(grads) if isinstance(g, DTensor) and any(p.is_shard() for p in g.placements)]
+    if sharded:
+        return _sharded_norms(grads, sharded, norm_type, foreach)
     grouped = _group_tensors_by_device_and_dtype([grads], with_indices=True)  # type: ignore[list-item]
     for (device, _), ([tensors], indices) in grouped.items():
         if (foreach is None and _has_foreach_support(tensors, device)) or (foreach and _device_has_foreach_support(device)):
@@ -89,6 +104,32 @@ def _tensor_norms(grads: list[torch.Tensor], norm_type: float, foreach: bool | N
         for i, v in zip(indices, values):
             norms[i] = v
     return norms
+
+
+def _sharded_norms(grads: list[torch.Tensor], sharded: list[int], norm_type: float, foreach: bool | None) -> list[torch.Tensor]:
+    """Norms of gradients some of which are ``DTensor`` shards: each rank's shard norms, combined in float64 by one
+    all-reduce over the shards' group (a sum of ``norm ** p``, a max for ``inf``, a min for ``-inf``, a sum for 0)."""
+    local = [_local(g) for g in grads]
+    present = [i for i, t in enumerate(local) if t.numel() > 0]
+    found = _tensor_norms([local[i] for i in present], norm_type, foreach) if present else []
+    inf = math.isinf(norm_type)
+    neutral = (float("inf") if norm_type < 0 else 0.0) if inf else 0.0  # an empty shard: the identity of the combination
+    values = [torch.tensor(neutral, dtype=torch.float64)] * len(grads)
+    for i, n in zip(present, found):
+        values[i] = n.detach().to("cpu", torch.float64)
+    mesh = grads[sharded[0]].device_mesh  # type: ignore[attr-defined]
+    comm = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+    buf = torch.stack([values[i] for i in sharded]).to(comm)
+    if not inf and norm_type != 0:
+        buf = buf.pow(norm_type)
+    op = (dist.ReduceOp.MIN if norm_type < 0 else dist.ReduceOp.MAX) if inf else dist.ReduceOp.SUM
+    dist.all_reduce(buf, op=op, group=mesh.get_group())
+    if not inf and norm_type != 0:
+        buf = buf.pow(1.0 / norm_type)
+    out = [values[i].to(local[i].device, local[i].dtype) for i in range(len(grads))]
+    for j, i in enumerate(sharded):
+        out[i] = buf[j].to(local[i].device, local[i].dtype)
+    return out
 
 
 def _slots(module: nn.Module) -> tuple[list[torch.dtype], dict[int, int]]:
@@ -147,7 +188,7 @@ def _nonfinite_error(norm_type: float) -> RuntimeError:
 
 def _scale_grads(params: Iterable[nn.Parameter], max_norm: float, total: torch.Tensor, foreach: bool | None) -> None:
     """``grad *= min(max_norm / (total + 1e-6), 1)`` for every gradient, as ``clip_grads_with_norm_``."""
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [_local(p.grad) for p in params if p.grad is not None]
     if not grads:
         return
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)

@@ -80,7 +80,8 @@ class Spanned(nn.Module):
 
     ``module`` is the original model; ``mode`` says how it runs: ``"sequential"`` / ``"fx"`` (stage
     functions), ``"own-forward"`` (the model's own forward, micro-batches pipelined), ``"own-forward-serial"``
-    (own forward, micro-batches one after another) or ``"data-parallel"`` (a launched job's replica);
+    (own forward, micro-batches one after another), ``"data-parallel"`` (a launched job's replica) or
+    ``"sharded"`` (that replica sharded by FSDP2: ``span(model, shard=True)``; ``offload`` says where its states live);
     ``stages`` lists each stage's ``(device, layers)``. Outputs of ``spanned(...)`` are the
     micro-batch outputs concatenated on dim 0 on the last stage's device.
     """
@@ -131,6 +132,11 @@ class Spanned(nn.Module):
     @property
     def precision(self) -> str:
         return self._settings.precision
+
+    @property
+    def offload(self) -> str | None:
+        """Where a sharded replica keeps its parameters, gradients and optimizer state: ``"cpu"`` or ``None`` (its device)."""
+        return getattr(self._executor, "offload", None)
 
     @property
     def workers(self) -> str:
@@ -279,7 +285,7 @@ class Spanned(nn.Module):
         weights = self._executor.weights(spec, targets, sizes)
         with self._step(), self._finishing():
             loss = self._executor.train(work, targets, loss_fn, weights, spec)
-        shard = getattr(getattr(self._executor, "info", None), "rank", None) if self.mode == "data-parallel" else None
+        shard = getattr(getattr(self._executor, "info", None), "rank", None) if self.mode in ("data-parallel", "sharded") else None
         self._after_train(loss, lambda: locate(lambda: self._dry_forward(work), loss_fn, targets, weights, sizes, self.precision, shard))
         return loss
 
@@ -373,22 +379,25 @@ class Spanned(nn.Module):
 
     # ------------------------------------------------------------------ state and placement
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:  # type: ignore[override]
-        """The original model's state dict (same keys as ``spanned.module.state_dict()``)."""
+        """The original model's state dict (same keys as ``spanned.module.state_dict()``). Sharded
+        (``mode == "sharded"``): full tensors gathered on every rank, a collective (call it on every rank);
+        ``spanned.module.state_dict()`` is the sharded form (``DTensor`` shards, the same keys)."""
         if args:
             raise TypeError("Spanned.state_dict takes keyword arguments only (destination=, prefix=, keep_vars=)")
-        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        return self._executor.state_dict(self.module, destination=destination, prefix=prefix, keep_vars=keep_vars)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Load the original model's keys; keys with a ``module.`` prefix (DataParallel/DDP) work too.
 
-        Values are copied into the placed parameters, whatever device they were saved from.
+        Values are copied into the placed parameters, whatever device they were saved from (sharded: each
+        rank keeps its shard of the full tensors).
         """
         if assign:
             raise ValueError(
                 "load_state_dict(assign=True) would replace the placed parameters with the loaded tensors on their "
                 "saved devices; torchspan owns placement, so use assign=False (values are copied in place)"
             )
-        return self.module.load_state_dict(model_keys(state_dict), strict=strict)
+        return self._executor.load_state_dict(self.module, model_keys(state_dict), strict=strict)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Spanned:  # type: ignore[override]
         """``half()``/``float()`` work; anything that would move a stage off its device (``parent.cuda()``) raises."""

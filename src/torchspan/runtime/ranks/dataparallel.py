@@ -21,6 +21,13 @@ taking part (zero_grad, an empty shard, step: a rank with no rows runs one row o
 at weight 0, buffers left as they were, since many models cannot run zero rows) until all ranks have joined; the others' steps stay exact for the data
 that exists, and parameters and optimizer state stay identical everywhere.
 
+Engines: the loss contract above is written once, here; what reduces the gradients is the replica's
+engine: ``DDPEngine`` (below: DDP, the SUM comm hook) or, with ``shard=True``, ``ShardedEngine``
+(``ranks.sharded``: FSDP2 ``fully_shard`` per layer, reduce-scatter by SUM, parameters, gradients and
+optimizer state sharded, bf16 by FSDP2's mixed precision policy, ``offload="cpu"``). Sharded, every
+forward is a collective (it gathers parameters), so every rank runs as many chunks per step (a shard
+with fewer rows than ``microbatches``, or none, runs stand-in rows at weight 0).
+
 Usage::
 
     torchspan.init_distributed()
@@ -41,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_map
 
 from ...layers import buffer_slots, kept, model_layers
 from ...schedule import PRECISIONS, RECOMPUTE_MODES
@@ -51,6 +58,7 @@ from ..lossweights import LossSpec, describe_loss, loss_spec, weighted_loss
 from ..microbatch import batch_size, call_args, split_value
 from .checkpoint import model_keys
 from .env import RankInfo, rank_info
+from .sharded import ShardedEngine, check_shard_options, first_row, no_rows, stand_ins
 
 __all__ = ["DataParallelReplica", "shard_loss"]
 
@@ -73,15 +81,15 @@ def shard_loss(loss_fn: Callable[..., Any], loss_reduction: str | None = None, l
     return spec
 
 
-def _sum_hook(replica: DataParallelReplica, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _sum_hook(engine: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: all-reduce a gradient bucket by SUM (DDP's own default divides by the world size;
     a mean's normalizer is already in the loss weight, so no bucket is divided)."""
-    work = dist.all_reduce(bucket.buffer(), group=replica.group, async_op=True)
+    work = dist.all_reduce(bucket.buffer(), group=engine.group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
 # DDP checks the hook's annotations as objects; ``from __future__ import annotations`` made them strings.
-_sum_hook.__annotations__.update(bucket=dist.GradBucket, replica=Any)
+_sum_hook.__annotations__.update(bucket=dist.GradBucket, engine=Any)
 _sum_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 
@@ -90,6 +98,45 @@ def _buffer_option(sync: bool) -> dict[str, bool]:
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
         return {"forward_sync_buffers": sync}
     return {"broadcast_buffers": sync}
+
+
+class DDPEngine:
+    """The replica's engine when it is not sharded: ``DistributedDataParallel`` (which broadcasts rank 0's
+    parameters and buffers at construction) with a SUM comm hook. An engine (this, or ``ShardedEngine``
+    in ``ranks.sharded``) gives the replica: ``engine(*args)`` (a training forward), ``inference`` (under
+    ``no_grad``), ``no_sync()`` (backwards inside accumulate unreduced), ``autocast``, ``train(mode)``,
+    ``state_dict``/``load_state_dict`` and ``collective_forward`` (whether every forward is a collective)."""
+
+    collective_forward = False  # under no_grad the plain module runs: no collective
+
+    def __init__(self, module: nn.Module, device: torch.device, group: Any, **ddp: Any) -> None:
+        module.to(device)
+        self.module, self.group = module, group
+        ids = [device.index] if device.type == "cuda" else None
+        sync = ddp.pop("sync_buffers")
+        self.ddp = DistributedDataParallel(module, device_ids=ids, process_group=group, **ddp, **_buffer_option(sync))
+        self.ddp.register_comm_hook(self, _sum_hook)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.ddp(*args, **kwargs)
+
+    def inference(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        return self.ddp.no_sync()
+
+    def autocast(self, device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
+        return autocast_for(device, precision)
+
+    def train(self, mode: bool) -> None:
+        self.ddp.train(mode)
+
+    def state_dict(self, *, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict)
 
 
 def _refuse_batchnorm(module: nn.Module) -> None:
@@ -118,12 +165,6 @@ def _check_policy(precision: str, recompute: str, scaler: Any) -> None:
         )
 
 
-def _first_row(value: Any) -> Any:
-    """The same structure with every batched tensor cut to its first row (a stand-in for an empty shard)."""
-    leaves, spec = tree_flatten(value)
-    return tree_unflatten([t[:1].clone() if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in leaves], spec)
-
-
 class DataParallelReplica:
     """This rank's replica of ``module`` in an exact data-parallel job (see the module docstring).
 
@@ -137,7 +178,9 @@ class DataParallelReplica:
     ``"fp16"``) autocasts each chunk's forward and loss on ``device``; fp16 needs ``scaler`` (a
     ``GradScaler``; every rank reads the same all-reduced gradients, so every rank skips alike).
     ``recompute`` (``"never"``, ``"except_last"``, ``"always"``) reruns each layer's forward in backward
-    (``runtime.layercall``). Requires ``init_distributed()`` first.
+    (``runtime.layercall``). ``shard=True``: sharded by FSDP2 (``ranks.sharded``; ``reshard_after_forward``
+    True is ZeRO-3, False ZeRO-2; ``offload="cpu"`` needs a GPU; ``.grad`` is a ``DTensor`` shard, the
+    DDP options do not apply). Requires ``init_distributed()`` first.
     """
 
     def __init__(
@@ -153,10 +196,14 @@ class DataParallelReplica:
         precision: str = "32",
         recompute: str = "never",
         scaler: Any = None,
+        shard: bool = False,
+        reshard_after_forward: bool = True,
+        offload: str | None = None,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module")
         _check_policy(precision, recompute, scaler)
+        check_shard_options(shard, offload, precision, reshard_after_forward)
         if not per_shard_batchnorm:
             _refuse_batchnorm(module)
         if not (dist.is_available() and dist.is_initialized()):
@@ -164,46 +211,61 @@ class DataParallelReplica:
         self.info: RankInfo = rank_info()
         self.device = torch.device(device) if device is not None else self.info.device
         self.group = process_group
-        module.to(self.device)
         self.module = module
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        self._ddp = DistributedDataParallel(
-            module,
-            device_ids=ids,
-            process_group=process_group,
-            bucket_cap_mb=bucket_cap_mb,
-            find_unused_parameters=find_unused_parameters,
-            **_buffer_option(sync_buffers),
-        )
-        self._ddp.register_comm_hook(self, _sum_hook)
+        self.sharded = shard
+        self._engine: Any
+        if shard:  # FSDP2 units over the group (ranks.sharded): the same loss contract, sharded states
+            self._engine = ShardedEngine(
+                module, self.device, process_group, self.comm_device, precision=precision,
+                reshard_after_forward=reshard_after_forward, offload=offload,
+            )  # fmt: skip
+        else:
+            self._engine = DDPEngine(
+                module, self.device, process_group, bucket_cap_mb=bucket_cap_mb,
+                find_unused_parameters=find_unused_parameters, sync_buffers=sync_buffers,
+            )  # fmt: skip
         self.precision, self.recompute, self.scaler = precision, recompute, scaler
         self._calls: LayerCalls | None = None  # recompute's wrappers around the model's layers, made at the first step
         self._template: tuple[Any, Any, Callable[..., Any]] | None = None  # one row of the last inputs, target, loss
+        self._pad = 1  # sharded: the chunks every rank runs per step (the last step's micro-batches), for join
 
     # ------------------------------------------------------------------ nn.Module-like surface
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The replica's forward on this rank's inputs (through DDP: a ``backward`` you run yourself
+        """The replica's forward on this rank's inputs (through DDP or FSDP2: a ``backward`` you run yourself
         sums the gradients of every rank's loss, as one device would for the sum of those losses),
-        autocast at the replica's ``precision``."""
-        with autocast_for(self.device, self.precision):
-            return self._ddp(*self.to_device(args), **self.to_device(kwargs))
+        at the replica's ``precision``."""
+        with self._engine.autocast(self.device, self.precision):
+            return self._engine(*self.to_device(args), **self.to_device(kwargs))
 
     __call__ = forward
 
-    def forward_chunks(self, chunks: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
+    def forward_chunks(self, chunks: Sequence[tuple[tuple[Any, ...], dict[str, Any]]], pad_to: int = 1) -> list[Any]:
         """Each chunk's output (``(args, kwargs)`` per micro-batch). With gradients enabled every chunk but the
         last runs under DDP's ``no_sync``, so one ``backward`` through all outputs reduces once; under
-        ``no_grad`` the plain module runs (no collective)."""
+        ``no_grad`` the plain module runs (no collective). Sharded, parameters are gathered even so (every rank
+        runs it): an empty chunk runs a stand-in row (its outputs cut to zero rows) and the list is padded to
+        ``pad_to`` chunks with stand-ins whose outputs are dropped, so every rank runs as many forwards."""
+        plan = self._plan(chunks, [None] * len(chunks), pad_to)
         outs = []
-        for i, (args, kwargs) in enumerate(chunks):
-            a, k = self.to_device(args), self.to_device(kwargs)
-            with autocast_for(self.device, self.precision):
+        for i, (chunk, _, stand_in) in enumerate(plan):
+            a, k = self.to_device(chunk)
+            with self._engine.autocast(self.device, self.precision), kept(buffer_slots([self.module])) if stand_in else contextlib.nullcontext():
                 if not torch.is_grad_enabled():
-                    outs.append(self.module(*a, **k))
-                    continue
-                with self._ddp.no_sync() if i < len(chunks) - 1 else contextlib.nullcontext():
-                    outs.append(self._ddp(*a, **k))
+                    out = self._engine.inference(*a, **k)
+                else:
+                    with self._engine.no_sync() if i < len(plan) - 1 else contextlib.nullcontext():
+                        out = self._engine(*a, **k)
+            if i < len(chunks):
+                outs.append(no_rows(out) if stand_in else out)
         return outs
+
+    def _plan(self, chunks: Sequence[Any], targets: Sequence[Any], pad_to: int) -> list[tuple[Any, Any, bool]]:
+        """``(chunk, target, stand_in)`` per chunk to run: sharded, ``ranks.sharded.stand_ins`` (every rank runs
+        ``pad_to`` chunks or more, none of zero rows where a stand-in row exists); else the chunks as they are."""
+        if not self.collective_forward:
+            return [(c, t, False) for c, t in zip(chunks, targets)]
+        template = self._template[:2] if self._template is not None else None
+        return stand_ins(chunks, targets, pad_to, template)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         return self.module.parameters(recurse)
@@ -212,19 +274,21 @@ class DataParallelReplica:
         return self.module.named_parameters(prefix=prefix, recurse=recurse)
 
     def train(self, mode: bool = True) -> DataParallelReplica:
-        self._ddp.train(mode)
+        self._engine.train(mode)
         return self
 
     def eval(self) -> DataParallelReplica:
         return self.train(False)
 
     def state_dict(self, *, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
-        """The model's own state dict (its own keys, no ``module.`` prefix; the same on every rank)."""
-        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        """The model's own state dict (its own keys, no ``module.`` prefix; the same on every rank). Sharded: full
+        tensors gathered from every rank (a collective; ``module.state_dict()`` is the sharded form, ``ranks.sharded``)."""
+        return self._engine.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
-        """Load the model's keys (a ``module.`` prefix from DataParallel/DDP checkpoints is dropped)."""
-        return self.module.load_state_dict(model_keys(state_dict), strict=strict)
+        """Load the model's keys (a ``module.`` prefix from DataParallel/DDP checkpoints is dropped); sharded, full
+        tensors are cut to this rank's shards."""
+        return self._engine.load_state_dict(model_keys(state_dict), strict=strict)
 
     # ------------------------------------------------------------------ training
     def train_step(
@@ -253,7 +317,8 @@ class DataParallelReplica:
         size = batch_size(args, kwargs)
         n = max(1, min(microbatches, size))
         chunks = [(tuple(a), k) for a, k in split_value((list(args), kwargs), n, size, name="inputs")]
-        return self.train_chunks(chunks, split_value(target, n, size, name="target"), loss_fn, loss_reduction, loss_normalizer)
+        targets = split_value(target, n, size, name="target")
+        return self.train_chunks(chunks, targets, loss_fn, loss_reduction, loss_normalizer, pad_to=microbatches)
 
     def train_chunks(
         self,
@@ -262,6 +327,7 @@ class DataParallelReplica:
         loss_fn: Callable[[Any, Any], torch.Tensor],
         loss_reduction: str | None = None,
         loss_normalizer: Callable[[Any], Any] | None = None,
+        pad_to: int = 1,
     ) -> torch.Tensor:
         """``train_step`` on a shard already cut into micro-batches (``(args, kwargs)`` and a target each).
 
@@ -271,6 +337,8 @@ class DataParallelReplica:
         while the first chunk's forward runs), so the result is one device's for the whole global
         batch. Each chunk runs autocast at ``precision`` (its loss too) and, by ``recompute``, with
         every layer recomputed in backward (``runtime.layercall``: the same per-layer policy as one process).
+        ``pad_to``: sharded, every rank runs at least that many chunks (the step's ``microbatches``: a forward
+        gathers parameters, so a shard with fewer rows runs stand-in rows at weight 0).
         """
         if not callable(loss_fn):
             raise TypeError(f"loss_fn={loss_fn!r} is not callable; pass e.g. torch.nn.functional.mse_loss")
@@ -282,10 +350,15 @@ class DataParallelReplica:
         sizes = [batch_size(a, k) for a, k in chunks]
         norms = [float(n) if spec.reduction == "sum" else spec.normalizer(t, n) for t, n in zip(targets, sizes)]
         if sizes[0] > 0:  # one real row of this step: an empty shard later runs it at weight 0
-            self._template = (_first_row(chunks[0]), _first_row(targets[0]), loss_fn)
-        stand_in = sizes[0] == 0 and self._template is not None
-        if stand_in:  # many models cannot run zero rows (transformers' attention reshapes): one row at weight 0
-            chunks, targets = [self._template[0]], [self._template[1]]  # type: ignore[index]
+            self._template = (first_row(chunks[0]), first_row(targets[0]), loss_fn)
+        if self.collective_forward:  # sharded: as many chunks on every rank, stand-in rows at weight 0 (ranks.sharded)
+            self._pad = max(pad_to, 1)
+            plan = self._plan(chunks, targets, pad_to)
+            sizes = sizes + [0] * (len(plan) - len(sizes))
+        else:  # many models cannot run zero rows (transformers' attention reshapes): one row at weight 0
+            stand_in = sizes[0] == 0 and self._template is not None
+            one = [(self._template[0], self._template[1], True)] if stand_in else []  # type: ignore[index]
+            plan = one or [(c, t, False) for c, t in zip(chunks, targets)]
         stats = self._stats(sum(norms), sum(sizes), active=True)
         work = dist.all_reduce(stats, group=self.group, async_op=True)  # overlaps the forward, waited for by the weight
 
@@ -299,7 +372,7 @@ class DataParallelReplica:
             total = float(stats[0])
             return norms[i] / total if total != 0.0 else float("nan")  # all targets ignored everywhere: nan, as on one device
 
-        return self._run(chunks, targets, loss_fn, weight, stand_in=stand_in)
+        return self._run([c for c, _, _ in plan], [t for _, t, _ in plan], loss_fn, weight, [f for _, _, f in plan])
 
     def join(self, optimizer: torch.optim.Optimizer | None = None) -> int:
         """Call after the training loop on every rank; returns the number of steps this rank shadowed.
@@ -324,8 +397,9 @@ class DataParallelReplica:
             chunk, target, loss_fn = self._template
             if optimizer is not None:
                 optimizer.zero_grad()
+            n = self._pad if self.collective_forward else 1  # sharded: as many chunks as the others' steps run
             with self._unscaled():  # fp16: the same unscaled gradients, and skip, as the ranks still training
-                self._run([chunk], [target], loss_fn, lambda i: 0.0, stand_in=True)
+                self._run([chunk] * n, [target] * n, loss_fn, lambda i: 0.0, [True] * n)
             if optimizer is not None and self.scaler is not None and not isinstance(self.scaler, SpanScaler):
                 self.scaler.step(optimizer)  # a bare replica's own GradScaler steps as the other ranks' loop does
                 self.scaler.update()
@@ -344,10 +418,10 @@ class DataParallelReplica:
         return torch.tensor([norm, float(size), 1.0 if active else 0.0], dtype=torch.float64, device=self.comm_device)
 
     def _run(
-        self, chunks: Sequence[Any], targets: Sequence[Any], loss_fn: Callable[..., Any], weight: Callable[[int], float], stand_in: bool = False
+        self, chunks: Sequence[Any], targets: Sequence[Any], loss_fn: Callable[..., Any], weight: Callable[[int], float], stand_in: Sequence[bool]
     ) -> torch.Tensor:
-        """Every chunk's forward and weighted backward; ``stand_in``: an empty shard's stand-in row (weight 0,
-        buffers left as they were)."""
+        """Every chunk's forward and weighted backward; ``stand_in[i]``: chunk ``i`` is a stand-in row for an empty
+        shard or chunk (weight 0, buffers left as they were)."""
         if isinstance(loss_fn, nn.Module):
             loss_fn.to(self.device)
         # DDP all-reduces whatever .grad holds after backward, earlier steps' gradients included;
@@ -360,9 +434,9 @@ class DataParallelReplica:
         with self._layer_calls(state):
             for i, ((args, kwargs), target) in enumerate(zip(chunks, targets)):
                 state["recompute"] = recomputes(self.recompute, i, len(chunks))
-                with self._ddp.no_sync() if i < last else contextlib.nullcontext():  # the last chunk's backward reduces
-                    with autocast_for(self.device, self.precision), kept(buffer_slots([self.module])) if stand_in else contextlib.nullcontext():
-                        out = self._ddp(*self.to_device(args), **self.to_device(kwargs))
+                with self._engine.no_sync() if i < last else contextlib.nullcontext():  # the last chunk's backward reduces
+                    with self._engine.autocast(self.device, self.precision), kept(buffer_slots([self.module])) if stand_in[i] else contextlib.nullcontext():
+                        out = self._engine(*self.to_device(args), **self.to_device(kwargs))
                         loss = weighted_loss(loss_fn, out, self.to_device(target), weight(i))  # waits for the normalizers
                     losses.append(loss.detach().reshape(1).to(torch.promote_types(loss.dtype, torch.float32)))
                     if i == last:  # the ranks' weighted losses sum to the global loss: all-reduced while backward runs
@@ -388,6 +462,11 @@ class DataParallelReplica:
         """``value`` (any nested structure) with its tensors on this replica's device."""
         dev = self.device
         return tree_map(lambda t: t.to(dev, non_blocking=dev.type == "cuda") if isinstance(t, torch.Tensor) else t, value)
+
+    @property
+    def collective_forward(self) -> bool:
+        """Whether every forward is a collective (sharded: parameters are gathered), so every rank must run it."""
+        return self._engine.collective_forward
 
     @property
     def comm_device(self) -> torch.device:

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -56,10 +56,15 @@ from ..microbatch import batch_size, split_sizes, split_value
 from ..record import Recorder
 from .dataparallel import DataParallelReplica
 from .env import rank_info
+from .sharded import check_shard_options
 
 __all__ = ["ReplicaExecutor", "launched_replica"]
 
-_VOTES = ("refused", "samples", "sum", "user")  # what a rank's calibration decided (or nothing: abstained)
+_VOTES = ("refused", "samples", "sum", "user")
+
+
+class _NeedsForward(Exception):
+    """Raised by a probe in place of a dry forward: this rank's calibration needs one."""  # what a rank's calibration decided (or nothing: abstained)
 
 
 def launched_replica(plan: Any) -> bool:
@@ -95,13 +100,22 @@ class ReplicaExecutor(Executor):
         recorder: Recorder,
         meter: ActivationMeter,
         device: torch.device | None = None,
+        *,
+        shard: bool = False,
+        reshard_after_forward: bool = True,
+        offload: str | None = None,
+        process_group: Any = None,
     ) -> None:
         place = torch.device(device) if device is not None else rank_info().device
+        check_shard_options(shard, offload, settings.precision, reshard_after_forward)
         if settings.precision == "fp16" and settings.scaler is None:
             settings.scaler = SpanScaler(place.type)  # one decision on every rank: it reads the all-reduced gradients
         self.replica = DataParallelReplica(
-            model, device=place, precision=settings.precision, recompute=settings.recompute, scaler=settings.scaler
-        )
+            model, device=place, process_group=process_group, precision=settings.precision, recompute=settings.recompute,
+            scaler=settings.scaler, shard=shard, reshard_after_forward=reshard_after_forward, offload=offload,
+        )  # fmt: skip
+        self.mode = "sharded" if shard else "data-parallel"
+        self.offload = offload
         super().__init__([self.replica.device], [list(names)])
         self.model, self.settings = model, settings
         self.info = rank_info()
@@ -136,30 +150,10 @@ class ReplicaExecutor(Executor):
         size = sizes[0]
         ident = loss_identity(spec.loss_fn) + loss_identity(spec.user_normalizer)
         agreed = next((s for known, s in self._decided if same_identity(known, ident)), None)
-        local: LossSpec | None = None
-        message = ""
-        if spec.kind == "model" and size >= 1:  # the model's own loss: verified on the whole shard's logits
-            try:
-                local = checks.resolve(spec, targets, sizes, dry_outputs, target=target, shards=True)
-            except ValueError as e:
-                message = f"rank {self.info.rank} (its shard of {size} samples): {e}"
-        elif len(sizes) > 1:  # micro-batches: calibrated on the chunks, as one process does
-            try:
-                local = checks.resolve(spec, targets, sizes, dry_outputs, target=target)
-            except ValueError as e:
-                message = f"rank {self.info.rank} (its shard in {len(sizes)} micro-batches): {e}"
-        elif size >= 2:
-            halves = split_sizes(size, 2)
-            try:
-                local = checks.resolve(
-                    spec,
-                    split_value(targets[0], 2, size, name="target"),
-                    halves,
-                    lambda: split_value(dry_outputs()[0], 2, size, name="output"),
-                    target=target,
-                )
-            except ValueError as e:
-                message = f"rank {self.info.rank} (its shard of {size} samples split in two to calibrate the loss): {e}"
+        if self.replica.collective_forward:  # sharded: a dry forward gathers parameters, so every rank runs it or none
+            local, message = self._calibrate_together(checks, spec, targets, sizes, dry_outputs, target)
+        else:
+            local, message = self._calibrate(checks, spec, targets, sizes, dry_outputs, target)
         if agreed is not None:  # later steps: this rank's own check only, no collective
             if message:
                 raise ValueError(message)
@@ -175,6 +169,52 @@ class ReplicaExecutor(Executor):
         self._decided.append((ident, decided))
         del self._decided[:-32]
         return decided
+
+    def _calibrate(
+        self, checks: LossChecks, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int], dry_outputs: Callable[[], Sequence[Any]], target: Any
+    ) -> tuple[LossSpec | None, str]:
+        """This rank's own calibration (``dry_outputs`` runs when its batch structure is new): the spec, or a refusal."""
+        size = sizes[0]
+        try:
+            if spec.kind == "model" and size >= 1:  # the model's own loss: verified on the whole shard's logits
+                return checks.resolve(spec, targets, sizes, dry_outputs, target=target, shards=True), ""
+            if len(sizes) > 1:  # micro-batches: calibrated on the chunks, as one process does
+                return checks.resolve(spec, targets, sizes, dry_outputs, target=target), ""
+            if size >= 2:
+                halves = split_sizes(size, 2)
+                halved = lambda: split_value(dry_outputs()[0], 2, size, name="output")  # noqa: E731
+                return checks.resolve(spec, split_value(targets[0], 2, size, name="target"), halves, halved, target=target), ""
+        except ValueError as e:
+            where = (
+                f"its shard of {size} samples" if spec.kind == "model" else f"its shard in {len(sizes)} micro-batches"
+                if len(sizes) > 1 else f"its shard of {size} samples split in two to calibrate the loss"
+            )  # fmt: skip
+            return None, f"rank {self.info.rank} ({where}): {e}"
+        return None, ""
+
+    def _calibrate_together(
+        self, checks: LossChecks, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int], dry_outputs: Callable[[], Sequence[Any]], target: Any
+    ) -> tuple[LossSpec | None, str]:
+        """``_calibrate`` where a forward is a collective: each rank first finds whether it needs a dry forward
+        (without running one), one all-reduce tells whether any rank does, and then every rank runs it (a rank
+        that needs none discards the outputs; an empty shard runs a stand-in row)."""
+
+        def probe() -> Sequence[Any]:
+            raise _NeedsForward
+
+        try:
+            found: tuple[LossSpec | None, str] | None = self._calibrate(checks, spec, targets, sizes, probe, target)
+        except _NeedsForward:
+            found = None
+            checks.calibrations -= 1  # counted by the probe that ran no forward; counted again below
+        flag = torch.tensor([0.0 if found is not None else 1.0], dtype=torch.float64, device=self.replica.comm_device)
+        dist.all_reduce(flag, group=self.replica.group)
+        if flag.item() == 0:
+            return found  # type: ignore[return-value]
+        outputs = list(dry_outputs())  # an empty shard runs a stand-in row (DataParallelReplica.forward_chunks)
+        if found is not None:
+            return found
+        return self._calibrate(checks, spec, targets, sizes, lambda: outputs, target)
 
     def _vote(self, spec: LossSpec, local: LossSpec | None, message: str) -> LossSpec:
         """Every rank's calibration combined (one all-reduce; the refusal messages gathered only on a refusal)."""
@@ -218,7 +258,7 @@ class ReplicaExecutor(Executor):
         """Each chunk's output: through DDP with gradients enabled (one reduction for a backward through all of
         them), the plain module under ``no_grad``; autocast at the span's precision."""
         with self._recorder.block(0, self.replica.device, 0, "forward"):
-            return self.replica.forward_chunks(work.chunks)
+            return self.replica.forward_chunks(work.chunks, pad_to=self.settings.microbatches)
 
     def train(
         self,
@@ -237,7 +277,9 @@ class ReplicaExecutor(Executor):
         metering = self.meters()
         try:
             with self._meter.saving(0) if metering else contextlib.nullcontext():
-                loss = self.replica.train_chunks(work.chunks, targets, loss_fn, loss_reduction=reduction, loss_normalizer=normalizer)
+                loss = self.replica.train_chunks(
+                    work.chunks, targets, loss_fn, loss_reduction=reduction, loss_normalizer=normalizer, pad_to=self.settings.microbatches
+                )
             self._metered = self._metered or (metering and self._meter.peak[0] > 0)
         finally:
             self._close_block()
@@ -248,6 +290,14 @@ class ReplicaExecutor(Executor):
         """Until a training step has saved activations (an empty shard saves none): ``Spanned.memory`` reports
         that step's peak, and later steps skip the saved-tensor hooks (the bare replica's cost)."""
         return not self._metered
+
+    def state_dict(self, module: nn.Module, **options: Any) -> Any:
+        """The replica's state dict: the model's own keys; sharded, full tensors gathered from every rank."""
+        return self.replica.state_dict(**options)
+
+    def load_state_dict(self, module: nn.Module, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
+        """Full tensors by the model's own keys (sharded: each rank keeps its shard)."""
+        return self.replica.load_state_dict(state_dict, strict=strict)
 
     def join(self, optimizer: torch.optim.Optimizer | None = None) -> int:
         """``DataParallelReplica.join``: shadow the other ranks' remaining steps with empty shards."""
