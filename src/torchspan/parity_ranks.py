@@ -10,7 +10,11 @@ initial weights and the same global batch:
   (``shard_batch``: 7 rows over 2 ranks are 4 + 3);
 - ``rank-pipeline``: ``nproc`` processes, one pipeline stage each (``span`` in a launched job);
 - ``hybrid``: ``dp * pp`` processes, ``pp`` stages (``len(balance)``, default 2) replicated
-  ``dp`` times, each replica on its shard.
+  ``dp`` times, each replica on its shard;
+- ``fsdp``: as ``dp``, with ``span(model, shard=True)``: parameters, gradients and optimizer state
+  sharded by FSDP2 (each rank writes the full gradients, ``.grad.full_tensor()``);
+- ``fsdp-offload``: ``span(model, shard=True, offload="cpu")``, one process per GPU (nccl); refused
+  (``ValueError``) where there is no GPU.
 
 Multi-process strategies run in spawned gloo processes on 127.0.0.1 (a free port; the strategies
 needing the same process count share one spawn). Every rank rebuilds the model with ``build``
@@ -76,6 +80,7 @@ class RankStrategy:
 
     processes: Callable[[int, StepOptions], int]
     step: RankStep
+    backend: str = "gloo"  # the ranks' process group ("cpu:gloo,cuda:nccl" where a step computes on GPUs)
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,7 @@ class _Job:
     loss_fn: Callable[..., Any]
     options: StepOptions
     steps: list[tuple[int, RankStep]] = field(default_factory=list)  # (index into the result list, step)
+    backend: str = "gloo"
 
 
 def _forward(model: nn.Module, inputs: Any) -> Any:
@@ -122,10 +128,25 @@ def _forward(model: nn.Module, inputs: Any) -> Any:
     return model(inputs)
 
 
+def _full(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient as one device holds it: a sharded one (``DTensor``) gathered from every rank (a collective),
+    its shard first moved to the mesh's device where it was offloaded to the CPU."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(grad, DTensor):
+        return grad
+    mesh, local = grad.device_mesh, grad.to_local()
+    if local.device.type != mesh.device_type:
+        local = local.to(torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else mesh.device_type)
+        grad = DTensor.from_local(local, mesh, grad.placements, run_check=False, shape=grad.shape, stride=grad.stride())
+    return grad.full_tensor()
+
+
 def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
-    """The gradients of the parameters this process holds (meta ones are other ranks'), by every name they have."""
+    """The gradients of the parameters this process holds (meta ones are other ranks'), by every name they have;
+    sharded ones whole (every rank gathers them, in the same order)."""
     return {
-        n: (p.grad.detach().cpu().clone() if p.grad is not None else None)
+        n: (_full(p.grad.detach()).cpu().clone() if p.grad is not None else None)
         for n, p in model.named_parameters(remove_duplicate=False)
         if p.device.type != "meta"
     }
@@ -160,6 +181,34 @@ def _dp_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., 
     from .runtime.build import span
 
     spanned = span(model)  # launched, one stage: an exact data-parallel replica
+    xs, ts = shard_batch((inputs, target), rank, world)
+    return spanned.train_step(xs, ts, loss_fn, loss_reduction=opts.loss_reduction)
+
+
+def _fsdp_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions, rank: int, world: int) -> torch.Tensor:
+    from .runtime.build import span
+
+    spanned = span(model, shard=True)  # launched, one stage: the replica sharded by FSDP2
+    xs, ts = shard_batch((inputs, target), rank, world)
+    return spanned.train_step(xs, ts, loss_fn, loss_reduction=opts.loss_reduction)
+
+
+def _offload_processes(nproc: int, opts: StepOptions) -> int:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
+        raise ValueError(
+            "fsdp-offload needs a GPU: FSDP2's CPU offload keeps parameters, gradients and optimizer state in CPU memory "
+            "and computes on the GPU, and this machine has none; compare fsdp instead"
+        )
+    if nproc > gpus:
+        raise ValueError(f"fsdp-offload runs one process per GPU: --nproc-per-node {nproc} > {gpus} GPU(s); pass --nproc-per-node {gpus}")
+    return nproc
+
+
+def _offload_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions, rank: int, world: int) -> torch.Tensor:
+    from .runtime.build import span
+
+    spanned = span(model, shard=True, offload="cpu")  # pragma: no cover - needs a GPU
     xs, ts = shard_batch((inputs, target), rank, world)
     return spanned.train_step(xs, ts, loss_fn, loss_reduction=opts.loss_reduction)
 
@@ -221,6 +270,8 @@ RANKED: dict[str, RankStrategy] = {
     "dp": RankStrategy(_dp_processes, _dp_step),
     "rank-pipeline": RankStrategy(_pipeline_processes, _pipeline_step),
     "hybrid": RankStrategy(_hybrid_processes, _hybrid_step),
+    "fsdp": RankStrategy(_dp_processes, _fsdp_step),
+    "fsdp-offload": RankStrategy(_offload_processes, _offload_step, backend="cpu:gloo,cuda:nccl"),
 }
 
 
@@ -253,7 +304,7 @@ def _rank_main(rank: int, world: int, port: int, folder: str, job: _Job, timeout
     )  # fmt: skip
     torch.set_num_threads(1)
     try:
-        init_distributed(backend="gloo", timeout=timeout)
+        init_distributed(backend=job.backend, timeout=timeout)
         for index, step in job.steps:
             model = job.build()
             model.load_state_dict(job.state)
@@ -379,10 +430,10 @@ def compare_strategies(
             parity = _merge([{"grads": _grads(local), "loss": float(loss)}], reference, ref_loss, atol, rtol)
             results[i] = StrategyResult(name, 0, parity, seconds=time.monotonic() - start)
     detached = tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, (inputs, target))
-    for world in sorted({c for c in counts.values() if c}):
-        steps = [(i, RANKED[n].step) for i, n in enumerate(strategies) if counts[n] == world]
+    for world, backend in sorted({(c, RANKED[n].backend) for n, c in counts.items() if c}):
+        steps = [(i, RANKED[n].step) for i, n in enumerate(strategies) if counts[n] == world and RANKED[n].backend == backend]
         assert build is not None
-        job = _Job(build, state, detached[0], detached[1], loss_fn, opts, steps)
+        job = _Job(build, state, detached[0], detached[1], loss_fn, opts, steps, backend)
         start = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="torchspan-verify-") as folder:
             error = None

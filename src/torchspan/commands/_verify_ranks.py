@@ -1,4 +1,4 @@
-"""``torchspan verify ... --strategies single,local-pipeline,dp,rank-pipeline,hybrid --nproc-per-node 2|4``: the printing half.
+"""``torchspan verify ... --strategies single,local-pipeline,dp,rank-pipeline,hybrid,fsdp --nproc-per-node 2|4``: the printing half.
 
 ``torchspan.parity_ranks.compare_strategies`` runs the steps (multi-process ones in gloo processes);
 this prints one table per strategy (per-parameter max abs / rel difference against one device), a
@@ -27,7 +27,8 @@ __all__ = ["run_strategies"]
 
 # strategies that run nothing of their kind in one process, and what each would need the others for
 _NEEDS_TWO = {"dp": "data parallel (gradients averaged across replicas)", "rank-pipeline": "a pipeline across ranks (one stage per process)",
-              "hybrid": "the hybrid (2 stages x 2 replicas)"}  # fmt: skip
+              "hybrid": "the hybrid (2 stages x 2 replicas)",
+              "fsdp": "sharded data parallel (parameters, gradients and optimizer state split over the processes)"}  # fmt: skip
 
 
 def _names(text: str) -> list[str]:

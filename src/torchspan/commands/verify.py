@@ -5,9 +5,9 @@ step on random data with an MSE loss to a random target twice: with ``torchspan.
 given devices, and on one device as the reference. Prints the largest absolute and relative
 gradient difference per layer and PASS/FAIL (exit status 1 on FAIL).
 
-``--strategies single,local-pipeline,dp,rank-pipeline,hybrid --nproc-per-node 2|4`` instead runs one
+``--strategies single,local-pipeline,dp,rank-pipeline,hybrid,fsdp --nproc-per-node 2|4`` instead runs one
 step of each strategy from the same weights and global batch (multi-process ones in gloo processes on
-127.0.0.1) and prints each one's per-parameter differences from one device. ``--json`` prints the
+127.0.0.1; ``fsdp`` is sharded data parallel, ``fsdp-offload`` the same with CPU offload, one process per GPU) and prints each one's per-parameter differences from one device. ``--json`` prints the
 same results (per layer and parameter, or per strategy and parameter) and the verdict as JSON; the
 exit status is the same.
 
@@ -58,10 +58,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--strategies",
         default=None,
         metavar="LIST",
-        help="compare several strategies with one device instead: any of single,local-pipeline,dp,rank-pipeline,hybrid "
-        "(dp, rank-pipeline and hybrid run in --nproc-per-node gloo processes on 127.0.0.1)",
+        help="compare several strategies with one device instead: any of single,local-pipeline,dp,rank-pipeline,hybrid,"
+        "fsdp,fsdp-offload (dp, rank-pipeline, hybrid and fsdp run in --nproc-per-node gloo processes on 127.0.0.1; "
+        "fsdp-offload needs a GPU per process)",
     )
-    add_nproc_option(p, "processes for dp and rank-pipeline with --strategies; hybrid needs 4 = 2 stages x 2 replicas", default=2)
+    add_nproc_option(p, "processes for dp, fsdp and rank-pipeline with --strategies; hybrid needs 4 = 2 stages x 2 replicas", default=2)
     p.add_argument(
         "--timeout",
         type=float,
