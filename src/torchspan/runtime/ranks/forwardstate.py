@@ -16,7 +16,6 @@ Usage (``RankOwnForwardExecutor`` does this)::
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -55,18 +54,20 @@ class Forward:
         self.inbound: list[tuple[torch.Tensor, int]] = []  # (received leaf needing a gradient, its source stage)
         self.loss: torch.Tensor | None = None
         self.recipes = Recipes()  # the glue's meta values, while the forward runs
-        self.made_by: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}  # id(layer output) -> (it, the layer)
+        # id(meta layer output) -> (it, the layer). Meta ones only: every layer's outputs are meta on some rank, where
+        # a refusal finds its name; kept alive (no weakref: swap_tensors refuses a tensor that has one).
+        self.made_by: dict[int, tuple[torch.Tensor, str]] = {}
 
     def made(self, layer: str, out: Any) -> Any:
-        """``out``, remembered as ``layer``'s outputs (named when a value combining stages is refused)."""
+        """``out``, its meta tensors remembered as ``layer``'s outputs (named when a value combining stages is refused)."""
         for v in tree_flatten(out)[0]:
-            if isinstance(v, torch.Tensor):
-                self.made_by[id(v)] = (weakref.ref(v), layer)
+            if isinstance(v, torch.Tensor) and v.is_meta:
+                self.made_by[id(v)] = (v, layer)
         return out
 
     def layer_of(self, t: torch.Tensor) -> str | None:
         found = self.made_by.get(id(t))
-        return found[1] if found is not None and found[0]() is t else None
+        return found[1] if found is not None and found[0] is t else None
 
     def held(self, t: torch.Tensor) -> torch.Tensor | None:
         """``t``'s value on this rank: itself when real, what was received for it, else ``None``."""

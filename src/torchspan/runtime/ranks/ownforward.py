@@ -236,7 +236,7 @@ class RankOwnForwardExecutor(Executor):
                     self._meta_run(c, failing=True)
                 return st.made(name, self._described.outputs(name, stage, key, inputs, route.failures))
             return st.made(name, ran if ran is not _NOT_RUN else self._meta_run(c))
-        return st.made(name, self._run_here(st, c, route, recording))
+        return self._run_here(st, c, route, recording)
 
     def _route(self, st: Forward, c: LayerCall, failed: str | None) -> CallRoute:
         """This call's route: recorded with every rank of the pipeline on a new branch, else checked; ``st`` moves on."""
