@@ -251,7 +251,7 @@ class RankOwnForwardExecutor(Executor):
                 route = route_call(c.k, c.name, c.stage, views, pending=True)
                 if route.unresolved:  # values the glue combined from several stages: how each rank made them
                     views = self._together.gather({i: st.recipes.tree(c.tensors[i], st.code, st.layer_of) for i in route.unresolved})
-                    resolve_rebuilds(route, views, lambda layers: cut_advice(self.groups, layers))
+                    resolve_rebuilds(route, views, lambda layers: cut_advice(self.groups, layers), [n for g in self.groups for n in g])
             except (ValueError, DivergedError) as exc:
                 raise every_rank(exc) from None
             known = (route, Path())

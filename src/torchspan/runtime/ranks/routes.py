@@ -165,19 +165,21 @@ def _combined(layer: str, stage: int, leaf: int, why: str, advice: str = "") -> 
     )
 
 
-def resolve_rebuilds(route: CallRoute, trees: Sequence[dict[int, Node]], advise: Callable[[list[str]], str] | None = None) -> None:
+def resolve_rebuilds(
+    route: CallRoute, trees: Sequence[dict[int, Node]], advise: Callable[[list[str]], str] | None = None, order: Sequence[str] = ()
+) -> None:
     """For each of ``route.unresolved``, from every stage's ``glue`` tree of it (index = stage): the
     operands the owner receives (``Transfer`` with a ``path``) to replay the glue ops that made it
     (``route.rebuilds``). Raises ``ValueError`` when some operand is held by no earlier stage and cannot
-    be replayed either, naming the layers whose outputs the value combines (``advise(layers)``: what to
-    do). The same ``trees`` give the same answer on every rank."""
+    be replayed either, naming the layers whose outputs the value combines (in execution ``order`` when
+    given; ``advise(layers)``: what to do). The same ``trees`` give the same answer on every rank."""
     stage = route.stage
     for leaf in route.unresolved:
         found: list[Transfer] = []
         nodes = [t.get(leaf) for t in trees]
         why = _resolve(stage, leaf, (), nodes, found)
         if why:
-            layers = layers_in(nodes)
+            layers = sorted(layers_in(nodes), key=lambda n: order.index(n) if n in order else len(order))
             made = f"; it is made from the outputs of {', '.join(map(repr, layers))}" if layers else ""
             advice = advise(layers) if advise is not None else ""
             raise ValueError(_combined(route.layer, stage, leaf, f"{made}, and cannot be recomputed on stage {stage}: {why}", advice))
