@@ -12,6 +12,8 @@ Pipelines across ranks (issue 13) run from here too, by ``benchmarks/distributed
 ``--pipeline`` times a 2-rank torchspan 1F1B pipeline against ``torch.distributed.pipelining``'s
 ``Schedule1F1B`` (goal <= 0.9), ``--hybrid`` a 2 stages x 2 replicas mesh against DDP on 4 processes;
 the other flags then are that script's (``--steps`` counts rounds there, ``--threads`` as here).
+``--shard`` (issue 20) times ``span(model, shard=True)`` against raw FSDP2 ``fully_shard`` at two model
+sizes, with each rank's memory, by ``benchmarks/distributed_sharded.py`` (its flags then).
 
 Usage::
 
@@ -22,6 +24,7 @@ Usage::
     python benchmarks/distributed.py --pipeline --steps 30 --batch-check-cost   # + the same-batch check's cost per step
     python benchmarks/distributed.py --hybrid --steps 20        # torchspan 2x2 vs DDP x4
     python benchmarks/distributed.py --pipeline --help          # the pipeline flags
+    python benchmarks/distributed.py --shard                    # span(shard=True) vs raw fully_shard, two sizes
     python benchmarks/distributed.py --quick                    # tiny, 2 rounds of 1 step (torchspan bench --quick)
 
 Prints ``RATIO distributed/<variant>_vs_raw_ddp <median of per-round ratios> <goal> ...`` lines for ``torchspan bench``.
@@ -130,13 +133,27 @@ def _pipelines(argv: list[str]) -> int | None:
     return distributed_pipeline.main(rest + ["--only", *modes])
 
 
+def _sharded(argv: list[str]) -> int | None:
+    """``--shard``: run ``distributed_sharded`` (its own flags); ``None`` without it."""
+    if "--shard" not in argv:
+        return None
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import distributed_sharded
+
+    return distributed_sharded.main([a for a in argv if a != "--shard"])
+
+
 def main() -> None:
+    code = _sharded(sys.argv[1:])
+    if code is not None:
+        sys.exit(code)
     code = _pipelines(sys.argv[1:])
     if code is not None:
         sys.exit(code)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pipeline", action="store_true", help="time pipelines across ranks instead (benchmarks/distributed_pipeline.py)")
     p.add_argument("--hybrid", action="store_true", help="time the 2x2 hybrid against DDP x4 instead (benchmarks/distributed_pipeline.py)")
+    p.add_argument("--shard", action="store_true", help="time span(shard=True) against raw fully_shard instead (benchmarks/distributed_sharded.py)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--backend", default=None, help="gloo (default on CPU) or nccl")
     p.add_argument("--hidden", type=int, default=1024)
