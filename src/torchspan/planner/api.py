@@ -9,6 +9,7 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -17,6 +18,9 @@ import torch
 from torch import nn
 
 from ..hardware import devices as find_devices
+from ..hardware import parse_memory
+from ..profiler.costs import LayerCost, Profile
+from .errors import PlanError
 from .plans import Plan
 from .optimize import search
 from .cluster import cluster_search
@@ -42,6 +46,7 @@ def plan(
     intra_link: str | None = None,
     data_parallel: int | str = "auto",
     checkpoint: str | None = None,
+    host_memory: int | float | str | None = None,
 ) -> Plan:
     """The fastest placement of ``model``'s layers on ``devices`` within every memory budget.
 
@@ -63,6 +68,16 @@ def plan(
     ``pcie4``, ``ib-400g``, ``eth-25g``, ...) give a data x pipeline plan (``planner.cluster``:
     ``plan.data_parallel``, ``plan.stage_ranks``, ``plan.predicted_times``). ``nodes`` of None or 1
     with no ``intra_link`` and ``data_parallel="auto"`` plans one process, as without them.
+
+    Strategies: a cluster plan weighs replicas (DDP), sharded (FSDP2), sharded + offload (states in host memory,
+    the optimizer step on the CPU), pipeline, hybrid and pipeline x sharded with one cost model
+    (``planner.strategies``, ``planner.sharded``); ``plan.comparison`` (printed as a table, in ``to_dict()``) has each
+    one's predicted step, peak memory per device and whether it fits; the winner is the plan (``plan.shard``,
+    ``plan.offload``), which ``span(model, plan)`` runs on every rank of a job of ``plan.world_size`` processes.
+    A one-process plan stays one; when nothing fits one process, sharded + offload on its first accelerator (a
+    launched job of one process) is planned when it fits. ``host_memory``: one node's host memory for offloaded
+    states (default: this machine's free memory for present devices, 3 x the node's accelerator memory for
+    described ones).
     """
     from ..profiler.measure import profile
 
@@ -71,18 +86,62 @@ def plan(
     one_process = (nodes is None or nodes == 1) and intra_link is None and data_parallel == "auto"
     # the cluster is checked before the (slow) profile
     cluster = None if one_process else Cluster.describe(devs, nodes or 1, intra=intra_link, interconnect=interconnect)
+    host = None if host_memory is None else parse_memory(host_memory, name="host_memory")
     prof = profile(model, example_inputs, devs, optimizer=optimizer, dtype=dtype)
     ties = tie_costs(model, [lay.name for lay in prof.layers])
     if cluster is None:
-        result = search(prof, microbatches=microbatches, schedule=schedule, recompute=recompute, ties=ties)
+        try:
+            result = search(prof, microbatches=microbatches, schedule=schedule, recompute=recompute, ties=ties)
+        except PlanError as exc:
+            offloaded = offload_one_process(prof, exc, ties, host, microbatches, schedule, recompute)
+            if offloaded is None:
+                raise
+            result = offloaded
     else:
         result = cluster_search(
             prof, cluster, microbatches=microbatches, schedule=schedule, recompute=recompute, data_parallel=data_parallel,
-            ties=ties,
+            ties=ties, host_memory=host,
         )  # fmt: skip
     if not result.ties:  # the searches record (and charge) the ties they were given
         record_ties(result, model)
     return result
+
+
+def offload_one_process(
+    prof: Profile, error: PlanError, ties: list[TieCost], host_memory: float | None, microbatches: int | str, schedule: str,
+    recompute: str,
+) -> Plan | None:
+    """When nothing fits one process: sharded + offload on ``prof``'s first accelerator (world size 1: its states in
+    host memory, only the gathered layers and activations on the device), or ``None`` when there is none or it does
+    not fit either (the caller raises ``error``)."""
+    first = next((d for d, dev in enumerate(prof.devices) if dev.kind not in ("cpu", "meta")), None)
+    if first is None:
+        return None
+    one = dataclasses.replace(prof, devices=[prof.devices[first]], layers=[_only(lay, first) for lay in prof.layers])
+    try:
+        result = cluster_search(
+            one, Cluster.describe(one.devices, 1), microbatches=microbatches, schedule=schedule, recompute=recompute,
+            data_parallel=1, ties=ties, host_memory=host_memory,
+        )  # fmt: skip
+    except (PlanError, ValueError):
+        return None
+    if not result.offload:
+        return None
+    summary = str(error).splitlines()[0]
+    result.notes.insert(0, (
+        f"nothing fits one process ({summary}); sharded + offload on {one.devices[0].device} does: run it in a launched "
+        "job of one process (torchspan launch --nproc-per-node 1 train.py), span(model, plan) there"
+    ))  # fmt: skip
+    return result
+
+
+def _only(lay: LayerCost, d: int) -> LayerCost:
+    """``lay`` with the times of device ``d`` alone."""
+    return dataclasses.replace(
+        lay, forward_fixed=[lay.forward_fixed[d]], forward_per_sample=[lay.forward_per_sample[d]],
+        backward_fixed=[lay.backward_fixed[d]], backward_per_sample=[lay.backward_per_sample[d]],
+        time_source=[lay.time_source[d]] if lay.time_source else [],
+    )  # fmt: skip
 
 
 def recompute_alias(recompute: str, checkpoint: str | None, default: str) -> str:

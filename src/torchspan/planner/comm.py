@@ -5,6 +5,11 @@ steps of ``S / n`` bytes per device), the bandwidth bound every ring reaches at 
 
     allreduce(S, n) = 2 (n - 1) / n * S / bw  +  2 (n - 1) * latency        (0 when n == 1)
 
+All-gather and reduce-scatter of a tensor of ``S`` bytes (whole; each device holds or ends with
+``S / n``) are the two halves of that ring, as sharded data parallel (FSDP2, ZeRO-3) runs them::
+
+    allgather(S, n) = reduce_scatter(S, n) = (n - 1) / n * S / bw  +  (n - 1) * latency
+
 Point-to-point: ``p2p(S) = latency + S / bw``. ``bw`` is the link's effective bandwidth
 (``bandwidth * efficiency``). A group spanning several links runs at the slowest of them
 (``slowest``): a ring is as fast as its slowest hop.
@@ -21,6 +26,7 @@ Usage::
 
     allreduce_time(4 * 2**20, 8, links.lookup("nvlink4"))     # seconds
     p2p_time(2**20, links.lookup("ib-400g"))
+    allgather_time(4 * 2**20, 8, links.lookup("nvlink4"))     # half the all-reduce's bytes and latency
     buckets([4e6, 30e6, 4e6], BUCKET_BYTES)                    # [(1, 34e6), (2, 4e6)]: (closing item, bytes)
     finish_time([-3e-3, 0.0], [2e-3, 1e-3])                    # 1e-3: the last all-reduce ends 1 ms after 0
 """
@@ -31,7 +37,7 @@ from collections.abc import Sequence
 
 from ..hardware.links import Link
 
-__all__ = ["BUCKET_BYTES", "allreduce_time", "buckets", "finish_time", "p2p_time", "ring_bytes", "slowest"]
+__all__ = ["BUCKET_BYTES", "allgather_time", "allreduce_time", "reduce_scatter_time", "buckets", "finish_time", "p2p_time", "ring_bytes", "slowest"]
 
 BUCKET_BYTES = 25 * 2**20  # runtime/ranks/dataparallel.py: DataParallelReplica(bucket_cap_mb=25.0), every bucket
 
@@ -55,6 +61,20 @@ def allreduce_time(nbytes: float, n: int, link: Link) -> float:
     if n == 1 or nbytes == 0:
         return 0.0
     return sent / link.effective_bandwidth + 2 * (n - 1) * link.latency
+
+
+def allgather_time(nbytes: float, n: int, link: Link) -> float:
+    """Seconds of a ring all-gather of a tensor of ``nbytes`` (whole) over ``n`` devices on ``link``:
+    ``(n - 1) / n * nbytes / bw + (n - 1) * latency`` (0 for ``n == 1`` or no bytes)."""
+    sent = ring_bytes(nbytes, n) / 2
+    if n == 1 or nbytes == 0:
+        return 0.0
+    return sent / link.effective_bandwidth + (n - 1) * link.latency
+
+
+def reduce_scatter_time(nbytes: float, n: int, link: Link) -> float:
+    """Seconds of a ring reduce-scatter of ``nbytes`` (whole) over ``n`` devices: as ``allgather_time``."""
+    return allgather_time(nbytes, n, link)
 
 
 def p2p_time(nbytes: float, link: Link) -> float:

@@ -19,7 +19,9 @@ from ..files import require_regular_file, write_text
 from ..hardware import format_bytes
 from ..schedule import RECOMPUTE_MODES, SCHEDULES
 
-__all__ = ["Plan", "StagePlan", "SCHEDULES", "RECOMPUTE_MODES"]
+__all__ = ["Plan", "StagePlan", "SCHEDULES", "RECOMPUTE_MODES", "OFFLOADS"]
+
+OFFLOADS = (None, "cpu")  # where a sharded plan keeps its states: the device, or host memory
 
 _FORMAT = "torchspan.plan/1"
 _CLUSTER_FIELDS = ("data_parallel", "nodes", "devices_per_node", "stage_ranks", "interconnect", "intra_link", "predicted_times")
@@ -100,6 +102,14 @@ class Plan:
     # the fastest plan on another device order predicted within measurement noise of this one (``planner.stable``):
     # {"devices", "balance", "microbatches", "schedule", "recompute", "predicted_step_time", "noise", "within_noise"}
     runner_up: dict[str, Any] = field(default_factory=dict)
+    # sharded data parallel (FSDP2 over each stage's data-parallel ranks; ``span(model, plan)`` runs it) and where the
+    # sharded states live: None (the device) or "cpu" (FSDP2's CPUOffloadPolicy). JSON: left out at the defaults
+    shard: bool = False
+    offload: str | None = None
+    # every strategy the planner weighed (``planner.strategies``): {"strategy", "ranks", "data_parallel", "stages",
+    # "shard", "offload", "predicted_step_time", "peak_memory", "budget", "host_memory", "host_budget", "fits",
+    # "chosen", "note"} each; JSON: left out when empty
+    comparison: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.stages = [s if isinstance(s, StagePlan) else StagePlan(**s) for s in self.stages]
@@ -119,6 +129,14 @@ class Plan:
                 if name in seen:
                     raise ValueError(f"Plan: layer {name!r} is in stage {seen[name]} and stage {i}; each layer belongs to one stage")
                 seen[name] = i
+        if not isinstance(self.shard, bool):
+            raise ValueError(f"Plan(shard={self.shard!r}) must be True or False")
+        if self.offload not in OFFLOADS:
+            raise ValueError(f"Plan(offload={self.offload!r}) must be one of {', '.join(map(repr, OFFLOADS))}")
+        if self.offload is not None and not self.shard:
+            raise ValueError(
+                f"Plan(offload={self.offload!r}) needs shard=True: the offloaded states are the shards (FSDP2's CPUOffloadPolicy)"
+            )
         self._check_cluster()
 
     def _check_cluster(self) -> None:
@@ -188,6 +206,9 @@ class Plan:
             data.pop("ties")  # a plan without tied parameters: its JSON is as before
         if not self.runner_up:
             data.pop("runner_up")  # nothing within noise: as before
+        for name, default in (("shard", False), ("offload", None), ("comparison", [])):
+            if data[name] == default:
+                data.pop(name)  # not sharded, nothing compared: as before
         return {"format": _FORMAT, **data}
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -223,7 +244,7 @@ class Plan:
                 raise ValueError(f"plan stage {i} has unknown fields {odd}; expected only {sorted(stage_fields)}")
         data["stages"] = [StagePlan(**s) for s in stages]
         for name, kind in (("peak_memory", dict), ("notes", list), ("stage_ranks", list), ("predicted_times", dict), ("ties", list),
-                           ("runner_up", dict)):
+                           ("runner_up", dict), ("comparison", list)):
             if name in data and not isinstance(data[name], kind):
                 raise ValueError(f"plan {name!r} must be a JSON {'object' if kind is dict else 'list'}, not {type(data[name]).__name__}")
         return cls(**data)
@@ -253,6 +274,8 @@ class Plan:
             f"Plan ({self.strategy}): {len(self.stages)} stage(s), {self.microbatches} micro-batch(es), "
             f"schedule={self.schedule}, recompute={self.recompute}"
         )
+        if self.shard:
+            head += ", sharded" + (f" with states offloaded to {self.offload}" if self.offload else "")
         if self.batch_size is not None:
             head += f", batch={self.batch_size}"
         if self.predicted_step_time is not None:
@@ -287,6 +310,7 @@ class Plan:
             peaks = ", ".join(f"{d}: {format_bytes(b)}" for d, b in self.peak_memory.items())
             lines.append(f"peak memory per device: {peaks}")
         lines.extend(self._tie_lines())
+        lines.extend(self.comparison_lines())
         if self.runner_up_text():
             lines.append(self.runner_up_text())
         lines.extend(f"note: {n}" for n in self.notes)
@@ -307,6 +331,31 @@ class Plan:
             f"runner-up: {where} (balance {balance}; {r.get('microbatches', '?')} micro-batch(es)), predicted {step:.1f} ms, "
             f"within measurement noise ({float(r.get('noise', 0.0)):.0%}){ours}: {why}"
         )
+
+    def comparison_lines(self) -> list[str]:
+        """The strategies the planner weighed, one row each (``comparison``), then why the chosen one: ``[]`` when none."""
+        if not self.comparison:
+            return []
+        rows = [("strategy", "ranks", "step ms", "memory/device", "host/node", "fits", "")]
+        for c in self.comparison:
+            step = c.get("predicted_step_time")
+            peak, host = c.get("peak_memory"), int(c.get("host_memory") or 0)
+            rows.append((
+                str(c.get("strategy", "?")) + (" *" if c.get("chosen") else ""),
+                str(c.get("ranks", "")),
+                "-" if step is None else f"{float(step) * 1e3:.2f}",
+                "-" if peak is None else format_bytes(int(peak)),
+                format_bytes(host) if host else "-",
+                "yes" if c.get("fits") else "no",
+                str(c.get("note", "")),
+            ))  # fmt: skip
+        widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
+        lines = ["strategies compared (* chosen; step: predicted time per step; memory: peak per device):"]
+        for j, r in enumerate(rows):
+            lines.append("  ".join(cell.rjust(w) if 2 <= k <= 4 else cell.ljust(w) for k, (cell, w) in enumerate(zip(r, widths))).rstrip())
+            if j == 0:
+                lines.append("  ".join("-" * w for w in widths[:-1]))
+        return lines
 
     def _tie_lines(self) -> list[str]:
         """One line per tied parameter: its layers and their stages; split ones say what that costs."""

@@ -48,7 +48,7 @@ from ..hardware import devices as find_devices
 from ..layers import descends, model_layers, top_level_layers
 from .costs import LayerCost, Profile
 from .optim_state import optimizer_spec, param_state_bytes
-from .sizing import Sizes, as_call, batch_size_of, float_dtype, input_bytes, nbytes_as, parse_dtype, resize_batch, sizing_pass
+from .sizing import Sizes, as_call, batch_size_of, float_dtype, input_bytes, meta_forward, nbytes_as, parse_dtype, resize_batch, sizing_pass
 from .timing import Speed, capture, estimate, fit, host_speed_device, on_device, preserved, speed_of, time_layer
 
 __all__ = ["profile"]
@@ -332,7 +332,8 @@ def _layers(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         home = homes.pop()
         args, kwargs = tree_map(lambda t: t.to(home) if isinstance(t, torch.Tensor) else t, (args, kwargs))
     try:
-        found = model_layers(model, tuple(args), dict(kwargs))
+        with meta_forward(model):  # a meta model's forward under FakeTensorMode: data-dependent checks skipped
+            found = model_layers(model, tuple(args), dict(kwargs))
     except (ValueError, TypeError) as exc:
         if isinstance(exc, ValueError) and "layer" in str(exc):
             raise  # find_layers' own message: a module that cannot be one layer, a bad split point

@@ -11,8 +11,9 @@ Usage: ``sizes = sizing_pass(model, [(l.name, l.module) for l in model_layers(mo
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,36 @@ from ..layers import module_entries
 if TYPE_CHECKING:
     from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Sizes", "as_args", "as_call", "batch_size_of", "bytes_of", "float_dtype", "input_bytes", "nbytes_as", "parse_dtype", "resize_batch", "sizing_pass"]
+__all__ = [
+    "Sizes", "as_args", "as_call", "batch_size_of", "bytes_of", "float_dtype", "input_bytes", "nbytes_as", "parse_dtype", "resize_batch",
+    "sizing_pass", "on_meta", "meta_forward",
+]  # fmt: skip
+
+
+def on_meta(model: nn.Module) -> bool:
+    """True when every parameter and buffer of ``model`` is on ``meta`` (a model built under ``torch.device("meta")``)."""
+    state = list(model.parameters()) + list(model.buffers())
+    return bool(state) and all(t.is_meta for t in state)
+
+
+@contextlib.contextmanager
+def meta_forward(model: nn.Module) -> Iterator[None]:
+    """Around a forward of ``model`` on ``meta`` inputs: for a model on ``meta``, ``FakeTensorMode`` (its tensors
+    become fake ones on ``meta``), so code that skips data-dependent checks while tracing (transformers'
+    ``is_tracing``: packed-sequence and mask checks calling ``.item()``) skips them, as in the sizing pass; for
+    any other model nothing. FakeTensorMode's own error log is quiet meanwhile (the caller reports the error)."""
+    if not on_meta(model):
+        yield
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    was_disabled, fake_log.disabled = fake_log.disabled, True
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            yield
+    finally:
+        fake_log.disabled = was_disabled
 
 def as_args(example_inputs: Any) -> tuple[Any, ...]:
     return tuple(example_inputs) if isinstance(example_inputs, tuple) else (example_inputs,)
