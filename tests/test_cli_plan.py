@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import pytest
 
 from torchspan.cli import main
 from torchspan.planner import Plan
+from torchspan.planner.strategies import STRATEGIES
 
 FACTORY = '''
 import torch
@@ -134,3 +136,59 @@ def test_out_into_a_missing_folder_creates_it(target: str, tmp_path: Path, capsy
     assert Plan.load(out_file).layers == ["0", "1", "2", "3", "4"]
     assert main(["plan", f"{target}:build", "--input-shape", "4,32", "--devices", "cpu", "--out", str(tmp_path)]) == 2
     assert "is a folder" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the command line plans from meta
+META_FACTORY = '''
+import json, os
+import torch
+from torch import nn
+
+def record(model):
+    with open(os.path.join(os.path.dirname(__file__), "devices.json"), "a") as fh:
+        fh.write(json.dumps(sorted({p.device.type for p in model.parameters()})) + "\\n")
+    return model
+
+def big():
+    # 12 x 4096^2 + head: 201M parameters, 805 MB in float32 (3.2 GB with Adam) were it allocated
+    return record(nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(12)], nn.Linear(4096, 10)))
+
+def small():
+    return record(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)))
+'''
+
+
+@pytest.fixture()
+def factory(tmp_path: Path) -> Path:
+    path = tmp_path / "meta_models.py"
+    path.write_text(META_FACTORY)
+    return path
+
+
+def _seen(factory: Path) -> list[list[str]]:
+    return [json.loads(line) for line in (factory.parent / "devices.json").read_text().splitlines()]
+
+
+def test_cli_plans_a_model_built_on_meta_for_described_devices(factory: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    start = time.perf_counter()
+    argv = ["plan", f"{factory}:big", "--input-shape", "32,4096", "--nodes", "2", "--devices", "a100-40gb*4", "--json"]
+    assert main(argv) == 0
+    took = time.perf_counter() - start
+    assert _seen(factory) == [["meta"]]  # the factory ran under torch.device("meta"): no parameter was allocated
+    plan = Plan.from_dict(json.loads(capsys.readouterr().out))
+    assert plan.world_size == 8 and [r["strategy"] for r in plan.comparison] == list(STRATEGIES)
+    assert took < 60, took  # seconds on a shared 2-core machine, where a real build and forward take far longer
+    # a present device is measured on the real model, built as before
+    assert main(["plan", f"{factory}:small", "--input-shape", "8,32", "--devices", "cpu"]) == 0
+    assert _seen(factory)[-1] == ["cpu"]
+    capsys.readouterr()
+
+
+def test_cli_host_memory_option(factory: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", f"{factory}:small", "--input-shape", "8,32", "--nodes", "2", "--devices", "h100-80gb", "--json"]
+    assert main([*argv, "--host-memory", "1KiB"]) == 0
+    rows = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)["comparison"]}
+    assert rows["sharded + offload"]["host_budget"] == 1024 and not rows["sharded + offload"]["fits"]
+    assert "host memory per node" in rows["sharded + offload"]["note"]
+    assert main([*argv, "--host-memory", "lots"]) == 2
+    assert "--host-memory='lots' is not a memory size" in capsys.readouterr().err

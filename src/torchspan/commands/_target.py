@@ -31,9 +31,17 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def build_model(target: str) -> nn.Module:
-    """The model TARGET builds (see ``load_target``); one without parameters is refused: nothing to place or train."""
-    model = load_target(target)
+def build_model(target: str, *, meta: bool = False) -> nn.Module:
+    """The model TARGET builds (see ``load_target``); one without parameters is refused: nothing to place or train.
+
+    ``meta``: build it under ``torch.device("meta")`` (parameters hold shapes, no memory, no initialisation
+    compute), for planning on described devices only: a model larger than this machine's memory plans in seconds.
+    """
+    if meta:
+        with torch.device("meta"):
+            model = load_target(target)
+    else:
+        model = load_target(target)
     if next(iter(model.parameters()), None) is None:
         raise UsageError(
             f"TARGET {target!r} builds a {type(model).__name__} without parameters: there is nothing to place or train; "
@@ -121,8 +129,10 @@ def first_call(model: nn.Module, x: Any, options: str, *, vocab: int | None = No
     device = first.device if first is not None else torch.device("cpu")
     modes = {m: m.training for m in model.modules()}
     model.eval()
+    from ..profiler.sizing import meta_forward
+
     try:
-        with torch.no_grad():
+        with torch.no_grad(), meta_forward(model):  # a meta model: shapes only, under FakeTensorMode as the profiler does
             if isinstance(x, dict):  # named inputs are keyword arguments
                 return model(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in x.items()})
             return model(x.to(device) if isinstance(x, torch.Tensor) else x)

@@ -7,6 +7,12 @@ TARGET is ``package.module:factory`` or ``path/to/file.py:factory`` returning th
     torchspan plan train.py:make_model --input-shape 32,512 --out plan.json
     torchspan plan train.py:gpt2 --input input_ids=8,128:int64 --input attention_mask=8,128:int64 --vocab 2 --devices cpu,cpu
     torchspan plan train.py:make_model --input-shape 64,512 --nodes 2 --devices "h100-80gb*8" --interconnect ib-400g
+    torchspan plan examples/models.py:llama_7b --input input_ids=8,2048:int64 --vocab 32000 --nodes 2 --devices "h100-80gb*8"
+
+When every device is described (catalog names such as h100-80gb; no cpu or auto), the model is built on the
+meta device (shapes only: no memory, no compute) and profiled from FLOP estimates, so a model larger than this
+machine's memory plans in seconds. A cluster plan compares replicas, sharded, sharded + offload, pipeline,
+hybrid and pipeline x sharded and prints the comparison.
 """
 
 from __future__ import annotations
@@ -47,6 +53,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_schedule_option(p, default="auto")
     add_recompute_option(p, default="auto")
     add_cluster_options(p)
+    p.add_argument(
+        "--host-memory", default=None, metavar="SIZE",
+        help="host memory of one node for offloaded states, e.g. 2TiB (default: this machine's free memory for present "
+        "devices, 3 x a node's accelerator memory for described ones)",
+    )  # fmt: skip
     add_json_option(p, "the plan")
     add_out_option(p, "FILE", "the plan as JSON, atomically, as well as printing it,")
     p.set_defaults(func=run)
@@ -60,9 +71,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--vocab {args.vocab} must be >= 1 (token ids are drawn from [0, VOCAB))")
     microbatches = _microbatches(args.microbatches)
     memory = parse_memory_options(args.memory)
+    host_memory = _host_memory(args.host_memory)
     if args.out:
         _prepare_out(args.out)
-    model = build_model(args.target)
+    model = build_model(args.target, meta=_all_described(args.devices, memory))
     example, _, _ = example_inputs(args.input_shape, args.input, dtype, args.vocab, "--dtype")
     profile_dtype: torch.dtype | None = dtype if dtype.is_floating_point or dtype.is_complex else None
     if profile_dtype is not None:
@@ -78,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         recompute=args.recompute,
         optimizer=args.optimizer,
         dtype=profile_dtype,
+        host_memory=host_memory,
         **cluster_kwargs(args),
     )
     if args.out:
@@ -89,6 +102,30 @@ def run(args: argparse.Namespace) -> int:
         if args.out:
             print(f"plan written to {args.out}")
     return 0
+
+
+def _all_described(devices: str, memory: dict[str, str] | None) -> bool:
+    """True when every device of ``--devices`` is described (a catalog device), none present: the model is then built
+    on ``meta``. A spec ``torchspan.devices`` refuses is left for the plan to name."""
+    from ..hardware import devices as find_devices
+
+    try:
+        found = find_devices(devices, memory)
+    except ValueError:
+        return False
+    return bool(found) and not any(d.present for d in found)
+
+
+def _host_memory(value: str | None) -> int | None:
+    """``--host-memory SIZE`` in bytes (None when not given); a bad size is a ``UsageError``."""
+    if value is None:
+        return None
+    from ..hardware import parse_memory
+
+    try:
+        return parse_memory(value, name="--host-memory")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _prepare_out(out: str) -> None:
