@@ -56,9 +56,11 @@ exposed in full (``cpu_optimizer_time``): memory-bound elementwise passes over t
 ``seconds = passes(optimizer) * param bytes of the node's ranks / host memory bandwidth``, ``passes``
 counted from ``torch.optim``'s single-tensor step (CPU tensors take it): Adam 18 (lerp 3, mul 2,
 addcmul 3, sqrt 2, div 2, add 2, addcdiv 4), AdamW 20 (+ the decay's mul), SGD 3, SGD with
-momentum 8, any other 20. The node's ranks step at once and share its memory bandwidth. On the
-2-core machine that wrote ``benchmarks/RESULTS.md`` Adam, AdamW, SGD and momentum took 1.40, 1.35,
-0.82 and 1.65 times this bound measured against ``catalog.measure_host()``'s copy bandwidth.
+momentum 8, any other 20. The node's ranks step at once and share its memory bandwidth. Measured
+once on this project's shared 2-core machine (33.5M float32 parameters, under load), Adam, AdamW, SGD
+and SGD with momentum took 1.40, 1.35, 0.82 and 1.65 times this figure at ``catalog.measure_host()``'s
+copy bandwidth: the right order, optimistic by up to 1.7x where the elementwise work is not
+memory-bound on few cores.
 
 Not modelled: the optimizer step on the device (for every strategy alike), FSDP2's padding of
 each shard to a multiple of ``n`` rows, and collectives slowing the compute they overlap.
