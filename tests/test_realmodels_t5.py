@@ -52,3 +52,24 @@ def test_t5_four_stages_tied_shared_gradients_and_step_equal_one_device() -> Non
     assert model.encoder.embed_tokens.weight is model.shared.weight is model.decoder.embed_tokens.weight
     torch.testing.assert_close(model.shared.weight, ref.shared.weight)
     assert set(spanned.state_dict()) == set(ref.state_dict())
+
+
+def test_an_explicit_balance_counts_the_layers_the_first_call_records() -> None:
+    """T5's static layers (12: each stack's dropout too) are not its recorded ones (10): a balance over the
+    recorded layers works, one over 12 is refused naming the 10."""
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(vocab_size=40, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=2, dropout_rate=0.0,
+                                decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
+    model = transformers.T5ForConditionalGeneration(cfg).double()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(1, 40, (4, 6), generator=torch.Generator().manual_seed(0))
+    spanned = torchspan.span(model, devices=["cpu", "cpu"], balance=[5, 5], microbatches=2)
+    loss = spanned.train_step({"input_ids": ids, "labels": ids})
+    want = ref(input_ids=ids, labels=ids).loss
+    want.backward()
+    torch.testing.assert_close(loss.double(), want.detach().double(), rtol=1e-6, atol=1e-7)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-8, msg=name)
+    wrong = torchspan.span(copy.deepcopy(ref), devices=["cpu", "cpu"], balance=[6, 6], microbatches=2)
+    with pytest.raises(ValueError, match=r"balance=\[6, 6\] places 12 layers but the model has 10"):
+        wrong.train_step({"input_ids": ids, "labels": ids})

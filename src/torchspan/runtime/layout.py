@@ -79,11 +79,27 @@ def layout(
             groups, devs = stages_from_plan(plan, names, order, here)
     else:
         devs = _devices(model, devices, balance)
-        groups = stages_from_balance(order or names, devs, balance)
+        if layer_set is not None and balance is not None:  # blocks: counted over the order the first call records
+            groups = _counts(balance, devs)
+        else:
+            groups = stages_from_balance(order or names, devs, balance)
     if ranked is not None:
         devs = [ranked[1].device] * len(groups)
     _check_reuse(model, mode, graph, names, groups, devs, ranked is not None)
     return Layout(mode, why, graph, layer_set, groups, devs, ranked)
+
+
+def _counts(balance: Sequence[int], devices: list[torch.device]) -> list[list[str]]:
+    """Placeholder groups of ``balance[s]`` layers: a model's blocks are known for sure only once its first call is
+    recorded (a module called twice, one never called), where ``OwnForwardLayers.record`` applies the counts and
+    checks that they add up to the recorded layers."""
+    balance = list(balance)
+    if len(balance) != len(devices):
+        raise ValueError(f"balance={balance} has {len(balance)} entries but devices has {len(devices)}; give one layer count per device")
+    for i, b in enumerate(balance):
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"balance[{i}]={b!r} must be an int >= 1 (layers in stage {i})")
+    return [[f"<stage {s} layer {k}>" for k in range(b)] for s, b in enumerate(balance)]
 
 
 def _check_reuse(
