@@ -268,10 +268,10 @@ def _llama() -> nn.Module:
 
 
 def _tied_llama(rank: int, world: int) -> None:
-    """A tied Llama on its own loss (labels in the batch), micro-batches, an AdamW step, then an empty shard."""
+    """A tied Llama on its own loss (labels in the batch), micro-batches, blocks recomputed, AdamW steps, then an empty shard."""
     model = _llama()
     reference = copy.deepcopy(model)
-    spanned = torchspan.span(model, shard=True, microbatches=2)
+    spanned = torchspan.span(model, shard=True, microbatches=2, recompute="always")
     assert model.lm_head.weight is model.model.embed_tokens.weight and isinstance(model.lm_head.weight, DTensor)
     assert len(list(spanned.parameters())) == len(list(reference.parameters()))
     g = torch.Generator().manual_seed(14)
