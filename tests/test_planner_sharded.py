@@ -215,7 +215,7 @@ def test_nothing_fits_one_process_plans_offload_on_its_gpu() -> None:
     plan = torchspan.plan(model, x, devices="a100-40gb", memory={"cuda:0": "30MiB"})
     assert plan.shard and plan.offload == "cpu" and plan.world_size == 1 and plan.stage_ranks == [[0]]
     assert all(s.total_bytes <= 30 * 2**20 for s in plan.stages)
-    assert "nothing fits one process" in plan.notes[0] and "torchspan launch --nproc-per-node 1" in plan.notes[0]
+    assert "nothing fits one process" in plan.notes[0] and "process group of one" in plan.notes[0]
     with pytest.raises(torchspan.PlanError, match="no placement"):
         torchspan.plan(model, x, devices="a100-40gb", memory={"cuda:0": "30MiB"}, host_memory="64MiB")
     fits = torchspan.plan(model, x, devices="a100-40gb")  # fits one process: a one-process plan, as before

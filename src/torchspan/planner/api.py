@@ -74,8 +74,8 @@ def plan(
     (``planner.strategies``, ``planner.sharded``); ``plan.comparison`` (printed as a table, in ``to_dict()``) has each
     one's predicted step, peak memory per device and whether it fits; the winner is the plan (``plan.shard``,
     ``plan.offload``), which ``span(model, plan)`` runs on every rank of a job of ``plan.world_size`` processes.
-    A one-process plan stays one; when nothing fits one process, sharded + offload on its first accelerator (a
-    launched job of one process) is planned when it fits. ``host_memory``: one node's host memory for offloaded
+    A one-process plan stays one; when nothing fits one process, sharded + offload on its first accelerator (run by
+    ``span(model, plan)`` in a process group of one) is planned when it fits. ``host_memory``: one node's host memory for offloaded
     states (default: this machine's free memory for present devices, 3 x the node's accelerator memory for
     described ones).
     """
@@ -129,8 +129,8 @@ def offload_one_process(
         return None
     summary = str(error).splitlines()[0]
     result.notes.insert(0, (
-        f"nothing fits one process ({summary}); sharded + offload on {one.devices[0].device} does: run it in a launched "
-        "job of one process (torchspan launch --nproc-per-node 1 train.py), span(model, plan) there"
+        f"nothing fits one process ({summary}); sharded + offload on {one.devices[0].device} does: span(model, plan) runs "
+        "it in a process group of one (in a plain process, or torchspan launch --nproc-per-node 1 train.py)"
     ))  # fmt: skip
     return result
 
