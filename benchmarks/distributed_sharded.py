@@ -2,11 +2,12 @@
 
 ``python benchmarks/distributed.py --shard`` runs this (so does ``python benchmarks/distributed_sharded.py``).
 Two gloo processes on 127.0.0.1 (or nccl with ``--backend nccl`` on GPUs) each build, for every model
-size, two identical models from the same seed: one sharded by hand the way FSDP2's documentation
+size, identical models from the same seed: one sharded by hand the way FSDP2's documentation
 does it (``fully_shard`` on every block, then on the root; a mean loss per rank, FSDP2's default
 averaging), one ``torchspan.span(model, shard=True)`` (the same units, plus the exact contract:
-normalizers all-reduced, SUM reduce-scatter, the global loss all-reduced). Each round times both,
-first and second in turn, so they see the same machine load; the median of per-round ratios is
+normalizers all-reduced, SUM reduce-scatter, the global loss all-reduced) and, for reference, the bare
+``DataParallelReplica(model, shard=True)`` that façade wraps. Each round times all three in an order
+rotating from round to round, so they see the same machine load; the median of per-round ratios is
 printed per size (goal: ``span`` <= 1.03x raw ``fully_shard``), with each rank's memory: the bytes
 of its parameter, gradient and Adam-state shards (``DTensor.to_local``; the unsharded total beside
 them), the process's peak resident set (CPU) or ``torch.cuda.max_memory_allocated`` per variant (GPU).
@@ -14,7 +15,7 @@ them), the process's peak resident set (CPU) or ``torch.cuda.max_memory_allocate
 Usage::
 
     python benchmarks/distributed.py --shard                       # 2 CPU processes, gloo, two sizes
-    python benchmarks/distributed.py --shard --sizes 512x2,2048x4 --rounds 15
+    python benchmarks/distributed.py --shard --sizes 512x2,1024x4 --rounds 15
     python benchmarks/distributed.py --shard --backend nccl --nproc 2
     python benchmarks/distributed.py --shard --quick               # tiny, 2 rounds of 1 step (torchspan bench --quick)
 
@@ -38,13 +39,13 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import torchspan
-from torchspan.runtime.ranks import free_port, init_distributed, shard_batch
+from torchspan.runtime.ranks import DataParallelReplica, free_port, init_distributed, shard_batch
 from torchspan.runtime.ranks.sharded import local_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _quick import add_quick  # noqa: E402  (benchmarks/_quick.py, beside this script)
 
-VARIANTS = ("raw fully_shard", "span")
+VARIANTS = ("raw fully_shard", "span", "replica")
 
 
 def _model(hidden: int, layers: int) -> nn.Module:
@@ -104,7 +105,19 @@ def _variants(hidden: int, layers: int, x: torch.Tensor, y: torch.Tensor, rank: 
         spanned.train_step(xs, ys, loss_fn)
         span_opt.step()
 
-    return {"raw fully_shard": (raw_step, raw, raw_opt), "span": (span_step, spanned.module, span_opt)}
+    bare = DataParallelReplica(_model(hidden, layers), shard=True)  # what the façade wraps, for reference
+    bare_opt = torch.optim.Adam(bare.parameters(), lr=1e-4)
+
+    def bare_step() -> None:
+        bare_opt.zero_grad()
+        bare.train_step(xs, ys, loss_fn)
+        bare_opt.step()
+
+    return {
+        "raw fully_shard": (raw_step, raw, raw_opt),
+        "span": (span_step, spanned.module, span_opt),
+        "replica": (bare_step, bare.module, bare_opt),
+    }
 
 
 def _measure(variants: dict[str, Any], opts: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -116,7 +129,8 @@ def _measure(variants: dict[str, Any], opts: argparse.Namespace, device: torch.d
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     peaks: dict[str, int | None] = dict.fromkeys(VARIANTS)
     for r in range(opts.rounds):
-        for name in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+        names = VARIANTS[r % 3 :] + VARIANTS[: r % 3]  # every variant first, second and third in turn
+        for name in names if r % 2 == 0 else names[::-1]:
             dist.barrier()
             if device.type == "cuda":  # pragma: no cover - needs a GPU
                 torch.cuda.reset_peak_memory_stats(device)
@@ -162,10 +176,13 @@ def _report(size: str, ranks: list[dict[str, Any]], opts: argparse.Namespace, ba
             shares = ", ".join(f"{k} {held[k] / 2**20:.2f}/{full[k] / 2**20:.2f} MiB" for k in full)
             peak = f", peak allocated {r['peaks'][name] / 2**20:.1f} MiB" if r["peaks"][name] is not None else ""
             print(f"    rank {rank} {name:16s} holds {shares}{peak}")
-        print(f"    rank {rank} process peak RSS {r['rss'] / 2**20:.0f} MiB (both variants and every size so far)")
-    paired = statistics.median(s / f for s, f in zip(times["span"], times["raw fully_shard"]))
-    print(f"    ratio span / raw fully_shard: {med['span'] / med['raw fully_shard']:.3f} (median of per-round ratios {paired:.3f}; goal <= 1.03)")
-    print(f"RATIO distributed_sharded/span_vs_raw_fully_shard_{size} {paired:.3f} <=1.03 raw FSDP2 fully_shard, {opts.nproc} x {backend}")
+        print(f"    rank {rank} process peak RSS {r['rss'] / 2**20:.0f} MiB (every variant and size so far)")
+    for name in VARIANTS[1:]:
+        paired = statistics.median(s / f for s, f in zip(times[name], times["raw fully_shard"]))
+        goal = "; goal <= 1.03" if name == "span" else ""
+        print(f"    ratio {name} / raw fully_shard: {med[name] / med['raw fully_shard']:.3f} (median of per-round ratios {paired:.3f}{goal})")
+        print(f"RATIO distributed_sharded/{name}_vs_raw_fully_shard_{size} {paired:.3f} {'<=1.03' if name == 'span' else '-'} "
+              f"raw FSDP2 fully_shard, {opts.nproc} x {backend}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -174,10 +191,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--shard", action="store_true", help="(accepted: distributed.py --shard runs this script)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--backend", default=None, help="gloo (default on CPU) or nccl")
-    p.add_argument("--sizes", default="512x2,1024x4", help="model sizes, HIDDENxLAYERS (blocks of hidden -> 4 hidden -> hidden)")
+    p.add_argument("--sizes", default="256x2,512x4", help="model sizes, HIDDENxLAYERS (blocks of hidden -> 4 hidden -> hidden)")
     p.add_argument("--batch", type=int, default=32, help="rows per rank (the last rank gets fewer: uneven shards)")
     p.add_argument("--steps", type=int, default=3, help="steps per timed round")
-    p.add_argument("--rounds", type=int, default=12, help="rounds; each times both variants, the order alternating")
+    p.add_argument("--rounds", type=int, default=12, help="rounds; each times every variant, the order rotating")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="intra-op threads per process")
     add_quick(p, args, sizes="64x1,128x2", batch=4, steps=1, rounds=2, warmup=1)
