@@ -334,7 +334,24 @@ def _bf16(rank: int, world: int) -> None:
         _grads(spanned, whole, f"bf16, {m} micro-batches, against float32", rtol=5e-2, atol=5e-3)
 
 
-CASES = (_losses, _calibrations, _microbatches, _recompute, _join, _clip, _state, _memory, _tied_llama, _bf16)
+def _planned(rank: int, world: int) -> None:
+    """``span(model, plan)`` runs a plan's sharding (``Plan.shard``): a one-stage plan, one sharded replica per rank."""
+    import dataclasses
+
+    x, y = _data(18)
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    plan = dataclasses.replace(torchspan.plan(copy.deepcopy(model), x[:4], devices="cpu"), shard=True)
+    spanned = torchspan.span(model, plan)
+    assert spanned.mode == "sharded" and isinstance(model[0].weight, DTensor)
+    got = spanned.train_step(*shard_batch((x, y), rank, world), nn.MSELoss())
+    want = nn.MSELoss()(reference(x), y)
+    want.backward()
+    torch.testing.assert_close(got, want.detach(), **LOSS_TOL)
+    _grads(spanned, reference, f"planned ({plan.microbatches} micro-batches)")
+
+
+CASES = (_losses, _calibrations, _microbatches, _recompute, _join, _clip, _state, _memory, _tied_llama, _bf16, _planned)
 
 
 def _worker(rank: int, world: int, port: int, out: str, names: tuple[str, ...]) -> None:
