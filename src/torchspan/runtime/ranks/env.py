@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import atexit
 import os
+import platform
 import re
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -37,7 +40,11 @@ __all__ = [
     "RankInfo", "DEFAULT_TIMEOUT_S", "launch_env", "is_launched", "rank_info", "init_distributed", "join_launched_job", "free_port",
 ]  # fmt: skip
 
-DEFAULT_TIMEOUT_S = 600.0  # how long a collective waits for a missing peer before raising
+# How long a collective waits for a missing peer before raising: five minutes, not torch's ten. Long
+# enough for the waits a training job has on purpose (rank 0 writing a checkpoint of tens of GB while
+# the others wait at its barrier, a first step that compiles or loads data), short enough that a rank
+# that stopped answering is named while someone is still watching (TORCHSPAN_TIMEOUT to change it).
+DEFAULT_TIMEOUT_S = 300.0
 
 _TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -204,14 +211,63 @@ def _pick_backend(backend: str | None) -> str:
 
 
 def _close_gloo_group() -> None:
-    """Destroy the gloo process group ``init_distributed`` opened, at exit: a group left to the
-    interpreter's teardown can abort a process that ran cleanly ("terminate called without an active
-    exception", SIGABRT), which a launcher then counts as a failed rank. Local, no communication."""
+    """Destroy the gloo process group ``init_distributed`` opened, at exit, and let gloo's worker threads
+    finish first. A gloo thread drops its last collective's tensors after the script saw the collective
+    complete, and dropping a tensor the script made takes the GIL: a script that returns right after its
+    last collective (a checkpoint barrier) can reach the interpreter's teardown first, and a thread that
+    asks for the GIL then is ended inside a C++ destructor ("terminate called without an active
+    exception", SIGABRT), which a launcher counts as a failed rank. Local, no communication."""
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception:  # pragma: no cover - exiting anyway
             pass
+    _await_gloo_threads()
+
+
+_GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives each gloo worker thread
+_FUTEX = {"x86_64": "202", "aarch64": "98"}
+
+
+def _await_gloo_threads(limit: float = 2.0) -> None:
+    """Release the GIL until every gloo worker thread of this process waits for new work (at most
+    ``limit`` seconds). Linux: a waiting worker sleeps in futex() without a timeout, where one that
+    waits for the GIL (a timed futex) or still runs does not; elsewhere there is nothing to read."""
+    futex = _FUTEX.get(platform.machine())
+    tasks = Path("/proc/self/task")
+    if futex is None or not tasks.is_dir():
+        return
+    deadline, quiet = time.monotonic() + limit, 0
+    while time.monotonic() < deadline and quiet < 3:  # idle three times in a row: not a wake-up in flight
+        try:
+            busy = any(_gloo_worker(t) and not _waits_for_work(t, futex) for t in tasks.iterdir())
+        except OSError:  # pragma: no cover - /proc unreadable
+            return
+        quiet = 0 if busy else quiet + 1
+        time.sleep(0.005)  # the GIL is free: a worker that needs it takes it now
+
+
+def _gloo_worker(task: Path) -> bool:
+    try:
+        return (task / "comm").read_text().strip() == _GLOO_WORKER
+    except OSError:  # the thread ended
+        return False
+
+
+def _waits_for_work(task: Path, futex: str) -> bool:
+    try:
+        fields = (task / "syscall").read_text().split()
+    except OSError:  # the thread ended
+        return True
+    return len(fields) > 4 and fields[0] == futex and fields[4] == "0x0"  # futex(addr, op, val, timeout=NULL)
+
+
+_timeout_s: float | None = None  # the timeout init_distributed gave the group it opened
+
+
+def current_timeout() -> float | None:
+    """Seconds a collective of the group ``init_distributed`` opened waits for a peer (``None``: none opened here)."""
+    return _timeout_s
 
 
 def init_distributed(backend: str | None = None, timeout: float | timedelta | None = None) -> RankInfo:
@@ -219,9 +275,11 @@ def init_distributed(backend: str | None = None, timeout: float | timedelta | No
 
     ``backend``: ``None`` picks nccl when CUDA GPUs are visible, gloo otherwise. ``timeout``:
     seconds (or a ``timedelta``) a collective waits for a missing peer before raising; default
-    ``TORCHSPAN_TIMEOUT`` from the environment, else 600 s. A group that is already initialised
-    is kept as it is. Without launcher variables a world of one is opened on a free local port.
+    ``TORCHSPAN_TIMEOUT`` from the environment, else 300 s (``DEFAULT_TIMEOUT_S``). A group that is
+    already initialised is kept as it is. Without launcher variables a world of one is opened on a free
+    local port.
     """
+    global _timeout_s
     wait = _timeout(timeout)
     if not dist.is_available():
         raise RuntimeError("this PyTorch build has no torch.distributed; install a build with distributed support")
@@ -229,6 +287,7 @@ def init_distributed(backend: str | None = None, timeout: float | timedelta | No
         return rank_info()
     env = launch_env()
     chosen = _pick_backend(backend)
+    _timeout_s = wait.total_seconds()
     if "nccl" not in chosen:  # ours to close: before the interpreter tears gloo's threads down
         atexit.register(_close_gloo_group)
     if env is None:
