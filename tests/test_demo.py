@@ -190,3 +190,94 @@ def test_cli_demo_rejects_bad_microbatches_before_training(tmp_path, capsys, val
     assert main(["demo", "--microbatches", value, "--out", str(tmp_path / "demo")]) == 2
     assert f"--microbatches {value!r} must be 'auto' or an integer >= 1" in capsys.readouterr().err
     assert not (tmp_path / "demo").exists()
+
+
+# --------------------------------------------------------------------------- a span on any machine (issue 19)
+
+
+def test_default_demo_shows_a_span_and_its_gradient_check_on_any_machine(tmp_path):
+    # issue 19: on a machine without a GPU `torchspan demo` trained one stage with one micro-batch (a one-bar
+    # timeline, a one-column memory picture) and nothing said that nothing was spanned or what to run to see it
+    con = quiet()
+    result = run_demo(steps=3, out=tmp_path, console=con, config=DemoConfig(**SMALL))
+    assert len(result.plan.stages) >= 2, str(result.plan)
+    check_timeline(result)  # one lane per stage, every micro-batch forward and backward
+    assert len(pictures.normalize_memory(result.memory)) == len(result.plan.stages) >= 2
+    assert result.check is not None and result.check.ok and result.check.max_abs < 1e-5
+    report = (tmp_path / "report.md").read_text()
+    shown = con.file.getvalue()
+    for text in ("## What ran and why", "exact gradients: PASS", "max abs diff", "max rel diff", "plain PyTorch on", "torchspan demo --nproc-per-node 2"):
+        assert text in report and text.replace("## ", "") in report, text
+    assert "exact gradients: PASS" in shown and "torchspan demo --nproc-per-node 2" in shown
+    if not any(d.kind != "cpu" for d in result.found):  # a CPU-only machine: two CPU stages, said plainly
+        assert [s.device for s in result.plan.stages] == ["cpu", "cpu"] and [str(d.device) for d in result.found] == ["cpu"]
+        assert result.chosen is not None and len(result.chosen.stages) == 1  # what torchspan.plan alone chose
+        assert "no GPU" in report and "nothing would be spanned" in report and "slower than one device" in report
+        assert "## On a GPU machine" in report and "cuda:0" in result.gpu_machine and "cuda:0" in shown
+
+
+def test_the_span_trains_like_plain_pytorch_beside_it(tmp_path):
+    result = run_demo(devices="cpu,cpu", steps=4, out=tmp_path, console=quiet(), config=DemoConfig(**SMALL, compare_steps=3))
+    one = result.one_device
+    assert one is not None and one.device == "cpu" and len(one.losses) == 3 and one.ms_per_step > 0
+    assert one.losses == pytest.approx(result.losses[:3], abs=1e-5)  # same weights, same batches, same optimizer
+    assert result.check.parameters == sum(1 for _ in CharTransformer(len(ALPHABET), dim=32, depth=2, heads=2, seq_len=16).parameters())
+    assert "the first 3 losses differ by at most" in (tmp_path / "report.md").read_text()
+
+
+def test_one_device_demo_says_nothing_was_spanned_and_what_to_run(tmp_path):
+    result = run_demo(devices="cpu", steps=2, out=tmp_path, console=quiet(), config=DemoConfig(**SMALL))
+    assert result.check is None and result.one_device is None and len(result.plan.stages) == 1
+    report = (tmp_path / "report.md").read_text()
+    assert "Nothing was spanned" in report and "torchspan demo --devices cpu,cpu" in report
+    assert "exact gradients | not checked: nothing was split" in report
+
+
+def test_gradient_check_fails_when_the_gradients_differ():
+    from torchspan import span
+    from torchspan.demo.spanning import gradient_check, reference_copy
+
+    torch.manual_seed(0)
+    model = CharTransformer(len(ALPHABET), dim=16, depth=2, heads=2, seq_len=8)
+    x = torch.randint(0, len(ALPHABET), (4, 8))
+    good, bad = reference_copy(model, "cpu"), reference_copy(model, "cpu")
+    with torch.no_grad():
+        bad.head.weight.mul_(1.5)
+    spanned = span(model, devices=["cpu", "cpu"], microbatches=2)
+    check = gradient_check(spanned, good, x, x, lm_loss)
+    assert check.ok and check.max_abs < 1e-5 and "PASS" in check.line()
+    assert all(p.grad is None for p in spanned.parameters())  # the check leaves no gradient behind
+    check = gradient_check(spanned, bad, x, x, lm_loss)
+    assert not check.ok and check.max_abs > 1e-3 and check.line().startswith("exact gradients: FAIL")
+
+
+def test_demo_devices_for_auto_span_what_the_machine_has(monkeypatch):
+    from torchspan.demo import spanning
+    from torchspan.hardware import Device
+
+    def fake(gpus: int):
+        def find(spec, memory=None):
+            if spec == "cpu,cpu":
+                return [Device(torch.device("cpu"), "CPU"), Device(torch.device("cpu"), "CPU")]
+            if spec != "auto":
+                return [Device(torch.device(s), s) for s in spec.split(",")]
+            return [Device(torch.device("cuda", i), "GPU") for i in range(gpus)] + [Device(torch.device("cpu"), "CPU")]
+
+        return find
+
+    used = lambda setup: [str(d.device) for d in setup.used]
+    for gpus, expected in ((0, ["cpu", "cpu"]), (1, ["cuda:0", "cpu"]), (2, ["cuda:0", "cuda:1"])):
+        monkeypatch.setattr(spanning, "find_devices", fake(gpus))
+        setup = spanning.choose_devices("auto", None)
+        assert used(setup) == expected and setup.spread and setup.has_accelerator == (gpus > 0)
+    setup = spanning.choose_devices("cuda:0,cpu", None)
+    assert used(setup) == ["cuda:0", "cpu"] and "listed" in setup.reason
+
+
+def test_gpu_machine_says_what_the_planner_would_run_there():
+    from torchspan.demo.placement import gpu_machine
+
+    model = CharTransformer(len(ALPHABET), dim=32, depth=2, heads=2, seq_len=16)
+    text = gpu_machine(model, torch.randint(0, len(ALPHABET), (8, 16)))
+    assert "A100" in text and "torchspan.plan puts this model on cuda:0" in text and "predicted" in text
+    assert "pipeline over cuda:0, cuda:1" in text  # the demo's rule there: spread over both GPUs

@@ -4,11 +4,16 @@ Also ``--schedule gpipe|1f1b`` and ``--microbatches N`` to override the planner'
 ``--nproc-per-node N`` to train data-parallel over N processes instead (report.md gives per-rank throughput).
 
 Trains a small character-level transformer on torchspan's own source code, planned for the given
-devices and run pipelined with ``span``; shows the devices, the plan and live training figures,
-prints a text sample, and writes plan.json, loss.png, timeline.png, memory.png and report.md to DIR.
-``--json`` prints the report's figures and the paths written as JSON (the live output goes to stderr).
+devices and run pipelined with ``span``. On any machine it shows a span: without a GPU the planner
+keeps the model on the CPU (one stage), so the demo runs it as two pipeline stages on the CPU
+(cpu, cpu) and says so, and says what a GPU machine would run instead. Before training, one step's
+gradients are checked against the same model on one device (max abs/rel difference), and plain
+PyTorch trains the first steps beside the span on the same batches. Shows the devices, the plan and
+live training figures, prints a text sample, and writes plan.json, loss.png, timeline.png,
+memory.png and report.md (what ran and why) to DIR. ``--json`` prints the report's figures and the
+paths written as JSON (the live output goes to stderr).
 
-Usage: ``torchspan demo``; ``torchspan demo --devices cpu,cpu --steps 100 --out /tmp/demo``.
+Usage: ``torchspan demo``; ``torchspan demo --devices cpu,cpu,cpu --steps 100 --out /tmp/demo``.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     from ..demo.run import DEFAULT_STEPS
 
     p = sub.add_parser("demo", help="train a small language model across your devices and draw what happened", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_devices_option(p, "train on these devices ('cpu,cpu': a two-stage pipeline)", default="auto")
+    add_devices_option(p, "train on these devices ('cpu,cpu': a two-stage pipeline; auto: a span on any machine, cpu,cpu without a GPU)", default="auto")
     add_memory_option(p)
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"training steps (default {DEFAULT_STEPS})")
     add_out_option(p, "DIR", "plan.json, the pictures and report.md", default="torchspan-demo")
@@ -118,6 +123,14 @@ def _demo_json(result: Any) -> dict[str, Any]:
         "sample": result.sample,
         "losses": result.losses,
         "files": {name: str(path) for name, path in result.files.items()},
+        "found_devices": [str(d.device) for d in result.found],
+        "planner_choice": None if result.chosen is None else result.chosen.to_dict(),
+        "gradient_check": None if result.check is None else result.check.to_dict(),
+        "one_device": None if result.one_device is None else result.one_device.to_dict(),
+        "ms_per_step": result.ms_per_step,
+        "why": result.story,
+        "gpu_machine": result.gpu_machine or None,
+        "next": [line for line in result.next if not line.startswith("#")],
     }
 
 

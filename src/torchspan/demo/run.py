@@ -1,19 +1,27 @@
-"""The demo driver: plan a small language model for this machine's devices, train it, draw what happened.
+"""The demo driver: plan a small language model for this machine's devices, span it, check it, train it, draw it.
+
+On any machine the demo shows a span: without a GPU, ``torchspan.plan`` keeps the model on the CPU (one stage),
+so the demo runs it as two pipeline stages on the CPU instead and says so (``spanning.choose_devices``). Before
+training, one step's gradients are compared with the same model on one device (the exact-gradient check), and
+plain PyTorch on one device trains the first steps beside the span on the same batches. Where there is no GPU,
+the planner also says what a two-GPU machine would run (``placement.gpu_machine``).
 
 Usage::
 
     from torchspan.demo import run_demo
-    result = run_demo(devices="cpu,cpu", steps=300, out="torchspan-demo")
-    result.losses[0], result.losses[-1], result.files["timeline"]
+    result = run_demo(steps=300, out="torchspan-demo")
+    result.check.max_abs, result.losses[-1], result.files["timeline"]
 
-Writes ``plan.json``, ``loss.png``, ``timeline.png``, ``memory.png`` and ``report.md`` into ``out``.
+Writes ``plan.json``, ``loss.png``, ``timeline.png``, ``memory.png``, ``losses.json`` and ``report.md`` (what ran
+and why, the check, the pictures) into ``out``.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+import statistics
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -32,11 +40,13 @@ from ..runtime.record import Event
 from ..training import train
 from .corpus import Corpus, build_corpus
 from .model import CharTransformer, generate, lm_loss
-from .placement import demo_plan
+from .placement import Placement, demo_plan, gpu_machine
+from .spanning import DemoDevices, GradientCheck, OneDevice, choose_devices, gradient_check, one_device_run, reference_copy
+from .story import check_lines, describe, next_lines, spans, why_lines
 
 __all__ = ["run_demo", "DemoResult", "DemoConfig", "DEFAULT_STEPS"]
 
-DEFAULT_STEPS = 500
+DEFAULT_STEPS = 300
 DEMO_FILES = ("plan.json", "report.md", "losses.json", "loss.png", "timeline.png", "memory.png")  # what `out` receives
 
 
@@ -57,8 +67,12 @@ class DemoConfig:
     prompt: str = "def "
     microbatches: int | str = "auto"
     schedule: str = "auto"
+    compare_steps: int = 20  # plain PyTorch on one device beside the span for this many first steps (0: none)
+    gpu_note: bool = True  # where no GPU is found, say what a two-GPU machine would run (from the planner)
 
     def __post_init__(self) -> None:
+        if isinstance(self.compare_steps, bool) or not isinstance(self.compare_steps, int) or self.compare_steps < 0:
+            raise ValueError(f"compare_steps={self.compare_steps!r} must be an int >= 0")
         for name in ("steps", "batch_size", "seq_len", "dim", "depth", "heads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -77,7 +91,8 @@ class DemoConfig:
 
 @dataclass
 class DemoResult:
-    """What the demo did: the plan it ran, the losses, speed, the sample and the files it wrote."""
+    """What the demo did: the plan it ran (and ``torchspan.plan``'s own choice), the exact-gradient check, plain
+    PyTorch beside it, the losses, speed, the sample, what it ran and why (``story``) and the files it wrote."""
 
     out: Path
     plan: Plan
@@ -89,6 +104,14 @@ class DemoResult:
     events: list[Event]
     memory: Any
     files: dict[str, Path] = field(default_factory=dict)
+    chosen: Plan | None = None  # torchspan.plan's choice for the same devices (the plan itself unless spread)
+    found: list[Device] = field(default_factory=list)  # the devices the spec found on this machine
+    check: GradientCheck | None = None  # None where nothing was spanned
+    one_device: OneDevice | None = None
+    ms_per_step: float = 0.0  # the span's train_step plus optimizer step, median over the steps
+    story: list[str] = field(default_factory=list)  # what ran and why, the check, plain PyTorch beside it
+    gpu_machine: str = ""  # what a two-GPU machine would run, where none was found
+    next: list[str] = field(default_factory=list)  # commands to run next
 
 
 def _device_table(devs: list[Device], title: str) -> Table:
@@ -129,10 +152,12 @@ def run_demo(
     schedule: str | None = None,
     microbatches: int | str | None = None,
 ) -> DemoResult:
-    """Train the demo language model with the planner + ``span`` and write the report to ``out``.
+    """Plan the demo language model, span it, check its gradients, train it and write the report to ``out``.
 
-    With several devices listed explicitly (``"cpu,cpu"``) the model is spread over all of them,
-    as ``demo.placement`` explains, so the pipeline shows even where one device would be faster.
+    ``devices="auto"`` shows a span on any machine (``spanning.choose_devices``: two CPU stages where there is no
+    GPU); with several devices listed explicitly (``"cpu,cpu"``) the model is spread over all of them, as
+    ``demo.placement`` explains. Whenever something is split (stages or micro-batches), one step is checked against
+    the same model on one device and plain PyTorch trains ``config.compare_steps`` steps beside it.
 
     ``devices``/``memory`` are as for ``torchspan.devices``; a tight budget on the first device
     pushes layers to the next one. ``steps`` overrides ``config.steps`` (default ``DEFAULT_STEPS``);
@@ -145,8 +170,8 @@ def run_demo(
     cfg = _config(config, steps=steps, schedule=schedule, microbatches=microbatches)
     con = console or Console(markup=False)  # printed text keeps its square brackets
     out_dir = out_folder(out)
-    devs = find_devices(devices, memory=memory)
-    con.print(_device_table(devs, f"devices ({devices if isinstance(devices, str) else ','.join(devices)})"))
+    setup = choose_devices(devices, memory)
+    con.print(_device_table(setup.found, f"devices ({devices if isinstance(devices, str) else ','.join(devices)})"))
 
     torch.manual_seed(cfg.seed)
     corpus: Corpus = build_corpus(cfg.corpus, seed=cfg.seed)
@@ -156,39 +181,69 @@ def run_demo(
         f"corpus: {len(corpus.text):,} characters of torchspan's own {cfg.corpus} text; "
         f"model: {n_params:,} parameters in {len(list(model.children()))} layers"
     )
-    gen = torch.Generator().manual_seed(cfg.seed)
-    spread = len(devs) > 1 and not (isinstance(devices, str) and devices.strip().lower() == "auto")
-    plan = _plan(model, corpus, cfg, devs, spread, gen, out_dir, con)
+    batch = _batches(corpus, cfg)
+    placement, gpu = _plan(model, corpus, cfg, setup, out_dir, con)
+    story = why_lines(setup, placement)
+    _say(con, *story)
+    reference = reference_copy(model, placement.plan.stages[0].device) if spans(placement.plan) else None  # before span moves it
 
-    spanned = torchspan.span(model, plan)
+    spanned = torchspan.span(model, placement.plan)
     optimizer = torch.optim.AdamW(spanned.parameters(), lr=cfg.lr)
-    trained = train(
-        spanned,
-        optimizer,
-        lambda step: corpus.batch(cfg.batch_size, cfg.seq_len, gen),
-        lm_loss,
-        cfg.steps,
-        console=con,
-        items_per_step=cfg.batch_size * cfg.seq_len,
-        speed_unit="tok/s",
-        memory_every=10,
-    )
-    events = list(spanned.timeline())
-    mem = spanned.memory(optimizer)
-    sample = _sample(spanned.module, corpus, cfg, gen, con)
+    check, one = _check(spanned, reference, batch, cfg, con)
+    trained = train(spanned, optimizer, batch, lm_loss, cfg.steps, console=con, items_per_step=cfg.batch_size * cfg.seq_len, speed_unit="tok/s", memory_every=10)
+    span_ms = 1e3 * statistics.median(a + b for a, b in zip(trained.step_times, trained.optimizer_times))
+    compared = check_lines(check, one, trained.losses, span_ms)
+    _say(con, *compared[1:])
     result = DemoResult(
         out=out_dir,
-        plan=plan,
-        devices=devs,
+        plan=placement.plan,
+        devices=setup.used,
         losses=trained.losses,
         seconds=trained.seconds,
         tokens_per_second=trained.items_per_second,
-        sample=sample,
-        events=events,
-        memory=mem,
+        sample=_sample(spanned.module, corpus, cfg, torch.Generator().manual_seed(cfg.seed), con),
+        events=list(spanned.timeline()),
+        memory=spanned.memory(optimizer),
+        chosen=placement.chosen,
+        found=setup.found,
+        check=check,
+        one_device=one,
+        ms_per_step=span_ms,
+        story=story + compared,
+        gpu_machine=gpu,
+        next=next_lines(placement),
     )
     result.files = _write_report(result, cfg, n_params, con)
     return result
+
+
+def _say(con: Console, *lines: str, style: str | None = None) -> None:
+    """Print each line as text (never markup: plans and devices hold brackets)."""
+    for line in lines:
+        con.print(Text(line, style=style or ""))
+
+
+def _batches(corpus: Corpus, cfg: DemoConfig) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    """``batch(step)``: the training batch of a step, the same whoever asks (the span, plain PyTorch, the check)."""
+    return lambda step: corpus.batch(cfg.batch_size, cfg.seq_len, torch.Generator().manual_seed(cfg.seed * 1_000_003 + step))
+
+
+def _check(
+    spanned: Any, reference: torch.nn.Module | None, batch: Callable[[int], Any], cfg: DemoConfig, con: Console
+) -> tuple[GradientCheck | None, OneDevice | None]:
+    """The exact-gradient check on the first batch, then plain PyTorch on one device for the first steps (timed)."""
+    if reference is None:
+        return None, None
+    with con.status(f"checking one step's gradients against {next(reference.parameters()).device} alone ..."):
+        check = gradient_check(spanned, reference, *batch(0), lm_loss)
+    _say(con, check.line(), style="bold green" if check.ok else "bold red")
+    steps = min(cfg.compare_steps, cfg.steps)
+    if not steps:
+        return check, None
+    with con.status(f"plain PyTorch on one device, {steps} steps ..."):
+        one = one_device_run(reference, batch, lm_loss, steps=steps, lr=cfg.lr)
+    _say(con, f"plain PyTorch on {one.device}: {steps} steps at {one.ms_per_step:.1f} ms per step; now the span trains on the same batches:")
+    return check, one
 
 
 def _config(config: DemoConfig | None, **overrides: Any) -> DemoConfig:
@@ -209,25 +264,18 @@ def out_folder(out: str | Path) -> Path:
     return out_dir
 
 
-def _plan(
-    model: CharTransformer,
-    corpus: Corpus,
-    cfg: DemoConfig,
-    devs: list[Device],
-    spread: bool,
-    gen: torch.Generator,
-    out_dir: Path,
-    con: Console,
-) -> Plan:
-    """Profile and plan on one example batch (drawn from ``gen``), save ``plan.json`` and print the plan."""
-    example, _ = corpus.batch(cfg.batch_size, cfg.seq_len, gen)
+def _plan(model: CharTransformer, corpus: Corpus, cfg: DemoConfig, setup: DemoDevices, out_dir: Path, con: Console) -> tuple[Placement, str]:
+    """Profile and plan on one example batch, save ``plan.json`` and print the plan; with no GPU found, also what a
+    two-GPU machine would run (``""`` otherwise)."""
+    example, _ = corpus.batch(cfg.batch_size, cfg.seq_len, torch.Generator().manual_seed(cfg.seed + 1))
     with con.status("profiling the model and planning ..."):
-        plan = demo_plan(model, example, devs, spread=spread, microbatches=cfg.microbatches, schedule=cfg.schedule)
-    plan.save(out_dir / "plan.json")
-    con.print(_plan_table(plan))
-    for note in plan.notes:
+        placement = demo_plan(model, example, setup.used, spread=setup.spread, microbatches=cfg.microbatches, schedule=cfg.schedule)
+        gpu = "" if setup.has_accelerator or not cfg.gpu_note else gpu_machine(model, example, microbatches=cfg.microbatches, schedule=cfg.schedule)
+    placement.plan.save(out_dir / "plan.json")
+    con.print(_plan_table(placement.plan))
+    for note in placement.plan.notes:
         con.print(Text(f"note: {note}", style="dim"))  # a note may hold brackets (shapes, lists): never markup
-    return plan
+    return placement, gpu
 
 
 def _sample(model: torch.nn.Module, corpus: Corpus, cfg: DemoConfig, gen: torch.Generator, con: Console) -> str:
@@ -240,16 +288,30 @@ def _sample(model: torch.nn.Module, corpus: Corpus, cfg: DemoConfig, gen: torch.
     return sample
 
 
+def _sections(result: DemoResult) -> list[tuple[str, list[str]]]:
+    """``report.md``'s sections after the summary: what ran and why (with the check), a GPU machine, what to run next."""
+    sections = [("What ran and why", [f"- {line}" for line in result.story])]
+    if result.gpu_machine:
+        sections.append(("On a GPU machine", [result.gpu_machine]))
+    sections.append(("Next", ["```bash", *result.next, "```"]))
+    return sections
+
+
 def _write_report(result: DemoResult, cfg: DemoConfig, n_params: int, con: Console) -> dict[str, Path]:
     """Draw the report and save the losses into ``result.out``; returns the files written by name."""
     out_dir, plan, losses, seconds = result.out, result.plan, result.losses, result.seconds
     summary = {
+        "ran": describe(plan) + ("" if result.chosen is None or result.chosen is plan else f"; torchspan.plan alone: {describe(result.chosen)}"),
+        "exact gradients": "not checked: nothing was split"
+        if result.check is None
+        else f"{'PASS' if result.check.ok else 'FAIL'}: max abs diff {result.check.max_abs:.3e}, max rel diff {result.check.max_rel:.3e} "
+        f"against {result.check.device} alone",
         "devices": ", ".join(str(d.device) for d in result.devices),
         "steps": cfg.steps,
         "batch": f"{cfg.batch_size} x {cfg.seq_len} characters",
         "model": f"{n_params:,} parameters, {cfg.depth} blocks, dim {cfg.dim}",
         "loss": f"{losses[0]:.3f} -> {losses[-1]:.3f} (mean of the last {min(20, len(losses))} steps: {_tail_mean(losses):.3f})",
-        "training time": f"{seconds:.1f} s ({seconds / cfg.steps * 1e3:.1f} ms per step"
+        "training time": f"{seconds:.1f} s (median {result.ms_per_step:.1f} ms per step"
         + (f"; plan predicted {plan.predicted_step_time * 1e3:.1f} ms)" if plan.predicted_step_time else ")"),
         "tokens/s": f"{result.tokens_per_second:,.0f}",
     }
@@ -258,12 +320,13 @@ def _write_report(result: DemoResult, cfg: DemoConfig, n_params: int, con: Conso
             out_dir,
             title="torchspan demo",
             plan=plan,
-            devices=result.devices,
+            devices=result.found or result.devices,
             events=result.events,
             memory=result.memory,
             losses=losses,
             budgets=_budgets(result.devices),
             summary=summary,
+            sections=_sections(result),
             sample=result.sample or None,
         )
     write_text(out_dir / "losses.json", json.dumps(losses), name="out")
@@ -272,8 +335,14 @@ def _write_report(result: DemoResult, cfg: DemoConfig, n_params: int, con: Conso
         path = getattr(files, name)
         if path is not None:
             written[name] = path
-    con.print(
+    if result.gpu_machine:
+        _say(con, result.gpu_machine)
+    _say(con, "next:")
+    for line in result.next:
+        _say(con, f"  {line}", style="dim" if line.startswith("#") else None)
+    _say(
+        con,
         f"loss {losses[0]:.3f} -> {losses[-1]:.3f} (last-20 mean {_tail_mean(losses):.3f}) in {cfg.steps} steps, {seconds:.1f} s, "
-        f"{result.tokens_per_second:,.0f} tokens/s. Report: {files.report}"
+        f"{result.tokens_per_second:,.0f} tokens/s. Report: {files.report}",
     )
     return written

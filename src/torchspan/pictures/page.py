@@ -58,13 +58,14 @@ def write_report(
     losses: Sequence[float] | None = None,
     budgets: Mapping[str, int | None] | None = None,
     summary: Mapping[str, Any] | None = None,
+    sections: Sequence[tuple[str, Sequence[str]]] = (),
     sample: str | None = None,
 ) -> ReportFiles:
     """Write the pictures and ``report.md`` (pictures, plan table, device table) into ``out_dir``.
 
     Each picture is drawn when its input is given: ``events`` → ``timeline.png``, ``memory`` →
-    ``memory.png``, ``losses`` → ``loss.png``. ``summary`` adds a key/value table; ``sample`` a
-    text block. Usage: ``write_report("torchspan-demo", plan=plan, events=spanned.timeline(), losses=losses)``.
+    ``memory.png``, ``losses`` → ``loss.png``. ``summary`` adds a key/value table; ``sections``
+    ``(title, markdown lines)`` pairs after it (what ran and why); ``sample`` a text block. Usage: ``write_report("torchspan-demo", plan=plan, events=spanned.timeline(), losses=losses)``.
     """
     out = output_folder(out_dir, name="out_dir", files=("report.md", "loss.png", "timeline.png", "memory.png"), example="report")
     out.mkdir(parents=True, exist_ok=True)
@@ -79,6 +80,8 @@ def write_report(
     lines = [f"# {title}", ""]
     if summary:
         lines += md_table(("", ""), ((str(k), str(v)) for k, v in summary.items())) + [""]
+    for heading, body in sections:
+        lines += [f"## {heading}", "", *body, ""]
     if files.loss:
         lines += ["## Loss", "", f"![loss curve]({files.loss.name})", ""]
     if files.timeline:

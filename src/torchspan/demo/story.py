@@ -1,0 +1,83 @@
+"""What the demo says about what it ran and why: one list of plain lines for the console and ``report.md``.
+
+Usage: ``lines = why_lines(setup, placement)``; ``check_lines(check, one, span_ms)``; ``next_lines(placement)``.
+"""
+
+from __future__ import annotations
+
+from ..planner.plans import Plan
+from .placement import Placement, ms
+from .spanning import DemoDevices, GradientCheck, OneDevice
+
+__all__ = ["describe", "why_lines", "check_lines", "next_lines", "spans"]
+
+
+def spans(plan: Plan) -> bool:
+    """Whether ``plan`` splits anything: several stages, or several micro-batches."""
+    return len(plan.stages) > 1 or plan.microbatches > 1
+
+
+def describe(plan: Plan) -> str:
+    """``2-stage pipeline over cpu, cpu (4 micro-batches, 1f1b)`` or ``one stage on cpu (1 micro-batch)``."""
+    where = ", ".join(s.device for s in plan.stages)
+    mbs = f"{plan.microbatches} micro-batch{'es' if plan.microbatches > 1 else ''}"
+    if len(plan.stages) == 1:
+        return f"one stage on {where} ({mbs})"
+    return f"{len(plan.stages)}-stage pipeline over {where} ({mbs}, {plan.schedule})"
+
+
+def _machine(setup: DemoDevices) -> str:
+    kinds = ", ".join(f"{d.device} ({d.name})" for d in setup.found)
+    return f"This machine: {kinds}" + ("." if setup.has_accelerator else ", no GPU.")
+
+
+def why_lines(setup: DemoDevices, placement: Placement) -> list[str]:
+    """Which devices, what ``torchspan.plan`` chose there, what the demo ran instead and why."""
+    chosen, plan = placement.chosen, placement.plan
+    lines = [f"{_machine(setup)} The demo plans over {setup.reason}."]
+    alone = f"torchspan.plan chose {describe(chosen)}, predicted {ms(chosen)} per step"
+    if not placement.spread:
+        lines.append(f"{alone}: the demo ran that.")
+        if not spans(plan):
+            lines.append(
+                "Nothing was spanned: one stage with one micro-batch is plain PyTorch. "
+                "Run `torchspan demo` (two stages even on a CPU-only machine) or `torchspan demo --devices cpu,cpu` to see a span."
+            )
+        return lines
+    shared = len({str(d.device) for d in setup.used}) < len(setup.used)
+    if shared and len(chosen.stages) == 1:
+        alone += ": where the stages would share cores one device is fastest, so nothing would be spanned"
+    lines.append(alone + ".")
+    lines.append(
+        f"To show what torchspan does, the demo ran a {describe(plan)} instead (predicted {ms(plan)} per step): the "
+        "model split into stages, micro-batches flowing through them, and one device's gradients (checked below)."
+        + (" Stages on the same cores take turns, so here it is slower than one device; on separate devices they overlap." if shared else "")
+    )
+    return lines
+
+
+def check_lines(check: GradientCheck | None, one: OneDevice | None, span_losses: list[float], span_ms: float) -> list[str]:
+    """The exact-gradient check and plain PyTorch on one device beside the span."""
+    lines = [] if check is None else [check.line()]
+    if one is not None and one.losses:
+        n = min(len(one.losses), len(span_losses))
+        lines.append(
+            f"plain PyTorch on {one.device} beside it, from the same weights on the same batches: the first {n} losses "
+            f"differ by at most {one.largest_difference(span_losses):.3e}; {one.ms_per_step:.1f} ms per step on one device, "
+            f"{span_ms:.1f} ms per step spanned."
+        )
+    return lines
+
+
+def next_lines(placement: Placement) -> list[str]:
+    """Commands to run next, each after a comment saying what it shows."""
+    devices = [s.device for s in placement.plan.stages]
+    more = ["cpu"] * 3 if set(devices) == {"cpu"} else [*devices, "cpu"]
+    return [
+        f"# {len(more)} stages, GPipe: every forward before the backwards",
+        f"torchspan demo --devices {','.join(more)} --schedule gpipe",
+        "# data parallel: 2 processes, one exact replica each",
+        "torchspan demo --nproc-per-node 2",
+        "# every strategy's gradients against one device, for a model of examples/models.py",
+        "torchspan verify examples/models.py:mlp --input-shape 7,1024 --strategies single,local-pipeline,dp,rank-pipeline --nproc-per-node 2",
+    ]
