@@ -92,8 +92,8 @@ def gpu_machine(model: nn.Module, example: Any, *, microbatches: int | str = "au
     where = lambda p: ", ".join(dict.fromkeys(str(s.device) for s in p.stages))
     text = (
         f"On a machine with GPUs, torchspan demo plans over them instead. For two {name} (described from torchspan's "
-        f"catalog, times estimated), torchspan.plan puts this model on {where(chosen)}, {len(chosen.stages)} stage(s) "
-        f"(predicted {ms(chosen)} per step)"
+        f"catalog, times estimated), torchspan.plan puts this model on {where(chosen)}, "
+        f"{'one stage' if len(chosen.stages) == 1 else f'{len(chosen.stages)} stages'} (predicted {ms(chosen)} per step)"
     )
     if placement.spread:
         text += (

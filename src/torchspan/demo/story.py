@@ -46,12 +46,12 @@ def why_lines(setup: DemoDevices, placement: Placement) -> list[str]:
         return lines
     shared = len({str(d.device) for d in setup.used}) < len(setup.used)
     if shared and len(chosen.stages) == 1:
-        alone += ": where the stages would share cores one device is fastest, so nothing would be spanned"
+        alone += ": stages on one device share its cores, so one stage is fastest and nothing would be spanned"
     lines.append(alone + ".")
     lines.append(
         f"To show what torchspan does, the demo ran a {describe(plan)} instead (predicted {ms(plan)} per step): the "
         "model split into stages, micro-batches flowing through them, and one device's gradients (checked below)."
-        + (" Stages on the same cores take turns, so here it is slower than one device; on separate devices they overlap." if shared else "")
+        + (" Stages on the same cores take turns, so here it cannot be faster than one device; on separate devices they overlap." if shared else "")
     )
     return lines
 
