@@ -10,8 +10,14 @@ restarts are torchrun's: a script runs the same under plain ``torchrun``. What t
   jobs on one machine never collide; several nodes must name the same port (or an endpoint).
 - arguments checked before anything starts (``ValueError`` naming the option, value and fix).
 - a failed rank (an exception, or a signal such as SIGKILL) ends the job: torchrun stops the
-  other ranks, and ``launch`` returns 1 after printing which rank failed and its traceback (each
-  worker runs the script under torch's ``@record``, which hands the traceback to the agent).
+  other ranks, and ``launch`` returns 1 after printing a summary first: which rank failed and the
+  script's own frames of its traceback (the full one stays in a file the summary names, and
+  ``TORCHSPAN_VERBOSE=1`` prints it and torchrun's own log as they happen).
+- a rank that stops answering is named: every worker writes a heartbeat (``runtime.ranks.heartbeat``)
+  into the job's folder, so when the others time out waiting (``TORCHSPAN_TIMEOUT``) the summary
+  names the rank they waited for and what it was doing, not the rank that gave up waiting.
+- a launcher that dies (SIGKILL from a scheduler or the OOM killer) takes its workers with it: each
+  worker asks the kernel for SIGKILL when its parent dies (Linux), and its heartbeat thread checks.
 
 Usage::
 
@@ -21,9 +27,12 @@ Usage::
 
 from __future__ import annotations
 
+import logging
 import os
 import runpy
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -137,86 +146,95 @@ def launch(script: str, script_args: Sequence[str] = (), **options: Any) -> int:
     """Run ``script`` on every process of the job; returns the exit status (0, or 1 when a rank failed).
 
     ``options`` are ``LaunchConfig``'s fields (``nproc_per_node``, ``nnodes``, ``node_rank``,
-    ``master_addr``, ``master_port``, ``rdzv_endpoint``, ``max_restarts``). A failure is
-    reported on stderr with the failing rank, its exit code or signal, and its traceback.
+    ``master_addr``, ``master_port``, ``rdzv_endpoint``, ``max_restarts``). A failure is reported
+    on stderr, before anything else about it: the failing rank (or the rank the others waited for),
+    its exit code or signal, the script's frames of its traceback, and the file with the full one.
     """
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from .runtime.ranks.faults import failure_report
+
     config = LaunchConfig(script, tuple(script_args), **options)
     nproc, threads = cpu_layout(config.nproc_per_node)
-    env = {"PYTHONUNBUFFERED": "1", "TORCHSPAN_LAUNCHED": "1"}
+    job = Path(tempfile.mkdtemp(prefix="torchspan-launch-"))
+    env = {"PYTHONUNBUFFERED": "1", "TORCHSPAN_LAUNCHED": "1", "TORCHSPAN_JOB_DIR": str(job), "TORCHSPAN_LAUNCHER_PID": str(os.getpid())}
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(threads)
     args = torchrun.parse_args(torchrun_argv(config, nproc))
-    with _environment(env):
+    keep = False  # a job that failed keeps its folder: the summary names the files in it
+    with _environment(env), _agent_log():
         try:
             torchrun.run(args)
         except ChildFailedError as exc:
-            print(_failure_report(exc, config), file=sys.stderr)
+            print(failure_report(exc.failures, job, Path(config.script).name, config.max_restarts), file=sys.stderr)
+            keep = True
             return 1
+        finally:
+            if not keep:
+                shutil.rmtree(job, ignore_errors=True)
     return 0
 
 
-# What a rank says when it failed only because a peer died: not the root cause.
-_KNOCK_ON = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing", "Broken pipe")
+def _verbose() -> bool:
+    return os.environ.get("TORCHSPAN_VERBOSE", "") not in ("", "0")
 
 
-def _root_cause(failures: dict[int, Any]) -> tuple[int, Any]:
-    """The failed rank to report: the earliest (torch stamps whole seconds) that did not just lose a peer."""
-    ordered = sorted(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
-    for rank, failure in ordered:
-        if not any(marker in str(failure.message) for marker in _KNOCK_ON):
-            return rank, failure
-    return ordered[0]
-
-
-def _failure_report(exc: Any, config: LaunchConfig) -> str:
-    rank, failure = _root_cause(exc.failures)
-    how = failure.signal_name() if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-    where = f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid})"
-    lines = [f"torchspan launch: {where} of {Path(config.script).name} failed with {how}"]
-    message = failure.message
-    if isinstance(message, dict):
-        trace = message.get("extraInfo", {}).get("py_callstack") or message.get("message")
-        lines.append(_user_frames(str(trace)).rstrip())
-    elif message:
-        lines.append(str(message))
-    others = sorted(r for r in exc.failures if r != rank)
-    if others:
-        lines.append(f"also failed: rank {', '.join(map(str, others))}")
-    if config.max_restarts:
-        lines.append(f"(after {config.max_restarts} restart(s), the limit set by --max-restarts)")
-    return "\n".join(lines)
-
-
-_WRAPPER_FRAMES = ("<frozen runpy>", "torch/distributed/elastic/", f"torchspan{os.sep}launch.py")
-
-
-def _user_frames(trace: str) -> str:
-    """A worker's traceback without the frames of the launcher's own wrapper (runpy, ``@record``)."""
-    out: list[str] = []
-    skipping = False
-    for line in trace.splitlines():
-        if line.startswith("  File "):
-            skipping = any(marker in line for marker in _WRAPPER_FRAMES)
-        elif not line.startswith("    "):
-            skipping = False
-        if not skipping:
-            out.append(line)
-    return "\n".join(out)
+@contextmanager
+def _agent_log() -> Iterator[None]:
+    """torchrun's agent logs each failed and stopped worker before ``launch`` can summarise: quiet
+    unless ``TORCHSPAN_VERBOSE=1``, so the summary is the first thing a failure prints."""
+    log = logging.getLogger("torch.distributed.elastic")
+    level = log.level
+    if not _verbose():
+        log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _run_worker(argv: Sequence[str]) -> None:
-    """One worker: run ``argv[0]`` as ``__main__`` with ``argv[1:]``, as ``python SCRIPT ...`` would, under ``@record``."""
-    from torch.distributed.elastic.multiprocessing.errors import record
+    """One worker: run ``argv[0]`` as ``__main__`` with ``argv[1:]``, as ``python SCRIPT ...`` would.
+
+    Under ``torchspan launch`` (``TORCHSPAN_JOB_DIR``) it dies with the launcher, beats into the job's
+    folder, and an exception is recorded there (and in torchrun's error file) instead of printed, so the
+    launcher's summary comes first; ``TORCHSPAN_VERBOSE=1`` prints it too."""
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    from .runtime.ranks import heartbeat
 
     if not argv:
         raise SystemExit("usage: python -m torchspan.launch SCRIPT [args]  (run by torchspan launch on each rank)")
     script = os.path.abspath(argv[0])
     sys.argv = list(argv)
     sys.path.insert(0, os.path.dirname(script))
-    record(lambda: runpy.run_path(script, run_name="__main__"))()
+    job, rank = os.environ.get("TORCHSPAN_JOB_DIR"), int(os.environ.get("RANK", "0"))
+    parent = int(os.environ["TORCHSPAN_LAUNCHER_PID"]) if os.environ.get("TORCHSPAN_LAUNCHER_PID") else None
+    if parent is not None:
+        heartbeat.die_with_parent(parent)
+    folder = heartbeat.attempt_folder(job) if job else None
+    beats = heartbeat.start(folder, rank, parent) if folder is not None else None
+    errors = get_error_handler()
+    errors.initialize()
+    try:
+        runpy.run_path(script, run_name="__main__")
+        if beats is not None:
+            beats.finish()
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            if folder is not None:  # where the script called sys.exit(code), for the summary
+                heartbeat.record_error(folder, rank, exc)
+            raise
+        if beats is not None:
+            beats.finish()
+    except BaseException as exc:
+        if folder is not None:
+            heartbeat.record_error(folder, rank, exc)
+        errors.record_exception(exc)  # torchrun's error file: plain torchrun tools read it
+        if folder is None or _verbose():
+            raise
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -2,8 +2,11 @@
 --rdzv-endpoint HOST:PORT] [--max-restarts R] SCRIPT.py [script args]``: one process per replica.
 
 Built on ``torch.distributed.run`` (torchrun): the script sees torchrun's environment and runs the
-same under plain ``torchrun``. Exit status: 0, 1 when a rank failed (named, with its traceback),
-2 for bad arguments.
+same under plain ``torchrun``. Exit status: 0, 1 when a rank failed, 2 for bad arguments. A failure
+prints a summary first: the rank that raised (with its traceback's frames in the script) or was
+killed, or the rank that stopped answering while the others waited (``TORCHSPAN_TIMEOUT`` seconds,
+default 300) and what it was doing; the full tracebacks stay in the file it names
+(``TORCHSPAN_VERBOSE=1`` prints them as they happen). Workers end when the launcher dies.
 """
 
 from __future__ import annotations
