@@ -14,6 +14,12 @@
   one; :func:`clean_temporaries` (run by every atomic write and by ``load_checkpoint``) removes the
   ones whose writer is dead (same host, pid gone or reused) or, for another host's and unnamed ones,
   whose last change is older than this process. A live writer's temporary is never touched.
+- **Folders too** (sharded checkpoints): :func:`temporary_folder` makes an empty temporary folder
+  beside the target, the writers fill it, :func:`replace_folder` swaps it in whole: one
+  ``renameat2(RENAME_EXCHANGE)`` where the filesystem has it (a reader sees the old folder or the new
+  one, never neither), else the old folder is renamed aside (``.NAME.torchspan.PID.TOKEN.HOST.old``)
+  and the new one renamed in; a writer killed between those two renames leaves no target, and
+  :func:`clean_temporaries` renames that ``.old`` folder back. Stale temporary folders are removed.
 
 Usage::
 
@@ -21,6 +27,8 @@ Usage::
     write_text(target, plan.to_json() + "\\n", name="--out")
     with atomic_open("ckpt.pt", "wb", durable=True) as f:
         torch.save(state, f)
+    tmp = temporary_folder("ckpt")                             # fill it (every rank of a job), then
+    replace_folder(tmp, "ckpt")                                # the previous "ckpt" folder or this one, whole
 """
 
 from __future__ import annotations
@@ -28,7 +36,10 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import ctypes
+import errno
 import secrets
+import shutil
 import socket
 import stat
 import threading
@@ -44,7 +55,9 @@ __all__ = [
     "output_file",
     "output_folder",
     "real_target",
+    "replace_folder",
     "require_regular_file",
+    "temporary_folder",
     "write_bytes",
     "write_text",
 ]
@@ -185,8 +198,8 @@ def _prefix(target: Path) -> str:
     return f".{target.name[:_NAME_MAX]}.{_MARK}."
 
 
-def _temporary(target: Path) -> Path:
-    return target.with_name(f"{_prefix(target)}{os.getpid()}.{secrets.token_hex(4)}.{_host()}.tmp")
+def _temporary(target: Path, suffix: str = "tmp") -> Path:
+    return target.with_name(f"{_prefix(target)}{os.getpid()}.{secrets.token_hex(4)}.{_host()}.{suffix}")
 
 
 @contextlib.contextmanager
@@ -310,7 +323,7 @@ def _stale(entry: Path, rest: str, since: float) -> bool:
         return False
     if str(entry) in _ACTIVE:
         return False
-    match = re.fullmatch(r"(\d+)\.[0-9a-f]+\.([A-Za-z0-9-]+)\.tmp", rest)
+    match = re.fullmatch(r"(\d+)\.[0-9a-f]+\.([A-Za-z0-9-]+)\.(?:tmp|old)", rest)
     if match is None or match.group(2) != _host():  # another machine's pid means nothing here: go by age
         return changed < since
     pid = int(match.group(1))
@@ -325,9 +338,11 @@ def _stale(entry: Path, rest: str, since: float) -> bool:
 def clean_temporaries(path: str | os.PathLike[str]) -> list[Path]:
     """Remove the temporaries that interrupted writes of ``path`` left beside its real target; returns them.
 
-    Removed: torchspan's own (``.NAME.torchspan.PID.TOKEN.HOST.tmp``) whose writer on this machine is dead,
-    and those from another machine or in the older ``.NAME.XXXXXXXX.tmp`` form whose last change is older
-    than this process. A temporary a live process (or another thread here) is writing stays.
+    Removed: torchspan's own (``.NAME.torchspan.PID.TOKEN.HOST.tmp``, files or folders) whose writer on this
+    machine is dead, and those from another machine or in the older ``.NAME.XXXXXXXX.tmp`` form whose last
+    change is older than this process. A temporary a live process (or another thread here) is writing stays.
+    A dead writer's ``.old`` folder (the previous folder, renamed aside by :func:`replace_folder`) is renamed
+    back when the target is missing (the writer died between its two renames), else removed.
     """
     target = real_target(path)
     try:
@@ -337,15 +352,94 @@ def clean_temporaries(path: str | os.PathLike[str]) -> list[Path]:
     since = _this_process_started()
     prefix, legacy = _prefix(target), re.compile(re.escape(f".{target.name}.") + r"[A-Za-z0-9_]{8}\.tmp")
     removed = []
-    for entry in entries:
+    for entry in sorted(entries, key=lambda e: e.name):
         if entry.name.startswith(prefix):
             stale = _stale(Path(entry.path), entry.name[len(prefix) :], since)
         elif legacy.fullmatch(entry.name):
             stale = _stale(Path(entry.path), "", since)
         else:
             continue
-        if stale and entry.is_file(follow_symlinks=False):
-            with contextlib.suppress(FileNotFoundError):
+        if not stale:
+            continue
+        if entry.name.endswith(".old") and entry.is_dir(follow_symlinks=False) and describe(target) == "missing":
+            with contextlib.suppress(OSError):
+                os.rename(entry.path, target)  # the previous folder back: its replacement never arrived
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            elif entry.is_file(follow_symlinks=False):
                 os.unlink(entry.path)
-                removed.append(Path(entry.path))
+            else:
+                continue
+            removed.append(Path(entry.path))
     return removed
+
+
+# --------------------------------------------------------------------------- folders written whole
+
+
+def temporary_folder(path: str | os.PathLike[str]) -> Path:
+    """A new empty folder beside ``path``'s real target, named as a temporary of it and marked as this process's
+    (so :func:`clean_temporaries` leaves it while this process lives); fill it, then :func:`replace_folder`."""
+    target = real_target(path)
+    for _ in range(16):
+        tmp = _temporary(target)
+        try:
+            os.mkdir(tmp)
+        except FileExistsError:  # pragma: no cover - a 32-bit token collided
+            continue
+        with _ACTIVE_LOCK:
+            _ACTIVE.add(str(tmp))
+        return tmp
+    raise FileExistsError(f"no free temporary name beside {str(target)!r}")  # pragma: no cover
+
+
+def replace_folder(tmp: str | os.PathLike[str], path: str | os.PathLike[str], *, durable: bool = True) -> None:
+    """Put the folder ``tmp`` (from :func:`temporary_folder`, complete) in place of ``path``'s real target and
+    remove what was there: a reader sees the previous folder or ``tmp``'s contents, never a mixture.
+
+    Missing target: one ``rename``. A folder there: exchanged with ``tmp`` in one ``renameat2(RENAME_EXCHANGE)``
+    (Linux), then removed; where the filesystem cannot exchange (``EINVAL``, ``ENOSYS``, another system), renamed
+    aside to ``.NAME.torchspan.PID.TOKEN.HOST.old``, ``tmp`` renamed in, the aside folder removed (a crash between
+    the renames is undone by :func:`clean_temporaries`). ``durable=True`` fsyncs ``tmp`` and the parent folder.
+    """
+    tmp, target = Path(tmp), real_target(path)
+    try:
+        if durable:
+            _fsync_folder(tmp)
+        if describe(target) == "missing":
+            os.rename(tmp, target)
+        elif _exchange(tmp, target):
+            shutil.rmtree(tmp, ignore_errors=True)  # tmp holds the previous folder now
+        else:
+            aside = _temporary(target, "old")
+            os.rename(target, aside)
+            os.rename(tmp, target)
+            shutil.rmtree(aside, ignore_errors=True)
+    finally:
+        with _ACTIVE_LOCK:
+            _ACTIVE.discard(str(tmp))
+    if durable:
+        _fsync_folder(target.parent)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the names ``a`` and ``b`` atomically (``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
+    call = getattr(_libc(), "renameat2", None)
+    if call is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if call(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, f"cannot exchange {str(a)!r} and {str(b)!r}: {os.strerror(code)}")
+
+
+def _libc() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:  # pragma: no cover - no C library to open (some embedded builds)
+        return None
