@@ -45,6 +45,7 @@ _EXPORTS: dict[str, str] = {
     "rank_batches": "torchspan.runtime.ranks",
     "save_checkpoint": "torchspan.runtime.ranks",
     "load_checkpoint": "torchspan.runtime.ranks",
+    "export_safetensors": "torchspan.runtime.ranks",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

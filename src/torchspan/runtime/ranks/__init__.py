@@ -1,7 +1,9 @@
 """Several processes: joining the job (``env``), sharding data (``shard``), exact data-parallel
 replicas (``dataparallel``, ``replicated``), pipelines across ranks (``mesh``; ``stage``, held by
 ``pipelined``: stage functions over ``p2p``, and ``ownforward``: the model's own forward, with
-``taint``, ``routes``, ``metacalls``, ``glue``, ``forwardstate`` and ``together``) and checkpoints written once for all ranks (``checkpoint``).
+``taint``, ``routes``, ``metacalls``, ``glue``, ``forwardstate`` and ``together``) and checkpoints: one file written once
+for all ranks, or a sharded folder every rank writes on ``torch.distributed.checkpoint`` (``checkpoint``, ``dcp``,
+``dcpread``, ``checkpointio``; ``export``: one safetensors file for transformers).
 
 Usage: ``from torchspan.runtime.ranks import init_distributed, DataParallelReplica, shard_batch``.
 """
@@ -9,11 +11,13 @@ Usage: ``from torchspan.runtime.ranks import init_distributed, DataParallelRepli
 from .checkpoint import load_checkpoint, save_checkpoint
 from .dataparallel import DataParallelReplica, shard_loss
 from .env import RankInfo, free_port, init_distributed, is_launched, launch_env, rank_info
+from .export import export_safetensors
 from .shard import rank_batches, shard_batch, shard_range, shard_sizes
 
 __all__ = [
     "DataParallelReplica",
     "RankInfo",
+    "export_safetensors",
     "free_port",
     "init_distributed",
     "is_launched",

@@ -1,4 +1,14 @@
-"""Checkpoints for a launched job: written once (rank 0) atomically.
+"""Checkpoints for a launched job (or one process): one file written by rank 0, or a sharded folder.
+
+Two forms, chosen by what ``state`` holds:
+
+- **A sharded folder** (``ranks.dcp``, on ``torch.distributed.checkpoint``) when ``state`` holds a model (a
+  ``Spanned``, any ``nn.Module``), an optimizer or ``DTensor`` shards: ``{"model": spanned, "optimizer": opt,
+  "step": 3}``. Every rank writes its own shards (nothing is gathered on one rank), the folder is swapped in
+  whole once all have written, any world size (one plain process included) loads it, and
+  ``torchspan.export_safetensors`` turns it into one safetensors file for transformers' ``from_pretrained``.
+- **One file** when ``state`` holds state dicts and plain values (``{"model": replica.state_dict(), ...}``),
+  as below.
 
 Data parallel: replicas are identical, so one rank writes for all and any world size loads it.
 Pipelines: a rank holds only its stage (other stages' tensors are ``meta``), so when any rank's
@@ -14,14 +24,17 @@ or whose folder is missing is refused on every rank before anything is gathered 
 
 Loading is safe by default: ``torch.load(weights_only=True)`` reads tensors, numbers, strings,
 ``None``, lists, tuples, dicts (state dicts and optimizer states, the per-rank layout above) and runs
-no code from the file. A file that needs other objects (a pickled class or function, numpy values)
-is refused with a one-line ``ValueError`` naming ``trusted=True``, the opt-in for files you trust;
-``save_checkpoint`` warns when what it wrote would need it. A corrupt or truncated file is a one-line
-``ValueError`` naming the path. Keys are the model's own (``replica.state_dict()``, no ``module.``
-prefix), so any world size, one process included, loads them.
+no code from the file (a folder: its ``.metadata`` and values too, ``ranks.dcpread``). A file that needs
+other objects (a pickled class or function, numpy values) is refused with a one-line ``ValueError``
+naming ``trusted=True``, the opt-in for files you trust; ``save_checkpoint`` warns when what it wrote
+would need it. A corrupt or truncated file is a one-line ``ValueError`` naming the path. Keys are the
+model's own (``replica.state_dict()``, no ``module.`` prefix), so any world size, one process included,
+loads them.
 
 Usage::
 
+    save_checkpoint("ckpt", {"model": spanned, "optimizer": opt, "step": step})     # a sharded folder
+    state = load_checkpoint("ckpt", {"model": spanned, "optimizer": opt})           # loaded in place; state["step"]
     save_checkpoint("ckpt.pt", {"model": replica.state_dict(), "optimizer": opt.state_dict(), "step": step})
     state = load_checkpoint("ckpt.pt")        # None when there is none yet (first start)
     state = load_checkpoint("theirs.pt", trusted=True)   # only for a file you trust: it may run code
@@ -30,8 +43,6 @@ Usage::
 from __future__ import annotations
 
 import os
-import re
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -41,6 +52,8 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ... import files
+from . import dcp
+from .checkpointio import any_rank, group_size, rank, safe_load, warn_if_unsafe
 
 __all__ = ["save_checkpoint", "load_checkpoint", "model_keys"]
 
@@ -58,44 +71,42 @@ def model_keys(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
     return state_dict
 
 
-def _group_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def save_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any], *, writer: int = 0, barrier: bool = True) -> bool:
     """Write ``state`` to ``path`` from rank ``writer`` only; returns True on the rank that wrote.
 
     Call it on every rank: with ``barrier=True`` (default) all ranks wait until the file is in
     place, so none reads an older checkpoint afterwards. A pipeline rank's state (``meta`` tensors
-    for other stages) is gathered with every other rank's into the one file.
+    for other stages) is gathered with every other rank's into the one file. A ``state`` holding a
+    model, an optimizer or ``DTensor`` shards is a sharded folder instead (``ranks.dcp``): every rank
+    writes its shards, rank 0 swaps the folder in and returns True.
     """
     if not isinstance(state, Mapping):
         raise TypeError(f"state={type(state).__name__} must be a mapping, e.g. {{'model': replica.state_dict(), 'step': step}}")
-    world = _group_size()
+    if dcp.holds_objects(state):
+        if writer != 0:
+            raise ValueError(f"writer={writer!r}: a sharded checkpoint is written by every rank and put in place by rank 0; leave writer=0")
+        return dcp.save_folder(path, state, barrier=barrier)
+    world = group_size()
     if isinstance(writer, bool) or not isinstance(writer, int) or not 0 <= writer < world:
         raise ValueError(f"writer={writer!r} must be a rank in [0, world size {world})")
     target = Path(path)
-    problem = _unwritable(target) if _rank() == writer else None
+    problem = _unwritable(target) if rank() == writer else None
     if world > 1:
-        meta, unwritable = _any_rank(_holds_meta(state), problem is not None)
+        meta, unwritable = any_rank(_holds_meta(state), problem is not None)
         if unwritable:  # every rank stops here, none waits at a barrier for a writer that gave up
             raise problem or ValueError(f"path={str(path)!r}: rank {writer}, which writes the checkpoint, cannot write it (see its error); nothing was saved")
         if meta:  # a pipeline: each rank holds only its stage
-            states: list[Any] | None = [None] * world if _rank() == writer else None
+            states: list[Any] | None = [None] * world if rank() == writer else None
             dist.gather_object(tree_map(_to_cpu, dict(state)), states, dst=writer)
             if states is not None:
                 state = {_RANKS: states, "world_size": world}
     elif problem is not None:
         raise problem
     wrote = False
-    if _rank() == writer:
+    if rank() == writer:
         with files.atomic_open(target, "wb", name="path", durable=True) as f:
             torch.save(dict(state), f)
-        _warn_if_unsafe(target)
+        warn_if_unsafe(target)
         wrote = True
     if barrier and world > 1:
         dist.barrier()
@@ -110,21 +121,6 @@ def _unwritable(target: Path) -> ValueError | None:
     return None
 
 
-def _warn_if_unsafe(target: Path) -> None:
-    """Warn when the file just written needs objects a weights-only load refuses (``trusted=True`` to load)."""
-    try:
-        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(target)
-    except Exception:  # pragma: no cover - an older torch or an unreadable file: the load says so
-        return
-    if unsafe:
-        warnings.warn(
-            f"the checkpoint {str(target)!r} holds {', '.join(unsafe)}: load_checkpoint refuses such objects unless "
-            "trusted=True; save plain values instead (tensors, numbers, strings, lists, dicts: e.g. float(x), "
-            "torch.from_numpy(a), vars(namespace))",
-            stacklevel=3,
-        )
-
-
 def _holds_meta(state: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves(state))
 
@@ -133,69 +129,78 @@ def _to_cpu(x: Any) -> Any:
     return x.detach().cpu() if isinstance(x, torch.Tensor) and not x.is_meta else x
 
 
-def _any_rank(*flags: bool) -> tuple[bool, ...]:
-    """Each of ``flags`` OR-ed over all ranks (a collective: every rank calls ``save_checkpoint``)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    t = torch.tensor([int(f) for f in flags], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return tuple(bool(v) for v in t.tolist())
+def load_checkpoint(
+    path: str | os.PathLike[str], state: Mapping[str, Any] | None = None, *, map_location: Any = "cpu", trusted: bool = False
+) -> dict[str, Any] | None:
+    """The state saved at ``path``; ``None`` when there is none (a first start).
 
-
-def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu", *, trusted: bool = False) -> dict[str, Any] | None:
-    """The state saved at ``path``, its tensors on ``map_location``; ``None`` when the file does not exist.
+    Without ``state``: what was saved, its tensors on ``map_location`` (a sharded folder: full tensors with the
+    model's own keys, read in this process, no process group needed). With ``state`` (call it on every rank):
+    its models, optimizers and objects with a ``load_state_dict`` are loaded in place (a sharded folder:
+    resharded to this job's world size; a file: each one's ``load_state_dict``), and the saved dict is
+    returned with those objects under their keys. ``load_checkpoint(path, "cuda:0")`` (``map_location`` given
+    second, the older form) still works.
 
     Safe by default (``weights_only=True``: tensors, numbers, strings, lists, tuples, dicts; no code from the
     file runs). ``trusted=True`` loads any pickled object, which can run arbitrary code: only for a file
     you trust. Leftover temporaries of interrupted saves of ``path`` are removed.
     """
+    if isinstance(state, (str, torch.device)) or _is_location(state):
+        state, map_location = None, state  # the older positional form: load_checkpoint(path, map_location)
+    if state is not None and not isinstance(state, Mapping):
+        raise TypeError(f"state={type(state).__name__} must be a mapping of what to load into, e.g. {{'model': spanned, 'optimizer': opt}}")
+    if state is not None and dcp.loads_into(state):
+        return _load_into(path, state, trusted)
     target = Path(path)
-    if not os.fspath(path) or not target.exists():
+    if not os.fspath(path):
         return None
-    files.require_regular_file(target, name="path", what="a checkpoint file", fix="name the file save_checkpoint wrote")
-    files.clean_temporaries(target)
-    state = _load(target, map_location, trusted)
+    files.clean_temporaries(target)  # an interrupted folder swap is undone here, before the target is looked for
+    if not target.exists():
+        return None
+    if dcp.is_folder_checkpoint(target):
+        return dcp.read_folder(files.real_target(target), map_location, trusted=trusted)
+    return _load_file(target, map_location, trusted)
+
+
+def _is_location(value: Any) -> bool:
+    """A ``map_location`` dict given where ``state`` now stands (``{"cuda:1": "cuda:0"}``)."""
+    return isinstance(value, Mapping) and bool(value) and all(isinstance(v, (str, torch.device)) for v in value.values())
+
+
+def _load_file(target: Path, map_location: Any, trusted: bool) -> dict[str, Any]:
+    files.require_regular_file(
+        target, name="path", what="a checkpoint file", fix="name the file save_checkpoint wrote (or a sharded checkpoint folder, which holds a .metadata)"
+    )
+    state = safe_load(target, map_location, trusted)
     if not isinstance(state, dict):
-        raise ValueError(f"{str(path)!r} holds a {type(state).__name__}, not a checkpoint dict written by save_checkpoint")
+        raise ValueError(f"{str(target)!r} holds a {type(state).__name__}, not a checkpoint dict written by save_checkpoint")
     if _RANKS in state:
-        saved, world = state[_RANKS], _group_size()
+        saved, world = state[_RANKS], group_size()
         if len(saved) != world:
             raise ValueError(
-                f"{str(path)!r} was written by a pipeline job of {len(saved)} ranks (one state per rank: each held only its "
+                f"{str(target)!r} was written by a pipeline job of {len(saved)} ranks (one state per rank: each held only its "
                 f"stage), but this job has {world}; resume it with {len(saved)} processes and the same stages"
             )
-        return saved[_rank()]
+        return saved[rank()]
     return state
 
 
-def _load(target: Path, map_location: Any, trusted: bool) -> Any:
-    """``torch.load``; its refusals and a damaged file's errors as one line naming the path and what to do."""
-    shown = f"load_checkpoint({str(target)!r})"
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*pickle protocol.*", category=UserWarning)
-            return torch.load(target, map_location=map_location, weights_only=not trusted)
-    except MemoryError:
-        raise
-    except Exception as exc:
-        text = str(exc)
-        found = re.search(r"GLOBAL ([\w.]+)", text)
-        if not trusted and "Weights only load failed" in text and found:
-            raise ValueError(
-                f"{shown}: the file needs {found.group(1)}, which a safe (weights-only) load refuses: loading it could run "
-                f"code from the file. If you trust the file, load it with load_checkpoint({str(target)!r}, trusted=True)"
-            ) from None
-        why = type(exc).__name__ + (f": {_gist(text)}" if _gist(text) else "")
-        raise ValueError(
-            f"{shown}: the file is corrupt or truncated, or not a torch checkpoint ({why}); restore it from a copy "
-            "or delete it to start afresh"
-        ) from None
-
-
-def _gist(text: str) -> str:
-    """The telling part of a ``torch.load`` error: its first line that is not boilerplate, up to the first sentence."""
-    boiler = ("Weights only load failed", "Please file an issue", "Check the documentation", "In PyTorch 2.6")
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not any(b in line for b in boiler):
-            return line.split(". ")[0].rstrip(".")[:160]
-    return ""
+def _load_into(path: str | os.PathLike[str], state: Mapping[str, Any], trusted: bool) -> dict[str, Any] | None:
+    """``state``'s objects loaded in place on every rank (a collective): rank 0 looks for the checkpoint (undoing
+    an interrupted swap) and every rank goes by what it found."""
+    target = Path(path)
+    found = folder = False
+    if rank() == 0 and os.fspath(path):
+        files.clean_temporaries(target)
+        found, folder = target.exists(), dcp.is_folder_checkpoint(target)
+    found, folder = any_rank(found, folder)
+    if not found:
+        return None
+    if folder:
+        return dcp.load_into(files.real_target(target), state, trusted=trusted)
+    saved = _load_file(target, "cpu", trusted)
+    for key, obj in state.items():
+        if callable(getattr(obj, "load_state_dict", None)) and key in saved:
+            obj.load_state_dict(saved[key])
+            saved[key] = obj
+    return saved

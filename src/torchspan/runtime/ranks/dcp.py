@@ -1,0 +1,419 @@
+"""Sharded checkpoints: a folder that every rank writes its own shards into, on ``torch.distributed.checkpoint``.
+
+``save_checkpoint(path, {"model": spanned, "optimizer": opt, "step": 3})``: a state that holds a model (a
+``Spanned``, any ``nn.Module``), an optimizer, or a state dict of ``DTensor`` shards is written here, as a DCP
+folder; state dicts of plain values keep the one-file form (``ranks.checkpoint``).
+
+- **No rank gathers the model**: each model's state is ``get_model_state_dict`` (a sharded model's
+  ``DTensor`` shards; a replica's tensors, written once by DCP's de-duplication), each optimizer's is
+  ``get_optimizer_state_dict`` paired with the model whose parameters it holds (keys are parameter names, so
+  any world size reads them); ``dcp.save`` writes every rank's part. Other values (``step``, losses, an LR
+  scheduler's ``state_dict()``) are rank 0's, written beside them in ``values.pt``; ``torchspan.json``
+  records what each key is, each model's class, its tied parameters and a transformers model's config.
+- **Whole or not at all**: rank 0 makes a temporary folder beside ``path``
+  (``.NAME.torchspan.PID.TOKEN.HOST.tmp``) and broadcasts its name; every rank writes into it; DCP's save
+  returns on rank 0 only after every rank's data and the ``.metadata`` are written (a rank that fails makes
+  it raise on every rank); rank 0 then writes the manifest and swaps the folder in (``files.replace_folder``:
+  one atomic exchange), and the ranks agree on the outcome. A job killed at any point leaves the previous
+  folder whole; the temporary is removed by the next save or load (its writer is dead).
+- **Loading** into objects (``load_checkpoint(path, {"model": spanned, "optimizer": opt})``, every rank):
+  each rank reads the parts of its current shards, whatever world size wrote them (DCP reshards), and
+  ``set_state_dict`` puts them in place. Without objects, in any process, with or without a process group:
+  full tensors with the model's own keys (``dcpread.read_full``). Both read ``.metadata`` and values under the
+  safe rules of ``dcpread`` (``trusted=True`` to lift them).
+
+Usage::
+
+    save_checkpoint("ckpt", {"model": spanned, "optimizer": opt, "step": step})     # every rank
+    state = load_checkpoint("ckpt", {"model": spanned, "optimizer": opt})           # None on the first start
+    full = load_checkpoint("ckpt")              # one plain process: {"model": {name: tensor}, "optimizer": ..., "step": 3}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
+
+from ... import files
+from .checkpointio import any_rank, group_size, rank, safe_load, warn_if_unsafe
+
+__all__ = ["MANIFEST", "VALUES", "Parts", "holds_objects", "is_folder_checkpoint", "load_into", "loads_into", "read_folder", "save_folder", "split"]
+
+MANIFEST = "torchspan.json"
+VALUES = "values.pt"
+_FORMAT = "torchspan sharded checkpoint"
+
+
+def _is_dtensor(t: Any) -> bool:
+    tensor = sys.modules.get("torch.distributed.tensor")  # not imported yet: no DTensor exists (and none is imported here)
+    return tensor is not None and isinstance(t, tensor.DTensor)
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, nn.Module):
+        return "model"
+    if isinstance(value, torch.optim.Optimizer):
+        return "optimizer"
+    if isinstance(value, Mapping) and any(_is_dtensor(t) for t in tree_leaves(dict(value))):
+        return "tree"
+    if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
+        return "stateful"  # an LR scheduler, a sampler, a scaler: its state_dict() is saved with the values
+    return "value"
+
+
+def holds_objects(state: Mapping[str, Any]) -> bool:
+    """Whether ``state`` is written as a sharded (DCP) folder: it holds a model, an optimizer or ``DTensor`` shards."""
+    return any(_kind(v) in ("model", "optimizer", "tree") for v in state.values())
+
+
+def loads_into(state: Mapping[str, Any]) -> bool:
+    """Whether ``load_checkpoint(path, state)`` loads into ``state``'s objects (a model, an optimizer, shards, or
+    anything with ``state_dict``/``load_state_dict``)."""
+    return any(_kind(v) != "value" for v in state.values())
+
+
+def is_folder_checkpoint(path: Path) -> bool:
+    return path.is_dir() and (path / ".metadata").is_file()
+
+
+def _unwrap(value: nn.Module) -> nn.Module:
+    """The model a ``Spanned``, DDP or DataParallel wraps (its state dict has the model's own keys)."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    while type(value).__module__ == "torchspan.runtime.spanned" or isinstance(value, (DistributedDataParallel, DataParallel)):
+        value = value.module  # type: ignore[assignment]
+    return value
+
+
+@dataclass
+class Parts:
+    """``state`` sorted by what each key holds (``order``: the keys as given)."""
+
+    models: dict[str, nn.Module] = field(default_factory=dict)
+    optimizers: dict[str, tuple[torch.optim.Optimizer, str]] = field(default_factory=dict)  # key -> (optimizer, model key)
+    trees: dict[str, Mapping[str, Any]] = field(default_factory=dict)
+    stateful: dict[str, Any] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)
+
+    def kinds(self) -> dict[str, str]:
+        found = {**{k: "model" for k in self.models}, **{k: "optimizer" for k in self.optimizers}, **{k: "tree" for k in self.trees}}
+        found.update({k: "stateful" for k in self.stateful} | {k: "value" for k in self.values})
+        return {k: found[k] for k in self.order}
+
+
+def split(state: Mapping[str, Any], *, saving: bool) -> Parts:
+    """``state`` sorted into models, optimizers (each paired with the model holding its parameters), ``DTensor``
+    state dicts, objects with a state dict, and plain values; ``ValueError`` for what cannot be checkpointed."""
+    parts = Parts(order=list(state))
+    optimizers: dict[str, torch.optim.Optimizer] = {}
+    for key, value in state.items():
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"state key {key!r} must be a non-empty string (e.g. 'model', 'optimizer', 'step')")
+        kind = _kind(value)
+        if kind == "model":
+            parts.models[key] = _model(key, value, saving)
+        elif kind == "optimizer":
+            optimizers[key] = value
+        elif kind == "tree":
+            parts.trees[key] = value
+        elif kind == "stateful":
+            parts.stateful[key] = value
+        else:
+            parts.values[key] = value
+    for key, opt in optimizers.items():
+        parts.optimizers[key] = (opt, _owner(key, opt, parts.models))
+    return parts
+
+
+def _model(key: str, value: nn.Module, saving: bool) -> nn.Module:
+    module = _unwrap(value)
+    if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        raise ValueError(
+            f"the model under {key!r} holds meta tensors (a pipeline rank holds only its stage), which a sharded "
+            f"checkpoint cannot {'save' if saving else 'load into'}; use the one-file form: save_checkpoint(path, "
+            "{'model': spanned.state_dict(), 'optimizer': optimizer.state_dict()}) gathers every stage into one file"
+        )
+    return module
+
+
+def _owner(key: str, opt: torch.optim.Optimizer, models: Mapping[str, nn.Module]) -> str:
+    held = {id(p) for group in opt.param_groups for p in group["params"]}
+    owners = [k for k, m in models.items() if held & {id(p) for p in m.parameters()}]
+    if len(owners) != 1:
+        where = "none of the models in the state" if not owners else f"parameters of several models ({', '.join(owners)})"
+        raise ValueError(
+            f"the optimizer under {key!r} holds {where}; a sharded checkpoint names optimizer state by its model's "
+            "parameter names: put the one model it trains in the same state, e.g. {'model': spanned, 'optimizer': opt}"
+        )
+    return owners[0]
+
+
+def _state_dicts(parts: Parts) -> dict[str, Any]:
+    """What DCP saves or loads into: each model's and optimizer's state dict in this rank's current sharding."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    out: dict[str, Any] = {k: get_model_state_dict(m) for k, m in parts.models.items()}
+    for key, (opt, owner) in parts.optimizers.items():
+        out[key] = get_optimizer_state_dict(parts.models[owner], opt)
+    out.update({k: dict(v) for k, v in parts.trees.items()})
+    return out
+
+
+def _no_dist() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP's warning that one process without a process group saves or loads alone: that is meant here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
+# --------------------------------------------------------------------------------------------------- saving
+
+
+def save_folder(path: str | os.PathLike[str], state: Mapping[str, Any], *, barrier: bool = True) -> bool:
+    """Write ``state`` as a sharded checkpoint folder at ``path`` from every rank (call it on every rank);
+    returns True on rank 0, which puts the folder in place. See the module docstring."""
+    parts = split(state, saving=True)
+    coordinator = rank() == 0
+    tmp = _begin(path) if group_size() == 1 else _shared_begin(path, coordinator)
+    error: BaseException | None = None
+    try:
+        saved = _state_dicts(parts)
+    except Exception as exc:
+        error = exc
+    if any_rank(error is not None)[0]:  # no rank enters DCP's collectives alone
+        _discard(tmp, coordinator)
+        raise error or RuntimeError(f"save_checkpoint({os.fspath(path)!r}): another rank failed to collect its state (see its error); nothing was saved")
+    error = _write(tmp, saved, parts, path, coordinator)
+    if error is not None and coordinator:
+        _discard(tmp, coordinator)
+    failed = any_rank(error is not None)[0] if barrier or group_size() == 1 else error is not None
+    if failed:
+        raise _save_error(path, error)
+    return coordinator
+
+
+def _begin(path: str | os.PathLike[str]) -> Path:
+    """Rank 0: check the target, remove stale temporaries, make the temporary folder."""
+    shown = f"path={os.fspath(path)!r}"
+    if not os.fspath(path):
+        raise ValueError(f"{shown} is empty; name a folder for the sharded checkpoint, e.g. path='ckpt'")
+    target = files.real_target(path)
+    found = files.describe(target)
+    if found == "a regular file":
+        raise ValueError(
+            f"{shown} is a file (a one-file checkpoint); a state holding a model, an optimizer or sharded tensors is "
+            "saved as a folder, every rank writing its shards: name another path, e.g. path='ckpt'"
+        )
+    if found == "a folder":
+        if any(target.iterdir()) and not (target / ".metadata").exists() and not (target / MANIFEST).exists():
+            raise ValueError(f"{shown} is a folder of other files, not a sharded checkpoint; torchspan replaces only a checkpoint folder: name another path")
+        if not os.access(target.parent, os.W_OK | os.X_OK):
+            raise ValueError(f"{shown}: cannot write in folder {str(target.parent)!r} (permission denied or read-only)")
+    elif found.startswith("missing"):
+        files.output_file(path, name="path", example="ckpt")
+    else:
+        raise ValueError(f"{shown} is {found}; a sharded checkpoint is a folder: name another path, e.g. path='ckpt'")
+    files.clean_temporaries(target)
+    return files.temporary_folder(target)
+
+
+def _shared_begin(path: str | os.PathLike[str], coordinator: bool) -> Path:
+    """Rank 0 begins; every rank gets the temporary folder's name, or rank 0's refusal."""
+    shared: list[Any] = [None, None]
+    if coordinator:
+        try:
+            shared[0] = str(_begin(path))
+        except (ValueError, OSError) as exc:
+            shared[1] = exc
+    dist.broadcast_object_list(shared, src=0)
+    if shared[1] is not None:
+        raise shared[1]
+    return Path(shared[0])
+
+
+def _write(tmp: Path, saved: dict[str, Any], parts: Parts, path: str | os.PathLike[str], coordinator: bool) -> BaseException | None:
+    """DCP's save into ``tmp`` (every rank), then rank 0 writes the values and manifest and swaps the folder in."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with _quiet():
+            dcp.save(saved, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=_no_dist())
+        if coordinator:  # DCP returned here: every rank's shards and the .metadata are written
+            _write_values(tmp, parts, path)
+            files.write_text(tmp / MANIFEST, json.dumps(_manifest(parts), indent=1) + "\n", durable=True)
+            files.replace_folder(tmp, path)
+    except (Exception, CheckpointException) as exc:
+        return exc
+    return None
+
+
+def _write_values(tmp: Path, parts: Parts, path: str | os.PathLike[str]) -> None:
+    values = {k: v for k, v in parts.values.items()} | {k: obj.state_dict() for k, obj in parts.stateful.items()}
+    with open(tmp / VALUES, "wb") as fh:
+        torch.save(values, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    warn_if_unsafe(tmp / VALUES, stacklevel=5, shown=os.fspath(path))
+
+
+def _manifest(parts: Parts) -> dict[str, Any]:
+    return {
+        "format": _FORMAT,
+        "version": 1,
+        "world_size": group_size(),
+        "torch": torch.__version__,
+        "keys": parts.kinds(),
+        "models": {k: _describe(m) for k, m in parts.models.items()},
+        "optimizers": {k: owner for k, (_, owner) in parts.optimizers.items()},
+    }
+
+
+def _describe(module: nn.Module) -> dict[str, Any]:
+    """A model's class (a sharded model's own, not FSDP2's subclass), its tied parameters and its config."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch < 2.6
+        FSDPModule = ()  # noqa: N806
+    cls = next(c for c in type(module).__mro__ if not (FSDPModule and issubclass(c, FSDPModule)))
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {"class": cls.__name__, "ties": [group for group in names.values() if len(group) > 1], "config": _config(module, cls.__name__)}
+
+
+def _config(module: nn.Module, cls: str) -> dict[str, Any] | None:
+    config = getattr(module, "config", None)
+    if not callable(getattr(config, "to_json_string", None)):
+        return None
+    try:
+        data = json.loads(config.to_json_string(use_diff=True))
+    except Exception:  # a config that does not serialise: the export asks for config= instead
+        return None
+    data["architectures"] = data.get("architectures") or [cls]
+    return data
+
+
+def _discard(tmp: Path, coordinator: bool) -> None:
+    if coordinator:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _save_error(path: str | os.PathLike[str], error: BaseException | None) -> BaseException:
+    failures = getattr(error, "failures", None) or {}
+    first_rank, first = next(iter(sorted(failures.items())), (rank(), error))
+    inner = first[0] if isinstance(first, tuple) else getattr(first, "exc", first)
+    if isinstance(inner, ValueError) and str(inner).startswith("path="):
+        return inner
+    why = f"{type(inner).__name__}: {inner}" if inner is not None else "see its error"
+    who = f"rank {first_rank}" if inner is not None else "another rank"
+    err = RuntimeError(
+        f"save_checkpoint({os.fspath(path)!r}) failed on {who} ({why}); nothing was replaced: the previous checkpoint, "
+        "if any, is whole"
+    )
+    err.__cause__ = inner if isinstance(inner, BaseException) else None
+    return err
+
+
+# --------------------------------------------------------------------------------------------------- loading
+
+
+def read_manifest(folder: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None  # a folder dcp.save wrote by itself: its keys are all there is
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"load_checkpoint({str(folder)!r}): its {MANIFEST} is damaged ({exc}); restore it from a copy") from None
+    if not isinstance(data, dict) or data.get("format") != _FORMAT:
+        raise ValueError(f"load_checkpoint({str(folder)!r}): its {MANIFEST} was not written by torchspan's save_checkpoint")
+    return data
+
+
+def _values(folder: Path, map_location: Any, trusted: bool) -> dict[str, Any]:
+    if not (folder / VALUES).exists():
+        return {}
+    values = safe_load(folder / VALUES, map_location, trusted, checkpoint=folder)
+    if not isinstance(values, dict):
+        raise ValueError(f"load_checkpoint({str(folder)!r}): its {VALUES} holds a {type(values).__name__}, not the saved values")
+    return values
+
+
+def read_folder(folder: Path, map_location: Any = "cpu", *, trusted: bool = False) -> dict[str, Any]:
+    """The whole checkpoint in this process (no process group needed): full tensors with the saved keys, the
+    values, each key in the order it was saved."""
+    from .dcpread import read_full
+
+    manifest = read_manifest(folder)
+    state = read_full(folder, trusted)
+    if map_location not in (None, "cpu") and isinstance(map_location, (str, torch.device)):
+        state = tree_map(lambda t: t.to(map_location) if isinstance(t, torch.Tensor) else t, state)
+    state.update(_values(folder, map_location, trusted))
+    order = list(manifest["keys"]) if manifest else list(state)
+    return {k: state[k] for k in order if k in state} | {k: v for k, v in state.items() if k not in order}
+
+
+def load_into(folder: Path, state: Mapping[str, Any], *, trusted: bool = False) -> dict[str, Any]:
+    """Load the folder into ``state``'s objects in place on every rank (resharded to this job's world size);
+    returns every saved key: the objects given, the saved values."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    from .dcpread import SafeLoadPlanner, SafeReader, checkpoint_error, read_metadata
+
+    read_metadata(folder, trusted)  # a refusal in one line, on every rank, before DCP's collectives
+    manifest = read_manifest(folder)
+    parts = split(state, saving=False)
+    _check_keys(folder, parts, manifest)
+    loaded = _state_dicts(parts)
+    try:
+        planner = SafeLoadPlanner(trusted=trusted, folder=folder)
+        with _quiet():
+            dcp.load(loaded, storage_reader=SafeReader(folder, trusted), planner=planner, no_dist=_no_dist())
+    except BaseException as exc:  # DCP raises the same CheckpointException on every rank
+        raise checkpoint_error(exc, folder) from None
+    for key, module in parts.models.items():
+        set_model_state_dict(module, loaded[key])
+    for key, (opt, owner) in parts.optimizers.items():
+        set_optimizer_state_dict(parts.models[owner], opt, loaded[key])
+    values = _values(folder, "cpu", trusted)
+    for key, obj in parts.stateful.items():
+        if key in values:
+            obj.load_state_dict(values.pop(key))
+    given = {k: state[k] for k in parts.order if k not in parts.values}
+    order = list(manifest["keys"]) if manifest else list(given)
+    out = {k: given.get(k, values.get(k)) for k in order if k in given or k in values}
+    return out | {k: v for k, v in given.items() if k not in out}
+
+
+def _check_keys(folder: Path, parts: Parts, manifest: dict[str, Any] | None) -> None:
+    """Each object given names a key the checkpoint saved as that kind of object (one-line ``ValueError``)."""
+    if manifest is None:
+        return  # a folder dcp.save wrote: DCP itself names a missing key
+    saved = manifest["keys"]
+    for key, kind in parts.kinds().items():
+        if kind == "value":
+            continue
+        if key not in saved:
+            raise ValueError(f"load_checkpoint({str(folder)!r}): the checkpoint has no {key!r} (it holds {', '.join(map(repr, saved))})")
+        if saved[key] != kind and {saved[key], kind} != {"tree", "model"}:
+            raise ValueError(f"load_checkpoint({str(folder)!r}): {key!r} was saved as a {saved[key]}, not a {kind}")
