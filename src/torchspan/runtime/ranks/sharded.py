@@ -58,7 +58,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from ...layers import model_layers
 from ..microbatch import batch_size
 
-__all__ = ["OFFLOADS", "ShardedEngine", "check_shard_options", "first_row", "local_bytes", "no_rows", "shard_units", "stand_ins"]
+__all__ = ["OFFLOADS", "ShardedEngine", "check_shard_options", "device_mesh", "exclusive_layers", "first_row", "local_bytes", "no_rows", "shard_units", "stand_ins"]
 
 OFFLOADS = (None, "cpu")
 
@@ -100,17 +100,21 @@ def _accelerator() -> bool:
 def shard_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The layers ``fully_shard`` wraps before the root: each ``model_layers`` layer that owns a parameter,
     except one holding a parameter another module outside it also holds (a tie stays in the root unit)."""
+    return exclusive_layers(module, [(layer.name, layer.module) for layer in model_layers(module).layers if layer.name])
+
+
+def exclusive_layers(module: nn.Module, layers: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The ``(qualified name, layer)`` pairs of ``layers`` (modules of ``module``) that own a parameter and hold
+    none that ``module`` also reaches by a name outside the layer (a tied parameter), in the order given."""
     names: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
     units = []
-    for layer in model_layers(module).layers:
-        if not layer.name:
-            continue
-        params = list(layer.module.parameters())
-        inside = layer.name + "."
+    for name, layer in layers:
+        params = list(layer.parameters())
+        inside = name + "."
         if params and all(n.startswith(inside) for p in params for n in names.get(id(p), ())):
-            units.append((layer.name, layer.module))
+            units.append((name, layer))
     return units
 
 
@@ -131,7 +135,8 @@ def _broadcast(module: nn.Module, group: Any, comm: torch.device) -> None:
                 t.copy_(tmp)
 
 
-def _mesh(group: Any, device_type: str) -> Any:
+def device_mesh(group: Any, device_type: str) -> Any:
+    """A one-dimensional ``DeviceMesh`` over ``group`` (``None``: the default group), for ``fully_shard``."""
     from torch.distributed.device_mesh import DeviceMesh
 
     return DeviceMesh.from_group(group if group is not None else dist.group.WORLD, device_type)
@@ -199,7 +204,7 @@ class ShardedEngine:
         self.units = shard_units(module)
         if dist.get_world_size(group) > 1:
             _broadcast(module, group, comm)
-        mesh = _mesh(group, device.type)
+        mesh = device_mesh(group, device.type)
         policy = OffloadPolicy() if offload is None else CPUOffloadPolicy()
         half = precision == "bf16"
         mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if half else None, reduce_dtype=torch.float32 if half else None)
