@@ -408,7 +408,7 @@ def test_four_sharded_ranks_uneven_and_empty_shards(tmp_path: Path) -> None:
         (dict(shard=True, offload="disk"), "offload='disk' is not one of None, 'cpu'"),
         (dict(shard=True, reshard_after_forward="yes"), "reshard_after_forward='yes' must be True .ZeRO-3. or False"),
         (dict(shard="yes"), "shard='yes' must be True or False"),
-        (dict(shard=True, balance=[2, 1]), "shard=True with 2 pipeline stages is not supported yet"),
+        (dict(shard=True, devices=["cpu", "cpu"], balance=[2, 1]), "shard=True with 2 pipeline stages in one process"),
     ],
 )
 def test_sharding_options_are_refused_before_any_work(options: dict, words: str) -> None:

@@ -102,14 +102,10 @@ def _sharding(plan: Plan | None, shard: Any, offload: Any, reshard_after_forward
 def _replica(
     model: nn.Module, plan: Plan | None, devices: Any, balance: Any, settings: Settings, recorder: Recorder, sharding: dict[str, Any]
 ) -> Spanned | None:
-    """This rank's data-parallel replica (DDP, or sharded by FSDP2) when launched with one stage or sharded; else None."""
+    """This rank's data-parallel replica (DDP, or sharded by FSDP2) when launched with one stage or sharded; else None
+    (several stages, sharded or not: a pipeline, whose stages ``choose`` shards over their replicas)."""
     stages = launched_stages(plan, devices, balance)
-    if sharding["shard"] and stages > 1:
-        raise ValueError(
-            f"shard=True with {stages} pipeline stages is not supported yet: shard one stage (no balance, one device) "
-            "over the data-parallel ranks, or pipeline without shard=True"
-        )
-    if sharding["shard"]:
+    if sharding["shard"] and stages == 1:
         init_distributed()  # a plain process: a world of one, the sharded replica of one rank (offload on one GPU)
     if stages != 1 or not (launched_replica(plan) or sharding["shard"]):
         return None
@@ -175,7 +171,8 @@ def span(
     ``shard=True`` (or a plan's ``shard``), one stage: that replica sharded by FSDP2, ``mode == "sharded"``
     (``runtime.ranks.sharded``: ``.grad`` a ``DTensor`` shard; ``reshard_after_forward`` True is ZeRO-3,
     False ZeRO-2; ``offload="cpu"``: states in CPU memory, needs a GPU). In a plain process it opens a
-    process group of one (``init_distributed()``): one GPU training with offload.
+    process group of one (``init_distributed()``): one GPU training with offload. With several stages in a
+    launched job of replicas x stages ranks: each stage sharded over its replicas (``runtime.ranks.stageshard``).
 
     Usage: ``span(model, devices=["cpu", "cpu"], balance=[2, 2], microbatches=4, schedule="1f1b")``.
     """
@@ -195,6 +192,7 @@ def span(
     meter = ActivationMeter(len(lay.devices))
     executor = choose(
         model, lay, settings, recorder, meter, planned=plan is not None, even=balance is None,
-        split_points=split_points, no_split=no_split, stacklevel=2,
+        split_points=split_points, no_split=no_split, stacklevel=2, sharding=sharding,
     )  # fmt: skip
-    return Spanned(model, executor, settings, recorder, meter, mode_reason=lay.why)
+    why = lay.why + ("; each stage sharded over its replicas (FSDP2)" if sharding["shard"] else "")
+    return Spanned(model, executor, settings, recorder, meter, mode_reason=why)

@@ -4,7 +4,8 @@ In one process: ``PipelinedExecutor`` (stage functions of an ``nn.Sequential`` o
 ``OwnForwardExecutor`` (the model's own forward, micro-batches pipelined by threads) or, where
 threads cannot pipeline, ``SerialExecutor``. In a launched job: ``ReplicaExecutor`` (one stage:
 an exact data-parallel replica per rank, DDP or sharded by FSDP2), ``RankPipelineExecutor`` (stage functions, one stage per
-rank) or ``RankOwnForwardExecutor`` (the model's own forward on every rank, its stage for real).
+rank) or ``RankOwnForwardExecutor`` (the model's own forward on every rank, its stage for real); with ``shard``
+and replicas, each stage sharded over its replicas (pipeline x sharded, ``ranks.stageshard``).
 
 Usage (``span`` does this)::
 
@@ -31,7 +32,7 @@ from .ranks.pipelined import RankPipelineExecutor
 from .ranks.replicated import ReplicaExecutor
 from .record import Recorder
 
-__all__ = ["choose", "replica"]
+__all__ = ["check_pipeline_sharding", "choose", "replica"]
 
 
 def replica(
@@ -55,14 +56,17 @@ def choose(
     split_points: Any = None,
     no_split: Any = None,
     stacklevel: int = 2,
+    sharding: dict[str, Any] | None = None,
 ) -> Executor:
     """The executor for ``lay`` (``planned``: its groups come from a plan; ``even``: an even split
-    the first call's recorded order may redo). ``stacklevel``: where a warning points (the caller's caller)."""
+    the first call's recorded order may redo). ``stacklevel``: where a warning points (the caller's caller).
+    ``sharding``: ``shard`` and ``reshard_after_forward`` for a pipeline across ranks (``check_pipeline_sharding``)."""
     options = dict(balance_given=not planned, layers=lay.layer_set, even=even, split_points=split_points, no_split=no_split)
+    shard = check_pipeline_sharding(lay, sharding)
     if lay.ranked is not None and lay.mode == "own-forward":  # the model's own forward on every rank, its stage for real
-        return RankOwnForwardExecutor(model, lay.groups, settings, recorder, meter, *lay.ranked, **options)
+        return RankOwnForwardExecutor(model, lay.groups, settings, recorder, meter, *lay.ranked, **shard, **options)
     if lay.ranked is not None:
-        return RankPipelineExecutor(model, lay.mode, lay.graph, lay.groups, settings, recorder, meter, *lay.ranked)
+        return RankPipelineExecutor(model, lay.mode, lay.graph, lay.groups, settings, recorder, meter, *lay.ranked, **shard)
     if lay.mode != "own-forward":
         return PipelinedExecutor(model, lay.mode, lay.graph, lay.devices, lay.groups, settings, recorder, meter)
     unthreaded = OwnForwardExecutor.unsupported(lay.devices, settings.microbatches, settings.recompute)
@@ -71,6 +75,27 @@ def choose(
     if len(lay.devices) > 1:  # one stage has nothing to pipeline: nothing to warn about
         _warn_serial(lay.why, unthreaded, stacklevel + 1)
     return SerialExecutor(model, lay.devices, lay.groups, settings, recorder, meter, **options)
+
+
+def check_pipeline_sharding(lay: Layout, sharding: dict[str, Any] | None) -> dict[str, Any]:
+    """The sharding keywords of a pipeline across ranks (``{}`` without ``shard``); ``ValueError`` where stages are not
+    replicated across ranks (nothing to shard a stage over) or offload is asked with stages."""
+    if not sharding or not sharding.get("shard"):
+        return {}
+    stages = len(lay.groups)
+    if sharding.get("offload") is not None:
+        raise ValueError(
+            f"offload={sharding['offload']!r} with {stages} pipeline stages is not supported: offload shards one stage "
+            "(span(model, shard=True, offload='cpu') without balance); pipeline x sharded keeps each stage's shards on its device"
+        )
+    if lay.ranked is None or lay.ranked[0].replicas == 1:
+        where = f"pp({stages}) x dp(1)" if lay.ranked is not None else f"{stages} pipeline stages in one process"
+        raise ValueError(
+            f"shard=True with {where}: each stage is sharded over its data-parallel replicas, and here a stage has one "
+            f"rank; launch replicas x stages processes (e.g. torchspan launch --nproc-per-node {2 * stages} for {stages} "
+            "stages x 2 replicas), shard one stage (no balance), or pipeline without shard=True"
+        )
+    return {"shard": True, "reshard_after_forward": sharding.get("reshard_after_forward", True)}
 
 
 def _warn_serial(why: str, unthreaded: str, stacklevel: int) -> None:

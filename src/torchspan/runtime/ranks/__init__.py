@@ -1,7 +1,8 @@
 """Several processes: joining the job (``env``), sharding data (``shard``), exact data-parallel
 replicas (``dataparallel``, ``replicated``), pipelines across ranks (``mesh``; ``stage``, held by
 ``pipelined``: stage functions over ``p2p``, and ``ownforward``: the model's own forward, with
-``taint``, ``routes``, ``metacalls``, ``glue``, ``forwardstate`` and ``together``) and checkpoints: one file written once
+``taint``, ``routes``, ``metacalls``, ``glue``, ``forwardstate`` and ``together``; ``stageshard``: each stage sharded over
+its replicas) and checkpoints: one file written once
 for all ranks, or a sharded folder every rank writes on ``torch.distributed.checkpoint`` (``checkpoint``, ``dcp``,
 ``dcpread``, ``checkpointio``; ``export``: one safetensors file for transformers).
 

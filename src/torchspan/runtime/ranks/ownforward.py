@@ -15,6 +15,8 @@ embedding, a skip connection across a cut) is rebuilt on the stage that needs it
 operands it lacks and replays the glue ops (``glue``). Tied parameters,
 data-parallel replicas, the loss normalizer and gradient reductions are the ``RankStage`` it
 holds, as for stage functions; the layers and their recording forward are ``OwnForwardLayers``'.
+With ``shard=True`` and replicas, this stage's blocks are sharded by FSDP2 over the stage's
+replicas once placed (``ranks.stageshard``): every forward is then a collective of those replicas.
 
 Schedules are ``torchspan.schedule``'s (GPipe, 1F1B): this rank runs its stage's actions in
 order; a forward blocks where an argument from an earlier stage has not arrived yet. Exact: the
@@ -34,7 +36,7 @@ Usage (``span`` does this in a launched job)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -48,6 +50,7 @@ from ...layers import buffer_slots
 from ..executor import Executor, Settings, Work
 from ..layercall import autocast_for, recomputes, run_layer
 from ..local.placed import OwnForwardLayers
+from ..losscheck import LossChecks
 from ..lossweights import LossSpec, weighted_loss
 from ..microbatch import split_batch
 from ..memory import ActivationMeter, MeteredSteps
@@ -60,6 +63,7 @@ from .metacalls import Described, MetaCalls, shape_key
 from .p2p import PeerError, RankTransport
 from .routes import META, CallRoute, DivergedError, Seen, check_last_stage, cut_advice, resolve_rebuilds, route_call
 from .stage import RankStage
+from .stageshard import resolve_together
 from .taint import MetaTaint, check_unchanged, container_sizes, meta_like, to_meta
 from .together import Together, every_rank, explained, raised_everywhere
 
@@ -97,9 +101,13 @@ class RankOwnForwardExecutor(Executor):
         meter: ActivationMeter,
         mesh: Mesh,
         info: RankInfo,
+        *,
+        shard: bool = False,
+        reshard_after_forward: bool = True,
         **options: Any,
     ) -> None:
         self.ranks = RankStage(model, mesh, info, len(groups), settings.precision)
+        self._shard: bool | None = reshard_after_forward if shard else None  # sharded: reshard_after_forward
         super().__init__([info.device] * mesh.stages, groups)
         self.model, self.settings, self.recorder, self.meter = model, settings, recorder, meter
         self.mesh, self.stage, self.device = mesh, self.ranks.stage, info.device
@@ -129,6 +137,20 @@ class RankOwnForwardExecutor(Executor):
     def weights(self, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
         return self.ranks.weights(spec, targets, sizes)
 
+    def resolve_loss(
+        self, checks: LossChecks, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int], dry_outputs: Callable[[], Sequence[Any]], target: Any = None
+    ) -> LossSpec:
+        """As for the hybrid; sharded, a calibration's dry forward runs on every rank when any rank needs one."""
+        if self.ranks.shards is None:
+            return super().resolve_loss(checks, spec, targets, sizes, dry_outputs, target)
+        return resolve_together(checks, spec, targets, sizes, dry_outputs, target, self.ranks.comm)
+
+    def state_dict(self, module: nn.Module, **options: Any) -> Any:
+        return self.ranks.state_dict(**options)
+
+    def load_state_dict(self, module: nn.Module, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
+        return self.ranks.load_state_dict(state_dict, strict=strict)
+
     # ------------------------------------------------------------------ placement
     def place(self, work: Work) -> None:
         """The recording forward (full model, real weights, no trace left) finds the layers' order and
@@ -155,6 +177,8 @@ class RankOwnForwardExecutor(Executor):
         place(self.model, mine, self.devices, self.root_attrs, self.layers, mine_roots)
         self._swaps = self._tied_swaps()
         self.ranks.start()
+        if self._shard is not None:  # this stage's blocks sharded over its replicas (after start's broadcast)
+            self.ranks.shard([(name, self.layers[name]) for name in self.groups[self.stage]], self._shard)
         self._together.group = self.ranks.pipe_group  # made by start() when there are replicas
         self._kept = {id(t) for t in [*self.model.parameters(), *self.model.buffers()]}  # the glue never turns them meta
         self._placed = True

@@ -13,6 +13,9 @@ gradient reductions started once the rank's last backward ran) is the ``RankStag
   stage's group alongside the gradients, so ``train_step`` returns the full-batch loss on every rank.
 - ``spanned(x)`` runs a forward without autograd (a graph cannot cross processes) and returns the
   last stage's outputs on every rank of the pipeline; train with ``train_step``.
+- **Sharded** (``shard=True`` with replicas): each stage's layers are sharded by FSDP2 over the
+  stage's replicas (``ranks.stageshard``); a layer an fx trace reads a parameter of directly
+  (``get_attr``) stays replicated. Every forward is then a collective of the stage's replicas.
 
 Usage (``span`` does this in a launched job)::
 
@@ -21,7 +24,7 @@ Usage (``span`` does this in a launched job)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +36,7 @@ from ..executor import Executor, Settings, Work
 from ..local.pipeline import Pipeline
 from ..local.pipelined import stage_functions
 from ..local.stagefns import StageFunctions
+from ..losscheck import LossChecks
 from ..lossweights import LossSpec
 from ..memory import ActivationMeter
 from ..placement import check_shared, place
@@ -41,6 +45,7 @@ from .env import RankInfo, rank_info
 from .mesh import Mesh, launched_stages
 from .p2p import RankTransport
 from .stage import RankStage
+from .stageshard import resolve_together
 
 __all__ = ["RankPipelineExecutor", "launched_mesh"]
 
@@ -59,6 +64,9 @@ class RankPipelineExecutor(Executor):
         meter: ActivationMeter,
         mesh: Mesh,
         info: RankInfo,
+        *,
+        shard: bool = False,
+        reshard_after_forward: bool = True,
     ) -> None:
         self.ranks = RankStage(model, mesh, info, len(groups), settings.precision)
         if mode not in ("sequential", "fx"):
@@ -74,6 +82,15 @@ class RankPipelineExecutor(Executor):
         )  # fmt: skip
         self._place(graph)
         self.ranks.start()
+        if shard:
+            self._shard(graph, reshard_after_forward)
+
+    def _shard(self, graph: Any, reshard_after_forward: bool) -> None:
+        """This stage's layers sharded over its replicas, except those whose tensors the fx graph reads directly."""
+        layers = top_level_modules(self.model)
+        read = [str(n.target) for n in (graph.nodes if graph is not None else ()) if n.op == "get_attr"]
+        mine = [(name, layers[name]) for name in self.groups[self.stage] if not any(t.startswith(name + ".") for t in read)]
+        self.ranks.shard(mine, reshard_after_forward)
 
     def _place(self, graph: Any) -> None:
         """Only this stage's layers move to this rank's device; the other stages' become meta. An fx split
@@ -100,6 +117,20 @@ class RankPipelineExecutor(Executor):
 
     def weights(self, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
         return self.ranks.weights(spec, targets, sizes)
+
+    def resolve_loss(
+        self, checks: LossChecks, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int], dry_outputs: Callable[[], Sequence[Any]], target: Any = None
+    ) -> LossSpec:
+        """As for the hybrid; sharded, a calibration's dry forward runs on every rank when any rank needs one."""
+        if self.ranks.shards is None:
+            return super().resolve_loss(checks, spec, targets, sizes, dry_outputs, target)
+        return resolve_together(checks, spec, targets, sizes, dry_outputs, target, self.ranks.comm)
+
+    def state_dict(self, module: nn.Module, **options: Any) -> Any:
+        return self.ranks.state_dict(**options)
+
+    def load_state_dict(self, module: nn.Module, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
+        return self.ranks.load_state_dict(state_dict, strict=strict)
 
     def meters(self) -> bool:
         """Until one training step has counted its saved activations; later steps skip the saved-tensor

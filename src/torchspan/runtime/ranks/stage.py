@@ -12,11 +12,15 @@
   weighs its micro-batches against the global batch.
 - **Gradients**: once this rank ran its last backward, a SUM of this step's gradients starts in
   each group (async, one flat buffer per dtype); gradients from earlier steps stay accumulated.
+- **Sharding** (``shard``, after ``start``): this stage's layers sharded by FSDP2 over its
+  data-parallel group (``ranks.stageshard``); their gradients are reduce-scattered by FSDP2 at the
+  same moment, the rest (ties, the model's own tensors) all-reduced as above.
 
 Usage (an executor does this)::
 
     ranks = RankStage(model, mesh, info, stages=len(groups))
     keep = ranks.find_ties(layers, groups); ...; ranks.start()
+    ranks.shard([(name, layers[name]) for name in groups[ranks.stage]])   # pipeline x sharded only
     with ranks.reducing() as reduction:
         ...; reduction.finished(loss)          # after this rank's last backward
     total = reduction.total                      # the step's loss over replicas (None without)
@@ -37,6 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..lossweights import LossSpec
 from .env import RankInfo
 from .mesh import Mesh
+from .stageshard import StageShards
 
 __all__ = ["RankStage"]
 
@@ -125,6 +130,7 @@ class RankStage:
         self._tie_of: dict[int, int] = {}  # id(tied parameter this stage holds) -> index of its tie group
         self._tie_groups: list[tuple[Any, int]] = []  # (group, its lowest rank)
         self._batch_checked: Any = None  # (structure, its hash) of the last batch compared across the pipeline
+        self.shards: StageShards | None = None  # this stage's FSDP2 units (pipeline x sharded), made by shard()
 
     @property
     def last(self) -> bool:
@@ -203,6 +209,32 @@ class RankStage:
                     group, src = self._tie_groups[i]
                     self._broadcast(p, src, group)
 
+    def shard(self, layers: Sequence[tuple[str, nn.Module]], reshard_after_forward: bool = True) -> None:
+        """After ``start``: this stage's ``layers`` (``(name, module)``) sharded by FSDP2 over its data-parallel
+        group (``ranks.stageshard``); a layer holding a parameter tied across stages stays replicated."""
+        if self.stage_group is None:
+            raise ValueError(
+                f"shard=True with pp({self.mesh.stages}) x dp({self.mesh.replicas}): each stage has one rank, so there is "
+                "nothing to shard it over; launch replicas x stages processes (e.g. 4 for 2 stages x 2 replicas) or "
+                "pipeline without shard=True"
+            )
+        self.shards = StageShards(self.model, layers, self.stage_group, self.device, tied=set(self._tie_of), reshard_after_forward=reshard_after_forward)
+
+    def state_dict(self, **options: Any) -> Any:
+        """The model's state dict as this rank holds it (other stages' entries ``meta``); sharded entries as full
+        tensors (gathered in the stage's group: every rank calls it)."""
+        if self.shards is None:
+            return self.model.state_dict(**options)
+        if options.get("keep_vars"):
+            raise ValueError("keep_vars=True would return the sharded parameters; use spanned.module.state_dict(keep_vars=True)")
+        return self.shards.full_state(self.model.state_dict(**options))
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
+        """Load the model's own keys; a sharded entry given as a full tensor keeps this rank's shard of it."""
+        if self.shards is None:
+            return self.model.load_state_dict(state_dict, strict=strict)
+        return self.shards.load_full(self.model, state_dict, strict=strict)
+
     def _broadcast(self, t: torch.Tensor, src: int, group: Any) -> None:
         buf = t.detach().to(self.comm)
         dist.broadcast(buf, src=src, group=group)
@@ -280,9 +312,15 @@ class RankStage:
         for p in params:
             p.grad = None
         reduction = Reduction(self, params)
+        if self.shards is not None:
+            self.shards.begin()  # backwards accumulate; Reduction.finished reduce-scatters once
         try:
             yield reduction
             reduction.settle()
+        except BaseException:
+            if self.shards is not None:
+                self.shards.abandon()
+            raise
         finally:
             for p, g in zip(params, earlier):
                 if g is not None:
@@ -332,9 +370,12 @@ class Reduction:
             total = loss.detach().to(r.comm, torch.float64).reshape(1)
             self._launched.append((dist.all_reduce(total, group=r.stage_group, async_op=True), None))
             self.total = total
-            self._launched.extend(r.launch([p for p in self.params if id(p) not in r._tie_of], r.stage_group))
+            replicated = [p for p in self.params if id(p) not in r._tie_of and not (r.shards is not None and r.shards.holds(p))]
+            self._launched.extend(r.launch(replicated, r.stage_group))
         for i, (group, _) in enumerate(r._tie_groups):
             self._launched.extend(r.launch([p for p in self.params if r._tie_of.get(id(p)) == i], group))
+        if r.shards is not None:  # FSDP2 units: one reduce-scatter each, while the all-reduces above run
+            r.shards.reduce()
 
     def settle(self) -> None:
         """Wait for the SUMs of this step's gradients and the replicas' losses, and unpack them."""
