@@ -108,9 +108,10 @@ print("script done", flush=True)
 """
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
-    for key in ("RANK", "WORLD_SIZE", "TORCHSPAN_VERBOSE", "TORCHSPAN_JOB_DIR", "TORCHSPAN_LAUNCHER_PID"):
+def _env(tmp: Path, **extra: str) -> dict[str, str]:
+    """A clean environment; the launcher's job folder (kept after a failure) goes under ``tmp``."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp))
+    for key in ("RANK", "WORLD_SIZE", "TORCHSPAN_VERBOSE", "TORCHSPAN_JOB_DIR", "TORCHSPAN_LAUNCHER_PID", "TORCHSPAN_TIMEOUT"):
         env.pop(key, None)
     env.update(extra)
     return env
@@ -128,7 +129,7 @@ def test_a_rank_that_stops_answering_is_named(strategy: str, waiting: str, tmp_p
     script.write_text(STUCK)
     start = time.monotonic()
     done = subprocess.run(
-        [*LAUNCH, "2", str(script), strategy], cwd=tmp_path, env=_env(TORCHSPAN_TIMEOUT=str(TIMEOUT_S)),
+        [*LAUNCH, "2", str(script), strategy], cwd=tmp_path, env=_env(tmp_path, TORCHSPAN_TIMEOUT=str(TIMEOUT_S)),
         capture_output=True, text=True, timeout=TIMEOUT_S + 90,
     )  # fmt: skip
     took = time.monotonic() - start
@@ -148,7 +149,7 @@ def test_a_killed_launcher_leaves_no_worker(tmp_path: Path) -> None:
     """SIGKILL of `torchspan launch` (a scheduler, the OOM killer): its workers end within 15 s."""
     script = tmp_path / "forever.py"
     script.write_text(FOREVER)
-    launcher = subprocess.Popen([*LAUNCH, "2", str(script)], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen([*LAUNCH, "2", str(script)], cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE, text=True)
     pids: list[int] = []
     try:
         assert launcher.stdout is not None
@@ -193,7 +194,7 @@ def test_a_failure_summary_comes_first_with_the_script_frames(verbose: bool, tmp
     script = tmp_path / "raising.py"
     script.write_text(RAISING)
     extra = {"TORCHSPAN_VERBOSE": "1"} if verbose else {}
-    done = subprocess.run([*LAUNCH, "2", str(script)], cwd=tmp_path, env=_env(**extra), capture_output=True, text=True, timeout=120)
+    done = subprocess.run([*LAUNCH, "2", str(script)], cwd=tmp_path, env=_env(tmp_path, **extra), capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr[-3000:]
     lines = _summary(done.stderr)
     assert lines[0].startswith("torchspan launch: rank 1 (local rank 1, pid ") and lines[0].endswith("of raising.py failed with exit code 1")
@@ -217,7 +218,7 @@ def test_a_clean_exit_waits_for_gloo_threads(tmp_path: Path) -> None:
     script = tmp_path / "exit_race.py"
     script.write_text(EXIT_RACE)
     for _ in range(3):
-        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=60)
+        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=60)
         assert done.returncode == 0 and "terminate called" not in done.stderr, (done.returncode, done.stderr[-2000:])
         assert "script done" in done.stdout
 
@@ -232,7 +233,7 @@ def test_the_restart_job_exits_cleanly_again_and_again(tmp_path: Path) -> None:
     for attempt in range(5):
         ckpt = tmp_path / f"ckpt{attempt}.pt"
         args = [str(root / "examples" / "train_dp.py"), "--dtype", "float64", "--steps", "6", "--checkpoint", str(ckpt), "--crash-after", "3"]
-        done = subprocess.run([*cmd, *args], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=180)
+        done = subprocess.run([*cmd, *args], cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=180)
         assert done.returncode == 0 and "terminate called" not in done.stderr, f"run {attempt + 1}: {done.stderr[-3000:]}"
         assert "resumed from" in done.stdout
 

@@ -44,7 +44,8 @@ def _env() -> dict[str, str]:
 
 
 def _run(cmd: list[str], cwd: Path, timeout: float = 120, **extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, cwd=cwd, env={**_env(), **extra}, capture_output=True, text=True, timeout=timeout)
+    env = {**_env(), "TMPDIR": str(cwd), **extra}  # a failed launch keeps its job folder (tracebacks): under cwd
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _same_weights(a: Path, b: Path) -> None:
