@@ -27,12 +27,12 @@ from torchspan.runtime.ranks.faults import failure_report
 LAUNCH = [sys.executable, "-m", "torchspan", "launch", "--nproc-per-node"]
 TIMEOUT_S = 10
 STUCK = """
-import sys, time
+import os, signal, sys, time
 import torch
 from torch import nn
 import torchspan
 
-strategy = sys.argv[1]
+strategy, how = sys.argv[1], sys.argv[2]
 info = torchspan.init_distributed()
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
@@ -43,7 +43,8 @@ x, y = torch.randn(8, 4), torch.randn(8, 2)
 
 def loss_fn(out, target):
     if step == 3 and info.rank == 1:
-        time.sleep(3600)
+        time.sleep(3600 if how == "sleep" else 2)
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: its heartbeat stops too
     return nn.functional.mse_loss(out, target)
 
 
@@ -123,13 +124,20 @@ def _summary(stderr: str) -> list[str]:
 
 # ---------------------------------------------------------------------------------- real jobs
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, waiting", [("dp", "Application timeout"), ("pipeline", "could not receive gradients from rank 1")])
-def test_a_rank_that_stops_answering_is_named(strategy: str, waiting: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "strategy, how, waiting",
+    [
+        ("dp", "sleep", "timeout"),  # gloo says "Application timeout ..." or "Timed out waiting ..."
+        ("pipeline", "sleep", "could not receive gradients from rank 1"),
+        ("dp", "stop", "timeout"),  # SIGSTOP: frozen, its heartbeat stops, SIGTERM waits for SIGCONT
+    ],
+)
+def test_a_rank_that_stops_answering_is_named(strategy: str, how: str, waiting: str, tmp_path: Path) -> None:
     script = tmp_path / "stuck.py"
     script.write_text(STUCK)
     start = time.monotonic()
     done = subprocess.run(
-        [*LAUNCH, "2", str(script), strategy], cwd=tmp_path, env=_env(tmp_path, TORCHSPAN_TIMEOUT=str(TIMEOUT_S)),
+        [*LAUNCH, "2", str(script), strategy, how], cwd=tmp_path, env=_env(tmp_path, TORCHSPAN_TIMEOUT=str(TIMEOUT_S)),
         capture_output=True, text=True, timeout=TIMEOUT_S + 90,
     )  # fmt: skip
     took = time.monotonic() - start
@@ -139,8 +147,12 @@ def test_a_rank_that_stops_answering_is_named(strategy: str, waiting: str, tmp_p
     assert done.stderr.lstrip().startswith("torchspan launch: "), done.stderr[:2000]  # the summary comes first
     assert lines[0].startswith("torchspan launch: rank 1 (local rank 1, pid ") and "of stuck.py stopped answering" in lines[0], lines
     assert f"rank 0 gave up waiting for it after {TIMEOUT_S} s" in lines[0], lines
-    assert "it was in torchspan's Spanned.train_step, at stuck.py:18 in loss_fn: time.sleep(3600)" in lines[1], lines
-    assert lines[2].startswith("  rank 0 (waiting): ") and waiting in lines[2], lines
+    where = "in torchspan's Spanned.train_step, at stuck.py:18 in loss_fn: time.sleep(3600 if how == \"sleep\" else 2)"
+    if how == "sleep":
+        assert lines[1].startswith(f"  it was {where} (for "), lines
+    else:
+        assert lines[1].startswith("  its last heartbeat was ") and "the process was frozen" in lines[1] and where in lines[1], lines
+    assert lines[2].startswith("  rank 0 (waiting): ") and waiting in lines[2].replace("Timed out", "timeout"), lines
     assert "probably failed" not in "\n".join(lines) and "[rank0]" not in done.stderr
 
 
@@ -324,3 +336,14 @@ def test_a_rank_that_finished_while_another_waited_is_named(tmp_path: Path) -> N
         "the ranks ran different collectives (a step, barrier or checkpoint that only some ranks run)"
     )
     assert report.splitlines()[1] == "  rank 1 (waiting): RuntimeError: Connection closed by peer [127.0.0.1]:4242"
+
+
+def test_the_agent_s_late_sigkill_is_not_a_root_cause(tmp_path: Path) -> None:
+    """torchrun's agent SIGKILLs a rank 30 s after a SIGTERM it did not end on (a SIGTERM handler stuck
+    in C code): that rank stopped answering, it was not killed from outside."""
+    waited = {"type": "RuntimeError", "message": "Timed out waiting 10000ms", "waited": True}
+    late = _failure(1, -9, "Signal 9 (SIGKILL) received by PID 1001")
+    late.timestamp = 131
+    beats = {1: {"time": 99.0, "since": 90.0, "doing": "at train.py:12 in loss_fn: spin()"}}
+    report = failure_report({0: _failure(0, 1), 1: late}, _job(tmp_path, beats, {0: waited}), "train.py")
+    assert report.startswith("torchspan launch: rank 1 (local rank 1, pid 1001) of train.py stopped answering: rank 0 gave up"), report

@@ -31,8 +31,10 @@ import logging
 import os
 import runpy
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -163,7 +165,7 @@ def launch(script: str, script_args: Sequence[str] = (), **options: Any) -> int:
         env["OMP_NUM_THREADS"] = str(threads)
     args = torchrun.parse_args(torchrun_argv(config, nproc))
     keep = False  # a job that failed keeps its folder: the summary names the files in it
-    with _environment(env), _agent_log():
+    with _environment(env), _agent_log(), _thawing(job):
         try:
             torchrun.run(args)
         except ChildFailedError as exc:
@@ -192,6 +194,41 @@ def _agent_log() -> Iterator[None]:
         yield
     finally:
         log.setLevel(level)
+
+
+@contextmanager
+def _thawing(job: Path, every: float = 0.5) -> Iterator[None]:
+    """While the job runs, resume (SIGCONT) any worker that is stopped (SIGSTOP, a debugger's stop)
+    with the agent's SIGTERM already pending: the agent waits 30 s before its SIGKILL, so a frozen rank
+    would hold the failure summary back that long."""
+    done = threading.Event()
+
+    def watch() -> None:
+        from .runtime.ranks.faults import last_attempt
+        from .runtime.ranks.heartbeat import read_beats
+
+        while not done.wait(every):
+            for beat in read_beats(last_attempt(job)).values():
+                if _stopped_with_sigterm(int(beat.get("pid", 0))):
+                    os.kill(int(beat["pid"]), signal.SIGCONT)
+
+    thread = threading.Thread(target=watch, name="torchspan-thaw", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(timeout=5)
+
+
+def _stopped_with_sigterm(pid: int) -> bool:
+    """Linux: ``pid`` is stopped and has SIGTERM pending (elsewhere, or for a pid gone: False)."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+        pending = int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
+        return fields["State"].strip()[:1] in ("T", "t") and bool(pending & (1 << (int(signal.SIGTERM) - 1)))
+    except (OSError, KeyError, ValueError):
+        return False
 
 
 def _run_worker(argv: Sequence[str]) -> None:

@@ -31,6 +31,7 @@ from .heartbeat import INTERVAL_S, read_beats, read_errors, waited_for_peer
 __all__ = ["failure_report", "last_attempt"]
 
 _STALE_S = 3 * INTERVAL_S + 2  # a beat older than this when the job ended: the process had frozen
+_ESCALATION_S = 25  # torchrun's agent sends SIGKILL 30 s after the SIGTERM a worker did not end on
 
 
 @dataclass
@@ -70,9 +71,13 @@ class _End:
         message = _message(self.failure)
         return bool(message) and waited_for_peer("", message)
 
+    escalated: bool = False  # killed by the agent's SIGKILL after its SIGTERM went unanswered for 30 s
+
     @property
     def stopped_by_launcher(self) -> bool:
-        return self.failure is not None and self.failure.exitcode == -int(signal.SIGTERM) and not self.raised
+        if self.failure is None or self.raised:
+            return False
+        return self.failure.exitcode == -int(signal.SIGTERM) or (self.escalated and self.failure.exitcode == -int(signal.SIGKILL))
 
 
 def last_attempt(job: str | os.PathLike[str]) -> Path:
@@ -195,7 +200,10 @@ def failure_report(failures: dict[int, Any], job: str | os.PathLike[str], script
     """The summary of a failed job (see the module docstring for which rank it names first)."""
     folder = last_attempt(job)
     beats, errors = read_beats(folder), read_errors(folder)
+    first = min((float(f.timestamp) for f in failures.values()), default=0.0)
     ends = {r: _End(r, failures.get(r), errors.get(r), beats.get(r)) for r in sorted({*failures, *beats})}
+    for end in ends.values():  # torch stamps a signal's failure when it reaps it: the agent's SIGKILL comes 30 s late
+        end.escalated = end.failure is not None and float(end.failure.timestamp) - first >= _ESCALATION_S
     end_time = min((_time(e) for e in ends.values() if e.error is not None), default=math.inf)
     if not math.isfinite(end_time):
         end_time = max((float(b.get("time", 0)) for b in beats.values()), default=0.0)
