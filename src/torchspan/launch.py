@@ -251,7 +251,10 @@ def _run_worker(argv: Sequence[str]) -> None:
     if parent is not None:
         heartbeat.die_with_parent(parent)
     folder = heartbeat.attempt_folder(job) if job else None
-    beats = heartbeat.start(folder, rank, parent) if folder is not None else None
+    try:
+        beats = heartbeat.start(folder, rank, parent) if folder is not None else None
+    except OSError:  # the job's folder is gone or unwritable: train anyway, unobserved
+        folder = beats = None
     errors = get_error_handler()
     errors.initialize()
     try:
@@ -260,18 +263,29 @@ def _run_worker(argv: Sequence[str]) -> None:
             beats.finish()
     except SystemExit as exc:
         if exc.code not in (None, 0):
-            if folder is not None:  # where the script called sys.exit(code), for the summary
-                heartbeat.record_error(folder, rank, exc)
+            _record(folder, rank, exc)  # where the script called sys.exit(code), for the summary
             raise
         if beats is not None:
             beats.finish()
     except BaseException as exc:
-        if folder is not None:
-            heartbeat.record_error(folder, rank, exc)
+        recorded = _record(folder, rank, exc)
         errors.record_exception(exc)  # torchrun's error file: plain torchrun tools read it
-        if folder is None or _verbose():
+        if not recorded or _verbose():
             raise
         raise SystemExit(1) from None
+
+
+def _record(folder: Path | None, rank: int, exc: BaseException) -> bool:
+    """Record what ended this worker in the job's folder for the launcher's summary; False where it could not."""
+    from .runtime.ranks import heartbeat
+
+    if folder is None:
+        return False
+    try:
+        heartbeat.record_error(folder, rank, exc)
+    except Exception:  # a full disk: the exception is printed as Python would instead
+        return False
+    return True
 
 
 if __name__ == "__main__":
