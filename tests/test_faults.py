@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -62,7 +63,7 @@ import torchspan
 torchspan.init_distributed()
 spanned = torchspan.span(nn.Linear(4, 2))
 opt = torch.optim.SGD(spanned.parameters(), lr=0.01)
-print(f"worker pid {os.getpid()}", flush=True)
+os.write(1, f"worker pid {os.getpid()}\n".encode())  # one write: the two workers share the pipe
 while True:
     opt.zero_grad()
     spanned.train_step(*torchspan.shard_batch((torch.randn(8, 4), torch.randn(8, 2))), nn.MSELoss())
@@ -166,8 +167,7 @@ def test_a_killed_launcher_leaves_no_worker(tmp_path: Path) -> None:
     try:
         assert launcher.stdout is not None
         for line in launcher.stdout:
-            if line.startswith("worker pid "):
-                pids.append(int(line.split()[2]))
+            pids += [int(pid) for pid in re.findall(r"worker pid (\d+)", line)]
             if len(pids) == 2:
                 break
         time.sleep(1.0)  # both train
