@@ -63,7 +63,7 @@ import torchspan
 torchspan.init_distributed()
 spanned = torchspan.span(nn.Linear(4, 2))
 opt = torch.optim.SGD(spanned.parameters(), lr=0.01)
-os.write(1, f"worker pid {os.getpid()}\n".encode())  # one write: the two workers share the pipe
+os.write(1, f"worker pid {os.getpid()}\\n".encode())  # one write: the two workers share the pipe
 while True:
     opt.zero_grad()
     spanned.train_step(*torchspan.shard_batch((torch.randn(8, 4), torch.randn(8, 2))), nn.MSELoss())
@@ -170,6 +170,7 @@ def test_a_killed_launcher_leaves_no_worker(tmp_path: Path) -> None:
             pids += [int(pid) for pid in re.findall(r"worker pid (\d+)", line)]
             if len(pids) == 2:
                 break
+        assert len(pids) == 2, f"the workers did not start: {pids}"
         time.sleep(1.0)  # both train
         assert all(_alive(pid) for pid in pids)
         launcher.kill()
