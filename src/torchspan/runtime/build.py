@@ -20,12 +20,14 @@ from ..schedule import PRECISIONS, RECOMPUTE_MODES, SCHEDULES
 from .choose import choose, replica
 from .executor import Settings
 from .fp16 import SpanScaler
-from .layout import layout
+from .layout import Layout, layout
 from .memory import ActivationMeter
+from .metainit import bind, materialize, meta_slots, restore
 from .nonfinite import NONFINITE
 from .placement import parse_devices
 from .ranks.env import init_distributed, join_launched_job
 from .ranks.mesh import launched_stages
+from .ranks.metaweights import check_weights, fill
 from .ranks.replicated import launched_replica
 from .ranks.sharded import check_shard_options
 from .record import Recorder
@@ -47,11 +49,12 @@ def _given(value: Any, planned: Any, default: Any) -> Any:
     return planned if planned is not None else default
 
 
-def _check_arguments(model: nn.Module, plan: Plan | None, devices: Any, balance: Any) -> None:
+def _check_arguments(model: nn.Module, plan: Plan | None, devices: Any, balance: Any, weights: Any = None) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"span(model=...) needs an nn.Module, got {type(model).__name__}")
     if isinstance(model, Spanned):
         raise TypeError("model is already a Spanned; pass spanned.module to span it again")
+    _check_meta(model, devices, weights)
     if plan is None:
         return
     if not isinstance(plan, Plan):
@@ -100,7 +103,7 @@ def _sharding(plan: Plan | None, shard: Any, offload: Any, reshard_after_forward
 
 
 def _replica(
-    model: nn.Module, plan: Plan | None, devices: Any, balance: Any, settings: Settings, recorder: Recorder, sharding: dict[str, Any]
+    model: nn.Module, plan: Plan | None, devices: Any, balance: Any, settings: Settings, recorder: Recorder, sharding: dict[str, Any], weights: Any
 ) -> Spanned | None:
     """This rank's data-parallel replica (DDP, or sharded by FSDP2) when launched with one stage or sharded; else None
     (several stages, sharded or not: a pipeline, whose stages ``choose`` shards over their replicas)."""
@@ -111,9 +114,54 @@ def _replica(
         return None
     device = parse_devices(devices)[0] if devices is not None else None
     meter = ActivationMeter(1)
-    executor = replica(model, device, settings, recorder, meter, **sharding)
+    executor = replica(model, device, settings, recorder, meter, weights=weights, **sharding)
     why = "launched with one stage per replica" + (", sharded" if sharding["shard"] else "")
     return Spanned(model, executor, settings, recorder, meter, mode_reason=why)
+
+
+def _check_meta(model: nn.Module, devices: Any, weights: Any) -> None:
+    """``weights`` checked (``ranks.metaweights.check_weights``); a meta model spanned onto meta devices only (to
+    trace shapes) needs none."""
+    if weights is None and devices is not None and all(d.type == "meta" for d in parse_devices(devices)):
+        return
+    check_weights(model, weights)
+
+
+def _layout(model: nn.Module, plan: Plan | None, devices: Any, balance: Any, split_points: Any, no_split: Any, weights: Any) -> Layout:
+    """``layout`` (a model built on meta with ``weights`` and no devices: one stage on the CPU), then, in one
+    process, that model's stages made real on their devices (``_materialize_stages``)."""
+    one = weights is not None and devices is None and plan is None and (balance is None or len(balance) == 1)
+    lay = layout(model, plan, "cpu" if one else devices, balance, split_points, no_split)
+    if weights is not None and lay.ranked is None:
+        _materialize_stages(model, lay, weights)
+    return lay
+
+
+def _materialize_stages(model: nn.Module, lay: Layout, weights: Any) -> None:
+    """One process, a model built on meta: each layer's tensors made on its stage's device (the rest on the first),
+    then filled from ``weights`` (``ranks.metaweights``). A stage whose layers the first call names (blocks with a
+    balance) starts on an even split of the blocks' static order; the first call moves what it places elsewhere."""
+    names = [g for g in lay.groups]
+    if lay.layer_set is not None and any(n.startswith("<stage ") for g in names for n in g):
+        static = lay.layer_set.names()
+        counts = [len(g) for g in names]
+        names, k = [], 0
+        for c in counts:
+            names.append(static[k : k + c])
+            k += c
+    device_of = {}
+    for s, group in enumerate(names):
+        for name in group:
+            for sub in model.get_submodule(name).modules():
+                device_of.setdefault(id(sub), lay.devices[s])
+    slots = meta_slots(model)
+    materialize(slots, lambda slot: device_of.get(id(slot.positions[0][0]), lay.devices[0]))
+    bind(slots, model)
+    try:
+        fill(model, slots, weights)
+    except BaseException:
+        restore(slots)
+        raise
 
 
 def span(
@@ -134,6 +182,7 @@ def span(
     shard: bool | None = None,
     offload: str | None = None,
     reshard_after_forward: bool = True,
+    weights: Any = None,
 ) -> Spanned:
     """Place ``model``'s layers (``torchspan.layers``) on devices and return a pipelined ``Spanned``.
 
@@ -173,26 +222,25 @@ def span(
     False ZeRO-2; ``offload="cpu"``: states in CPU memory, needs a GPU). In a plain process it opens a
     process group of one (``init_distributed()``): one GPU training with offload. With several stages in a
     launched job of replicas x stages ranks: each stage sharded over its replicas (``runtime.ranks.stageshard``).
+    ``weights`` (a model built on ``meta``): ``"init"``, a checkpoint path or a callable; each rank materializes and
+    fills only its shard or stage (``runtime.ranks.metaweights``). A meta model without it is refused before any work.
 
     Usage: ``span(model, devices=["cpu", "cpu"], balance=[2, 2], microbatches=4, schedule="1f1b")``.
     """
-    _check_arguments(model, plan, devices, balance)
+    _check_arguments(model, plan, devices, balance, weights)
     settings = span_settings(plan, microbatches, schedule, recompute_alias(recompute, checkpoint, None), precision, workers)  # type: ignore[arg-type]
     settings.nonfinite = _choice("nonfinite", nonfinite, NONFINITE)
     sharding = _sharding(plan, shard, offload, reshard_after_forward, settings.precision)
     join_launched_job("torchspan.span")  # launched without init_distributed(): join, never train as a lone process
     recorder = Recorder()
-    replicated = _replica(model, plan, devices, balance, settings, recorder, sharding)
+    replicated = _replica(model, plan, devices, balance, settings, recorder, sharding, weights)
     if replicated is not None:  # launched with one stage, or sharded: one replica per process
         return replicated
-    lay = layout(model, plan, devices, balance, split_points, no_split)
+    lay = _layout(model, plan, devices, balance, split_points, no_split, weights)
     _check_workers(settings, lay.devices)
-    if settings.precision == "fp16":
-        settings.scaler = SpanScaler(lay.devices[-1].type)  # train_step leaves .grad unscaled (runtime.fp16)
-    meter = ActivationMeter(len(lay.devices))
-    executor = choose(
-        model, lay, settings, recorder, meter, planned=plan is not None, even=balance is None,
-        split_points=split_points, no_split=no_split, stacklevel=2, sharding=sharding,
-    )  # fmt: skip
+    if settings.precision == "fp16":  # train_step leaves .grad unscaled (runtime.fp16)
+        settings.scaler = SpanScaler(lay.devices[-1].type)
+    meter, options = ActivationMeter(len(lay.devices)), dict(split_points=split_points, no_split=no_split, stacklevel=2)
+    executor = choose(model, lay, settings, recorder, meter, planned=plan is not None, even=balance is None, sharding=sharding, weights=weights, **options)
     why = lay.why + ("; each stage sharded over its replicas (FSDP2)" if sharding["shard"] else "")
     return Spanned(model, executor, settings, recorder, meter, mode_reason=why)

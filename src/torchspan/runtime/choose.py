@@ -57,16 +57,18 @@ def choose(
     no_split: Any = None,
     stacklevel: int = 2,
     sharding: dict[str, Any] | None = None,
+    weights: Any = None,
 ) -> Executor:
     """The executor for ``lay`` (``planned``: its groups come from a plan; ``even``: an even split
     the first call's recorded order may redo). ``stacklevel``: where a warning points (the caller's caller).
-    ``sharding``: ``shard`` and ``reshard_after_forward`` for a pipeline across ranks (``check_pipeline_sharding``)."""
+    ``sharding``: ``shard`` and ``reshard_after_forward`` for a pipeline across ranks (``check_pipeline_sharding``).
+    ``weights``: a meta-built model's values, for a pipeline across ranks (each rank materializes its stage)."""
     options = dict(balance_given=not planned, layers=lay.layer_set, even=even, split_points=split_points, no_split=no_split)
     shard = check_pipeline_sharding(lay, sharding)
     if lay.ranked is not None and lay.mode == "own-forward":  # the model's own forward on every rank, its stage for real
-        return RankOwnForwardExecutor(model, lay.groups, settings, recorder, meter, *lay.ranked, **shard, **options)
+        return RankOwnForwardExecutor(model, lay.groups, settings, recorder, meter, *lay.ranked, **shard, weights=weights, **options)
     if lay.ranked is not None:
-        return RankPipelineExecutor(model, lay.mode, lay.graph, lay.groups, settings, recorder, meter, *lay.ranked, **shard)
+        return RankPipelineExecutor(model, lay.mode, lay.graph, lay.groups, settings, recorder, meter, *lay.ranked, **shard, weights=weights)
     if lay.mode != "own-forward":
         return PipelinedExecutor(model, lay.mode, lay.graph, lay.devices, lay.groups, settings, recorder, meter)
     unthreaded = OwnForwardExecutor.unsupported(lay.devices, settings.microbatches, settings.recompute)

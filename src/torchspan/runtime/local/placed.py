@@ -29,6 +29,7 @@ from torch import nn
 
 from ...hardware import to_device
 from ...layers import LayerSet, buffer_slots, kept, model_layers
+from ...profiler.sizing import meta_forward, on_meta
 from ..executor import Settings, Work
 from ..memory import ActivationMeter
 from ..microbatch import split_batch
@@ -100,7 +101,9 @@ class OwnForwardLayers:
         first_args, first_kwargs = work.chunks[0]
         split_points, no_split = self.options
         cuda = sorted({d.index if d.index is not None else 0 for d in devices if d.type == "cuda"})
-        with torch.random.fork_rng(devices=cuda), kept(buffer_slots([self.model])):
+        if on_meta(self.model):  # built on meta (span(..., weights=)): recorded on meta inputs under FakeTensorMode
+            first_args, first_kwargs = to_device((first_args, first_kwargs), torch.device("meta"))
+        with torch.random.fork_rng(devices=cuda), kept(buffer_slots([self.model])), meta_forward(self.model):
             found = model_layers(self.model, tuple(first_args), dict(first_kwargs), split_points=split_points, no_split=no_split)
         order = found.names()
         if self.balance_given:  # one stage too: its layers are simply all of them, in the recorded order

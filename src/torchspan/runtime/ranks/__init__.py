@@ -4,7 +4,8 @@ replicas (``dataparallel``, ``replicated``), pipelines across ranks (``mesh``; `
 ``taint``, ``routes``, ``metacalls``, ``glue``, ``forwardstate`` and ``together``; ``stageshard``: each stage sharded over
 its replicas) and checkpoints: one file written once
 for all ranks, or a sharded folder every rank writes on ``torch.distributed.checkpoint`` (``checkpoint``, ``dcp``,
-``dcpread``, ``checkpointio``; ``export``: one safetensors file for transformers).
+``dcpread``, ``checkpointio``; ``export``: one safetensors file for transformers) and the weights of a model built on
+``meta``, each rank filling only its part (``metaweights``).
 
 Usage: ``from torchspan.runtime.ranks import init_distributed, DataParallelReplica, shard_batch``.
 """

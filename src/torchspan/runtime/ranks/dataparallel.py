@@ -58,6 +58,7 @@ from ..lossweights import LossSpec, describe_loss, loss_spec, weighted_loss
 from ..microbatch import batch_size, call_args, split_value
 from .checkpoint import model_keys
 from .env import RankInfo, rank_info
+from .metaweights import check_weights, fill, materialize_replica
 from .sharded import ShardedEngine, check_shard_options, first_row, no_rows, stand_ins
 
 __all__ = ["DataParallelReplica", "shard_loss"]
@@ -180,7 +181,8 @@ class DataParallelReplica:
     ``recompute`` (``"never"``, ``"except_last"``, ``"always"``) reruns each layer's forward in backward
     (``runtime.layercall``). ``shard=True``: sharded by FSDP2 (``ranks.sharded``; ``reshard_after_forward``
     True is ZeRO-3, False ZeRO-2; ``offload="cpu"`` needs a GPU; ``.grad`` is a ``DTensor`` shard, the
-    DDP options do not apply). Requires ``init_distributed()`` first.
+    DDP options do not apply). ``weights``: a model built on ``meta`` gets its values here, each rank only its
+    part (``"init"``, a checkpoint path or a callable: ``ranks.metaweights``). Requires ``init_distributed()`` first.
     """
 
     def __init__(
@@ -199,10 +201,12 @@ class DataParallelReplica:
         shard: bool = False,
         reshard_after_forward: bool = True,
         offload: str | None = None,
+        weights: Any = None,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module")
         _check_policy(precision, recompute, scaler)
+        check_weights(module, weights, "DataParallelReplica")
         check_shard_options(shard, offload, precision, reshard_after_forward)
         if not per_shard_batchnorm:
             _refuse_batchnorm(module)
@@ -217,9 +221,11 @@ class DataParallelReplica:
         if shard:  # FSDP2 units over the group (ranks.sharded): the same loss contract, sharded states
             self._engine = ShardedEngine(
                 module, self.device, process_group, self.comm_device, precision=precision,
-                reshard_after_forward=reshard_after_forward, offload=offload,
+                reshard_after_forward=reshard_after_forward, offload=offload, weights=weights,
             )  # fmt: skip
         else:
+            if weights is not None:  # a meta-built model: a replica holds all of it
+                fill(module, materialize_replica(module, self.device), weights, group=process_group, comm=self.comm_device)
             self._engine = DDPEngine(
                 module, self.device, process_group, bucket_cap_mb=bucket_cap_mb,
                 find_unused_parameters=find_unused_parameters, sync_buffers=sync_buffers,

@@ -54,10 +54,12 @@ from ..losscheck import LossChecks
 from ..lossweights import LossSpec, weighted_loss
 from ..microbatch import split_batch
 from ..memory import ActivationMeter, MeteredSteps
+from ..metainit import bind
 from ..placement import place
 from ..record import Recorder
 from .env import RankInfo
 from .mesh import Mesh
+from .metaweights import fill, materialize_stage
 from .forwardstate import Forward, LayerCall, Path, real_arguments, sent_tensor
 from .metacalls import Described, MetaCalls, shape_key
 from .p2p import PeerError, RankTransport
@@ -104,9 +106,11 @@ class RankOwnForwardExecutor(Executor):
         *,
         shard: bool = False,
         reshard_after_forward: bool = True,
+        weights: Any = None,
         **options: Any,
     ) -> None:
         self.ranks = RankStage(model, mesh, info, len(groups), settings.precision)
+        self._weights = weights  # a model built on meta: this stage filled at the first call (place)
         self._shard: bool | None = reshard_after_forward if shard else None  # sharded: reshard_after_forward
         super().__init__([info.device] * mesh.stages, groups)
         self.model, self.settings, self.recorder, self.meter = model, settings, recorder, meter
@@ -160,8 +164,10 @@ class RankOwnForwardExecutor(Executor):
         self.groups, root_attrs = self.own.record(work, self.devices, self.groups)
         check_last_stage([layer.name for layer in self.own.layer_set if layer.ran], self.groups)
         self.root_attrs = dict(root_attrs)
-        keep = self.ranks.find_ties(self.layers, self.groups)
         mine_roots = [q for q, s in root_attrs.items() if s == self.stage]
+        stage = [self.layers[name] for name in self.groups[self.stage]]
+        slots = materialize_stage(self.model, stage, self.device, mine_roots) if self._weights is not None else None
+        keep = self.ranks.find_ties(self.layers, self.groups)
         for q in mine_roots:
             path, _, attr = q.rpartition(".")
             owner = self.model.get_submodule(path) if path else self.model
@@ -175,6 +181,9 @@ class RankOwnForwardExecutor(Executor):
         self.ranks.roots_to_meta(root_attrs, keep)
         mine = {name: self.stage for name in self.groups[self.stage]}
         place(self.model, mine, self.devices, self.root_attrs, self.layers, mine_roots)
+        if slots is not None:  # values for this stage only, before the replicas are made alike
+            bind(slots, self.model)
+            fill(self.model, slots, self._weights, comm=self.ranks.comm)
         self._swaps = self._tied_swaps()
         self.ranks.start()
         if self._shard is not None:  # this stage's blocks sharded over its replicas (after start's broadcast)

@@ -16,6 +16,8 @@ gradient reductions started once the rank's last backward ran) is the ``RankStag
 - **Sharded** (``shard=True`` with replicas): each stage's layers are sharded by FSDP2 over the
   stage's replicas (``ranks.stageshard``); a layer an fx trace reads a parameter of directly
   (``get_attr``) stays replicated. Every forward is then a collective of the stage's replicas.
+- **A model built on meta** (``weights=``): only this stage's layers (and the model's own tensors) are made
+  real on this rank, then filled from ``weights`` (``ranks.metaweights``) before the replicas start alike.
 
 Usage (``span`` does this in a launched job)::
 
@@ -41,8 +43,10 @@ from ..lossweights import LossSpec
 from ..memory import ActivationMeter
 from ..placement import check_shared, place
 from ..record import Recorder
+from ..metainit import bind
 from .env import RankInfo, rank_info
 from .mesh import Mesh, launched_stages
+from .metaweights import fill, materialize_stage
 from .p2p import RankTransport
 from .stage import RankStage
 from .stageshard import resolve_together
@@ -67,6 +71,7 @@ class RankPipelineExecutor(Executor):
         *,
         shard: bool = False,
         reshard_after_forward: bool = True,
+        weights: Any = None,
     ) -> None:
         self.ranks = RankStage(model, mesh, info, len(groups), settings.precision)
         if mode not in ("sequential", "fx"):
@@ -80,7 +85,12 @@ class RankPipelineExecutor(Executor):
             self.devices, recompute=settings.recompute, precision=settings.precision, recorder=recorder, meter=meter,
             transport=RankTransport(mesh, info.rank, info.device, self.ranks.comm),
         )  # fmt: skip
+        stage = [top_level_modules(model)[name] for name in self.groups[self.stage]]  # and the model's own tensors:
+        slots = materialize_stage(model, stage, info.device, roots=True) if weights is not None else None
         self._place(graph)
+        if slots is not None:  # values for this stage only, before the replicas are made alike
+            bind(slots, model)
+            fill(model, slots, weights, comm=self.ranks.comm)
         self.ranks.start()
         if shard:
             self._shard(graph, reshard_after_forward)

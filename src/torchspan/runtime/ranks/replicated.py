@@ -105,6 +105,7 @@ class ReplicaExecutor(Executor):
         reshard_after_forward: bool = True,
         offload: str | None = None,
         process_group: Any = None,
+        weights: Any = None,
     ) -> None:
         place = torch.device(device) if device is not None else rank_info().device
         check_shard_options(shard, offload, settings.precision, reshard_after_forward)
@@ -112,7 +113,7 @@ class ReplicaExecutor(Executor):
             settings.scaler = SpanScaler(place.type)  # one decision on every rank: it reads the all-reduced gradients
         self.replica = DataParallelReplica(
             model, device=place, process_group=process_group, precision=settings.precision, recompute=settings.recompute,
-            scaler=settings.scaler, shard=shard, reshard_after_forward=reshard_after_forward, offload=offload,
+            scaler=settings.scaler, shard=shard, reshard_after_forward=reshard_after_forward, offload=offload, weights=weights,
         )  # fmt: skip
         self.mode = "sharded" if shard else "data-parallel"
         self.offload = offload

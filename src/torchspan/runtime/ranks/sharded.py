@@ -11,6 +11,9 @@ micro-batches, recompute); this module is what changes when the replica is *shar
   and ``embed_tokens``) stays in the root unit, so the tie stays one parameter (one ``DTensor``).
 - **Identical start**: FSDP2 shards each rank's own tensors and broadcasts nothing, so parameters
   and buffers are broadcast from the group's first rank before sharding.
+- **A model built on meta** (``weights=``): ``fully_shard`` runs on the ``meta`` model, ``to_empty``
+  allocates this rank's shards, and ``ranks.metaweights.fill`` writes them (the model's own
+  initialisation replayed, or this rank's rows read from a checkpoint): no rank holds the whole model.
 - **Reduction**: every unit reduce-scatters by SUM (``set_gradient_divide_factor(1.0)`` and
   ``set_force_sum_reduction_for_comms(True)``: no division anywhere); a mean's normalizer is already
   in each rank's loss weight, so the summed gradient is one device's on the whole global batch.
@@ -56,7 +59,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ...layers import model_layers
+from ..metainit import bind, meta_slots
 from ..microbatch import batch_size
+from .metaweights import fill
 
 __all__ = ["OFFLOADS", "ShardedEngine", "check_shard_options", "device_mesh", "exclusive_layers", "first_row", "local_bytes", "no_rows", "shard_units", "stand_ins"]
 
@@ -135,6 +140,15 @@ def _broadcast(module: nn.Module, group: Any, comm: torch.device) -> None:
                 t.copy_(tmp)
 
 
+def _to_empty(module: nn.Module, device: torch.device) -> None:
+    """FSDP2's ``to_empty``: this rank's shards (and every buffer) allocated on ``device``, uninitialised; the buffers
+    that were not on meta keep their values."""
+    kept = [(m, k, b) for m in module.modules() for k, b in m._buffers.items() if b is not None and not b.is_meta]
+    module.to_empty(device=device)
+    for m, k, b in kept:
+        m._buffers[k] = b.to(device)
+
+
 def device_mesh(group: Any, device_type: str) -> Any:
     """A one-dimensional ``DeviceMesh`` over ``group`` (``None``: the default group), for ``fully_shard``."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -196,12 +210,14 @@ class ShardedEngine:
         precision: str = "32",
         reshard_after_forward: bool = True,
         offload: str | None = None,
+        weights: Any = None,
     ) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         self.module, self.group = module, group
         self.offload, self.reshard_after_forward = offload, reshard_after_forward
         self.units = shard_units(module)
+        slots = meta_slots(module) if weights is not None else None  # a model built on meta: sharded first, then filled
         if dist.get_world_size(group) > 1:
             _broadcast(module, group, comm)
         mesh = device_mesh(group, device.type)
@@ -215,6 +231,10 @@ class ShardedEngine:
         for sharded in self.sharded_modules():
             sharded.set_gradient_divide_factor(1.0)  # a SUM: the loss weights hold each rank's share
             sharded.set_force_sum_reduction_for_comms(True)
+        if slots is not None:
+            _to_empty(module, torch.device("cpu") if offload else device)
+            bind(slots, module)
+            fill(module, slots, weights, group=group, comm=comm)
 
     def sharded_modules(self) -> list[Any]:
         """Every ``fully_shard`` unit, the root last."""
