@@ -174,6 +174,10 @@ def _local_pipeline(model: nn.Module, inputs: Any, target: Any, loss_fn: Callabl
 
 
 def _dp_processes(nproc: int, opts: StepOptions) -> int:
+    if nproc < 2:
+        raise ValueError(
+            f"dp and fsdp split the batch over processes: nproc={nproc} runs nothing data-parallel; pass --nproc-per-node 2 or more"
+        )
     return nproc
 
 
@@ -215,6 +219,8 @@ def _offload_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[
 
 def _pipeline_processes(nproc: int, opts: StepOptions) -> int:
     stages = len(opts.balance) if opts.balance else nproc
+    if nproc < 2:
+        raise ValueError(f"rank-pipeline needs a stage per process: nproc={nproc} pipelines nothing; pass --nproc-per-node 2 or more")
     if stages != nproc:
         raise ValueError(
             f"rank-pipeline runs one stage per process: pp({stages}) != nproc({nproc}); "

@@ -205,6 +205,14 @@ def _pick_backend(backend: str | None) -> str:
         return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     if not isinstance(backend, str):
         raise TypeError(f"backend={backend!r} must be a string such as 'gloo' or 'nccl' (or None to choose from the devices)")
+    known = [b for b in dist.Backend.backend_list if b != "undefined"]
+    for part in backend.split(","):
+        name = part.split(":")[-1].strip().lower()
+        if name not in known:
+            raise ValueError(
+                f"backend={backend!r}: {name!r} is not a torch.distributed backend; use one of {', '.join(known)} "
+                "(e.g. 'gloo' on CPU, 'nccl' on GPUs, 'cpu:gloo,cuda:nccl'), or None to choose from the devices"
+            )
     if "nccl" in backend and not torch.cuda.is_available():
         raise ValueError(f"backend={backend!r} needs CUDA GPUs, and none is visible here; use backend='gloo' (or None)")
     return backend
