@@ -1,12 +1,22 @@
 """torchspan data parallel, as users call it, against raw DistributedDataParallel: same model, data and processes.
 
-Two gloo processes on 127.0.0.1 (or nccl with ``--backend nccl`` on GPUs) each hold three identical
-replicas: one wrapped in raw DDP (mean loss per rank, DDP's averaging), one ``torchspan.span(model)``
-(the user's path in a launched job: the ``Spanned`` façade over ``ReplicaExecutor``; exact global
-loss: all-reduced normalizer, summing comm hook) and, for reference, the bare ``DataParallelReplica``
-that façade wraps. Each round times every variant, in an order rotating from round to round, so all
-see the same machine load; medians and the median of per-round ratios to raw DDP are printed (goal:
-``span`` <= 1.03x raw DDP).
+Two gloo processes on 127.0.0.1 (or nccl with ``--backend nccl`` on GPUs) time, at each model size of
+``--sizes`` (MLPs of about 3M, 20M and 100M parameters; default all three), raw DDP (mean loss per rank,
+DDP's averaging) against ``torchspan.span(model)`` (the user's path in a launched job: the ``Spanned``
+façade over ``ReplicaExecutor``; exact global loss), each two ways:
+
+- **one step** (``raw DDP``, ``span``): ``zero_grad()`` (``.grad`` None), forward, backward, ``optimizer.step()``;
+- **accumulating** (``raw DDP acc``, ``span acc``): gradient accumulation over calls, no ``zero_grad()``
+  between them, so every timed call adds to ``.grad`` (a round starts with ``zero_grad()`` and one untimed
+  call). The anchor is raw DDP's plain ``loss.backward()`` each call: like ``span``'s ``train_step`` every
+  call all-reduces and leaves the global gradient in ``.grad`` (DDP averages the accumulated gradients, which
+  is right for identical replicas). DDP's ``no_sync()`` for all but the last micro-step reduces once per
+  window and leaves rank-local sums in between, a different contract (what ``span``'s ``microbatches=`` do
+  inside one call), so it is not the anchor here.
+
+``--replica`` adds the bare ``DataParallelReplica`` the façade wraps. Each round times every variant, in an
+order rotating from round to round, so all see the same machine load; per size the medians and the median
+of per-round ratios to the anchor are printed (goal: ``span`` <= 1.0x raw DDP, with and without accumulation).
 
 Pipelines across ranks (issue 13) run from here too, by ``benchmarks/distributed_pipeline.py``:
 ``--pipeline`` times a 2-rank torchspan 1F1B pipeline against ``torch.distributed.pipelining``'s
@@ -17,8 +27,9 @@ sizes, with each rank's memory, by ``benchmarks/distributed_sharded.py`` (its fl
 
 Usage::
 
-    python benchmarks/distributed.py --rounds 21           # 2 CPU processes, gloo
-    python benchmarks/distributed.py --rounds 12 --steps 10 --hidden 2048
+    python benchmarks/distributed.py --threads 1 --rounds 12        # 2 CPU processes, gloo, 3M, 20M and 100M
+    python benchmarks/distributed.py --threads 1 --sizes 3M,20M --rounds 21
+    python benchmarks/distributed.py --rounds 12 --steps 10 --hidden 2048 --layers 4   # one custom size
     python benchmarks/distributed.py --backend nccl --nproc 1   # one-GPU sanity run
     python benchmarks/distributed.py --pipeline --steps 30      # torchspan 1F1B vs Schedule1F1B, 2 gloo ranks
     python benchmarks/distributed.py --pipeline --steps 30 --batch-check-cost   # + the same-batch check's cost per step
@@ -27,12 +38,14 @@ Usage::
     python benchmarks/distributed.py --shard                    # span(shard=True) vs raw fully_shard, two sizes
     python benchmarks/distributed.py --quick                    # tiny, 2 rounds of 1 step (torchspan bench --quick)
 
-Prints ``RATIO distributed/<variant>_vs_raw_ddp <median of per-round ratios> <goal> ...`` lines for ``torchspan bench``.
+Prints ``RATIO distributed/<variant>_vs_raw_ddp_<size> <median of per-round ratios> <goal> ...`` lines for
+``torchspan bench`` (``span``, ``span_accumulating``; ``replica`` with ``--replica``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -50,7 +63,9 @@ from torchspan.runtime.ranks import DataParallelReplica, free_port, init_distrib
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _quick import add_quick  # noqa: E402  (benchmarks/_quick.py, beside this script)
 
-VARIANTS = ("raw DDP", "span", "replica")
+VARIANTS = ("raw DDP", "span", "replica", "raw DDP acc", "span acc")
+ANCHOR = {"span": "raw DDP", "replica": "raw DDP", "span acc": "raw DDP acc"}
+SIZES = {"3M": (1024, 3), "20M": (2048, 5), "100M": (4096, 6)}  # hidden, layers: 3.4M, 21.5M, 101.7M parameters
 
 
 def _model(hidden: int, layers: int) -> nn.Module:
@@ -69,30 +84,21 @@ def _timed(step, sync) -> float:  # type: ignore[no-untyped-def]
     return time.perf_counter() - start
 
 
-def _worker(rank: int, world: int, port: int, opts: argparse.Namespace, results: dict) -> None:  # type: ignore[type-arg]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(opts.threads)
-    info = init_distributed(backend=opts.backend, timeout=120)
-    device = info.device
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(opts.batch, 256, generator=g).to(device)
-    y = torch.randint(0, 10, (opts.batch,), generator=g).to(device)
+def _steps(hidden: int, layers: int, device: torch.device, x: torch.Tensor, y: torch.Tensor) -> tuple[dict, dict]:  # type: ignore[type-arg]
+    """Each variant's timed step and its round setup (the accumulating ones start a round with ``.grad`` filled)."""
     loss_fn = nn.CrossEntropyLoss()
-
-    raw = DistributedDataParallel(_model(opts.hidden, opts.layers).to(device), device_ids=[device.index] if device.type == "cuda" else None)
+    raw = DistributedDataParallel(_model(hidden, layers).to(device), device_ids=[device.index] if device.type == "cuda" else None)
     raw_opt = torch.optim.SGD(raw.parameters(), lr=1e-3)
+    spanned = torchspan.span(_model(hidden, layers))  # what users call: a replica in a launched job
+    assert spanned.mode == "data-parallel", spanned.mode
+    span_opt = torch.optim.SGD(spanned.parameters(), lr=1e-3)
+    bare = DataParallelReplica(_model(hidden, layers))
+    bare_opt = torch.optim.SGD(bare.parameters(), lr=1e-3)
 
     def raw_step() -> None:
         raw_opt.zero_grad()
         loss_fn(raw(x), y).backward()
         raw_opt.step()
-
-    spanned = torchspan.span(_model(opts.hidden, opts.layers))  # what users call: a replica in a launched job
-    assert spanned.mode == "data-parallel", spanned.mode
-    span_opt = torch.optim.SGD(spanned.parameters(), lr=1e-3)
-    bare = DataParallelReplica(_model(opts.hidden, opts.layers))
-    bare_opt = torch.optim.SGD(bare.parameters(), lr=1e-3)
 
     def span_step() -> None:
         span_opt.zero_grad()
@@ -104,18 +110,53 @@ def _worker(rank: int, world: int, port: int, opts: argparse.Namespace, results:
         bare.train_step(x, y, loss_fn)
         bare_opt.step()
 
-    steps = dict(zip(VARIANTS, (raw_step, span_step, bare_step)))
-    for _ in range(opts.warmup):
-        for step in steps.values():
-            step()
-    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    def raw_acc() -> None:  # raw DDP accumulating over calls as its users write it when every call reduces
+        loss_fn(raw(x), y).backward()
+
+    def span_acc() -> None:
+        spanned.train_step(x, y, loss_fn)
+
+    def filled(zero, step):  # type: ignore[no-untyped-def]
+        return lambda: (zero(), step())  # .grad=None, then one untimed call: every timed call accumulates
+
+    steps = dict(zip(VARIANTS, (raw_step, span_step, bare_step, raw_acc, span_acc)))
+    setups = {"raw DDP acc": filled(raw_opt.zero_grad, raw_acc), "span acc": filled(span_opt.zero_grad, span_acc)}
+    return steps, setups
+
+
+def _time_size(hidden: int, layers: int, device: torch.device, opts: argparse.Namespace, sync) -> dict[str, list[float]]:  # type: ignore[no-untyped-def]
+    """Per-round mean step times of every variant at one model size, the variants alternating in each round."""
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(opts.batch, 256, generator=g).to(device)
+    y = torch.randint(0, 10, (opts.batch,), generator=g).to(device)
+    steps, setups = _steps(hidden, layers, device, x, y)
+    names = [v for v in VARIANTS if opts.replica or v != "replica"]
+    for name in names:
+        setups.get(name, lambda: None)()
+        for _ in range(opts.warmup):
+            steps[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(opts.rounds):
-        names = VARIANTS[r % 3 :] + VARIANTS[: r % 3]  # every variant first, second and third in turn
-        for name in names if r % 2 == 0 else names[::-1]:
+        order = names[r % len(names) :] + names[: r % len(names)]  # every variant at every place in turn
+        for name in order if r % 2 == 0 else order[::-1]:
+            setups.get(name, lambda: None)()
             dist.barrier()
             times[name].append(sum(_timed(steps[name], sync) for _ in range(opts.steps)) / opts.steps)
+    return times
+
+
+def _worker(rank: int, world: int, port: int, opts: argparse.Namespace, results: dict) -> None:  # type: ignore[type-arg]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(opts.threads)
+    info = init_distributed(backend=opts.backend, timeout=600)
+    device = info.device
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    for label, (hidden, layers) in opts.size_list:
+        times = _time_size(hidden, layers, device, opts, sync)
+        gc.collect()
+        if rank == 0:
+            results[label] = times
     if rank == 0:
-        results.update(times)
         results["device"] = str(device)
         results["backend"] = str(dist.get_backend())
     dist.destroy_process_group()
@@ -143,6 +184,38 @@ def _sharded(argv: list[str]) -> int | None:
     return distributed_sharded.main([a for a in argv if a != "--shard"])
 
 
+def _size_list(opts: argparse.Namespace) -> list[tuple[str, tuple[int, int]]]:
+    """``(label, (hidden, layers))`` per model size: ``--hidden``/``--layers`` given make one size, else ``--sizes``."""
+    if opts.hidden is not None or opts.layers is not None:
+        hidden, layers = opts.hidden or 1024, opts.layers if opts.layers is not None else 3
+        params = sum(p.numel() for p in _model(hidden, layers).parameters())
+        return [(f"{params / 1e6:.{1 if params >= 1e6 else 2}f}M", (hidden, layers))]
+    labels = [s.strip() for s in opts.sizes.split(",") if s.strip()]
+    unknown = [s for s in labels if s not in SIZES]
+    if unknown or not labels:
+        sys.exit(f"--sizes {opts.sizes}: choose from {', '.join(SIZES)} (comma-separated)")
+    return [(s, SIZES[s]) for s in labels]
+
+
+def _report(label: str, times: dict[str, list[float]], opts: argparse.Namespace, res: dict) -> None:  # type: ignore[type-arg]
+    """One size's medians and ratios (median of per-round ratios to each variant's anchor), and its RATIO lines."""
+    hidden, layers = dict(opts.size_list)[label]
+    params = sum(p.numel() for p in _model(hidden, layers).parameters())
+    print(f"{label}: MLP 256-{hidden}x{layers}-10, {params / 1e6:.1f}M parameters")
+    for name, ts in times.items():
+        print(f"  {name:12s} median {statistics.median(ts) * 1e3:9.2f} ms/step  (rounds {min(ts) * 1e3:.2f}..{max(ts) * 1e3:.2f} ms)")
+    for name, anchor in ANCHOR.items():
+        if name not in times:
+            continue
+        ratio = statistics.median(times[name]) / statistics.median(times[anchor])
+        paired = statistics.median(t / r for t, r in zip(times[name], times[anchor]))
+        goal = "<=1.0" if name.startswith("span") else "-"
+        print(f"  ratio {name} / {anchor}: {ratio:.3f} (median of per-round ratios {paired:.3f}; goal {goal})")
+        tag = name.replace(" acc", "_accumulating").replace(" ", "_")
+        print(f"RATIO distributed/{tag}_vs_raw_ddp_{label} {paired:.3f} {goal} raw DistributedDataParallel"
+              f"{' accumulating (plain backward each call)' if 'acc' in name else ''}, {opts.nproc} x {res['backend']}, {label}")
+
+
 def main() -> None:
     code = _sharded(sys.argv[1:])
     if code is not None:
@@ -156,35 +229,29 @@ def main() -> None:
     p.add_argument("--shard", action="store_true", help="time span(shard=True) against raw fully_shard instead (benchmarks/distributed_sharded.py)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--backend", default=None, help="gloo (default on CPU) or nccl")
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--sizes", default=",".join(SIZES), help=f"model sizes to time, comma-separated from {', '.join(SIZES)}")
+    p.add_argument("--hidden", type=int, default=None, help="one MLP of this width instead of --sizes")
+    p.add_argument("--layers", type=int, default=None, help="its hidden layers (default 3)")
     p.add_argument("--batch", type=int, default=64, help="rows per rank")
     p.add_argument("--steps", type=int, default=5, help="steps per timed round")
     p.add_argument("--rounds", type=int, default=12, help="rounds; each times every variant, order rotating")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--replica", action="store_true", help="also time the bare DataParallelReplica (no accumulation)")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="intra-op threads per process")
     add_quick(p, None, hidden=64, layers=1, batch=8, steps=1, rounds=2, warmup=1)
     opts = p.parse_args()
     if opts.backend == "nccl" and opts.nproc > torch.cuda.device_count():
         sys.exit(f"--nproc {opts.nproc} > {torch.cuda.device_count()} visible GPUs")
+    opts.size_list = _size_list(opts)
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(_worker, args=(opts.nproc, free_port(), opts, results), nprocs=opts.nproc)
         res = dict(results)
-    params = sum(p.numel() for p in _model(opts.hidden, opts.layers).parameters())
-    print(f"{opts.nproc} x {res['backend']} on {res['device']}, {params / 1e6:.1f}M parameters, batch {opts.batch}/rank, "
-          f"{opts.rounds} alternating rounds of {opts.steps} steps")
-    med = {k: statistics.median(res[k]) for k in VARIANTS}
-    for name, value in med.items():
-        spread = f"{min(res[name]) * 1e3:.2f}..{max(res[name]) * 1e3:.2f}"
-        print(f"  {name:8s} median {value * 1e3:8.2f} ms/step  (rounds {spread} ms)")
-    for name in VARIANTS[1:]:
-        ratio = med[name] / med["raw DDP"]
-        paired = statistics.median(t / r for t, r in zip(res[name], res["raw DDP"]))
-        goal = "; goal <= 1.03" if name == "span" else ""
-        print(f"  ratio {name} / raw DDP: {ratio:.3f} (median of per-round ratios {paired:.3f}{goal})")
-        print(f"RATIO distributed/{name}_vs_raw_ddp {paired:.3f} {'<=1.03' if name == 'span' else '-'} raw DistributedDataParallel, "
-              f"{opts.nproc} x {res['backend']}")
+    print(f"{opts.nproc} x {res['backend']} on {res['device']}, batch {opts.batch}/rank, {opts.threads} thread(s)/process, "
+          f"{opts.rounds} alternating rounds of {opts.steps} steps per size")
+    for label, _ in opts.size_list:
+        _report(label, res[label], opts, res)
+
 
 if __name__ == "__main__":
     main()
