@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchspan import schedule as sched
-from torchspan.schedule import BACKWARD, FORWARD
+from torchspan.schedule import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 
 
 def _check_valid(plan: list[list[sched.Action]], m: int, n: int) -> None:
@@ -61,7 +61,7 @@ def test_both_schedules_valid_and_1f1b_bounds_live_activations(m: int, n: int) -
 
 
 @settings(max_examples=40, deadline=None)
-@given(m=st.integers(1, 8), n=st.integers(1, 5), name=st.sampled_from(["gpipe", "1f1b"]))
+@given(m=st.integers(1, 8), n=st.integers(1, 5), name=st.sampled_from(["gpipe", "1f1b", "zero-bubble"]))
 def test_merged_order_respects_dependencies(m: int, n: int, name: str) -> None:
     plan = sched.build(name, m, n)
     order = sched.merged_order(plan, list(range(n)))  # one worker runs every stage
@@ -69,11 +69,80 @@ def test_merged_order_respects_dependencies(m: int, n: int, name: str) -> None:
     for a in order:
         if a.kind == FORWARD and a.stage > 0:
             assert (FORWARD, a.stage - 1, a.microbatch) in done
-        if a.kind == BACKWARD:
+        if a.kind in (BACKWARD, BACKWARD_INPUT):
             assert (FORWARD, a.stage, a.microbatch) in done
             if a.stage < n - 1:
-                assert (BACKWARD, a.stage + 1, a.microbatch) in done
+                assert (a.kind, a.stage + 1, a.microbatch) in done
+        if a.kind == BACKWARD_WEIGHT:
+            assert (BACKWARD_INPUT, a.stage, a.microbatch) in done
         done.add((a.kind, a.stage, a.microbatch))
+
+
+def _timed_length(plan: list[list[sched.Action]], units: dict[str, int]) -> int:
+    """Length of a step when each kind of action takes ``units[kind]`` time, run as early as allowed."""
+    end: dict[tuple[str, int, int], int] = {}
+    free = [0] * len(plan)
+    for a in sorted((a for s in plan for a in s), key=lambda a: (a.clock, a.stage)):
+        deps = []
+        if a.kind == FORWARD and a.stage > 0:
+            deps.append((FORWARD, a.stage - 1, a.microbatch))
+        if a.kind in (BACKWARD, BACKWARD_INPUT):
+            deps.append((FORWARD, a.stage, a.microbatch))
+            if a.stage < len(plan) - 1:
+                deps.append((a.kind, a.stage + 1, a.microbatch))
+        if a.kind == BACKWARD_WEIGHT:
+            deps.append((BACKWARD_INPUT, a.stage, a.microbatch))
+        start = max([free[a.stage]] + [end[d] for d in deps])
+        end[(a.kind, a.stage, a.microbatch)] = free[a.stage] = start + units[a.kind]
+    return max(free)
+
+
+def test_zero_bubble_two_stages() -> None:
+    plan = sched.zero_bubble(4, 2)
+    assert [(a.kind[:10], a.microbatch) for a in plan[0]] == [
+        ("forward", 0), ("forward", 1), ("backward_i", 0), ("backward_w", 0), ("forward", 2), ("backward_i", 1),
+        ("backward_w", 1), ("forward", 3), ("backward_i", 2), ("backward_w", 2), ("backward_i", 3), ("backward_w", 3),
+    ]  # fmt: skip
+    assert [(a.kind[:10], a.microbatch) for a in plan[1]] == [
+        ("forward", 0), ("backward_i", 0), ("forward", 1), ("backward_i", 1), ("backward_w", 0), ("forward", 2),
+        ("backward_i", 2), ("backward_w", 1), ("forward", 3), ("backward_i", 3), ("backward_w", 2), ("backward_w", 3),
+    ]  # fmt: skip
+    assert sched.build("zero-bubble", 4, 2) == plan
+
+
+@settings(max_examples=60, deadline=None)
+@given(m=st.integers(1, 12), n=st.integers(1, 6))
+def test_zero_bubble_valid_smaller_bubble_same_live_bound(m: int, n: int) -> None:
+    plan, base = sched.zero_bubble(m, n), sched.one_f_one_b(m, n)
+    assert len(plan) == n
+    seen = [(a.kind, a.stage, a.microbatch) for s in plan for a in s]
+    assert sorted(seen) == sorted((k, s, i) for k in (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT) for s in range(n) for i in range(m))
+    for s, actions in enumerate(plan):
+        clocks = [a.clock for a in actions]
+        assert clocks == sorted(clocks) and len(set(clocks)) == len(clocks)
+        clock = {(a.kind, a.stage, a.microbatch): a.clock for t in plan for a in t}
+        for a in actions:
+            if a.kind == FORWARD and s > 0:
+                assert a.clock > clock[(FORWARD, s - 1, a.microbatch)]
+            if a.kind == BACKWARD_INPUT:
+                assert a.clock > clock[(FORWARD, s, a.microbatch)]
+                if s < n - 1:
+                    assert a.clock > clock[(BACKWARD_INPUT, s + 1, a.microbatch)]
+            if a.kind == BACKWARD_WEIGHT:
+                assert a.clock > clock[(BACKWARD_INPUT, s, a.microbatch)]
+        # a micro-batch is live until its weight backward: never more than 1F1B's largest (stage 0's)
+        assert sched.max_live(actions) <= max(sched.max_live(b) for b in base) == min(n, m)
+        assert actions[-1] == sched.Action(actions[-1].clock, s, m - 1, BACKWARD_WEIGHT)
+    # forward, input and weight backward of one unit each (a whole backward two): the bubble shrinks from 3(n-1) to n-1
+    assert _timed_length(base, {FORWARD: 1, BACKWARD: 2}) == 3 * m + 3 * (n - 1)
+    length = _timed_length(plan, {FORWARD: 1, BACKWARD_INPUT: 1, BACKWARD_WEIGHT: 1})
+    assert length == 3 * m + (n - 1) if m >= n else length < 3 * m + 3 * (n - 1)
+
+
+def test_max_live_counts_until_the_weight_backward() -> None:
+    a = [sched.Action(0, 0, 0, FORWARD), sched.Action(1, 0, 1, FORWARD), sched.Action(2, 0, 0, BACKWARD_INPUT),
+         sched.Action(3, 0, 2, FORWARD), sched.Action(4, 0, 0, BACKWARD_WEIGHT), sched.Action(5, 0, 3, FORWARD)]  # fmt: skip
+    assert sched.max_live(a) == 3
 
 
 def test_forward_only_and_errors() -> None:
@@ -97,4 +166,4 @@ def test_the_plan_and_run_vocabulary_has_one_definition() -> None:
     assert plans.SCHEDULES is planner.SCHEDULES is spanned.SCHEDULES is sched.SCHEDULES
     assert plans.RECOMPUTE_MODES is planner.RECOMPUTE_MODES is spanned.RECOMPUTE_MODES is sched.RECOMPUTE_MODES
     assert spanned.PRECISIONS is sched.PRECISIONS
-    assert sched.SCHEDULES == ("gpipe", "1f1b") and sched.RECOMPUTE_MODES == ("never", "except_last", "always")
+    assert sched.SCHEDULES == ("gpipe", "1f1b", "zero-bubble") and sched.RECOMPUTE_MODES == ("never", "except_last", "always")

@@ -12,7 +12,7 @@ from ..runtime.record import KINDS, Event
 
 __all__ = ["check_events", "select_step", "lanes", "timeline_problems", "COMPUTE_KINDS"]
 
-COMPUTE_KINDS = ("forward", "backward", "recompute")
+COMPUTE_KINDS = ("forward", "backward", "recompute", "backward_weight")
 
 
 def check_events(events: Iterable[Event], name: str = "events") -> list[Event]:

@@ -20,6 +20,7 @@ COLORS = {
     "backward": "#F58518",
     "transfer": "#9D9D9D",
     "recompute": "#B279A2",
+    "backward_weight": "#E45756",  # zero-bubble: the weights' gradients, run later
 }
 
 
@@ -34,7 +35,7 @@ def timeline_png(
 ) -> Path:
     """Draw one step of a pipeline timeline: a lane per stage/device, a block per event.
 
-    Forward, backward and recompute blocks fill the lane; transfers are thin grey bars at the
+    Forward, backward, weight-gradient (zero-bubble) and recompute blocks fill the lane; transfers are thin grey bars at the
     lane's foot (on GPUs they overlap compute). ``step=None`` draws the last recorded step.
     Usage: ``timeline_png(spanned.timeline(), "timeline.png", title="1F1B, 2 stages")``.
     """

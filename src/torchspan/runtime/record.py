@@ -30,7 +30,7 @@ import torch
 
 __all__ = ["Event", "KINDS", "Recorder"]
 
-KINDS = ("forward", "backward", "transfer", "recompute")
+KINDS = ("forward", "backward", "transfer", "recompute", "backward_weight")  # backward_weight: zero-bubble's W
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,10 @@
 Stages are connected by explicit gradients: a stage's outputs cross to the next device detached,
 the next stage treats them as leaves, and after its backward it sends their ``.grad`` back, where
 ``torch.autograd.backward(outputs, grads)`` continues. Each stage's backward therefore runs in
-the worker that owns its device, and a schedule (GPipe, 1F1B) decides the order.
+the worker that owns its device, and a schedule (GPipe, 1F1B, zero-bubble) decides the order.
+Zero-bubble splits a backward (``splitgrad``): ``backward_input`` computes and sends the inputs'
+gradients at once, ``backward_weight`` adds the parameters' gradients later; a stage whose inputs
+need no gradient (the first) runs its whole backward as ``backward_input``.
 
 The same walk runs across processes: a ``Transport`` (``worker.Transport``) says which stages
 are local; values for a stage in another process are sent by it (``runtime.ranks.p2p``) instead
@@ -32,6 +35,7 @@ from ..layercall import autocast_for, recomputes, run_layer
 from ..lossweights import weighted_loss
 from ..memory import ActivationMeter, MeteredSteps
 from ..record import Recorder
+from ..splitgrad import Pending, input_backward
 from .stream import copy_stream, transfer, use_device, wait_ready
 from .worker import Mailbox, Transport, intra_op_threads, note_failure, run_workers, worker_groups
 
@@ -172,7 +176,7 @@ class Pipeline:
         """Forward and backward of every micro-batch; returns the summed weighted loss (detached).
 
         ``finished(stage, loss)``: across processes, called once a local stage has run (and sent) its
-        last backward, with the pipeline's loss, while later stages' work may still run (a
+        last backward (its last weight backward, zero-bubble), with the pipeline's loss, while later stages' work may still run (a
         data-parallel gradient reduction starts there).
 
         ``buffers[s]`` are stage ``s``'s buffer slots: a recompute leaves them as the real forward
@@ -190,6 +194,7 @@ class Pipeline:
             self._run(plan, step.do)
         finally:
             step.saved.clear()
+            step.pending.clear()
         if metering:
             self._steps.done(signature)
         return step.result()
@@ -269,6 +274,7 @@ class _TrainStep:
         self.last = len(fns) - 1
         self.carry: int | None = None  # across processes: the micro-batch whose backward carries the loss
         self.carried: list[torch.Tensor] = []
+        self.pending: dict[tuple[int, int], tuple[Pending, torch.Tensor | None]] = {}  # zero-bubble: weight passes to run
 
     def summed(self) -> torch.Tensor:
         done = [t.float() for t in self.losses if t is not None]
@@ -293,8 +299,10 @@ class _TrainStep:
         recompute = recomputes(self.pipe.recompute, a.microbatch, len(self.inputs))
         if a.kind == sched.FORWARD:
             self.forward(box, a.stage, a.microbatch, recompute)
+        elif a.kind == sched.BACKWARD_WEIGHT:
+            self.backward_weight(a.stage, a.microbatch)
         else:
-            self.backward(box, a.stage, a.microbatch, recompute)
+            self.backward(box, a.stage, a.microbatch, recompute, split=a.kind == sched.BACKWARD_INPUT)
 
     def forward(self, box: Mailbox, s: int, mb: int, recompute: bool) -> None:
         pipe, dev = self.pipe, self.pipe.devices[s]
@@ -343,7 +351,9 @@ class _TrainStep:
             else:
                 st.outputs = _flat(out)[0]
 
-    def backward(self, box: Mailbox, s: int, mb: int, recompute: bool) -> None:
+    def backward(self, box: Mailbox, s: int, mb: int, recompute: bool, split: bool = False) -> None:
+        """The backward of ``mb`` on stage ``s`` (``split``: the inputs' gradients only, the weights' kept
+        for ``backward_weight``); sends the inputs' gradients to the previous stage."""
         pipe, dev = self.pipe, self.pipe.devices[s]
         st = self.saved.pop((s, mb))
         if recompute:
@@ -357,18 +367,43 @@ class _TrainStep:
             if s == self.last:
                 assert st.loss is not None
                 target = self.scaler.scale(st.loss) if self.scaler is not None else st.loss
-                if target.requires_grad:
-                    target.backward()
+                pairs = [(target, None)] if target.requires_grad else []
             else:
                 pairs = [(o, g) for o, g in zip(st.outputs, grads_in) if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            grads = self._input_pass(s, mb, st, pairs, split)
         loss = (self.summed() if s == self.last else self.carried[-1]) if mb == self.carry else None
         if s > 0:
-            grads = [v.grad if isinstance(v, torch.Tensor) and v.requires_grad else None for v in st.inputs]
             if loss is not None:
                 grads.append(loss)
             pipe._send(box, "bwd", grads, None, s, s - 1, mb)
+        if split:
+            self.pending[(s, mb)] = (self.pending[(s, mb)][0], loss)
+        elif loss is not None and self.finished is not None:
+            self.finished(s, loss)
+
+    def _input_pass(self, s: int, mb: int, st: _Saved, pairs: list[tuple[Any, Any]], split: bool) -> list[Any]:
+        """Autograd from ``pairs`` (output, gradient): whole, or (``split``) to the inputs only, keeping the
+        weight pass in ``self.pending``; the inputs' gradients (``None`` for inputs that need none)."""
+        leaves = [v if isinstance(v, torch.Tensor) and v.requires_grad else None for v in st.inputs]
+        if not split:
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            return [v.grad if v is not None else None for v in leaves]
+        wanted = [v for v in leaves if v is not None] if s > 0 else []  # stage 0: one whole backward now
+        found, pending = input_backward([o for o, _ in pairs], [g for _, g in pairs], wanted)
+        self.pending[(s, mb)] = (pending, None)
+        if s == 0:  # nothing is sent
+            return [None] * len(leaves)
+        it = iter(found)
+        return [next(it) if v is not None else None for v in leaves]
+
+    def backward_weight(self, s: int, mb: int) -> None:
+        """The parameters' gradients of ``mb`` on stage ``s`` (zero-bubble's W); after the stage's last one,
+        ``finished`` (a data-parallel reduction starts)."""
+        pending, loss = self.pending.pop((s, mb))
+        if pending:
+            with self.pipe.recorder.block(s, self.pipe.devices[s], mb, "backward_weight"):
+                pending.weights()
         if loss is not None and self.finished is not None:
             self.finished(s, loss)
 
@@ -422,6 +457,7 @@ def _unflat(leaves: list[Any], spec: Any) -> Any:
 def _carried_microbatch(plan: list[list[sched.Action]]) -> int:
     """The micro-batch whose backward is every stage's last action (the last stage has run every forward by then)."""
     lasts = {actions[-1].microbatch for actions in plan if actions}
-    if len(lasts) != 1 or any(a.kind != sched.BACKWARD for a in (actions[-1] for actions in plan)):
+    ends = (sched.BACKWARD, sched.BACKWARD_WEIGHT)
+    if len(lasts) != 1 or any(a.kind not in ends for a in (actions[-1] for actions in plan)):
         raise ValueError("this schedule does not end every stage with the same micro-batch's backward; the loss cannot ride on it")
     return lasts.pop()
