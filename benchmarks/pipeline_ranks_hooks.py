@@ -4,16 +4,22 @@ One 2-process gloo job (spawned like ``tests/test_ranks_hooks.py``), every rank 
 (2 processes on this 2-core machine), variants alternating step by step, a barrier around each step,
 medians; absolute times drift on a shared machine, so the ratios are what to read.
 
-1. **Same blocks, three ways**: ``depth`` blocks ``nn.Sequential(nn.Linear(w, w), nn.ReLU())``, the
-   same weights, MSE loss, ``microbatches`` micro-batches, 1F1B, cut ``[depth/2, depth/2]``:
+1. **Same blocks, every schedule**: ``depth`` blocks ``nn.Sequential(nn.Linear(w, w), nn.ReLU())``, the
+   same weights, MSE loss, ``microbatches`` micro-batches, cut ``[depth/2, depth/2]``, for every torchspan
+   schedule (``torchspan.schedule.SCHEDULES``; ``--schedule`` picks):
 
    (a) torchspan on an ``nn.Sequential`` of the blocks: stage functions (``RankPipelineExecutor``);
-   (b) torchspan on a wrapper whose ``forward`` loops over an ``nn.ModuleList`` of the same blocks:
-       the model's own forward on every rank, the other stage's blocks on ``meta``
-       (``RankOwnForwardExecutor``);
-   (c) ``torch.distributed.pipelining``: ``PipelineStage`` + ``Schedule1F1B`` on the Sequential cut in two.
+   (b) torchspan on a wrapper whose ``forward`` loops over an ``nn.ModuleList`` of the same blocks (a
+       transformers-style model): the model's own forward on every rank, the other stage's blocks on
+       ``meta`` (``RankOwnForwardExecutor``);
 
-   The three losses are checked equal once before timing.
+   and once (c) ``torch.distributed.pipelining``: ``PipelineStage`` + ``Schedule1F1B`` on the Sequential cut
+   in two (``return_outputs=False``). One step of each from ``.grad = None`` first: the losses and the whole
+   model's gradients (summed over the ranks) are compared with the first variant's (a variant that raises
+   is named and left out). Then the variants take turns step by step (a turn: one step of each, the order
+   rotated and reversed from turn to turn, a barrier around each step: what ``distributed.py --pipeline``
+   calls a round); printed per ratio: the ratio of medians and the **median of per-turn ratios** (the
+   ``RATIO`` value), for every torchspan variant against (c) and (b) against (a) per schedule.
 2. **A transformers decoder** (random-init ``LlamaForCausalLM``, tied embeddings, float32): the
    torchspan 2-rank pipeline (own forward, token-mean loss with ``loss_normalizer``) against the same
    model trained in one process with plain PyTorch (forward + loss + backward of the whole batch).
@@ -29,12 +35,12 @@ medians; absolute times drift on a shared machine, so the ratios are what to rea
    over one core) holds either way. Checked once before timing:
    the 2-rank loss equals the one-process loss, and each rank's gradients equal the one-process
    gradients of the parameters it holds.
-3. **cProfile** of one rank of (b) for a few steps: the top entries inside torchspan by cumulative
+3. **cProfile** of one rank of (b) (its 1f1b variant) for a few steps: the top entries inside torchspan by cumulative
    time, plus the shares of step time of the parts of the own-forward path (meta execution of the
    other stage's blocks, timed without the profiler too, the ``MetaTaint`` mode, route checks, send/recv),
    a summary line, and the same for the decoder unless ``--skip-hf`` / ``--no-profile-hf``.
 
-Usage: ``python benchmarks/pipeline_ranks_hooks.py [--steps 20] [--rounds 3] [--skip-hf] [--hf-steps 6]
+Usage: ``python benchmarks/pipeline_ranks_hooks.py [--steps 20] [--rounds 3] [--schedule ...] [--skip-hf] [--hf-steps 6]
 [--profile-steps 10] [--hf-profile-steps 3] [--no-profile-hf] [--profile-rank 0]`` (defaults: about 2-3 minutes
 on 2 cores); ``--quick``: tiny, few steps; ``--profile-steps 0``: no profile. Ratios also as ``RATIO`` lines (torchspan bench).
 """
@@ -64,7 +70,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torchspan  # noqa: E402
 from torchspan.runtime.ranks import free_port, init_distributed  # noqa: E402
+from torchspan.schedule import SCHEDULES  # noqa: E402
 from _quick import add_quick  # noqa: E402  (benchmarks/_quick.py, beside this script)
+
+
+TORCH_1F1B = "(c) torch Schedule1F1B"
 
 
 # ---------------------------------------------------------------------- models
@@ -120,28 +130,30 @@ def _executor(spanned: Any) -> str:
     return type(spanned._executor).__name__
 
 
-def _short(name: str) -> str:
-    """'(b) own forward ...' -> '(b)'; 'plain PyTorch, 1 process x 2 thr' -> 'plain 2 thr'; 'torchspan 2 ranks ...' -> 'torchspan'."""
-    if name.startswith("("):
-        return name.split()[0]
-    if name.startswith("plain"):
-        return "plain " + " ".join(name.split()[-2:])
-    return name.split()[0]
+def _paired(times: dict[str, list[list[float]]], num: str, den: str) -> float:
+    """The median over all timed steps of ``num``'s step over ``den``'s step of the same turn (one step of every
+    variant, side by side: ``distributed.py --pipeline``'s per-round ratio)."""
+    return statistics.median(a / b for ra, rb in zip(times[num], times[den]) for a, b in zip(ra, rb))
 
 
-def _table(title: str, times: dict[str, list[list[float]]], ratios: list[tuple[str, str]], key: str) -> list[str]:
-    """Per-variant medians over all steps, and each ratio overall and per round (its spread); ``RATIO`` lines under ``key``."""
+def _table(title: str, times: dict[str, list[list[float]]], ratios: list[tuple[str, str, str]], key: str,
+           slugs: dict[str, str]) -> list[str]:  # fmt: skip
+    """Per-variant medians over all steps; each ratio ``(num, den, goal)`` as the ratio of medians, the median of
+    per-turn ratios (:func:`_paired`) and per round (its spread); ``RATIO`` lines (median per-turn ratio) under
+    ``key``, named by ``slugs``."""
     lines = [f"{title}:"]
     med = {k: statistics.median([t for r in v for t in r]) for k, v in times.items()}
+    width = max(34, *(len(k) for k in times))
     for k, v in times.items():
         steps = sum(len(r) for r in v)
         per_round = ", ".join(f"{statistics.median(r) * 1e3:.1f}" for r in v)
-        lines.append(f"  {k:34s} median {med[k] * 1e3:8.2f} ms/step over {steps} steps (per round: {per_round})")
-    slug = {"(a)": "sequential", "(b)": "own_forward", "(c)": "torch_1f1b", "plain 2 thr": "plain_2thr", "plain 1 thr": "plain_1thr"}
-    for num, den in ratios:
+        lines.append(f"  {k:{width}s} median {med[k] * 1e3:8.2f} ms/step over {steps} steps (per round: {per_round})")
+    for num, den, goal in ratios:
         rounds = ", ".join(f"{statistics.median(a) / statistics.median(b):.3f}" for a, b in zip(times[num], times[den]))
-        lines.append(f"  ratio {_short(num)} / {_short(den)} = {med[num] / med[den]:.3f} (per round: {rounds})")
-        lines.append(f"RATIO pipeline_ranks_hooks/{key}/{slug.get(_short(num), 'torchspan')}_vs_{slug[_short(den)]} {med[num] / med[den]:.3f} - {den}")
+        paired = _paired(times, num, den)
+        lines.append(f"  ratio {slugs[num]} / {slugs[den]} = {med[num] / med[den]:.3f} (medians); median per-turn ratio "
+                     f"{paired:.3f} (medians per round: {rounds})")  # fmt: skip
+        lines.append(f"RATIO pipeline_ranks_hooks/{key}/{slugs[num]}_vs_{slugs[den]} {paired:.3f} {goal} {den}")
     return lines
 
 
@@ -288,70 +300,122 @@ def _summary(stats: dict, steps: int, wall: float, meta_pct: float, per_call: fl
 
 
 # ---------------------------------------------------------------------- 1. same blocks, three ways
-def _mlp_section(rank: int, world: int, args: argparse.Namespace) -> tuple[list[str], list[str]]:
+def _mlp_variants(rank: int, world: int, args: argparse.Namespace, data: tuple) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """Every torchspan schedule twice, (a) on the Sequential and (b) on the Looped blocks, then (c) torch's
+    ``Schedule1F1B``: ({name: step returning the loss or None}, {name: this rank's gradients}, [executor lines])."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    w, d, m = args.width, args.depth, args.microbatches
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(args.batch, w, generator=g)
-    y = torch.randn(args.batch, w, generator=g)
+    x, y = data
     loss_fn = nn.MSELoss()
-    cut = [d // 2, d - d // 2]
-    blocks = _blocks(w, d)
-    seq = torchspan.span(nn.Sequential(*copy.deepcopy(blocks)), balance=cut, microbatches=m, schedule="1f1b")
-    hooked = torchspan.span(Looped(copy.deepcopy(blocks)), balance=cut, microbatches=m, schedule="1f1b")
+    cut = [args.depth // 2, args.depth - args.depth // 2]
+    blocks = _blocks(args.width, args.depth)
+    steps: dict[str, Any] = {}
+    grads: dict[str, Any] = {}
+    made = []
+    for schedule in args.schedule:
+        for tag, model in (("(b) own forward", Looped(copy.deepcopy(blocks))), ("(a) Sequential", nn.Sequential(*copy.deepcopy(blocks)))):
+            spanned = torchspan.span(model, balance=cut, microbatches=args.microbatches, schedule=schedule)
+            name = f"{tag} {schedule}"
+            steps[name] = (lambda sp: lambda: (sp.zero_grad(), sp.train_step(x, y, loss_fn))[1])(spanned)
+            grads[name] = (lambda sp: lambda: _held(sp.module))(spanned)
+            made.append(f"{name}: {_executor(spanned)}")
+            args.spanned[name] = spanned
     whole = nn.Sequential(*copy.deepcopy(blocks))
     half = nn.Sequential(*list(whole)[: cut[0]]) if rank == 0 else nn.Sequential(*list(whole)[cut[0] :])
-    stage = PipelineStage(half, rank, world, torch.device("cpu"))
-    pipe = Schedule1F1B(stage, n_microbatches=m, loss_fn=loss_fn)
-    torch_losses: list[torch.Tensor] = []
+    pipe = Schedule1F1B(PipelineStage(half, rank, world, torch.device("cpu")), n_microbatches=args.microbatches, loss_fn=loss_fn)
+    last = {"target": y, "losses": []} if rank == world - 1 else {}
 
-    def step_a() -> torch.Tensor:
-        seq.zero_grad()
-        return seq.train_step(x, y, loss_fn)
-
-    def step_b() -> torch.Tensor:
-        hooked.zero_grad()
-        return hooked.train_step(x, y, loss_fn)
-
-    def step_c() -> None:
+    def step_c() -> torch.Tensor | None:
         half.zero_grad()
-        torch_losses.clear()
-        if rank == 0:
-            pipe.step(x)
-        else:
-            pipe.step(target=y, losses=torch_losses)
+        if last:
+            last["losses"] = []
+        pipe.step(*(() if last else (x,)), return_outputs=False, **last)
+        return torch.stack(last["losses"]).mean() if last else None
 
-    # correctness, once: the three compute the same loss (the last stage's, broadcast for torchspan)
-    la, lb = step_a(), step_b()
-    step_c()
-    lines = [f"executors: (a) {_executor(seq)}, (b) {_executor(hooked)}; cut {cut}; {args.rounds} rounds, variants alternating step by step"]
-    if rank == world - 1:
-        lc = torch.stack(torch_losses).mean()
-        torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-7)
-        torch.testing.assert_close(lc, la, rtol=1e-5, atol=1e-7)
-        lines.append(f"check: losses (a) {la.item():.6f}, (b) {lb.item():.6f}, (c) {lc.item():.6f}: equal to float tolerance")
+    steps[TORCH_1F1B] = step_c
+    grads[TORCH_1F1B] = lambda: _held(whole)
+    return steps, grads, made
 
-    names = ["(b) own forward (RankOwnForwardExecutor)", "(a) Sequential (RankPipelineExecutor)", "(c) torch Schedule1F1B"]
-    fns = [step_b, step_a, step_c]
+
+def _held(module: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's gradients by block name ('3.0.weight', for the Looped model's 'blocks.3.0.weight' too)."""
+    return {n.removeprefix("blocks."): p.grad for n, p in module.named_parameters() if p.grad is not None and p.device.type != "meta"}
+
+
+def _mlp_check(steps: dict[str, Any], grads: dict[str, Any], world: int, width: int, depth: int) -> list[str]:
+    """One step of every variant (a variant raising on any rank is dropped and named); its loss (the last rank's)
+    and the whole model's gradients (summed over the ranks, each parameter's held by exactly one) against the first's.
+    The lines are the same on every rank."""
+    shapes = {n: p.shape for n, p in nn.Sequential(*_blocks(width, depth)).named_parameters()}
+    lines: list[str] = []
+    ref: Any = None
+    for name in list(steps):
+        error, loss = "", None
+        try:
+            out = steps[name]()
+            loss = None if out is None else float(out.detach())
+        except Exception as e:  # noqa: BLE001  (a schedule not running on this path yet: reported, not timed)
+            error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        box: list[Any] = [None] * world
+        dist.all_gather_object(box, (error, loss))
+        if any(e for e, _ in box):
+            lines.append(f"  skipped {name}: {next(e for e, _ in box if e)}")
+            del steps[name]
+            continue
+        loss = box[-1][1]
+        held = grads[name]()
+        flat = torch.cat([held[n].detach().flatten() if n in held else torch.zeros(s.numel()) for n, s in shapes.items()])
+        count = torch.tensor([float(n in held) for n in shapes])
+        dist.all_reduce(flat)
+        dist.all_reduce(count)
+        ref = ref or (name, flat, loss)
+        same = bool((count == 1).all()) and torch.allclose(flat, ref[1], rtol=1e-4, atol=1e-6)
+        lines.append(f"  {name}: loss {loss:.6f}, same gradients as {ref[0]}: {'yes' if same else 'no'} "
+                     f"(max |diff| {float((flat - ref[1]).abs().max()):.1e})"
+                     + ("" if abs(loss - ref[2]) <= 1e-5 * abs(ref[2]) + 1e-7 else " (NOT the same loss)"))  # fmt: skip
+    return lines
+
+
+def _mlp_section(rank: int, world: int, args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """Section 1: every variant of :func:`_mlp_variants`, checked once, then timed step by step in turns."""
+    g = torch.Generator().manual_seed(1)
+    data = (torch.randn(args.batch, args.width, generator=g), torch.randn(args.batch, args.width, generator=g))
+    args.spanned = {}
+    steps, grads, made = _mlp_variants(rank, world, args, data)
+    checks = _mlp_check(steps, grads, world, args.width, args.depth)
+    lines = [f"executors: {'; '.join(made)}; cut {[args.depth // 2, args.depth - args.depth // 2]}; {args.rounds} rounds, "
+             "variants taking turns step by step", "one step of each from .grad = None, compared:"] + checks  # fmt: skip
+    names = list(steps)
     times: dict[str, list[list[float]]] = {k: [] for k in names}
+    turn = 0
     for r in range(args.rounds):
         for k in names:
             times[k].append([])
         for i in range(args.steps + (2 if r == 0 else 0)):
-            order = list(zip(names, fns))
-            if i % 2:
-                order.reverse()  # neither variant always runs right after the other
-            got = {k: _timed(fn) for k, fn in order}
+            got = {k: _timed(steps[k]) for k in _order(names, turn)}  # each variant in every position in turn
+            turn += 1
             if r > 0 or i >= 2:  # warm-up
                 for k, t in got.items():
                     times[k][-1].append(t)
-    title = (
-        f"1. same blocks three ways: {d} x (Linear({w}, {w}) + ReLU), batch {args.batch}, {m} micro-batches, 1F1B, "
-        "2 ranks x 1 thread"
-    )
-    lines += _table(title, times, [(names[0], names[1]), (names[0], names[2]), (names[1], names[2])], "mlp")
-    return lines, _profile(rank, args, args.profile_steps, step_b, hooked, "3. profile of (b)")
+    title = (f"1. same blocks, every schedule: {args.depth} x (Linear({args.width}, {args.width}) + ReLU), batch {args.batch}, "
+             f"{args.microbatches} micro-batches, 2 ranks x 1 thread; ratios to {TORCH_1F1B}")  # fmt: skip
+    slugs = {k: k.replace("(a) Sequential ", "sequential_").replace("(b) own forward ", "own_forward_") for k in names}
+    slugs[TORCH_1F1B] = "torch_1f1b"
+    ratios = [(k, TORCH_1F1B, "<=0.9") for k in names if k != TORCH_1F1B]
+    ratios += [(k, k.replace("(b) own forward", "(a) Sequential"), "-") for k in names if k.startswith("(b)") and
+               k.replace("(b) own forward", "(a) Sequential") in steps]  # fmt: skip
+    lines += _table(title, times, ratios, "mlp", slugs)
+    own = next((k for k in names if k == "(b) own forward 1f1b"), next((k for k in names if k.startswith("(b)")), None))
+    if own is None:
+        return lines, []
+    return lines, _profile(rank, args, args.profile_steps, steps[own], args.spanned[own], f"3. profile of {own}")
+
+
+def _order(names: list[str], turn: int) -> list[str]:
+    """Turn ``turn``'s order: rotated by ``turn`` and reversed every other turn."""
+    k = turn % len(names)
+    turned = names[k:] + names[:k]
+    return turned if turn % 2 == 0 else turned[::-1]
 
 
 # ---------------------------------------------------------------------- 2. a transformers decoder
@@ -436,7 +500,8 @@ def _hf_section(rank: int, world: int, args: argparse.Namespace) -> tuple[list[s
         f"{args.intermediate}, vocab {args.vocab}, tied, float32), batch {args.hf_batch} x seq {args.seq}, "
         f"{args.microbatches} micro-batches, 1F1B"
     )
-    lines += _table(title, times, [(names[0], names[1]), (names[0], names[2]), (names[1], names[2])], "decoder")
+    slugs = dict(zip(names, ("torchspan", "plain_2thr", "plain_1thr")))
+    lines += _table(title, times, [(names[0], names[1], "-"), (names[0], names[2], "-"), (names[1], names[2], "-")], "decoder", slugs)
     steps = 2 * (args.rounds * args.hf_steps + 1)
     lines.append(f"  rank 1's own CPU time while waiting at the barrier over all {steps} plain steps: {cpu_box[1] * 1e3:.1f} ms")
     if args.no_profile_hf:
@@ -470,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds (each with its own medians, to show the spread)")
     for name, default in (("--width", 512), ("--depth", 8), ("--batch", 64), ("--microbatches", 4)):
         parser.add_argument(name, type=int, default=default)
+    parser.add_argument("--schedule", nargs="+", choices=SCHEDULES, default=list(SCHEDULES),
+                        help="torchspan schedules of section 1, each on both paths (default: all)")
     parser.add_argument("--skip-hf", action="store_true", help="skip the transformers decoder")
     parser.add_argument("--hf-steps", type=int, default=6, help="timed steps per round of each decoder variant")
     for name, default in (("--hf-batch", 8), ("--seq", 128), ("--hidden", 256), ("--intermediate", 688), ("--layers", 8),
