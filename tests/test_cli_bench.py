@@ -156,3 +156,80 @@ def test_pipeline_ranks_hooks_profiles_nothing_with_zero_profile_steps() -> None
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "RATIO pipeline_ranks_hooks/mlp/" in proc.stdout and "profile of (b)" not in proc.stdout
+
+
+def _benchmark(name: str):  # type: ignore[no-untyped-def]
+    """A benchmark script imported as a module (its helpers, not its run)."""
+    import importlib
+
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.append(str(BENCHMARKS))  # after everything else: a script never shadows a module
+    return importlib.import_module(name)
+
+
+def test_pipeline_bench_puts_every_variant_in_every_position() -> None:
+    # issue 21: many variants share a round; each must run first, last and in between as often as the others
+    dp = _benchmark("distributed_pipeline")
+    names = ["torchspan gpipe", "torchspan 1f1b", "torch Schedule1F1B", "torch ScheduleGPipe", "torch ScheduleZBVZeroBubble"]
+    seen: dict[str, set[int]] = {n: set() for n in names}
+    for r in range(2 * len(names)):
+        order = dp._order(names, r)
+        assert sorted(order) == sorted(names)
+        for i, n in enumerate(order):
+            seen[n].add(i)
+    assert all(s == set(range(len(names))) for s in seen.values())
+
+
+def test_pipeline_bench_virtual_stages_in_torchs_order() -> None:
+    # looped schedules hold stages 0,2 | 1,3 on 2 ranks; the V-shaped ones (ZBV, DualPipeV) 0,3 | 1,2
+    dp = _benchmark("distributed_pipeline")
+    assert [dp._stage_ids("Interleaved1F1B", r, 2, 2) for r in range(2)] == [[0, 2], [1, 3]]
+    assert [dp._stage_ids("ZBVZeroBubble", r, 2, 2) for r in range(2)] == [[0, 3], [1, 2]]
+    assert [dp._stage_ids("1F1B", r, 2, 1) for r in range(2)] == [[0], [1]]
+    utils = pytest.importorskip("torch.distributed.pipelining._utils")
+    for kind, style in (("InterleavedZeroBubble", "loop"), ("DualPipeV", "v")):
+        mapping = utils.generate_rank_to_stage_mapping(2, 4, style=style)
+        assert [dp._stage_ids(kind, r, 2, 2) for r in range(2)] == [sorted(mapping[0]), sorted(mapping[1])]
+
+
+def test_pipeline_bench_report_ratios_best_and_skips() -> None:
+    # the printed form: a RATIO per variant against Schedule1F1B (median of per-round ratios), torchspan's best
+    # against torch's best among the variants with the same gradients, SKIP lines for what did not run
+    dp = _benchmark("distributed_pipeline")
+    times = {
+        "torchspan gpipe": [1.2, 1.2, 1.2],
+        "torchspan 1f1b": [0.8, 0.9, 1.0],
+        "torch Schedule1F1B": [1.0, 1.0, 1.0],
+        "torch ScheduleInterleaved1F1B": [0.9, 0.9, 0.9],
+        "torch ScheduleGPipe": [0.5, 0.5, 0.5],  # fastest, but its gradients differ: not torch's best
+    }
+    same = {k: (k != "torch ScheduleGPipe", 0.0 if k != "torch ScheduleGPipe" else 1e-2) for k in times}
+    lines = dp._report("small", dp.SIZES["small"], times, same, ["torch ScheduleDualPipeV: needs more micro-batches"],
+                       {k: 2 if "Interleaved" in k else 1 for k in times})  # fmt: skip
+    text = "\n".join(lines)
+    ratios = {r.name: r for r in bench.parse_ratios(text)}
+    assert ratios["pipeline_2ranks/small/torchspan_1f1b_vs_Schedule1F1B"].value == pytest.approx(0.9)
+    assert ratios["pipeline_2ranks/small/torchspan_1f1b_vs_Schedule1F1B"].goal == "<=0.9"
+    assert ratios["pipeline_2ranks/small/torch_Interleaved1F1B_vs_Schedule1F1B"].goal == "-"
+    assert "NOT the same gradients" in ratios["pipeline_2ranks/small/torch_GPipe_vs_Schedule1F1B"].anchor
+    assert ratios["pipeline_2ranks/small/best_torchspan_vs_best_torch"].value == pytest.approx(0.9 / 0.9)
+    assert "torchspan 1f1b vs torch ScheduleInterleaved1F1B" in ratios["pipeline_2ranks/small/best_torchspan_vs_best_torch"].anchor
+    assert bench.parse_skips(text) == {"pipeline_2ranks/small/torch_DualPipeV_vs_Schedule1F1B": "needs more micro-batches"}
+    assert " no (max |diff| 1.0e-02)" in text and "(reference)" in text
+
+
+@pytest.mark.slow
+def test_pipeline_bench_quick_times_every_schedule_on_the_same_gradients() -> None:
+    """``distributed.py --pipeline --quick``: every torchspan schedule of SCHEDULES and torch's Schedule1F1B, each
+    variant's gradients compared before timing (torch's, on the same layers, must equal torchspan's)."""
+    from torchspan.schedule import SCHEDULES
+
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "distributed.py"), "--pipeline", "--quick"],
+                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    names = {r.name for r in bench.parse_ratios(proc.stdout)} | set(bench.parse_skips(proc.stdout))
+    for schedule in SCHEDULES:
+        assert f"pipeline_2ranks/small/torchspan_{schedule}_vs_Schedule1F1B" in names
+    assert "pipeline_2ranks/small/best_torchspan_vs_best_torch" in names
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("  torch Schedule")]
+    assert rows and all(" yes (max |diff|" in ln for ln in rows), rows
