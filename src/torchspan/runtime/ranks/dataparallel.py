@@ -3,16 +3,20 @@
 Each rank holds a replica of the model (made identical at construction by broadcasting parameters
 and buffers from rank 0, kept identical because every rank applies the same summed gradient) and
 computes the loss of its own shard; nothing is gathered on one rank. PyTorch's
-``DistributedDataParallel`` reduces the gradients bucket by bucket while backward still runs, with
-a comm hook that *sums* instead of averaging. For ``reduction="sum"`` each rank backpropagates its
-own loss. For ``"mean"`` each rank backpropagates its shard's *summed* loss (its mean times its
-normalizer: the sample count or, for ``CrossEntropyLoss``/``NLLLoss`` with class weights or
-``ignore_index``, the targets' weight sum), weighted by its normalizer over the global one: the
-normalizers are all-reduced while the forward runs, so the weight is known when the loss is taken
-and no gradient bucket needs dividing; the hook all-reduces the buckets by SUM, and the weighted
-losses are all-reduced while backward runs (their sum is the global loss). So after ``train_step`` every rank's ``.grad`` is what ``loss_fn(model(X), Y).backward()``
-leaves on one device, ``X, Y`` being all ranks' shards concatenated, for any (uneven, even empty)
-split.
+``DistributedDataParallel`` reduces the gradients bucket by bucket while backward still runs, with its
+own C++ reduction (each bucket divided by the world size ``W`` as it is copied in, then all-reduced);
+each rank's backward is of its weighted loss times ``W``, so the buckets sum the ranks' weighted
+gradients. For ``reduction="sum"`` each rank's weight is 1. For ``"mean"`` each rank backpropagates
+its shard's *summed* loss (its mean times its normalizer: the sample count or, for
+``CrossEntropyLoss``/``NLLLoss`` with class weights or ``ignore_index``, the targets' weight sum),
+weighted by its normalizer over the global one: the normalizers are all-reduced while the forward
+runs, so the weight is known when the loss is taken and no gradient bucket needs dividing again; the
+weighted losses are all-reduced while backward runs (their sum is the global loss). So after
+``train_step`` every rank's ``.grad`` is what ``loss_fn(model(X), Y).backward()`` leaves on one
+device, ``X, Y`` being all ranks' shards concatenated, for any (uneven, even empty) split.
+Gradient accumulation over calls (no ``zero_grad()`` between them) needs nothing more: the gradients
+already in ``.grad`` are the same on every rank, so DDP's mean keeps them and adds this call's sum
+(``DDPEngine``). ``.grad`` tensors are views into DDP's buckets (nothing is copied back).
 
 End of an epoch: every rank must take part in every step. ``rank_batches`` gives every rank the
 same number of steps (an empty shard adds exactly zero). Where ranks may still run out at different
@@ -22,7 +26,7 @@ at weight 0, buffers left as they were, since many models cannot run zero rows) 
 that exists, and parameters and optimizer state stay identical everywhere.
 
 Engines: the loss contract above is written once, here; what reduces the gradients is the replica's
-engine: ``DDPEngine`` (below: DDP, the SUM comm hook) or, with ``shard=True``, ``ShardedEngine``
+engine: ``DDPEngine`` (``ranks.ddp``: DDP, its own reduction of the loss times ``W``; fp16: a SUM comm hook) or, with ``shard=True``, ``ShardedEngine``
 (``ranks.sharded``: FSDP2 ``fully_shard`` per layer, reduce-scatter by SUM, parameters, gradients and
 optimizer state sharded, bf16 by FSDP2's mixed precision policy, ``offload="cpu"``). Sharded, every
 forward is a collective (it gathers parameters), so every rank runs as many chunks per step (a shard
@@ -40,23 +44,22 @@ Usage::
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map
 
 from ...layers import buffer_slots, kept, model_layers
 from ...schedule import PRECISIONS, RECOMPUTE_MODES
 from ..fp16 import SpanScaler
-from ..layercall import LayerCalls, autocast_for, recomputes
+from ..layercall import LayerCalls, recomputes
 from ..lossweights import LossSpec, describe_loss, loss_spec, weighted_loss
 from ..microbatch import batch_size, call_args, split_value
 from .checkpoint import model_keys
+from .ddp import DDPEngine
 from .env import RankInfo, rank_info
 from .metaweights import check_weights, fill, materialize_replica
 from .sharded import ShardedEngine, check_shard_options, first_row, no_rows, stand_ins
@@ -80,64 +83,6 @@ def shard_loss(loss_fn: Callable[..., Any], loss_reduction: str | None = None, l
             "loss_normalizer=callable(target) for a mean over something else (e.g. lambda y: (y != -100).sum())"
         )
     return spec
-
-
-def _sum_hook(engine: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: all-reduce a gradient bucket by SUM (DDP's own default divides by the world size;
-    a mean's normalizer is already in the loss weight, so no bucket is divided)."""
-    work = dist.all_reduce(bucket.buffer(), group=engine.group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
-
-
-# DDP checks the hook's annotations as objects; ``from __future__ import annotations`` made them strings.
-_sum_hook.__annotations__.update(bucket=dist.GradBucket, engine=Any)
-_sum_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
-
-
-def _buffer_option(sync: bool) -> dict[str, bool]:
-    """DDP's per-forward buffer sync flag under its name in this PyTorch (renamed in 2.13)."""
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
-        return {"forward_sync_buffers": sync}
-    return {"broadcast_buffers": sync}
-
-
-class DDPEngine:
-    """The replica's engine when it is not sharded: ``DistributedDataParallel`` (which broadcasts rank 0's
-    parameters and buffers at construction) with a SUM comm hook. An engine (this, or ``ShardedEngine``
-    in ``ranks.sharded``) gives the replica: ``engine(*args)`` (a training forward), ``inference`` (under
-    ``no_grad``), ``no_sync()`` (backwards inside accumulate unreduced), ``autocast``, ``train(mode)``,
-    ``state_dict``/``load_state_dict`` and ``collective_forward`` (whether every forward is a collective)."""
-
-    collective_forward = False  # under no_grad the plain module runs: no collective
-
-    def __init__(self, module: nn.Module, device: torch.device, group: Any, **ddp: Any) -> None:
-        module.to(device)
-        self.module, self.group = module, group
-        ids = [device.index] if device.type == "cuda" else None
-        sync = ddp.pop("sync_buffers")
-        self.ddp = DistributedDataParallel(module, device_ids=ids, process_group=group, **ddp, **_buffer_option(sync))
-        self.ddp.register_comm_hook(self, _sum_hook)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.ddp(*args, **kwargs)
-
-    def inference(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
-
-    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
-        return self.ddp.no_sync()
-
-    def autocast(self, device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
-        return autocast_for(device, precision)
-
-    def train(self, mode: bool) -> None:
-        self.ddp.train(mode)
-
-    def state_dict(self, *, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
-        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
-        return self.module.load_state_dict(state_dict, strict=strict)
 
 
 def _refuse_batchnorm(module: nn.Module) -> None:
@@ -228,7 +173,7 @@ class DataParallelReplica:
                 fill(module, materialize_replica(module, self.device), weights, group=process_group, comm=self.comm_device)
             self._engine = DDPEngine(
                 module, self.device, process_group, bucket_cap_mb=bucket_cap_mb,
-                find_unused_parameters=find_unused_parameters, sync_buffers=sync_buffers,
+                find_unused_parameters=find_unused_parameters, sync_buffers=sync_buffers, by_sum=precision == "fp16",
             )  # fmt: skip
         self.precision, self.recompute, self.scaler = precision, recompute, scaler
         self._calls: LayerCalls | None = None  # recompute's wrappers around the model's layers, made at the first step
@@ -241,9 +186,15 @@ class DataParallelReplica:
         sums the gradients of every rank's loss, as one device would for the sum of those losses),
         at the replica's ``precision``."""
         with self._engine.autocast(self.device, self.precision):
-            return self._engine(*self.to_device(args), **self.to_device(kwargs))
+            return self._summing(self._engine(*self.to_device(args), **self.to_device(kwargs)))
 
     __call__ = forward
+
+    def _summing(self, out: Any) -> Any:
+        """A training forward's outputs for a backward the user runs: the engine's ``summing`` (DDP: gradients times
+        the world size on the way in, so the mean DDP takes is the ranks' sum); unchanged under ``no_grad``."""
+        summing = getattr(self._engine, "summing", None)
+        return summing(out) if summing is not None and torch.is_grad_enabled() else out
 
     def forward_chunks(self, chunks: Sequence[tuple[tuple[Any, ...], dict[str, Any]]], pad_to: int = 1) -> list[Any]:
         """Each chunk's output (``(args, kwargs)`` per micro-batch). With gradients enabled every chunk but the
@@ -260,7 +211,7 @@ class DataParallelReplica:
                     out = self._engine.inference(*a, **k)
                 else:
                     with self._engine.no_sync() if i < len(plan) - 1 else contextlib.nullcontext():
-                        out = self._engine(*a, **k)
+                        out = self._summing(self._engine(*a, **k))
             if i < len(chunks):
                 outs.append(no_rows(out) if stand_in else out)
         return outs
@@ -430,14 +381,9 @@ class DataParallelReplica:
         shard or chunk (weight 0, buffers left as they were)."""
         if isinstance(loss_fn, nn.Module):
             loss_fn.to(self.device)
-        # DDP all-reduces whatever .grad holds after backward, earlier steps' gradients included;
-        # set them aside so only this step's are reduced, then add them back (one-device accumulation).
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        earlier = [p.grad for p in params]
-        for p in params:
-            p.grad = None
+        scale = getattr(self._engine, "grad_scale", 1.0)  # DDP divides each bucket by W: its backward is of loss * W
         last, losses, state = len(chunks) - 1, [], {"recompute": False}
-        with self._layer_calls(state):
+        with self._layer_calls(state), self._aside():
             for i, ((args, kwargs), target) in enumerate(zip(chunks, targets)):
                 state["recompute"] = recomputes(self.recompute, i, len(chunks))
                 with self._engine.no_sync() if i < last else contextlib.nullcontext():  # the last chunk's backward reduces
@@ -448,12 +394,32 @@ class DataParallelReplica:
                     if i == last:  # the ranks' weighted losses sum to the global loss: all-reduced while backward runs
                         total = torch.cat(losses).sum().reshape(1) if last else losses[0].clone()
                         work = dist.all_reduce(total, group=self.group, async_op=True)
-                    (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+                    scaled = self.scaler.scale(loss) if self.scaler is not None else loss
+                    scaled.backward(torch.full_like(scaled, scale) if scale != 1.0 else None)
         work.wait()
+        return total[0]
+
+    @contextlib.contextmanager
+    def _aside(self) -> Iterator[None]:
+        """With an engine that ``sets_aside`` (a SUM hook reduces whatever ``.grad`` holds): earlier gradients are set
+        aside during the step's backwards, so only this step's are reduced, and added back after (one device's
+        accumulation). Other engines add each call's reduced gradients to ``.grad`` themselves: nothing to do."""
+        if not getattr(self._engine, "sets_aside", False):
+            yield
+            return
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        earlier = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            yield
+        except BaseException:
+            for p, g in zip(params, earlier):  # a failed step leaves what came before it
+                p.grad = g
+            raise
         for p, g in zip(params, earlier):
             if g is not None:
                 p.grad = g if p.grad is None else g.add_(p.grad)
-        return total[0]
 
     def _layer_calls(self, state: dict[str, bool]) -> contextlib.AbstractContextManager[None]:
         """Every layer of the model recomputed in backward while ``state["recompute"]`` (nothing without recompute)."""

@@ -1,7 +1,7 @@
 """``span(model)`` in a launched job: this rank's exact data-parallel replica, behind the ``Executor`` interface.
 
-The replica itself is ``DataParallelReplica`` (DDP underneath, gradients summed, the global loss
-normalizer all-reduced): after ``spanned.train_step(x_shard, y_shard, loss_fn)`` every rank's
+The replica itself is ``DataParallelReplica`` (DDP underneath, the ranks' weighted gradients summed, the
+global loss normalizer all-reduced): after ``spanned.train_step(x_shard, y_shard, loss_fn)`` every rank's
 ``.grad`` equals one device's for all ranks' shards concatenated. This adapter gives it the
 ``Spanned`` façade's contract, the same as a local ``span``:
 
