@@ -31,7 +31,7 @@ from .gradients import clip_grad_norm, guard_plain_clip, holding
 from .losscheck import LossChecks, dry_run
 from .lossweights import loss_spec
 from .modelloss import model_loss, own_loss, verify
-from .memory import ActivationMeter
+from .memory import ActivationMeter, behaviour_key
 from .microbatch import batch_size, call_args, gather, split_sizes, split_value
 from .nonfinite import NONFINITE, check_loss, locate
 from .ranks.checkpoint import model_keys
@@ -45,9 +45,11 @@ _PLACEMENT_MSG = (
 )
 
 
-def _warn_batchnorm(spanned: Any) -> None:
-    """Warn once: BatchNorm in training mode normalises per micro-batch, not over the full batch."""
+def _warn_batchnorm(spanned: Any, modules: list[nn.Module]) -> None:
+    """Warn once: BatchNorm in training mode normalises per micro-batch, not over the full batch (``modules``: the model's)."""
     if spanned.microbatches == 1 or getattr(spanned, "_bn_warned", False) or not torch.is_grad_enabled():
+        return
+    if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in modules):
         return
     names = [
         name
@@ -166,13 +168,17 @@ class Spanned(nn.Module):
 
     # ------------------------------------------------------------------ running
     @contextlib.contextmanager
-    def _step(self) -> Iterator[None]:
-        """One recorded step: counters reset on entry, the timeline closed on exit (also on error)."""
-        _warn_batchnorm(self)
+    def _step(self, loss: Any = None) -> Iterator[None]:
+        """One recorded step: counters reset on entry, the timeline closed on exit (also on error).
+
+        ``loss``: what of the loss decides the tensors a training step saves (``_meter_state``)."""
+        modules = list(self.module.modules())  # one walk for the checks below
+        _warn_batchnorm(self, modules)
         devices = self._executor.devices
         self._recorder.start_step(devices)
         if self._executor.meters():  # a data-parallel replica meters its first training step only
-            self._meter.reset(list(self.module.parameters()) + list(self.module.buffers()))
+            tensors = [t for m in modules for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
+            self._meter.reset(tensors, state=self._meter_state(tensors, modules, loss))
         for d in dict.fromkeys(devices):
             if d.type == "cuda":  # pragma: no cover - needs a GPU
                 torch.cuda.reset_peak_memory_stats(d)
@@ -180,6 +186,14 @@ class Spanned(nn.Module):
             yield
         finally:
             self._recorder.finish_step()
+
+    def _meter_state(self, tensors: list[torch.Tensor], modules: list[nn.Module], loss: Any) -> Any:
+        """Besides the micro-batches' shapes, what decides the tensors a step saves: the loss, which parameters
+        train, train/eval modes, autocast; a step like the last metered one from the same state is not metered
+        again (``memory.MeteredSteps``)."""
+        types = dict.fromkeys(d.type for d in self._executor.devices)
+        autocast = tuple((t, torch.is_autocast_enabled(t)) for t in types if t in ("cpu", "cuda"))
+        return loss, tuple(t.requires_grad for t in tensors), tuple(m.training for m in modules), autocast
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Pipelined forward; outputs concatenated on dim 0 on the last stage's device.
@@ -283,7 +297,7 @@ class Spanned(nn.Module):
         self._executor.place(work)
         spec = self._executor.resolve_loss(self._loss_checks, spec, targets, sizes, lambda: self._dry_forward(work), target)
         weights = self._executor.weights(spec, targets, sizes)
-        with self._step(), self._finishing():
+        with self._step((behaviour_key(loss_fn), tuple(w == 0.0 for w in weights))), self._finishing():
             loss = self._executor.train(work, targets, loss_fn, weights, spec)
         shard = getattr(getattr(self._executor, "info", None), "rank", None) if self.mode in ("data-parallel", "sharded") else None
         self._after_train(loss, lambda: locate(lambda: self._dry_forward(work), loss_fn, targets, weights, sizes, self.precision, shard))
@@ -368,7 +382,10 @@ class Spanned(nn.Module):
         """Bytes per stage: ``params``, ``grads``, ``buffers``, ``optimizer``, ``activations``, ``device_peak``.
 
         ``activations`` is the peak of live saved activations during the last step, counted
-        exactly (saved-tensor hooks); for a launched data-parallel replica (``mode="data-parallel"``),
+        exactly (saved-tensor hooks); a stage-function pipeline's training step that repeats the last metered
+        one (micro-batch shapes, loss, trainable parameters, train/eval modes, from the same live activations)
+        reports that step's peak without the hooks: the same bytes, unless the sizes the model saves depend
+        on the values (boolean-mask indexing); for a launched data-parallel replica (``mode="data-parallel"``),
         during its first training step that saved any (later steps run unmetered, at the bare
         replica's cost; its shards repeat that shape). ``optimizer`` is 0 unless you pass the optimizer, which
         torchspan does not otherwise see. ``device_peak`` is ``torch.cuda.max_memory_allocated``
