@@ -51,6 +51,9 @@ def call_args(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
 
 def batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     """Dim 0 of the first tensor in ``args``/``kwargs``; ``ValueError`` if there is none."""
+    first = args[0] if args else None
+    if isinstance(first, torch.Tensor) and first.dim() > 0:  # the usual call: no walk over the arguments
+        return int(first.shape[0])
     for leaf in tree_flatten((args, kwargs), is_leaf=_is_leaf)[0]:
         if isinstance(leaf, torch.Tensor):
             if leaf.dim() == 0:
@@ -75,33 +78,42 @@ def split_sizes(total: int, microbatches: int) -> list[int]:
 
 def split_value(value: Any, microbatches: int, total: int, *, name: str = "input") -> list[Any]:
     """``value`` split into ``microbatches`` pieces on dim 0 (see the module doc)."""
+    if isinstance(value, torch.Tensor):  # a lone tensor (the usual target): no pytree walk
+        return _split_leaf(value, 0, microbatches, total, name)
     leaves, spec = tree_flatten(value, is_leaf=_is_leaf)
     pieces: list[list[Any]] = [[] for _ in range(microbatches)]
     for j, leaf in enumerate(leaves):
-        if isinstance(leaf, NoSplit):
-            parts = [leaf.value] * microbatches
-        elif isinstance(leaf, torch.Tensor) and (leaf.dim() == 0 or (leaf.shape[0] == 1 and total > 1)):
-            parts = [leaf] * microbatches  # no batch dimension, or one that broadcasts: the same for every sample
-        elif isinstance(leaf, torch.Tensor):
-            if leaf.shape[0] != total:
-                shape = tuple(leaf.shape)
-                raise ValueError(
-                    f"{name}: tensor #{j} has shape {shape}, but the batch size is {total}; every tensor is split "
-                    f"on dim 0 into micro-batches. Give it dim 0 = {total}, or wrap it in "
-                    "torchspan.runtime.NoSplit(tensor) to pass it whole to every micro-batch"
-                )
-            parts = list(torch.tensor_split(leaf, microbatches, dim=0))
-        else:
-            parts = [leaf] * microbatches
+        parts = _split_leaf(leaf, j, microbatches, total, name)
         for i in range(microbatches):
             pieces[i].append(parts[i])
     return [tree_unflatten(p, spec) for p in pieces]
+
+
+def _split_leaf(leaf: Any, j: int, microbatches: int, total: int, name: str) -> list[Any]:
+    """The ``microbatches`` pieces of leaf ``#j`` of ``name``: split on dim 0, or the same value for every piece."""
+    if isinstance(leaf, NoSplit):
+        return [leaf.value] * microbatches
+    if isinstance(leaf, torch.Tensor) and (leaf.dim() == 0 or (leaf.shape[0] == 1 and total > 1)):
+        return [leaf] * microbatches  # no batch dimension, or one that broadcasts: the same for every sample
+    if isinstance(leaf, torch.Tensor):
+        if leaf.shape[0] != total:
+            shape = tuple(leaf.shape)
+            raise ValueError(
+                f"{name}: tensor #{j} has shape {shape}, but the batch size is {total}; every tensor is split "
+                f"on dim 0 into micro-batches. Give it dim 0 = {total}, or wrap it in "
+                "torchspan.runtime.NoSplit(tensor) to pass it whole to every micro-batch"
+            )
+        return list(torch.tensor_split(leaf, microbatches, dim=0))
+    return [leaf] * microbatches
 
 
 def split_batch(args: tuple[Any, ...], kwargs: dict[str, Any], microbatches: int) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
     """``(args, kwargs)`` of each micro-batch; uneven batches give larger micro-batches first."""
     total = batch_size(args, kwargs)
     split_sizes(total, microbatches)
+    if not kwargs and all(type(a) is torch.Tensor for a in args):  # tensors only: split each, no pytree walk
+        columns = [_split_leaf(a, j, microbatches, total, "inputs") for j, a in enumerate(args)]
+        return [(tuple(c[i] for c in columns), {}) for i in range(microbatches)]
     return [(tuple(a), dict(k)) for a, k in split_value((list(args), kwargs), microbatches, total, name="inputs")]
 
 

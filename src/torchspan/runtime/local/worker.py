@@ -63,6 +63,21 @@ class Mailbox:
             self._items.clear()
 
 
+class _OneWorkerBox(Mailbox):
+    """The mailbox of a single worker: no other thread puts or waits, so no lock and no waiting.
+
+    A value taken before it was put can never arrive (nobody else runs): that is an error, not a wait."""
+
+    def put(self, key: Hashable, value: Any) -> None:
+        self._items[key] = value
+
+    def get(self, key: Hashable) -> Any:
+        try:
+            return self._items.pop(key)
+        except KeyError:
+            raise RuntimeError(f"torchspan's only worker asked for {key!r} before any step put it there (a schedule out of order)") from None
+
+
 class Transport:
     """Where a pipeline's stages run and how values reach stages in other processes.
 
@@ -121,13 +136,14 @@ def note_failure(exc: BaseException, where: str) -> None:
 
 def run_workers(jobs: Sequence[Callable[[Mailbox], None]], names: Sequence[str] | None = None) -> None:
     """Run ``jobs`` concurrently (one in the caller's thread if there is only one)."""
-    box = Mailbox()
     if len(jobs) == 1:
+        box: Mailbox = _OneWorkerBox()
         try:
             jobs[0](box)
         finally:
             box.clear()
         return
+    box = Mailbox()
     errors: list[BaseException] = []
     lock = threading.Lock()
     num_threads = torch.get_num_threads()
