@@ -4,7 +4,10 @@ Model: eight ``Linear(1024, 1024)`` + ``ReLU`` (16 modules), batch 256, 8 micro-
 stages (8 modules each) on ``['cpu', 'cpu']``; MSE loss to a random target; one step = forward
 and backward of the whole batch (gradients zeroed between steps, no optimizer).
 
-Cases (step-time medians over interleaved rounds, so machine noise hits all of them alike):
+``--size small``: 8 x ``Linear(512, 512)``, batch 64, 4 micro-batches (per-step overhead shows there).
+
+Cases (every case timed in the same rounds, order reversed every other round; ratios are the median of
+per-round ratios, what machine noise hurts least):
 
 - ``plain``: one device, the same 8 micro-batches one after another, each loss weighted by its share.
 - ``torchgpipe``: ``GPipe(model, balance=[8, 8], devices=['cpu', 'cpu'], chunks=8)`` with its
@@ -16,7 +19,7 @@ Cases (step-time medians over interleaved rounds, so machine noise hits all of t
 With a GPU it also runs ``['cpu', 'cuda:0']`` and ``['cuda:0']`` for torchspan and the plain loop.
 
 Prints ``RATIO <name> <value> <goal> <anchor>`` lines (read by ``torchspan bench``).
-Usage: ``python benchmarks/pipeline_local.py [--quick] [--rounds N]``.
+Usage: ``python benchmarks/pipeline_local.py [--quick] [--rounds N] [--size default|small]``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from torch import nn
 import torchspan
 
 BATCH, WIDTH, LAYERS, CHUNKS = 256, 1024, 8, 8
+SIZES = {"default": dict(BATCH=256, WIDTH=1024, CHUNKS=8), "small": dict(BATCH=64, WIDTH=512, CHUNKS=4)}
 
 
 def build(seed: int = 0) -> nn.Sequential:
@@ -93,31 +97,44 @@ def torchspan_step(
     return step
 
 
-def measure(cases: dict[str, Callable[[torch.Tensor, torch.Tensor], None]], rounds: int, per_round: int) -> dict[str, float]:
+def measure(cases: dict[str, Callable[[torch.Tensor, torch.Tensor], None]], rounds: int, per_round: int) -> dict[str, list[float]]:
+    """Per-step times of every case, ``rounds`` rounds of ``per_round`` steps each; the order reverses every
+    other round, so each case's round-neighbours change and machine noise hits all of them alike."""
     torch.manual_seed(1)
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
     for fn in cases.values():  # warm-up
         fn(x, y)
         fn(x, y)
     times: dict[str, list[float]] = {k: [] for k in cases}
-    for _ in range(rounds):
-        for name, fn in cases.items():
+    names = list(cases)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            fn = cases[name]
             t0 = time.perf_counter()
             for _ in range(per_round):
                 fn(x, y)
             times[name].append((time.perf_counter() - t0) / per_round)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
+
+
+def per_round(times: dict[str, list[float]], name: str, anchor: str) -> float:
+    """Median over rounds of ``name``'s time / ``anchor``'s in the same round (what noise hurts least)."""
+    return statistics.median(a / b for a, b in zip(times[name], times[anchor]))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer rounds, batch 64 of width 256 (a smoke run for torchspan bench --quick)")
     p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--size", choices=tuple(SIZES), default="default",
+                   help="default: 8 x Linear(1024), batch 256, 8 micro-batches; small: 8 x Linear(512), batch 64, 4 "
+                        "micro-batches (where per-step overhead shows)")  # fmt: skip
     args = p.parse_args(argv)
+    globals().update(SIZES[args.size])  # the step functions read these at call time
     if args.quick:
-        globals().update(BATCH=64, WIDTH=256)  # the step functions read these at call time
+        globals().update(BATCH=64, WIDTH=256)
     rounds = args.rounds or (3 if args.quick else 15)
-    per_round = 1 if args.quick else 2
+    per_round_steps = 1 if args.quick else 2
 
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"intra-op threads {torch.get_num_threads()}, python {sys.version.split()[0]}")
@@ -139,27 +156,30 @@ def main(argv: list[str] | None = None) -> int:
         cases["torchspan cuda"] = torchspan_step(copy.deepcopy(base), ["cuda:0"], "gpipe", "never")
         cases["torchspan cpu+cuda"] = torchspan_step(copy.deepcopy(base), ["cpu", "cuda:0"], "gpipe", "never")
     load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    t = measure(cases, rounds, per_round)
+    times = measure(cases, rounds, per_round_steps)
+    t = {k: statistics.median(v) for k, v in times.items()}
     load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"1-minute load average: {load0:.2f} before, {load1:.2f} after (above the core count means a noisy run)")
-    print(f"\nstep time, median of {rounds} rounds x {per_round} steps (batch {BATCH}, width {WIDTH}, {CHUNKS} micro-batches):")
+    print(f"\nstep time, median of {rounds} rounds x {per_round_steps} steps (batch {BATCH}, width {WIDTH}, {CHUNKS} micro-batches):")
     for name, sec in t.items():
-        print(f"  {name:32s} {sec * 1e3:8.1f} ms")
+        ratio = f"   x{per_round(times, name, 'plain'):.3f} of plain (median of per-round ratios)" if name != "plain" else ""
+        print(f"  {name:32s} {sec * 1e3:8.1f} ms{ratio}")
     print()
-    print(f"RATIO torchspan_gpipe/plain_loop {t['torchspan gpipe never'] / t['plain']:.3f} <=1.1 plain micro-batch loop, cpu")
-    print(f"RATIO torchspan_stage_threads/plain_loop {t['torchspan gpipe workers=stage'] / t['plain']:.3f} - plain loop, cpu (workers='stage')")
-    print(f"RATIO torchspan_1f1b/plain_loop {t['torchspan 1f1b never'] / t['plain']:.3f} <=1.1 plain micro-batch loop, cpu")
+    r = lambda name, anchor: per_round(times, name, anchor)  # noqa: E731
+    print(f"RATIO torchspan_gpipe/plain_loop {r('torchspan gpipe never', 'plain'):.3f} <=1.03 plain micro-batch loop, cpu (median of per-round ratios)")
+    print(f"RATIO torchspan_stage_threads/plain_loop {r('torchspan gpipe workers=stage', 'plain'):.3f} - plain loop, cpu (workers='stage')")
+    print(f"RATIO torchspan_1f1b/plain_loop {r('torchspan 1f1b never', 'plain'):.3f} <=1.03 plain micro-batch loop, cpu (median of per-round ratios)")
     if "torchgpipe except_last" in t:
         print(
-            f"RATIO torchspan_default/torchgpipe_default {t['torchspan gpipe never'] / t['torchgpipe except_last']:.3f} <=0.8 "
+            f"RATIO torchspan_default/torchgpipe_default {r('torchspan gpipe never', 'torchgpipe except_last'):.3f} <=0.8 "
             "torchgpipe 0.0.7 defaults (torchspan recompute=never vs torchgpipe checkpoint=except_last), cpu,cpu"
         )
         print(
-            f"RATIO torchspan/torchgpipe_except_last {t['torchspan gpipe except_last'] / t['torchgpipe except_last']:.3f} - "
+            f"RATIO torchspan/torchgpipe_except_last {r('torchspan gpipe except_last', 'torchgpipe except_last'):.3f} - "
             "torchgpipe 0.0.7 like-for-like checkpoint=except_last, cpu,cpu"
         )
         print(
-            f"RATIO torchspan/torchgpipe_never {t['torchspan gpipe never'] / t['torchgpipe never']:.3f} - "
+            f"RATIO torchspan/torchgpipe_never {r('torchspan gpipe never', 'torchgpipe never'):.3f} - "
             "torchgpipe 0.0.7 like-for-like checkpoint=never, cpu,cpu"
         )
     else:
@@ -167,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("torchspan_default/torchgpipe_default", "torchspan/torchgpipe_except_last", "torchspan/torchgpipe_never"):
             print(f"SKIP {name} {why}")
     if "torchspan cuda" in t:  # pragma: no cover - needs a GPU
-        print(f"RATIO torchspan_cuda/plain_cuda {t['torchspan cuda'] / t['plain cuda']:.3f} <=1.1 plain loop, cuda:0")
-        print(f"RATIO torchspan_cpu+cuda/plain_cuda {t['torchspan cpu+cuda'] / t['plain cuda']:.3f} - plain loop, cuda:0")
+        print(f"RATIO torchspan_cuda/plain_cuda {r('torchspan cuda', 'plain cuda'):.3f} <=1.1 plain loop, cuda:0")
+        print(f"RATIO torchspan_cpu+cuda/plain_cuda {r('torchspan cpu+cuda', 'plain cuda'):.3f} - plain loop, cuda:0")
     return 0
 
 
