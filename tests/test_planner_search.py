@@ -66,9 +66,11 @@ def test_search_matches_brute_force(prof: Profile, data: st.DataObject) -> None:
 @SETTINGS
 @given(small_profiles())
 def test_auto_settings_match_brute_force_over_every_setting(prof: Profile) -> None:
-    """Skipping GPipe and 'always' under 'auto' loses nothing (they are dominated)."""
+    """Skipping GPipe and 'always' under 'auto' loses nothing (they are dominated). Zero-bubble is not dominated
+    but 'auto' does not try it (settings.py: chosen only when asked for)."""
     best = None
-    for m, s, c in itertools.product(microbatch_candidates(prof.batch_size), SCHEDULES, RECOMPUTE_MODES):
+    asked_only = ("zero-bubble",)
+    for m, s, c in itertools.product(microbatch_candidates(prof.batch_size), [s for s in SCHEDULES if s not in asked_only], RECOMPUTE_MODES):
         ev = brute_force(CostModel(prof, m, s, c))
         if ev is not None and (best is None or ev.step_time < best):
             best = ev.step_time

@@ -51,10 +51,18 @@ further micro-batches paced by the slowest resource: a physical device working t
 stages, or a link. So a device that holds every stage costs exactly ``M`` times its whole forward
 + backward (+ recompute), a serial run however many stages it is cut into, and merging adjacent
 stages of one device changes no time. GPipe and 1F1B share this time (same bubble); they differ in
-memory. The optimizer step and Python overheads are not modelled.
+memory. Zero-bubble (ZB-H1) splits each backward into the inputs' part ``B`` and the weights' part
+``W`` (``B = W = Bw / 2`` here) and runs the drain's ``W``s in the bubble: every stage but the last
+has latency ``lat_s - Bw_s / 2`` (one micro-batch's trip waits for its ``F`` and ``B`` only), so with
+equal stages the bubble is ``(S - 1)(F + Bw/2)`` against 1F1B's ``(S - 1)(F + Bw)`` (ZB-H1's
+``(S - 1)(F + B - W)`` for ``S = 2``; conservative beyond); one stage gains nothing, nor do stages
+sharing a physical device (they run one after another: no bubble to fill). The optimizer step and Python overheads (the
+split's bookkeeping among them) are not modelled.
 
 Memory of stage ``s`` (bytes), with ``k`` micro-batches in flight (GPipe: ``k = M``;
-1F1B: ``k = min(M, S - s)``), and per micro-batch (``fixed + b * per_sample`` from the profile)
+1F1B: ``k = min(M, S - s)``; zero-bubble: ``k = min(M, max(S, D))`` on every stage, a micro-batch held until
+its ``W``: ``min(M, S)`` really, counted for the most stages the search can make, ``D`` listed devices, so
+that the search, building stages from the last one without knowing ``S``, charges what a plan does), and per micro-batch (``fixed + b * per_sample`` from the profile)
 ``A`` the stage's saved activations (plus, for a stage that does not start at layer 0, the copy of
 saved tensors its first layer shares with the layer before: ``shared_activation_bytes``; plus, for
 the last stage, the loss's saved input ``loss = out_{L-1}``, see below), ``in`` its input boundary
@@ -201,6 +209,9 @@ class CostModel:
         self.fwd = (tables[0] + self.b * tables[1])[self.rep]
         self.bwd = (tables[2] + self.b * tables[3])[self.rep]
         lat = self.fwd + self.bwd if self.recompute != "always" else 2 * self.fwd + self.bwd
+        self.PL_last = np.stack([_prefix(row) for row in lat])  # the last stage's latency: its whole backward
+        if self.schedule == "zero-bubble":  # the trip waits for the other stages' input backwards only; W fills the bubble
+            lat = lat - 0.5 * self.bwd
         steady = self.fwd + self.bwd if self.recompute == "never" else 2 * self.fwd + self.bwd
         # G: gradient accumulation of every micro-batch after the first (read both, write one)
         membw = [memory_bandwidth(self.profile.devices[r]) for r in self.rep]
@@ -241,6 +252,8 @@ class CostModel:
         """Micro-batches whose activations a stage holds at once under the schedule."""
         if self.schedule == "gpipe":
             return self.M
+        if self.schedule == "zero-bubble":  # held until its weight backward: 1F1B's first-stage bound on every stage,
+            return min(self.M, max(num_stages, self.D))  # counted for as many stages as devices (the search's most)
         return min(self.M, num_stages - stage_index)
 
     def max_output(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
@@ -368,12 +381,14 @@ class CostModel:
         busy: dict[str, float] = {}
         held: dict[str, int] = {}
         rc = self.recompute
+        apart = len({self.names[s.device] for s in stages}) == S  # zero-bubble's W fill only bubbles of distinct devices
         for idx, (s, (tf, tb)) in enumerate(zip(stages, self.tie_copies(stages, ties))):
             d = s.device
             fwd.append(float(self.PF[d, s.end] - self.PF[d, s.start]))
             bwd.append(float(self.PB[d, s.end] - self.PB[d, s.start]))
             tied.append((1 if rc == "never" else 2) * tf + tb)  # steady: recompute copies again
-            lat.append(float(self.PL[d, s.end] - self.PL[d, s.start]) + (2 if rc == "always" else 1) * tf + tb)
+            PL = self.PL_last if idx == S - 1 or not apart else self.PL
+            lat.append(float(PL[d, s.end] - PL[d, s.start]) + (2 if rc == "always" else 1) * tf + tb)
             mem.append(self.stage_memory(s.start, s.end, self.in_flight(idx, S)))
             name = self.names[d]
             busy[name] = busy.get(name, 0.0) + float(self.PS[d, s.end] - self.PS[d, s.start]) + tied[-1]

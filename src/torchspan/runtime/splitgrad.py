@@ -3,9 +3,10 @@
 ``input_backward(outputs, grads, inputs, params)`` runs autograd from ``outputs`` (with ``grads``)
 to ``inputs`` only, keeping the graph, and returns the inputs' gradients with a ``Pending`` whose
 ``weights()`` later adds the parameters' gradients into their ``.grad`` exactly as
-``torch.autograd.backward(outputs, grads)`` would have (same sums; ``.grad`` set to a fresh tensor
-laid out as the parameter when it was ``None``, added to in place otherwise). ``params=None``: every
-leaf tensor the graph reaches other than the inputs (what ``backward`` fills).
+``torch.autograd.backward(outputs, grads)`` would have: the weight pass ends in the parameters' own
+``AccumulateGrad`` nodes (``backward(..., inputs=params)``), so ``.grad`` is set or added to in place
+as ever, and hooks on the parameters fire (at the weight pass). ``params=None``: every leaf tensor
+the graph reaches other than the inputs (what ``backward`` fills).
 
 How: a walk of the graph from the outputs marks every node that leads to an input. The
 *frontier* is the nodes that lead to an input and have an edge into a part of the graph that leads
@@ -20,9 +21,10 @@ the weight pass directly with their given gradients.
 
 Falls back to one whole backward (in ``input_backward``; ``weights()`` then does nothing) when the
 split cannot be made or would not help: no input needs a gradient (a first stage: its whole
-backward runs as the input pass), a parameter carries hooks (``register_hook``,
-``register_post_accumulate_grad_hook``: they fire as the whole backward fires them), or this torch
-lacks ``GradientEdge``. The fallback is exact, never a wrong split.
+backward runs as the input pass), no parameter is reached, or this torch lacks ``GradientEdge``.
+The fallback is exact, never a wrong split. Not for code that acts when a module's *input*
+gradients are done and expects its weights' gradients by then (FSDP's post-backward reduction):
+the caller runs whole backwards there.
 
 Usage::
 
@@ -33,25 +35,39 @@ Usage::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["input_backward", "Pending"]
+from .. import schedule as sched
+from .record import Recorder
+
+__all__ = ["input_backward", "Pending", "run_actions"]
 
 try:  # torch >= 2.4
     from torch.autograd.graph import GradientEdge, get_gradient_edge
 except ImportError:  # pragma: no cover - older torch: whole backwards only
     GradientEdge = None  # type: ignore[assignment,misc]
     get_gradient_edge = None  # type: ignore[assignment]
+try:  # the engine call behind torch.autograd.grad/backward, without their per-call checks
+    from torch.autograd.graph import _engine_run_backward as _run
+except ImportError:  # pragma: no cover
+
+    def _run(outputs: Any, grads: Any, keep: bool, create: bool, inputs: Any, *, allow_unreachable: bool, accumulate_grad: bool) -> Any:
+        if accumulate_grad:
+            return torch.autograd.backward(outputs, grads, retain_graph=keep, inputs=inputs)
+        return torch.autograd.grad(outputs, inputs, grads, retain_graph=keep, allow_unused=True)
+
+
+_KEY = "torchspan_recorded"  # node.metadata: the gradient flowing into a frontier node in the input pass
 
 
 class Pending:
     """The weight pass of one ``input_backward``: ``weights()`` once, later (then its graph is released)."""
 
-    def __init__(self, groups: list[tuple[list[Any], list[Any], list[torch.Tensor], list[bool]]] | None = None) -> None:
-        # per group: start edges, their gradients, the group's parameters, which starts are frontier nodes
+    def __init__(self, groups: list[tuple[list[Any], list[Any], tuple[torch.Tensor, ...], int]] | None = None) -> None:
+        # per group: start edges, their gradients, the group's parameters, how many starts are frontier nodes
         self._groups = groups or []
 
     def __bool__(self) -> bool:
@@ -63,28 +79,18 @@ class Pending:
         Usage: ``pending.weights()``.
         """
         groups, self._groups = self._groups, []
-        for edges, grads, params, front in groups:
-            handles = _overrides(edges, front) if sum(front) > 1 else []
+        for edges, grads, params, fronts in groups:
+            handles = _overrides(edges[:fronts]) if fronts > 1 else []
             try:
-                found = torch.autograd.grad(edges, params, grads, retain_graph=True, allow_unused=True)
+                _run(tuple(edges), tuple(grads), True, False, params, allow_unreachable=True, accumulate_grad=True)
             finally:
                 for h in handles:
                     h.remove()
-            with torch.no_grad():
-                for p, g in zip(params, found):
-                    if g is None:
-                        continue
-                    if p.grad is None:  # a fresh tensor in the parameter's layout (g may alias a sent gradient)
-                        p.grad = torch.empty_like(p).copy_(g)
-                    else:
-                        p.grad += g
 
 
-
-def _overrides(edges: list[Any], front: list[bool]) -> list[Any]:
+def _overrides(edges: list[Any]) -> list[Any]:
     """Pre-hooks making each frontier node start from its recorded gradient, whatever other starts send it
     (a frontier node downstream of another one: a parameter used twice along one path)."""
-    nodes = {e.node: e.node.metadata["torchspan_recorded"] for e, f in zip(edges, front) if f}
 
     def hook_for(recorded: tuple[Any, ...]) -> Any:
         def hook(grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -92,7 +98,8 @@ def _overrides(edges: list[Any], front: list[bool]) -> list[Any]:
 
         return hook
 
-    return [node.register_prehook(hook_for(rec)) for node, rec in nodes.items()]
+    nodes = {e.node for e in edges}
+    return [node.register_prehook(hook_for(node.metadata[_KEY])) for node in nodes]
 
 
 def _whole(outputs: Sequence[torch.Tensor], grads: Sequence[Any], inputs: Sequence[torch.Tensor]) -> list[Any]:
@@ -108,49 +115,39 @@ def _whole(outputs: Sequence[torch.Tensor], grads: Sequence[Any], inputs: Sequen
     return found
 
 
-def _marks(roots: list[Any], targets: set[Any]) -> tuple[dict[Any, bool], list[Any]]:
-    """For every node reachable from ``roots``: whether it leads to one of ``targets``; and the nodes in
-    post-order (children first). Nothing below a target is walked (the input pass stops there)."""
-    leads: dict[Any, bool] = {}
-    order: list[Any] = []
-    stack: list[tuple[Any, bool]] = [(r, False) for r in roots]
+_NONE: frozenset[int] = frozenset()
+
+
+def _walk(roots: list[Any], targets: set[Any], owner: dict[Any, int] | None) -> tuple[dict[Any, Any], list[torch.Tensor]]:
+    """One walk of the graph from ``roots`` (children before parents). Per node: ``True`` when it leads to
+    one of ``targets``, else the parameter indices it leads to; ``owner`` maps the parameters'
+    accumulators to indices (``None``: every leaf other than the targets is a parameter, found here)."""
+    found: dict[Any, Any] = {}
+    leaves: list[torch.Tensor] = []
+    stack: list[Any] = list(roots)
     while stack:
-        node, done = stack.pop()
-        if done:
-            leads[node] = node in targets or any(n is not None and leads[n] for n, _ in node.next_functions)
-            order.append(node)
+        node = stack[-1]
+        if node in found:
+            stack.pop()
             continue
-        if node in leads:
+        nexts = node.next_functions
+        todo = [n for n, _ in nexts if n is not None and n not in found] if node not in targets else ()
+        if todo:
+            stack.extend(todo)
             continue
-        leads[node] = False  # in progress (the graph is a DAG)
-        stack.append((node, True))
-        if node not in targets:
-            stack.extend((n, False) for n, _ in node.next_functions if n is not None and n not in leads)
-    return leads, order
-
-
-def _param_sets(order: list[Any], to_input: dict[Any, bool], owner: dict[Any, int]) -> dict[Any, frozenset[int]]:
-    """For each node leading to no input: the parameters (indices) it leads to."""
-    found: dict[Any, frozenset[int]] = {}
-    empty: frozenset[int] = frozenset()
-    for node in order:  # children before parents
-        if to_input[node]:
-            continue
-        here = {owner[node]} if node in owner else set()
-        for n, _ in node.next_functions:
-            if n is not None and not to_input[n]:
-                here |= found[n]
-        found[node] = frozenset(here) if here else empty
-    return found
-
-
-def _hooked(params: Sequence[torch.Tensor]) -> bool:
-    return any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None) for p in params)
-
-
-def _leaves(order: list[Any], in_nodes: set[Any]) -> list[torch.Tensor]:
-    """The leaf tensors (``AccumulateGrad`` nodes) among ``order`` other than the inputs'."""
-    return [n.variable for n in order if n not in in_nodes and hasattr(n, "variable")]
+        stack.pop()
+        if node in targets:
+            found[node] = True
+        elif not nexts:  # a leaf's accumulator (or a node leading nowhere)
+            index = owner.get(node) if owner is not None else None
+            if owner is None and hasattr(node, "variable") and node.variable.requires_grad:
+                index = len(leaves)
+                leaves.append(node.variable)
+            found[node] = _NONE if index is None else frozenset((index,))
+        else:
+            below = [found[n] for n, _ in nexts if n is not None]
+            found[node] = True if True in below else _NONE.union(*below)
+    return found, leaves
 
 
 def input_backward(
@@ -164,73 +161,69 @@ def input_backward(
 
     Usage: ``grads, pending = input_backward(outs, out_grads, leaves, None); ...; pending.weights()``.
     """
-    pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
-    outputs, grads = [o for o, _ in pairs], [g for _, g in pairs]
+    pairs = [(o, torch.ones_like(o) if g is None else g) for o, g in zip(outputs, grads) if o.requires_grad]
     wanted = [t for t in inputs if t.requires_grad]
-    if not outputs:
+    if not pairs:
         return [None] * len(inputs), Pending()
     if not wanted or get_gradient_edge is None:
-        return _whole(outputs, grads, list(inputs)), Pending()
-    roots = [get_gradient_edge(o) for o in outputs]
+        return _whole([o for o, _ in pairs], [g for _, g in pairs], list(inputs)), Pending()
+    roots = [get_gradient_edge(o) for o, _ in pairs]
     in_nodes = {get_gradient_edge(t).node for t in wanted}
-    to_input, order = _marks([e.node for e in roots], in_nodes)
-    if params is None:
-        params = _leaves(order, in_nodes)
-    params = [p for p in params if p.requires_grad]
-    if not params or _hooked(params):
-        return _whole(outputs, grads, list(inputs)), Pending()
-    owner = {get_gradient_edge(p).node: i for i, p in enumerate(params)}
-    below = _param_sets(order, to_input, owner)
+    owner = None if params is None else {get_gradient_edge(p).node: i for i, p in enumerate(params) if p.requires_grad}
+    marks, leaves = _walk([e.node for e in roots], in_nodes, owner)
+    params = leaves if params is None else list(params)
     frontier: dict[Any, frozenset[int]] = {}
-    for node in order:
-        if to_input[node] and node not in in_nodes:
-            reach = frozenset().union(*(below[n] for n, _ in node.next_functions if n is not None and not to_input[n]))
+    for node, mark in marks.items():
+        if mark is True and node not in in_nodes:
+            reach = _NONE.union(*(m for m in (marks[n] for n, _ in node.next_functions if n is not None) if m is not True))
             if reach:
                 frontier[node] = reach
+    if not frontier and not any(marks[e.node] for e in roots if marks[e.node] is not True):
+        return _whole([o for o, _ in pairs], [g for _, g in pairs], list(inputs)), Pending()
     handles = [node.register_prehook(_record(node)) for node in frontier]
     try:
-        found = torch.autograd.grad(outputs, wanted, grads, retain_graph=True, allow_unused=True)
+        found = _run(tuple(o for o, _ in pairs), tuple(g for _, g in pairs), True, False, tuple(wanted), allow_unreachable=True, accumulate_grad=False)
     finally:
         for h in handles:
             h.remove()
-    starts = _starts(outputs, roots, grads, to_input, below, frontier)
+    starts = _starts(pairs, roots, marks, frontier)
     by_id = {id(t): g for t, g in zip(wanted, found)}
     return [by_id.get(id(t)) if t.requires_grad else None for t in inputs], Pending(_groups(starts, params))
 
 
 def _record(node: Any) -> Any:
     def hook(grad_outputs: tuple[Any, ...]) -> None:
-        node.metadata["torchspan_recorded"] = grad_outputs
+        node.metadata[_KEY] = grad_outputs
 
     return hook
 
 
 def _starts(
-    outputs: list[torch.Tensor], roots: list[Any], grads: list[Any], to_input: dict[Any, bool],
-    below: dict[Any, frozenset[int]], frontier: dict[Any, frozenset[int]],
-) -> list[tuple[Any, torch.Tensor, frozenset[int], bool]]:  # fmt: skip
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], roots: list[Any], marks: dict[Any, Any], frontier: dict[Any, frozenset[int]]
+) -> list[tuple[Any, torch.Tensor, frozenset[int], bool]]:
     """Where the weight pass starts: (edge, gradient, parameters reached, is a frontier node)."""
     starts: list[tuple[Any, torch.Tensor, frozenset[int], bool]] = []
     for node, reach in frontier.items():
-        for k, g in enumerate(node.metadata.get("torchspan_recorded", ())):
+        for k, g in enumerate(node.metadata.get(_KEY, ())):
             if g is not None:
                 starts.append((GradientEdge(node, k), g, reach, True))
     direct: dict[tuple[Any, int], torch.Tensor] = {}
-    for o, edge, g in zip(outputs, roots, grads):  # outputs whose graph reaches no input: their own gradients
-        if to_input[edge.node] or not below[edge.node]:
+    for (_, g), edge in zip(pairs, roots):  # outputs whose graph reaches no input: their own gradients
+        mark = marks[edge.node]
+        if mark is True or not mark:
             continue
-        g = torch.ones_like(o) if g is None else g
         key = (edge.node, edge.output_nr)
         direct[key] = direct[key] + g if key in direct else g
     for (node, k), g in direct.items():
-        starts.append((GradientEdge(node, k), g, below[node], False))
+        starts.append((GradientEdge(node, k), g, marks[node], False))
     return starts
 
 
 def _groups(
     starts: list[tuple[Any, torch.Tensor, frozenset[int], bool]], params: list[torch.Tensor]
-) -> list[tuple[list[Any], list[Any], list[torch.Tensor], list[bool]]]:
-    """Starts joined when they reach a common parameter (union-find over parameter indices)."""
+) -> list[tuple[list[Any], list[Any], tuple[torch.Tensor, ...], int]]:
+    """Starts joined when they reach a common parameter (union-find over parameter indices); in each
+    group the frontier starts come first."""
     parent = list(range(len(params)))
 
     def find(i: int) -> int:
@@ -243,11 +236,39 @@ def _groups(
         first, *rest = reach
         for j in rest:
             parent[find(j)] = find(first)
-    joined: dict[int, tuple[list[Any], list[Any], set[int], list[bool]]] = {}
-    for edge, g, reach, front in starts:
-        e, gs, ps, fr = joined.setdefault(find(next(iter(reach))), ([], [], set(), []))
+    joined: dict[int, tuple[list[Any], list[Any], set[int], list[int]]] = {}
+    for edge, g, reach, front in starts:  # frontier starts come first (_starts lists them first)
+        e, gs, ps, fr = joined.setdefault(find(next(iter(reach))), ([], [], set(), [0]))
         e.append(edge)
         gs.append(g)
         ps |= reach
-        fr.append(front)
-    return [(e, gs, [params[i] for i in sorted(ps)], fr) for e, gs, ps, fr in joined.values()]
+        fr[0] += front
+    return [(e, gs, tuple(params[i] for i in sorted(ps)), fr[0]) for e, gs, ps, fr in joined.values()]
+
+
+def run_actions(
+    actions: Sequence[sched.Action],
+    recorder: Recorder,
+    device: torch.device,
+    forward: Callable[[int], None],
+    backward: Callable[[int, bool], Pending | None],
+) -> None:
+    """One stage's schedule actions in order, each in its timeline block: ``forward(mb)``; ``backward(mb,
+    split)`` (``split`` for zero-bubble's ``backward_input``, returning the ``Pending`` weight pass or
+    ``None`` when it ran whole); ``backward_weight`` runs that pass later.
+
+    Usage: ``run_actions(sched.build("zero-bubble", 4, 2)[stage], recorder, device, fwd, bwd)``.
+    """
+    later: dict[int, Pending | None] = {}
+    for a in actions:
+        if a.kind == sched.BACKWARD_WEIGHT:
+            pending = later.pop(a.microbatch)
+            if pending:
+                with recorder.block(a.stage, device, a.microbatch, "backward_weight"):
+                    pending.weights()
+            continue
+        with recorder.block(a.stage, device, a.microbatch, "forward" if a.kind == sched.FORWARD else "backward"):
+            if a.kind == sched.FORWARD:
+                forward(a.microbatch)
+            else:
+                later[a.microbatch] = backward(a.microbatch, a.kind == sched.BACKWARD_INPUT)

@@ -85,6 +85,7 @@ class Pipeline:
         self._plans: dict[tuple[str, int, int], list[list[sched.Action]]] = {}
         self._orders: dict[tuple[int, tuple[int, ...]], list[sched.Action]] = {}
         self._steps = MeteredSteps(meter)  # which training steps count saved activations (``_signature``)
+        self.split = True  # zero-bubble splits backwards; False: whole backwards in B, W does nothing (FSDP stages)
 
     @property
     def metered(self) -> bool:
@@ -385,9 +386,11 @@ class _TrainStep:
         """Autograd from ``pairs`` (output, gradient): whole, or (``split``) to the inputs only, keeping the
         weight pass in ``self.pending``; the inputs' gradients (``None`` for inputs that need none)."""
         leaves = [v if isinstance(v, torch.Tensor) and v.requires_grad else None for v in st.inputs]
-        if not split:
+        if not split or not self.pipe.split:
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            if split:
+                self.pending[(s, mb)] = (Pending(), None)
             return [v.grad if v is not None else None for v in leaves]
         wanted = [v for v in leaves if v is not None] if s > 0 else []  # stage 0: one whole backward now
         found, pending = input_backward([o for o, _ in pairs], [g for _, g in pairs], wanted)

@@ -18,10 +18,10 @@ holds, as for stage functions; the layers and their recording forward are ``OwnF
 With ``shard=True`` and replicas, this stage's blocks are sharded by FSDP2 over the stage's
 replicas once placed (``ranks.stageshard``): every forward is then a collective of those replicas.
 
-Schedules are ``torchspan.schedule``'s (GPipe, 1F1B): this rank runs its stage's actions in
-order; a forward blocks where an argument from an earlier stage has not arrived yet. Exact: the
-loss is weighed against the whole batch on the last stage and every rank's gradients are those
-of one device. ``recompute`` recomputes this rank's layers in backward; ``precision="bf16"``
+Schedules are ``torchspan.schedule``'s (GPipe, 1F1B, zero-bubble: ``splitgrad.run_actions``): this rank
+runs its stage's actions in order; a forward blocks where an argument from an earlier stage has not
+arrived yet. Exact: the loss is weighed against the whole batch on the last stage and every rank's
+gradients are those of one device. ``recompute`` recomputes this rank's layers in backward; ``precision="bf16"``
 autocasts them (a value crosses in the dtype its holder has: meta knows no autocast). A forward
 must take the same path on every rank (no branches on values other stages compute, which
 ``meta`` cannot answer: such a model raises, naming the call). The ranks exchange at every new
@@ -48,18 +48,20 @@ from ... import schedule as sched
 from ...hardware import to_device
 from ...layers import buffer_slots
 from ..executor import Executor, Settings, Work
-from ..layercall import autocast_for, recomputes, run_layer
+from ..layercall import recomputes, run_layer
 from ..local.placed import OwnForwardLayers
 from ..losscheck import LossChecks
-from ..lossweights import LossSpec, weighted_loss
+from ..lossweights import LossSpec
 from ..microbatch import split_batch
 from ..memory import ActivationMeter, MeteredSteps
 from ..metainit import bind
 from ..placement import place
 from ..record import Recorder
+from ..splitgrad import Pending, input_backward, run_actions
 from .env import RankInfo
 from .mesh import Mesh
 from .metaweights import fill, materialize_stage
+from .ownloss import stage_loss
 from .forwardstate import Forward, LayerCall, Path, real_arguments, sent_tensor
 from .metacalls import Described, MetaCalls, shape_key
 from .p2p import PeerError, RankTransport
@@ -405,23 +407,8 @@ class RankOwnForwardExecutor(Executor):
         if failure is not None:
             raise failure
 
-    def _loss(self, out: Any, target: Any, loss_fn: Callable[..., Any], weight: float) -> torch.Tensor:
-        try:
-            with MetaTaint(self.device), autocast_for(self.device, self.settings.precision):
-                loss = weighted_loss(loss_fn, out, to_device(target, self.device), weight)
-        except RuntimeError as exc:
-            if "meta" not in str(exc):
-                raise
-            loss = torch.empty((), device="meta")
-        if loss.is_meta:
-            raise ValueError(
-                "torchspan: the loss reads model outputs that the last pipeline stage does not compute (they come from "
-                "earlier stages' layers, or combine several stages' values, as an MoE model's aux_loss over every "
-                "block's router logits); compute the loss from the model's final outputs (e.g. logits)"
-            )
-        return loss
-
-    def _backward(self, st: Forward) -> None:
+    def _backward(self, st: Forward, split: bool = False) -> Pending | None:
+        """Gradients of what crossed come back, those of what this rank received go out; ``split``: weights' later."""
         outs: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
         for t, stage in st.sent:
@@ -430,10 +417,15 @@ class RankOwnForwardExecutor(Executor):
         if st.loss is not None and st.loss.requires_grad:
             outs.append(st.loss)
             grads.append(None)
-        if outs:
-            torch.autograd.backward(outs, grads)
-        for t, stage in st.inbound:
-            self._isend(t.grad if t.grad is not None else torch.zeros_like(t), stage, "own-bwd")
+        if split and st.inbound and not st.recompute and self._shard is None:  # zero-bubble (not checkpointed, not FSDP)
+            found, pending = input_backward(outs, grads, [t for t, _ in st.inbound])
+        else:
+            if outs:
+                torch.autograd.backward(outs, grads)
+            found, pending = [t.grad for t, _ in st.inbound], None
+        for (t, stage), g in zip(st.inbound, found):
+            self._isend(g if g is not None else torch.zeros_like(t), stage, "own-bwd")
+        return pending
 
     def train(
         self,
@@ -460,23 +452,21 @@ class RankOwnForwardExecutor(Executor):
         s, n = self.settings, self.mesh.stages
         losses: list[torch.Tensor] = []
         live: dict[int, Forward] = {}
+
+        def forward(mb: int) -> None:  # and the loss on the last stage
+            out, st = self._forward(work, mb, grad=True, metering=metering)
+            try:
+                st.loss = stage_loss(out, targets[mb], loss_fn, weights[mb], self.device, s.precision) if self.ranks.last else None
+            except Exception as exc:  # noqa: BLE001 - raised on every rank by _end
+                self._end(st, exc)
+            self._end(st)
+            losses.extend([st.loss.detach().to(torch.float64)] if st.loss is not None else [])
+            live[mb] = st
+
         ok = False
         try:
-            for action in sched.build(s.schedule, s.microbatches, n)[self.stage]:
-                mb = action.microbatch
-                with self.recorder.block(self.stage, self.device, mb, action.kind):
-                    if action.kind == sched.FORWARD:
-                        out, st = self._forward(work, mb, grad=True, metering=metering)
-                        try:
-                            st.loss = self._loss(out, targets[mb], loss_fn, weights[mb]) if self.ranks.last else None
-                        except Exception as exc:  # noqa: BLE001 - raised on every rank by _end
-                            self._end(st, exc)
-                        self._end(st)
-                        if st.loss is not None:
-                            losses.append(st.loss.detach().to(torch.float64))
-                        live[mb] = st
-                    else:
-                        self._backward(live.pop(mb))
+            run_actions(sched.build(s.schedule, s.microbatches, n)[self.stage], self.recorder, self.device, forward,
+                        lambda mb, split: self._backward(live.pop(mb), split))  # fmt: skip
             ok = True
         finally:
             self._transport.finish(ok)

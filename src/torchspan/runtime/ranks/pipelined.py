@@ -94,6 +94,7 @@ class RankPipelineExecutor(Executor):
         self.ranks.start()
         if shard:
             self._shard(graph, reshard_after_forward)
+            self._pipeline.split = False  # FSDP reduces a layer once its inputs' gradients are done: no split backward
 
     def _shard(self, graph: Any, reshard_after_forward: bool) -> None:
         """This stage's layers sharded over its replicas, except those whose tensors the fx graph reads directly."""
