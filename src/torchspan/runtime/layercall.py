@@ -37,10 +37,13 @@ from .ties import TiedCopies
 __all__ = ["autocast_for", "recomputes", "once_context", "run_layer", "LayerCalls"]
 
 
+_NOTHING = contextlib.nullcontext()  # reusable: entering it does nothing
+
+
 def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
     """The autocast context of one stage: none for ``"32"``, bf16/fp16 autocast on its device type."""
     if precision == "32" or device.type == "meta":
-        return contextlib.nullcontext()
+        return _NOTHING
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return torch.autocast(device_type=device.type, dtype=dtype)
 

@@ -60,7 +60,7 @@ class Forward:
 
     def made(self, layer: str, out: Any) -> Any:
         """``out``, its meta tensors remembered as ``layer``'s outputs (named when a value combining stages is refused)."""
-        for v in tree_flatten(out)[0]:
+        for v in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
             if isinstance(v, torch.Tensor) and v.is_meta:
                 self.made_by[id(v)] = (v, layer)
         return out
@@ -90,7 +90,7 @@ class LayerCall:
 
     def __init__(self, st: Forward, name: str, stage: int, fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
         self.name, self.stage, self.fn, self.args, self.kwargs = name, stage, fn, args, kwargs
-        self.leaves, self.spec = tree_flatten((args, kwargs))
+        self.leaves, self.spec = _flat_call(args, kwargs)
         self.where = [i for i, v in enumerate(self.leaves) if isinstance(v, torch.Tensor)]
         self.tensors: list[torch.Tensor] = [self.leaves[i] for i in self.where]
         self.k = st.call
@@ -100,6 +100,19 @@ class LayerCall:
 
     def codes(self, grad: bool) -> tuple[int, ...]:
         return tuple(META if t.is_meta else GRAD if grad and t.requires_grad else REAL for t in self.tensors)
+
+
+_CALL_SPECS: dict[int, Any] = {}  # pytree spec of ``(args, {})`` for n tensor arguments (immutable, shared)
+
+
+def _flat_call(args: Any, kwargs: Any) -> tuple[list[Any], Any]:
+    """``tree_flatten((args, kwargs))``; positional tensors only (a layer's usual call) without the walk."""
+    if not kwargs and type(args) is tuple and type(kwargs) is dict and all(isinstance(v, torch.Tensor) for v in args):
+        spec = _CALL_SPECS.get(len(args))
+        if spec is None:
+            spec = _CALL_SPECS[len(args)] = tree_flatten((args, kwargs))[1]
+        return list(args), spec
+    return tree_flatten((args, kwargs))
 
 
 def sent_tensor(st: Forward, c: LayerCall, leaf: int, path: tuple[int, ...]) -> torch.Tensor:
