@@ -168,6 +168,17 @@ def test_one_process_zero_bubble_under_bf16_autocast_equals_1f1b() -> None:
     assert all(torch.equal(a, b) for a, b in zip(*got))
 
 
+def test_one_process_zero_bubble_under_fp16_and_its_scaler_equals_1f1b() -> None:
+    x, y = torch.randn(8, 6, dtype=torch.float32), torch.randn(8, 3, dtype=torch.float32)
+    got = []
+    for schedule in ("1f1b", "zero-bubble"):
+        spanned = torchspan.span(sequential().float(), devices=["cpu", "cpu"], microbatches=2, schedule=schedule, precision="fp16")
+        assert spanned.scaler is not None
+        spanned.train_step(x, y, nn.functional.mse_loss)
+        got.append([p.grad for p in spanned.module.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*got))
+
+
 # ---------------------------------------------------------------------- across ranks
 def _ranks_worker(rank: int, world: int, port: int) -> None:
     _join(rank, world, port)
@@ -243,3 +254,31 @@ def test_own_forward_in_one_process_runs_zero_bubble_as_1f1b() -> None:
         spanned.train_step({"input_ids": ids, "attention_mask": mask}, labels, _token_ce, loss_normalizer=_tokens)
         grads.append([p.grad for p in spanned.module.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+# ---------------------------------------------------------------------- the planner's price
+def test_cost_model_prices_the_smaller_bubble_and_the_larger_memory() -> None:
+    import random
+
+    from planner_synth import device, random_profile
+    from torchspan.planner import search
+    from torchspan.planner.cost import CostModel
+    from torchspan.planner.stages import Stage
+
+    gpus = [device("cuda", "gpu", None, 1e9, index=i) for i in range(2)]
+    prof = random_profile(random.Random(3), 4, gpus)
+    zb, base = CostModel(prof, 4, "zero-bubble", "never"), CostModel(prof, 4, "1f1b", "never")
+    two = [Stage(0, 0, 2), Stage(1, 2, 4)]
+    a, b = zb.evaluate(two), base.evaluate(two)
+    # the first stage's trip waits for its input backward only (half its backward); the last stage's whole
+    assert a.step_time == pytest.approx(b.step_time - 0.5 * b.backward[0])
+    assert a.memory[0].activations == b.memory[0].activations  # stage 0: min(M, S) in flight, as 1F1B
+    assert a.memory[1].activations == pytest.approx(2 * b.memory[1].activations, abs=1)  # the last stage: 2 held until their W, not 1
+    one = [Stage(0, 0, 4)]
+    assert zb.evaluate(one).step_time == base.evaluate(one).step_time  # one stage: no bubble to fill
+    cpu = [device("cpu", "cpu", None), device("cpu", "cpu", None)]
+    shared = CostModel(random_profile(random.Random(4), 4, cpu), 4, "zero-bubble", "never")
+    same = CostModel(shared.profile, 4, "1f1b", "never")
+    assert shared.evaluate(two).step_time == same.evaluate(two).step_time  # one physical device: nothing gained
+    plan = search(prof, microbatches=4, schedule="zero-bubble")
+    assert plan.schedule == "zero-bubble" and plan.predicted_step_time is not None
