@@ -256,6 +256,41 @@ def test_own_forward_in_one_process_runs_zero_bubble_as_1f1b() -> None:
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+def _hybrid_worker(rank: int, world: int, port: int) -> None:
+    """2 replicas x 2 stages: the data-parallel reduction starts after each stage's last weight backward."""
+    from test_ranks_hooks import _batch, _llama, _token_ce, _tokens
+
+    _join(rank, world, port)
+    replica = rank // 2  # rank = replica * stages + stage
+    g = torch.Generator().manual_seed(9)
+    x, y = torch.randn(7, 5, generator=g, dtype=torch.float64), torch.randn(7, 4, generator=g, dtype=torch.float64)
+    rows = slice(0, 4) if replica == 0 else slice(4, 7)  # uneven shards: 4 + 3 rows
+    model, reference = _seq(), _seq()
+    spanned = torchspan.span(model, balance=[2, 2], microbatches=2, schedule="zero-bubble")
+    loss = spanned.train_step(x[rows], y[rows], nn.MSELoss())
+    want = nn.MSELoss()(reference(x), y)
+    want.backward()
+    torch.testing.assert_close(loss.double(), want.detach(), **LOSS_TOL)
+    _check(spanned, reference, "sequential 2x2 zero-bubble", rank)
+    model = _llama()
+    reference = copy.deepcopy(model)
+    spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=2, schedule="zero-bubble")
+    ids, labels, mask = _batch(5, 6, 6, 40)
+    rows = slice(0, 4) if replica == 0 else slice(4, 6)
+    loss = spanned.train_step({"input_ids": ids[rows], "attention_mask": mask[rows]}, labels[rows], _token_ce, loss_normalizer=_tokens)
+    expected = _token_ce(reference(ids, attention_mask=mask), labels)
+    expected.backward()
+    torch.testing.assert_close(loss.double(), expected.detach(), **LOSS_TOL)
+    _check(spanned, reference, "llama 2x2 zero-bubble", rank)
+    _leave()
+
+
+@pytest.mark.slow
+def test_two_by_two_hybrid_zero_bubble_matches_one_device() -> None:
+    pytest.importorskip("transformers")
+    _spawn(_hybrid_worker, 4, free_port(), deadline=240.0)
+
+
 # ---------------------------------------------------------------------- the planner's price
 def test_cost_model_prices_the_smaller_bubble_and_the_larger_memory() -> None:
     import random
