@@ -8,7 +8,8 @@ reduced earlier gradients as a sum (double-reduced) or forgot the world size fai
 
 - ``span(model)``: three calls with mean, class-weighted and summed losses, then ``clip_grad_norm_`` and an
   optimizer step (one device's weights), and a second window after ``zero_grad()``;
-- the bare ``DataParallelReplica`` with ``microbatches=2`` (DDP's ``no_sync`` inside a call, accumulation across);
+- the bare ``DataParallelReplica`` with ``microbatches=2`` (DDP's ``no_sync`` inside a call, accumulation across),
+  the returned loss carried in DDP's buckets, and with ``find_unused_parameters`` (all-reduced on its own);
 - an uneven end: rank 1 runs out after two calls and ``join()``s (no optimizer), shadowing rank 0's third;
 - fp16 (a SUM hook, earlier gradients set aside during the backward): a bare replica with a ``GradScaler`` and a
   span's ``SpanScaler``, against the same autocast on the same rows in one process;
@@ -97,15 +98,19 @@ def _span_case(rank: int) -> None:
 
 
 def _microbatch_case(rank: int) -> None:
-    """A bare replica cutting each shard in two chunks (``no_sync`` inside a call), accumulating across calls."""
+    """A bare replica cutting each shard in two chunks (``no_sync`` inside a call), accumulating across calls; and
+    one with ``find_unused_parameters`` (no loss carrier in DDP's buckets: the loss is all-reduced on its own)."""
     x, y, labels = _data()
-    replica = DataParallelReplica(_mlp())
-    reference = _mlp()
-    for call, (rows, kind) in enumerate(_batches()):
-        target = _target(kind, y, labels)
-        replica.train_step(*shard_batch((x[rows], target[rows]), rank, 2), _loss(kind), microbatches=2)
-        _loss(kind)(reference(x[rows]), target[rows]).backward()
-        _same_grads(replica.module, reference, f"replica, 2 micro-batches, after call {call + 1}")
+    for options in ({}, {"find_unused_parameters": True}):
+        replica = DataParallelReplica(_mlp(), **options)
+        reference = _mlp()
+        for call, (rows, kind) in enumerate(_batches()):
+            target = _target(kind, y, labels)
+            got = replica.train_step(*shard_batch((x[rows], target[rows]), rank, 2), _loss(kind), microbatches=2)
+            want = _loss(kind)(reference(x[rows]), target[rows])
+            want.backward()
+            torch.testing.assert_close(got, want.detach(), **TOL)
+            _same_grads(replica.module, reference, f"replica {options}, 2 micro-batches, after call {call + 1}")
 
 
 def _join_case(rank: int) -> None:

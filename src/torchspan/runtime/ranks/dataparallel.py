@@ -11,7 +11,8 @@ its shard's *summed* loss (its mean times its normalizer: the sample count or, f
 ``CrossEntropyLoss``/``NLLLoss`` with class weights or ``ignore_index``, the targets' weight sum),
 weighted by its normalizer over the global one: the normalizers are all-reduced while the forward
 runs, so the weight is known when the loss is taken and no gradient bucket needs dividing again; the
-weighted losses are all-reduced while backward runs (their sum is the global loss). So after
+weighted losses are summed in DDP's first bucket, as the gradient of a scalar ``carrier`` parameter
+(their sum is the global loss; all-reduced on their own with ``find_unused_parameters``). So after
 ``train_step`` every rank's ``.grad`` is what ``loss_fn(model(X), Y).backward()`` leaves on one
 device, ``X, Y`` being all ranks' shards concatenated, for any (uneven, even empty) split.
 Gradient accumulation over calls (no ``zero_grad()`` between them) needs nothing more: the gradients
@@ -381,21 +382,29 @@ class DataParallelReplica:
         shard or chunk (weight 0, buffers left as they were)."""
         if isinstance(loss_fn, nn.Module):
             loss_fn.to(self.device)
-        scale = getattr(self._engine, "grad_scale", 1.0)  # DDP divides each bucket by W: its backward is of loss * W
+        engine = self._engine
+        scale = getattr(engine, "grad_scale", 1.0)  # DDP divides each bucket by W: its backward is of loss * W
+        carried = getattr(engine, "carrier", None) is not None  # the loss rides in DDP's buckets (ranks.ddp)
+        if carried:
+            engine.fresh()
         last, losses, state = len(chunks) - 1, [], {"recompute": False}
         with self._layer_calls(state), self._aside():
             for i, ((args, kwargs), target) in enumerate(zip(chunks, targets)):
                 state["recompute"] = recomputes(self.recompute, i, len(chunks))
-                with self._engine.no_sync() if i < last else contextlib.nullcontext():  # the last chunk's backward reduces
-                    with self._engine.autocast(self.device, self.precision), kept(buffer_slots([self.module])) if stand_in[i] else contextlib.nullcontext():
-                        out = self._engine(*self.to_device(args), **self.to_device(kwargs))
+                with engine.no_sync() if i < last else contextlib.nullcontext():  # the last chunk's backward reduces
+                    with engine.autocast(self.device, self.precision), kept(buffer_slots([self.module])) if stand_in[i] else contextlib.nullcontext():
+                        out = engine(*self.to_device(args), **self.to_device(kwargs))
                         loss = weighted_loss(loss_fn, out, self.to_device(target), weight(i))  # waits for the normalizers
                     losses.append(loss.detach().reshape(1).to(torch.promote_types(loss.dtype, torch.float32)))
-                    if i == last:  # the ranks' weighted losses sum to the global loss: all-reduced while backward runs
+                    if i == last and not carried:  # the ranks' weighted losses sum to the global loss: all-reduced
                         total = torch.cat(losses).sum().reshape(1) if last else losses[0].clone()
-                        work = dist.all_reduce(total, group=self.group, async_op=True)
+                        work = dist.all_reduce(total, group=self.group, async_op=True)  # while backward runs
                     scaled = self.scaler.scale(loss) if self.scaler is not None else loss
+                    if carried:
+                        scaled = engine.carrying(scaled, loss)
                     scaled.backward(torch.full_like(scaled, scale) if scale != 1.0 else None)
+        if carried:
+            return engine.loss_of()
         work.wait()
         return total[0]
 

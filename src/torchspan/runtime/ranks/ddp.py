@@ -6,13 +6,17 @@ bucket by the world size ``W`` as it copies it in, all-reduces it, and leaves ``
 buckets; the replica backpropagates its weighted loss times ``W`` (``grad_scale``), so the buckets hold the
 sum of every rank's weighted gradient: one device's gradient of the global batch. Gradients accumulated in
 ``.grad`` over earlier calls are the same on every rank, so DDP's mean keeps them: accumulation over calls
-costs what raw DDP's plain ``backward()`` each call costs (measured in ``benchmarks/distributed.py``).
+costs what raw DDP's plain ``backward()`` each call costs, less the copy back (``benchmarks/distributed.py``).
+The step's loss rides in the first bucket as the gradient of one scalar ``carrier`` parameter (no all-reduce
+of its own).
 
 Usage (``DataParallelReplica`` does this)::
 
     engine = DDPEngine(module, device, group, bucket_cap_mb=25.0, find_unused_parameters=False, sync_buffers=True)
+    engine.fresh()                                    # a step starts: the carrier holds no loss
     out = engine(x)                                   # a training forward through DDP
-    (loss * engine.grad_scale).backward()             # .grad: the sum of every rank's gradient of its loss
+    engine.carrying(loss, loss).backward(torch.tensor(engine.grad_scale))   # .grad: every rank's gradient summed
+    total = engine.loss_of()                          # every rank's loss summed
 """
 
 from __future__ import annotations
@@ -45,17 +49,32 @@ _sum_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 
 class _GradTimes(torch.autograd.Function):
-    """The identity forward; backward multiplies the gradient by ``factor`` (a replica's outputs for a backward the
-    user runs: DDP divides the all-reduced sum by the world size, so the outputs' gradients are multiplied by it)."""
+    """The identity on ``t``; backward multiplies its gradient by ``factor`` and gives ``carrier`` a zero gradient (a
+    replica's outputs for a backward the user runs: DDP divides the all-reduced sum by the world size, so the outputs'
+    gradients are multiplied by it, and the carrier, which DDP expects a gradient for, gets one that adds nothing)."""
 
     @staticmethod
-    def forward(ctx: Any, factor: float, t: torch.Tensor) -> torch.Tensor:
-        ctx.factor = factor
+    def forward(ctx: Any, factor: float, carrier: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
+        ctx.factor, ctx.carried = factor, carrier is not None
         return t.view_as(t)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
-        return None, grad * ctx.factor
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor | None, torch.Tensor]:
+        zero = torch.zeros((), dtype=grad.dtype, device=grad.device) if ctx.carried else None
+        return None, zero, grad * ctx.factor
+
+
+class _Carried(nn.Module):
+    """What DDP wraps: the model and one scalar parameter, ``carrier``, whose gradient carries the step's loss through
+    DDP's first bucket (its ``.grad`` after a step: the ranks' weighted losses summed), so no all-reduce of its own."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.model = module
+        self.carrier = nn.Parameter(torch.zeros((), dtype=dtype, device=device))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs)
 
 
 def _buffer_option(sync: bool) -> dict[str, bool]:
@@ -74,6 +93,11 @@ class DDPEngine:
     aside. ``.grad`` tensors are views into DDP's buckets (``gradient_as_bucket_view``: nothing is copied back;
     a reference to an old ``.grad`` kept across ``zero_grad()`` sees the next step's values, as with DDP's option).
 
+    The step's loss rides in the buckets too: DDP wraps the model with one scalar parameter, ``carrier``, and each
+    backward adds ``carrier * loss.detach()``, so ``carrier.grad`` ends as the ranks' weighted losses summed (``loss_of``)
+    and the loss needs no all-reduce of its own (no carrier with ``find_unused_parameters``, which would find it unused,
+    or parameters of another dtype than float32/float64).
+
     ``by_sum=True`` (fp16, where a loss times ``W`` would overflow sooner than one device's and skip other steps):
     a SUM comm hook, ``grad_scale`` 1, ``.grad`` its own tensors, and ``sets_aside``: the replica sets earlier
     gradients aside during a backward (DDP would reduce them again) and adds them back.
@@ -91,8 +115,14 @@ class DDPEngine:
         self.module, self.group = module, group
         ids = [device.index] if device.type == "cuda" else None
         sync = ddp.pop("sync_buffers")
+        dtype = next((p.dtype for p in module.parameters() if p.requires_grad), None)
+        self.carrier: nn.Parameter | None = None
+        wrapped: nn.Module = module
+        if not by_sum and not ddp.get("find_unused_parameters") and dtype in (torch.float32, torch.float64):
+            wrapped = _Carried(module, dtype, device)  # type: ignore[arg-type]
+            self.carrier = wrapped.carrier
         self.ddp = DistributedDataParallel(
-            module, device_ids=ids, process_group=group, gradient_as_bucket_view=not by_sum, **ddp, **_buffer_option(sync)
+            wrapped, device_ids=ids, process_group=group, gradient_as_bucket_view=not by_sum, **ddp, **_buffer_option(sync)
         )
         self.sets_aside = by_sum
         self.grad_scale = 1.0 if by_sum else float(dist.get_world_size(group))  # DDP divides each bucket by the group's size
@@ -102,12 +132,30 @@ class DDPEngine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.ddp(*args, **kwargs)
 
+    def carrying(self, scaled: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        """What to backpropagate for ``scaled`` (the loss, or a scaler's scaling of it): plus ``carrier * loss`` (the
+        value only) with a carrier, so its gradient collects the loss."""
+        if self.carrier is None:
+            return scaled
+        return scaled + self.carrier * loss.detach().to(self.carrier.dtype)
+
+    def fresh(self) -> None:
+        """Before a step's first backward: the carrier starts from no gradient (it holds one step's loss only)."""
+        if self.carrier is not None:
+            self.carrier.grad = None
+
+    def loss_of(self) -> torch.Tensor:
+        """After a step: its loss, the ranks' weighted losses summed (a copy: the carrier's gradient is a bucket view)."""
+        assert self.carrier is not None and self.carrier.grad is not None
+        return self.carrier.grad.detach().clone()
+
     def summing(self, out: Any) -> Any:
         """``out`` (a forward's outputs) for a backward the user runs: gradients multiplied by ``W`` on the way in,
-        so DDP's mean is the sum of every rank's loss gradient."""
-        if self.grad_scale == 1.0:
+        so DDP's mean is the sum of every rank's loss gradient (and the carrier gets a zero gradient)."""
+        if self.grad_scale == 1.0 and self.carrier is None:
             return out
-        return tree_map(lambda t: _GradTimes.apply(self.grad_scale, t) if isinstance(t, torch.Tensor) and t.requires_grad else t, out)
+        c = self.carrier
+        return tree_map(lambda t: _GradTimes.apply(self.grad_scale, c, t) if isinstance(t, torch.Tensor) and t.requires_grad else t, out)
 
     def inference(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
