@@ -55,12 +55,12 @@ class _GradTimes(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, factor: float, carrier: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
-        ctx.factor, ctx.carried = factor, carrier is not None
+        ctx.factor, ctx.carrier = factor, (carrier.dtype, carrier.device) if carrier is not None else None
         return t.view_as(t)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor | None, torch.Tensor]:
-        zero = torch.zeros((), dtype=grad.dtype, device=grad.device) if ctx.carried else None
+        zero = torch.zeros((), dtype=ctx.carrier[0], device=ctx.carrier[1]) if ctx.carrier is not None else None
         return None, zero, grad * ctx.factor
 
 
