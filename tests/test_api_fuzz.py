@@ -20,15 +20,7 @@ from torch import nn
 import torchspan
 from torchspan.parity_ranks import processes_for
 
-
-class _Returns(nn.Module):
-    def __init__(self, what: str) -> None:
-        super().__init__()
-        self.what, self.lin = what, nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> Any:
-        out = self.lin(x)
-        return None if self.what == "none" else float(out.sum())
+from test_model_loss import _Returns  # a module whose forward returns None or a float (tests/test_model_loss.py)
 
 
 class _RunsCode:
