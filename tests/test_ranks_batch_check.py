@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import torchspan
@@ -78,6 +79,21 @@ def test_any_difference_changes_the_fingerprint() -> None:
     assert _fp(([torch.complex(x, x)], [y])) != _fp(([torch.complex(x, -x)], [y]))
 
 
+def test_plain_values_and_containers_count_by_type_and_a_known_structure_is_not_reused_for_another() -> None:
+    x, y = torch.arange(12.0).reshape(3, 4), torch.arange(3)
+    variants = [1, True, 1.0, -0.0, 0.0, "1", None]
+    prints = [_fp(([x], [y, v])) for v in variants]
+    assert len({tuple(p) for p in prints}) == len(variants), prints
+    assert _fp(((x,), [y])) != _fp(([x], [y])) and _fp({"a": x, "b": y}) != _fp({"b": y, "a": x})
+    for first in ([x], [y, 1]), ([x], [y, True]), ([x, x], [y]):  # the previous batch's (structure, hash) given
+        for batch in ([x], [y, 1.0]), ([x], [y, True]), ([x], [y, 1]):
+            assert batch_fingerprint(batch, batch_fingerprint(first)[1])[0].tolist() == _fp(batch)
+    from collections import namedtuple  # a pytree node other than tuple, list, dict: the pytree walk
+
+    Pair = namedtuple("Pair", "a b")
+    assert _fp(Pair(x, y)) != _fp((x, y)) and _fp(Pair(x, y)) == _fp(Pair(x.clone(), y.clone()))
+
+
 # ---------------------------------------------------------------------- 2 ranks
 def _refused(spanned: torchspan.Spanned, inputs: object, target: torch.Tensor, loss_fn, label: str, **kw) -> str:  # type: ignore[no-untyped-def]
     """One train_step that must be refused before any gradient reaches .grad on this rank."""
@@ -135,7 +151,16 @@ def _own_forward_case(rank: int, texts: list[str]) -> None:
         other[2, 4] = 0.0  # rank 0 pads one more token: the same shapes
     texts.append(_refused(spanned, {"ids": ids, "mask": other}, labels, _token_ce, "own-forward mask", loss_reduction="mean"))
     spanned.zero_grad(set_to_none=True)
-    loss = spanned.train_step({"ids": ids, "mask": mask}, labels, _token_ce, loss_reduction="mean")
+    seen: list[str] = []
+    broadcast, all_gather = dist.broadcast, dist.all_gather
+    dist.broadcast = lambda *a, **k: (seen.append("broadcast"), broadcast(*a, **k))[1]  # type: ignore[assignment]
+    dist.all_gather = lambda *a, **k: (seen.append(f"all_gather async={k.get('async_op')}"), all_gather(*a, **k))[1]  # type: ignore[assignment]
+    try:
+        loss = spanned.train_step({"ids": ids, "mask": mask}, labels, _token_ce, loss_reduction="mean")
+    finally:
+        dist.broadcast, dist.all_gather = broadcast, all_gather  # type: ignore[assignment]
+    # the loss rides after the last gradient message (no broadcast), the batch check overlaps the compute
+    assert seen == ["all_gather async=True"], seen
     want = _token_ce(reference(ids, mask=mask), labels)
     want.backward()
     torch.testing.assert_close(loss.double(), want.detach(), rtol=1e-6, atol=1e-7)

@@ -115,6 +115,13 @@ def _flat_call(args: Any, kwargs: Any) -> tuple[list[Any], Any]:
     return tree_flatten((args, kwargs))
 
 
+def call_leaves(args: Any, kwargs: Any) -> tuple[list[Any], Any]:
+    """A call's flattened arguments and, to compare calls by, their structure: the number of leaves when the call
+    is positional tensors only (its spec is then shared), else the pytree spec's text."""
+    leaves, spec = _flat_call(args, kwargs)
+    return leaves, len(leaves) if spec is _CALL_SPECS.get(len(leaves)) else str(spec)
+
+
 def sent_tensor(st: Forward, c: LayerCall, leaf: int, path: tuple[int, ...]) -> torch.Tensor:
     """What this rank sends for argument ``leaf`` of ``c`` (at ``path`` below it, through the glue's recipes)."""
     t = c.tensors[leaf] if not path else st.recipes.at(c.tensors[leaf], path)

@@ -29,7 +29,7 @@ Usage (``RankOwnForwardExecutor`` does this)::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -37,9 +37,10 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
+from .taint import check_unchanged, container_sizes, to_meta
 from .together import every_rank
 
-__all__ = ["MetaCalls", "Described", "describe", "shape_key"]
+__all__ = ["MetaCalls", "Described", "TiedSwaps", "describe", "guarded", "shape_key"]
 
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 _LIMIT = 4096  # templates kept (distinct call shapes); past it the cache starts over
@@ -317,3 +318,52 @@ def _raise_refused(layer: str, stage: int, failures: Any, got: Any) -> None:
             "plain values only (for a transformers model, use_cache=False), or run this model in one process "
             "(span with devices=[...])"
         ))  # fmt: skip
+
+
+def guarded(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``fn`` on rebuilt (meta) arguments, raising if it changed a container it was given."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        sizes = container_sizes((args, kwargs))
+        out = fn(*args, **kwargs)
+        check_unchanged(sizes, name)
+        return out
+
+    return run
+
+
+_UNSWAPPED = nullcontext()  # a layer holding no tied tensor (the usual case): nothing to swap
+
+
+class TiedSwaps:
+    """For other stages' layers (``layers``: name -> module), the tensors they hold real on this rank (tied to
+    this stage's) with their ``meta`` stand-ins: ``swapped(name)`` makes that layer read the stand-ins while it
+    runs on meta."""
+
+    def __init__(self, layers: dict[str, nn.Module]) -> None:
+        self._swaps: dict[str, list[tuple[nn.Module, str, str, Any, Any]]] = {}
+        for name, layer in layers.items():
+            found = [
+                (sub, kind, key, t, nn.Parameter(to_meta(t), requires_grad=False) if kind == "_parameters" else to_meta(t))
+                for sub in layer.modules()
+                for kind in ("_parameters", "_buffers")
+                for key, t in getattr(sub, kind).items()
+                if t is not None and not t.is_meta
+            ]
+            if found:
+                self._swaps[name] = found
+
+    def swapped(self, name: str) -> AbstractContextManager[None]:
+        swaps = self._swaps.get(name)
+        return _UNSWAPPED if swaps is None else self._swapping(swaps)
+
+    @staticmethod
+    @contextmanager
+    def _swapping(swaps: list[tuple[nn.Module, str, str, Any, Any]]) -> Iterator[None]:
+        for sub, kind, key, _, meta in swaps:
+            getattr(sub, kind)[key] = meta
+        try:
+            yield
+        finally:
+            for sub, kind, key, t, _ in swaps:
+                getattr(sub, kind)[key] = t

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_unflatten
 
 from ... import schedule as sched
 from ...hardware import to_device
@@ -62,13 +62,13 @@ from .env import RankInfo
 from .mesh import Mesh
 from .metaweights import fill, materialize_stage
 from .ownloss import stage_loss
-from .forwardstate import Forward, LayerCall, Path, real_arguments, sent_tensor
-from .metacalls import Described, MetaCalls, shape_key
+from .forwardstate import Forward, LayerCall, Path, call_leaves, real_arguments, sent_tensor
+from .metacalls import Described, MetaCalls, TiedSwaps, guarded, shape_key
 from .p2p import PeerError, RankTransport
 from .routes import META, CallRoute, DivergedError, Seen, check_last_stage, cut_advice, resolve_rebuilds, route_call
 from .stage import RankStage
 from .stageshard import resolve_together
-from .taint import MetaTaint, check_unchanged, container_sizes, meta_like, to_meta
+from .taint import MetaTaint, check_unchanged, container_sizes, meta_like
 from .together import Together, every_rank, explained, raised_everywhere
 
 __all__ = ["RankOwnForwardExecutor"]
@@ -76,18 +76,6 @@ __all__ = ["RankOwnForwardExecutor"]
 
 _NOT_RUN: Any = object()  # a meta call not run (yet)
 _END = ("end of forward",)  # on the path tree: the forward ended here (an exchange the first time)
-
-
-def _guarded(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-    """``fn`` on rebuilt (meta) arguments, raising if it changed a container it was given."""
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        sizes = container_sizes((args, kwargs))
-        out = fn(*args, **kwargs)
-        check_unchanged(sizes, name)
-        return out
-
-    return run
 
 
 class RankOwnForwardExecutor(Executor):
@@ -124,10 +112,11 @@ class RankOwnForwardExecutor(Executor):
         self._paths = {True: Path(), False: Path()}  # training forwards, no-grad forwards
         self._fwd: Forward | None = None
         self._transport = RankTransport(mesh, info.rank, info.device, self.ranks.comm)  # raw tensors, tags "own-fwd"/"own-bwd"
-        self._swaps: dict[str, list[tuple[nn.Module, str, str, Any, Any]]] = {}
+        self._swaps = TiedSwaps({})
         self._steps = MeteredSteps(meter)  # which training steps count saved activations (micro-batch shapes)
         self._meta_calls = MetaCalls()
-        self._together = Together(mesh.stages, self._transport.peer, None)  # the group is made by place()
+        self._actions: tuple[Any, list[sched.Action]] = (None, [])  # this stage's actions, built for (schedule, m, n)
+        self._together = Together(mesh.stages, self._transport.peer, None, before=self._verdict)  # the group: place()
         self._described = Described(mesh.stages, self._together.gather, self._transport.peer)
 
     @property
@@ -186,39 +175,13 @@ class RankOwnForwardExecutor(Executor):
         if slots is not None:  # values for this stage only, before the replicas are made alike
             bind(slots, self.model)
             fill(self.model, slots, self._weights, comm=self.ranks.comm)
-        self._swaps = self._tied_swaps()
+        self._swaps = TiedSwaps({name: self.layers[name] for s, group in enumerate(self.groups) if s != self.stage for name in group})
         self.ranks.start()
         if self._shard is not None:  # this stage's blocks sharded over its replicas (after start's broadcast)
             self.ranks.shard([(name, self.layers[name]) for name in self.groups[self.stage]], self._shard)
         self._together.group = self.ranks.pipe_group  # made by start() when there are replicas
         self._kept = {id(t) for t in [*self.model.parameters(), *self.model.buffers()]}  # the glue never turns them meta
         self._placed = True
-
-    def _tied_swaps(self) -> dict[str, list[tuple[nn.Module, str, str, Any, Any]]]:
-        """For each other stage's layer, the tied tensors it holds real here, with their meta stand-ins."""
-        swaps = {}
-        for s, group in enumerate(self.groups):
-            for name in group if s != self.stage else []:
-                swaps[name] = [
-                    (sub, kind, key, t, nn.Parameter(to_meta(t), requires_grad=False) if kind == "_parameters" else to_meta(t))
-                    for sub in self.layers[name].modules()
-                    for kind in ("_parameters", "_buffers")
-                    for key, t in getattr(sub, kind).items()
-                    if t is not None and not t.is_meta
-                ]
-        return swaps
-
-    @contextmanager
-    def _swapped(self, name: str) -> Iterator[None]:
-        """Another stage's layer runs on meta: tied tensors it shares with this stage read as meta meanwhile."""
-        swaps = self._swaps.get(name, ())
-        for sub, kind, key, _, meta in swaps:
-            getattr(sub, kind)[key] = meta
-        try:
-            yield
-        finally:
-            for sub, kind, key, t, _ in swaps:
-                getattr(sub, kind)[key] = t
 
     @contextmanager
     def _layers_wrapped(self) -> Iterator[None]:
@@ -307,10 +270,10 @@ class RankOwnForwardExecutor(Executor):
             return _NOT_RUN, f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:300]
 
     def _meta_run(self, c: LayerCall, failing: bool = False) -> Any:
-        with torch.no_grad(), self._swapped(c.name):
+        with torch.no_grad(), self._swaps.swapped(c.name):
             meta = [meta_like(v) if isinstance(v, torch.Tensor) else v for v in c.leaves]
             run = self._meta_calls.run_failed if failing else self._meta_calls.run
-            return run(c.place, self.layers[c.name], _guarded(c.fn, c.name), meta, c.spec)
+            return run(c.place, self.layers[c.name], guarded(c.fn, c.name), meta, c.spec)
 
     def _run_here(self, st: Forward, c: LayerCall, route: CallRoute, recording: bool) -> Any:
         """This stage's layer: arguments other stages computed are received (or reused), then it runs for real."""
@@ -369,8 +332,8 @@ class RankOwnForwardExecutor(Executor):
 
     def _metering(self, work: Work) -> tuple[bool, Any]:
         signature = tuple(
-            (str(spec), tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v) for v in leaves))
-            for leaves, spec in map(tree_flatten, work.chunks)
+            (structure, tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v) for v in leaves))
+            for leaves, structure in (call_leaves(*chunk) for chunk in work.chunks)
         )
         return self._steps.wants(signature), signature
 
@@ -380,7 +343,7 @@ class RankOwnForwardExecutor(Executor):
         st = Forward(mb, grad, self._paths[grad], metering, grad and recomputes(s.recompute, mb, s.microbatches))
         self._fwd = st
         try:
-            kept = self._kept | {id(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+            kept = self._kept | {id(t) for t in call_leaves(args, kwargs)[0] if isinstance(t, torch.Tensor)}
             with torch.set_grad_enabled(grad), MetaTaint(self.device, st.recipes, kept):
                 out = self.model(*args, **kwargs)
         except Exception as exc:
@@ -435,23 +398,52 @@ class RankOwnForwardExecutor(Executor):
         weights: Sequence[float],
         spec: LossSpec | None = None,
     ) -> torch.Tensor:
-        self.ranks.check_same_batch(work.chunks, targets)
+        self._check_batch(work.chunks, targets)
         metering, signature = self._metering(work)
         with self._layers_wrapped(), self.ranks.reducing() as reduction:
-            mine = self._run_schedule(work, targets, loss_fn, weights, metering)
+            loss = self._run_schedule(work, targets, loss_fn, weights, metering)
             if metering:
                 self._steps.done(signature)
-            reduction.finished(mine)
-        # the last stage's loss (summed over replicas when there are any) on every rank of this pipeline
-        return self.ranks.shared_loss(reduction.total if reduction.total is not None else mine)
+            reduction.finished(loss)
+        # the last stage's loss (summed over replicas when there are any), carried to every rank of this pipeline
+        total = reduction.total if reduction.total is not None else loss
+        return total.reshape(-1)[0].to(self.device, torch.float32)
+
+    def _check_batch(self, chunks: Sequence[Any], targets: Sequence[Any]) -> None:
+        """The same-batch check's all-gather runs while this rank computes; its verdict (raised on every rank)
+        is waited for before this step's first transfer or exchange (``_verdict``), or when the step fails."""
+        self.ranks.check_same_batch(chunks, targets, self._transport)
+        verdict = self._transport.gate
+
+        def everywhere() -> None:  # every rank of the pipeline sees the same fingerprints: the same verdict
+            try:
+                verdict()
+            except ValueError as exc:
+                every_rank(exc)
+                raise
+
+        self._transport.gate = everywhere if verdict is not None else None
+
+    def _verdict(self) -> None:
+        """The step's same-batch verdict, if not waited for yet (before an exchange, or when a step fails)."""
+        gate, self._transport.gate = self._transport.gate, None
+        if gate is not None:
+            gate()
 
     def _run_schedule(
         self, work: Work, targets: Sequence[Any], loss_fn: Callable[..., Any], weights: Sequence[float], metering: bool
     ) -> torch.Tensor:
-        """This stage's actions of the schedule; returns the summed loss (float64; 0 on other stages)."""
+        """This stage's actions of the schedule; returns the pipeline's summed loss (float64): the last stage's own,
+        carried to the other stages after its last backward (one message to each, no collective)."""
         s, n = self.settings, self.mesh.stages
         losses: list[torch.Tensor] = []
         live: dict[int, Forward] = {}
+        key = (s.schedule, s.microbatches, n)
+        if self._actions[0] != key:  # the schedule is built once per (schedule, micro-batches)
+            self._actions = (key, sched.build(s.schedule, s.microbatches, n)[self.stage])
+        actions = self._actions[1]
+        carry = [a.microbatch for a in actions if a.kind in (sched.BACKWARD, sched.BACKWARD_INPUT)][-1] if self.ranks.last else None
+        summed: list[torch.Tensor] = []
 
         def forward(mb: int) -> None:  # and the loss on the last stage
             out, st = self._forward(work, mb, grad=True, metering=metering)
@@ -463,14 +455,26 @@ class RankOwnForwardExecutor(Executor):
             losses.extend([st.loss.detach().to(torch.float64)] if st.loss is not None else [])
             live[mb] = st
 
+        def backward(mb: int, split: bool) -> Pending | None:
+            pending = self._backward(live.pop(mb), split)
+            if mb == carry:  # every gradient message of the step is out: the loss follows them to every stage
+                summed.append(torch.stack(losses).sum())
+                for stage in range(n - 1):
+                    self._isend(summed[0].reshape(1), stage, "own-bwd")
+            return pending
+
         ok = False
         try:
-            run_actions(sched.build(s.schedule, s.microbatches, n)[self.stage], self.recorder, self.device, forward,
-                        lambda mb, split: self._backward(live.pop(mb), split))  # fmt: skip
+            run_actions(actions, self.recorder, self.device, forward, backward)
+            if not self.ranks.last:  # after every gradient message from the last stage on this channel
+                summed.append(self._recv(torch.empty(1, dtype=torch.float64, device=self.device), n - 1, "own-bwd").reshape(()))
             ok = True
+        except Exception:
+            self._verdict()  # a refused batch explains a failure before the first transfer: every rank raises it
+            raise
         finally:
             self._transport.finish(ok)
-        return torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float64, device=self.device)
+        return summed[0]
 
     def forward(self, work: Work) -> list[Any]:
         """Outputs of every micro-batch on every rank of this pipeline (no autograd across processes)."""

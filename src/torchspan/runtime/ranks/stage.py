@@ -60,6 +60,34 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
+def _plain_structure(v: Any, tensors: list[torch.Tensor]) -> Any:
+    """``v``'s structure (container kinds, dict keys, tensor shapes and dtypes, plain values; its tensors appended
+    to ``tensors`` in pytree order) when it holds only tuples, lists, dicts, tensors and plain values, else ``None``."""
+    kind = type(v)
+    if kind is torch.Tensor or kind is nn.Parameter:
+        tensors.append(v)
+        return (v.shape, v.dtype)
+    if kind is tuple or kind is list:
+        parts = []
+        for item in v:
+            part = _plain_structure(item, tensors)
+            if part is None:
+                return None
+            parts.append(part)
+        return ("list" if kind is list else "tuple", tuple(parts))
+    if kind is dict:
+        parts = []
+        for key, item in v.items():
+            part = _plain_structure(item, tensors)
+            if part is None or type(key) is not str:
+                return None
+            parts.append((key, part))
+        return ("dict", tuple(parts))
+    if kind in _PLAIN:  # by type and repr: 1, 1.0, True and -0.0, 0.0 differ (== alone would not tell them apart)
+        return ("value", kind.__name__, repr(v) if kind is float else v)
+    return None
+
+
 def batch_fingerprint(batch: Any, known: tuple[Any, int] | None = None) -> tuple[torch.Tensor, tuple[Any, int]]:
     """Three int64s that differ when two ranks' batches differ: a hash of the structure (pytree spec,
     shapes, dtypes, plain non-tensor values), and the sum and a position-weighted sum of every tensor's
@@ -72,12 +100,17 @@ def batch_fingerprint(batch: Any, known: tuple[Any, int] | None = None) -> tuple
 
     Usage: ``fp, known = batch_fingerprint((chunks, targets), known)``.
     """
-    leaves, spec = tree_flatten(batch)
-    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-    plain = tuple(v if isinstance(v, _PLAIN) else type(v).__name__ for v in leaves if not isinstance(v, torch.Tensor))
-    structure = (spec, tuple((t.shape, t.dtype) for t in tensors), plain)
-    if known is None or not _same(known[0], structure):
-        known = (structure, zlib.crc32(repr((str(spec), structure[1:])).encode()))
+    tensors: list[torch.Tensor] = []
+    shape = _plain_structure(batch, tensors)  # tuples, lists and dicts of tensors and plain values: no pytree walk
+    if shape is None:
+        leaves, spec = tree_flatten(batch)
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        plain = tuple(v if isinstance(v, _PLAIN) else type(v).__name__ for v in leaves if not isinstance(v, torch.Tensor))
+        structure: Any = (spec, tuple((t.shape, t.dtype) for t in tensors), plain)
+        if known is None or not _same(known[0], structure):
+            known = (structure, zlib.crc32(repr((str(spec), structure[1:])).encode()))
+    elif known is None or known[0] != shape:
+        known = (shape, zlib.crc32(repr(("plain", shape)).encode()))
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}  # one buffer per device and dtype
     for t in tensors:
         if t.numel():

@@ -76,13 +76,16 @@ class _Missing:
 
 class Together:
     """The exchanges of one pipeline's ranks (see the module docstring). ``rank_of(stage)``: the global
-    rank of a stage; ``group``: the pipeline's process group (``None``: the default group)."""
+    rank of a stage; ``group``: the pipeline's process group (``None``: the default group); ``before``: run
+    before every exchange (the step's same-batch verdict, which may raise on every rank)."""
 
-    def __init__(self, stages: int, rank_of: Callable[[int], int], group: Any) -> None:
-        self.stages, self.rank_of, self.group = stages, rank_of, group
+    def __init__(self, stages: int, rank_of: Callable[[int], int], group: Any, before: Callable[[], None] | None = None) -> None:
+        self.stages, self.rank_of, self.group, self.before = stages, rank_of, group, before
 
     def gather(self, mine: Any) -> list[Any]:
         """Every stage's ``mine`` (index = stage); raises the failure any rank sent instead."""
+        if self.before is not None:
+            self.before()
         views: list[Any] = [None] * self.stages
         dist.all_gather_object(views, mine, group=self.group)
         failed = [v for v in views if isinstance(v, Failed)]
