@@ -157,6 +157,22 @@ def test_glue_ops_on_another_stages_values_are_recorded_and_replayed_with_gradie
     assert recipes.rebuild(h, {(0,): got_tok}, lambda t: None if t.is_meta else t, torch.device("cpu")) is None
 
 
+def test_glue_finds_another_stages_values_in_flat_and_nested_arguments() -> None:
+    from torch.utils._pytree import tree_leaves
+
+    from torchspan.runtime.ranks.taint import MetaTaint, _tensor_leaves
+
+    meta, real = torch.empty(2, 3, device="meta"), torch.randn(2, 3)
+    with MetaTaint(torch.device("cpu")):
+        assert torch.add(real, meta, alpha=2).is_meta and torch.cat([real, meta]).is_meta  # flat; nested in a list
+        assert torch.stack((real, real)).device.type == "cpu" and real[..., 1:].device.type == "cpu"
+    for args, kwargs in [((real, 1, None), {}), ((real, [meta, real]), {"dim": 0}), ((real, torch.Size([2])), {"out": meta}),
+                         ((real, slice(0, 1), ...), {}), ((real, {"a": meta}), {}), ((), {"x": (real, meta)})]:  # fmt: skip
+        want = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        got = _tensor_leaves(args, kwargs)
+        assert len(got) == len(want) and all(a is b for a, b in zip(got, want)), (args, kwargs)
+
+
 def test_routes_rebuild_a_value_no_stage_holds_from_the_operands_earlier_stages_hold() -> None:
     from torchspan.runtime.ranks.routes import resolve_rebuilds
 

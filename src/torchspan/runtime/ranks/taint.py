@@ -109,6 +109,23 @@ def _name(func: Callable[..., Any]) -> str:
     return getattr(func, "__name__", "") or ""
 
 
+# leaves that are no pytree node and no tensor: a call's arguments made only of these and tensors need no pytree walk
+_LEAVES = frozenset(
+    {type(None), bool, int, float, complex, str, slice, type(Ellipsis), torch.dtype, torch.device, torch.Size, torch.layout, torch.memory_format}
+)
+
+
+def _tensor_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors among ``tree_leaves((args, kwargs))``, in order; flat arguments (the usual op) without the walk."""
+    found = []
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif type(v) not in _LEAVES:  # a container (or a registered pytree node): the walk
+            return [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    return found
+
+
 class MetaTaint(TorchFunctionMode):
     """The glue rules above; ``device`` is where this rank's real tensors live."""
 
@@ -125,7 +142,7 @@ class MetaTaint(TorchFunctionMode):
             return self.device if isinstance(out, torch.device) and out.type == "meta" else out  # device type runs as on one device
         if _is_meta_device(kwargs.get("device")):  # made here from shapes: real on this rank
             kwargs = {**kwargs, "device": self.device}
-        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        leaves = _tensor_leaves(args, kwargs)
         metas = [t.is_meta for t in leaves]
         if name in _FROM_SHAPE and args and is_meta(args[0]):
             kwargs.setdefault("device", self.device)
