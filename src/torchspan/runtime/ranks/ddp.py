@@ -64,6 +64,21 @@ class _GradTimes(torch.autograd.Function):
         return None, zero, grad * ctx.factor
 
 
+class _CarryLoss(torch.autograd.Function):
+    """``carrier * value`` whose backward gives ``carrier`` the gradient ``value`` times the incoming one. ``value``
+    is kept on ``ctx``, not saved for backward, so the saved-activation meter does not count the loss as an
+    activation (a step that saves nothing else, an empty shard's, reports none)."""
+
+    @staticmethod
+    def forward(ctx: Any, carrier: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        ctx.value = value
+        return carrier.detach() * value
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.value, None
+
+
 class _Carried(nn.Module):
     """What DDP wraps: the model and one scalar parameter, ``carrier``, whose gradient carries the step's loss through
     DDP's first bucket (its ``.grad`` after a step: the ranks' weighted losses summed), so no all-reduce of its own."""
@@ -137,7 +152,7 @@ class DDPEngine:
         value only) with a carrier, so its gradient collects the loss."""
         if self.carrier is None:
             return scaled
-        return scaled + self.carrier * loss.detach().to(self.carrier.dtype)
+        return scaled + _CarryLoss.apply(self.carrier, loss.detach().to(self.carrier.dtype))
 
     def fresh(self) -> None:
         """Before a step's first backward: the carrier starts from no gradient (it holds one step's loss only)."""
