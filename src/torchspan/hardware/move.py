@@ -66,8 +66,17 @@ def to_device(obj: T, device: str | int | torch.device | Device, non_blocking: b
     Usage: ``batch = to_device({"x": x, "y": [y1, y2]}, "cuda:0")``;
     ``to_device(criterion, "cuda")`` moves a ``CrossEntropyLoss(weight=...)`` buffer too.
     """
+    if isinstance(device, torch.device) and _already_on(obj, device):  # nothing to move: no resolve, no walk
+        return list(obj) if type(obj) is list else obj  # type: ignore[return-value]
     dev = resolve_device(device)
     return _to(obj, dev, non_blocking)
+
+
+def _already_on(obj: Any, dev: torch.device) -> bool:
+    """Whether ``obj`` is a tensor on ``dev``, or a plain list/tuple of them (a micro-batch's usual form)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.device == dev
+    return type(obj) in (list, tuple) and all(isinstance(v, torch.Tensor) and v.device == dev for v in obj)
 
 
 def _to(obj: Any, dev: torch.device, non_blocking: bool) -> Any:

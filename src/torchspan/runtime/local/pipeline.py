@@ -225,7 +225,7 @@ class Pipeline:
         def do(box: Mailbox, a: sched.Action) -> None:
             s, mb, dev = a.stage, a.microbatch, self.devices[a.stage]
             if s == 0:
-                args = _on(inputs[mb], dev)
+                args = to_device(list(inputs[mb]), dev)
             elif not self.transport.is_local(s - 1):
                 leaves, spec = self.transport.receive(s - 1, s, "fwd", mb)
                 args = tree_unflatten(leaves, spec)
@@ -297,10 +297,7 @@ class _TrainStep:
             out = self.fns[s](*_unflat(leaves, spec))
             loss = None
             if s == self.last:
-                target = self.targets[mb]
-                if not (isinstance(target, torch.Tensor) and target.device == dev):
-                    target = to_device(target, dev)
-                loss = weighted_loss(self.loss_fn, out, target, self.weights[mb])
+                loss = weighted_loss(self.loss_fn, out, to_device(self.targets[mb], dev), self.weights[mb])
         return out, loss
 
     def do(self, box: Mailbox, a: sched.Action) -> None:
@@ -315,7 +312,7 @@ class _TrainStep:
     def forward(self, box: Mailbox, s: int, mb: int, recompute: bool) -> None:
         pipe, dev = self.pipe, self.pipe.devices[s]
         if s == 0:
-            leaves, spec = _flat(_on(self.inputs[mb], dev))
+            leaves, spec = _flat(to_device(list(self.inputs[mb]), dev))
         else:
             leaves, spec = pipe._receive(box, "fwd", s, s - 1, mb)
             leaves = [v.requires_grad_(True) if _needs_grad(v) and not recompute else v for v in leaves]
@@ -416,13 +413,6 @@ class _TrainStep:
                 pending.weights()
         if loss is not None and self.finished is not None:
             self.finished(s, loss)
-
-
-def _on(values: Sequence[Any], dev: torch.device) -> list[Any]:
-    """``to_device(list(values), dev)``; tensors already on ``dev`` (the usual stage-0 inputs) without the walk."""
-    if type(values) in (list, tuple) and all(isinstance(v, torch.Tensor) and v.device == dev for v in values):
-        return list(values)
-    return to_device(list(values), dev)
 
 
 def _unmetered(stage: int) -> contextlib.AbstractContextManager[None]:
