@@ -194,8 +194,7 @@ class DataParallelReplica:
     def _summing(self, out: Any) -> Any:
         """A training forward's outputs for a backward the user runs: the engine's ``summing`` (DDP: gradients times
         the world size on the way in, so the mean DDP takes is the ranks' sum); unchanged under ``no_grad``."""
-        summing = getattr(self._engine, "summing", None)
-        return summing(out) if summing is not None and torch.is_grad_enabled() else out
+        return self._engine.summing(out) if torch.is_grad_enabled() else out
 
     def forward_chunks(self, chunks: Sequence[tuple[tuple[Any, ...], dict[str, Any]]], pad_to: int = 1) -> list[Any]:
         """Each chunk's output (``(args, kwargs)`` per micro-batch). With gradients enabled every chunk but the
@@ -383,8 +382,8 @@ class DataParallelReplica:
         if isinstance(loss_fn, nn.Module):
             loss_fn.to(self.device)
         engine = self._engine
-        scale = getattr(engine, "grad_scale", 1.0)  # DDP divides each bucket by W: its backward is of loss * W
-        carried = getattr(engine, "carrier", None) is not None  # the loss rides in DDP's buckets (ranks.ddp)
+        scale = engine.grad_scale  # DDP divides each bucket by W: its backward is of loss * W
+        carried = engine.carrier is not None  # the loss rides in DDP's buckets (ranks.ddp)
         if carried:
             engine.fresh()
         last, losses, state = len(chunks) - 1, [], {"recompute": False}
@@ -413,7 +412,7 @@ class DataParallelReplica:
         """With an engine that ``sets_aside`` (a SUM hook reduces whatever ``.grad`` holds): earlier gradients are set
         aside during the step's backwards, so only this step's are reduced, and added back after (one device's
         accumulation). Other engines add each call's reduced gradients to ``.grad`` themselves: nothing to do."""
-        if not getattr(self._engine, "sets_aside", False):
+        if not self._engine.sets_aside:
             yield
             return
         params = [p for p in self.module.parameters() if p.requires_grad]

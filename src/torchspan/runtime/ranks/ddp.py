@@ -120,8 +120,8 @@ class DDPEngine:
     An engine (this, or ``ShardedEngine`` in ``ranks.sharded``) gives the replica: ``engine(*args)`` (a training
     forward), ``inference`` (under ``no_grad``), ``no_sync()`` (backwards inside accumulate unreduced),
     ``autocast``, ``train(mode)``, ``state_dict``/``load_state_dict`` and ``collective_forward`` (whether every
-    forward is a collective); ``grad_scale``, ``sets_aside`` and ``summing`` are read with ``getattr`` (FSDP2 adds
-    each call's reduce-scattered shard to ``.grad`` itself: scale 1, nothing set aside)."""
+    forward is a collective); ``grad_scale``, ``sets_aside``, ``carrier`` and ``summing`` (``ShardedEngine``: FSDP2 adds
+    each call's reduce-scattered shard to ``.grad`` itself: scale 1, nothing set aside, no carrier, outputs as they are)."""
 
     collective_forward = False  # under no_grad the plain module runs: no collective
 

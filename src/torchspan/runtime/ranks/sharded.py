@@ -199,6 +199,16 @@ class ShardedEngine:
     """``module`` sharded by FSDP2 over ``group`` (see the module docstring); ``module`` is changed in place."""
 
     collective_forward = True  # a forward all-gathers parameters: every rank runs every forward
+    # FSDP2 reduce-scatters by SUM and adds each call's shard to .grad itself: a backward of the loss as it is,
+    # nothing set aside, no loss carried in the reduction (DDPEngine's counterparts, in ranks.ddp)
+    grad_scale = 1.0
+    sets_aside = False
+    carrier = None
+
+    @staticmethod
+    def summing(out: Any) -> Any:
+        """A forward's outputs for a backward the user runs: as they are (the reduction already sums)."""
+        return out
 
     def __init__(
         self,
