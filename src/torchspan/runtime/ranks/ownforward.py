@@ -36,7 +36,7 @@ Usage (``span`` does this in a launched job)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -47,10 +47,9 @@ from torch.utils._pytree import tree_unflatten
 from ... import schedule as sched
 from ...hardware import to_device
 from ...layers import buffer_slots
-from ..executor import Executor, Settings, Work
+from ..executor import Settings, Work
 from ..layercall import recomputes, run_layer
 from ..local.placed import OwnForwardLayers
-from ..losscheck import LossChecks
 from ..lossweights import LossSpec
 from ..microbatch import split_batch
 from ..memory import ActivationMeter, MeteredSteps
@@ -66,8 +65,7 @@ from .forwardstate import Forward, LayerCall, Path, call_leaves, real_arguments,
 from .metacalls import Described, MetaCalls, TiedSwaps, guarded, shape_key
 from .p2p import PeerError, RankTransport
 from .routes import META, CallRoute, DivergedError, Seen, check_last_stage, cut_advice, resolve_rebuilds, route_call
-from .stage import RankStage
-from .stageshard import resolve_together
+from .stage import RankStage, StageExecutor
 from .taint import MetaTaint, check_unchanged, container_sizes, meta_like
 from .together import Together, every_rank, explained, raised_everywhere
 
@@ -78,7 +76,7 @@ _NOT_RUN: Any = object()  # a meta call not run (yet)
 _END = ("end of forward",)  # on the path tree: the forward ended here (an exchange the first time)
 
 
-class RankOwnForwardExecutor(Executor):
+class RankOwnForwardExecutor(StageExecutor):
     """This rank's stage, run inside the model's own forward (see the module docstring; options: as
     ``OwnForwardLayers``)."""
 
@@ -128,23 +126,6 @@ class RankOwnForwardExecutor(Executor):
 
     def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Work:
         return Work(split_batch(args, kwargs, self.settings.microbatches))
-
-    def weights(self, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
-        return self.ranks.weights(spec, targets, sizes)
-
-    def resolve_loss(
-        self, checks: LossChecks, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int], dry_outputs: Callable[[], Sequence[Any]], target: Any = None
-    ) -> LossSpec:
-        """As for the hybrid; sharded, a calibration's dry forward runs on every rank when any rank needs one."""
-        if self.ranks.shards is None:
-            return super().resolve_loss(checks, spec, targets, sizes, dry_outputs, target)
-        return resolve_together(checks, spec, targets, sizes, dry_outputs, target, self.ranks.comm)
-
-    def state_dict(self, module: nn.Module, **options: Any) -> Any:
-        return self.ranks.state_dict(**options)
-
-    def load_state_dict(self, module: nn.Module, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
-        return self.ranks.load_state_dict(state_dict, strict=strict)
 
     # ------------------------------------------------------------------ placement
     def place(self, work: Work) -> None:

@@ -26,7 +26,7 @@ Usage (``span`` does this in a launched job)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,11 +34,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ...layers import top_level_modules
-from ..executor import Executor, Settings, Work
+from ..executor import Settings, Work
 from ..local.pipeline import Pipeline
 from ..local.pipelined import stage_functions
 from ..local.stagefns import StageFunctions
-from ..losscheck import LossChecks
 from ..lossweights import LossSpec
 from ..memory import ActivationMeter
 from ..placement import check_shared, place
@@ -48,13 +47,12 @@ from .env import RankInfo, rank_info
 from .mesh import Mesh, launched_stages
 from .metaweights import fill, materialize_stage
 from .p2p import RankTransport
-from .stage import RankStage
-from .stageshard import resolve_together
+from .stage import RankStage, StageExecutor
 
 __all__ = ["RankPipelineExecutor", "launched_mesh"]
 
 
-class RankPipelineExecutor(Executor):
+class RankPipelineExecutor(StageExecutor):
     """This rank's stage of a ``mesh.replicas`` x ``mesh.stages`` pipeline mesh (see the module docstring)."""
 
     def __init__(
@@ -125,23 +123,6 @@ class RankPipelineExecutor(Executor):
 
     def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Work:
         return self.fns.prepare(args, kwargs, self.settings.microbatches)
-
-    def weights(self, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
-        return self.ranks.weights(spec, targets, sizes)
-
-    def resolve_loss(
-        self, checks: LossChecks, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int], dry_outputs: Callable[[], Sequence[Any]], target: Any = None
-    ) -> LossSpec:
-        """As for the hybrid; sharded, a calibration's dry forward runs on every rank when any rank needs one."""
-        if self.ranks.shards is None:
-            return super().resolve_loss(checks, spec, targets, sizes, dry_outputs, target)
-        return resolve_together(checks, spec, targets, sizes, dry_outputs, target, self.ranks.comm)
-
-    def state_dict(self, module: nn.Module, **options: Any) -> Any:
-        return self.ranks.state_dict(**options)
-
-    def load_state_dict(self, module: nn.Module, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
-        return self.ranks.load_state_dict(state_dict, strict=strict)
 
     def meters(self) -> bool:
         """Until one training step has counted its saved activations; later steps skip the saved-tensor

@@ -29,7 +29,7 @@ Usage (an executor does this)::
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -38,10 +38,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..executor import Executor
+from ..losscheck import LossChecks
 from ..lossweights import LossSpec
 from .env import RankInfo
 from .mesh import Mesh
-from .stageshard import StageShards
+from .stageshard import StageShards, resolve_together
 
 __all__ = ["RankStage"]
 
@@ -417,3 +419,28 @@ class Reduction:
             if unpack is not None:
                 unpack()
         self._launched = []
+
+
+class StageExecutor(Executor):
+    """An executor whose rank holds one pipeline stage (``self.ranks``, a ``RankStage``): the loss weights, a
+    sharded stage's loss calibration and the state dict are the stage's. ``RankPipelineExecutor`` (stage functions)
+    and ``RankOwnForwardExecutor`` (the model's own forward) build on it."""
+
+    ranks: RankStage
+
+    def weights(self, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
+        return self.ranks.weights(spec, targets, sizes)
+
+    def resolve_loss(
+        self, checks: LossChecks, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int], dry_outputs: Callable[[], Sequence[Any]], target: Any = None
+    ) -> LossSpec:
+        """As for the hybrid; sharded, a calibration's dry forward runs on every rank when any rank needs one."""
+        if self.ranks.shards is None:
+            return super().resolve_loss(checks, spec, targets, sizes, dry_outputs, target)
+        return resolve_together(checks, spec, targets, sizes, dry_outputs, target, self.ranks.comm)
+
+    def state_dict(self, module: nn.Module, **options: Any) -> Any:
+        return self.ranks.state_dict(**options)
+
+    def load_state_dict(self, module: nn.Module, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
+        return self.ranks.load_state_dict(state_dict, strict=strict)
