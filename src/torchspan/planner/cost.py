@@ -209,7 +209,7 @@ class CostModel:
         self.fwd = (tables[0] + self.b * tables[1])[self.rep]
         self.bwd = (tables[2] + self.b * tables[3])[self.rep]
         lat = self.fwd + self.bwd if self.recompute != "always" else 2 * self.fwd + self.bwd
-        self.PL_last = np.stack([_prefix(row) for row in lat])  # the last stage's latency: its whole backward
+        whole = lat  # the last stage's latency: its whole backward
         if self.schedule == "zero-bubble":  # the trip waits for the other stages' input backwards only; W fills the bubble
             lat = lat - 0.5 * self.bwd
         steady = self.fwd + self.bwd if self.recompute == "never" else 2 * self.fwd + self.bwd
@@ -221,6 +221,7 @@ class CostModel:
         self.lat = lat
         self.steady = steady
         self.PL = np.stack([_prefix(row) for row in lat])  # (D, L+1)
+        self.PL_last = self.PL if lat is whole else np.stack([_prefix(row) for row in whole])
         self.PS = np.stack([_prefix(row) for row in steady])
         self.PF = np.stack([_prefix(row) for row in self.fwd])
         self.PB = np.stack([_prefix(row) for row in self.bwd])
