@@ -19,23 +19,12 @@ from torch import nn
 import torchspan
 from torchspan.runtime.memory import behaviour_key
 
+from test_ranks_speed_meter import _counting  # counts the tensors the meter is asked to hold
+
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Dropout(0.5), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)).double()
-
-
-def _counting(spanned: torchspan.Spanned) -> list[int]:
-    """Count the tensors the meter is asked to hold (still counting them)."""
-    calls: list[int] = []
-    hold = spanned._meter.hold
-
-    def counted(stage: int, t: torch.Tensor):  # type: ignore[no-untyped-def]
-        calls.append(stage)
-        return hold(stage, t)
-
-    spanned._meter.hold = counted  # type: ignore[method-assign]
-    return calls
 
 
 class _Twins:
