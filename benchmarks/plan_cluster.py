@@ -127,15 +127,18 @@ def run(world: int, job: str, args: dict[str, Any]) -> Any:
     return queue.get()
 
 
-def fit(times: dict[int, float]) -> tuple[float, float]:
+def fit(times: dict[int, float]) -> tuple[float, float] | None:
     """``(bandwidth bytes/s, latency s)`` from 2-process all-reduce times: ``t = S/bw + 2 lat`` fitted by
-    least squares of the RELATIVE error (weights ``1/t^2``), so 4 KiB counts as much as 16 MiB."""
+    least squares of the RELATIVE error (weights ``1/t^2``), so 4 KiB counts as much as 16 MiB. ``None`` when
+    the times do not grow with the size (small sizes on a busy machine: noise, no bandwidth to read)."""
     xs, ys = list(times), [times[s] for s in times]
     w = [1.0 / y**2 for y in ys]
     sw, sx, sy = sum(w), sum(a * x for a, x in zip(w, xs)), sum(a * y for a, y in zip(w, ys))
     sxx, sxy = sum(a * x * x for a, x in zip(w, xs)), sum(a * x * y for a, x, y in zip(w, xs, ys))
     slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
     intercept = (sy - slope * sx) / sw
+    if not slope > 0:
+        return None
     return 1.0 / slope, max(0.0, intercept / 2)
 
 
@@ -162,18 +165,25 @@ def main() -> None:
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU(s), load average {os.getloadavg()[0]:.2f}")
 
     measured = {n: run(n, "allreduce", args) for n in procs}
-    bw, lat = fit(measured[2])
+    fitted_at = fit(measured[2])
     table = links.lookup("loopback")
-    fitted = links.calibrated(table, bw, lat, "this run")
-    print(f"\nfit on 2 processes: bandwidth {bw / 1e9:.3f} GB/s, latency {lat * 1e6:.1f} us "
-          f"(links.py table: {table.bandwidth / 1e9:.3f} GB/s x {table.efficiency:g}, {table.latency * 1e6:.1f} us)")  # fmt: skip
+    listed = f"links.py table: {table.bandwidth / 1e9:.3f} GB/s x {table.efficiency:g}, {table.latency * 1e6:.1f} us"
+    if fitted_at is None:
+        fitted = None
+        print(f"\nfit on 2 processes: none, the times do not grow with the size (noise at these sizes) ({listed})")
+    else:
+        bw, lat = fitted_at
+        fitted = links.calibrated(table, bw, lat, "this run")
+        print(f"\nfit on 2 processes: bandwidth {bw / 1e9:.3f} GB/s, latency {lat * 1e6:.1f} us ({listed})")
     print("\n| processes | bytes | measured ms | predicted ms (table) | pred/meas | predicted ms (this run's fit) | pred/meas |")
     print("|---|---|---|---|---|---|---|")
     for n in procs:
         for size in sizes:
             m = measured[n][size]
-            p_table, p_fit = allreduce_time(size, n, table), allreduce_time(size, n, fitted)
-            print(f"| {n} | {size:,} | {m * 1e3:.3f} | {p_table * 1e3:.3f} | {_err(p_table, m)} | {p_fit * 1e3:.3f} | {_err(p_fit, m)} |")
+            p_table = allreduce_time(size, n, table)
+            p_fit = allreduce_time(size, n, fitted) if fitted is not None else None
+            by_fit = f"{p_fit * 1e3:.3f} | {_err(p_fit, m)}" if p_fit is not None else "- | -"
+            print(f"| {n} | {size:,} | {m * 1e3:.3f} | {p_table * 1e3:.3f} | {_err(p_table, m)} | {by_fit} |")
 
     rows = []
     for width in [int(w) for w in opts.widths.split(",")]:

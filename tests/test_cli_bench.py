@@ -233,3 +233,11 @@ def test_pipeline_bench_quick_times_every_schedule_on_the_same_gradients() -> No
     assert "pipeline_2ranks/small/best_torchspan_vs_best_torch" in names
     rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("  torch Schedule")]
     assert rows and all(" yes (max |diff|" in ln for ln in rows), rows
+
+
+def test_cluster_bench_fit_reads_no_bandwidth_from_noise() -> None:
+    # bench --quick failed now and then: three small all-reduces whose times fell with size gave a negative bandwidth
+    fit = _benchmark("plan_cluster").fit
+    assert fit({4096: 1.0e-3, 65536: 0.9e-3, 1 << 20: 0.8e-3}) is None
+    bw, lat = fit({4096: 1e-4, 65536: 2e-4, 1 << 20: 1e-3})
+    assert bw > 0 and lat >= 0
