@@ -13,7 +13,7 @@ per-round ratios, what machine noise hurts least):
 - ``torchgpipe``: ``GPipe(model, balance=[8, 8], devices=['cpu', 'cpu'], chunks=8)`` with its
   default ``checkpoint='except_last'``, and with ``checkpoint='never'`` (like-for-like).
 - ``torchspan``: ``span(model, devices=['cpu', 'cpu'], balance=[8, 8], microbatches=8)``,
-  schedules gpipe and 1f1b, ``checkpoint='never'`` (torchspan's default) and ``'except_last'``;
+  schedules gpipe, 1f1b and merged-weights, ``checkpoint='never'`` (torchspan's default) and ``'except_last'``;
   and ``workers='stage'`` (a thread per stage, intra-op threads split between them).
 
 With a GPU it also runs ``['cpu', 'cuda:0']`` and ``['cuda:0']`` for torchspan and the plain loop.
@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         "plain": plain_step(copy.deepcopy(base), torch.device("cpu")),
         "torchspan gpipe never": torchspan_step(copy.deepcopy(base), ["cpu", "cpu"], "gpipe", "never"),
         "torchspan 1f1b never": torchspan_step(copy.deepcopy(base), ["cpu", "cpu"], "1f1b", "never"),
+        "torchspan merged-weights never": torchspan_step(copy.deepcopy(base), ["cpu", "cpu"], "merged-weights", "never"),
         "torchspan gpipe except_last": torchspan_step(copy.deepcopy(base), ["cpu", "cpu"], "gpipe", "except_last"),
         # one thread per stage, 1 intra-op thread each: real overlap, but slower than intra-op parallelism on one CPU
         "torchspan gpipe workers=stage": torchspan_step(copy.deepcopy(base), ["cpu", "cpu"], "gpipe", "never", "stage"),
@@ -169,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"RATIO torchspan_gpipe/plain_loop {r('torchspan gpipe never', 'plain'):.3f} <=1.03 plain micro-batch loop, cpu (median of per-round ratios)")
     print(f"RATIO torchspan_stage_threads/plain_loop {r('torchspan gpipe workers=stage', 'plain'):.3f} - plain loop, cpu (workers='stage')")
     print(f"RATIO torchspan_1f1b/plain_loop {r('torchspan 1f1b never', 'plain'):.3f} <=1.03 plain micro-batch loop, cpu (median of per-round ratios)")
+    print(
+        f"RATIO torchspan_merged_weights/plain_loop {r('torchspan merged-weights never', 'plain'):.3f} <=1.03 plain micro-batch "
+        "loop, cpu (median of per-round ratios)"
+    )
     if "torchgpipe except_last" in t:
         print(
             f"RATIO torchspan_default/torchgpipe_default {r('torchspan gpipe never', 'torchgpipe except_last'):.3f} <=0.8 "

@@ -166,4 +166,4 @@ def test_the_plan_and_run_vocabulary_has_one_definition() -> None:
     assert plans.SCHEDULES is planner.SCHEDULES is spanned.SCHEDULES is sched.SCHEDULES
     assert plans.RECOMPUTE_MODES is planner.RECOMPUTE_MODES is spanned.RECOMPUTE_MODES is sched.RECOMPUTE_MODES
     assert spanned.PRECISIONS is sched.PRECISIONS
-    assert sched.SCHEDULES == ("gpipe", "1f1b", "zero-bubble") and sched.RECOMPUTE_MODES == ("never", "except_last", "always")
+    assert sched.SCHEDULES == ("gpipe", "1f1b", "zero-bubble", "merged-weights") and sched.RECOMPUTE_MODES == ("never", "except_last", "always")

@@ -14,6 +14,12 @@ action took the same time; the runtime uses it to interleave stages that share o
   deferred ones fill the cool-down bubble: with forward, input and weight backwards of one unit each
   a step takes ``3m + n - 1`` units against 1F1B's ``3m + 3(n - 1)``. A micro-batch stays alive until its
   weight backward, so every stage keeps at most ``min(n, m)`` (1F1B's stage 0 bound).
+- ``merged_weights(m, n)``: 1F1B's order with split backwards, every ``backward_weight`` at the end of
+  the step, one after another: the runtime runs such a run of weight backwards as one pass, each
+  linear layer's weight gradient one matrix product over all the micro-batches (``runtime.linearw``)
+  instead of one product and one add per micro-batch. Input backwards are all the other stages wait
+  for, so the weights come off the critical path too; the price is memory: each stage keeps what the
+  weight gradients need (linear layers' inputs and output gradients) for all ``m`` micro-batches.
 
 The vocabulary a plan and a run are written in lives here too, once: ``SCHEDULES`` (the schedule
 names ``build`` knows), ``RECOMPUTE_MODES`` (activation recompute, "activation checkpointing": ``never``; ``except_last``,
@@ -39,6 +45,8 @@ __all__ = [
     "gpipe",
     "one_f_one_b",
     "zero_bubble",
+    "merged_weights",
+    "merges_weights",
     "forward_only",
     "build",
     "merged_order",
@@ -49,7 +57,7 @@ FORWARD = "forward"
 BACKWARD = "backward"
 BACKWARD_INPUT = "backward_input"  # gradient w.r.t. the stage's inputs only (zero-bubble's B)
 BACKWARD_WEIGHT = "backward_weight"  # the parameters' gradients of that micro-batch, run later (zero-bubble's W)
-SCHEDULES = ("gpipe", "1f1b", "zero-bubble")
+SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "merged-weights")
 RECOMPUTE_MODES = ("never", "except_last", "always")
 PRECISIONS = ("32", "bf16", "fp16")
 
@@ -163,6 +171,24 @@ def zero_bubble(microbatches: int, stages: int) -> list[list[Action]]:
     return _with_clocks(orders)
 
 
+def merged_weights(microbatches: int, stages: int) -> list[list[Action]]:
+    """1F1B with split backwards; every stage's weight backwards last, in micro-batch order (run as one).
+
+    Usage: ``[a.kind for a in merged_weights(4, 2)[0]]``.
+    """
+    _check(microbatches, stages)
+    orders = []
+    for actions in one_f_one_b(microbatches, stages):
+        order = [(BACKWARD_INPUT if a.kind == BACKWARD else a.kind, a.microbatch) for a in actions]
+        orders.append(order + [(BACKWARD_WEIGHT, i) for i in range(microbatches)])
+    return _with_clocks(orders)
+
+
+def merges_weights(name: str) -> bool:
+    """Whether the schedule called ``name`` runs each stage's consecutive weight backwards as one pass."""
+    return name == "merged-weights"
+
+
 def forward_only(microbatches: int, stages: int) -> list[list[Action]]:
     """Forwards only (inference, or a forward whose backward the caller runs)."""
     _check(microbatches, stages)
@@ -170,14 +196,16 @@ def forward_only(microbatches: int, stages: int) -> list[list[Action]]:
 
 
 def build(name: str, microbatches: int, stages: int) -> list[list[Action]]:
-    """The schedule called ``name`` (``"gpipe"``, ``"1f1b"`` or ``"zero-bubble"``)."""
+    """The schedule called ``name`` (one of ``SCHEDULES``)."""
     if name == "gpipe":
         return gpipe(microbatches, stages)
     if name == "1f1b":
         return one_f_one_b(microbatches, stages)
     if name == "zero-bubble":
         return zero_bubble(microbatches, stages)
-    raise ValueError(f"schedule={name!r} is not one of {', '.join(SCHEDULES)}; pick 'gpipe', '1f1b' or 'zero-bubble'")
+    if name == "merged-weights":
+        return merged_weights(microbatches, stages)
+    raise ValueError(f"schedule={name!r} is not one of {', '.join(SCHEDULES)}; pick one of those")
 
 
 def merged_order(schedule: list[list[Action]], stages: list[int]) -> list[Action]:

@@ -41,9 +41,10 @@ from typing import Any
 import torch
 
 from .. import schedule as sched
+from . import linearw
 from .record import Recorder
 
-__all__ = ["input_backward", "Pending", "run_actions"]
+__all__ = ["input_backward", "Pending", "weights_together", "run_actions"]
 
 try:  # torch >= 2.4
     from torch.autograd.graph import GradientEdge, get_gradient_edge
@@ -66,18 +67,27 @@ _KEY = "torchspan_recorded"  # node.metadata: the gradient flowing into a fronti
 class Pending:
     """The weight pass of one ``input_backward``: ``weights()`` once, later (then its graph is released)."""
 
-    def __init__(self, groups: list[tuple[list[Any], list[Any], tuple[torch.Tensor, ...], int]] | None = None) -> None:
+    def __init__(
+        self,
+        groups: list[tuple[list[Any], list[Any], tuple[torch.Tensor, ...], int]] | None = None,
+        linears: list[tuple[linearw.Linear, torch.Tensor]] | None = None,
+    ) -> None:
         # per group: start edges, their gradients, the group's parameters, how many starts are frontier nodes
         self._groups = groups or []
+        self._linears = linears or []  # merge=True: linear calls whose weight gradients are products still to take
 
     def __bool__(self) -> bool:
-        return bool(self._groups)
+        return bool(self._groups or self._linears)
 
     def weights(self) -> None:
         """Add the parameters' gradients into ``.grad`` as ``torch.autograd.backward`` would.
 
         Usage: ``pending.weights()``.
         """
+        weights_together([self])
+
+    def _rest(self) -> None:
+        """The weight pass of everything but the merged linear calls."""
         groups, self._groups = self._groups, []
         for edges, grads, params, fronts in groups:
             handles = _overrides(edges[:fronts]) if fronts > 1 else []
@@ -86,6 +96,20 @@ class Pending:
             finally:
                 for h in handles:
                     h.remove()
+
+
+def weights_together(pendings: Sequence[Pending]) -> None:
+    """The weight passes of several ``input_backward``s (micro-batches) at once: each linear layer's weight
+    gradient over all of them as one matrix product (``linearw``), the rest of each pass as ``weights()``.
+
+    Usage: ``weights_together([pending_mb0, pending_mb1])``.
+    """
+    records = [r for p in pendings for r in p._linears]
+    for p in pendings:
+        p._linears = []
+    linearw.accumulate(records)
+    for p in pendings:
+        p._rest()
 
 
 def _overrides(edges: list[Any]) -> list[Any]:
@@ -118,10 +142,14 @@ def _whole(outputs: Sequence[torch.Tensor], grads: Sequence[Any], inputs: Sequen
 _NONE: frozenset[int] = frozenset()
 
 
-def _walk(roots: list[Any], targets: set[Any], owner: dict[Any, int] | None) -> tuple[dict[Any, Any], list[torch.Tensor]]:
+def _walk(
+    roots: list[Any], targets: set[Any], owner: dict[Any, int] | None, linears: dict[Any, linearw.Linear] | None = None
+) -> tuple[dict[Any, Any], list[torch.Tensor]]:
     """One walk of the graph from ``roots`` (children before parents). Per node: ``True`` when it leads to
     one of ``targets``, else the parameter indices it leads to; ``owner`` maps the parameters'
-    accumulators to indices (``None``: every leaf other than the targets is a parameter, found here)."""
+    accumulators to indices (``None``: every leaf other than the targets is a parameter, found here).
+    ``linears`` (merging): filled with the linear calls found (``linearw.find``), which count as targets
+    (``True``) while the walk goes on below them."""
     found: dict[Any, Any] = {}
     leaves: list[torch.Tensor] = []
     stack: list[Any] = list(roots)
@@ -147,6 +175,10 @@ def _walk(roots: list[Any], targets: set[Any], owner: dict[Any, int] | None) -> 
         else:
             below = [found[n] for n, _ in nexts if n is not None]
             found[node] = True if True in below else _NONE.union(*below)
+            lin = linearw.find(node, owner) if linears is not None else None
+            if lin is not None and all(found.get(a, _NONE) not in (True, _NONE) for a in lin.accumulators):
+                linears[node] = lin  # type: ignore[index]
+                found[node] = True
     return found, leaves
 
 
@@ -155,9 +187,15 @@ def input_backward(
     grads: Sequence[Any],
     inputs: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor] | None = None,
+    merge: bool = False,
 ) -> tuple[list[Any], Pending]:
     """The gradients of ``inputs`` (``None`` where none flows) from ``outputs`` with ``grads`` (``None``
     for a scalar loss), and the ``Pending`` weight pass of ``params`` (see the module docstring).
+
+    ``merge``: linear calls (``linearw``) keep only their input and output gradient for the weight pass,
+    so that ``weights_together`` takes one product over several micro-batches; the split is made then
+    even when no input needs a gradient (a first stage). The graph is freed at once when nothing else
+    is left for the weight pass.
 
     Usage: ``grads, pending = input_backward(outs, out_grads, leaves, None); ...; pending.weights()``.
     """
@@ -165,30 +203,46 @@ def input_backward(
     wanted = [t for t in inputs if t.requires_grad]
     if not pairs:
         return [None] * len(inputs), Pending()
-    if not wanted or get_gradient_edge is None:
+    if get_gradient_edge is None or not (wanted or merge):
         return _whole([o for o, _ in pairs], [g for _, g in pairs], list(inputs)), Pending()
     roots = [get_gradient_edge(o) for o, _ in pairs]
     in_nodes = {get_gradient_edge(t).node for t in wanted}
     owner = None if params is None else {get_gradient_edge(p).node: i for i, p in enumerate(params) if p.requires_grad}
-    marks, leaves = _walk([e.node for e in roots], in_nodes, owner)
-    params = leaves if params is None else list(params)
+    linears: dict[Any, linearw.Linear] = {}
+    marks, leaves = _walk([e.node for e in roots], in_nodes, owner, linears if merge else None)
+    merged = _NONE.union(*(marks[a] for lin in linears.values() for a in lin.accumulators))
     frontier: dict[Any, frozenset[int]] = {}
     for node, mark in marks.items():
         if mark is True and node not in in_nodes:
             reach = _NONE.union(*(m for m in (marks[n] for n, _ in node.next_functions if n is not None) if m is not True))
+            if node in linears:  # its own weight and bias are merged; what its input leads to is not
+                reach = reach - _NONE.union(*(marks[a] for a in linears[node].accumulators))
             if reach:
                 frontier[node] = reach
-    if not frontier and not any(marks[e.node] for e in roots if marks[e.node] is not True):
+    direct = [marks[e.node] for e in roots if marks[e.node] is not True]
+    if merged and any(r & merged for r in [*frontier.values(), *direct]):  # a merged weight also used otherwise
+        return input_backward(outputs, grads, inputs, params, merge=False)
+    if not linears and (not wanted or (not frontier and not any(direct))):
         return _whole([o for o, _ in pairs], [g for _, g in pairs], list(inputs)), Pending()
-    handles = [node.register_prehook(_record(node)) for node in frontier]
+    keep = bool(frontier) or any(direct)  # else nothing restarts from the graph: free it now
+    nodes = list(linears)
+    handles = [node.register_prehook(_record(node)) for node in frontier if node not in linears]
     try:
-        found = _run(tuple(o for o, _ in pairs), tuple(g for _, g in pairs), True, False, tuple(wanted), allow_unreachable=True, accumulate_grad=False)
+        targets = (*wanted, *(GradientEdge(node, 0) for node in nodes))
+        found = _run(tuple(o for o, _ in pairs), tuple(g for _, g in pairs), keep, False, targets, allow_unreachable=True, accumulate_grad=False)
     finally:
         for h in handles:
             h.remove()
-    starts = _starts(pairs, roots, marks, frontier)
+    records = []
+    for node, g in zip(nodes, found[len(wanted) :]):
+        if g is not None:
+            records.append((linears[node], g))
+            if node in frontier:
+                node.metadata[_KEY] = (g,)
+    params = leaves if params is None else list(params)
+    starts = _starts(pairs, roots, marks, frontier) if keep else []
     by_id = {id(t): g for t, g in zip(wanted, found)}
-    return [by_id.get(id(t)) if t.requires_grad else None for t in inputs], Pending(_groups(starts, params))
+    return [by_id.get(id(t)) if t.requires_grad else None for t in inputs], Pending(_groups(starts, params), records)
 
 
 def _record(node: Any) -> Any:
@@ -252,18 +306,30 @@ def run_actions(
     device: torch.device,
     forward: Callable[[int], None],
     backward: Callable[[int, bool], Pending | None],
+    merge: bool = False,
 ) -> None:
     """One stage's schedule actions in order, each in its timeline block: ``forward(mb)``; ``backward(mb,
     split)`` (``split`` for zero-bubble's ``backward_input``, returning the ``Pending`` weight pass or
-    ``None`` when it ran whole); ``backward_weight`` runs that pass later.
+    ``None`` when it ran whole); ``backward_weight`` runs that pass later. ``merge``
+    (``schedule.merges_weights``): a run of consecutive ``backward_weight`` actions is one
+    ``weights_together`` pass, at the run's last action.
 
     Usage: ``run_actions(sched.build("zero-bubble", 4, 2)[stage], recorder, device, fwd, bwd)``.
     """
     later: dict[int, Pending | None] = {}
-    for a in actions:
+    run: list[Pending] = []
+    for k, a in enumerate(actions):
         if a.kind == sched.BACKWARD_WEIGHT:
             pending = later.pop(a.microbatch)
-            if pending:
+            if merge:
+                run.extend([pending] if pending else [])
+                if k + 1 < len(actions) and actions[k + 1].kind == sched.BACKWARD_WEIGHT:
+                    continue
+                todo, run = run, []
+                if todo:
+                    with recorder.block(a.stage, device, a.microbatch, "backward_weight"):
+                        weights_together(todo)
+            elif pending:
                 with recorder.block(a.stage, device, a.microbatch, "backward_weight"):
                     pending.weights()
             continue

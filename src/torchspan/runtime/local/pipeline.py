@@ -35,7 +35,7 @@ from ..layercall import autocast_for, recomputes, run_layer
 from ..lossweights import weighted_loss
 from ..memory import ActivationMeter, MeteredSteps
 from ..record import Recorder
-from ..splitgrad import Pending, input_backward
+from ..splitgrad import Pending, input_backward, weights_together
 from .stream import copy_stream, transfer, use_device, wait_ready
 from .worker import Mailbox, Transport, intra_op_threads, note_failure, run_workers, worker_groups
 
@@ -191,6 +191,8 @@ class Pipeline:
         signature = _signature(fns, inputs, targets)
         metering = self._steps.wants(signature)
         step = _TrainStep(self, fns, inputs, targets, loss_fn, weights, scaler, buffers, finished, metering)
+        if sched.merges_weights(schedule):
+            step.merge_at = _merge_points(plan)
         # Across processes the summed loss rides on each stage's last backward message down to stage 0
         # (no collective after the step): every process returns it.
         if any(not self.transport.is_local(t) for t in range(len(fns))):
@@ -200,6 +202,7 @@ class Pipeline:
         finally:
             step.saved.clear()
             step.pending.clear()
+            step.merging.clear()
         if metering:
             self._steps.done(signature)
         return step.result()
@@ -280,6 +283,8 @@ class _TrainStep:
         self.carry: int | None = None  # across processes: the micro-batch whose backward carries the loss
         self.carried: list[torch.Tensor] = []
         self.pending: dict[tuple[int, int], tuple[Pending, torch.Tensor | None]] = {}  # zero-bubble: weight passes to run
+        self.merge_at: set[tuple[int, int]] | None = None  # merged weights: (stage, mb) of the weight backward ending a run
+        self.merging: dict[int, tuple[list[Pending], list[torch.Tensor]]] = {}  # per stage: the run so far, its loss
 
     def summed(self) -> torch.Tensor:
         done = [t.float() for t in self.losses if t is not None]
@@ -397,7 +402,7 @@ class _TrainStep:
                 self.pending[(s, mb)] = (Pending(), None)
             return [v.grad if v is not None else None for v in leaves]
         wanted = [v for v in leaves if v is not None] if s > 0 else []  # stage 0: one whole backward now
-        found, pending = input_backward([o for o, _ in pairs], [g for _, g in pairs], wanted)
+        found, pending = input_backward([o for o, _ in pairs], [g for _, g in pairs], wanted, merge=self.merge_at is not None)
         self.pending[(s, mb)] = (pending, None)
         if s == 0:  # nothing is sent
             return [None] * len(leaves)
@@ -408,7 +413,18 @@ class _TrainStep:
         """The parameters' gradients of ``mb`` on stage ``s`` (zero-bubble's W); after the stage's last one,
         ``finished`` (a data-parallel reduction starts)."""
         pending, loss = self.pending.pop((s, mb))
-        if pending:
+        if self.merge_at is not None:  # merged weights: gather the run, take it as one pass at its end
+            run, losses = self.merging.setdefault(s, ([], []))
+            run.append(pending)
+            losses.extend([loss] if loss is not None else [])
+            if (s, mb) not in self.merge_at:
+                return
+            del self.merging[s]
+            if any(run):
+                with self.pipe.recorder.block(s, self.pipe.devices[s], mb, "backward_weight"):
+                    weights_together(run)
+            loss = losses[-1] if losses else None
+        elif pending:
             with self.pipe.recorder.block(s, self.pipe.devices[s], mb, "backward_weight"):
                 pending.weights()
         if loss is not None and self.finished is not None:
@@ -459,6 +475,16 @@ def _unflat(leaves: list[Any], spec: Any) -> Any:
     if spec is _SEQUENCE_SPECS.get((tuple, len(leaves))):
         return tuple(leaves)
     return tree_unflatten(leaves, spec)
+
+
+def _merge_points(plan: list[list[sched.Action]]) -> set[tuple[int, int]]:
+    """(stage, micro-batch) of each weight backward that ends a run of them in its stage's actions."""
+    points = set()
+    for actions in plan:
+        for a, b in zip(actions, [*actions[1:], None]):
+            if a.kind == sched.BACKWARD_WEIGHT and (b is None or b.kind != sched.BACKWARD_WEIGHT):
+                points.add((a.stage, a.microbatch))
+    return points
 
 
 def _carried_microbatch(plan: list[list[sched.Action]]) -> int:

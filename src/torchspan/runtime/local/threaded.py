@@ -15,9 +15,9 @@ schedule allows, which bounds the micro-batches in flight per stage). Autograd r
 on its own per-device threads, which must never block: there, only the start of each backward
 takes turns on the last stage, and the hooks just mark the timeline.
 
-``schedule="zero-bubble"`` runs here in 1F1B's order with whole backwards (each micro-batch's backward
-is one autograd call crossing the stages, which cannot be split in two); across ranks
-(``ranks.ownforward``) and with stage functions it is split.
+``schedule="zero-bubble"`` and ``"merged-weights"`` run here in 1F1B's order with whole backwards (each
+micro-batch's backward is one autograd call crossing the stages, which cannot be split in two); across
+ranks (``ranks.ownforward``) and with stage functions they are split.
 
 Recompute and precision are per micro-batch and per stage (``layercall``), entered inside each
 thread (autocast and grad mode are thread-local). Limitation: with ``recompute`` on a CPU stage
@@ -236,8 +236,8 @@ class OwnForwardExecutor(Executor):
             back.finish()
             losses[mb] = loss.detach().to(last).float()
 
-        # zero-bubble runs as 1F1B here: each micro-batch's backward is one autograd call across the stages, not split
-        schedule = "1f1b" if s.schedule == "zero-bubble" else s.schedule
+        # split schedules run as 1F1B here: each micro-batch's backward is one autograd call across the stages, not split
+        schedule = "1f1b" if s.schedule in ("zero-bubble", "merged-weights") else s.schedule
         self._run(sched.build(schedule, s.microbatches, n), "all" if self.ordered_backward else "start", job)
         return torch.stack([t for t in losses if t is not None]).sum()
 

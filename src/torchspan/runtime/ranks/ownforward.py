@@ -361,8 +361,9 @@ class RankOwnForwardExecutor(StageExecutor):
         if st.loss is not None and st.loss.requires_grad:
             outs.append(st.loss)
             grads.append(None)
-        if split and st.inbound and not st.recompute and self._shard is None:  # zero-bubble (not checkpointed, not FSDP)
-            found, pending = input_backward(outs, grads, [t for t, _ in st.inbound])
+        merge = sched.merges_weights(self.settings.schedule)
+        if split and (st.inbound or merge) and not st.recompute and self._shard is None:  # not checkpointed, not FSDP
+            found, pending = input_backward(outs, grads, [t for t, _ in st.inbound], merge=merge)
         else:
             if outs:
                 torch.autograd.backward(outs, grads)
@@ -446,7 +447,7 @@ class RankOwnForwardExecutor(StageExecutor):
 
         ok = False
         try:
-            run_actions(actions, self.recorder, self.device, forward, backward)
+            run_actions(actions, self.recorder, self.device, forward, backward, merge=sched.merges_weights(s.schedule))
             if not self.ranks.last:  # after every gradient message from the last stage on this channel
                 summed.append(self._recv(torch.empty(1, dtype=torch.float64, device=self.device), n - 1, "own-bwd").reshape(()))
             ok = True

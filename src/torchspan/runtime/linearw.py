@@ -1,0 +1,115 @@
+"""Linear layers' weight gradients over several micro-batches as one matrix product.
+
+A linear layer's weight gradient on one micro-batch is ``g.T @ x`` (``g``: the gradient of its output,
+``x``: its input, both flattened to rows); over micro-batches it is the sum of those products, which
+autograd builds one product and one in-place add at a time. Stacking the rows gives the same sum in
+one product, ``cat(g).T @ cat(x)``: what one device computes on the whole batch, and much cheaper
+than ``m`` products of ``m`` times fewer rows each followed by ``m`` adds into ``.grad``.
+
+``find(node, owner)`` recognises such a node in an autograd graph (``addmm`` with ``alpha = beta = 1``
+or ``mm``, the weight reached through ``t()`` alone, the bias a 1-D leaf) and returns a ``Linear``
+holding its input; ``accumulate(records)`` sums the records of each layer's parameters and adds them
+into ``.grad`` through the parameters' own accumulators (one engine call: hooks on the parameters
+fire, ``.grad`` is set or added to in place as by ``backward``).
+
+Usage::
+
+    lin = find(node, None)          # on an AddmmBackward0 / MmBackward0, else None
+    accumulate([(lin, g1), (lin2, g2)])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Linear", "find", "accumulate"]
+
+try:  # the engine call behind torch.autograd.backward, without its per-call checks
+    from torch.autograd.graph import _engine_run_backward as _run
+except ImportError:  # pragma: no cover
+
+    def _run(outputs: Any, grads: Any, keep: bool, create: bool, inputs: Any, *, allow_unreachable: bool, accumulate_grad: bool) -> Any:
+        return torch.autograd.backward(outputs, grads, retain_graph=keep, inputs=inputs)
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One linear call in a graph: its weight and bias leaves, its input rows ``x`` (2-D), and the
+    accumulator nodes its weight and bias gradients would flow into."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    x: torch.Tensor
+    accumulators: frozenset[Any]
+
+
+def _leaf(node: Any, owner: dict[Any, int] | None) -> torch.Tensor | None:
+    """The parameter behind an accumulator node (``owner``: the parameters' accumulators; ``None``: any leaf)."""
+    if node is None or node.next_functions or not hasattr(node, "variable"):
+        return None
+    if owner is not None and node not in owner:
+        return None
+    return node.variable
+
+
+def find(node: Any, owner: dict[Any, int] | None) -> Linear | None:
+    """``node`` as a ``Linear`` when it is one (see the module docstring), else ``None``."""
+    name = type(node).__name__
+    if name == "AddmmBackward0":
+        if node._saved_alpha != 1 or node._saved_beta != 1:
+            return None
+        (bias_fn, _), _, (t_fn, _) = node.next_functions
+        x = node._saved_mat1
+    elif name == "MmBackward0":
+        bias_fn = None
+        _, (t_fn, _) = node.next_functions
+        x = node._saved_self
+    else:
+        return None
+    if t_fn is None or type(t_fn).__name__ != "TBackward0" or len(t_fn.next_functions) != 1:
+        return None
+    acc = t_fn.next_functions[0][0]
+    weight = _leaf(acc, owner)
+    if weight is None or weight.dim() != 2 or x is None or x.dim() != 2 or x.dtype != weight.dtype:
+        return None
+    bias = None
+    if bias_fn is not None:
+        bias = _leaf(bias_fn, owner)
+        if bias is None or bias.dim() != 1 or bias.dtype != weight.dtype:
+            return None
+    accs = frozenset(a for a in (acc, bias_fn) if a is not None)
+    return Linear(weight, bias, x, accs)
+
+
+def accumulate(records: Sequence[tuple[Linear, torch.Tensor]]) -> None:
+    """Add every record's weight (and bias) gradient into ``.grad``: one product per weight over all its
+    records' rows (``g``: the gradient flowing into the linear call's output, 2-D), then one engine call.
+
+    Usage: ``accumulate([(lin, g) for lin, g in recorded])``.
+    """
+    by_weight: dict[int, tuple[Linear, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
+    for lin, g in records:
+        _, xs, gs, biased = by_weight.setdefault(id(lin.weight), (lin, [], [], []))
+        xs.append(lin.x)
+        gs.append(g)
+        if lin.bias is not None:
+            biased.append(g)
+    leaves: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
+    bias_grads: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+    for lin, xs, gs, biased in by_weight.values():
+        x = xs[0] if len(xs) == 1 else torch.cat(xs)
+        g = gs[0] if len(gs) == 1 else torch.cat(gs)
+        leaves.append(lin.weight)
+        grads.append(g.t().mm(x))
+        if lin.bias is not None:
+            bias_grads.setdefault(id(lin.bias), (lin.bias, []))[1].append(g if len(biased) == len(gs) else torch.cat(biased))
+    for bias, parts in bias_grads.values():  # a bias shared by several weights (rare): each part summed once
+        leaves.append(bias)
+        grads.append(parts[0].sum(0) if len(parts) == 1 else torch.stack([p.sum(0) for p in parts]).sum(0))
+    if leaves:
+        _run(tuple(leaves), tuple(grads), False, False, tuple(leaves), allow_unreachable=True, accumulate_grad=True)
