@@ -7,7 +7,8 @@ one product, ``cat(g).T @ cat(x)``: what one device computes on the whole batch,
 than ``m`` products of ``m`` times fewer rows each followed by ``m`` adds into ``.grad``.
 
 ``find(node, owner)`` recognises such a node in an autograd graph (``addmm`` with ``alpha = beta = 1``
-or ``mm``, the weight reached through ``t()`` alone, the bias a 1-D leaf) and returns a ``Linear``
+or ``mm``, the weight reached through ``t()`` alone, the bias a 1-D leaf; either may be cast first, as
+autocast does, and its gradient is then cast back once, after the product) and returns a ``Linear``
 holding its input; ``accumulate(records)`` sums the records of each layer's parameters and adds them
 into ``.grad`` through the parameters' own accumulators (one engine call: hooks on the parameters
 fire, ``.grad`` is set or added to in place as by ``backward``).
@@ -48,7 +49,10 @@ class Linear:
 
 
 def _leaf(node: Any, owner: dict[Any, int] | None) -> torch.Tensor | None:
-    """The parameter behind an accumulator node (``owner``: the parameters' accumulators; ``None``: any leaf)."""
+    """The parameter behind an accumulator node, or behind a cast of it (autocast's copy of a weight in
+    another dtype: ``ToCopyBackward0``); ``owner``: the parameters' accumulators (``None``: any leaf)."""
+    if node is not None and type(node).__name__ == "ToCopyBackward0" and len(node.next_functions) == 1:
+        node = node.next_functions[0][0]
     if node is None or node.next_functions or not hasattr(node, "variable"):
         return None
     if owner is not None and node not in owner:
@@ -74,15 +78,24 @@ def find(node: Any, owner: dict[Any, int] | None) -> Linear | None:
         return None
     acc = t_fn.next_functions[0][0]
     weight = _leaf(acc, owner)
-    if weight is None or weight.dim() != 2 or x is None or x.dim() != 2 or x.dtype != weight.dtype:
+    if weight is None or weight.dim() != 2 or x is None or x.dim() != 2 or not x.is_floating_point():
         return None
     bias = None
     if bias_fn is not None:
         bias = _leaf(bias_fn, owner)
-        if bias is None or bias.dim() != 1 or bias.dtype != weight.dtype:
+        if bias is None or bias.dim() != 1:
             return None
-    accs = frozenset(a for a in (acc, bias_fn) if a is not None)
+    accs = frozenset(_accumulator(a) for a in (acc, bias_fn) if a is not None)
     return Linear(weight, bias, x, accs)
+
+
+def _accumulator(node: Any) -> Any:
+    """The accumulator itself behind a cast node (see ``_leaf``)."""
+    return node.next_functions[0][0] if type(node).__name__ == "ToCopyBackward0" else node
+
+
+def _as(grad: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
+    return grad if grad.dtype == leaf.dtype and grad.device == leaf.device else grad.to(device=leaf.device, dtype=leaf.dtype)
 
 
 def accumulate(records: Sequence[tuple[Linear, torch.Tensor]]) -> None:
@@ -105,11 +118,11 @@ def accumulate(records: Sequence[tuple[Linear, torch.Tensor]]) -> None:
         x = xs[0] if len(xs) == 1 else torch.cat(xs)
         g = gs[0] if len(gs) == 1 else torch.cat(gs)
         leaves.append(lin.weight)
-        grads.append(g.t().mm(x))
+        grads.append(_as(g.t().mm(x), lin.weight))  # in the compute dtype, cast once (autocast's copy) as one device does
         if lin.bias is not None:
             bias_grads.setdefault(id(lin.bias), (lin.bias, []))[1].append(g if len(biased) == len(gs) else torch.cat(biased))
     for bias, parts in bias_grads.values():  # a bias shared by several weights (rare): each part summed once
         leaves.append(bias)
-        grads.append(parts[0].sum(0) if len(parts) == 1 else torch.stack([p.sum(0) for p in parts]).sum(0))
+        grads.append(_as(parts[0].sum(0) if len(parts) == 1 else torch.stack([p.sum(0) for p in parts]).sum(0), bias))
     if leaves:
         _run(tuple(leaves), tuple(grads), False, False, tuple(leaves), allow_unreachable=True, accumulate_grad=True)
