@@ -104,25 +104,23 @@ def accumulate(records: Sequence[tuple[Linear, torch.Tensor]]) -> None:
 
     Usage: ``accumulate([(lin, g) for lin, g in recorded])``.
     """
-    by_weight: dict[int, tuple[Linear, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
+    by_weight: dict[int, tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = {}
+    by_bias: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # each record's own bias (a weight may have several)
     for lin, g in records:
-        _, xs, gs, biased = by_weight.setdefault(id(lin.weight), (lin, [], [], []))
+        _, xs, gs = by_weight.setdefault(id(lin.weight), (lin.weight, [], []))
         xs.append(lin.x)
         gs.append(g)
         if lin.bias is not None:
-            biased.append(g)
+            by_bias.setdefault(id(lin.bias), (lin.bias, []))[1].append(g)
     leaves: list[torch.Tensor] = []
     grads: list[torch.Tensor] = []
-    bias_grads: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
-    for lin, xs, gs, biased in by_weight.values():
+    for weight, xs, gs in by_weight.values():
         x = xs[0] if len(xs) == 1 else torch.cat(xs)
         g = gs[0] if len(gs) == 1 else torch.cat(gs)
-        leaves.append(lin.weight)
-        grads.append(_as(g.t().mm(x), lin.weight))  # in the compute dtype, cast once (autocast's copy) as one device does
-        if lin.bias is not None:
-            bias_grads.setdefault(id(lin.bias), (lin.bias, []))[1].append(g if len(biased) == len(gs) else torch.cat(biased))
-    for bias, parts in bias_grads.values():  # a bias shared by several weights (rare): each part summed once
+        leaves.append(weight)
+        grads.append(_as(g.t().mm(x), weight))  # in the compute dtype, cast once (autocast's copy) as one device does
+    for bias, gs in by_bias.values():
         leaves.append(bias)
-        grads.append(_as(parts[0].sum(0) if len(parts) == 1 else torch.stack([p.sum(0) for p in parts]).sum(0), bias))
+        grads.append(_as((gs[0] if len(gs) == 1 else torch.cat(gs)).sum(0), bias))
     if leaves:
         _run(tuple(leaves), tuple(grads), False, False, tuple(leaves), allow_unreachable=True, accumulate_grad=True)

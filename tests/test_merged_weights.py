@@ -1,0 +1,446 @@
+"""Merged weights: every stage's weight backwards last, each linear layer's weight gradient one product.
+
+The schedule as data (1F1B's order with input backwards, then every weight backward); the split itself
+(``splitgrad.input_backward(..., merge=True)`` over uneven micro-batches, then one ``weights_together``)
+against one whole ``backward`` per micro-batch; ``span(..., schedule="merged-weights")`` in one process
+and across gloo ranks against one device on the whole batch (float64: only the order of additions
+differs). That merging really happens is seen from the parameters' own hooks: a merged weight's
+``post_accumulate_grad`` hook fires once per step, not once per micro-batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import torchspan
+from torchspan import schedule as sched
+from torchspan.runtime.ranks import free_port
+from torchspan.runtime.splitgrad import input_backward, weights_together
+from runtime_models import residual, residual_loss, sequential
+from test_ranks_pipeline import LOSS_TOL, TiedLM, _check, _join, _leave, _seq, _spawn
+from test_zero_bubble import Twice
+
+TOL = dict(rtol=1e-10, atol=1e-12)
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
+
+
+def _count_accumulations(model: nn.Module, fired: dict[str, int] | None = None) -> dict[str, int]:
+    """How many times autograd accumulated into each parameter's ``.grad`` (its post-accumulate hook), by name
+    (a deep copy's parameters, which may carry the hooks along, are not counted)."""
+    fired = {} if fired is None else fired
+
+    def hook_for(name: str, param: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            if p is param:
+                fired[name] = fired.get(name, 0) + 1
+
+        return hook
+
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(hook_for(name, p))
+    return fired
+
+
+# ---------------------------------------------------------------------- the schedule as data
+def _respects_dependencies(plan: list[list[sched.Action]]) -> None:
+    clock = {(a.kind, a.stage, a.microbatch): a.clock for actions in plan for a in actions}
+    n = len(plan)
+    for s, actions in enumerate(plan):
+        assert all(a.stage == s for a in actions)
+        assert [a.clock for a in actions] == sorted({a.clock for a in actions}), f"stage {s}: clocks not strictly increasing"
+        for a in actions:
+            i = a.microbatch
+            if a.kind == sched.FORWARD and s > 0:
+                assert a.clock > clock[(sched.FORWARD, s - 1, i)]
+            if a.kind == sched.BACKWARD_INPUT:
+                assert a.clock > clock[(sched.FORWARD, s, i)]
+                if s < n - 1:
+                    assert a.clock > clock[(sched.BACKWARD_INPUT, s + 1, i)]
+            if a.kind == sched.BACKWARD_WEIGHT:
+                assert a.clock > clock[(sched.BACKWARD_INPUT, s, i)], f"stage {s}: W{i} before its B-input"
+
+
+@pytest.mark.parametrize("m,n", [(4, 2), (1, 1), (1, 3), (4, 1), (5, 3), (2, 4)])
+def test_schedule_is_1f1b_with_input_backwards_then_every_weight_backward(m: int, n: int) -> None:
+    plan = sched.merged_weights(m, n)
+    assert len(plan) == n
+    for s, (actions, base) in enumerate(zip(plan, sched.one_f_one_b(m, n))):
+        want = [(sched.BACKWARD_INPUT if a.kind == sched.BACKWARD else a.kind, a.microbatch) for a in base]
+        want += [(sched.BACKWARD_WEIGHT, i) for i in range(m)]
+        assert [(a.kind, a.microbatch) for a in actions] == want, f"stage {s}"
+        assert sched.max_live(actions) == m  # every micro-batch held until the weight backwards at the end
+    _respects_dependencies(plan)
+    assert sched.build("merged-weights", m, n) == plan
+
+
+def test_schedule_of_four_microbatches_on_two_stages_and_its_name() -> None:
+    short = {sched.FORWARD: "F", sched.BACKWARD_INPUT: "I", sched.BACKWARD_WEIGHT: "W"}
+    plan = sched.merged_weights(4, 2)
+    assert [f"{short[a.kind]}{a.microbatch}" for a in plan[0]] == "F0 F1 I0 F2 I1 F3 I2 I3 W0 W1 W2 W3".split()
+    assert [f"{short[a.kind]}{a.microbatch}" for a in plan[1]] == "F0 I0 F1 I1 F2 I2 F3 I3 W0 W1 W2 W3".split()
+    assert [sched.max_live(a) for a in plan] == [4, 4]
+    assert "merged-weights" in sched.SCHEDULES
+    assert sched.merges_weights("merged-weights")
+    assert not any(sched.merges_weights(name) for name in sched.SCHEDULES if name != "merged-weights")
+    with pytest.raises(ValueError):
+        sched.merged_weights(0, 2)
+
+
+# ---------------------------------------------------------------------- the split itself
+class NormFirst(nn.Module):
+    """A first stage: LayerNorm (not a linear call: its weights come from the frontier pass) before a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.l = nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.l(self.norm(x)))
+
+
+class Shared(nn.Module):
+    """A weight read by a linear call (``x @ w.t()``) and on its own (``w.sum()``): merging must fall back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.w.t()) + self.w.sum()
+
+
+class Biases(nn.Module):
+    """One weight in two linear calls, with a bias on the first call, the second, or each its own."""
+
+    def __init__(self, first: bool, second: bool) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+        self.b1 = nn.Parameter(torch.randn(8)) if first else None
+        self.b2 = nn.Parameter(torch.randn(8)) if second else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(torch.tanh(nn.functional.linear(x, self.w, self.b1)), self.w, self.b2)
+
+
+def _rows(*shape: int) -> Callable[[int], torch.Tensor]:
+    return lambda rows: torch.randn(rows, *shape)
+
+
+def _transposed(rows: int) -> torch.Tensor:
+    """(rows, 5, 8), not contiguous unless ``rows == 1``: nn.Linear takes matmul + add (bias apart) on it, addmm on one row."""
+    return torch.randn(5, rows, 8).transpose(0, 1)
+
+
+Case = tuple[Callable[[], nn.Module], Callable[[int], torch.Tensor], bool, str, bool]
+# name: (model, one micro-batch's input of so many rows, the input needs a gradient, the watched weight, merged)
+SPLITS: dict[str, Case] = {
+    "sequential": (
+        lambda: nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)), _rows(8), True, "2.weight", True
+    ),
+    "twice": (Twice, _rows(8), True, "l.weight", True),
+    "first stage": (NormFirst, _rows(8), False, "l.weight", True),
+    "3-d": (lambda: nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8, bias=False)), _rows(5, 8), True, "2.weight", True),
+    "shared": (Shared, _rows(8), True, "w", False),
+}
+
+
+def _merged_equals_whole(case: str, spec: Case, explicit_params: bool = False, grads_before: bool = False) -> None:
+    """3 uneven micro-batches through ``input_backward(..., merge=True)`` and one ``weights_together``
+    against one whole ``backward`` per micro-batch on a deep copy."""
+    make, inputs, needs_grad, watched, merges = spec
+    torch.manual_seed(0)
+    whole = make()
+    merged = copy.deepcopy(whole)
+    if grads_before:  # accumulation into existing .grad, as backward does
+        for p, q in zip(whole.parameters(), merged.parameters()):
+            p.grad, q.grad = torch.full_like(p, 0.5), torch.full_like(q, 0.5)
+    before = {name: None if q.grad is None else q.grad.clone() for name, q in merged.named_parameters()}
+    seen: dict[str, list[torch.Tensor]] = {"whole": [], "merged": []}
+    for label, model in (("whole", whole), ("merged", merged)):
+        dict(model.named_parameters())[watched].register_hook(lambda g, label=label: seen[label].append(g.clone()))
+    fired = _count_accumulations(merged)
+    rows = (3, 1, 4)  # uneven micro-batches
+    pendings = []
+    for x in [inputs(r) for r in rows]:
+        a, b = x.clone().requires_grad_(needs_grad), x.clone().requires_grad_(needs_grad)
+        out = whole(a)
+        g = torch.randn_like(out)
+        out.backward(g)
+        params = list(merged.parameters()) if explicit_params else None
+        found, pending = input_backward([merged(b)], [g], [b] if needs_grad else [], params, merge=True)
+        assert pending, "nothing was left for the weight pass"
+        if needs_grad:
+            assert len(found) == 1
+            torch.testing.assert_close(found[0], a.grad, **TOL)
+            assert b.grad is None  # the inputs' gradients are returned, not accumulated
+        else:
+            assert found == []
+        pendings.append(pending)
+    # no parameter's .grad touched, no hook fired before the weight pass
+    assert fired == {} and seen["merged"] == []
+    for name, q in merged.named_parameters():
+        assert (q.grad is None) if before[name] is None else torch.equal(q.grad, before[name]), name
+    weights_together(pendings)
+    for (name, p), q in zip(whole.named_parameters(), merged.parameters()):
+        assert (p.grad is None) == (q.grad is None), f"{case}: {name}: {'no' if q.grad is None else 'a'} gradient"
+        torch.testing.assert_close(q.grad, p.grad, **TOL, msg=lambda m: f"{case}: {name}: {m}")
+    if merges:  # one accumulation for the three micro-batches, of their summed gradient
+        assert fired[watched] == 1, fired
+        assert len(seen["merged"]) == 1 and len(seen["whole"]) == len(rows)
+        torch.testing.assert_close(seen["merged"][0], sum(seen["whole"]), **TOL)
+    else:  # fell back to a split per micro-batch: one accumulation each
+        assert fired[watched] == len(rows), fired
+    weights_together(pendings)  # a second call finds nothing left to add
+    for p, q in zip(whole.parameters(), merged.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, **TOL)
+
+
+@pytest.mark.parametrize("grads_before", [False, True], ids=["fresh", "accumulating"])
+@pytest.mark.parametrize("explicit_params", [False, True], ids=["params=None", "param-list"])
+@pytest.mark.parametrize("case", list(SPLITS))
+def test_merged_split_over_uneven_microbatches_equals_backward_each(case: str, explicit_params: bool, grads_before: bool) -> None:
+    _merged_equals_whole(case, SPLITS[case], explicit_params, grads_before)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "bias on the first call",
+        "bias on the second call",  # each record's own bias (a weight's first record's bias took them all before)
+        "a bias per call",  # each record's own bias (a weight's first record's bias took them all before)
+        "3-d, contiguous in one micro-batch",  # each record's own bias (a weight's first record's bias took them all before)
+    ],
+)
+def test_merged_split_of_one_weight_with_and_without_biases(case: str) -> None:
+    specs: dict[str, Case] = {
+        "bias on the first call": (lambda: Biases(True, False), _rows(8), True, "w", True),
+        "bias on the second call": (lambda: Biases(False, True), _rows(8), True, "w", True),
+        "a bias per call": (lambda: Biases(True, True), _rows(8), True, "w", True),
+        # micro-batches of 3, 1, 4 rows: matmul + add, addmm (the bias merged), matmul + add
+        "3-d, contiguous in one micro-batch": (lambda: nn.Sequential(nn.Linear(8, 8), nn.Tanh()), _transposed, True, "0.weight", True),
+    }
+    _merged_equals_whole(case, specs[case])
+
+
+def test_merged_split_frees_the_graph_when_nothing_else_is_left() -> None:
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    out = model(x)
+    g = torch.randn_like(out)
+    _, pending = input_backward([out], [g], [x], merge=True)
+    with pytest.raises(RuntimeError, match="second time"):  # only the linear calls' inputs and output gradients kept
+        out.backward(g)
+    pending.weights()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+# ---------------------------------------------------------------------- one process
+def _data(rows: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(rows, 6, generator=torch.Generator().manual_seed(3))
+    return x, torch.randn(rows, 3, generator=torch.Generator().manual_seed(4))
+
+
+@pytest.mark.parametrize("recompute", ["never", "except_last", "always"])
+@pytest.mark.parametrize("devices,balance", [(["cpu", "cpu"], [3, 4]), (["cpu", "cpu", "cpu"], [2, 2, 3])])
+def test_one_process_merged_weights_matches_one_device(recompute: str, devices: list[str], balance: list[int]) -> None:
+    x, y = _data()
+    reference, model = sequential(), sequential()
+    fired = _count_accumulations(model)
+    spanned = torchspan.span(model, devices=devices, balance=balance, microbatches=4, schedule="merged-weights", recompute=recompute)
+    for step, rows in enumerate((10, 7), start=1):  # 3, 3, 2, 2 rows; then 2, 2, 2, 1, accumulating into .grad
+        loss = spanned.train_step(x[:rows], y[:rows], nn.functional.mse_loss)
+        want = nn.functional.mse_loss(reference(x[:rows]), y[:rows])
+        want.backward()
+        torch.testing.assert_close(loss.double(), want.detach(), **LOSS_TOL)
+        for (name, p), r in zip(spanned.module.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, r.grad, **TOL, msg=lambda m: f"step {step}: {name}: {m}")
+        assert fired == {name: step for name, _ in model.named_parameters()}  # once per step: all 4 micro-batches merged
+        kinds = [(e.kind, e.stage) for e in spanned.timeline()]
+        for s in range(len(devices)):  # one weight pass per stage, after its 4 input backwards
+            assert kinds.count(("backward_weight", s)) == 1 and kinds.count(("backward", s)) == 4
+
+
+def test_one_process_merged_weights_fx_residual_and_accumulation() -> None:
+    model = residual()
+    ref = copy.deepcopy(model)
+    fired = _count_accumulations(model)
+    x, extra, y, mask = torch.randn(7, 6), torch.randn(7, 16), torch.randn(7, 3), torch.rand(16)
+    spanned = torchspan.span(model, devices="cpu,cpu,cpu", balance=[1, 2, 1], microbatches=3, schedule="merged-weights")
+    assert spanned.mode == "fx"
+    for rows in (7, 5):  # a second step accumulates into .grad, as on one device
+        inputs = {"x": x[:rows], "extra": extra[:rows], "mask": torchspan.runtime.NoSplit(mask), "gain": 2.0}
+        spanned.train_step(inputs, y[:rows], residual_loss)
+        residual_loss(ref(x[:rows], extra[:rows], mask=mask, gain=2.0), y[:rows]).backward()
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, **TOL, msg=lambda m: f"{name}: {m}")
+    for name in ("embed.weight", "block1.weight", "block2.weight", "head.weight"):  # linear layers on every stage merged
+        assert fired[name] == 2, fired
+    assert "backward_weight" in {e.kind for e in spanned.timeline()}
+
+
+def _autocast_run(
+    schedule: str | None, x: torch.Tensor, y: torch.Tensor, precision: str, **options
+) -> tuple[list[torch.Tensor], dict[str, int]]:
+    """A float32 model's gradients under autocast (one device on the whole batch when ``schedule`` is
+    ``None``), and how many times each parameter's ``.grad`` was accumulated into."""
+    model = sequential().float()
+    fired = _count_accumulations(model)
+    if schedule is None:
+        with torch.autocast("cpu", dtype=torch.bfloat16 if precision == "bf16" else torch.float16):
+            loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+    else:
+        spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=3, schedule=schedule, precision=precision, **options)
+        if precision == "fp16":
+            assert spanned.scaler is not None
+        spanned.train_step(x, y, nn.functional.mse_loss)
+    return [p.grad for p in model.parameters()], fired
+
+
+def test_one_process_merged_weights_under_bf16_is_closer_to_one_device_than_1f1b() -> None:
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(9, 6, generator=g, dtype=torch.float32), torch.randn(9, 3, generator=g, dtype=torch.float32)
+    one, _ = _autocast_run(None, x, y, "bf16")
+    merged, fired = _autocast_run("merged-weights", x, y, "bf16", balance=[3, 4])
+    base, _ = _autocast_run("1f1b", x, y, "bf16", balance=[3, 4])
+    assert set(fired.values()) == {1}, fired  # merged through autocast's bf16 copies of the weights
+    for r, m in zip(one, merged):
+        assert m.dtype == torch.float32
+        torch.testing.assert_close(m, r, rtol=2e-2, atol=2e-2 * r.abs().max().item())
+
+    def off(grads: list[torch.Tensor]) -> float:
+        return sum(((a - r).double() ** 2).sum() for a, r in zip(grads, one)).item() ** 0.5
+
+    # one bf16 product over the 9 rows, cast once, as one device takes it; 1F1B: three, each cast and added
+    assert off(merged) < off(base), (off(merged), off(base))
+
+
+def test_one_process_merged_weights_under_fp16_and_its_scaler_equals_1f1b() -> None:
+    x, y = torch.randn(8, 6, dtype=torch.float32), torch.randn(8, 3, dtype=torch.float32)
+    (merged, fired), (base, _) = (_autocast_run(s, x, y, "fp16") for s in ("merged-weights", "1f1b"))
+    assert set(fired.values()) == {1}, fired
+    for a, b in zip(merged, base):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=5e-3, atol=5e-3 * b.abs().max().item())
+
+
+def test_own_forward_in_one_process_runs_merged_weights_as_1f1b() -> None:
+    pytest.importorskip("transformers")
+    from test_ranks_hooks import _batch, _llama, _token_ce, _tokens
+
+    ids, labels, mask = _batch(5, 5, 7, 40)
+    grads = []
+    for schedule in ("1f1b", "merged-weights"):
+        spanned = torchspan.span(_llama(), devices=["cpu", "cpu"], microbatches=3, schedule=schedule)
+        assert spanned.mode == "own-forward"
+        spanned.train_step({"input_ids": ids, "attention_mask": mask}, labels, _token_ce, loss_normalizer=_tokens)
+        grads.append([p.grad for p in spanned.module.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+# ---------------------------------------------------------------------- across ranks
+def _ranks_worker(rank: int, world: int, port: int, llama: bool) -> None:
+    _join(rank, world, port)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(7, 5, generator=g, dtype=torch.float64)  # 7 rows in 3 micro-batches: 3 + 2 + 2; then 5: 2 + 2 + 1
+    y = torch.randn(7, 4, generator=g, dtype=torch.float64)
+    model, reference = _seq(), _seq()
+    fired = _count_accumulations(model)
+    spanned = torchspan.span(model, balance=[2, 2], microbatches=3, schedule="merged-weights")
+    for step, rows in enumerate((7, 5), start=1):  # the second step accumulates
+        loss = spanned.train_step(x[:rows], y[:rows], nn.MSELoss())
+        want = nn.MSELoss()(reference(x[:rows]), y[:rows])
+        want.backward()
+        torch.testing.assert_close(loss.double(), want.detach(), **LOSS_TOL)
+        assert _check(spanned, reference, f"merged-weights {rows} rows", rank) == (2 if rank == 0 else 4)
+        held = [name for name, p in model.named_parameters() if not p.is_meta]
+        assert {n: fired.get(n) for n in held} == {n: step for n in held}, f"rank {rank}: {fired}"  # merged: once per step
+        assert [e.kind for e in spanned.timeline()].count("backward_weight") == 1, f"rank {rank}"
+    # a tied embedding/head weight across the two ranks (fx split)
+    ids = torch.randint(0, 11, (7, 3), generator=g)
+    tokens = torch.randint(0, 11, (21,), generator=g)
+    model = TiedLM()
+    reference = copy.deepcopy(model)
+    spanned = torchspan.span(model, balance=[2, 1], microbatches=3, schedule="merged-weights")
+    ce = nn.CrossEntropyLoss()
+    spanned.train_step(ids, tokens.view(7, 3), lambda out, t: ce(out, t.flatten()), loss_reduction="mean")
+    ce(reference(ids), tokens).backward()
+    assert _check(spanned, reference, "tied across ranks, merged-weights", rank) == (3 if rank == 0 else 1)
+    if llama:  # own forward: a tied transformers decoder; stage 0 merges too (no input needs a gradient there)
+        from test_ranks_hooks import _llama, _train_and_compare
+
+        counted: dict[str, int] = {}
+
+        def make() -> nn.Module:
+            model = _llama()
+            _count_accumulations(model, counted)
+            return model
+
+        options = dict(devices=["cpu", "cpu"], microbatches=3, schedule="merged-weights")
+        _train_and_compare(make, "llama tied merged-weights", rank, world, 40, True, **options)
+        projections = {n: c for n, c in counted.items() if n.endswith("proj.weight")}
+        assert projections and set(projections.values()) == {3}, f"rank {rank}: {counted}"  # 3 steps of 3 micro-batches: 3 passes
+    _leave()
+
+
+def _has_transformers() -> bool:
+    return importlib.util.find_spec("transformers") is not None
+
+
+@pytest.mark.slow
+def test_two_rank_merged_weights_matches_one_device() -> None:
+    _spawn(_ranks_worker, 2, free_port(), _has_transformers(), deadline=180.0)
+
+
+def _hybrid_worker(rank: int, world: int, port: int, llama: bool) -> None:
+    """2 replicas x 2 stages: the data-parallel reduction starts after each stage's merged weight pass."""
+    _join(rank, world, port)
+    replica = rank // 2  # rank = replica * stages + stage
+    g = torch.Generator().manual_seed(9)
+    x, y = torch.randn(7, 5, generator=g, dtype=torch.float64), torch.randn(7, 4, generator=g, dtype=torch.float64)
+    rows = slice(0, 4) if replica == 0 else slice(4, 7)  # uneven shards: 4 + 3 rows
+    model, reference = _seq(), _seq()
+    fired = _count_accumulations(model)
+    spanned = torchspan.span(model, balance=[2, 2], microbatches=2, schedule="merged-weights")
+    loss = spanned.train_step(x[rows], y[rows], nn.MSELoss())
+    want = nn.MSELoss()(reference(x), y)
+    want.backward()
+    torch.testing.assert_close(loss.double(), want.detach(), **LOSS_TOL)
+    _check(spanned, reference, "sequential 2x2 merged-weights", rank)
+    assert set(fired.values()) == {1} and len(fired) == (2 if rank % 2 == 0 else 4), f"rank {rank}: {fired}"
+    if not llama:
+        _leave()
+        return
+    from test_ranks_hooks import _batch, _llama, _token_ce, _tokens
+
+    model = _llama()
+    reference = copy.deepcopy(model)
+    spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=2, schedule="merged-weights")
+    ids, labels, mask = _batch(5, 6, 6, 40)
+    rows = slice(0, 4) if replica == 0 else slice(4, 6)
+    loss = spanned.train_step({"input_ids": ids[rows], "attention_mask": mask[rows]}, labels[rows], _token_ce, loss_normalizer=_tokens)
+    expected = _token_ce(reference(ids, attention_mask=mask), labels)
+    expected.backward()
+    torch.testing.assert_close(loss.double(), expected.detach(), **LOSS_TOL)
+    _check(spanned, reference, "llama 2x2 merged-weights", rank)
+    assert "backward_weight" in {e.kind for e in spanned.timeline()}, f"rank {rank}"
+    _leave()
+
+
+@pytest.mark.slow
+def test_two_by_two_hybrid_merged_weights_matches_one_device() -> None:
+    _spawn(_hybrid_worker, 4, free_port(), _has_transformers(), deadline=240.0)
