@@ -88,7 +88,7 @@ def write_report(
         lines += [
             "## Pipeline timeline (last step)",
             "",
-            "One lane per stage and device; blue forward, orange backward, red weight gradients (zero-bubble), grey transfer, hatched recompute; "
+            "One lane per stage and device; blue forward, orange backward, red weight gradients (zero-bubble, merged-weights), grey transfer, hatched recompute; "
             "numbers are micro-batches.",
             "",
             f"![pipeline timeline]({files.timeline.name})",
