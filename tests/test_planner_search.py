@@ -66,8 +66,9 @@ def test_search_matches_brute_force(prof: Profile, data: st.DataObject) -> None:
 @SETTINGS
 @given(small_profiles())
 def test_auto_settings_match_brute_force_over_every_setting(prof: Profile) -> None:
-    """Skipping GPipe and 'always' under 'auto' loses nothing (they are dominated). Zero-bubble is not dominated
-    but 'auto' does not try it (settings.py: chosen only when asked for)."""
+    """Skipping GPipe and 'always' under 'auto' loses nothing (they are dominated: 1F1B has GPipe's time with no more
+    memory, merged-weights its memory with no more time). Zero-bubble is not dominated but 'auto' does not try it
+    (settings.py: chosen only when asked for)."""
     best = None
     asked_only = ("zero-bubble",)
     for m, s, c in itertools.product(microbatch_candidates(prof.batch_size), [s for s in SCHEDULES if s not in asked_only], RECOMPUTE_MODES):

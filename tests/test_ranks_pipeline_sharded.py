@@ -245,7 +245,9 @@ def _planned(rank: int, replica: int) -> None:
     x, y = _data(13, 7)
     model = _seq()
     reference = copy.deepcopy(model)
-    plan = torchspan.plan(copy.deepcopy(model), x[:4], devices="h100-80gb*2", memory={"cuda:0": "4KB", "cuda:1": "4KB"}, microbatches=2)
+    plan = torchspan.plan(
+        copy.deepcopy(model), x[:4], devices="h100-80gb*2", memory={"cuda:0": "4KB", "cuda:1": "4KB"}, microbatches=2, schedule="1f1b"
+    )  # made sharded below: FSDP2 stages run whole backwards, as 1F1B
     assert [s.layers for s in plan.stages] == [["0", "1"], ["2", "3"]], plan.stages
     # a cluster plan's own rank table: stage 0 on ranks 0, 1 and stage 1 on ranks 2, 3 (replica = rank % 2)
     plan = dataclasses.replace(plan, shard=True, data_parallel=2, stage_ranks=[[0, 1], [2, 3]], devices_per_node=4)

@@ -9,7 +9,7 @@ checks that the commands agree.
 Usage::
 
     add_target_arguments(p, "a floating dtype also casts the model to it")
-    add_schedule_option(p, default="auto")          # auto, gpipe, 1f1b
+    add_schedule_option(p, default="auto")          # auto and torchspan.schedule.SCHEDULES
     add_json_option(p, "the plan")
 """
 

@@ -33,6 +33,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import pictures
+from ..schedule import SCHEDULES
 from ..files import output_folder, write_text
 from ..hardware import Device, devices as find_devices
 from ..planner.plans import Plan
@@ -81,8 +82,8 @@ class DemoConfig:
             isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1
         ):
             raise ValueError(f"microbatches={self.microbatches!r} must be 'auto' or an int >= 1")
-        if self.schedule not in ("auto", "gpipe", "1f1b"):
-            raise ValueError(f"schedule={self.schedule!r} is not one of auto, gpipe, 1f1b")
+        if self.schedule != "auto" and self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r} is not one of auto, {', '.join(SCHEDULES)}")
         if self.sample_chars < 0:
             raise ValueError(f"sample_chars={self.sample_chars!r} must be >= 0")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):

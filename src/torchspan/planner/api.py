@@ -55,7 +55,8 @@ def plan(
     plan places ``torchspan.layers.model_layers`` (blocks by qualified name, e.g. ``transformer.h.3``),
     and ``span(model, plan)`` accepts it for the same model. ``devices``/``memory``: as ``torchspan.devices`` (described devices such as
     ``"a100-40gb*2,cpu"`` are planned from FLOP estimates). ``microbatches`` (int or ``"auto"``),
-    ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"auto"``), ``recompute`` (``"never"``,
+    ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"zero-bubble"``, ``"merged-weights"``, ``"auto"``: 1F1B or
+    merged-weights, whichever is predicted faster within the budgets), ``recompute`` (``"never"``,
     ``"except_last"``, ``"always"``, ``"auto"``; activation recompute): fix a setting or let the search
     choose. ``checkpoint=``: the old name of ``recompute=`` (a ``FutureWarning``).
     ``optimizer`` sizes optimizer state (e.g. ``"sgd"``, ``"adam"``).

@@ -185,6 +185,8 @@ def _split(
     plain = replica_profile(profile, pp, b)
     compute_only = shape(plain)
     what = "sharded " if shard else ""
+    if shard and opts.schedule == "auto":  # FSDP2 stages run whole backwards: a split schedule gains nothing there
+        opts = dataclasses.replace(opts, schedule="1f1b")
     out: list[ClusterCandidate] = []
     skipped: list[str] = []
 

@@ -33,7 +33,7 @@ always         ``2F + Bw``            ``2F + Bw + G``
 times ``extra["memory_efficiency"]``: measured for a present CPU, from the catalog for a described
 GPU; 0 without a figure). The profile times each layer's backward with ``.grad`` unset, so this
 is the part of a real multi-micro-batch step it does not see (about 25% of an MLP's time at 32
-samples per micro-batch on a CPU).
+samples per micro-batch on a CPU). Merged-weights drops ``G`` (below).
 
 Links are pipeline resources too. Boundary ``j`` between stages on devices ``d`` and ``d'`` carries
 the activation forward and its gradient back: ``c_j = 2 * out_{j-1} / bw(d, d')`` (bytes of one
@@ -56,13 +56,28 @@ memory. Zero-bubble (ZB-H1) splits each backward into the inputs' part ``B`` and
 has latency ``lat_s - Bw_s / 2`` (one micro-batch's trip waits for its ``F`` and ``B`` only), so with
 equal stages the bubble is ``(S - 1)(F + Bw/2)`` against 1F1B's ``(S - 1)(F + Bw)`` (ZB-H1's
 ``(S - 1)(F + B - W)`` for ``S = 2``; conservative beyond); one stage gains nothing, nor do stages
-sharing a physical device (they run one after another: no bubble to fill). The optimizer step and Python overheads (the
-split's bookkeeping among them) are not modelled.
+sharing a physical device (they run one after another: no bubble to fill). Merged-weights runs 1F1B's order with split
+backwards and every stage's ``W`` at the end of the step, all micro-batches' ``W`` as one pass (each linear layer's
+weight gradient one product over all of them, ``runtime.linearw``): its latency is zero-bubble's (every stage but the
+last ``lat_s - Bw_s / 2``: the trip waits for ``F`` and ``B`` only, the weight halves run at the end; no gain for one
+stage or for stages sharing a physical device), and its
+steady time has no ``G``: the weight gradients of all micro-batches are one product and one accumulation into
+``.grad``, not one per micro-batch (the merged product is priced at the flops of the ``M`` separate ones: no cheaper).
+With equal stages (no links, no recompute) its step is then ``(S - 1)(F + Bw/2) + M(F + Bw)`` against 1F1B's
+``(S - 1)(F + Bw) + M(F + Bw) + (M - 1) G``. Exact for equal stages; with unequal ones the weight pass that ends
+the step is the first stage's (or a much heavier stage's), not the last's, so a heavy first stage is predicted low:
+against an event simulation of the schedule's actions on random 2-4 stage times, by up to 31% at ``M = 1``, 14% at
+``M = 2``, 7% at ``M = 4``, 3% from ``M = 8`` (1F1B's formula is never low there). The optimizer step and Python overheads (the split's and the merge's
+bookkeeping among them) are not modelled.
 
 Memory of stage ``s`` (bytes), with ``k`` micro-batches in flight (GPipe: ``k = M``;
 1F1B: ``k = min(M, S - s)``; zero-bubble: ``k = min(M, max(S, D))`` on every stage, a micro-batch held until
 its ``W``: ``min(M, S)`` really, counted for the most stages the search can make, ``D`` listed devices, so
-that the search, building stages from the last one without knowing ``S``, charges what a plan does), and per micro-batch (``fixed + b * per_sample`` from the profile)
+that the search, building stages from the last one without knowing ``S``, charges what a plan does; merged-weights:
+``k = M`` on every stage, as GPipe, a micro-batch held until the weight pass at the end of the step (after its ``B``
+the runtime keeps only what that pass needs, linear layers' inputs and output gradients: counted as the whole ``A``);
+under recompute the stage keeps what GPipe keeps, the same formulas with ``k = M``), and per micro-batch
+(``fixed + b * per_sample`` from the profile)
 ``A`` the stage's saved activations (plus, for a stage that does not start at layer 0, the copy of
 saved tensors its first layer shares with the layer before: ``shared_activation_bytes``; plus, for
 the last stage, the loss's saved input ``loss = out_{L-1}``, see below), ``in`` its input boundary
@@ -210,14 +225,19 @@ class CostModel:
         self.bwd = (tables[2] + self.b * tables[3])[self.rep]
         lat = self.fwd + self.bwd if self.recompute != "always" else 2 * self.fwd + self.bwd
         whole = lat  # the last stage's latency: its whole backward
-        if self.schedule == "zero-bubble":  # the trip waits for the other stages' input backwards only; W fills the bubble
+        if self.schedule in ("zero-bubble", "merged-weights"):
+            # the trip waits for the other stages' input backwards only; W fills the bubble (zero-bubble)
+            # or runs at the end (merged-weights)
             lat = lat - 0.5 * self.bwd
         steady = self.fwd + self.bwd if self.recompute == "never" else 2 * self.fwd + self.bwd
-        # G: gradient accumulation of every micro-batch after the first (read both, write one)
+        # G: gradient accumulation of every micro-batch after the first (read both, write one); merged-weights
+        # accumulates once per step, all micro-batches' weight gradients one product: no G (``accumulate`` keeps what
+        # G would be)
         membw = [memory_bandwidth(self.profile.devices[r]) for r in self.rep]
         grads = np.array([float(lay.grad_bytes) for lay in self.profile.layers])
         self.accumulate = np.stack([3.0 * grads / bw if bw > 0 else np.zeros(self.L) for bw in membw])
-        steady = steady + self.accumulate
+        if self.schedule != "merged-weights":
+            steady = steady + self.accumulate
         self.lat = lat
         self.steady = steady
         self.PL = np.stack([_prefix(row) for row in lat])  # (D, L+1)
@@ -251,7 +271,7 @@ class CostModel:
     # ------------------------------------------------------------------ pieces
     def in_flight(self, stage_index: int, num_stages: int) -> int:
         """Micro-batches whose activations a stage holds at once under the schedule."""
-        if self.schedule == "gpipe":
+        if self.schedule in ("gpipe", "merged-weights"):  # merged-weights: every micro-batch held until the weight pass
             return self.M
         if self.schedule == "zero-bubble":  # held until its weight backward: 1F1B's first-stage bound on every stage,
             return min(self.M, max(num_stages, self.D))  # counted for as many stages as devices (the search's most)
@@ -382,7 +402,7 @@ class CostModel:
         busy: dict[str, float] = {}
         held: dict[str, int] = {}
         rc = self.recompute
-        apart = len({self.names[s.device] for s in stages}) == S  # zero-bubble's W fill only bubbles of distinct devices
+        apart = len({self.names[s.device] for s in stages}) == S  # split backwards gain only across distinct devices
         for idx, (s, (tf, tb)) in enumerate(zip(stages, self.tie_copies(stages, ties))):
             d = s.device
             fwd.append(float(self.PF[d, s.end] - self.PF[d, s.start]))

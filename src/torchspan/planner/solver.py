@@ -42,10 +42,10 @@ __all__ = ["Solver", "device_groups", "physical_ends", "in_flight_counts"]
 
 
 def in_flight_counts(cm: CostModel) -> list[int]:
-    """The in-flight counts a stage can have under ``cm``'s schedule (GPipe: ``M``; 1F1B: ``1..M``;
+    """The in-flight counts a stage can have under ``cm``'s schedule (GPipe and merged-weights: ``M``; 1F1B: ``1..M``;
     zero-bubble: one count for every stage, ``cm.in_flight``)."""
     stages = len(set(cm.rep))
-    if cm.schedule == "zero-bubble":
+    if cm.schedule in ("zero-bubble", "merged-weights"):
         return [cm.in_flight(0, 1)]
     return [cm.M] if cm.schedule == "gpipe" else list(range(1, min(cm.M, stages) + 1))
 
@@ -153,7 +153,7 @@ class Solver:
         L = cm.L
         rep = [g[0] for g in groups]
         self.PL = cm.PL[rep]
-        self.PL_last = cm.PL_last[rep]  # the last stage's latency (zero-bubble: its whole backward)
+        self.PL_last = cm.PL_last[rep]  # the last stage's latency (zero-bubble, merged-weights: its whole backward)
         self.PS = cm.PS[rep]
         self.sizes = [len(g) for g in groups]
         devs = cm.profile.devices

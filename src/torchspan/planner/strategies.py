@@ -266,7 +266,8 @@ def _probe(profile: Profile, cluster: Cluster, dp: int, pp: int, opts: Options, 
         return []
     plain = replica_profile(profile, pp, b)
     shaped = sharded_profile(plain, dp) if shard else plain
-    grid = settings_grid(b, opts.microbatches, opts.schedule, opts.recompute) if pp > 1 else replica_settings(
+    schedule = "1f1b" if shard and opts.schedule == "auto" else opts.schedule  # FSDP2 stages run whole backwards
+    grid = settings_grid(b, opts.microbatches, schedule, opts.recompute) if pp > 1 else replica_settings(
         opts.microbatches, opts.schedule, opts.recompute)  # fmt: skip
     layout, ranks = layouts(dp, pp)[0]
     capacity = budget_of(plain.devices[0])

@@ -1,0 +1,136 @@
+"""The planner's price of the merged-weights schedule, and when ``schedule="auto"`` picks it (no model, no devices)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from planner_synth import brute_force, close, device, layer, random_profile
+from torchspan.planner import PlanError, search
+from torchspan.planner.cost import CostModel
+from torchspan.planner.optimize import solve
+from torchspan.planner.plans import RECOMPUTE_MODES
+from torchspan.planner.settings import settings_grid
+from torchspan.planner.solver import in_flight_counts
+from torchspan.planner.stages import Stage
+from torchspan.profiler.costs import Profile
+
+
+def gpus_profile(
+    capacity: int | None, n_gpus: int = 2, layers: int = 4, membw: float | None = None, params: int = 100
+) -> Profile:
+    """``layers`` equal layers with large activations on ``n_gpus`` distinct described GPUs."""
+    gpus = [device("cuda", "gpu", capacity, 1e10, index=i, memory_bandwidth=membw) for i in range(n_gpus)]
+    lays = [layer(f"l{k}", params=params, act=1000.0, out=10.0, speeds=[1.0] * n_gpus) for k in range(layers)]
+    return Profile(layers=lays, devices=gpus, batch_size=8, input_bytes=10.0, optimizer="adam")
+
+
+def test_memory_is_gpipes_with_every_micro_batch_in_flight() -> None:
+    prof = random_profile(random.Random(5), 6, [device("cuda", "gpu", None, 1e9, index=i) for i in range(3)])
+    three = [Stage(0, 0, 2), Stage(1, 2, 4), Stage(2, 4, 6)]
+    for rc in RECOMPUTE_MODES:
+        mw, gp = CostModel(prof, 4, "merged-weights", rc), CostModel(prof, 4, "gpipe", rc)
+        assert [mw.in_flight(i, 3) for i in range(3)] == [4, 4, 4]
+        assert in_flight_counts(mw) == [4] == in_flight_counts(gp)
+        assert mw.evaluate(three).memory == gp.evaluate(three).memory
+        assert mw.evaluate(three).device_memory == gp.evaluate(three).device_memory
+    # 1F1B keeps fewer: stage s holds min(M, S - s)
+    assert CostModel(prof, 4, "1f1b", "never").evaluate(three).memory[1].activations < (
+        CostModel(prof, 4, "merged-weights", "never").evaluate(three).memory[1].activations
+    )
+
+
+def test_faster_than_1f1b_across_distinct_devices() -> None:
+    """Every stage but the last waits for half its backward only (the weight halves run at the end)."""
+    prof = random_profile(random.Random(7), 6, [device("cuda", "gpu", None, 1e9, index=i) for i in range(3)])
+    three = [Stage(0, 0, 2), Stage(1, 2, 4), Stage(2, 4, 6)]
+    for rc in RECOMPUTE_MODES:
+        mw = CostModel(prof, 4, "merged-weights", rc).evaluate(three)
+        base = CostModel(prof, 4, "1f1b", rc).evaluate(three)
+        assert mw.step_time < base.step_time
+        # no memory bandwidth figure: no accumulation term, so the gain is the latency's alone
+        assert mw.step_time == pytest.approx(base.step_time - 0.5 * (base.backward[0] + base.backward[1]))
+        assert mw.bottleneck == pytest.approx(base.bottleneck)
+    # one stage: no bubble to fill, and (no bandwidth figure) nothing else to gain
+    one = [Stage(0, 0, 6)]
+    assert CostModel(prof, 4, "merged-weights", "never").evaluate(one).step_time == pytest.approx(
+        CostModel(prof, 4, "1f1b", "never").evaluate(one).step_time
+    )
+
+
+def test_stages_sharing_one_device_gain_no_latency() -> None:
+    cpu = [device("cpu", "cpu", None), device("cpu", "cpu", None)]
+    prof = random_profile(random.Random(4), 4, cpu)
+    two = [Stage(0, 0, 2), Stage(1, 2, 4)]
+    mw, base = CostModel(prof, 4, "merged-weights", "never"), CostModel(prof, 4, "1f1b", "never")
+    assert mw.evaluate(two).step_time == pytest.approx(base.evaluate(two).step_time)
+
+
+def test_no_per_micro_batch_gradient_accumulation() -> None:
+    """Large gradients and a memory bandwidth figure: 1F1B pays ``G`` per micro-batch after the first, merged-weights not."""
+    prof = gpus_profile(None, n_gpus=1, membw=1e9, params=10**6)
+    one = [Stage(0, 0, 4)]
+    M = 4
+    mw, base = CostModel(prof, M, "merged-weights", "never"), CostModel(prof, M, "1f1b", "never")
+    G = 3 * 4 * 10**6 / 1e9  # read both, write one, for the four layers' gradient bytes
+    assert base.accumulate.sum(axis=1)[0] == pytest.approx(G) and mw.accumulate.sum(axis=1)[0] == pytest.approx(G)
+    a, b = mw.evaluate(one), base.evaluate(one)
+    assert a.latency_sum == pytest.approx(b.latency_sum)  # one stage: the same trip
+    assert a.bottleneck == pytest.approx(b.bottleneck - G)
+    assert a.step_time == pytest.approx(b.step_time - (M - 1) * G)
+    gp = CostModel(prof, M, "gpipe", "never").evaluate(one)
+    assert gp.step_time == pytest.approx(b.step_time)  # GPipe accumulates per micro-batch too
+    # one micro-batch: nothing to accumulate under either
+    assert CostModel(prof, 1, "merged-weights", "never").evaluate(one).step_time == pytest.approx(
+        CostModel(prof, 1, "1f1b", "never").evaluate(one).step_time
+    )
+
+
+def test_auto_considers_1f1b_first_then_merged_weights() -> None:
+    grid = settings_grid(4, "auto", "auto", "auto")
+    assert {s for _, s, _ in grid} == {"1f1b", "merged-weights"}
+    assert grid.index((4, "1f1b", "never")) < grid.index((1, "merged-weights", "never"))
+    assert settings_grid(4, 2, "merged-weights", "never") == [(2, "merged-weights", "never")]
+
+
+def test_auto_picks_merged_weights_with_ample_memory() -> None:
+    prof = gpus_profile(None, n_gpus=2, membw=1e9, params=10**4)
+    plan = search(prof)
+    assert plan.schedule == "merged-weights" and len(plan.stages) == 2
+    fixed = search(prof, schedule="1f1b")
+    assert plan.predicted_step_time is not None and fixed.predicted_step_time is not None
+    assert plan.predicted_step_time < fixed.predicted_step_time
+
+
+def test_auto_picks_1f1b_when_only_it_fits() -> None:
+    """Merged-weights holds the whole batch's activations on every stage; 1F1B with many micro-batches holds few."""
+    cap = 12_000
+    prof = gpus_profile(cap, n_gpus=2)
+    with pytest.raises(PlanError):
+        search(prof, schedule="merged-weights", recompute="never")
+    plan = search(prof, recompute="never")
+    assert plan.schedule == "1f1b"
+    assert all(v <= cap for v in plan.peak_memory.values())
+    # the same profile with room for every micro-batch: merged-weights
+    assert search(gpus_profile(None, n_gpus=2), recompute="never").schedule == "merged-weights"
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_search_matches_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    devs = [
+        device("cuda", "x", rng.choice([None, 20_000, 60_000]), 1e8, index=1, memory_bandwidth=1e9),
+        device("cuda", "y", rng.choice([None, 20_000, 60_000]), 1e6, index=2),
+        device("cpu", "cpu", rng.choice([None, 60_000]), memory_bandwidth=1e7),
+    ]
+    prof = random_profile(rng, rng.randint(2, 5), devs, batch=8)
+    for m in (1, 2, 8):
+        for rc in RECOMPUTE_MODES:
+            cm = CostModel(prof, m, "merged-weights", rc)
+            ref = brute_force(cm)
+            got, _ = solve(cm)
+            assert (ref is None) == (got is None)
+            if ref is not None and got is not None:
+                assert close(got.step_time, ref.step_time, 1e-7), (got.stages, ref.stages)
+                assert got.fits
