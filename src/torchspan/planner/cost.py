@@ -58,16 +58,14 @@ equal stages the bubble is ``(S - 1)(F + Bw/2)`` against 1F1B's ``(S - 1)(F + Bw
 ``(S - 1)(F + B - W)`` for ``S = 2``; conservative beyond); one stage gains nothing, nor do stages
 sharing a physical device (they run one after another: no bubble to fill). Merged-weights runs 1F1B's order with split
 backwards and every stage's ``W`` at the end of the step, all micro-batches' ``W`` as one pass (each linear layer's
-weight gradient one product over all of them, ``runtime.linearw``): its latency is zero-bubble's (every stage but the
-last ``lat_s - Bw_s / 2``: the trip waits for ``F`` and ``B`` only, the weight halves run at the end; no gain for one
-stage or for stages sharing a physical device), and its
-steady time has no ``G``: the weight gradients of all micro-batches are one product and one accumulation into
+weight gradient one product over all of them, ``runtime.linearw``). It is priced as 1F1B's trip (no bubble credit)
+with no ``G`` in its steady time: the weight gradients of all micro-batches are one product and one accumulation into
 ``.grad``, not one per micro-batch (the merged product is priced at the flops of the ``M`` separate ones: no cheaper).
-With equal stages (no links, no recompute) its step is then ``(S - 1)(F + Bw/2) + M(F + Bw)`` against 1F1B's
-``(S - 1)(F + Bw) + M(F + Bw) + (M - 1) G``. Exact for equal stages; with unequal ones the weight pass that ends
-the step is the first stage's (or a much heavier stage's), not the last's, so a heavy first stage is predicted low:
-against an event simulation of the schedule's actions on random 2-4 stage times, by up to 31% at ``M = 1``, 14% at
-``M = 2``, 7% at ``M = 4``, 3% from ``M = 8`` (1F1B's formula is never low there). The optimizer step and Python overheads (the split's and the merge's
+Its bubble is smaller across distinct devices (a stage waits for the next one's ``F`` and ``B`` only), but the first
+stage's weight pass ends the step, so a zero-bubble-like credit (``lat_s - Bw_s / 2`` on every stage but the last) was
+low against an event simulation of the schedule by up to 31% at ``M = 1`` and 7% at ``M = 4`` for unequal stages; the
+price leaves that gain out, so it is never predicted faster than it runs for that reason, and at ``M = 1`` (nothing to
+merge) it ties with 1F1B, which the search then prefers. The optimizer step and Python overheads (the split's and the merge's
 bookkeeping among them) are not modelled.
 
 Memory of stage ``s`` (bytes), with ``k`` micro-batches in flight (GPipe: ``k = M``;
@@ -225,9 +223,7 @@ class CostModel:
         self.bwd = (tables[2] + self.b * tables[3])[self.rep]
         lat = self.fwd + self.bwd if self.recompute != "always" else 2 * self.fwd + self.bwd
         whole = lat  # the last stage's latency: its whole backward
-        if self.schedule in ("zero-bubble", "merged-weights"):
-            # the trip waits for the other stages' input backwards only; W fills the bubble (zero-bubble)
-            # or runs at the end (merged-weights)
+        if self.schedule == "zero-bubble":  # the trip waits for the other stages' input backwards only; W fills the bubble
             lat = lat - 0.5 * self.bwd
         steady = self.fwd + self.bwd if self.recompute == "never" else 2 * self.fwd + self.bwd
         # G: gradient accumulation of every micro-batch after the first (read both, write one); merged-weights

@@ -47,9 +47,9 @@ def settings_grid(
     else:
         ms = [microbatches]
     if schedule == "auto":
-        # GPipe is never faster in the model and never uses less memory. Merged-weights (GPipe's memory, a smaller
-        # bubble across devices and no per-micro-batch gradient accumulation) was measured on 2 gloo ranks on a CPU at
-        # 0.68x torch's Schedule1F1B step (heavy model) and 0.89x (small): chosen when predicted faster and it fits.
+        # GPipe is never faster in the model and never uses less memory. Merged-weights (GPipe's memory, no
+        # per-micro-batch gradient accumulation) was measured on 2 gloo ranks on a CPU at 0.68x torch's
+        # Schedule1F1B step (heavy model) and 0.89x (small): chosen when predicted faster and it fits.
         # Zero-bubble is priced (faster across devices, more memory on later stages) but stays opt-in
         schedules = ["1f1b", "merged-weights"]
     elif schedule in SCHEDULES:
