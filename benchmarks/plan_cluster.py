@@ -66,6 +66,7 @@ def _worker(rank: int, world: int, port: int, job: str, args: dict[str, Any], qu
         out = _allreduce(args) if job == "allreduce" else _ddp_step(rank, world, args)
         if rank == 0:
             queue.put(out)
+        dist.barrier()  # no rank tears its connections down while a peer may still be reading (a rare gloo abort, -6)
     finally:
         dist.destroy_process_group()
 

@@ -33,7 +33,7 @@ always         ``2F + Bw``            ``2F + Bw + G``
 times ``extra["memory_efficiency"]``: measured for a present CPU, from the catalog for a described
 GPU; 0 without a figure). The profile times each layer's backward with ``.grad`` unset, so this
 is the part of a real multi-micro-batch step it does not see (about 25% of an MLP's time at 32
-samples per micro-batch on a CPU). Merged-weights drops ``G`` (below).
+samples per micro-batch on a CPU); merged-weights has none (below).
 
 Links are pipeline resources too. Boundary ``j`` between stages on devices ``d`` and ``d'`` carries
 the activation forward and its gradient back: ``c_j = 2 * out_{j-1} / bw(d, d')`` (bytes of one
@@ -45,37 +45,24 @@ A physical device's busy time per micro-batch is the sum over its stages, ``R_p 
 
     step_time = sum_s lat_s + c_in + sum_j c_j  +  (M - 1) * max(max_p R_p, max_j c_j, c_in)
 
-i.e. one micro-batch's trip through the whole pipeline (fill and drain: the bubble; the trip visits
-the stages one after another, so it is serial whether or not stages share a device) plus ``M - 1``
-further micro-batches paced by the slowest resource: a physical device working through all of its
-stages, or a link. So a device that holds every stage costs exactly ``M`` times its whole forward
-+ backward (+ recompute), a serial run however many stages it is cut into, and merging adjacent
-stages of one device changes no time. GPipe and 1F1B share this time (same bubble); they differ in
+i.e. one micro-batch's trip through the whole pipeline (fill and drain: the bubble; serial whether or not
+stages share a device) plus ``M - 1`` further micro-batches paced by the slowest resource: a physical device
+working through all of its stages, or a link. So a device that holds every stage costs ``M`` times its whole
+forward + backward (+ recompute) however many stages it is cut into. GPipe and 1F1B share this time (same bubble); they differ in
 memory. Zero-bubble (ZB-H1) splits each backward into the inputs' part ``B`` and the weights' part
 ``W`` (``B = W = Bw / 2`` here) and runs the drain's ``W``s in the bubble: every stage but the last
 has latency ``lat_s - Bw_s / 2`` (one micro-batch's trip waits for its ``F`` and ``B`` only), so with
 equal stages the bubble is ``(S - 1)(F + Bw/2)`` against 1F1B's ``(S - 1)(F + Bw)`` (ZB-H1's
 ``(S - 1)(F + B - W)`` for ``S = 2``; conservative beyond); one stage gains nothing, nor do stages
-sharing a physical device (they run one after another: no bubble to fill). Merged-weights runs 1F1B's order with split
-backwards and every stage's ``W`` at the end of the step, all micro-batches' ``W`` as one pass (each linear layer's
-weight gradient one product over all of them, ``runtime.linearw``). It is priced as 1F1B's trip (no bubble credit)
-with no ``G`` in its steady time: the weight gradients of all micro-batches are one product and one accumulation into
-``.grad``, not one per micro-batch (the merged product is priced at the flops of the ``M`` separate ones: no cheaper).
-Its bubble is smaller across distinct devices (a stage waits for the next one's ``F`` and ``B`` only), but the first
-stage's weight pass ends the step, so a zero-bubble-like credit (``lat_s - Bw_s / 2`` on every stage but the last) was
-low against an event simulation of the schedule by up to 31% at ``M = 1`` and 7% at ``M = 4`` for unequal stages; the
-price leaves that gain out, so it is never predicted faster than it runs for that reason, and at ``M = 1`` (nothing to
-merge) it ties with 1F1B, which the search then prefers. The optimizer step and Python overheads (the split's and the merge's
-bookkeeping among them) are not modelled.
+sharing a physical device (no bubble to fill). Merged-weights (all ``W`` at the end as one pass, ``runtime.linearw``)
+is 1F1B's trip with no ``G``; no credit for its smaller bubble (the first stage's ``W`` ends the step; a zero-bubble
+credit was up to 31% low at ``M = 1`` in a simulation). Optimizer step and Python overheads are not modelled.
 
 Memory of stage ``s`` (bytes), with ``k`` micro-batches in flight (GPipe: ``k = M``;
 1F1B: ``k = min(M, S - s)``; zero-bubble: ``k = min(M, max(S, D))`` on every stage, a micro-batch held until
 its ``W``: ``min(M, S)`` really, counted for the most stages the search can make, ``D`` listed devices, so
 that the search, building stages from the last one without knowing ``S``, charges what a plan does; merged-weights:
-``k = M`` on every stage, as GPipe, a micro-batch held until the weight pass at the end of the step (after its ``B``
-the runtime keeps only what that pass needs, linear layers' inputs and output gradients: counted as the whole ``A``);
-under recompute the stage keeps what GPipe keeps, the same formulas with ``k = M``), and per micro-batch
-(``fixed + b * per_sample`` from the profile)
+``k = M``, held until the weight pass), and per micro-batch (``fixed + b * per_sample`` from the profile)
 ``A`` the stage's saved activations (plus, for a stage that does not start at layer 0, the copy of
 saved tensors its first layer shares with the layer before: ``shared_activation_bytes``; plus, for
 the last stage, the loss's saved input ``loss = out_{L-1}``, see below), ``in`` its input boundary
@@ -226,14 +213,11 @@ class CostModel:
         if self.schedule == "zero-bubble":  # the trip waits for the other stages' input backwards only; W fills the bubble
             lat = lat - 0.5 * self.bwd
         steady = self.fwd + self.bwd if self.recompute == "never" else 2 * self.fwd + self.bwd
-        # G: gradient accumulation of every micro-batch after the first (read both, write one); merged-weights
-        # accumulates once per step, all micro-batches' weight gradients one product: no G (``accumulate`` keeps what
-        # G would be)
+        # G: gradient accumulation of every micro-batch after the first (read both, write one); none merged
         membw = [memory_bandwidth(self.profile.devices[r]) for r in self.rep]
         grads = np.array([float(lay.grad_bytes) for lay in self.profile.layers])
         self.accumulate = np.stack([3.0 * grads / bw if bw > 0 else np.zeros(self.L) for bw in membw])
-        if self.schedule != "merged-weights":
-            steady = steady + self.accumulate
+        steady = steady if self.schedule == "merged-weights" else steady + self.accumulate
         self.lat = lat
         self.steady = steady
         self.PL = np.stack([_prefix(row) for row in lat])  # (D, L+1)
