@@ -135,6 +135,28 @@ class Biases(nn.Module):
         return nn.functional.linear(torch.tanh(nn.functional.linear(x, self.w, self.b1)), self.w, self.b2)
 
 
+class Conv1D(nn.Module):
+    """GPT-2's linear layer: the weight stored ``(in, out)`` and multiplied as stored, ``addmm(b, x, w)``."""
+
+    def __init__(self, nx: int, nf: int) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.randn(nx, nf)), nn.Parameter(torch.randn(nf))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], self.weight.size(-1))
+
+
+class BothWays(nn.Module):
+    """A square weight multiplied as stored (``x @ w``) and through ``t()``: one gradient of both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.w) @ self.w.t()
+
+
 def _rows(*shape: int) -> Callable[[int], torch.Tensor]:
     return lambda rows: torch.randn(rows, *shape)
 
@@ -154,6 +176,8 @@ SPLITS: dict[str, Case] = {
     "first stage": (NormFirst, _rows(8), False, "l.weight", True),
     "3-d": (lambda: nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8, bias=False)), _rows(5, 8), True, "2.weight", True),
     "shared": (Shared, _rows(8), True, "w", False),
+    "conv1d": (lambda: nn.Sequential(Conv1D(8, 8), nn.Tanh(), Conv1D(8, 8)), _rows(5, 8), True, "0.weight", True),
+    "both ways": (BothWays, _rows(8), True, "w", True),
 }
 
 

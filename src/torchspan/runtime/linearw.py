@@ -7,7 +7,8 @@ one product, ``cat(g).T @ cat(x)``: what one device computes on the whole batch,
 than ``m`` products of ``m`` times fewer rows each followed by ``m`` adds into ``.grad``.
 
 ``find(node, owner)`` recognises such a node in an autograd graph (``addmm`` with ``alpha = beta = 1``
-or ``mm``, the weight reached through ``t()`` alone, the bias a 1-D leaf; either may be cast first, as
+or ``mm``, the weight reached through ``t()`` alone or multiplied as stored, as GPT-2's ``Conv1D`` does, the
+bias a 1-D leaf; either may be cast first, as
 autocast does, and its gradient is then cast back once, after the product) and returns a ``Linear``
 holding its input; ``accumulate(records)`` sums the records of each layer's parameters and adds them
 into ``.grad`` through the parameters' own accumulators (one engine call: hooks on the parameters
@@ -39,13 +40,15 @@ except ImportError:  # pragma: no cover
 
 @dataclass(frozen=True)
 class Linear:
-    """One linear call in a graph: its weight and bias leaves, its input rows ``x`` (2-D), and the
-    accumulator nodes its weight and bias gradients would flow into."""
+    """One linear call in a graph: its weight and bias leaves, its input rows ``x`` (2-D), the accumulator
+    nodes its weight and bias gradients would flow into, and whether the weight is stored ``(in, out)``
+    and multiplied as it is (``transposed``: GPT-2's ``Conv1D``, ``addmm(b, x, w)``) instead of ``x @ w.t()``."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
     x: torch.Tensor
     accumulators: frozenset[Any]
+    transposed: bool = False
 
 
 def _leaf(node: Any, owner: dict[Any, int] | None) -> torch.Tensor | None:
@@ -74,9 +77,12 @@ def find(node: Any, owner: dict[Any, int] | None) -> Linear | None:
         x = node._saved_self
     else:
         return None
-    if t_fn is None or type(t_fn).__name__ != "TBackward0" or len(t_fn.next_functions) != 1:
+    if t_fn is None:
         return None
-    acc = t_fn.next_functions[0][0]
+    transposed = type(t_fn).__name__ != "TBackward0"  # the weight multiplied as stored (Conv1D), or via t()
+    if not transposed and len(t_fn.next_functions) != 1:
+        return None
+    acc = t_fn if transposed else t_fn.next_functions[0][0]
     weight = _leaf(acc, owner)
     if weight is None or weight.dim() != 2 or x is None or x.dim() != 2 or not x.is_floating_point():
         return None
@@ -86,7 +92,7 @@ def find(node: Any, owner: dict[Any, int] | None) -> Linear | None:
         if bias is None or bias.dim() != 1:
             return None
     accs = frozenset(_accumulator(a) for a in (acc, bias_fn) if a is not None)
-    return Linear(weight, bias, x, accs)
+    return Linear(weight, bias, x, accs, transposed)
 
 
 def _accumulator(node: Any) -> Any:
@@ -104,21 +110,21 @@ def accumulate(records: Sequence[tuple[Linear, torch.Tensor]]) -> None:
 
     Usage: ``accumulate([(lin, g) for lin, g in recorded])``.
     """
-    by_weight: dict[int, tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = {}
+    by_weight: dict[tuple[int, bool], tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = {}
     by_bias: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # each record's own bias (a weight may have several)
     for lin, g in records:
-        _, xs, gs = by_weight.setdefault(id(lin.weight), (lin.weight, [], []))
+        _, xs, gs = by_weight.setdefault((id(lin.weight), lin.transposed), (lin.weight, [], []))
         xs.append(lin.x)
         gs.append(g)
         if lin.bias is not None:
             by_bias.setdefault(id(lin.bias), (lin.bias, []))[1].append(g)
     leaves: list[torch.Tensor] = []
     grads: list[torch.Tensor] = []
-    for weight, xs, gs in by_weight.values():
+    for (_, transposed), (weight, xs, gs) in by_weight.items():
         x = xs[0] if len(xs) == 1 else torch.cat(xs)
         g = gs[0] if len(gs) == 1 else torch.cat(gs)
         leaves.append(weight)
-        grads.append(_as(g.t().mm(x), weight))  # in the compute dtype, cast once (autocast's copy) as one device does
+        grads.append(_as(x.t().mm(g) if transposed else g.t().mm(x), weight))  # in the compute dtype, cast once (autocast's copy) as one device does
     for bias, gs in by_bias.values():
         leaves.append(bias)
         grads.append(_as((gs[0] if len(gs) == 1 else torch.cat(gs)).sum(0), bias))
