@@ -422,7 +422,10 @@ def _order(names: list[str], turn: int) -> list[str]:
 def _hf_section(rank: int, world: int, args: argparse.Namespace) -> tuple[list[str], list[str]]:
     model = _llama(args)
     anchor = copy.deepcopy(model)
-    spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=args.microbatches, schedule="1f1b")
+    spans = {  # one 2-rank pipeline per schedule (--hf-schedule), each on its own copy of the same weights
+        s: torchspan.span(copy.deepcopy(model), devices=["cpu", "cpu"], microbatches=args.microbatches, schedule=s)
+        for s in args.hf_schedule
+    }
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, args.vocab, (args.hf_batch, args.seq), generator=g)
     labels = torch.randint(0, args.vocab, (args.hf_batch, args.seq), generator=g)
@@ -430,9 +433,12 @@ def _hf_section(rank: int, world: int, args: argparse.Namespace) -> tuple[list[s
     labels[0, 8:40] = -100
     inputs = {"input_ids": ids}
 
-    def step_ours() -> torch.Tensor:
-        spanned.zero_grad()
-        return spanned.train_step(inputs, labels, _token_ce, loss_normalizer=_tokens)
+    def ours(spanned: Any) -> Callable[[], torch.Tensor]:
+        def step() -> torch.Tensor:
+            spanned.zero_grad()
+            return spanned.train_step(inputs, labels, _token_ce, loss_normalizer=_tokens)
+
+        return step
 
     def plain() -> torch.Tensor:
         anchor.zero_grad()
@@ -441,27 +447,28 @@ def _hf_section(rank: int, world: int, args: argparse.Namespace) -> tuple[list[s
         return loss.detach()
 
     # correctness, once: the 2-rank loss and this rank's gradients against one process on the whole batch
-    loss = step_ours()
+    losses = {s: ours(sp)() for s, sp in spans.items()}
     torch.set_num_threads(2 if rank == 0 else 1)  # the reference, untimed, on both ranks
     ref = plain()
     torch.set_num_threads(1)
-    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     grads = dict(anchor.named_parameters())
-    worst, held = 0.0, 0
-    for name, p in spanned.module.named_parameters():
-        if p.device.type == "meta":
-            continue
-        held += 1
-        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-6)
-        worst = max(worst, (p.grad - grads[name].grad).abs().max().item())
-    held_all = [0] * world
-    dist.all_gather_object(held_all, held)
-    lines = [
-        f"executor: {_executor(spanned)}",
-        f"check: 2-rank loss {loss.item():.6f} vs one process {ref.item():.6f} "
-        f"(|diff| {abs(loss.item() - ref.item()):.1e}); gradients of the parameters each rank holds ({held_all}) equal "
-        f"the one-process ones (rank {rank} max |diff| {worst:.1e})"
-    ]
+    lines = [f"executor: {_executor(next(iter(spans.values())))}"]
+    for s, spanned in spans.items():
+        torch.testing.assert_close(losses[s], ref, rtol=1e-5, atol=1e-6)
+        worst, held = 0.0, 0
+        for name, p in spanned.module.named_parameters():
+            if p.device.type == "meta":
+                continue
+            held += 1
+            torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-6)
+            worst = max(worst, (p.grad - grads[name].grad).abs().max().item())
+        held_all = [0] * world
+        dist.all_gather_object(held_all, held)
+        lines.append(
+            f"check {s}: 2-rank loss {losses[s].item():.6f} vs one process {ref.item():.6f} "
+            f"(|diff| {abs(losses[s].item() - ref.item()):.1e}); gradients of the parameters each rank holds ({held_all}) "
+            f"equal the one-process ones (rank {rank} max |diff| {worst:.1e})"
+        )
 
     def step_plain() -> None:
         if rank == 0:
@@ -473,8 +480,9 @@ def _hf_section(rank: int, world: int, args: argparse.Namespace) -> tuple[list[s
         if rank == 0:
             plain()
 
-    names = ["torchspan 2 ranks (own forward)", "plain PyTorch, 1 process x 2 thr", "plain PyTorch, 1 process x 1 thr"]
-    fns = [step_ours, step_plain, step_plain_1]
+    mine = [f"torchspan 2 ranks (own forward, {s})" for s in spans]
+    names = [*mine, "plain PyTorch, 1 process x 2 thr", "plain PyTorch, 1 process x 1 thr"]
+    fns = [*(ours(sp) for sp in spans.values()), step_plain, step_plain_1]
     times: dict[str, list[list[float]]] = {k: [] for k in names}
     waiting_cpu = 0.0
     for r in range(args.rounds):
@@ -488,7 +496,7 @@ def _hf_section(rank: int, world: int, args: argparse.Namespace) -> tuple[list[s
             for k, fn in order:
                 cpu = time.process_time()
                 got[k] = _timed(fn)
-                if k != names[0] and rank == 1:
+                if k not in mine and rank == 1:
                     waiting_cpu += time.process_time() - cpu
             if r > 0 or i >= 1:
                 for k, t in got.items():
@@ -498,15 +506,19 @@ def _hf_section(rank: int, world: int, args: argparse.Namespace) -> tuple[list[s
     title = (
         f"2. LlamaForCausalLM (hidden {args.hidden}, {args.layers} layers, {args.heads} heads, intermediate "
         f"{args.intermediate}, vocab {args.vocab}, tied, float32), batch {args.hf_batch} x seq {args.seq}, "
-        f"{args.microbatches} micro-batches, 1F1B"
+        f"{args.microbatches} micro-batches, schedules {', '.join(spans)}"
     )
-    slugs = dict(zip(names, ("torchspan", "plain_2thr", "plain_1thr")))
-    lines += _table(title, times, [(names[0], names[1], "-"), (names[0], names[2], "-"), (names[1], names[2], "-")], "decoder", slugs)
-    steps = 2 * (args.rounds * args.hf_steps + 1)
+    plain2, plain1 = names[-2], names[-1]
+    slugs = {k: "torchspan" if s == "1f1b" else f"torchspan_{s}" for k, s in zip(mine, spans)}
+    slugs.update({plain2: "plain_2thr", plain1: "plain_1thr"})
+    pairs = [(k, p, "-") for k in mine for p in (plain2, plain1)] + [(k, mine[0], "-") for k in mine[1:]] + [(plain2, plain1, "-")]
+    lines += _table(title, times, pairs, "decoder", slugs)
+    steps = (len(names) - len(mine)) * (args.rounds * args.hf_steps + 1)
     lines.append(f"  rank 1's own CPU time while waiting at the barrier over all {steps} plain steps: {cpu_box[1] * 1e3:.1f} ms")
     if args.no_profile_hf:
         return lines, []
-    return lines, _profile(rank, args, args.hf_profile_steps, step_ours, spanned, "3b. profile of the decoder pipeline")
+    first = next(iter(spans.values()))
+    return lines, _profile(rank, args, args.hf_profile_steps, ours(first), first, "3b. profile of the decoder pipeline")
 
 
 # ---------------------------------------------------------------------- the job
@@ -539,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="torchspan schedules of section 1, each on both paths (default: all)")
     parser.add_argument("--skip-hf", action="store_true", help="skip the transformers decoder")
     parser.add_argument("--hf-steps", type=int, default=6, help="timed steps per round of each decoder variant")
+    parser.add_argument("--hf-schedule", nargs="+", choices=SCHEDULES, default=["1f1b", "merged-weights"],
+                        help="torchspan schedules of section 2, each a variant timed against the plain step")
     for name, default in (("--hf-batch", 8), ("--seq", 128), ("--hidden", 256), ("--intermediate", 688), ("--layers", 8),
                           ("--heads", 4), ("--vocab", 1000)):
         parser.add_argument(name, type=int, default=default)

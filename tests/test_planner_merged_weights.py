@@ -41,43 +41,54 @@ def test_memory_is_gpipes_with_every_micro_batch_in_flight() -> None:
     )
 
 
-def test_priced_as_1f1b_trip_without_accumulation() -> None:
-    """No bubble credit (the first stage's weight pass ends the step): without a memory bandwidth figure (no ``G``)
-    merged-weights costs what 1F1B costs, so the search keeps 1F1B, first in preference."""
+def test_priced_as_1f1b_trip_plus_one_stage_weight_pass_of_every_micro_batch() -> None:
+    """No bubble credit, and the step ends in a stage's weight pass of all M micro-batches (charged to the last stage,
+    no merging gain assumed): without a memory bandwidth figure (no ``G`` to save) merged-weights costs more than 1F1B,
+    so the search keeps 1F1B. Stages on one physical device pay no tail (nothing idles while it runs)."""
     prof = random_profile(random.Random(7), 6, [device("cuda", "gpu", None, 1e9, index=i) for i in range(3)])
     three = [Stage(0, 0, 2), Stage(1, 2, 4), Stage(2, 4, 6)]
+    M = 4
     for rc in RECOMPUTE_MODES:
-        mw = CostModel(prof, 4, "merged-weights", rc).evaluate(three)
-        base = CostModel(prof, 4, "1f1b", rc).evaluate(three)
-        assert mw.step_time == pytest.approx(base.step_time) and mw.latency_sum == pytest.approx(base.latency_sum)
+        mw = CostModel(prof, M, "merged-weights", rc).evaluate(three)
+        base = CostModel(prof, M, "1f1b", rc).evaluate(three)
+        assert mw.step_time == pytest.approx(base.step_time + (M - 1) * 0.5 * base.backward[-1])
+        assert mw.bottleneck == pytest.approx(base.bottleneck)
     assert search(prof, recompute="never").schedule == "1f1b"
-
-
-def test_stages_sharing_one_device_gain_no_latency() -> None:
     cpu = [device("cpu", "cpu", None), device("cpu", "cpu", None)]
     prof = random_profile(random.Random(4), 4, cpu)
     two = [Stage(0, 0, 2), Stage(1, 2, 4)]
-    mw, base = CostModel(prof, 4, "merged-weights", "never"), CostModel(prof, 4, "1f1b", "never")
-    assert mw.evaluate(two).step_time == pytest.approx(base.evaluate(two).step_time)
+    mw, base = CostModel(prof, M, "merged-weights", "never").evaluate(two), CostModel(prof, M, "1f1b", "never").evaluate(two)
+    # one physical device: no tail (nothing idles while it runs), no bubble credit; only G can differ
+    assert mw.latency_sum == pytest.approx(base.latency_sum)
+    assert mw.step_time == pytest.approx(base.step_time - (M - 1) * (base.bottleneck - mw.bottleneck))
 
 
 def test_no_per_micro_batch_gradient_accumulation() -> None:
-    """Large gradients and a memory bandwidth figure: 1F1B pays ``G`` per micro-batch after the first, merged-weights not."""
-    prof = gpus_profile(None, n_gpus=1, membw=1e9, params=10**6)
-    one = [Stage(0, 0, 4)]
+    """Large gradients and a memory bandwidth figure: 1F1B pays ``G`` per micro-batch after the first, merged-weights
+    not. One stage pays no tail (nothing waits); across two devices the last stage pays it, so merged-weights is
+    faster exactly when ``G`` outweighs the weight pass (``Bw / 2`` per micro-batch)."""
     M = 4
-    mw, base = CostModel(prof, M, "merged-weights", "never"), CostModel(prof, M, "1f1b", "never")
-    G = 3 * 4 * 10**6 / 1e9  # read both, write one, for the four layers' gradient bytes
-    assert base.accumulate.sum(axis=1)[0] == pytest.approx(G) and mw.accumulate.sum(axis=1)[0] == pytest.approx(G)
-    a, b = mw.evaluate(one), base.evaluate(one)
-    assert a.latency_sum == pytest.approx(b.latency_sum)  # one stage: the same trip
-    assert a.bottleneck == pytest.approx(b.bottleneck - G)
-    assert a.step_time == pytest.approx(b.step_time - (M - 1) * G)
-    gp = CostModel(prof, M, "gpipe", "never").evaluate(one)
-    assert gp.step_time == pytest.approx(b.step_time)  # GPipe accumulates per micro-batch too
-    # one micro-batch: nothing to accumulate under either
-    assert CostModel(prof, 1, "merged-weights", "never").evaluate(one).step_time == pytest.approx(
-        CostModel(prof, 1, "1f1b", "never").evaluate(one).step_time
+    for params, faster in ((10**6, True), (10**4, False)):  # G = 3 ms or 30 us per layer against Bw / 2 = 0.2 ms
+        prof = gpus_profile(None, n_gpus=2, membw=1e9, params=params)
+        mw, base = CostModel(prof, M, "merged-weights", "never"), CostModel(prof, M, "1f1b", "never")
+        G = float(base.accumulate.sum(axis=1)[0])
+        assert G == pytest.approx(3 * 4 * params / 1e9) and float(mw.accumulate.sum(axis=1)[0]) == pytest.approx(G)
+        one = [Stage(0, 0, 4)]
+        a, b = mw.evaluate(one), base.evaluate(one)
+        assert a.latency_sum == pytest.approx(b.latency_sum)
+        assert a.bottleneck == pytest.approx(b.bottleneck - G)
+        assert a.step_time == pytest.approx(b.step_time - (M - 1) * G)
+        two = [Stage(0, 0, 2), Stage(1, 2, 4)]
+        a, b = mw.evaluate(two), base.evaluate(two)
+        tail = (M - 1) * 0.5 * b.backward[-1]
+        assert a.latency_sum == pytest.approx(b.latency_sum + tail)
+        assert a.step_time == pytest.approx(b.step_time - (M - 1) * G / 2 + tail)  # each device accumulates half
+        assert (a.step_time < b.step_time) == faster
+        gp = CostModel(prof, M, "gpipe", "never").evaluate(two)
+        assert gp.step_time == pytest.approx(b.step_time)  # GPipe accumulates per micro-batch too
+    # one micro-batch: nothing to accumulate, no tail
+    assert CostModel(prof, 1, "merged-weights", "never").evaluate(two).step_time == pytest.approx(
+        CostModel(prof, 1, "1f1b", "never").evaluate(two).step_time
     )
 
 
@@ -89,7 +100,7 @@ def test_auto_considers_1f1b_first_then_merged_weights() -> None:
 
 
 def test_auto_picks_merged_weights_with_ample_memory() -> None:
-    prof = gpus_profile(None, n_gpus=2, membw=1e9, params=10**4)
+    prof = gpus_profile(None, n_gpus=2, membw=1e9, params=10**6)
     plan = search(prof)
     assert plan.schedule == "merged-weights" and len(plan.stages) == 2
     fixed = search(prof, schedule="1f1b")
@@ -107,7 +118,7 @@ def test_auto_picks_1f1b_when_only_it_fits() -> None:
     assert plan.schedule == "1f1b"
     assert all(v <= cap for v in plan.peak_memory.values())
     # the same layers with room for every micro-batch (and gradients to accumulate): merged-weights
-    assert search(gpus_profile(None, n_gpus=2, membw=1e9, params=10**4), recompute="never").schedule == "merged-weights"
+    assert search(gpus_profile(None, n_gpus=2, membw=1e9, params=10**6), recompute="never").schedule == "merged-weights"
 
 
 @pytest.mark.parametrize("seed", range(12))

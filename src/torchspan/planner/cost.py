@@ -55,8 +55,8 @@ has latency ``lat_s - Bw_s / 2`` (one micro-batch's trip waits for its ``F`` and
 equal stages the bubble is ``(S - 1)(F + Bw/2)`` against 1F1B's ``(S - 1)(F + Bw)`` (ZB-H1's
 ``(S - 1)(F + B - W)`` for ``S = 2``; conservative beyond); one stage gains nothing, nor do stages
 sharing a physical device (no bubble to fill). Merged-weights (all ``W`` at the end as one pass, ``runtime.linearw``)
-is 1F1B's trip with no ``G``; no credit for its smaller bubble (the first stage's ``W`` ends the step; a zero-bubble
-credit was up to 31% low at ``M = 1`` in a simulation). Optimizer step and Python overheads are not modelled.
+has no ``G`` but ends in a stage's ``W`` of all ``M`` micro-batches, charged to the last stage (``+ (M - 1) Bw/2``, no
+merging gain assumed): it wins where ``G`` outweighs that; no bubble credit. Optimizer step, Python: not modelled.
 
 Memory of stage ``s`` (bytes), with ``k`` micro-batches in flight (GPipe: ``k = M``;
 1F1B: ``k = min(M, S - s)``; zero-bubble: ``k = min(M, max(S, D))`` on every stage, a micro-batch held until
@@ -208,8 +208,8 @@ class CostModel:
         """Per-micro-batch times by physical device and layer (``fwd``, ``bwd``, ``lat``, ``steady``) and their prefix sums."""
         self.fwd = (tables[0] + self.b * tables[1])[self.rep]
         self.bwd = (tables[2] + self.b * tables[3])[self.rep]
-        lat = self.fwd + self.bwd if self.recompute != "always" else 2 * self.fwd + self.bwd
-        whole = lat  # the last stage's latency: its whole backward
+        lat = full = self.fwd + self.bwd if self.recompute != "always" else 2 * self.fwd + self.bwd  # full: one device's
+        whole = lat if self.schedule != "merged-weights" else lat + (self.M - 1) * 0.5 * self.bwd  # last stage: ... + tail
         if self.schedule == "zero-bubble":  # the trip waits for the other stages' input backwards only; W fills the bubble
             lat = lat - 0.5 * self.bwd
         steady = self.fwd + self.bwd if self.recompute == "never" else 2 * self.fwd + self.bwd
@@ -217,12 +217,11 @@ class CostModel:
         membw = [memory_bandwidth(self.profile.devices[r]) for r in self.rep]
         grads = np.array([float(lay.grad_bytes) for lay in self.profile.layers])
         self.accumulate = np.stack([3.0 * grads / bw if bw > 0 else np.zeros(self.L) for bw in membw])
-        steady = steady if self.schedule == "merged-weights" else steady + self.accumulate
-        self.lat = lat
-        self.steady = steady
+        self.lat, self.steady = lat, steady if self.schedule == "merged-weights" else steady + self.accumulate
         self.PL = np.stack([_prefix(row) for row in lat])  # (D, L+1)
         self.PL_last = self.PL if lat is whole else np.stack([_prefix(row) for row in whole])
-        self.PS = np.stack([_prefix(row) for row in steady])
+        self.PL_full = self.PL if lat is full else self.PL_last if whole is full else np.stack([_prefix(r) for r in full])
+        self.PS = np.stack([_prefix(row) for row in self.steady])
         self.PF = np.stack([_prefix(row) for row in self.fwd])
         self.PB = np.stack([_prefix(row) for row in self.bwd])
 
@@ -388,7 +387,7 @@ class CostModel:
             fwd.append(float(self.PF[d, s.end] - self.PF[d, s.start]))
             bwd.append(float(self.PB[d, s.end] - self.PB[d, s.start]))
             tied.append((1 if rc == "never" else 2) * tf + tb)  # steady: recompute copies again
-            PL = self.PL_last if idx == S - 1 or not apart else self.PL
+            PL = self.PL_full if not apart or S == 1 else self.PL_last if idx == S - 1 else self.PL  # one stage: no tail
             lat.append(float(PL[d, s.end] - PL[d, s.start]) + (2 if rc == "always" else 1) * tf + tb)
             mem.append(self.stage_memory(s.start, s.end, self.in_flight(idx, S)))
             name = self.names[d]

@@ -153,7 +153,8 @@ class Solver:
         L = cm.L
         rep = [g[0] for g in groups]
         self.PL = cm.PL[rep]
-        self.PL_last = cm.PL_last[rep]  # the last stage's latency (zero-bubble, merged-weights: its whole backward)
+        self.PL_last = cm.PL_last[rep]  # the last stage's latency (zero-bubble: its whole backward; merged-weights: + tail)
+        self.PL_full = cm.PL_full[rep]  # a single stage's (nothing waits for it: no tail)
         self.PS = cm.PS[rep]
         self.sizes = [len(g) for g in groups]
         devs = cm.profile.devices
@@ -223,6 +224,7 @@ class Solver:
                     src, dst = self.moves[0][t]
                     if len(src):
                         nxt[dst, t, :] = np.where(k_his[t] >= L, self.PL_last[t][L] - self.PL_last[t][:L], INF)
+                        nxt[dst, t, 0] = self.PL_full[t][L] if k_his[t][0] >= L else INF  # the only stage
             else:
                 arr, c0 = G[-1]
                 w = arr.shape[2]
