@@ -27,10 +27,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import os
 import socket
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,7 +61,9 @@ def mlp(width: int = 512) -> nn.Sequential:
     return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
-def _worker(rank: int, world: int, port: int, job: str, args: dict[str, Any], queue: Any) -> None:
+def _worker(rank: int, world: int, port: int, job: str, args: dict[str, Any], queue: Any, faults: str) -> None:
+    trace = open(Path(faults) / f"rank{rank}.txt", "w")  # noqa: SIM115 - open until the process ends
+    faulthandler.enable(file=trace)  # a rank killed by a signal (abort) leaves its Python stacks here
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -118,13 +123,19 @@ def run(world: int, job: str, args: dict[str, Any]) -> Any:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, job, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=600)
-        if p.exitcode != 0:
-            raise RuntimeError(f"{job} over {world} processes: a rank exited with {p.exitcode}")
+    with tempfile.TemporaryDirectory() as faults:
+        procs = [ctx.Process(target=_worker, args=(r, world, port, job, args, queue, faults)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for r, p in enumerate(procs):
+            p.join(timeout=600)
+            if p.exitcode != 0:
+                stacks = (Path(faults) / f"rank{r}.txt").read_text()
+                fd, kept = tempfile.mkstemp(prefix=f"plan_cluster_{job}_rank{r}_", suffix=".txt")
+                os.write(fd, stacks.encode())
+                os.close(fd)
+                raise RuntimeError(f"{stacks[-2000:]}\n{job} over {world} processes: rank {r} exited with {p.exitcode} "
+                                   f"(its Python stacks at the fault: {kept})")
     return queue.get()
 
 
