@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -23,8 +24,8 @@ from torchspan import schedule as sched
 from torchspan.runtime.ranks import free_port
 from torchspan.runtime.splitgrad import input_backward, weights_together
 from runtime_models import residual, residual_loss, sequential
-from test_ranks_pipeline import LOSS_TOL, TiedLM, _check, _join, _leave, _seq, _spawn
-from test_zero_bubble import Twice
+from test_ranks_pipeline import LOSS_TOL, _check, _join, _leave, _seq, _spawn
+from test_zero_bubble import Twice, hybrid_runs, tied_across_ranks
 
 TOL = dict(rtol=1e-10, atol=1e-12)
 
@@ -362,20 +363,6 @@ def test_one_process_merged_weights_under_fp16_and_its_scaler_equals_1f1b() -> N
         torch.testing.assert_close(a, b, rtol=5e-3, atol=5e-3 * b.abs().max().item())
 
 
-def test_own_forward_in_one_process_runs_merged_weights_as_1f1b() -> None:
-    pytest.importorskip("transformers")
-    from test_ranks_hooks import _batch, _llama, _token_ce, _tokens
-
-    ids, labels, mask = _batch(5, 5, 7, 40)
-    grads = []
-    for schedule in ("1f1b", "merged-weights"):
-        spanned = torchspan.span(_llama(), devices=["cpu", "cpu"], microbatches=3, schedule=schedule)
-        assert spanned.mode == "own-forward"
-        spanned.train_step({"input_ids": ids, "attention_mask": mask}, labels, _token_ce, loss_normalizer=_tokens)
-        grads.append([p.grad for p in spanned.module.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
-
-
 # ---------------------------------------------------------------------- across ranks
 def _ranks_worker(rank: int, world: int, port: int, llama: bool) -> None:
     _join(rank, world, port)
@@ -394,16 +381,7 @@ def _ranks_worker(rank: int, world: int, port: int, llama: bool) -> None:
         held = [name for name, p in model.named_parameters() if not p.is_meta]
         assert {n: fired.get(n) for n in held} == {n: step for n in held}, f"rank {rank}: {fired}"  # merged: once per step
         assert [e.kind for e in spanned.timeline()].count("backward_weight") == 1, f"rank {rank}"
-    # a tied embedding/head weight across the two ranks (fx split)
-    ids = torch.randint(0, 11, (7, 3), generator=g)
-    tokens = torch.randint(0, 11, (21,), generator=g)
-    model = TiedLM()
-    reference = copy.deepcopy(model)
-    spanned = torchspan.span(model, balance=[2, 1], microbatches=3, schedule="merged-weights")
-    ce = nn.CrossEntropyLoss()
-    spanned.train_step(ids, tokens.view(7, 3), lambda out, t: ce(out, t.flatten()), loss_reduction="mean")
-    ce(reference(ids), tokens).backward()
-    assert _check(spanned, reference, "tied across ranks, merged-weights", rank) == (3 if rank == 0 else 1)
+    tied_across_ranks(rank, g, "merged-weights")
     if llama:  # own forward: a tied transformers decoder; stage 0 merges too (no input needs a gradient there)
         from test_ranks_hooks import _llama, _train_and_compare
 
@@ -433,35 +411,17 @@ def test_two_rank_merged_weights_matches_one_device() -> None:
 def _hybrid_worker(rank: int, world: int, port: int, llama: bool) -> None:
     """2 replicas x 2 stages: the data-parallel reduction starts after each stage's merged weight pass."""
     _join(rank, world, port)
-    replica = rank // 2  # rank = replica * stages + stage
-    g = torch.Generator().manual_seed(9)
-    x, y = torch.randn(7, 5, generator=g, dtype=torch.float64), torch.randn(7, 4, generator=g, dtype=torch.float64)
-    rows = slice(0, 4) if replica == 0 else slice(4, 7)  # uneven shards: 4 + 3 rows
-    model, reference = _seq(), _seq()
-    fired = _count_accumulations(model)
-    spanned = torchspan.span(model, balance=[2, 2], microbatches=2, schedule="merged-weights")
-    loss = spanned.train_step(x[rows], y[rows], nn.MSELoss())
-    want = nn.MSELoss()(reference(x), y)
-    want.backward()
-    torch.testing.assert_close(loss.double(), want.detach(), **LOSS_TOL)
-    _check(spanned, reference, "sequential 2x2 merged-weights", rank)
-    assert set(fired.values()) == {1} and len(fired) == (2 if rank % 2 == 0 else 4), f"rank {rank}: {fired}"
-    if not llama:
-        _leave()
-        return
-    from test_ranks_hooks import _batch, _llama, _token_ce, _tokens
+    fired: dict[str, int] = {}
 
-    model = _llama()
-    reference = copy.deepcopy(model)
-    spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=2, schedule="merged-weights")
-    ids, labels, mask = _batch(5, 6, 6, 40)
-    rows = slice(0, 4) if replica == 0 else slice(4, 6)
-    loss = spanned.train_step({"input_ids": ids[rows], "attention_mask": mask[rows]}, labels[rows], _token_ce, loss_normalizer=_tokens)
-    expected = _token_ce(reference(ids, attention_mask=mask), labels)
-    expected.backward()
-    torch.testing.assert_close(loss.double(), expected.detach(), **LOSS_TOL)
-    _check(spanned, reference, "llama 2x2 merged-weights", rank)
-    assert "backward_weight" in {e.kind for e in spanned.timeline()}, f"rank {rank}"
+    def after(name: str, spanned: Any) -> None:
+        if name == "before sequential":  # the model before span: count its accumulations over its one step
+            _count_accumulations(spanned, fired)
+        elif name == "sequential":  # one merged pass: each held parameter accumulated once
+            assert set(fired.values()) == {1} and len(fired) == (2 if rank % 2 == 0 else 4), f"rank {rank}: {fired}"
+        else:
+            assert "backward_weight" in {e.kind for e in spanned.timeline()}, f"rank {rank}"
+
+    hybrid_runs(rank, "merged-weights", llama, after)
     _leave()
 
 

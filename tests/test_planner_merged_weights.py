@@ -6,15 +6,15 @@ import random
 
 import pytest
 
-from planner_synth import brute_force, close, device, layer, random_profile
+from planner_synth import device, layer, random_profile
 from torchspan.planner import PlanError, search
 from torchspan.planner.cost import CostModel
-from torchspan.planner.optimize import solve
 from torchspan.planner.plans import RECOMPUTE_MODES
 from torchspan.planner.settings import settings_grid
 from torchspan.planner.solver import in_flight_counts
 from torchspan.planner.stages import Stage
 from torchspan.profiler.costs import Profile
+from test_planner_search import _assert_search_matches_brute_force
 
 
 def gpus_profile(
@@ -132,10 +132,4 @@ def test_search_matches_brute_force(seed: int) -> None:
     prof = random_profile(rng, rng.randint(2, 5), devs, batch=8)
     for m in (1, 2, 8):
         for rc in RECOMPUTE_MODES:
-            cm = CostModel(prof, m, "merged-weights", rc)
-            ref = brute_force(cm)
-            got, _ = solve(cm)
-            assert (ref is None) == (got is None)
-            if ref is not None and got is not None:
-                assert close(got.step_time, ref.step_time, 1e-7), (got.stages, ref.stages)
-                assert got.fits
+            _assert_search_matches_brute_force(CostModel(prof, m, "merged-weights", rc))

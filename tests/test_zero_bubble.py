@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -197,17 +198,21 @@ def _ranks_worker(rank: int, world: int, port: int) -> None:
             assert _check(spans["zero-bubble"], reference, f"zero-bubble {rows} rows", rank) == (2 if rank == 0 else 4)
             for (name, p), q in zip(models["zero-bubble"].named_parameters(), models["1f1b"].parameters()):
                 assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), f"rank {rank}: {name}"
-    # a tied embedding/head weight across the two ranks (fx split)
+    tied_across_ranks(rank, g, "zero-bubble")
+    _leave()
+
+
+def tied_across_ranks(rank: int, g: torch.Generator, schedule: str) -> None:
+    """A tied embedding/head weight across the two ranks (fx split) under ``schedule``, against one device."""
     ids = torch.randint(0, 11, (7, 3), generator=g)
     tokens = torch.randint(0, 11, (21,), generator=g)
     model = TiedLM()
     reference = copy.deepcopy(model)
-    spanned = torchspan.span(model, balance=[2, 1], microbatches=3, schedule="zero-bubble")
+    spanned = torchspan.span(model, balance=[2, 1], microbatches=3, schedule=schedule)
     ce = nn.CrossEntropyLoss()
     spanned.train_step(ids, tokens.view(7, 3), lambda out, t: ce(out, t.flatten()), loss_reduction="mean")
     ce(reference(ids), tokens).backward()
-    assert _check(spanned, reference, "tied across ranks, zero-bubble", rank) == (3 if rank == 0 else 1)
-    _leave()
+    assert _check(spanned, reference, f"tied across ranks, {schedule}", rank) == (3 if rank == 0 else 1)
 
 
 @pytest.mark.slow
@@ -241,47 +246,61 @@ def test_own_forward_llama_across_ranks_zero_bubble_matches_one_device_and_1f1b(
     _spawn(_own_forward_worker, 2, free_port(), deadline=240.0)
 
 
-def test_own_forward_in_one_process_runs_zero_bubble_as_1f1b() -> None:
-    transformers = pytest.importorskip("transformers")
+@pytest.mark.parametrize("schedule", ["zero-bubble", "merged-weights"])
+def test_own_forward_in_one_process_runs_split_schedules_as_1f1b(schedule: str) -> None:
+    pytest.importorskip("transformers")
     from test_ranks_hooks import _batch, _llama, _token_ce, _tokens
 
-    assert transformers is not None
     ids, labels, mask = _batch(5, 5, 7, 40)
     grads = []
-    for schedule in ("1f1b", "zero-bubble"):
-        spanned = torchspan.span(_llama(), devices=["cpu", "cpu"], microbatches=3, schedule=schedule)
+    for name in ("1f1b", schedule):
+        spanned = torchspan.span(_llama(), devices=["cpu", "cpu"], microbatches=3, schedule=name)
         assert spanned.mode == "own-forward"
         spanned.train_step({"input_ids": ids, "attention_mask": mask}, labels, _token_ce, loss_normalizer=_tokens)
         grads.append([p.grad for p in spanned.module.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
-def _hybrid_worker(rank: int, world: int, port: int) -> None:
-    """2 replicas x 2 stages: the data-parallel reduction starts after each stage's last weight backward."""
+def hybrid_runs(rank: int, schedule: str, llama: bool = True, after: Callable[[str, Any], None] | None = None) -> None:
+    """2 replicas x 2 stages with ``schedule`` (a joined 4-rank job): a Sequential and, with ``llama``, a tied Llama on
+    uneven shards against one device on the whole batch; ``after(name, spanned)`` checks more after each."""
     from test_ranks_hooks import _batch, _llama, _token_ce, _tokens
 
-    _join(rank, world, port)
     replica = rank // 2  # rank = replica * stages + stage
     g = torch.Generator().manual_seed(9)
     x, y = torch.randn(7, 5, generator=g, dtype=torch.float64), torch.randn(7, 4, generator=g, dtype=torch.float64)
     rows = slice(0, 4) if replica == 0 else slice(4, 7)  # uneven shards: 4 + 3 rows
     model, reference = _seq(), _seq()
-    spanned = torchspan.span(model, balance=[2, 2], microbatches=2, schedule="zero-bubble")
+    if after is not None:
+        after("before sequential", model)  # the model, before span
+    spanned = torchspan.span(model, balance=[2, 2], microbatches=2, schedule=schedule)
     loss = spanned.train_step(x[rows], y[rows], nn.MSELoss())
     want = nn.MSELoss()(reference(x), y)
     want.backward()
     torch.testing.assert_close(loss.double(), want.detach(), **LOSS_TOL)
-    _check(spanned, reference, "sequential 2x2 zero-bubble", rank)
+    _check(spanned, reference, f"sequential 2x2 {schedule}", rank)
+    if after is not None:
+        after("sequential", spanned)
+    if not llama:
+        return
     model = _llama()
     reference = copy.deepcopy(model)
-    spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=2, schedule="zero-bubble")
+    spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=2, schedule=schedule)
     ids, labels, mask = _batch(5, 6, 6, 40)
     rows = slice(0, 4) if replica == 0 else slice(4, 6)
     loss = spanned.train_step({"input_ids": ids[rows], "attention_mask": mask[rows]}, labels[rows], _token_ce, loss_normalizer=_tokens)
     expected = _token_ce(reference(ids, attention_mask=mask), labels)
     expected.backward()
     torch.testing.assert_close(loss.double(), expected.detach(), **LOSS_TOL)
-    _check(spanned, reference, "llama 2x2 zero-bubble", rank)
+    _check(spanned, reference, f"llama 2x2 {schedule}", rank)
+    if after is not None:
+        after("llama", spanned)
+
+
+def _hybrid_worker(rank: int, world: int, port: int) -> None:
+    """2 replicas x 2 stages: the data-parallel reduction starts after each stage's last weight backward."""
+    _join(rank, world, port)
+    hybrid_runs(rank, "zero-bubble")
     _leave()
 
 
