@@ -31,6 +31,7 @@ import faulthandler
 import os
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,7 +42,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from _quick import add_quick  # benchmarks/_quick.py, beside this script
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from _quick import add_quick  # noqa: E402  (benchmarks/_quick.py, beside this script)
+from torchspan.runtime.ranks import init_distributed  # noqa: E402
 
 SIZES = [4 * 1024, 64 * 1024, 1024**2, 4 * 1024**2, 16 * 1024**2]
 
@@ -65,15 +69,14 @@ def _worker(rank: int, world: int, port: int, job: str, args: dict[str, Any], qu
     trace = open(Path(faults) / f"rank{rank}.txt", "w")  # noqa: SIM115 - open until the process ends
     faulthandler.enable(file=trace)  # a rank killed by a signal (abort) leaves its Python stacks here
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        out = _allreduce(args) if job == "allreduce" else _ddp_step(rank, world, args)
-        if rank == 0:
-            queue.put(out)
-        dist.barrier()  # no rank tears its connections down while a peer may still be reading (a rare gloo abort, -6)
-    finally:
-        dist.destroy_process_group()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    # torchspan's join: at exit it destroys the group and lets gloo's worker threads finish before the interpreter's
+    # teardown (a raw init_process_group here lost a rank to SIGABRT at exit now and then: "Fatal Python error:
+    # Aborted" in a thread with no Python frame, after the job had returned)
+    init_distributed(backend="gloo", timeout=300)
+    out = _allreduce(args) if job == "allreduce" else _ddp_step(rank, world, args)
+    if rank == 0:
+        queue.put(out)
 
 
 def _allreduce(args: dict[str, Any]) -> dict[int, float]:
