@@ -44,7 +44,7 @@ def test_memory_is_gpipes_with_every_micro_batch_in_flight() -> None:
 def test_priced_as_1f1b_trip_plus_one_stage_weight_pass_of_every_micro_batch() -> None:
     """No bubble credit, and the step ends in a stage's weight pass of all M micro-batches (charged to the last stage,
     no merging gain assumed): without a memory bandwidth figure (no ``G`` to save) merged-weights costs more than 1F1B,
-    so the search keeps 1F1B. Stages on one physical device pay no tail (nothing idles while it runs)."""
+    so the search keeps 1F1B. A single stage pays no tail (nothing waits for it)."""
     prof = random_profile(random.Random(7), 6, [device("cuda", "gpu", None, 1e9, index=i) for i in range(3)])
     three = [Stage(0, 0, 2), Stage(1, 2, 4), Stage(2, 4, 6)]
     M = 4
@@ -58,9 +58,11 @@ def test_priced_as_1f1b_trip_plus_one_stage_weight_pass_of_every_micro_batch() -
     prof = random_profile(random.Random(4), 4, cpu)
     two = [Stage(0, 0, 2), Stage(1, 2, 4)]
     mw, base = CostModel(prof, M, "merged-weights", "never").evaluate(two), CostModel(prof, M, "1f1b", "never").evaluate(two)
-    # one physical device: no tail (nothing idles while it runs), no bubble credit; only G can differ
-    assert mw.latency_sum == pytest.approx(base.latency_sum)
-    assert mw.step_time == pytest.approx(base.step_time - (M - 1) * (base.bottleneck - mw.bottleneck))
+    # one physical device (cpu, cpu): its stages' threads overlap on its cores, so the tail is charged there too
+    # (the demo's char transformer on cpu, cpu measured 72 ms merged against 58 ms 1F1B)
+    tail = (M - 1) * 0.5 * base.backward[-1]
+    assert mw.latency_sum == pytest.approx(base.latency_sum + tail)
+    assert mw.step_time == pytest.approx(base.step_time + tail - (M - 1) * (base.bottleneck - mw.bottleneck))
 
 
 def test_no_per_micro_batch_gradient_accumulation() -> None:

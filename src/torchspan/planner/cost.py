@@ -55,8 +55,8 @@ has latency ``lat_s - Bw_s / 2`` (one micro-batch's trip waits for its ``F`` and
 equal stages the bubble is ``(S - 1)(F + Bw/2)`` against 1F1B's ``(S - 1)(F + Bw)`` (ZB-H1's
 ``(S - 1)(F + B - W)`` for ``S = 2``; conservative beyond); one stage gains nothing, nor do stages
 sharing a physical device (no bubble to fill). Merged-weights (all ``W`` at the end as one pass, ``runtime.linearw``)
-has no ``G`` but ends in a stage's ``W`` of all ``M`` micro-batches, charged to the last stage (``+ (M - 1) Bw/2``, no
-merging gain assumed): it wins where ``G`` outweighs that; no bubble credit. Optimizer step, Python: not modelled.
+has no ``G`` but ends in a stage's ``W`` of all ``M`` micro-batches, charged to the last of several stages (``+ (M - 1)
+Bw/2``, no merging gain; stages on one CPU overlap too): it wins where ``G`` outweighs that. Optimizer step: not modelled.
 
 Memory of stage ``s`` (bytes), with ``k`` micro-batches in flight (GPipe: ``k = M``;
 1F1B: ``k = min(M, S - s)``; zero-bubble: ``k = min(M, max(S, D))`` on every stage, a micro-batch held until
@@ -387,7 +387,7 @@ class CostModel:
             fwd.append(float(self.PF[d, s.end] - self.PF[d, s.start]))
             bwd.append(float(self.PB[d, s.end] - self.PB[d, s.start]))
             tied.append((1 if rc == "never" else 2) * tf + tb)  # steady: recompute copies again
-            PL = self.PL_full if not apart or S == 1 else self.PL_last if idx == S - 1 else self.PL  # one stage: no tail
+            PL = self.PL_full if S == 1 else self.PL_last if idx == S - 1 else self.PL if apart else self.PL_full
             lat.append(float(PL[d, s.end] - PL[d, s.start]) + (2 if rc == "always" else 1) * tf + tb)
             mem.append(self.stage_memory(s.start, s.end, self.in_flight(idx, S)))
             name = self.names[d]
