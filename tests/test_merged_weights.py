@@ -25,17 +25,9 @@ from torchspan.runtime.ranks import free_port
 from torchspan.runtime.splitgrad import input_backward, weights_together
 from runtime_models import residual, residual_loss, sequential
 from test_ranks_pipeline import LOSS_TOL, _check, _join, _leave, _seq, _spawn
-from test_zero_bubble import Twice, hybrid_runs, tied_across_ranks
+from test_zero_bubble import Twice, _float64, hybrid_runs, tied_across_ranks  # noqa: F401 (_float64: autouse, float64)
 
 TOL = dict(rtol=1e-10, atol=1e-12)
-
-
-@pytest.fixture(autouse=True)
-def _float64():
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
 
 
 def _count_accumulations(model: nn.Module, fired: dict[str, int] | None = None) -> dict[str, int]:
