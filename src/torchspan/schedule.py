@@ -47,6 +47,7 @@ __all__ = [
     "zero_bubble",
     "merged_weights",
     "merges_weights",
+    "weight_run_ends",
     "forward_only",
     "build",
     "merged_order",
@@ -187,6 +188,16 @@ def merged_weights(microbatches: int, stages: int) -> list[list[Action]]:
 def merges_weights(name: str) -> bool:
     """Whether the schedule called ``name`` runs each stage's consecutive weight backwards as one pass."""
     return name == "merged-weights"
+
+
+def weight_run_ends(actions: list[Action]) -> set[int]:
+    """The micro-batches whose ``backward_weight`` ends a run of consecutive ones in one stage's ``actions``:
+    where a schedule that ``merges_weights`` takes the run as one pass.
+
+    Usage: ``weight_run_ends(merged_weights(4, 2)[0]) == {3}``.
+    """
+    nexts = [*actions[1:], None]
+    return {a.microbatch for a, b in zip(actions, nexts) if a.kind == BACKWARD_WEIGHT and (b is None or b.kind != BACKWARD_WEIGHT)}
 
 
 def forward_only(microbatches: int, stages: int) -> list[list[Action]]:

@@ -11,14 +11,14 @@ one buffer (``addmm_``), without the copy that stacking them would cost (``_prod
 or ``mm``, the weight reached through ``t()`` alone or multiplied as stored, as GPT-2's ``Conv1D`` does, the
 bias a 1-D leaf; either may be cast first, as
 autocast does, and its gradient is then cast back once, after the product) and returns a ``Linear``
-holding its input; ``accumulate(records)`` sums the records of each layer's parameters and adds them
-into ``.grad`` through the parameters' own accumulators (one engine call: hooks on the parameters
-fire, ``.grad`` is set or added to in place as by ``backward``).
+holding its input; ``gradients(records)`` sums the records of each layer's parameters: the leaves and
+their gradients, which the caller adds into ``.grad`` through the leaves' own accumulators
+(``splitgrad.weights_together``: one engine call, hooks on the parameters fire).
 
 Usage::
 
     lin = find(node, None)          # on an AddmmBackward0 / MmBackward0, else None
-    accumulate([(lin, g1), (lin2, g2)])
+    leaves, grads = gradients([(lin, g1), (lin2, g2)])
 """
 
 from __future__ import annotations
@@ -29,15 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Linear", "find", "accumulate"]
-
-try:  # the engine call behind torch.autograd.backward, without its per-call checks
-    from torch.autograd.graph import _engine_run_backward as _run
-except ImportError:  # pragma: no cover
-
-    def _run(outputs: Any, grads: Any, keep: bool, create: bool, inputs: Any, *, allow_unreachable: bool, accumulate_grad: bool) -> Any:
-        return torch.autograd.backward(outputs, grads, retain_graph=keep, inputs=inputs)
-
+__all__ = ["Linear", "find", "gradients"]
 
 @dataclass(frozen=True)
 class Linear:
@@ -122,11 +114,12 @@ def _product(xs: list[torch.Tensor], gs: list[torch.Tensor], transposed: bool, d
     return out
 
 
-def accumulate(records: Sequence[tuple[Linear, torch.Tensor]]) -> None:
-    """Add every record's weight (and bias) gradient into ``.grad``: one product per weight over all its
-    records' rows (``g``: the gradient flowing into the linear call's output, 2-D), then one engine call.
+def gradients(records: Sequence[tuple[Linear, torch.Tensor]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every record's weight (and bias) gradient, summed over the records of each leaf: one product per weight
+    over all its records' rows (``g``: the gradient flowing into the linear call's output, 2-D). Returns the
+    leaves and their gradients (a weight used both ways is listed twice: accumulating adds the two).
 
-    Usage: ``accumulate([(lin, g) for lin, g in recorded])``.
+    Usage: ``leaves, grads = gradients([(lin, g) for lin, g in recorded])``.
     """
     by_weight: dict[tuple[int, bool], tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = {}
     by_bias: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # each record's own bias (a weight may have several)
@@ -138,12 +131,11 @@ def accumulate(records: Sequence[tuple[Linear, torch.Tensor]]) -> None:
             by_bias.setdefault(id(lin.bias), (lin.bias, []))[1].append(g)
     leaves: list[torch.Tensor] = []
     grads: list[torch.Tensor] = []
-    for (_, transposed), (weight, xs, gs) in by_weight.items():  # a weight used both ways: the engine adds the two
+    for (_, transposed), (weight, xs, gs) in by_weight.items():
         leaves.append(weight)
         grads.append(_as(_product(xs, gs, transposed, weight.dtype), weight))  # in the compute dtype, cast once, as one device does
     for bias, gs in by_bias.values():  # in the weight's dtype: each micro-batch's sum, then theirs (no copy of the rows)
         leaves.append(bias)
         whole = len(gs) == 1 or gs[0].dtype != bias.dtype  # lower precision: one sum over all rows, as one device
         grads.append(_as((gs[0] if len(gs) == 1 else torch.cat(gs)).sum(0) if whole else torch.stack([g.sum(0) for g in gs]).sum(0), bias))
-    if leaves:
-        _run(tuple(leaves), tuple(grads), False, False, tuple(leaves), allow_unreachable=True, accumulate_grad=True)
+    return leaves, grads

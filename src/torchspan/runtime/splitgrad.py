@@ -107,7 +107,9 @@ def weights_together(pendings: Sequence[Pending]) -> None:
     records = [r for p in pendings for r in p._linears]
     for p in pendings:
         p._linears = []
-    linearw.accumulate(records)
+    leaves, grads = linearw.gradients(records)
+    if leaves:  # into .grad through the leaves' own accumulators, as backward adds (hooks fire once per leaf)
+        _run(tuple(leaves), tuple(grads), False, False, tuple(leaves), allow_unreachable=True, accumulate_grad=True)
     for p in pendings:
         p._rest()
 
@@ -318,12 +320,13 @@ def run_actions(
     """
     later: dict[int, Pending | None] = {}
     run: list[Pending] = []
-    for k, a in enumerate(actions):
+    ends = sched.weight_run_ends(list(actions)) if merge else set()
+    for a in actions:
         if a.kind == sched.BACKWARD_WEIGHT:
             pending = later.pop(a.microbatch)
             if merge:
                 run.extend([pending] if pending else [])
-                if k + 1 < len(actions) and actions[k + 1].kind == sched.BACKWARD_WEIGHT:
+                if a.microbatch not in ends:
                     continue
                 todo, run = run, []
                 if todo:

@@ -192,7 +192,7 @@ class Pipeline:
         metering = self._steps.wants(signature)
         step = _TrainStep(self, fns, inputs, targets, loss_fn, weights, scaler, buffers, finished, metering)
         if sched.merges_weights(schedule):
-            step.merge_at = _merge_points(plan)
+            step.merge_at = {(s, mb) for s, actions in enumerate(plan) for mb in sched.weight_run_ends(actions)}
         # Across processes the summed loss rides on each stage's last backward message down to stage 0
         # (no collective after the step): every process returns it.
         if any(not self.transport.is_local(t) for t in range(len(fns))):
@@ -475,16 +475,6 @@ def _unflat(leaves: list[Any], spec: Any) -> Any:
     if spec is _SEQUENCE_SPECS.get((tuple, len(leaves))):
         return tuple(leaves)
     return tree_unflatten(leaves, spec)
-
-
-def _merge_points(plan: list[list[sched.Action]]) -> set[tuple[int, int]]:
-    """(stage, micro-batch) of each weight backward that ends a run of them in its stage's actions."""
-    points = set()
-    for actions in plan:
-        for a, b in zip(actions, [*actions[1:], None]):
-            if a.kind == sched.BACKWARD_WEIGHT and (b is None or b.kind != sched.BACKWARD_WEIGHT):
-                points.add((a.stage, a.microbatch))
-    return points
 
 
 def _carried_microbatch(plan: list[list[sched.Action]]) -> int:
