@@ -70,7 +70,7 @@ from .errors import PlanError
 from .topology import Cluster, layouts, replica_profile, shard_size
 from .optimize import search
 from .plans import Plan, StagePlan
-from .settings import settings_grid
+from .settings import settings_grid, sharded_schedule
 from .sharded import optimizer_passes
 from .stages import Evaluation
 from .strategies import (
@@ -185,8 +185,8 @@ def _split(
     plain = replica_profile(profile, pp, b)
     compute_only = shape(plain)
     what = "sharded " if shard else ""
-    if shard and opts.schedule == "auto":  # FSDP2 stages run whole backwards: a split schedule gains nothing there
-        opts = dataclasses.replace(opts, schedule="1f1b")
+    if shard:
+        opts = dataclasses.replace(opts, schedule=sharded_schedule(opts.schedule))
     out: list[ClusterCandidate] = []
     skipped: list[str] = []
 

@@ -16,7 +16,7 @@ import math
 
 from ..schedule import RECOMPUTE_MODES, SCHEDULES
 
-__all__ = ["Setting", "microbatch_candidates", "settings_grid"]
+__all__ = ["Setting", "microbatch_candidates", "settings_grid", "sharded_schedule"]
 
 Setting = tuple[int, str, str]  # (microbatches, schedule, recompute)
 
@@ -30,6 +30,15 @@ def microbatch_candidates(batch_size: int) -> list[int]:
         out.add(p)
         p *= 2
     return sorted(out)
+
+
+def sharded_schedule(schedule: str) -> str:
+    """The schedule a pipeline of FSDP2-sharded stages searches: ``"auto"`` is 1F1B there (a sharded stage runs whole
+    backwards, so a split schedule gains nothing and would be priced for what it does not run); a fixed one as given.
+
+    Usage: ``settings_grid(b, m, sharded_schedule(schedule), recompute)``.
+    """
+    return "1f1b" if schedule == "auto" else schedule
 
 
 def settings_grid(
@@ -48,8 +57,8 @@ def settings_grid(
         ms = [microbatches]
     if schedule == "auto":
         # GPipe is never faster in the model and never uses less memory. Merged-weights (GPipe's memory, no
-        # per-micro-batch gradient accumulation) was measured on 2 gloo ranks on a CPU at 0.68x torch's
-        # Schedule1F1B step (heavy model) and 0.89x (small): chosen when predicted faster and it fits.
+        # per-micro-batch gradient accumulation) was measured on 2 gloo ranks on a CPU at 0.67-0.74x torch's
+        # Schedule1F1B step (heavy model) and at parity (small): chosen when predicted faster and it fits.
         # Zero-bubble is priced (faster across devices, more memory on later stages) but stays opt-in
         schedules = ["1f1b", "merged-weights"]
     elif schedule in SCHEDULES:

@@ -42,7 +42,7 @@ from .candidates import ClusterCandidate, Reduction, evaluate_cluster, even_cut,
 from .comm import reduce_scatter_time
 from .cost import CostModel
 from .physical import INF, budget_of
-from .settings import settings_grid
+from .settings import settings_grid, sharded_schedule
 from .sharded import cpu_optimizer_time, first_forward_exposed, host_memory_bandwidth, pcie_link, sharded_memory, sharded_step
 from .stages import Evaluation, Stage
 from .ties import TieCost
@@ -266,7 +266,7 @@ def _probe(profile: Profile, cluster: Cluster, dp: int, pp: int, opts: Options, 
         return []
     plain = replica_profile(profile, pp, b)
     shaped = sharded_profile(plain, dp) if shard else plain
-    schedule = "1f1b" if shard and opts.schedule == "auto" else opts.schedule  # FSDP2 stages run whole backwards
+    schedule = sharded_schedule(opts.schedule) if shard else opts.schedule
     grid = settings_grid(b, opts.microbatches, schedule, opts.recompute) if pp > 1 else replica_settings(
         opts.microbatches, opts.schedule, opts.recompute)  # fmt: skip
     layout, ranks = layouts(dp, pp)[0]
