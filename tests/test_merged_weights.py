@@ -252,6 +252,41 @@ def test_merged_split_of_one_weight_with_and_without_biases(case: str) -> None:
     _merged_equals_whole(case, specs[case])
 
 
+def test_merged_products_become_the_grad_without_a_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From ``.grad = None`` each merged product is kept as ``.grad`` itself, as autograd keeps a gradient it made
+    (a gradient handed to the engine from Python was copied first: a weight's size per parameter and step); onto an
+    existing ``.grad`` it is added in place. Hooks on the parameters still fire once."""
+    from torchspan.runtime import linearw
+
+    made: list[int] = []
+    real = linearw.gradients
+
+    def watched(records: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        leaves, grads = real(records)
+        made.extend(g.data_ptr() for g in grads)
+        return leaves, grads
+
+    monkeypatch.setattr(linearw, "gradients", watched)
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    fired = _count_accumulations(model)
+    for step in range(2):  # fresh, then accumulating
+        kept = {name: p.grad for name, p in model.named_parameters()}
+        made.clear()
+        pendings = []
+        for rows in (3, 5):
+            x = torch.randn(rows, 32, requires_grad=True)
+            out = model(x)
+            pendings.append(input_backward([out], [torch.randn_like(out)], [x], merge=True)[1])
+        weights_together(pendings)
+        params = dict(model.named_parameters())
+        if step == 0:
+            assert sorted(p.grad.data_ptr() for p in params.values()) == sorted(made), "a merged gradient was copied into .grad"
+        else:
+            assert all(params[name].grad is g for name, g in kept.items()), "an existing .grad was replaced, not added to"
+    assert fired == {name: 2 for name in params}
+
+
 def test_merged_split_frees_the_graph_when_nothing_else_is_left() -> None:
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))

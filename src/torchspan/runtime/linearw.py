@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Linear", "find", "gradients"]
+__all__ = ["Linear", "find", "leaves", "gradients"]
 
 @dataclass(frozen=True)
 class Linear:
@@ -112,6 +112,13 @@ def _product(xs: list[torch.Tensor], gs: list[torch.Tensor], transposed: bool, d
     for a, b in pairs[1:]:
         out.addmm_(a, b)
     return out
+
+
+def leaves(records: Sequence[tuple[Linear, torch.Tensor]]) -> list[torch.Tensor]:
+    """The leaves ``gradients(records)`` returns gradients for, in the same order (without computing them)."""
+    weights = {(id(lin.weight), lin.transposed): lin.weight for lin, _ in records}
+    biases = {id(lin.bias): lin.bias for lin, _ in records if lin.bias is not None}
+    return [*weights.values(), *biases.values()]
 
 
 def gradients(records: Sequence[tuple[Linear, torch.Tensor]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
