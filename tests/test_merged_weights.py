@@ -67,14 +67,18 @@ def _respects_dependencies(plan: list[list[sched.Action]]) -> None:
 
 
 @pytest.mark.parametrize("m,n", [(4, 2), (1, 1), (1, 3), (4, 1), (5, 3), (2, 4)])
-def test_schedule_is_1f1b_with_input_backwards_then_every_weight_backward(m: int, n: int) -> None:
+def test_schedule_runs_forwards_first_then_input_backwards_then_every_weight_backward(m: int, n: int) -> None:
     plan = sched.merged_weights(m, n)
     assert len(plan) == n
-    for s, (actions, base) in enumerate(zip(plan, sched.one_f_one_b(m, n))):
-        want = [(sched.BACKWARD_INPUT if a.kind == sched.BACKWARD else a.kind, a.microbatch) for a in base]
-        want += [(sched.BACKWARD_WEIGHT, i) for i in range(m)]
-        assert [(a.kind, a.microbatch) for a in actions] == want, f"stage {s}"
+    weights = [(sched.BACKWARD_WEIGHT, i) for i in range(m)]
+    for s, actions in enumerate(plan):
+        if s < n - 1:  # every micro-batch is held anyway: forwards as early as they can run
+            want = [(sched.FORWARD, i) for i in range(m)] + [(sched.BACKWARD_INPUT, i) for i in range(m)]
+        else:  # the last stage: each forward's input backward at once (what the stage before waits for)
+            want = [(kind, i) for i in range(m) for kind in (sched.FORWARD, sched.BACKWARD_INPUT)]
+        assert [(a.kind, a.microbatch) for a in actions] == want + weights, f"stage {s}"
         assert sched.max_live(actions) == m  # every micro-batch held until the weight backwards at the end
+        assert sched.weight_run_ends(actions) == {m - 1}  # one merged pass
     _respects_dependencies(plan)
     assert sched.build("merged-weights", m, n) == plan
 
@@ -82,14 +86,51 @@ def test_schedule_is_1f1b_with_input_backwards_then_every_weight_backward(m: int
 def test_schedule_of_four_microbatches_on_two_stages_and_its_name() -> None:
     short = {sched.FORWARD: "F", sched.BACKWARD_INPUT: "I", sched.BACKWARD_WEIGHT: "W"}
     plan = sched.merged_weights(4, 2)
-    assert [f"{short[a.kind]}{a.microbatch}" for a in plan[0]] == "F0 F1 I0 F2 I1 F3 I2 I3 W0 W1 W2 W3".split()
+    assert [f"{short[a.kind]}{a.microbatch}" for a in plan[0]] == "F0 F1 F2 F3 I0 I1 I2 I3 W0 W1 W2 W3".split()
     assert [f"{short[a.kind]}{a.microbatch}" for a in plan[1]] == "F0 I0 F1 I1 F2 I2 F3 I3 W0 W1 W2 W3".split()
+    assert [a.clock for a in plan[1]] == list(range(1, 13))
     assert [sched.max_live(a) for a in plan] == [4, 4]
     assert "merged-weights" in sched.SCHEDULES
     assert sched.merges_weights("merged-weights")
     assert not any(sched.merges_weights(name) for name in sched.SCHEDULES if name != "merged-weights")
     with pytest.raises(ValueError):
         sched.merged_weights(0, 2)
+
+
+def _idle_of_last_stage(plan: list[list[sched.Action]], hop: float) -> float:
+    """An event simulation of ``plan``: each action takes one unit, a value crossing to another stage ``hop`` more;
+    the last stage's idle time between its first action and its last."""
+    end: dict[tuple[str, int, int], float] = {}
+    clock = [0.0] * len(plan)
+    todo = [list(actions) for actions in plan]
+    while any(todo):
+        for s, actions in enumerate(todo):
+            while actions:
+                a = actions[0]
+                deps = {sched.FORWARD: [(sched.FORWARD, s - 1, a.microbatch, hop)] if s else [],
+                        sched.BACKWARD_INPUT: [(sched.FORWARD, s, a.microbatch, 0.0)]
+                        + ([(sched.BACKWARD_INPUT, s + 1, a.microbatch, hop)] if s < len(plan) - 1 else []),
+                        sched.BACKWARD_WEIGHT: [(sched.BACKWARD_INPUT, s, a.microbatch, 0.0)]}[a.kind]  # fmt: skip
+                if any((k, t, i) not in end for k, t, i, _ in deps):
+                    break
+                start = max([clock[s]] + [end[(k, t, i)] + lag for k, t, i, lag in deps])
+                end[(a.kind, s, a.microbatch)] = clock[s] = start + 1.0
+                actions.pop(0)
+    last = plan[-1]
+    first_start = end[(last[0].kind, len(plan) - 1, last[0].microbatch)] - 1.0
+    return clock[-1] - first_start - len(last)
+
+
+@pytest.mark.parametrize("m,n", [(4, 2), (8, 2), (4, 3), (6, 4)])
+def test_the_last_stage_never_waits_for_a_forward_when_values_take_time_to_cross(m: int, n: int) -> None:
+    """With a hop between ranks, 1F1B's order holds each forward on the way down behind an input backward that
+    made a round trip; running the earlier stages' forwards first keeps the last stage busy from its first
+    micro-batch to its last weight backward."""
+    assert _idle_of_last_stage(sched.merged_weights(m, n), hop=0.5) == 0.0
+    one_f_one_b_order = [[sched.Action(a.clock, a.stage, a.microbatch, sched.BACKWARD_INPUT if a.kind == sched.BACKWARD else a.kind)
+                          for a in actions] + [sched.Action(0, s, i, sched.BACKWARD_WEIGHT) for i in range(m)]
+                         for s, actions in enumerate(sched.one_f_one_b(m, n))]  # fmt: skip
+    assert _idle_of_last_stage(one_f_one_b_order, hop=0.5) > 0.0
 
 
 # ---------------------------------------------------------------------- the split itself

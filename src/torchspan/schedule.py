@@ -14,12 +14,17 @@ action took the same time; the runtime uses it to interleave stages that share o
   deferred ones fill the cool-down bubble: with forward, input and weight backwards of one unit each
   a step takes ``3m + n - 1`` units against 1F1B's ``3m + 3(n - 1)``. A micro-batch stays alive until its
   weight backward, so every stage keeps at most ``min(n, m)`` (1F1B's stage 0 bound).
-- ``merged_weights(m, n)``: 1F1B's order with split backwards, every ``backward_weight`` at the end of
-  the step, one after another: the runtime runs such a run of weight backwards as one pass, each
-  linear layer's weight gradient one matrix product over all the micro-batches (``runtime.linearw``)
-  instead of one product and one add per micro-batch. Input backwards are all the other stages wait
-  for, so the weights come off the critical path too; the price is memory: each stage keeps what the
-  weight gradients need (linear layers' inputs and output gradients) for all ``m`` micro-batches.
+- ``merged_weights(m, n)``: split backwards, every ``backward_weight`` at the end of the step, one
+  after another: the runtime runs such a run of weight backwards as one pass, each linear layer's
+  weight gradient one matrix product over all the micro-batches (``runtime.linearw``) instead of one
+  product and one add per micro-batch. Input backwards are all the other stages wait for, so the
+  weights come off the critical path too; the price is memory: each stage keeps what the weight
+  gradients need (linear layers' inputs and output gradients) for all ``m`` micro-batches. Since every
+  micro-batch is held anyway, every stage but the last runs all its forwards first (GPipe's order,
+  no more memory than that): the last stage alternates forward and input backward from its first
+  micro-batch on and never waits for a forward that 1F1B's order would hold back behind an input
+  backward on the way up (a round trip between ranks per micro-batch), and nothing waits for an
+  earlier stage's input backwards but its own weight pass at the end.
 
 The vocabulary a plan and a run are written in lives here too, once: ``SCHEDULES`` (the schedule
 names ``build`` knows), ``RECOMPUTE_MODES`` (activation recompute, "activation checkpointing": ``never``; ``except_last``,
@@ -173,16 +178,17 @@ def zero_bubble(microbatches: int, stages: int) -> list[list[Action]]:
 
 
 def merged_weights(microbatches: int, stages: int) -> list[list[Action]]:
-    """1F1B with split backwards; every stage's weight backwards last, in micro-batch order (run as one).
+    """Split backwards, every stage's weight backwards last, in micro-batch order (run as one): every stage
+    but the last runs all its forwards, then its input backwards; the last alternates forward and input backward.
 
     Usage: ``[a.kind for a in merged_weights(4, 2)[0]]``.
     """
     _check(microbatches, stages)
-    orders = []
-    for actions in one_f_one_b(microbatches, stages):
-        order = [(BACKWARD_INPUT if a.kind == BACKWARD else a.kind, a.microbatch) for a in actions]
-        orders.append(order + [(BACKWARD_WEIGHT, i) for i in range(microbatches)])
-    return _with_clocks(orders)
+    m = microbatches
+    weights = [(BACKWARD_WEIGHT, i) for i in range(m)]
+    first = [(FORWARD, i) for i in range(m)] + [(BACKWARD_INPUT, i) for i in range(m)]
+    last = [(kind, i) for i in range(m) for kind in (FORWARD, BACKWARD_INPUT)]
+    return _with_clocks([(first if s < stages - 1 else last) + weights for s in range(stages)])
 
 
 def merges_weights(name: str) -> bool:
