@@ -138,8 +138,9 @@ def _pipeline_worker(rank: int, world: int, port: int) -> None:
     assert torch.equal(copies[0], copies[1]), "the tied weight's copies drifted apart"
 
     # shapes change between steps (sequence length, micro-batch sizes; a forward in between shares the
-    # channels): the transport's predicted headers must notice every change and stay exact
-    for schedule in ("1f1b", "gpipe"):
+    # channels): the transport's predicted headers must notice every change and stay exact, receives posted
+    # early (the stage before sends its forwards first: gpipe, merged-weights) included
+    for schedule in ("1f1b", "gpipe", "merged-weights"):
         model = _seq()
         reference = copy.deepcopy(model)
         spanned = torchspan.span(model, balance=[2, 2], microbatches=3, schedule=schedule)
@@ -156,7 +157,32 @@ def _pipeline_worker(rank: int, world: int, port: int) -> None:
             _check(spanned, reference, label, rank)
             if length == 5:
                 torch.testing.assert_close(spanned(xs[:4]), reference(xs[:4]).detach(), **TOL)
+    _early_receives(rank, x, y)
     _leave()
+
+
+def _early_receives(rank: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Once a step announced the message sizes, the last stage posts every forward receive at its first one when
+    the stage before runs its forwards first (merged-weights, gpipe), never under 1F1B; stage 0 posts none."""
+    from torchspan.runtime.ranks import p2p
+
+    posted: list[int] = []
+    irecv = p2p.dist.irecv
+
+    def counted(*args: object, **kwargs: object) -> object:
+        posted.append(1)
+        return irecv(*args, **kwargs)
+
+    for schedule, early in (("merged-weights", 3), ("gpipe", 3), ("1f1b", 0)):
+        spanned = torchspan.span(_seq(), balance=[2, 2], microbatches=3, schedule=schedule)
+        spanned.train_step(x, y, nn.MSELoss())  # announces the headers
+        posted.clear()
+        p2p.dist.irecv = counted
+        try:
+            spanned.train_step(x, y, nn.MSELoss())
+        finally:
+            p2p.dist.irecv = irecv
+        assert len(posted) == (early if rank == 1 else 0), f"{schedule}: rank {rank} posted {len(posted)} early receive(s)"
 
 
 def _failing_worker(rank: int, world: int, port: int, out: str) -> None:

@@ -53,6 +53,7 @@ __all__ = [
     "merged_weights",
     "merges_weights",
     "weight_run_ends",
+    "forwards_first",
     "forward_only",
     "build",
     "merged_order",
@@ -204,6 +205,16 @@ def weight_run_ends(actions: list[Action]) -> set[int]:
     """
     nexts = [*actions[1:], None]
     return {a.microbatch for a, b in zip(actions, nexts) if a.kind == BACKWARD_WEIGHT and (b is None or b.kind != BACKWARD_WEIGHT)}
+
+
+def forwards_first(actions: list[Action]) -> bool:
+    """Whether one stage's ``actions`` run every forward before anything else (GPipe; merged-weights but on
+    the last stage): the stage sends all its forwards at once, so the next stage can take them in as they come.
+
+    Usage: ``forwards_first(merged_weights(4, 2)[0]) is True``.
+    """
+    kinds = [a.kind == FORWARD for a in actions]
+    return kinds == sorted(kinds, reverse=True)
 
 
 def forward_only(microbatches: int, stages: int) -> list[list[Action]]:

@@ -193,6 +193,9 @@ class Pipeline:
         step = _TrainStep(self, fns, inputs, targets, loss_fn, weights, scaler, buffers, finished, metering)
         if sched.merges_weights(schedule):
             step.merge_at = {(s, mb) for s, actions in enumerate(plan) for mb in sched.weight_run_ends(actions)}
+        for s in range(1, len(fns)):  # a stage in another process sends all its forwards first: take them as they come
+            if self.transport.is_local(s) and not self.transport.is_local(s - 1) and sched.forwards_first(plan[s - 1]):
+                step.expect[s] = [a.microbatch for a in plan[s] if a.kind == sched.FORWARD]
         # Across processes the summed loss rides on each stage's last backward message down to stage 0
         # (no collective after the step): every process returns it.
         if any(not self.transport.is_local(t) for t in range(len(fns))):
@@ -285,6 +288,7 @@ class _TrainStep:
         self.pending: dict[tuple[int, int], tuple[Pending, torch.Tensor | None]] = {}  # zero-bubble: weight passes to run
         self.merge_at: set[tuple[int, int]] | None = None  # merged weights: (stage, mb) of the weight backward ending a run
         self.merging: dict[int, tuple[list[Pending], list[torch.Tensor]]] = {}  # per stage: the run so far, its loss
+        self.expect: dict[int, list[int]] = {}  # stage -> its forwards' micro-batches, to receive early (once per step)
 
     def summed(self) -> torch.Tensor:
         done = [t.float() for t in self.losses if t is not None]
@@ -319,6 +323,9 @@ class _TrainStep:
         if s == 0:
             leaves, spec = _flat(to_device(list(self.inputs[mb]), dev))
         else:
+            expected = self.expect.pop(s, None)
+            if expected is not None:
+                pipe.transport.expect(s - 1, s, "fwd", expected)
             leaves, spec = pipe._receive(box, "fwd", s, s - 1, mb)
             leaves = [v.requires_grad_(True) if _needs_grad(v) and not recompute else v for v in leaves]
         st = _Saved(leaves, spec)

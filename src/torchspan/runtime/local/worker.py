@@ -102,6 +102,10 @@ class Transport:
         """The ``(values, spec)`` of micro-batch ``mb`` that remote ``src`` sent to local ``dst`` with ``kind`` (``"fwd"``/``"bwd"``)."""
         raise RuntimeError(f"stage {src} runs in this process: its values come through the mailbox, not a transport")
 
+    def expect(self, src: int, dst: int, kind: str, mbs: Sequence[int]) -> None:
+        """Micro-batches ``mbs`` of ``kind`` will come from remote ``src`` to local ``dst`` in this order: a
+        transport may post their receives now (nothing to do in one process)."""
+
     def finish(self, ok: bool) -> None:
         """End of a run: wait for sends still in flight (``ok``), or drop them after an error."""
 

@@ -15,11 +15,18 @@ prefix, then every tensor leaf (16-byte aligned):
   guessed that is not checked.
 
 Sends are ``isend`` (waited for at the end of the run), so two ranks sending to each other at
-once (1F1B) never block each other. Receives are posted when the schedule needs them, not ahead:
-a receive posted early makes gloo write the payload inside the sender's ``isend`` (on the
-compute thread), where a late one lets gloo's own thread ship it; measured on 2 shared cores,
-posting every receive one transfer ahead made 2-rank 1F1B steps 5-20% slower. Batched ``P2POp`` lists are not used: they can hang on gloo.
-Tags (``TAGS``, all defined here) keep forward and backward traffic, and the two executors' messages, apart.
+once (1F1B) never block each other. Receives are posted when the schedule needs them, unless the
+pipeline ``expect``s a channel: then the receives of every micro-batch whose message size is known
+are posted at once (``irecv``), after the step's gate. A receive posted early makes gloo write the
+payload inside the sender's ``isend`` (on its compute thread); a late one leaves gloo's own thread to
+ship it once the receiver asks, a wake-up on each side that two busy ranks on shared cores serve late
+(0.5-1.5 ms per message, measured). So the pipeline expects a stage's forwards when the stage before
+sends them all first (its forwards run before any backward: ``merged-weights``, GPipe): on 2 shared
+cores that made 2-rank merged-weights steps ~4% faster, where posting one transfer ahead under 1F1B
+made steps 5-20% slower. Batched ``P2POp`` lists are not used: they can hang on gloo.
+Tags (``tag``) keep forward and backward traffic, each micro-batch's messages, and the two executors'
+messages apart: an early receive can only ever match its own micro-batch's message (a changed header's
+second message, of another size, follows on the same tag once the first was read).
 A ``gate`` set for one step (``RankStage.check_same_batch``'s verdict) runs before that step's first
 transfer, so a refused step leaves every channel as it was.
 
@@ -42,11 +49,17 @@ from torch.utils._pytree import treespec_dumps, treespec_loads
 from ..local.worker import Transport
 from .mesh import Mesh
 
-__all__ = ["RankTransport", "PeerError", "TAGS"]
+__all__ = ["RankTransport", "PeerError", "TAGS", "tag"]
 
-# Every message tag of a pipeline across ranks: stage functions' transfers (``send``/``receive``) and the
-# own-forward executor's raw tensors (``post``/``receive_into``) never share one.
+# Every message tag of a pipeline across ranks: stage functions' transfers (``send``/``receive``, one tag per
+# kind and micro-batch) and the own-forward executor's raw tensors (``post``/``receive_into``) never share one.
 TAGS = {"fwd": 0, "bwd": 1, "own-fwd": 2, "own-bwd": 3}
+
+
+def tag(kind: str, mb: int | None = None) -> int:
+    """The tag of ``kind``'s messages (of micro-batch ``mb``): ``TAGS[kind] + len(TAGS) * (mb + 1)``, so no two
+    kinds or micro-batches share one."""
+    return TAGS[kind] if mb is None else TAGS[kind] + len(TAGS) * (mb + 1)
 _WHAT = {"fwd": "activations", "bwd": "gradients", "own-fwd": "activations", "own-bwd": "gradients"}
 _PREFIX = 16  # two int64: header length (0: as predicted), data bytes
 _ALIGN = 16
@@ -142,6 +155,8 @@ class RankTransport(Transport):
         self._sent: dict[tuple[int, str, int], _Header] = {}  # (peer, kind, micro-batch) -> last header sent
         self._received: dict[tuple[int, str, int], _Header] = {}  # ... -> last header received
         self._zero_bytes: dict[int, torch.Tensor] = {}  # zero padding by length (read-only)
+        self._early: dict[tuple[int, str, int], tuple[Any, torch.Tensor]] = {}  # (peer, kind, mb) -> posted irecv, its buffer
+        self._orphans: list[tuple[Any, torch.Tensor]] = []  # early receives of a failed run: gloo may still write into them
         self.gate: Callable[[], None] | None = None  # run once before the step's first transfer (RankStage.check_same_batch)
 
     def _open(self) -> None:
@@ -162,10 +177,10 @@ class RankTransport(Transport):
         return f"rank {self.peer(stage)} ("
 
     # ------------------------------------------------------------------ sending
-    def post(self, buf: torch.Tensor, peer: int, kind: str) -> None:
-        """``isend`` ``buf`` (on ``comm_device``) to rank ``peer`` with ``kind``'s tag; kept alive and waited for in ``finish``."""
+    def post(self, buf: torch.Tensor, peer: int, kind: str, mb: int | None = None) -> None:
+        """``isend`` ``buf`` (on ``comm_device``) to rank ``peer`` with ``tag(kind, mb)``; kept alive and waited for in ``finish``."""
         self._open()
-        self._pending.append((dist.isend(buf, dst=peer, tag=TAGS[kind]), buf))
+        self._pending.append((dist.isend(buf, dst=peer, tag=tag(kind, mb)), buf))
 
     def _pack(self, head: torch.Tensor, values: list[Any]) -> torch.Tensor:
         """One ``uint8`` message: ``head`` (a multiple of 16 bytes), then each tensor leaf's bytes, 16-byte
@@ -190,31 +205,49 @@ class RankTransport(Transport):
         peer = self.peer(dst)
         known = self._sent.get((peer, kind, mb))
         if known is not None and known.matches(values, spec):  # as predicted: one message, prefix [0, 0]
-            self.post(self._pack(self._zeros(_PREFIX), values), peer, kind)
+            self.post(self._pack(self._zeros(_PREFIX), values), peer, kind, mb)
             return
         header = _Header.of(values, spec)
         blob = header.dumps()
         first = torch.zeros(_PREFIX + (known.nbytes if known is not None else 0), dtype=torch.uint8)
         first[:_PREFIX].view(torch.int64).copy_(torch.tensor([len(blob), header.nbytes]))
-        self.post(first.to(self.comm_device), peer, kind)
+        self.post(first.to(self.comm_device), peer, kind, mb)
         head = torch.zeros(_aligned(len(blob)), dtype=torch.uint8)
         head[: len(blob)].copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
-        self.post(self._pack(head.to(self.comm_device), values), peer, kind)
+        self.post(self._pack(head.to(self.comm_device), values), peer, kind, mb)
         self._sent[(peer, kind, mb)] = header
 
     # ------------------------------------------------------------------ receiving
+    def expect(self, src: int, dst: int, kind: str, mbs: Sequence[int]) -> None:
+        """Post now (after the step's gate) the receives of ``mbs`` from stage ``src`` whose message size is known
+        from an earlier step; ``receive`` then waits for them. The others are received when asked for."""
+        self._open()
+        if self.comm_device.type != "cpu":  # nccl matches a pair's messages in order, whatever the tag: an early
+            return  # receive could take another micro-batch's message (and its progress needs no host thread)
+        peer = self.peer(src)
+        for mb in mbs:
+            known = self._received.get((peer, kind, mb))
+            if known is not None and (peer, kind, mb) not in self._early:
+                buf = torch.empty(_PREFIX + known.nbytes, dtype=torch.uint8, device=self.comm_device)
+                self._early[(peer, kind, mb)] = (dist.irecv(buf, src=peer, tag=tag(kind, mb)), buf)
+
     def receive(self, src: int, dst: int, kind: str, mb: int = 0) -> tuple[list[Any], Any]:
         self._open()
-        peer, tag = self.peer(src), TAGS[kind]
+        peer, key = self.peer(src), tag(kind, mb)
         known = self._received.get((peer, kind, mb))
         try:
-            buf = torch.empty(_PREFIX + (known.nbytes if known is not None else 0), dtype=torch.uint8, device=self.comm_device)
-            dist.recv(buf, src=peer, tag=tag)
+            early = self._early.pop((peer, kind, mb), None)
+            if early is not None:  # posted by expect(): the first message is in its buffer once waited for
+                early[0].wait()
+                buf = early[1]
+            else:
+                buf = torch.empty(_PREFIX + (known.nbytes if known is not None else 0), dtype=torch.uint8, device=self.comm_device)
+                dist.recv(buf, src=peer, tag=key)
             blob_len, data_len = buf[:_PREFIX].view(torch.int64).tolist()
             if blob_len:
                 start = _aligned(blob_len)
                 buf = torch.empty(start + data_len, dtype=torch.uint8, device=self.comm_device)
-                dist.recv(buf, src=peer, tag=tag)
+                dist.recv(buf, src=peer, tag=key)
                 header = _Header.loads(buf[:blob_len].cpu().numpy().tobytes())
                 self._received[(peer, kind, mb)] = header
             else:
@@ -239,7 +272,7 @@ class RankTransport(Transport):
         self._open()
         comm = buf if buf.device == self.comm_device else torch.empty_like(buf, device=self.comm_device)
         try:
-            dist.recv(comm, src=self.peer(src), tag=TAGS[kind])
+            dist.recv(comm, src=self.peer(src), tag=tag(kind))
         except RuntimeError as exc:
             raise self._lost(_WHAT[kind], dst, src, exc) from exc
         return comm if comm is buf else buf.copy_(comm)
@@ -256,10 +289,15 @@ class RankTransport(Transport):
             self._open()  # a step without a transfer still gets its verdict
         self.gate = None
         pending, self._pending = self._pending, []
+        early, self._early = list(self._early.values()), {}
         if not ok:  # a failed run: peers are stopping too; waiting on their receives could hang
             self._sent.clear()  # and what each side predicts may differ now: start again from announced headers
             self._received.clear()
+            self._orphans.extend(early)  # a posted receive cannot be withdrawn: its buffer must outlive it
             return
+        if early:  # never after a run that received what the schedule asked for
+            self._orphans.extend(early)
+            raise RuntimeError(f"rank {self.rank}: {len(early)} expected message(s) were never received (the transport was told to expect more than the schedule ran)")
         for work, _ in pending:
             try:
                 work.wait()
