@@ -33,6 +33,7 @@ Usage::
     python benchmarks/distributed.py --backend nccl --nproc 1   # one-GPU sanity run
     python benchmarks/distributed.py --pipeline --steps 30      # torchspan 1F1B vs Schedule1F1B, 2 gloo ranks
     python benchmarks/distributed.py --pipeline --steps 30 --batch-check-cost   # + the same-batch check's cost per step
+    python benchmarks/distributed.py --pipeline --late-receives   # + what posting forward receives at once gains
     python benchmarks/distributed.py --hybrid --steps 20        # torchspan 2x2 vs DDP x4
     python benchmarks/distributed.py --pipeline --help          # the pipeline flags
     python benchmarks/distributed.py --shard                    # span(shard=True) vs raw fully_shard, two sizes

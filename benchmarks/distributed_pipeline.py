@@ -19,7 +19,9 @@
    timing compares like with like. Printed per variant: median ms/step, the ratio of medians and the
    **median of per-round ratios** against ``Schedule1F1B`` (goal <= 0.9 for torchspan), and the best
    torchspan schedule against torch's best, per round. ``--batch-check-cost`` adds each torchspan
-   pipeline with its per-step same-batch check off, and prints checked / unchecked.
+   pipeline with its per-step same-batch check off, and prints checked / unchecked;
+   ``--late-receives`` adds each with every receive posted only when the schedule needs it (no
+   ``RankTransport.expect``), and prints early / late (what posting a stage's forward receives at once gains).
 2. **Hybrid 2 x 2** (``hybrid``) on 4 processes against plain ``DistributedDataParallel`` of the
    whole model (each DDP rank a quarter of the batch).
 
@@ -205,6 +207,13 @@ def _variants(rank: int, world: int, size: dict[str, int], args: argparse.Namesp
             unchecked._executor.ranks.check_same_batch = lambda *a: None
             per_rank[key] = 1
             args.spent[name] = _clocked(spanned[name]._executor.ranks)
+    if args.late_receives:  # the same pipelines with every receive posted when the schedule needs it
+        for name in args.schedule:
+            key = f"{name} late receives"
+            steps[key], grads[key], late = _torchspan(name, size, data, loss_fn)
+            transport = late._executor._pipeline.transport
+            transport.expect = lambda *a, _t=transport, **k: _t._open()  # the step's gate only, no receive posted
+            per_rank[key] = 1
     return steps, grads, skipped, per_rank
 
 
@@ -268,6 +277,9 @@ def _pipeline(rank: int, world: int, port: int, args: argparse.Namespace, out: s
             lines += _report(size_name, size, times, same, skipped, per_rank)
             if args.batch_check_cost:
                 lines.append(_check_cost(times, args.spent, args.schedule).rstrip())
+            if args.late_receives:
+                lines += [f"  early / late receives, {name}: median of per-round ratios "
+                          f"{_per_round(times, f'torchspan {name}', f'{name} late receives'):.3f}" for name in args.schedule]
         del steps, grads
     if rank == 0:
         Path(out).write_text("\n".join(lines) + "\n")
@@ -304,7 +316,7 @@ def _report(size_name: str, size: dict[str, int], times: dict[str, list[float]],
     ours = [k for k in times if k.startswith("torchspan ")]
     for k in ours:
         lines.append(f"  {k} / {ANCHOR}, per round: " + " ".join(f"{a / c:.2f}" for a, c in zip(times[k], times[ANCHOR])))
-    fair = [k for k in times if same[k][0] and "unchecked" not in k]
+    fair = [k for k in times if same[k][0] and k.startswith(("torchspan ", "torch "))]  # not the diagnostic variants
     best_ours = min((k for k in ours if k in fair), key=ratio.__getitem__, default=None)
     best_torch = min((k for k in fair if k.startswith("torch ")), key=ratio.__getitem__)
     tag = f"pipeline_2ranks/{size_name}"
@@ -313,7 +325,7 @@ def _report(size_name: str, size: dict[str, int], times: dict[str, list[float]],
         lines.append(f"  best: {best_ours} / {best_torch} (torch's best here) = {best:.3f} (median of per-round ratios)")
     anchor = f"Schedule1F1B, {size_name}: {d} x Linear({w}), {m} micro-batches, 2 ranks"
     lines += [f"RATIO {tag}/{_slug(k)}_vs_Schedule1F1B {ratio[k]:.3f} {'<=0.9' if k in ours else '-'} {anchor}"
-              + ("" if same[k][0] else " (NOT the same gradients)") for k in times if k != ANCHOR and "unchecked" not in k]  # fmt: skip
+              + ("" if same[k][0] else " (NOT the same gradients)") for k in times if k != ANCHOR and k.startswith(("torchspan ", "torch "))]  # fmt: skip
     if best_ours is not None:
         lines.append(f"RATIO {tag}/best_torchspan_vs_best_torch {best:.3f} - {best_ours} vs {best_torch}, {size_name}")
     lines += [f"SKIP {tag}/{_slug(s.split(': ')[0])}_vs_Schedule1F1B {s.split(': ', 1)[1]}" for s in skipped]
@@ -423,6 +435,8 @@ def parser() -> argparse.ArgumentParser:
                    help="torchspan's pipeline schedule(s), each timed against Schedule1F1B in the same rounds (default: all)")
     p.add_argument("--torch", nargs="+", choices=TORCH_SCHEDULES, default=list(TORCH_SCHEDULES),
                    help="torch's schedules besides the anchor Schedule1F1B (default: all; those that do not apply are skipped)")
+    p.add_argument("--late-receives", action="store_true",
+                   help="also time each torchspan pipeline posting every receive only when needed, in the same rounds")
     p.add_argument("--batch-check-cost", action="store_true",
                    help="also time each torchspan pipeline with its per-step same-batch check off, in the same rounds (the check's cost)")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads per process (0: cores // processes)")
