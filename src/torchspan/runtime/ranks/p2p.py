@@ -22,8 +22,8 @@ payload inside the sender's ``isend`` (on its compute thread); a late one leaves
 ship it once the receiver asks, a wake-up on each side that two busy ranks on shared cores serve late
 (0.5-1.5 ms per message, measured). So the pipeline expects a stage's forwards when the stage before
 sends them all first (its forwards run before any backward: ``merged-weights``, GPipe): on 2 shared
-cores that made 2-rank merged-weights steps ~4% faster, where posting one transfer ahead under 1F1B
-made steps 5-20% slower. Batched ``P2POp`` lists are not used: they can hang on gloo.
+cores that made 2-rank steps 1-3% faster under merged-weights and 5-10% under GPipe (in the same
+rounds), where posting one transfer ahead under 1F1B made steps 5-20% slower. Batched ``P2POp`` lists are not used: they can hang on gloo.
 Tags (``tag``) keep forward and backward traffic, each micro-batch's messages, and the two executors'
 messages apart: an early receive can only ever match its own micro-batch's message (a changed header's
 second message, of another size, follows on the same tag once the first was read).
@@ -54,15 +54,15 @@ __all__ = ["RankTransport", "PeerError", "TAGS", "tag"]
 # Every message tag of a pipeline across ranks: stage functions' transfers (``send``/``receive``, one tag per
 # kind and micro-batch) and the own-forward executor's raw tensors (``post``/``receive_into``) never share one.
 TAGS = {"fwd": 0, "bwd": 1, "own-fwd": 2, "own-bwd": 3}
+_WHAT = {"fwd": "activations", "bwd": "gradients", "own-fwd": "activations", "own-bwd": "gradients"}
+_PREFIX = 16  # two int64: header length (0: as predicted), data bytes
+_ALIGN = 16
 
 
 def tag(kind: str, mb: int | None = None) -> int:
     """The tag of ``kind``'s messages (of micro-batch ``mb``): ``TAGS[kind] + len(TAGS) * (mb + 1)``, so no two
     kinds or micro-batches share one."""
     return TAGS[kind] if mb is None else TAGS[kind] + len(TAGS) * (mb + 1)
-_WHAT = {"fwd": "activations", "bwd": "gradients", "own-fwd": "activations", "own-bwd": "gradients"}
-_PREFIX = 16  # two int64: header length (0: as predicted), data bytes
-_ALIGN = 16
 
 
 class PeerError(RuntimeError):
