@@ -114,11 +114,28 @@ def _product(xs: list[torch.Tensor], gs: list[torch.Tensor], transposed: bool, d
     return out
 
 
+_Weights = dict[tuple[int, bool], tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]]
+_Biases = dict[int, tuple[torch.Tensor, list[torch.Tensor]]]
+
+
+def _grouped(records: Sequence[tuple[Linear, torch.Tensor]]) -> tuple[_Weights, _Biases]:
+    """The records by weight (and how it is multiplied): its inputs and output gradients; by bias (each record's own:
+    a weight may have several): its output gradients. Their order is the order of ``leaves`` and ``gradients``."""
+    by_weight: _Weights = {}
+    by_bias: _Biases = {}
+    for lin, g in records:
+        _, xs, gs = by_weight.setdefault((id(lin.weight), lin.transposed), (lin.weight, [], []))
+        xs.append(lin.x)
+        gs.append(g)
+        if lin.bias is not None:
+            by_bias.setdefault(id(lin.bias), (lin.bias, []))[1].append(g)
+    return by_weight, by_bias
+
+
 def leaves(records: Sequence[tuple[Linear, torch.Tensor]]) -> list[torch.Tensor]:
     """The leaves ``gradients(records)`` returns gradients for, in the same order (without computing them)."""
-    weights = {(id(lin.weight), lin.transposed): lin.weight for lin, _ in records}
-    biases = {id(lin.bias): lin.bias for lin, _ in records if lin.bias is not None}
-    return [*weights.values(), *biases.values()]
+    by_weight, by_bias = _grouped(records)
+    return [w for w, _, _ in by_weight.values()] + [b for b, _ in by_bias.values()]
 
 
 def gradients(records: Sequence[tuple[Linear, torch.Tensor]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -128,21 +145,14 @@ def gradients(records: Sequence[tuple[Linear, torch.Tensor]]) -> tuple[list[torc
 
     Usage: ``leaves, grads = gradients([(lin, g) for lin, g in recorded])``.
     """
-    by_weight: dict[tuple[int, bool], tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = {}
-    by_bias: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # each record's own bias (a weight may have several)
-    for lin, g in records:
-        _, xs, gs = by_weight.setdefault((id(lin.weight), lin.transposed), (lin.weight, [], []))
-        xs.append(lin.x)
-        gs.append(g)
-        if lin.bias is not None:
-            by_bias.setdefault(id(lin.bias), (lin.bias, []))[1].append(g)
-    leaves: list[torch.Tensor] = []
+    by_weight, by_bias = _grouped(records)
+    held: list[torch.Tensor] = []
     grads: list[torch.Tensor] = []
     for (_, transposed), (weight, xs, gs) in by_weight.items():
-        leaves.append(weight)
+        held.append(weight)
         grads.append(_as(_product(xs, gs, transposed, weight.dtype), weight))  # in the compute dtype, cast once, as one device does
     for bias, gs in by_bias.values():  # in the weight's dtype: each micro-batch's sum, then theirs (no copy of the rows)
-        leaves.append(bias)
+        held.append(bias)
         whole = len(gs) == 1 or gs[0].dtype != bias.dtype  # lower precision: one sum over all rows, as one device
         grads.append(_as((gs[0] if len(gs) == 1 else torch.cat(gs)).sum(0) if whole else torch.stack([g.sum(0) for g in gs]).sum(0), bias))
-    return leaves, grads
+    return held, grads
