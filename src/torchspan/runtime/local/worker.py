@@ -94,12 +94,14 @@ class Transport:
         """Words naming where ``stage`` runs, for error notes (empty: this process)."""
         return ""
 
-    def send(self, values: list[Any], spec: Any, src: int, dst: int, kind: str, mb: int = 0) -> None:
-        """Hand ``values`` (flattened leaves, ``spec`` their pytree spec) of micro-batch ``mb`` from local ``src`` to remote ``dst``."""
+    def send(self, values: list[Any], spec: Any, src: int, dst: int, kind: str, mb: int = 0, seq: int = 0) -> None:
+        """Hand ``values`` (flattened leaves, ``spec`` their pytree spec) of micro-batch ``mb`` (its ``seq``-th message of
+        ``kind``) from local ``src`` to remote ``dst``."""
         raise RuntimeError(f"stage {dst} runs in this process: its values go through the mailbox, not a transport")
 
-    def receive(self, src: int, dst: int, kind: str, mb: int = 0) -> tuple[list[Any], Any]:
-        """The ``(values, spec)`` of micro-batch ``mb`` that remote ``src`` sent to local ``dst`` with ``kind`` (``"fwd"``/``"bwd"``)."""
+    def receive(self, src: int, dst: int, kind: str, mb: int = 0, seq: int = 0) -> tuple[list[Any], Any]:
+        """The ``(values, spec)`` of micro-batch ``mb`` (its ``seq``-th message) that remote ``src`` sent to local ``dst``
+        with ``kind`` (``"fwd"``/``"bwd"``)."""
         raise RuntimeError(f"stage {src} runs in this process: its values come through the mailbox, not a transport")
 
     def expect(self, src: int, dst: int, kind: str, mbs: Sequence[int]) -> None:

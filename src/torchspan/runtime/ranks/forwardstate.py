@@ -51,6 +51,7 @@ class Forward:
         self.value: dict[tuple[int, int], torch.Tensor] = {}  # (call, leaf) -> the received tensor
         self.placeholders: list[torch.Tensor] = []  # kept alive: their ids stay unique for this forward
         self.sent: list[tuple[torch.Tensor, int]] = []  # (sent tensor whose gradient comes back, its stage)
+        self.messages: dict[tuple[bool, int], int] = {}  # (sent, other stage) -> values sent to / received from it so far
         self.inbound: list[tuple[torch.Tensor, int]] = []  # (received leaf needing a gradient, its source stage)
         self.loss: torch.Tensor | None = None
         self.recipes = Recipes()  # the glue's meta values, while the forward runs
@@ -64,6 +65,12 @@ class Forward:
             if isinstance(v, torch.Tensor) and v.is_meta:
                 self.made_by[id(v)] = (v, layer)
         return out
+
+    def next_message(self, sent: bool, stage: int) -> int:
+        """The number of this micro-batch's next value sent to (``sent``) or received from ``stage``, counting from 0."""
+        seq = self.messages.get((sent, stage), 0)
+        self.messages[(sent, stage)] = seq + 1
+        return seq
 
     def layer_of(self, t: torch.Tensor) -> str | None:
         found = self.made_by.get(id(t))
@@ -144,10 +151,14 @@ def _take(st: Forward, held: torch.Tensor, got: torch.Tensor) -> tuple[torch.Ten
 
 
 def real_arguments(
-    st: Forward, c: LayerCall, route: CallRoute, receive: Callable[[torch.Tensor, int], torch.Tensor], device: torch.device
+    st: Forward,
+    c: LayerCall,
+    route: CallRoute,
+    receive: Callable[[torch.Size, torch.dtype, int], torch.Tensor],
+    device: torch.device,
 ) -> bool:
-    """Make this (owner) rank's tensor arguments of ``c`` real in ``c.leaves``: received, reused or rebuilt
-    (``receive(buffer, stage)``). Returns whether the layer must get rebuilt containers."""
+    """Make this (owner) rank's tensor arguments of ``c`` real in ``c.leaves``: received (``receive(shape, dtype,
+    stage)``), reused or rebuilt (on ``device``). Returns whether the layer must get rebuilt containers."""
     replaced = False
     received: dict[int, dict[tuple[int, ...], torch.Tensor]] = {}
     for tr in route.transfers:
@@ -155,7 +166,7 @@ def real_arguments(
         if held is None:
             raise DivergedError(f"torchspan: layer {c.name!r}'s argument {tr.leaf} is no longer made as when its route was recorded")
         dtype = tr.dtype if tr.dtype is not None else held.dtype  # autocast on the sender: its dtype
-        got = receive(torch.empty(held.shape, dtype=dtype, device=device), tr.src)
+        got = receive(held.shape, dtype, tr.src)
         got, only_here = _take(st, held, got)
         if st.grad and tr.grad:
             got.requires_grad_(True)

@@ -40,9 +40,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, tr
 from .taint import check_unchanged, container_sizes, to_meta
 from .together import every_rank
 
-__all__ = ["MetaCalls", "Described", "TiedSwaps", "describe", "guarded", "shape_key"]
+__all__ = ["MISSING", "MetaCalls", "Described", "TiedSwaps", "describe", "guarded", "shape_key"]
 
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
+MISSING: Any = object()  # ``MetaCalls.replay``: no outputs recorded for this call
 _LIMIT = 4096  # templates kept (distinct call shapes); past it the cache starts over
 
 
@@ -173,6 +174,18 @@ class MetaCalls:
             else:
                 return None
         return tuple(key)
+
+    def replay(self, where: Any, module: nn.Module, leaves: list[Any]) -> Any:
+        """The outputs recorded for this call's key (its submodules' forward hooks fired again), or ``MISSING`` when
+        the call has to run (``run``): a replay runs no layer code, so it needs no ``no_grad`` or tied swaps."""
+        key = self._key(where, module, leaves)
+        known = self._templates.get(key) if key is not None else None
+        if known is None:
+            return MISSING
+        template, hooks = known
+        if hooks is not None:
+            hooks.fire()
+        return template.build([t for t in leaves if isinstance(t, torch.Tensor)])
 
     def run(self, where: Any, module: nn.Module, fn: Callable[..., Any], leaves: list[Any], spec: Any) -> Any:
         """``fn(*args, **kwargs)`` for the flattened ``(args, kwargs)`` (``leaves``: meta tensors and plain

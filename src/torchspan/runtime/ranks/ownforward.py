@@ -9,7 +9,8 @@ on its own stage, which describes its outputs' shapes to the other ranks once pe
 (``metacalls.Described``). When a layer of this rank needs an argument another stage computed,
 that stage sends it at the same call
 (``routes``: found the first time a forward takes a path, by comparing what each rank sees,
-then replayed and checked); gradients of what crossed travel back in backward. A value the glue
+then replayed and checked; ``ownmessages``: one predicted message per value, received early when
+the sending stage runs its forwards first); gradients of what crossed travel back in backward. A value the glue
 combined from several stages (``inputs_embeds + position_embeds`` across a cut right after the token
 embedding, a skip connection across a cut) is rebuilt on the stage that needs it: it receives the
 operands it lacks and replays the glue ops (``glue``). Tied parameters,
@@ -62,7 +63,8 @@ from .mesh import Mesh
 from .metaweights import fill, materialize_stage
 from .ownloss import stage_loss
 from .forwardstate import Forward, LayerCall, Path, call_leaves, real_arguments, sent_tensor
-from .metacalls import Described, MetaCalls, TiedSwaps, guarded, shape_key
+from .metacalls import MISSING, Described, MetaCalls, TiedSwaps, guarded, shape_key
+from .ownmessages import ForwardMessages
 from .p2p import PeerError, RankTransport
 from .routes import META, CallRoute, DivergedError, Seen, check_last_stage, cut_advice, resolve_rebuilds, route_call
 from .stage import RankStage, StageExecutor
@@ -109,11 +111,12 @@ class RankOwnForwardExecutor(StageExecutor):
         self._kept: set[int] = set()
         self._paths = {True: Path(), False: Path()}  # training forwards, no-grad forwards
         self._fwd: Forward | None = None
-        self._transport = RankTransport(mesh, info.rank, info.device, self.ranks.comm)  # raw tensors, tags "own-fwd"/"own-bwd"
+        self._transport = RankTransport(mesh, info.rank, info.device, self.ranks.comm)  # values "own-fwd"/"own-eval", gradients "own-bwd"
         self._swaps = TiedSwaps({})
         self._steps = MeteredSteps(meter)  # which training steps count saved activations (micro-batch shapes)
         self._meta_calls = MetaCalls()
-        self._actions: tuple[Any, list[sched.Action]] = (None, [])  # this stage's actions, built for (schedule, m, n)
+        self._actions: tuple[Any, list[list[sched.Action]]] = (None, [])  # every stage's actions, built for (schedule, m, n)
+        self._messages = ForwardMessages(self._transport, self.stage, mesh.stages)  # values crossing inside forwards
         self._together = Together(mesh.stages, self._transport.peer, None, before=self._verdict)  # the group: place()
         self._described = Described(mesh.stages, self._together.gather, self._transport.peer)
 
@@ -203,7 +206,7 @@ class RankOwnForwardExecutor(StageExecutor):
                 sent = sent_tensor(st, c, tr.leaf, tr.path)
                 if tr.dtype is not None and sent.dtype != tr.dtype:
                     raise DivergedError(f"torchspan: layer {name!r}'s argument {tr.leaf} is {sent.dtype} now, {tr.dtype} when recorded")
-                self._isend(sent, tr.dst, "own-fwd")
+                self._messages.send(st, sent, tr.dst)
                 if st.grad and tr.grad:
                     st.sent.append((sent, tr.dst))
         if not local:  # another stage's layer: its outputs' shapes, on meta (replayed once known)
@@ -251,15 +254,19 @@ class RankOwnForwardExecutor(StageExecutor):
             return _NOT_RUN, f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:300]
 
     def _meta_run(self, c: LayerCall, failing: bool = False) -> Any:
+        meta = [meta_like(v) if isinstance(v, torch.Tensor) else v for v in c.leaves]
+        if not failing:  # a call shape seen before: its outputs without running it
+            out = self._meta_calls.replay(c.place, self.layers[c.name], meta)
+            if out is not MISSING:
+                return out
         with torch.no_grad(), self._swaps.swapped(c.name):
-            meta = [meta_like(v) if isinstance(v, torch.Tensor) else v for v in c.leaves]
             run = self._meta_calls.run_failed if failing else self._meta_calls.run
             return run(c.place, self.layers[c.name], guarded(c.fn, c.name), meta, c.spec)
 
     def _run_here(self, st: Forward, c: LayerCall, route: CallRoute, recording: bool) -> Any:
         """This stage's layer: arguments other stages computed are received (or reused), then it runs for real."""
         leaves, where = c.leaves, c.where
-        replaced = real_arguments(st, c, route, lambda buf, src: self._recv(buf, src, "own-fwd"), self.device)
+        replaced = real_arguments(st, c, route, lambda shape, dtype, src: self._messages.receive(st, c.name, shape, dtype, src), self.device)
         real_args, real_kwargs = tree_unflatten(leaves, c.spec) if replaced else (c.args, c.kwargs)
         sizes = container_sizes((real_args, real_kwargs)) if replaced else []
         shared = []
@@ -319,14 +326,19 @@ class RankOwnForwardExecutor(StageExecutor):
         return self._steps.wants(signature), signature
 
     def _forward(self, work: Work, mb: int, grad: bool, metering: bool = False) -> tuple[Any, Forward]:
-        args, kwargs = to_device(work.chunks[mb], self.device)
+        args, kwargs = work.chunks[mb]
+        leaves = call_leaves(args, kwargs)[0]
+        if not all(v.device == self.device for v in leaves if isinstance(v, torch.Tensor)):
+            args, kwargs = to_device((args, kwargs), self.device)
+            leaves = call_leaves(args, kwargs)[0]
         s = self.settings
         st = Forward(mb, grad, self._paths[grad], metering, grad and recomputes(s.recompute, mb, s.microbatches))
         self._fwd = st
         try:
-            kept = self._kept | {id(t) for t in call_leaves(args, kwargs)[0] if isinstance(t, torch.Tensor)}
+            kept = self._kept | {id(t) for t in leaves if isinstance(t, torch.Tensor)}
             with torch.set_grad_enabled(grad), MetaTaint(self.device, st.recipes, kept):
                 out = self.model(*args, **kwargs)
+            self._messages.done(st)
         except Exception as exc:
             failure = explained(exc, self.stage, mb)
             if not st.node.next and not raised_everywhere(exc) and not isinstance(exc, PeerError):
@@ -422,8 +434,10 @@ class RankOwnForwardExecutor(StageExecutor):
         live: dict[int, Forward] = {}
         key = (s.schedule, s.microbatches, n)
         if self._actions[0] != key:  # the schedule is built once per (schedule, micro-batches)
-            self._actions = (key, sched.build(s.schedule, s.microbatches, n)[self.stage])
-        actions = self._actions[1]
+            self._actions = (key, sched.build(s.schedule, s.microbatches, n))
+        plan = self._actions[1]
+        actions = plan[self.stage]
+        self._messages.start_step(plan)
         carry = [a.microbatch for a in actions if a.kind in (sched.BACKWARD, sched.BACKWARD_INPUT)][-1] if self.ranks.last else None
         summed: list[torch.Tensor] = []
 
@@ -455,6 +469,7 @@ class RankOwnForwardExecutor(StageExecutor):
             self._verdict()  # a refused batch explains a failure before the first transfer: every rank raises it
             raise
         finally:
+            self._messages.end_step()
             self._transport.finish(ok)
         return summed[0]
 

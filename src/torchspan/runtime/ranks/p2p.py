@@ -1,9 +1,10 @@
 """Point-to-point transport between pipeline ranks: activations forward, gradients back.
 
-One message per transfer in the steady state. A channel (peer, kind) carries one message per
-micro-batch, in schedule order; both ends remember, per micro-batch index, the *header* of the
-last transfer (pytree spec, each leaf's shape/dtype or pickled plain value) and so agree on the
-size of the next message before it is sent. A message is one ``uint8`` buffer (one ``torch.cat`` of byte views): a 16-byte
+One message per transfer in the steady state. A *slot* (peer, kind, micro-batch, seq) carries one
+transfer per step: stage functions send one per micro-batch (seq 0), the own-forward executor one per
+value crossing in a micro-batch's forward (seq counts them). Both ends remember, per slot, the
+*header* of the last transfer (pytree spec, each leaf's shape/dtype or pickled plain value) and so
+agree on the size of the next message before it is sent. A message is one ``uint8`` buffer (one ``torch.cat`` of byte views): a 16-byte
 prefix, then every tensor leaf (16-byte aligned):
 
 - header as predicted (the same micro-batch shapes as last step): prefix ``[0, 0]`` + data.
@@ -13,6 +14,10 @@ prefix, then every tensor leaf (16-byte aligned):
   ``[len(header), data bytes]``; then a second message, the pickled header then the data.
   The receiver reads the prefix and receives the second. Exact for any change: nothing is
   guessed that is not checked.
+- a slot the last step used and this one does not (an own forward that took a shorter path):
+  the sender ``close``s it, a message of the predicted size with prefix ``[-1, 0]``, and the
+  receiver ``drain``s it; both forget the slot. A receive posted early for it so never waits
+  for a message that will not come, and never takes the next step's.
 
 Sends are ``isend`` (waited for at the end of the run), so two ranks sending to each other at
 once (1F1B) never block each other. Receives are posted when the schedule needs them, unless the
@@ -24,8 +29,8 @@ ship it once the receiver asks, a wake-up on each side that two busy ranks on sh
 sends them all first (its forwards run before any backward: ``merged-weights``, GPipe): on 2 shared
 cores that made 2-rank steps 1-3% faster under merged-weights and 5-10% under GPipe (in the same
 rounds), where posting one transfer ahead under 1F1B made steps 5-20% slower. Batched ``P2POp`` lists are not used: they can hang on gloo.
-Tags (``tag``) keep forward and backward traffic, each micro-batch's messages, and the two executors'
-messages apart: an early receive can only ever match its own micro-batch's message (a changed header's
+Tags (``tag``) keep forward and backward traffic, each slot's messages, and the two executors'
+messages apart: an early receive can only ever match its own slot's message (a changed header's
 second message, of another size, follows on the same tag once the first was read).
 A ``gate`` set for one step (``RankStage.check_same_batch``'s verdict) runs before that step's first
 transfer, so a refused step leaves every channel as it was.
@@ -49,24 +54,37 @@ from torch.utils._pytree import treespec_dumps, treespec_loads
 from ..local.worker import Transport
 from .mesh import Mesh
 
-__all__ = ["RankTransport", "PeerError", "TAGS", "tag"]
+__all__ = ["RankTransport", "PeerError", "Diverged", "TAGS", "tag"]
 
 # Every message tag of a pipeline across ranks: stage functions' transfers (``send``/``receive``, one tag per
-# kind and micro-batch) and the own-forward executor's raw tensors (``post``/``receive_into``) never share one.
-TAGS = {"fwd": 0, "bwd": 1, "own-fwd": 2, "own-bwd": 3}
-_WHAT = {"fwd": "activations", "bwd": "gradients", "own-fwd": "activations", "own-bwd": "gradients"}
-_PREFIX = 16  # two int64: header length (0: as predicted), data bytes
+# kind and micro-batch), the own-forward executor's values in its training and no-grad forwards (``send``/
+# ``receive``, one tag per kind, micro-batch and message of that micro-batch) and its raw gradients
+# (``post``/``receive_into``) never share one.
+TAGS = {"fwd": 0, "bwd": 1, "own-fwd": 2, "own-bwd": 3, "own-eval": 4}
+_WHAT = {"fwd": "activations", "bwd": "gradients", "own-fwd": "activations", "own-bwd": "gradients", "own-eval": "activations"}
+_PREFIX = 16  # two int64: header length (0: as predicted, -1: no message in this slot), data bytes
 _ALIGN = 16
+_MBS = 4096  # micro-batches per step that the tags tell apart (seq-th message of micro-batch mb: mb + _MBS * seq)
+_VOID = -1
 
 
-def tag(kind: str, mb: int | None = None) -> int:
-    """The tag of ``kind``'s messages (of micro-batch ``mb``): ``TAGS[kind] + len(TAGS) * (mb + 1)``, so no two
-    kinds or micro-batches share one."""
-    return TAGS[kind] if mb is None else TAGS[kind] + len(TAGS) * (mb + 1)
+def tag(kind: str, mb: int | None = None, seq: int = 0) -> int:
+    """The tag of ``kind``'s messages (of micro-batch ``mb``, its ``seq``-th message on that channel):
+    ``TAGS[kind] + len(TAGS) * (mb + 1 + 4096 * seq)``, so no two kinds, micro-batches or messages share one."""
+    if mb is None:
+        return TAGS[kind]
+    if not 0 <= mb < _MBS:
+        raise ValueError(f"torchspan: a pipeline across ranks tells at most {_MBS} micro-batches per step apart, got micro-batch {mb}: use fewer micro-batches")
+    return TAGS[kind] + len(TAGS) * (mb + 1 + _MBS * seq)
 
 
 class PeerError(RuntimeError):
     """A point-to-point exchange with another rank failed (that rank stopped, or the group timed out)."""
+
+
+class Diverged(RuntimeError):
+    """Two ranks disagree on which messages a micro-batch has: one sent none where the other receives one, or
+    one more than the other received (their forwards took different paths)."""
 
 
 def _aligned(n: int) -> int:
@@ -152,10 +170,11 @@ class RankTransport(Transport):
         self.device = device
         self.comm_device = comm_device if comm_device is not None else device
         self._pending: list[tuple[Any, Any]] = []  # (work, buffer kept alive until sent)
-        self._sent: dict[tuple[int, str, int], _Header] = {}  # (peer, kind, micro-batch) -> last header sent
-        self._received: dict[tuple[int, str, int], _Header] = {}  # ... -> last header received
+        # A slot is (peer, kind, micro-batch, seq): the seq-th message of that micro-batch on that channel.
+        self._sent: dict[tuple[int, str, int, int], _Header] = {}  # slot -> last header sent
+        self._received: dict[tuple[int, str, int, int], _Header] = {}  # slot -> last header received
         self._zero_bytes: dict[int, torch.Tensor] = {}  # zero padding by length (read-only)
-        self._early: dict[tuple[int, str, int], tuple[Any, torch.Tensor]] = {}  # (peer, kind, mb) -> posted irecv, its buffer
+        self._early: dict[tuple[int, str, int, int], tuple[Any, torch.Tensor]] = {}  # slot -> posted irecv, its buffer
         self._orphans: list[tuple[Any, torch.Tensor]] = []  # early receives of a failed run: gloo may still write into them
         self.gate: Callable[[], None] | None = None  # run once before the step's first transfer (RankStage.check_same_batch)
 
@@ -177,11 +196,6 @@ class RankTransport(Transport):
         return f"rank {self.peer(stage)} ("
 
     # ------------------------------------------------------------------ sending
-    def post(self, buf: torch.Tensor, peer: int, kind: str, mb: int | None = None) -> None:
-        """``isend`` ``buf`` (on ``comm_device``) to rank ``peer`` with ``tag(kind, mb)``; kept alive and waited for in ``finish``."""
-        self._open()
-        self._pending.append((dist.isend(buf, dst=peer, tag=tag(kind, mb)), buf))
-
     def _pack(self, head: torch.Tensor, values: list[Any]) -> torch.Tensor:
         """One ``uint8`` message: ``head`` (a multiple of 16 bytes), then each tensor leaf's bytes, 16-byte
         aligned (``_Header.offsets``), made by a single ``torch.cat`` of byte views."""
@@ -201,55 +215,105 @@ class RankTransport(Transport):
             z = self._zero_bytes[n] = torch.zeros(n, dtype=torch.uint8, device=self.comm_device)
         return z
 
-    def send(self, values: list[Any], spec: Any, src: int, dst: int, kind: str, mb: int = 0) -> None:
+    def post(self, buf: torch.Tensor, peer: int, kind: str, mb: int | None = None, seq: int = 0) -> None:
+        """``isend`` ``buf`` (on ``comm_device``) to rank ``peer`` with ``tag(kind, mb, seq)``; kept alive and waited for in ``finish``."""
+        self._open()
+        self._pending.append((dist.isend(buf, dst=peer, tag=tag(kind, mb, seq)), buf))
+
+    def send(self, values: list[Any], spec: Any, src: int, dst: int, kind: str, mb: int = 0, seq: int = 0) -> None:
         peer = self.peer(dst)
-        known = self._sent.get((peer, kind, mb))
+        known = self._sent.get((peer, kind, mb, seq))
         if known is not None and known.matches(values, spec):  # as predicted: one message, prefix [0, 0]
-            self.post(self._pack(self._zeros(_PREFIX), values), peer, kind, mb)
+            self.post(self._pack(self._zeros(_PREFIX), values), peer, kind, mb, seq)
             return
         header = _Header.of(values, spec)
         blob = header.dumps()
-        first = torch.zeros(_PREFIX + (known.nbytes if known is not None else 0), dtype=torch.uint8)
-        first[:_PREFIX].view(torch.int64).copy_(torch.tensor([len(blob), header.nbytes]))
-        self.post(first.to(self.comm_device), peer, kind, mb)
+        self.post(self._first(known, len(blob), header.nbytes), peer, kind, mb, seq)
         head = torch.zeros(_aligned(len(blob)), dtype=torch.uint8)
         head[: len(blob)].copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
-        self.post(self._pack(head.to(self.comm_device), values), peer, kind, mb)
-        self._sent[(peer, kind, mb)] = header
+        self.post(self._pack(head.to(self.comm_device), values), peer, kind, mb, seq)
+        self._sent[(peer, kind, mb, seq)] = header
+
+    def _first(self, known: _Header | None, blob_len: int, data_len: int) -> torch.Tensor:
+        """A message of the size the receiver predicts (``known``'s) that carries only a prefix: ``[blob_len, data_len]``."""
+        first = torch.zeros(_PREFIX + (known.nbytes if known is not None else 0), dtype=torch.uint8)
+        first[:_PREFIX].view(torch.int64).copy_(torch.tensor([blob_len, data_len]))
+        return first.to(self.comm_device)
+
+    def close(self, dst: int, kind: str, mb: int, seq: int) -> None:
+        """After micro-batch ``mb``'s last message to stage ``dst`` on ``kind`` (``seq`` messages sent): a slot the receiver
+        still predicts (an earlier step sent more) gets a message of its predicted size that says "none", and is forgotten
+        on both sides (``drain``), so a receive posted early for it is never left waiting."""
+        peer = self.peer(dst)
+        while (known := self._sent.pop((peer, kind, mb, seq), None)) is not None:
+            self.post(self._first(known, _VOID, 0), peer, kind, mb, seq)
+            seq += 1
+
+    def drain(self, src: int, dst: int, kind: str, mb: int, seq: int) -> None:
+        """After micro-batch ``mb``'s last message from stage ``src`` on ``kind`` (``seq`` received): reads the "none" of every
+        slot still predicted (``close``); raises ``Diverged`` when one holds a message after all."""
+        peer = self.peer(src)
+        while (peer, kind, mb, seq) in self._received:
+            buf, _ = self._first_message(src, dst, kind, mb, seq)
+            blob_len = int(buf[:_PREFIX].view(torch.int64)[0])
+            if blob_len != _VOID:
+                raise Diverged(
+                    f"torchspan: rank {self.peer(src)} (stage {src}) sent micro-batch {mb}'s message {seq} on {kind!r}, which "
+                    f"rank {self.rank} (stage {dst}) did not ask for: the ranks' forwards took different paths"
+                )
+            del self._received[(peer, kind, mb, seq)]
+            seq += 1
 
     # ------------------------------------------------------------------ receiving
     def expect(self, src: int, dst: int, kind: str, mbs: Sequence[int]) -> None:
         """Post now (after the step's gate) the receives of ``mbs`` from stage ``src`` whose message size is known
-        from an earlier step; ``receive`` then waits for them. The others are received when asked for."""
+        from an earlier step (every message of each, in seq order); ``receive`` then waits for them. The others are
+        received when asked for."""
         self._open()
         if self.comm_device.type != "cpu":  # nccl matches a pair's messages in order, whatever the tag: an early
             return  # receive could take another micro-batch's message (and its progress needs no host thread)
         peer = self.peer(src)
         for mb in mbs:
-            known = self._received.get((peer, kind, mb))
-            if known is not None and (peer, kind, mb) not in self._early:
-                buf = torch.empty(_PREFIX + known.nbytes, dtype=torch.uint8, device=self.comm_device)
-                self._early[(peer, kind, mb)] = (dist.irecv(buf, src=peer, tag=tag(kind, mb)), buf)
+            seq = 0
+            while (known := self._received.get((peer, kind, mb, seq))) is not None:
+                if (peer, kind, mb, seq) not in self._early:
+                    buf = torch.empty(_PREFIX + known.nbytes, dtype=torch.uint8, device=self.comm_device)
+                    self._early[(peer, kind, mb, seq)] = (dist.irecv(buf, src=peer, tag=tag(kind, mb, seq)), buf)
+                seq += 1
 
-    def receive(self, src: int, dst: int, kind: str, mb: int = 0) -> tuple[list[Any], Any]:
+    def _first_message(self, src: int, dst: int, kind: str, mb: int, seq: int) -> tuple[torch.Tensor, _Header | None]:
+        """The slot's first message (posted early, or received now, of the predicted size) and the predicted header."""
         self._open()
-        peer, key = self.peer(src), tag(kind, mb)
-        known = self._received.get((peer, kind, mb))
+        peer = self.peer(src)
+        known = self._received.get((peer, kind, mb, seq))
         try:
-            early = self._early.pop((peer, kind, mb), None)
+            early = self._early.pop((peer, kind, mb, seq), None)
             if early is not None:  # posted by expect(): the first message is in its buffer once waited for
                 early[0].wait()
-                buf = early[1]
-            else:
-                buf = torch.empty(_PREFIX + (known.nbytes if known is not None else 0), dtype=torch.uint8, device=self.comm_device)
-                dist.recv(buf, src=peer, tag=key)
-            blob_len, data_len = buf[:_PREFIX].view(torch.int64).tolist()
+                return early[1], known
+            buf = torch.empty(_PREFIX + (known.nbytes if known is not None else 0), dtype=torch.uint8, device=self.comm_device)
+            dist.recv(buf, src=peer, tag=tag(kind, mb, seq))
+            return buf, known
+        except RuntimeError as exc:
+            raise self._lost(_WHAT[kind], dst, src, exc) from exc
+
+    def receive(self, src: int, dst: int, kind: str, mb: int = 0, seq: int = 0) -> tuple[list[Any], Any]:
+        peer, key = self.peer(src), tag(kind, mb, seq)
+        buf, known = self._first_message(src, dst, kind, mb, seq)
+        blob_len, data_len = buf[:_PREFIX].view(torch.int64).tolist()
+        if blob_len == _VOID:
+            del self._received[(peer, kind, mb, seq)]
+            raise Diverged(
+                f"torchspan: rank {self.rank} (stage {dst}) waited for micro-batch {mb}'s message {seq} on {kind!r} from rank "
+                f"{peer} (stage {src}), which sent none: the ranks' forwards took different paths"
+            )
+        try:
             if blob_len:
                 start = _aligned(blob_len)
                 buf = torch.empty(start + data_len, dtype=torch.uint8, device=self.comm_device)
                 dist.recv(buf, src=peer, tag=key)
                 header = _Header.loads(buf[:blob_len].cpu().numpy().tobytes())
-                self._received[(peer, kind, mb)] = header
+                self._received[(peer, kind, mb, seq)] = header
             else:
                 if known is None:
                     raise RuntimeError("a transfer without a header on a new channel (the two ranks' headers diverged)")

@@ -1,0 +1,131 @@
+"""The own-forward rank pipeline's forward messages: one slot per (micro-batch, message), headers predicted
+from the step before, receives posted early when the stage before runs its forwards first.
+
+A user's wrapper whose forward sends one value across the cut, or two (a skip connection switched on by a
+keyword argument), trains exactly on 2 gloo ranks while the number and the shapes of its messages change
+from step to step: a slot an earlier step used and this one does not is closed on both sides (``close`` /
+``drain``), so a receive posted early for it never waits and never takes another step's message. The
+transport itself refuses a slot the sender closed where the receiver waits for a value (``Diverged``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import torchspan
+from torchspan.runtime.ranks import free_port, p2p
+from torchspan.runtime.ranks.mesh import Mesh
+
+from test_ranks_hooks import _join, _leave
+from test_ranks_pipeline import TOL, _check, _spawn
+
+
+class Mix(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.tanh(self.lin(h))
+        return out if extra is None else out + extra
+
+
+class Skips(nn.Module):
+    """Four blocks in a ModuleList; with ``skip`` the first block's output also feeds the last block."""
+
+    def __init__(self, width: int = 6) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([Mix(width) for _ in range(4)]).double()
+
+    def forward(self, x: torch.Tensor, skip: bool = False) -> torch.Tensor:
+        h0 = self.blocks[0](x)
+        h = self.blocks[2](self.blocks[1](h0))
+        return self.blocks[3](h, h0 if skip else None)
+
+
+def _counting() -> tuple[list[int], object]:
+    posted: list[int] = []
+    irecv = p2p.dist.irecv
+
+    def counted(*args: object, **kwargs: object) -> object:
+        posted.append(1)
+        return irecv(*args, **kwargs)
+
+    return posted, counted
+
+
+def _worker(rank: int, world: int, port: int) -> None:
+    _join(rank, world, port)
+    posted, counted = _counting()
+    irecv = p2p.dist.irecv
+    for schedule in ("merged-weights", "1f1b"):
+        model = Skips()
+        reference = copy.deepcopy(model)
+        spanned = torchspan.span(model, balance=[2, 2], microbatches=3, schedule=schedule)
+        transport = spanned._executor._transport
+        # (skip, rows): two messages per micro-batch, the same again, one (the second slot closed), two again
+        # (its header sent anew), then other micro-batch sizes (every header changes)
+        steps = [(True, 5), (True, 5), (False, 5), (True, 5), (True, 7)]
+        early_counts = []
+        for step, (skip, rows) in enumerate(steps):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(rows, 6, generator=g).double(), torch.randn(rows, 6, generator=g).double()
+            for p in [*spanned.module.parameters(), *reference.parameters()]:
+                p.grad = None
+            posted.clear()
+            p2p.dist.irecv = counted
+            try:
+                loss = spanned.train_step({"x": x, "skip": skip}, y, nn.MSELoss())
+            finally:
+                p2p.dist.irecv = irecv
+            early_counts.append(len(posted))
+            expected = nn.MSELoss()(reference(x, skip=skip), y)
+            expected.backward()
+            label = f"{schedule} step {step} (skip={skip}, {rows} rows)"
+            torch.testing.assert_close(loss.double(), expected.detach(), rtol=1e-6, atol=1e-7, msg=lambda m: f"{label}: {m}")
+            _check(spanned, reference, label, rank)
+            assert not transport._early, f"{label}: receives left posted"
+            with torch.no_grad():  # a no-grad forward between steps keeps its own slots ("own-eval")
+                torch.testing.assert_close(spanned(x[:4], skip=not skip), reference(x[:4], skip=not skip), **TOL)
+        if schedule == "merged-weights" and rank == 1:  # 3 micro-batches x the slots the step before used
+            assert early_counts == [0, 6, 6, 3, 6], early_counts
+        else:  # stage 0 receives no forward values; under 1F1B nothing is posted ahead
+            assert early_counts == [0, 0, 0, 0, 0], (schedule, rank, early_counts)
+    _closed_slot_is_refused(rank)
+    _leave()
+
+
+def _closed_slot_is_refused(rank: int) -> None:
+    """Rank 0 sends slot (mb 0, message 0), then closes it in the next step: rank 1 waiting for a value there
+    gets ``Diverged`` (not a hang, not another step's bytes)."""
+    transport = p2p.RankTransport(Mesh(stages=2, replicas=1), rank, torch.device("cpu"))
+    if rank == 0:
+        transport.send([torch.ones(3)], None, 0, 1, "own-fwd", 0, 0)
+        transport.finish(True)
+        transport.close(1, "own-fwd", 0, 0)
+        transport.finish(True)
+        assert not transport._sent
+    else:
+        values, _ = transport.receive(0, 1, "own-fwd", 0, 0)
+        torch.testing.assert_close(values[0], torch.ones(3))
+        with pytest.raises(p2p.Diverged, match="which sent none"):
+            transport.receive(0, 1, "own-fwd", 0, 0)
+        assert not transport._received
+        transport.finish(False)
+
+
+def test_own_forward_messages_change_in_number_and_shape_between_steps_and_are_received_early() -> None:
+    _spawn(_worker, 2, free_port(), deadline=180.0)
+
+
+def test_tags_keep_kinds_micro_batches_and_messages_apart() -> None:
+    tags = {p2p.tag(kind, mb, seq) for kind in p2p.TAGS for mb in range(5) for seq in range(3)}
+    assert len(tags) == len(p2p.TAGS) * 5 * 3
+    assert not tags & {p2p.tag(kind) for kind in p2p.TAGS}  # the raw messages' tags
+    with pytest.raises(ValueError, match="at most 4096 micro-batches"):
+        p2p.tag("own-fwd", 4096)
