@@ -5,7 +5,8 @@ A user's wrapper whose forward sends one value across the cut, or two (a skip co
 keyword argument), trains exactly on 2 gloo ranks while the number and the shapes of its messages change
 from step to step: a slot an earlier step used and this one does not is closed on both sides (``close`` /
 ``drain``), so a receive posted early for it never waits and never takes another step's message. The
-transport itself refuses a slot the sender closed where the receiver waits for a value (``Diverged``).
+transport itself refuses a slot the sender closed where the receiver waits for a value (``Diverged``). A
+layer whose forward was patched on the instance keeps its patch after a step.
 """
 
 from __future__ import annotations
@@ -48,6 +49,13 @@ class Skips(nn.Module):
         return self.blocks[3](h, h0 if skip else None)
 
 
+def _double(block: Mix) -> None:
+    def doubled(h: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+        return 2 * Mix.forward(block, h, extra)
+
+    block.forward = doubled
+
+
 def _counting() -> tuple[list[int], object]:
     posted: list[int] = []
     irecv = p2p.dist.irecv
@@ -66,6 +74,8 @@ def _worker(rank: int, world: int, port: int) -> None:
     for schedule in ("merged-weights", "1f1b"):
         model = Skips()
         reference = copy.deepcopy(model)
+        for m in (model, reference):  # a forward patched on the instance (as hooks libraries do) stays the model's
+            _double(m.blocks[3])
         spanned = torchspan.span(model, balance=[2, 2], microbatches=3, schedule=schedule)
         transport = spanned._executor._transport
         # (skip, rows): two messages per micro-batch, the same again, one (the second slot closed), two again
@@ -90,6 +100,7 @@ def _worker(rank: int, world: int, port: int) -> None:
             torch.testing.assert_close(loss.double(), expected.detach(), rtol=1e-6, atol=1e-7, msg=lambda m: f"{label}: {m}")
             _check(spanned, reference, label, rank)
             assert not transport._early, f"{label}: receives left posted"
+            assert model.blocks[3].__dict__.get("forward") is not None, f"{label}: the patched forward was dropped"
             with torch.no_grad():  # a no-grad forward between steps keeps its own slots ("own-eval")
                 torch.testing.assert_close(spanned(x[:4], skip=not skip), reference(x[:4], skip=not skip), **TOL)
         if schedule == "merged-weights" and rank == 1:  # 3 micro-batches x the slots the step before used

@@ -19,6 +19,8 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import functools
 import math
@@ -296,11 +298,13 @@ def microbatch_weights(loss_fn: Callable[..., Any], targets: Sequence[Any], size
     return loss_spec(loss_fn, reduction).weights(targets, sizes)
 
 
-def weighted_loss(loss_fn: Callable[..., Any], out: Any, target: Any, weight: float) -> torch.Tensor:
+def weighted_loss(
+    loss_fn: Callable[..., Any], out: Any, target: Any, weight: float, calling: contextlib.AbstractContextManager[Any] | None = None
+) -> torch.Tensor:
     """``loss_fn(out, target) * weight``; a zero-weight chunk (all targets ignored) adds exactly 0.
 
     (Its own mean would be 0/0 = nan, and nan * 0 is still nan.) Raises ``ValueError`` when
-    ``loss_fn`` does not return a scalar.
+    ``loss_fn`` does not return a scalar. ``calling``: a context around the call of ``loss_fn`` alone.
     """
     leaves = torch.utils._pytree.tree_leaves(out)
     if out is None or isinstance(out, (bool, int, float, complex)):
@@ -314,7 +318,11 @@ def weighted_loss(loss_fn: Callable[..., Any], out: Any, target: Any, weight: fl
         outputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() > 0]
         if outputs:
             return sum(t.sum() for t in outputs) * 0.0  # keeps the graph so backward still runs
-    loss = loss_fn(out, target)
+    if calling is None:
+        loss = loss_fn(out, target)
+    else:
+        with calling:
+            loss = loss_fn(out, target)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"
         raise ValueError(

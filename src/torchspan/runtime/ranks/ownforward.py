@@ -76,6 +76,8 @@ __all__ = ["RankOwnForwardExecutor"]
 
 _NOT_RUN: Any = object()  # a meta call not run (yet)
 _END = ("end of forward",)  # on the path tree: the forward ended here (an exchange the first time)
+_NOTHING = nullcontext()
+_ABSENT: Any = object()  # a layer without a forward of its own (the class's runs)
 
 
 class RankOwnForwardExecutor(StageExecutor):
@@ -170,17 +172,19 @@ class RankOwnForwardExecutor(StageExecutor):
     @contextmanager
     def _layers_wrapped(self) -> Iterator[None]:
         stage_of = self.stage_of
-        done = []
+        done: list[tuple[nn.Module, Any]] = []
         for name, module in self.layers.items():
-            if name in stage_of:
-                original = module.forward
-                module.forward = self._wrapper(name, stage_of[name], original)  # type: ignore[method-assign]
-                done.append(module)
+            if name in stage_of:  # an instance attribute shadows the class's forward (a user's own patch is kept)
+                done.append((module, module.__dict__.get("forward", _ABSENT)))
+                module.__dict__["forward"] = self._wrapper(name, stage_of[name], module.forward)
         try:
             yield
         finally:
-            for module in done:
-                del module.forward
+            for module, before in done:
+                if before is _ABSENT:
+                    del module.__dict__["forward"]
+                else:
+                    module.__dict__["forward"] = before
 
     def _wrapper(self, name: str, stage: int, original: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -266,13 +270,15 @@ class RankOwnForwardExecutor(StageExecutor):
     def _run_here(self, st: Forward, c: LayerCall, route: CallRoute, recording: bool) -> Any:
         """This stage's layer: arguments other stages computed are received (or reused), then it runs for real."""
         leaves, where = c.leaves, c.where
-        replaced = real_arguments(st, c, route, lambda shape, dtype, src: self._messages.receive(st, c.name, shape, dtype, src), self.device)
+        replaced = bool(route.transfers or route.rebuilds or route.reuses) and real_arguments(
+            st, c, route, lambda shape, dtype, src: self._messages.receive(st, c.name, shape, dtype, src), self.device
+        )
         real_args, real_kwargs = tree_unflatten(leaves, c.spec) if replaced else (c.args, c.kwargs)
         sizes = container_sizes((real_args, real_kwargs)) if replaced else []
         shared = []
         if recording:  # an in-place write to an input other ranks hold would leave theirs stale
             shared = [(i, leaves[where[i]], leaves[where[i]]._version) for i in range(len(c.tensors)) if self._shared(route, i)]
-        with self.meter.saving(self.stage) if st.metering else nullcontext():
+        with self.meter.saving(self.stage) if st.metering else _NOTHING:
             try:
                 out = run_layer(
                     c.fn, real_args, real_kwargs, device=self.device, precision=self.settings.precision,

@@ -1,7 +1,7 @@
 """The last stage's loss in the own-forward rank pipeline (``ownforward``).
 
-The loss runs under ``MetaTaint``: a loss that reads outputs the last stage does not compute (meta
-there: earlier stages' values, an MoE model's aux_loss over every block's router logits) is
+The loss function runs under ``MetaTaint``: a loss that reads outputs the last stage does not compute
+(meta there: earlier stages' values, an MoE model's aux_loss over every block's router logits) is
 refused with what to compute instead.
 
 Usage: ``loss = stage_loss(out, target, loss_fn, weight, device, "32")``.
@@ -25,9 +25,9 @@ __all__ = ["stage_loss"]
 def stage_loss(out: Any, target: Any, loss_fn: Callable[..., Any], weight: float, device: torch.device, precision: str) -> torch.Tensor:
     """``weight * loss_fn(out, target)`` on ``device`` under ``precision``'s autocast; ``ValueError`` when it
     reads values only other stages compute."""
-    try:
-        with MetaTaint(device), autocast_for(device, precision):
-            loss = weighted_loss(loss_fn, out, to_device(target, device), weight)
+    try:  # the taint rules around the loss function only (a target and the weighing need none)
+        with autocast_for(device, precision):
+            loss = weighted_loss(loss_fn, out, to_device(target, device), weight, calling=MetaTaint(device))
     except RuntimeError as exc:
         if "meta" not in str(exc):
             raise
