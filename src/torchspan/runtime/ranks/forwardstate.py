@@ -98,8 +98,12 @@ class LayerCall:
     def __init__(self, st: Forward, name: str, stage: int, fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
         self.name, self.stage, self.fn, self.args, self.kwargs = name, stage, fn, args, kwargs
         self.leaves, self.spec = _flat_call(args, kwargs)
-        self.where = [i for i, v in enumerate(self.leaves) if isinstance(v, torch.Tensor)]
-        self.tensors: list[torch.Tensor] = [self.leaves[i] for i in self.where]
+        if self.spec is _CALL_SPECS.get(len(self.leaves)):  # positional tensors only (a block's usual call)
+            self.where = list(range(len(self.leaves)))
+            self.tensors: list[torch.Tensor] = list(self.leaves)
+        else:
+            self.where = [i for i, v in enumerate(self.leaves) if isinstance(v, torch.Tensor)]
+            self.tensors = [self.leaves[i] for i in self.where]
         self.k = st.call
         st.call += 1
         self.signature = (name, len(self.leaves), tuple(self.where))

@@ -50,10 +50,11 @@ _LIMIT = 4096  # templates kept (distinct call shapes); past it the cache starts
 class _Template:
     """A call's outputs: the pytree spec, and per leaf ``("in", i)``, ``("new", shape, stride, dtype)`` or ``("value", v)``."""
 
-    __slots__ = ("spec", "leaves")
+    __slots__ = ("spec", "leaves", "_one")
 
     def __init__(self, spec: Any, leaves: list[tuple[Any, ...]]) -> None:
         self.spec, self.leaves = spec, leaves
+        self._one = len(leaves) == 1 and leaves[0][0] == "new" and spec.is_leaf()  # one new tensor (most layers)
 
     def __getstate__(self) -> tuple[Any, ...]:  # sent to other ranks: the spec as text where it has one
         try:
@@ -62,8 +63,8 @@ class _Template:
             return ("spec", self.spec, self.leaves)
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
-        kind, spec, self.leaves = state
-        self.spec = treespec_loads(spec) if kind == "text" else spec
+        kind, spec, leaves = state
+        self.__init__(treespec_loads(spec) if kind == "text" else spec, leaves)  # type: ignore[misc]
 
     @classmethod
     def of(cls, out: Any, inputs: list[torch.Tensor], real: bool = False) -> _Template | None:
@@ -94,6 +95,9 @@ class _Template:
         return None
 
     def build(self, inputs: list[torch.Tensor]) -> Any:
+        if self._one:
+            _, shape, stride, dtype = self.leaves[0]
+            return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
         out = []
         for leaf in self.leaves:
             if leaf[0] == "in":
@@ -168,7 +172,7 @@ class MetaCalls:
         key: list[Any] = [where, module.training]
         for v in leaves:
             if isinstance(v, torch.Tensor):
-                key.append((tuple(v.shape), v.stride(), v.dtype))
+                key.append((v.shape, v.stride(), v.dtype))  # a torch.Size hashes and compares as its tuple
             elif isinstance(v, _PLAIN):
                 key.append(v)
             else:

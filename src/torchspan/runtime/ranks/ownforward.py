@@ -200,51 +200,55 @@ class RankOwnForwardExecutor(StageExecutor):
     def _call(self, st: Forward, name: str, stage: int, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         c = LayerCall(st, name, stage, fn, args, kwargs)
         local = stage == self.stage
-        recording = c.signature not in st.node.next  # a new branch: every rank of the pipeline is here too
+        known = st.node.next.get(c.signature)
         ran, failed = _NOT_RUN, None
-        if recording and not local:  # tried first: a layer that fails on meta here takes its shapes from its owner
-            ran, failed = self._try_meta(c)
-        route = self._route(st, c, failed)
+        if known is None:  # a new branch: every rank of the pipeline is here too, and records its route
+            if not local:  # tried first: a layer that fails on meta here takes its shapes from its owner
+                ran, failed = self._try_meta(c)
+            route = self._record(st, c, failed)
+        else:  # a path taken before (every step but the first): its route, checked
+            known[0].check(self.stage, name, c.codes(st.grad))
+            route, st.node = known
+        if route.transfers:
+            self._send_values(st, c, route)
+        if local:
+            return self._run_here(st, c, route, known is None)
+        if route.described:  # it failed on meta somewhere: shapes as its owner describes them
+            meta = [meta_like(v) if isinstance(v, torch.Tensor) else v for v in c.leaves]
+            key = shape_key(c.place, self.layers[name], meta)
+            inputs = [t for t in meta if isinstance(t, torch.Tensor)]
+            if known is not None:  # what its meta run leaves before failing (hooks recording router logits)
+                self._meta_run(c, failing=True)
+            return st.made(name, self._described.outputs(name, stage, key, inputs, route.failures))
+        return st.made(name, ran if ran is not _NOT_RUN else self._meta_run(c))  # on meta, replayed once known
+
+    def _send_values(self, st: Forward, c: LayerCall, route: CallRoute) -> None:
+        """The arguments of ``c`` that this rank holds and another stage's layer needs."""
         for tr in route.transfers:
             if tr.src == self.stage:
                 sent = sent_tensor(st, c, tr.leaf, tr.path)
                 if tr.dtype is not None and sent.dtype != tr.dtype:
-                    raise DivergedError(f"torchspan: layer {name!r}'s argument {tr.leaf} is {sent.dtype} now, {tr.dtype} when recorded")
+                    raise DivergedError(f"torchspan: layer {c.name!r}'s argument {tr.leaf} is {sent.dtype} now, {tr.dtype} when recorded")
                 self._messages.send(st, sent, tr.dst)
                 if st.grad and tr.grad:
                     st.sent.append((sent, tr.dst))
-        if not local:  # another stage's layer: its outputs' shapes, on meta (replayed once known)
-            if route.described:  # it failed on meta somewhere: shapes as its owner describes them
-                meta = [meta_like(v) if isinstance(v, torch.Tensor) else v for v in c.leaves]
-                key = shape_key(c.place, self.layers[name], meta)
-                inputs = [t for t in meta if isinstance(t, torch.Tensor)]
-                if not recording:  # what its meta run leaves before failing (hooks recording router logits)
-                    self._meta_run(c, failing=True)
-                return st.made(name, self._described.outputs(name, stage, key, inputs, route.failures))
-            return st.made(name, ran if ran is not _NOT_RUN else self._meta_run(c))
-        return self._run_here(st, c, route, recording)
 
-    def _route(self, st: Forward, c: LayerCall, failed: str | None) -> CallRoute:
-        """This call's route: recorded with every rank of the pipeline on a new branch, else checked; ``st`` moves on."""
-        known = st.node.next.get(c.signature)
+    def _record(self, st: Forward, c: LayerCall, failed: str | None) -> CallRoute:
+        """A new branch's route, found with every rank of the pipeline (the same views: the same route or error)."""
         codes = c.codes(st.grad)
-        if known is None:
-            local = c.stage == self.stage
-            aliases = tuple(st.at.get(id(t)) if local and t.is_meta else None for t in c.tensors)
-            dtypes = tuple(t.dtype for t in c.tensors)
-            views = self._together.gather(Seen(c.name, codes, aliases, dtypes, failed))
-            try:  # the same views on every rank: the same route, or the same error
-                route = route_call(c.k, c.name, c.stage, views, pending=True)
-                if route.unresolved:  # values the glue combined from several stages: how each rank made them
-                    views = self._together.gather({i: st.recipes.tree(c.tensors[i], st.code, st.layer_of) for i in route.unresolved})
-                    resolve_rebuilds(route, views, lambda layers: cut_advice(self.groups, layers), [n for g in self.groups for n in g])
-            except (ValueError, DivergedError) as exc:
-                raise every_rank(exc) from None
-            known = (route, Path())
-            st.node.next[c.signature] = known
-        else:
-            known[0].check(self.stage, c.name, codes)
-        route, st.node = known
+        local = c.stage == self.stage
+        aliases = tuple(st.at.get(id(t)) if local and t.is_meta else None for t in c.tensors)
+        dtypes = tuple(t.dtype for t in c.tensors)
+        views = self._together.gather(Seen(c.name, codes, aliases, dtypes, failed))
+        try:
+            route = route_call(c.k, c.name, c.stage, views, pending=True)
+            if route.unresolved:  # values the glue combined from several stages: how each rank made them
+                views = self._together.gather({i: st.recipes.tree(c.tensors[i], st.code, st.layer_of) for i in route.unresolved})
+                resolve_rebuilds(route, views, lambda layers: cut_advice(self.groups, layers), [n for g in self.groups for n in g])
+        except (ValueError, DivergedError) as exc:
+            raise every_rank(exc) from None
+        st.node.next[c.signature] = (route, node := Path())
+        st.node = node
         return route
 
     def _try_meta(self, c: LayerCall) -> tuple[Any, str | None]:
@@ -280,10 +284,13 @@ class RankOwnForwardExecutor(StageExecutor):
             shared = [(i, leaves[where[i]], leaves[where[i]]._version) for i in range(len(c.tensors)) if self._shared(route, i)]
         with self.meter.saving(self.stage) if st.metering else _NOTHING:
             try:
-                out = run_layer(
-                    c.fn, real_args, real_kwargs, device=self.device, precision=self.settings.precision,
-                    recompute=st.recompute, slots=buffer_slots([self.layers[c.name]]) if st.recompute else (),
-                )  # fmt: skip
+                if st.recompute or self.settings.precision != "32":
+                    out = run_layer(
+                        c.fn, real_args, real_kwargs, device=self.device, precision=self.settings.precision,
+                        recompute=st.recompute, slots=buffer_slots([self.layers[c.name]]) if st.recompute else (),
+                    )  # fmt: skip
+                else:  # what run_layer does without autocast or recompute
+                    out = c.fn(*real_args, **real_kwargs)
             except BaseException as exc:
                 if route.described:  # the other ranks may wait for this call's description: they stop too
                     self._describe(c, route, exc)
