@@ -318,13 +318,6 @@ class RankOwnForwardExecutor(StageExecutor):
             codes[leaf] != META for s, codes in enumerate(route.codes) if s != self.stage
         )
 
-    # ------------------------------------------------------------------ messages
-    def _isend(self, t: torch.Tensor, stage: int, kind: str) -> None:
-        self._transport.post(t.detach().contiguous().to(self.ranks.comm), self._transport.peer(stage), kind)
-
-    def _recv(self, buf: torch.Tensor, stage: int, kind: str) -> torch.Tensor:
-        return self._transport.receive_into(buf, stage, self.stage, kind)
-
     # ------------------------------------------------------------------ steps
     def meters(self) -> bool:
         """Until one training step has counted its saved activations; later steps skip the saved-tensor
@@ -382,7 +375,7 @@ class RankOwnForwardExecutor(StageExecutor):
         grads: list[torch.Tensor | None] = []
         for t, stage in st.sent:
             outs.append(t)
-            grads.append(self._recv(torch.empty_like(t, device=self.device), stage, "own-bwd"))
+            grads.append(self._messages.take(torch.empty_like(t, device=self.device), stage))
         if st.loss is not None and st.loss.requires_grad:
             outs.append(st.loss)
             grads.append(None)
@@ -394,7 +387,7 @@ class RankOwnForwardExecutor(StageExecutor):
                 torch.autograd.backward(outs, grads)
             found, pending = [t.grad for t, _ in st.inbound], None
         for (t, stage), g in zip(st.inbound, found):
-            self._isend(g if g is not None else torch.zeros_like(t), stage, "own-bwd")
+            self._messages.post(g if g is not None else torch.zeros_like(t), stage)
         return pending
 
     def train(
@@ -469,14 +462,14 @@ class RankOwnForwardExecutor(StageExecutor):
             if mb == carry:  # every gradient message of the step is out: the loss follows them to every stage
                 summed.append(torch.stack(losses).sum())
                 for stage in range(n - 1):
-                    self._isend(summed[0].reshape(1), stage, "own-bwd")
+                    self._messages.post(summed[0].reshape(1), stage)
             return pending
 
         ok = False
         try:
             run_actions(actions, self.recorder, self.device, forward, backward, merge=sched.merges_weights(s.schedule))
             if not self.ranks.last:  # after every gradient message from the last stage on this channel
-                summed.append(self._recv(torch.empty(1, dtype=torch.float64, device=self.device), n - 1, "own-bwd").reshape(()))
+                summed.append(self._messages.take(torch.empty(1, dtype=torch.float64, device=self.device), n - 1).reshape(()))
             ok = True
         except Exception:
             self._verdict()  # a refused batch explains a failure before the first transfer: every rank raises it

@@ -1,4 +1,5 @@
-"""The values that cross between ranks inside the own-forward executor's forwards (``ownforward``).
+"""The messages of the own-forward executor (``ownforward``): values crossing inside its forwards, and
+their gradients (and the step's loss) going back as raw messages in the order both sides run them.
 
 Each value is one slot of the transport's header protocol (``p2p``): micro-batch ``mb``'s ``seq``-th value
 from one stage to another, counted by the ``Forward`` on both sides (they walk the same path of calls). A
@@ -74,6 +75,14 @@ class ForwardMessages:
                 f"message {seq}), which sent {seen}: the ranks' forwards took different paths"
             )
         return got
+
+    def post(self, t: torch.Tensor, stage: int) -> None:
+        """A gradient of a received value, or the step's loss, to ``stage`` as one raw message (``"own-bwd"``)."""
+        self.transport.post(t.detach().contiguous().to(self.transport.comm_device), self.transport.peer(stage), "own-bwd")
+
+    def take(self, buf: torch.Tensor, stage: int) -> torch.Tensor:
+        """The next raw ``"own-bwd"`` message from ``stage``, into ``buf``."""
+        return self.transport.receive_into(buf, stage, self.stage, "own-bwd")
 
     def done(self, st: Forward) -> None:
         """After a forward: slots an earlier step used and this one did not are closed on both sides."""
