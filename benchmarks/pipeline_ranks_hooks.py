@@ -14,7 +14,8 @@ medians; absolute times drift on a shared machine, so the ratios are what to rea
        ``meta`` (``RankOwnForwardExecutor``);
 
    and once (c) ``torch.distributed.pipelining``: ``PipelineStage`` + ``Schedule1F1B`` on the Sequential cut
-   in two (``return_outputs=False``). One step of each from ``.grad = None`` first: the losses and the whole
+   in two (``return_outputs=False``). ``--late-receives`` adds (b) with every receive posted only when the
+   schedule needs it (no ``RankTransport.expect``) and prints early / late. One step of each from ``.grad = None`` first: the losses and the whole
    model's gradients (summed over the ranks) are compared with the first variant's (a variant that raises
    is named and left out). Then the variants take turns step by step (a turn: one step of each, the order
    rotated and reversed from turn to turn, a barrier around each step: what ``distributed.py --pipeline``
@@ -320,6 +321,15 @@ def _mlp_variants(rank: int, world: int, args: argparse.Namespace, data: tuple) 
             grads[name] = (lambda sp: lambda: _held(sp.module))(spanned)
             made.append(f"{name}: {_executor(spanned)}")
             args.spanned[name] = spanned
+    for schedule in args.schedule if args.late_receives else []:  # (b) with every receive posted when needed
+        spanned = torchspan.span(Looped(copy.deepcopy(blocks)), balance=cut, microbatches=args.microbatches, schedule=schedule)
+        transport = spanned._executor._transport
+        transport.expect = lambda *a, _t=transport, **k: _t._open()  # the step's gate only, no receive posted
+        name = f"(b) own forward {schedule} late receives"
+        steps[name] = (lambda sp: lambda: (sp.zero_grad(), sp.train_step(x, y, loss_fn))[1])(spanned)
+        grads[name] = (lambda sp: lambda: _held(sp.module))(spanned)
+        made.append(f"{name}: {_executor(spanned)}")
+        args.spanned[name] = spanned
     whole = nn.Sequential(*copy.deepcopy(blocks))
     half = nn.Sequential(*list(whole)[: cut[0]]) if rank == 0 else nn.Sequential(*list(whole)[cut[0] :])
     pipe = Schedule1F1B(PipelineStage(half, rank, world, torch.device("cpu")), n_microbatches=args.microbatches, loss_fn=loss_fn)
@@ -399,11 +409,13 @@ def _mlp_section(rank: int, world: int, args: argparse.Namespace) -> tuple[list[
                     times[k][-1].append(t)
     title = (f"1. same blocks, every schedule: {args.depth} x (Linear({args.width}, {args.width}) + ReLU), batch {args.batch}, "
              f"{args.microbatches} micro-batches, 2 ranks x 1 thread; ratios to {TORCH_1F1B}")  # fmt: skip
-    slugs = {k: k.replace("(a) Sequential ", "sequential_").replace("(b) own forward ", "own_forward_") for k in names}
+    slugs = {k: k.replace("(a) Sequential ", "sequential_").replace("(b) own forward ", "own_forward_").replace(" late receives", "_late")
+             for k in names}  # fmt: skip
     slugs[TORCH_1F1B] = "torch_1f1b"
-    ratios = [(k, TORCH_1F1B, "<=0.9") for k in names if k != TORCH_1F1B]
+    ratios = [(k, TORCH_1F1B, "-" if k.endswith("late receives") else "<=0.9") for k in names if k != TORCH_1F1B]
     ratios += [(k, k.replace("(b) own forward", "(a) Sequential"), "-") for k in names if k.startswith("(b)") and
                k.replace("(b) own forward", "(a) Sequential") in steps]  # fmt: skip
+    ratios += [(k, f"{k} late receives", "-") for k in names if f"{k} late receives" in steps]  # early / late
     lines += _table(title, times, ratios, "mlp", slugs)
     own = next((k for k in names if k == "(b) own forward 1f1b"), next((k for k in names if k.startswith("(b)")), None))
     if own is None:
@@ -549,6 +561,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(name, type=int, default=default)
     parser.add_argument("--schedule", nargs="+", choices=SCHEDULES, default=list(SCHEDULES),
                         help="torchspan schedules of section 1, each on both paths (default: all)")
+    parser.add_argument("--late-receives", action="store_true",
+                        help="also time (b) with every receive posted when the schedule needs it (no early receives); prints early / late")
     parser.add_argument("--skip-hf", action="store_true", help="skip the transformers decoder")
     parser.add_argument("--hf-steps", type=int, default=6, help="timed steps per round of each decoder variant")
     parser.add_argument("--hf-schedule", nargs="+", choices=SCHEDULES, default=["1f1b", "merged-weights"],
