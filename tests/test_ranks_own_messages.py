@@ -36,17 +36,19 @@ class Mix(nn.Module):
 
 
 class Skips(nn.Module):
-    """Four blocks in a ModuleList; with ``skip`` the first block's output also feeds the last block."""
+    """``depth`` blocks in a ModuleList; with ``skip`` the first block's output also feeds the last block."""
 
-    def __init__(self, width: int = 6) -> None:
+    def __init__(self, width: int = 6, depth: int = 4) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.blocks = nn.ModuleList([Mix(width) for _ in range(4)]).double()
+        self.blocks = nn.ModuleList([Mix(width) for _ in range(depth)]).double()
 
     def forward(self, x: torch.Tensor, skip: bool = False) -> torch.Tensor:
         h0 = self.blocks[0](x)
-        h = self.blocks[2](self.blocks[1](h0))
-        return self.blocks[3](h, h0 if skip else None)
+        h = h0
+        for block in self.blocks[1:-1]:
+            h = block(h)
+        return self.blocks[-1](h, h0 if skip else None)
 
 
 def _double(block: Mix) -> None:
@@ -109,6 +111,40 @@ def _worker(rank: int, world: int, port: int) -> None:
             assert early_counts == [0, 0, 0, 0, 0], (schedule, rank, early_counts)
     _closed_slot_is_refused(rank)
     _leave()
+
+
+def _three_stages(rank: int, world: int, port: int) -> None:
+    """Three ranks: with ``skip`` stage 0's value crosses two cuts to stage 2, which posts the receives of both
+    earlier stages (both run their forwards first under merged-weights) and stays exact as the path changes."""
+    _join(rank, world, port)
+    posted, counted = _counting()
+    irecv = p2p.dist.irecv
+    model = Skips(depth=6)
+    reference = copy.deepcopy(model)
+    spanned = torchspan.span(model, balance=[2, 2, 2], microbatches=3, schedule="merged-weights")
+    early_counts = []
+    for step, skip in enumerate((True, True, False, True)):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(5, 6, generator=g).double(), torch.randn(5, 6, generator=g).double()
+        for p in [*spanned.module.parameters(), *reference.parameters()]:
+            p.grad = None
+        posted.clear()
+        p2p.dist.irecv = counted
+        try:
+            spanned.train_step({"x": x, "skip": skip}, y, nn.MSELoss())
+        finally:
+            p2p.dist.irecv = irecv
+        early_counts.append(len(posted))
+        nn.MSELoss()(reference(x, skip=skip), y).backward()
+        _check(spanned, reference, f"3 stages, step {step} (skip={skip})", rank)
+    # stage 1 takes one value per micro-batch from stage 0; stage 2 one from stage 1, and with skip one from stage 0
+    want = {0: [0, 0, 0, 0], 1: [0, 3, 3, 3], 2: [0, 6, 6, 3]}[rank]
+    assert early_counts == want, (rank, early_counts)
+    _leave()
+
+
+def test_a_value_crossing_two_cuts_is_received_early_on_three_ranks() -> None:
+    _spawn(_three_stages, 3, free_port(), deadline=180.0)
 
 
 def _closed_slot_is_refused(rank: int) -> None:
