@@ -73,6 +73,8 @@ def run_layer(
     slots: Sequence[Slot] = (),
 ) -> Any:
     """``fn(*args, **kwargs)`` autocast on ``device``; recomputed in backward when ``recompute`` (and grad is on)."""
+    if precision == "32" and not recompute:  # nothing around the call (the usual case, once per layer call)
+        return fn(*args, **kwargs)
     with autocast_for(device, precision):
         if recompute and torch.is_grad_enabled():
             context = once_context(slots)

@@ -118,7 +118,7 @@ class RankOwnForwardExecutor(StageExecutor):
         self._steps = MeteredSteps(meter)  # which training steps count saved activations (micro-batch shapes)
         self._meta_calls = MetaCalls()
         self._actions: tuple[Any, list[list[sched.Action]]] = (None, [])  # every stage's actions, built for (schedule, m, n)
-        self._messages = ForwardMessages(self._transport, self.stage, mesh.stages)  # values crossing inside forwards
+        self._messages = ForwardMessages(self._transport, self.stage, mesh.stages)  # values, their gradients, the loss
         self._together = Together(mesh.stages, self._transport.peer, None, before=self._verdict)  # the group: place()
         self._described = Described(mesh.stages, self._together.gather, self._transport.peer)
 
@@ -247,7 +247,8 @@ class RankOwnForwardExecutor(StageExecutor):
                 resolve_rebuilds(route, views, lambda layers: cut_advice(self.groups, layers), [n for g in self.groups for n in g])
         except (ValueError, DivergedError) as exc:
             raise every_rank(exc) from None
-        st.node.next[c.signature] = (route, node := Path())
+        node = Path()
+        st.node.next[c.signature] = (route, node)
         st.node = node
         return route
 
@@ -284,13 +285,10 @@ class RankOwnForwardExecutor(StageExecutor):
             shared = [(i, leaves[where[i]], leaves[where[i]]._version) for i in range(len(c.tensors)) if self._shared(route, i)]
         with self.meter.saving(self.stage) if st.metering else _NOTHING:
             try:
-                if st.recompute or self.settings.precision != "32":
-                    out = run_layer(
-                        c.fn, real_args, real_kwargs, device=self.device, precision=self.settings.precision,
-                        recompute=st.recompute, slots=buffer_slots([self.layers[c.name]]) if st.recompute else (),
-                    )  # fmt: skip
-                else:  # what run_layer does without autocast or recompute
-                    out = c.fn(*real_args, **real_kwargs)
+                out = run_layer(
+                    c.fn, real_args, real_kwargs, device=self.device, precision=self.settings.precision,
+                    recompute=st.recompute, slots=buffer_slots([self.layers[c.name]]) if st.recompute else (),
+                )  # fmt: skip
             except BaseException as exc:
                 if route.described:  # the other ranks may wait for this call's description: they stop too
                     self._describe(c, route, exc)

@@ -302,7 +302,7 @@ class RankTransport(Transport):
         buf, known = self._first_message(src, dst, kind, mb, seq)
         blob_len, data_len = buf[:_PREFIX].view(torch.int64).tolist()
         if blob_len == _VOID:
-            del self._received[(peer, kind, mb, seq)]
+            self._received.pop((peer, kind, mb, seq), None)
             raise Diverged(
                 f"torchspan: rank {self.rank} (stage {dst}) waited for micro-batch {mb}'s message {seq} on {kind!r} from rank "
                 f"{peer} (stage {src}), which sent none: the ranks' forwards took different paths"
