@@ -20,7 +20,6 @@ Usage::
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 import functools
 import math
