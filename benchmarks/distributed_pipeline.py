@@ -212,7 +212,7 @@ def _variants(rank: int, world: int, size: dict[str, int], args: argparse.Namesp
             key = f"{name} late receives"
             steps[key], grads[key], late = _torchspan(name, size, data, loss_fn)
             transport = late._executor._pipeline.transport
-            transport.expect = lambda *a, _t=transport, **k: _t._open()  # the step's gate only, no receive posted
+            transport.expect = lambda *a, _t=transport, **k: _t.run_gate()  # the step's gate only, no receive posted
             per_rank[key] = 1
     return steps, grads, skipped, per_rank
 

@@ -324,7 +324,7 @@ def _mlp_variants(rank: int, world: int, args: argparse.Namespace, data: tuple) 
     for schedule in args.schedule if args.late_receives else []:  # (b) with every receive posted when needed
         spanned = torchspan.span(Looped(copy.deepcopy(blocks)), balance=cut, microbatches=args.microbatches, schedule=schedule)
         transport = spanned._executor._transport
-        transport.expect = lambda *a, _t=transport, **k: _t._open()  # the step's gate only, no receive posted
+        transport.expect = lambda *a, _t=transport, **k: _t.run_gate()  # the step's gate only, no receive posted
         name = f"(b) own forward {schedule} late receives"
         steps[name] = (lambda sp: lambda: (sp.zero_grad(), sp.train_step(x, y, loss_fn))[1])(spanned)
         grads[name] = (lambda sp: lambda: _held(sp.module))(spanned)

@@ -19,6 +19,7 @@ from torch import nn
 
 import torchspan
 from torchspan.runtime.ranks import free_port, p2p
+from torchspan.runtime.ranks.forwardstate import Shortcut
 from torchspan.runtime.ranks.mesh import Mesh
 
 from test_ranks_hooks import _join, _leave
@@ -109,8 +110,45 @@ def _worker(rank: int, world: int, port: int) -> None:
             assert early_counts == [0, 6, 6, 3, 6], early_counts
         else:  # stage 0 receives no forward values; under 1F1B nothing is posted ahead
             assert early_counts == [0, 0, 0, 0, 0], (schedule, rank, early_counts)
+        _eval_mode_step(spanned, model, reference, rank, schedule)
     _closed_slot_is_refused(rank)
     _leave()
+
+
+def _eval_mode_step(spanned: torchspan.Spanned, model: nn.Module, reference: nn.Module, rank: int, schedule: str) -> None:
+    """On a known path the last stage replays stage 0's blocks by their shortcuts (``forwardstate.Shortcut``); in
+    eval mode (another training flag) the first micro-batch takes the long way again, and every step stays exact."""
+    taken: list[bool] = []
+    take = Shortcut.take
+
+    def counted(self: Shortcut, *args: object) -> object:
+        out = take(self, *args)
+        taken.append(out is not None)
+        return out
+
+    g = torch.Generator().manual_seed(99)
+    x, y = torch.randn(6, 6, generator=g).double(), torch.randn(6, 6, generator=g).double()
+    hits = []
+    for mode in ("train", "train", "eval", "eval"):
+        for m in (model, reference):
+            m.train(mode == "train")
+            for p in m.parameters():
+                p.grad = None
+        taken.clear()
+        Shortcut.take = counted  # type: ignore[method-assign]
+        try:
+            spanned.train_step({"x": x, "skip": False}, y, nn.MSELoss())
+        finally:
+            Shortcut.take = take  # type: ignore[method-assign]
+        hits.append(sum(taken))
+        nn.MSELoss()(reference(x), y).backward()
+        _check(spanned, reference, f"{schedule}, {mode} mode", rank)
+    for m in (model, reference):
+        m.train()
+    if rank == 1:  # blocks 0 and 1 of 3 micro-batches: all by shortcut once warm, but the first eval micro-batch's
+        assert hits[1:] == [6, 4, 6], hits
+    else:  # stage 0 sends at its first call of stage 1's blocks, and the last one takes None: no shortcut
+        assert hits == [0, 0, 0, 0], hits
 
 
 def _three_stages(rank: int, world: int, port: int) -> None:

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 from .glue import Recipes
 from .routes import GRAD, META, REAL, CallRoute, DivergedError
 
-__all__ = ["Forward", "LayerCall", "Path", "real_arguments", "sent_tensor"]
+__all__ = ["Forward", "LayerCall", "Path", "Shortcut", "real_arguments", "sent_tensor"]
 
 
 class Path:
@@ -34,10 +34,46 @@ class Path:
     the same real values (another stage's values cannot steer it: they are meta), so every rank
     meets a new branch at the same call of the same micro-batch and records it together."""
 
-    __slots__ = ("next",)
+    __slots__ = ("next", "shortcuts")
 
     def __init__(self) -> None:
         self.next: dict[tuple[Any, ...], tuple[CallRoute, Path]] = {}
+        self.shortcuts: dict[tuple[str, int], Shortcut | None] = {}  # (layer, arguments) -> its replay as last seen
+
+
+class Shortcut:
+    """Another stage's layer called at this place of the path with positional tensors, replayed on meta the
+    last time: each argument as it was (meta or not, needing grad or not, shape, stride, dtype), the layer's
+    training flag, where the path went next and the one new meta output (shape, stride, dtype). A call that
+    matches all of it would pass the same route check and build the same output from the same template, so
+    ``take`` does just that: the path moves on and the output is made, nothing else looked up.
+
+    Usage: ``out = node.shortcuts[(name, len(args))].take(st, args, layer.training)`` (``None``: take the long way).
+    """
+
+    __slots__ = ("args", "training", "node", "out", "layer")
+
+    def __init__(self, args: tuple[torch.Tensor, ...], grad: bool, training: bool, node: Path, out: torch.Tensor, layer: str) -> None:
+        self.args = tuple((a.is_meta, grad and a.requires_grad, a.shape, a.stride(), a.dtype) for a in args)
+        self.training, self.node, self.layer = training, node, layer
+        self.out = (out.shape, out.stride(), out.dtype)
+
+    def take(self, st: Forward, args: tuple[Any, ...], training: bool) -> torch.Tensor | None:
+        if training is not self.training or len(args) != len(self.args):
+            return None
+        grad = st.grad
+        for a, (meta, needs, shape, stride, dtype) in zip(args, self.args):
+            if (
+                not isinstance(a, torch.Tensor) or a.is_meta is not meta or (grad and a.requires_grad) is not needs
+                or a.dtype is not dtype or a.shape != shape or a.stride() != stride
+            ):  # fmt: skip
+                return None
+        st.call += 1
+        st.node = self.node
+        shape, stride, dtype = self.out
+        out = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+        st.made_by[id(out)] = (out, self.layer)
+        return out
 
 
 class Forward:

@@ -191,6 +191,12 @@ class MetaCalls:
             hooks.fire()
         return template.build([t for t in leaves if isinstance(t, torch.Tensor)])
 
+    def single(self, where: Any, module: nn.Module, leaves: list[Any]) -> bool:
+        """Whether this call's recorded outputs are one new tensor and no submodule hook fires (a replay makes just that)."""
+        key = self._key(where, module, leaves)
+        known = self._templates.get(key) if key is not None else None
+        return known is not None and known[1] is None and known[0]._one
+
     def run(self, where: Any, module: nn.Module, fn: Callable[..., Any], leaves: list[Any], spec: Any) -> Any:
         """``fn(*args, **kwargs)`` for the flattened ``(args, kwargs)`` (``leaves``: meta tensors and plain
         values, ``spec``), run without grad, or its recorded outputs for this call's key (``where``: the

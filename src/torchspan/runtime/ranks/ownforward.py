@@ -62,7 +62,7 @@ from .env import RankInfo
 from .mesh import Mesh
 from .metaweights import fill, materialize_stage
 from .ownloss import stage_loss
-from .forwardstate import Forward, LayerCall, Path, call_leaves, real_arguments, sent_tensor
+from .forwardstate import Forward, LayerCall, Path, Shortcut, call_leaves, real_arguments, sent_tensor
 from .metacalls import MISSING, Described, MetaCalls, TiedSwaps, guarded, shape_key
 from .ownmessages import ForwardMessages
 from .p2p import PeerError, RankTransport
@@ -119,7 +119,7 @@ class RankOwnForwardExecutor(StageExecutor):
         self._meta_calls = MetaCalls()
         self._actions: tuple[Any, list[list[sched.Action]]] = (None, [])  # every stage's actions, built for (schedule, m, n)
         self._messages = ForwardMessages(self._transport, self.stage, mesh.stages)  # values, their gradients, the loss
-        self._together = Together(mesh.stages, self._transport.peer, None, before=self._verdict)  # the group: place()
+        self._together = Together(mesh.stages, self._transport.peer, None, before=self._transport.run_gate)  # the group: place()
         self._described = Described(mesh.stages, self._together.gather, self._transport.peer)
 
     @property
@@ -198,9 +198,16 @@ class RankOwnForwardExecutor(StageExecutor):
 
     # ------------------------------------------------------------------ one layer call
     def _call(self, st: Forward, name: str, stage: int, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        c = LayerCall(st, name, stage, fn, args, kwargs)
         local = stage == self.stage
-        known = st.node.next.get(c.signature)
+        if not local and not kwargs:  # another stage's layer replayed here before, with these very arguments
+            shortcut = st.node.shortcuts.get((name, len(args)))
+            if shortcut is not None:
+                out = shortcut.take(st, args, self.layers[name].training)
+                if out is not None:
+                    return out
+        node = st.node
+        c = LayerCall(st, name, stage, fn, args, kwargs)
+        known = node.next.get(c.signature)
         ran, failed = _NOT_RUN, None
         if known is None:  # a new branch: every rank of the pipeline is here too, and records its route
             if not local:  # tried first: a layer that fails on meta here takes its shapes from its owner
@@ -220,7 +227,26 @@ class RankOwnForwardExecutor(StageExecutor):
             if known is not None:  # what its meta run leaves before failing (hooks recording router logits)
                 self._meta_run(c, failing=True)
             return st.made(name, self._described.outputs(name, stage, key, inputs, route.failures))
-        return st.made(name, ran if ran is not _NOT_RUN else self._meta_run(c))  # on meta, replayed once known
+        if ran is not _NOT_RUN:
+            return st.made(name, ran)
+        out = st.made(name, self._meta_run(c))  # on meta, replayed once known
+        if known is not None and not kwargs:
+            self._shortcut(st, c, node, route, out)
+        return out
+
+    def _shortcut(self, st: Forward, c: LayerCall, node: Path, route: CallRoute, out: Any) -> None:
+        """This replay as ``node``'s ``Shortcut`` for the layer (the latest shapes), or ``None`` for good when the call
+        cannot be one: an argument not a tensor, a value sent from this rank, outputs other than one new meta tensor, a
+        submodule hook to fire (``MetaCalls.single``)."""
+        key = (c.name, len(c.args))
+        if key in node.shortcuts and node.shortcuts[key] is None:
+            return
+        layer = self.layers[c.name]
+        single = (
+            len(c.tensors) == len(c.args) and isinstance(out, torch.Tensor) and not any(tr.src == self.stage for tr in route.transfers)
+            and self._meta_calls.single(c.place, layer, [meta_like(v) for v in c.tensors])
+        )  # fmt: skip
+        node.shortcuts[key] = Shortcut(tuple(c.tensors), st.grad, layer.training, st.node, out, c.name) if single else None
 
     def _send_values(self, st: Forward, c: LayerCall, route: CallRoute) -> None:
         """The arguments of ``c`` that this rank holds and another stage's layer needs."""
@@ -396,7 +422,7 @@ class RankOwnForwardExecutor(StageExecutor):
         weights: Sequence[float],
         spec: LossSpec | None = None,
     ) -> torch.Tensor:
-        self._check_batch(work.chunks, targets)
+        self.ranks.check_same_batch(work.chunks, targets, self._transport)  # its verdict: the transport's gate
         metering, signature = self._metering(work)
         with self._layers_wrapped(), self.ranks.reducing() as reduction:
             loss = self._run_schedule(work, targets, loss_fn, weights, metering)
@@ -406,27 +432,6 @@ class RankOwnForwardExecutor(StageExecutor):
         # the last stage's loss (summed over replicas when there are any), carried to every rank of this pipeline
         total = reduction.total if reduction.total is not None else loss
         return total.reshape(-1)[0].to(self.device, torch.float32)
-
-    def _check_batch(self, chunks: Sequence[Any], targets: Sequence[Any]) -> None:
-        """The same-batch check's all-gather runs while this rank computes; its verdict (raised on every rank)
-        is waited for before this step's first transfer or exchange (``_verdict``), or when the step fails."""
-        self.ranks.check_same_batch(chunks, targets, self._transport)
-        verdict = self._transport.gate
-
-        def everywhere() -> None:  # every rank of the pipeline sees the same fingerprints: the same verdict
-            try:
-                verdict()
-            except ValueError as exc:
-                every_rank(exc)
-                raise
-
-        self._transport.gate = everywhere if verdict is not None else None
-
-    def _verdict(self) -> None:
-        """The step's same-batch verdict, if not waited for yet (before an exchange, or when a step fails)."""
-        gate, self._transport.gate = self._transport.gate, None
-        if gate is not None:
-            gate()
 
     def _run_schedule(
         self, work: Work, targets: Sequence[Any], loss_fn: Callable[..., Any], weights: Sequence[float], metering: bool
@@ -470,7 +475,7 @@ class RankOwnForwardExecutor(StageExecutor):
                 summed.append(self._messages.take(torch.empty(1, dtype=torch.float64, device=self.device), n - 1).reshape(()))
             ok = True
         except Exception:
-            self._verdict()  # a refused batch explains a failure before the first transfer: every rank raises it
+            self._transport.run_gate()  # a refused batch explains a failure before the first transfer: every rank raises it
             raise
         finally:
             self._messages.end_step()

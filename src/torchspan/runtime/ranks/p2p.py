@@ -178,8 +178,9 @@ class RankTransport(Transport):
         self._orphans: list[tuple[Any, torch.Tensor]] = []  # early receives of a failed run: gloo may still write into them
         self.gate: Callable[[], None] | None = None  # run once before the step's first transfer (RankStage.check_same_batch)
 
-    def _open(self) -> None:
-        """Before a transfer: the step's ``gate`` (set by ``RankStage.check_same_batch``) runs once and may raise."""
+    def run_gate(self) -> None:
+        """Before a transfer (or an exchange, or when a step fails): the step's ``gate`` (set by
+        ``RankStage.check_same_batch``) runs once, if it has not yet, and may raise."""
         gate = self.gate
         if gate is not None:
             self.gate = None
@@ -217,7 +218,7 @@ class RankTransport(Transport):
 
     def post(self, buf: torch.Tensor, peer: int, kind: str, mb: int | None = None, seq: int = 0) -> None:
         """``isend`` ``buf`` (on ``comm_device``) to rank ``peer`` with ``tag(kind, mb, seq)``; kept alive and waited for in ``finish``."""
-        self._open()
+        self.run_gate()
         self._pending.append((dist.isend(buf, dst=peer, tag=tag(kind, mb, seq)), buf))
 
     def send(self, values: list[Any], spec: Any, src: int, dst: int, kind: str, mb: int = 0, seq: int = 0) -> None:
@@ -269,7 +270,7 @@ class RankTransport(Transport):
         """Post now (after the step's gate) the receives of ``mbs`` from stage ``src`` whose message size is known
         from an earlier step (every message of each, in seq order); ``receive`` then waits for them. The others are
         received when asked for."""
-        self._open()
+        self.run_gate()
         if self.comm_device.type != "cpu":  # nccl matches a pair's messages in order, whatever the tag: an early
             return  # receive could take another micro-batch's message (and its progress needs no host thread)
         peer = self.peer(src)
@@ -283,7 +284,7 @@ class RankTransport(Transport):
 
     def _first_message(self, src: int, dst: int, kind: str, mb: int, seq: int) -> tuple[torch.Tensor, _Header | None]:
         """The slot's first message (posted early, or received now, of the predicted size) and the predicted header."""
-        self._open()
+        self.run_gate()
         peer = self.peer(src)
         known = self._received.get((peer, kind, mb, seq))
         try:
@@ -333,7 +334,7 @@ class RankTransport(Transport):
 
     def receive_into(self, buf: torch.Tensor, src: int, dst: int, kind: str) -> torch.Tensor:
         """Receive one raw tensor message of ``kind`` from stage ``src``'s rank into ``buf`` (any device) and return it."""
-        self._open()
+        self.run_gate()
         comm = buf if buf.device == self.comm_device else torch.empty_like(buf, device=self.comm_device)
         try:
             dist.recv(comm, src=self.peer(src), tag=tag(kind))
@@ -350,7 +351,7 @@ class RankTransport(Transport):
 
     def finish(self, ok: bool) -> None:
         if ok:
-            self._open()  # a step without a transfer still gets its verdict
+            self.run_gate()  # a step without a transfer still gets its verdict
         self.gate = None
         pending, self._pending = self._pending, []
         early, self._early = list(self._early.values()), {}

@@ -44,6 +44,7 @@ from ..lossweights import LossSpec
 from .env import RankInfo
 from .mesh import Mesh
 from .stageshard import StageShards, resolve_together
+from .together import every_rank
 
 __all__ = ["RankStage"]
 
@@ -300,14 +301,14 @@ class RankStage:
             if work is not None:
                 work.wait()
             other = [s for s, v in enumerate(views) if not torch.equal(v, views[0])]
-            if other:
+            if other:  # every rank of the pipeline sees the same fingerprints: every rank raises this
                 ranks = [self.mesh.rank(self.replica, s) for s in other]
-                raise ValueError(
+                raise every_rank(ValueError(
                     f"rank(s) {ranks} of pipeline replica {self.replica} were given another batch than rank "
                     f"{self.mesh.rank(self.replica, 0)}: every rank of a pipeline must call train_step with the same "
                     f"batch (with replicas, its replica's shard: torchspan.shard_batch(batch, rank // {self.mesh.stages}, "
                     f"{self.mesh.replicas})); seed the data the same on every rank of a pipeline"
-                )
+                ))
 
         if transport is None:
             verdict()
