@@ -83,6 +83,14 @@ def test_schedule_runs_forwards_first_then_input_backwards_then_every_weight_bac
     assert sched.build("merged-weights", m, n) == plan
 
 
+def test_early_receives_come_from_stages_that_run_their_forwards_first() -> None:
+    assert sched.early_receives(sched.merged_weights(4, 2), 1, [0]) == [(0, [0, 1, 2, 3])]
+    assert sched.early_receives(sched.merged_weights(3, 3), 2, range(2)) == [(0, [0, 1, 2]), (1, [0, 1, 2])]
+    assert sched.early_receives(sched.gpipe(3, 2), 1, [0]) == [(0, [0, 1, 2])]
+    assert sched.early_receives(sched.one_f_one_b(4, 2), 1, [0]) == []  # 1F1B holds forwards back: nothing ahead
+    assert not sched.forwards_first(sched.merged_weights(4, 2)[1])  # the last stage alternates
+
+
 def test_schedule_of_four_microbatches_on_two_stages_and_its_name() -> None:
     short = {sched.FORWARD: "F", sched.BACKWARD_INPUT: "I", sched.BACKWARD_WEIGHT: "W"}
     plan = sched.merged_weights(4, 2)

@@ -36,6 +36,7 @@ Usage: ``for a in gpipe(4, 2)[0]: print(a.clock, a.kind, a.microbatch)``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "merges_weights",
     "weight_run_ends",
     "forwards_first",
+    "early_receives",
     "forward_only",
     "build",
     "merged_order",
@@ -207,7 +209,7 @@ def weight_run_ends(actions: list[Action]) -> set[int]:
     return {a.microbatch for a, b in zip(actions, nexts) if a.kind == BACKWARD_WEIGHT and (b is None or b.kind != BACKWARD_WEIGHT)}
 
 
-def forwards_first(actions: list[Action]) -> bool:
+def forwards_first(actions: Sequence[Action]) -> bool:
     """Whether one stage's ``actions`` run every forward before anything else (GPipe; merged-weights but on
     the last stage): the stage sends all its forwards at once, so the next stage can take them in as they come.
 
@@ -215,6 +217,16 @@ def forwards_first(actions: list[Action]) -> bool:
     """
     kinds = [a.kind == FORWARD for a in actions]
     return kinds == sorted(kinds, reverse=True)
+
+
+def early_receives(plan: Sequence[Sequence[Action]], stage: int, senders: Iterable[int]) -> list[tuple[int, list[int]]]:
+    """``(sender, micro-batches)`` for each of ``senders`` that runs its forwards first: ``stage`` may post the
+    receives of its forwards from it at once (they come as the sender runs them, nothing held back).
+
+    Usage: ``early_receives(merged_weights(4, 2), 1, [0]) == [(0, [0, 1, 2, 3])]``.
+    """
+    mbs = [a.microbatch for a in plan[stage] if a.kind == FORWARD]
+    return [(src, mbs) for src in senders if forwards_first(plan[src])]
 
 
 def forward_only(microbatches: int, stages: int) -> list[list[Action]]:

@@ -194,8 +194,9 @@ class Pipeline:
         if sched.merges_weights(schedule):
             step.merge_at = {(s, mb) for s, actions in enumerate(plan) for mb in sched.weight_run_ends(actions)}
         for s in range(1, len(fns)):  # a stage in another process sends all its forwards first: take them as they come
-            if self.transport.is_local(s) and not self.transport.is_local(s - 1) and sched.forwards_first(plan[s - 1]):
-                step.expect[s] = [a.microbatch for a in plan[s] if a.kind == sched.FORWARD]
+            if self.transport.is_local(s) and not self.transport.is_local(s - 1):
+                for _, mbs in sched.early_receives(plan, s, [s - 1]):
+                    step.expect[s] = mbs
         # Across processes the summed loss rides on each stage's last backward message down to stage 0
         # (no collective after the step): every process returns it.
         if any(not self.transport.is_local(t) for t in range(len(fns))):

@@ -239,7 +239,7 @@ class RankOwnForwardExecutor(StageExecutor):
         cannot be one: an argument not a tensor, a value sent from this rank, outputs other than one new meta tensor, a
         submodule hook to fire (``MetaCalls.single``)."""
         key = (c.name, len(c.args))
-        if key in node.shortcuts and node.shortcuts[key] is None:
+        if node.shortcuts.get(key, _ABSENT) is None:  # found not to be one before
             return
         layer = self.layers[c.name]
         single = (

@@ -42,8 +42,7 @@ class ForwardMessages:
 
     def start_step(self, plan: Sequence[Sequence[sched.Action]]) -> None:
         """A training step of ``plan`` (every stage's actions) starts: its first receive posts what can be."""
-        mbs = [a.microbatch for a in plan[self.stage] if a.kind == sched.FORWARD]
-        self._expect = [(src, mbs) for src in range(self.stage) if sched.forwards_first(list(plan[src]))]
+        self._expect = sched.early_receives(plan, self.stage, range(self.stage))
 
     def end_step(self) -> None:
         self._expect = None
