@@ -59,15 +59,28 @@ def _double(block: Mix) -> None:
     block.forward = doubled
 
 
+def _kind(tag: int) -> str:
+    """The message kind a tag of ``p2p.tag`` belongs to."""
+    return next(kind for kind, k in p2p.TAGS.items() if tag % len(p2p.TAGS) == k)
+
+
 def _counting() -> tuple[list[int], object]:
+    """``dist.irecv`` counting the early receives of forward values (the tags of each step's loss in ``_LOSS_TAGS``)."""
     posted: list[int] = []
     irecv = p2p.dist.irecv
 
     def counted(*args: object, **kwargs: object) -> object:
-        posted.append(1)
+        kind = _kind(int(kwargs["tag"]))  # type: ignore[call-overload]
+        if kind == "own-loss":
+            _LOSS_TAGS.append(int(kwargs["tag"]))  # type: ignore[call-overload]
+        else:
+            posted.append(1)
         return irecv(*args, **kwargs)
 
     return posted, counted
+
+
+_LOSS_TAGS: list[int] = []
 
 
 def _worker(rank: int, world: int, port: int) -> None:
@@ -110,9 +123,48 @@ def _worker(rank: int, world: int, port: int) -> None:
             assert early_counts == [0, 6, 6, 3, 6], early_counts
         else:  # stage 0 receives no forward values; under 1F1B nothing is posted ahead
             assert early_counts == [0, 0, 0, 0, 0], (schedule, rank, early_counts)
+        # stage 0 posts the receive of each step's loss early, on a tag of its own for every step
+        assert len(_LOSS_TAGS) == (len(steps) if rank == 0 else 0) == len(set(_LOSS_TAGS)), (schedule, rank, _LOSS_TAGS)
+        _LOSS_TAGS.clear()
         _eval_mode_step(spanned, model, reference, rank, schedule)
+        _loss_received_early(spanned, reference, rank, schedule)
     _closed_slot_is_refused(rank)
     _leave()
+
+
+def _loss_received_early(spanned: torchspan.Spanned, reference: nn.Module, rank: int, schedule: str) -> None:
+    """Stage 0 posts the receive of the step's loss at its first backward, before it takes the last stage's
+    gradients: the loss, sent after the last backward, lands while stage 0 still computes (a receive posted after
+    the send waits a round trip of gloo's threads at the end of the step)."""
+    seen: list[tuple[str, str]] = []
+    irecv, recv = p2p.dist.irecv, p2p.dist.recv
+
+    def logged(op: str, fn: object) -> object:
+        def call(*args: object, **kwargs: object) -> object:
+            seen.append((op, _kind(int(kwargs["tag"]))))  # type: ignore[call-overload]
+            return fn(*args, **kwargs)  # type: ignore[operator]
+
+        return call
+
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(6, 6, generator=g).double(), torch.randn(6, 6, generator=g).double()
+    for p in [*spanned.module.parameters(), *reference.parameters()]:
+        p.grad = None
+    p2p.dist.irecv, p2p.dist.recv = logged("irecv", irecv), logged("recv", recv)
+    try:
+        loss = spanned.train_step({"x": x, "skip": True}, y, nn.MSELoss())
+    finally:
+        p2p.dist.irecv, p2p.dist.recv = irecv, recv
+    expected = nn.MSELoss()(reference(x, skip=True), y)
+    expected.backward()
+    torch.testing.assert_close(loss.double(), expected.detach(), rtol=1e-6, atol=1e-7)
+    _check(spanned, reference, f"{schedule}, the loss received early", rank)
+    if rank == 0:
+        gradients = [i for i, (op, kind) in enumerate(seen) if op == "recv" and kind == "own-bwd"]
+        assert seen.count(("irecv", "own-loss")) == 1 and gradients, seen
+        assert seen.index(("irecv", "own-loss")) < gradients[-1], seen
+    else:
+        assert not any(kind == "own-loss" for _, kind in seen), seen
 
 
 def _eval_mode_step(spanned: torchspan.Spanned, model: nn.Module, reference: nn.Module, rank: int, schedule: str) -> None:

@@ -461,18 +461,20 @@ class RankOwnForwardExecutor(StageExecutor):
             live[mb] = st
 
         def backward(mb: int, split: bool) -> Pending | None:
+            if not self.ranks.last:  # the loss's receive waits posted from the first backward (after the gate)
+                self._messages.expect_loss(n - 1)
             pending = self._backward(live.pop(mb), split)
             if mb == carry:  # every gradient message of the step is out: the loss follows them to every stage
                 summed.append(torch.stack(losses).sum())
                 for stage in range(n - 1):
-                    self._messages.post(summed[0].reshape(1), stage)
+                    self._messages.send_loss(summed[0], stage)
             return pending
 
         ok = False
         try:
             run_actions(actions, self.recorder, self.device, forward, backward, merge=sched.merges_weights(s.schedule))
-            if not self.ranks.last:  # after every gradient message from the last stage on this channel
-                summed.append(self._messages.take(torch.empty(1, dtype=torch.float64, device=self.device), n - 1).reshape(()))
+            if not self.ranks.last:
+                summed.append(self._messages.take_loss(n - 1))
             ok = True
         except Exception:
             self._transport.run_gate()  # a refused batch explains a failure before the first transfer: every rank raises it

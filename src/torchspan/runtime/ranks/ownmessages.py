@@ -21,13 +21,13 @@ Usage (``RankOwnForwardExecutor`` does this)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ... import schedule as sched
 from .forwardstate import Forward
-from .p2p import Diverged, RankTransport
+from .p2p import _MBS, Diverged, RankTransport
 from .routes import DivergedError
 
 __all__ = ["ForwardMessages"]
@@ -39,13 +39,17 @@ class ForwardMessages:
     def __init__(self, transport: RankTransport, stage: int, stages: int) -> None:
         self.transport, self.stage, self.stages = transport, stage, stages
         self._expect: list[tuple[int, list[int]]] | None = None  # this step's early receives: (earlier stage, micro-batches)
+        self._steps = 0  # training steps started: each step's loss has its own slot
+        self._loss: Callable[[], torch.Tensor] | None = None  # this step's loss, its receive posted
 
     def start_step(self, plan: Sequence[Sequence[sched.Action]]) -> None:
         """A training step of ``plan`` (every stage's actions) starts: its first receive posts what can be."""
         self._expect = sched.early_receives(plan, self.stage, range(self.stage))
+        self._steps += 1
+        self._loss = None
 
     def end_step(self) -> None:
-        self._expect = None
+        self._expect = self._loss = None
 
     @staticmethod
     def _kind(st: Forward) -> str:
@@ -78,6 +82,30 @@ class ForwardMessages:
     def post(self, t: torch.Tensor, stage: int) -> None:
         """A gradient of a received value, or the step's loss, to ``stage`` as one raw message (``"own-bwd"``)."""
         self.transport.post(t.detach().contiguous().to(self.transport.comm_device), self.transport.peer(stage), "own-bwd")
+
+    def _loss_slot(self) -> tuple[int, int]:
+        """This step's loss slot (micro-batch and message numbers of tag ``"own-loss"``): the step's number, so a
+        receive a failed step left posted never takes a later step's loss (they repeat after 4096 * 87000 steps)."""
+        return self._steps % _MBS, self._steps // _MBS % 87_000
+
+    def send_loss(self, loss: torch.Tensor, stage: int) -> None:
+        """The step's summed loss (float64, one element) to ``stage``, from the last stage after its last backward."""
+        mb, seq = self._loss_slot()
+        self.transport.post(loss.detach().reshape(1).to(self.transport.comm_device, torch.float64), self.transport.peer(stage), "own-loss", mb, seq)
+
+    def expect_loss(self, stage: int) -> None:
+        """Post the receive of the step's loss from ``stage`` now (once per step, after the gate), so it lands while
+        this rank still computes: a receive posted after the send costs a round trip of gloo's threads (~0.25 ms)."""
+        if self._loss is None:
+            mb, seq = self._loss_slot()
+            self._loss = self.transport.receive_early(torch.empty(1, dtype=torch.float64), stage, self.stage, "own-loss", mb, seq)
+
+    def take_loss(self, stage: int) -> torch.Tensor:
+        """The step's loss from ``stage`` (float64, shape ``()``), on this rank's device."""
+        self.expect_loss(stage)
+        wait, self._loss = self._loss, None
+        assert wait is not None
+        return wait().reshape(()).to(self.transport.device)
 
     def take(self, buf: torch.Tensor, stage: int) -> torch.Tensor:
         """The next raw ``"own-bwd"`` message from ``stage``, into ``buf``."""

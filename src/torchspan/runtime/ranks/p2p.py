@@ -59,9 +59,12 @@ __all__ = ["RankTransport", "PeerError", "Diverged", "TAGS", "tag"]
 # Every message tag of a pipeline across ranks: stage functions' transfers (``send``/``receive``, one tag per
 # kind and micro-batch), the own-forward executor's values in its training and no-grad forwards (``send``/
 # ``receive``, one tag per kind, micro-batch and message of that micro-batch) and its raw gradients
-# (``post``/``receive_into``) never share one.
-TAGS = {"fwd": 0, "bwd": 1, "own-fwd": 2, "own-bwd": 3, "own-eval": 4}
-_WHAT = {"fwd": "activations", "bwd": "gradients", "own-fwd": "activations", "own-bwd": "gradients", "own-eval": "activations"}
+# (``post``/``receive_into``) and its step's loss (``post``/``receive_early``, one tag per step) never share one.
+TAGS = {"fwd": 0, "bwd": 1, "own-fwd": 2, "own-bwd": 3, "own-eval": 4, "own-loss": 5}
+_WHAT = {
+    "fwd": "activations", "bwd": "gradients", "own-fwd": "activations", "own-bwd": "gradients", "own-eval": "activations",
+    "own-loss": "the step's loss",
+}  # fmt: skip
 _PREFIX = 16  # two int64: header length (0: as predicted, -1: no message in this slot), data bytes
 _ALIGN = 16
 _MBS = 4096  # micro-batches per step that the tags tell apart (seq-th message of micro-batch mb: mb + _MBS * seq)
@@ -341,6 +344,30 @@ class RankTransport(Transport):
         except RuntimeError as exc:
             raise self._lost(_WHAT[kind], dst, src, exc) from exc
         return comm if comm is buf else buf.copy_(comm)
+
+    def receive_early(self, buf: torch.Tensor, src: int, dst: int, kind: str, mb: int, seq: int = 0) -> Callable[[], torch.Tensor]:
+        """Post now (after the step's gate) the receive of one raw tensor message of slot (``src``'s rank, ``kind``,
+        ``mb``, ``seq``) into ``buf``; the returned function waits for it and returns ``buf``. Under nccl (which matches
+        a pair's messages in order, whatever the tag) nothing is posted early: the function receives then. Give each
+        step's message its own slot: a receive left posted by a failed step can only ever take that step's message."""
+        self.run_gate()
+        comm = buf if buf.device == self.comm_device else torch.empty_like(buf, device=self.comm_device)
+        peer, slot = self.peer(src), (self.peer(src), kind, mb, seq)
+        if self.comm_device.type == "cpu":
+            self._early[slot] = (dist.irecv(comm, src=peer, tag=tag(kind, mb, seq)), comm)
+
+        def wait() -> torch.Tensor:
+            early = self._early.pop(slot, None)
+            try:
+                if early is not None:
+                    early[0].wait()
+                else:
+                    dist.recv(comm, src=peer, tag=tag(kind, mb, seq))
+            except RuntimeError as exc:
+                raise self._lost(_WHAT[kind], dst, src, exc) from exc
+            return comm if comm is buf else buf.copy_(comm)
+
+        return wait
 
     def _lost(self, what: str, dst: int, src: int, exc: BaseException) -> PeerError:
         peer = self.peer(src)
