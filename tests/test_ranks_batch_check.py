@@ -22,7 +22,7 @@ from torch import nn
 
 import torchspan
 from torchspan.runtime.ranks import free_port
-from torchspan.runtime.ranks.stage import batch_fingerprint
+from torchspan.runtime.ranks.fingerprint import batch_fingerprint
 
 from test_ranks_hooks import Wrapped, _token_ce
 from test_ranks_pipeline import TOL, _check, _join, _leave, _spawn
@@ -77,6 +77,8 @@ def test_any_difference_changes_the_fingerprint() -> None:
     assert _fp(([x], [y, True])) != _fp(([x], [y, False]))
     assert _fp(([x.bool()], [y])) != _fp(([~x.bool()], [y]))
     assert _fp(([torch.complex(x, x)], [y])) != _fp(([torch.complex(x, -x)], [y]))
+    # +1, -2, +1 on three labels in a row: the plain and the position-weighted sums of the bits are unchanged
+    assert _fp(([x], [torch.tensor([5, 5, 5])])) != _fp(([x], [torch.tensor([6, 3, 6])]))
 
 
 def test_plain_values_and_containers_count_by_type_and_a_known_structure_is_not_reused_for_another() -> None:

@@ -28,7 +28,6 @@ Usage (an executor does this)::
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -36,12 +35,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from ..executor import Executor
 from ..losscheck import LossChecks
 from ..lossweights import LossSpec
 from .env import RankInfo
+from .fingerprint import batch_fingerprint
 from .mesh import Mesh
 from .stageshard import StageShards, resolve_together
 from .together import every_rank
@@ -51,89 +51,6 @@ __all__ = ["RankStage"]
 
 def _meta_copy(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t, device="meta")
-
-
-_PLAIN = (type(None), bool, int, float, str)
-
-
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:  # an odd pytree context: hash the structure again
-        return False
-
-
-def _plain_structure(v: Any, tensors: list[torch.Tensor]) -> Any:
-    """``v``'s structure (container kinds, dict keys, tensor shapes and dtypes, plain values; its tensors appended
-    to ``tensors`` in pytree order) when it holds only tuples, lists, dicts, tensors and plain values, else ``None``."""
-    kind = type(v)
-    if kind is torch.Tensor or kind is nn.Parameter:
-        tensors.append(v)
-        return (v.shape, v.dtype)
-    if kind is tuple or kind is list:
-        parts = []
-        for item in v:
-            part = _plain_structure(item, tensors)
-            if part is None:
-                return None
-            parts.append(part)
-        return ("list" if kind is list else "tuple", tuple(parts))
-    if kind is dict:
-        parts = []
-        for key, item in v.items():
-            part = _plain_structure(item, tensors)
-            if part is None or type(key) is not str:
-                return None
-            parts.append((key, part))
-        return ("dict", tuple(parts))
-    if kind in _PLAIN:  # by type and repr: 1, 1.0, True and -0.0, 0.0 differ (== alone would not tell them apart)
-        return ("value", kind.__name__, repr(v) if kind is float else v)
-    return None
-
-
-def batch_fingerprint(batch: Any, known: tuple[Any, int] | None = None) -> tuple[torch.Tensor, tuple[Any, int]]:
-    """Three int64s that differ when two ranks' batches differ: a hash of the structure (pytree spec,
-    shapes, dtypes, plain non-tensor values), and the sum and a position-weighted sum of every tensor's
-    bits read as integers (int32 words; smaller elements one each; the tensors of one device and dtype
-    concatenated in order), summed in int64. Integer sums do
-    not depend on the order of additions, so equal batches give equal fingerprints whatever the threads
-    or memory layout (no float rounding), and any changed bit or moved row changes them. ``known``: the
-    previous call's ``(structure, hash)``, reused when the structure repeats (the usual step). Returned
-    on the device of the first tensor (the CPU without one).
-
-    Usage: ``fp, known = batch_fingerprint((chunks, targets), known)``.
-    """
-    tensors: list[torch.Tensor] = []
-    shape = _plain_structure(batch, tensors)  # tuples, lists and dicts of tensors and plain values: no pytree walk
-    if shape is None:
-        leaves, spec = tree_flatten(batch)
-        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        plain = tuple(v if isinstance(v, _PLAIN) else type(v).__name__ for v in leaves if not isinstance(v, torch.Tensor))
-        structure: Any = (spec, tuple((t.shape, t.dtype) for t in tensors), plain)
-        if known is None or not _same(known[0], structure):
-            known = (structure, zlib.crc32(repr((str(spec), structure[1:])).encode()))
-    elif known is None or known[0] != shape:
-        known = (shape, zlib.crc32(repr(("plain", shape)).encode()))
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}  # one buffer per device and dtype
-    for t in tensors:
-        if t.numel():
-            groups.setdefault((t.device, t.dtype), []).append(t.detach().reshape(-1))
-    if not groups:
-        return torch.tensor([known[1], 0, 0], dtype=torch.int64), known
-    words = []
-    for (device, dtype), parts in groups.items():
-        bits = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
-        if bits.is_complex():
-            bits = torch.view_as_real(bits).reshape(-1)
-        size = bits.element_size()  # each element read alike whatever its offset in memory
-        words.append(bits.view(torch.int32) if size >= 4 else bits.view(torch.int16 if size == 2 else torch.uint8).to(torch.int32))
-    device = words[0].device
-    flat = torch.cat([w.to(device) for w in words]) if len(words) > 1 else words[0]
-    # running sums in int64 (a flipped sign bit never cancels out mod 2**32): the last is the plain sum, and
-    # their sum weighs word i by the n - i words from it to the end (position-weighted, in one pass)
-    run = torch.cumsum(flat, 0, dtype=torch.int64)
-    head = torch.tensor([known[1]], dtype=torch.int64, device=device)
-    return torch.cat([head, run[-1:], run.sum().reshape(1)]), known
 
 
 class RankStage:
