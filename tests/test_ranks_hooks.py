@@ -78,6 +78,44 @@ def test_meta_taint_glue_rules() -> None:
     assert torch.equal(here, torch.arange(6.0).reshape(2, 3))
 
 
+def test_the_last_stage_runs_torchs_own_losses_without_the_taint_mode_and_keeps_it_for_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Torch's losses read only their arguments: with real outputs they skip ``MetaTaint`` (the same value, ~50 us
+    less per micro-batch on the critical path); a user's callable keeps it (it may read another stage's parameter,
+    ``model.device``), and a meta output is still refused."""
+    import functools
+
+    import torch.nn.functional as F
+
+    from torchspan.runtime.ranks import ownloss
+
+    entered: list[int] = []
+
+    class Counted(MetaTaint):
+        def __enter__(self) -> "Counted":
+            entered.append(1)
+            return super().__enter__()
+
+    monkeypatch.setattr(ownloss, "MetaTaint", Counted)
+    cpu = torch.device("cpu")
+    out, y, labels = torch.randn(4, 3, requires_grad=True), torch.randn(4, 3), torch.tensor([0, 2, -1, 1])
+    other_stage = torch.ones(1, device="meta")  # a parameter another rank holds
+    losses = [
+        (nn.MSELoss(), y, False),
+        (F.mse_loss, y, False),
+        (functools.partial(F.cross_entropy, ignore_index=-1), labels, False),
+        (nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 0.5])), labels.clamp(min=0), False),
+        (lambda o, t: F.mse_loss(o, t.to(other_stage.device)), y, True),  # reads another stage's device: this rank's
+    ]
+    for loss_fn, target, taint in losses:
+        entered.clear()
+        got = ownloss.stage_loss(out, target, loss_fn, 0.5, cpu, "32")
+        want = 0.5 * (F.mse_loss(out, target) if taint else loss_fn(out, target))
+        torch.testing.assert_close(got, want)
+        assert len(entered) == int(taint), (loss_fn, entered)
+    with pytest.raises(ValueError, match="does not compute"):
+        ownloss.stage_loss(torch.ones(4, 3, device="meta"), y, nn.MSELoss(), 1.0, cpu, "32")
+
+
 def test_meta_calls_run_a_layer_once_per_call_shape_and_replay_it() -> None:
     from torchspan.runtime.ranks.metacalls import MetaCalls
 

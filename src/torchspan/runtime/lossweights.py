@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LossSpec", "loss_spec", "describe_loss", "resolve_reduction", "microbatch_weights", "weighted_loss"]
+__all__ = ["LossSpec", "loss_spec", "describe_loss", "resolve_reduction", "microbatch_weights", "weighted_loss", "is_torch_loss"]
 
 Kind = Literal["sum", "samples", "class_weights", "user", "model", "opaque"]
 
@@ -214,6 +214,13 @@ def loss_spec(
     if class_index:
         return LossSpec(loss_fn, name, "class_weights", class_weight=class_weight, ignore_index=ignore_index)
     return LossSpec(loss_fn, name, "samples")
+
+
+def is_torch_loss(loss_fn: Callable[..., Any]) -> bool:
+    """Whether ``loss_fn`` is one of torch's own losses (a loss module with torch's ``forward``, a
+    ``torch.nn.functional`` loss, a ``functools.partial`` of either with keywords only): it reads its arguments
+    (and its own class weights) and nothing else."""
+    return _known(loss_fn, "") is not None
 
 
 def _known(loss_fn: Callable[..., Any], name: str) -> tuple[str, torch.Tensor | None, int, bool] | None:
