@@ -81,6 +81,28 @@ def test_any_difference_changes_the_fingerprint() -> None:
     assert _fp(([x], [torch.tensor([5, 5, 5])])) != _fp(([x], [torch.tensor([6, 3, 6])]))
 
 
+def test_a_batch_over_the_crc_size_is_told_apart_by_the_sums_of_its_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over 16 MiB of tensors (an image batch) the values are summed on their own device instead (only two int64s
+    leave it); the same batch still agrees whatever the layout and threads, and a changed value or order shows."""
+    from torchspan.runtime.ranks import fingerprint
+
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(12, 5, generator=g, dtype=torch.float64), torch.randint(0, 4, (12,), generator=g)
+    crc = _fp(([x], [y]))
+    monkeypatch.setattr(fingerprint, "_CRC_BYTES", 0)
+    base = _fp(([x], [y]))
+    assert base != crc and base == _fp(([x.t().contiguous().t()], [y.clone()]))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert _fp(([x], [y])) == base
+    finally:
+        torch.set_num_threads(threads)
+    nudged = x.clone()
+    nudged[3, 1] = torch.nextafter(nudged[3, 1], torch.tensor(10.0, dtype=torch.float64))
+    assert all(_fp(b) != base for b in (([nudged], [y]), ([x[[1, 0, *range(2, 12)]]], [y]), ([x], [y.flip(0)])))
+
+
 def test_plain_values_and_containers_count_by_type_and_a_known_structure_is_not_reused_for_another() -> None:
     x, y = torch.arange(12.0).reshape(3, 4), torch.arange(3)
     variants = [1, True, 1.0, -0.0, 0.0, "1", None]
