@@ -266,3 +266,8 @@ def test_tags_keep_kinds_micro_batches_and_messages_apart() -> None:
     assert not tags & {p2p.tag(kind) for kind in p2p.TAGS}  # the raw messages' tags
     with pytest.raises(ValueError, match="at most 4096 micro-batches"):
         p2p.tag("own-fwd", 4096)
+    # one loss tag per training step, distinct for 4096 * 87000 steps, every one an int32
+    steps = [0, 1, 4095, 4096, 4097, 10**6, 4096 * 87_000 - 1]
+    loss_tags = [p2p.tag("own-loss", *p2p.step_slot(s)) for s in steps]
+    assert len(set(loss_tags)) == len(steps) and max(loss_tags) < 2**31
+    assert p2p.step_slot(4096 * 87_000) == p2p.step_slot(0)

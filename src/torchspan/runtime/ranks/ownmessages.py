@@ -27,7 +27,7 @@ import torch
 
 from ... import schedule as sched
 from .forwardstate import Forward
-from .p2p import _MBS, Diverged, RankTransport
+from .p2p import Diverged, RankTransport, step_slot
 from .routes import DivergedError
 
 __all__ = ["ForwardMessages"]
@@ -80,24 +80,19 @@ class ForwardMessages:
         return got
 
     def post(self, t: torch.Tensor, stage: int) -> None:
-        """A gradient of a received value, or the step's loss, to ``stage`` as one raw message (``"own-bwd"``)."""
+        """A gradient of a received value to ``stage`` as one raw message (``"own-bwd"``)."""
         self.transport.post(t.detach().contiguous().to(self.transport.comm_device), self.transport.peer(stage), "own-bwd")
-
-    def _loss_slot(self) -> tuple[int, int]:
-        """This step's loss slot (micro-batch and message numbers of tag ``"own-loss"``): the step's number, so a
-        receive a failed step left posted never takes a later step's loss (they repeat after 4096 * 87000 steps)."""
-        return self._steps % _MBS, self._steps // _MBS % 87_000
 
     def send_loss(self, loss: torch.Tensor, stage: int) -> None:
         """The step's summed loss (float64, one element) to ``stage``, from the last stage after its last backward."""
-        mb, seq = self._loss_slot()
+        mb, seq = step_slot(self._steps)  # a tag per step: a receive a failed step left posted never takes a later loss
         self.transport.post(loss.detach().reshape(1).to(self.transport.comm_device, torch.float64), self.transport.peer(stage), "own-loss", mb, seq)
 
     def expect_loss(self, stage: int) -> None:
         """Post the receive of the step's loss from ``stage`` now (once per step, after the gate), so it lands while
         this rank still computes: a receive posted after the send costs a round trip of gloo's threads (~0.25 ms)."""
         if self._loss is None:
-            mb, seq = self._loss_slot()
+            mb, seq = step_slot(self._steps)
             self._loss = self.transport.receive_early(torch.empty(1, dtype=torch.float64), stage, self.stage, "own-loss", mb, seq)
 
     def take_loss(self, stage: int) -> torch.Tensor:

@@ -54,7 +54,7 @@ from torch.utils._pytree import treespec_dumps, treespec_loads
 from ..local.worker import Transport
 from .mesh import Mesh
 
-__all__ = ["RankTransport", "PeerError", "Diverged", "TAGS", "tag"]
+__all__ = ["RankTransport", "PeerError", "Diverged", "TAGS", "tag", "step_slot"]
 
 # Every message tag of a pipeline across ranks: stage functions' transfers (``send``/``receive``, one tag per
 # kind and micro-batch), the own-forward executor's values in its training and no-grad forwards (``send``/
@@ -79,6 +79,12 @@ def tag(kind: str, mb: int | None = None, seq: int = 0) -> int:
     if not 0 <= mb < _MBS:
         raise ValueError(f"torchspan: a pipeline across ranks tells at most {_MBS} micro-batches per step apart, got micro-batch {mb}: use fewer micro-batches")
     return TAGS[kind] + len(TAGS) * (mb + 1 + _MBS * seq)
+
+
+def step_slot(step: int) -> tuple[int, int]:
+    """The (micro-batch, message) numbers that give training step ``step``'s message of a kind sent once per step a
+    tag of its own: steps repeat a tag only 4096 * 87000 steps apart (the tag stays an int32)."""
+    return step % _MBS, step // _MBS % 87_000
 
 
 class PeerError(RuntimeError):
