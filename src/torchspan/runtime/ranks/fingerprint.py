@@ -68,7 +68,6 @@ def _plain_structure(v: Any, tensors: list[torch.Tensor]) -> Any:
     return None
 
 
-
 def _structure(batch: Any, known: tuple[Any, int] | None) -> tuple[list[torch.Tensor], tuple[Any, int]]:
     """The batch's tensors in pytree order and ``(structure, its hash)``, ``known`` reused when the structure repeats."""
     tensors: list[torch.Tensor] = []

@@ -268,7 +268,7 @@ class RankTransport(Transport):
             blob_len = int(buf[:_PREFIX].view(torch.int64)[0])
             if blob_len != _VOID:
                 raise Diverged(
-                    f"torchspan: rank {self.peer(src)} (stage {src}) sent micro-batch {mb}'s message {seq} on {kind!r}, which "
+                    f"torchspan: rank {peer} (stage {src}) sent micro-batch {mb}'s message {seq} on {kind!r}, which "
                     f"rank {self.rank} (stage {dst}) did not ask for: the ranks' forwards took different paths"
                 )
             del self._received[(peer, kind, mb, seq)]
@@ -341,12 +341,13 @@ class RankTransport(Transport):
                 values.append(pickle.loads(meta[1]))
         return values, header.spec
 
-    def receive_into(self, buf: torch.Tensor, src: int, dst: int, kind: str) -> torch.Tensor:
-        """Receive one raw tensor message of ``kind`` from stage ``src``'s rank into ``buf`` (any device) and return it."""
+    def receive_into(self, buf: torch.Tensor, src: int, dst: int, kind: str, mb: int | None = None, seq: int = 0) -> torch.Tensor:
+        """Receive one raw tensor message of ``kind`` (``tag(kind, mb, seq)``) from stage ``src``'s rank into ``buf`` (any
+        device) and return it."""
         self.run_gate()
         comm = buf if buf.device == self.comm_device else torch.empty_like(buf, device=self.comm_device)
         try:
-            dist.recv(comm, src=self.peer(src), tag=tag(kind))
+            dist.recv(comm, src=self.peer(src), tag=tag(kind, mb, seq))
         except RuntimeError as exc:
             raise self._lost(_WHAT[kind], dst, src, exc) from exc
         return comm if comm is buf else buf.copy_(comm)
@@ -354,21 +355,22 @@ class RankTransport(Transport):
     def receive_early(self, buf: torch.Tensor, src: int, dst: int, kind: str, mb: int, seq: int = 0) -> Callable[[], torch.Tensor]:
         """Post now (after the step's gate) the receive of one raw tensor message of slot (``src``'s rank, ``kind``,
         ``mb``, ``seq``) into ``buf``; the returned function waits for it and returns ``buf``. Under nccl (which matches
-        a pair's messages in order, whatever the tag) nothing is posted early: the function receives then. Give each
-        step's message its own slot: a receive left posted by a failed step can only ever take that step's message."""
+        a pair's messages in order, whatever the tag) nothing is posted early: the function receives then
+        (``receive_into``). Give each step's message its own slot: a receive left posted by a failed step can only
+        ever take that step's message."""
         self.run_gate()
+        if self.comm_device.type != "cpu":
+            return lambda: self.receive_into(buf, src, dst, kind, mb, seq)
         comm = buf if buf.device == self.comm_device else torch.empty_like(buf, device=self.comm_device)
-        peer, slot = self.peer(src), (self.peer(src), kind, mb, seq)
-        if self.comm_device.type == "cpu":
-            self._early[slot] = (dist.irecv(comm, src=peer, tag=tag(kind, mb, seq)), comm)
+        slot = (self.peer(src), kind, mb, seq)
+        self._early[slot] = (dist.irecv(comm, src=slot[0], tag=tag(kind, mb, seq)), comm)
 
         def wait() -> torch.Tensor:
             early = self._early.pop(slot, None)
+            if early is None:  # the step's transfers were settled before it was waited for: receive it now
+                return self.receive_into(buf, src, dst, kind, mb, seq)
             try:
-                if early is not None:
-                    early[0].wait()
-                else:
-                    dist.recv(comm, src=peer, tag=tag(kind, mb, seq))
+                early[0].wait()
             except RuntimeError as exc:
                 raise self._lost(_WHAT[kind], dst, src, exc) from exc
             return comm if comm is buf else buf.copy_(comm)
