@@ -19,7 +19,8 @@
   ``renameat2(RENAME_EXCHANGE)`` where the filesystem has it (a reader sees the old folder or the new
   one, never neither), else the old folder is renamed aside (``.NAME.torchspan.PID.TOKEN.HOST.old``)
   and the new one renamed in; a writer killed between those two renames leaves no target, and
-  :func:`clean_temporaries` renames that ``.old`` folder back. Stale temporary folders are removed.
+  :func:`clean_temporaries` renames that ``.old`` folder back. Stale temporary folders are removed. What is not
+  the writer's (``keep``: a user's notes in a checkpoint folder) is linked into the new folder before the swap.
 
 Usage::
 
@@ -44,7 +45,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -395,7 +396,9 @@ def temporary_folder(path: str | os.PathLike[str]) -> Path:
     raise FileExistsError(f"no free temporary name beside {str(target)!r}")  # pragma: no cover
 
 
-def replace_folder(tmp: str | os.PathLike[str], path: str | os.PathLike[str], *, durable: bool = True) -> None:
+def replace_folder(
+    tmp: str | os.PathLike[str], path: str | os.PathLike[str], *, durable: bool = True, keep: Callable[[str], bool] | None = None
+) -> None:
     """Put the folder ``tmp`` (from :func:`temporary_folder`, complete) in place of ``path``'s real target and
     remove what was there: a reader sees the previous folder or ``tmp``'s contents, never a mixture.
 
@@ -403,25 +406,65 @@ def replace_folder(tmp: str | os.PathLike[str], path: str | os.PathLike[str], *,
     (Linux), then removed; where the filesystem cannot exchange (``EINVAL``, ``ENOSYS``, another system), renamed
     aside to ``.NAME.torchspan.PID.TOKEN.HOST.old``, ``tmp`` renamed in, the aside folder removed (a crash between
     the renames is undone by :func:`clean_temporaries`). ``durable=True`` fsyncs ``tmp`` and the parent folder.
+
+    ``keep(name)``: whether the previous folder's entry ``name`` (not the writer's: a user's file) lives on in the
+    new one. Each kept entry ``tmp`` lacks is hard-linked into ``tmp`` before the swap (copied where links are
+    refused; a folder as a tree of links), so it is there in both and a crash at any point loses it from
+    neither; one that appears in the previous folder during the swap is moved over after it.
     """
     tmp, target = Path(tmp), real_target(path)
     try:
+        if keep is not None and describe(target) == "a folder":
+            _carry(target, tmp, keep)
         if durable:
             _fsync_folder(tmp)
         if describe(target) == "missing":
             os.rename(tmp, target)
         elif _exchange(tmp, target):
-            shutil.rmtree(tmp, ignore_errors=True)  # tmp holds the previous folder now
+            _remove_previous(tmp, target, keep)  # tmp holds the previous folder now
         else:
             aside = _temporary(target, "old")
             os.rename(target, aside)
             os.rename(tmp, target)
-            shutil.rmtree(aside, ignore_errors=True)
+            _remove_previous(aside, target, keep)
     finally:
         with _ACTIVE_LOCK:
             _ACTIVE.discard(str(tmp))
     if durable:
         _fsync_folder(target.parent)
+
+
+def _kept(folder: Path, into: Path, keep: Callable[[str], bool]) -> list[os.DirEntry[str]]:
+    """``folder``'s entries that ``keep`` keeps and ``into`` does not have (links not followed)."""
+    return [e for e in os.scandir(folder) if keep(e.name) and not os.path.lexists(into / e.name)]
+
+
+def _carry(previous: Path, tmp: Path, keep: Callable[[str], bool]) -> None:
+    """Link (or copy) the kept entries of the previous folder into ``tmp``; fifos and sockets move after the swap."""
+    for entry in _kept(previous, tmp, keep):
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry.path), tmp / entry.name)
+        elif entry.is_dir():
+            shutil.copytree(entry.path, tmp / entry.name, symlinks=True, copy_function=_link_or_copy)
+        elif entry.is_file():
+            _link_or_copy(entry.path, tmp / entry.name)
+
+
+def _link_or_copy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP, errno.EACCES):
+            raise
+        shutil.copy2(src, dst, follow_symlinks=False)
+
+
+def _remove_previous(previous: Path, target: Path, keep: Callable[[str], bool] | None) -> None:
+    """Move what ``keep`` keeps and the new folder lacks (it appeared during the swap) into ``target``, then remove
+    the previous folder; a move that fails raises, and the previous folder stays, its entries with it."""
+    for entry in _kept(previous, target, keep) if keep is not None else ():
+        os.rename(entry.path, target / entry.name)
+    shutil.rmtree(previous, ignore_errors=True)
 
 
 def _exchange(a: Path, b: Path) -> bool:

@@ -15,7 +15,10 @@ folder; state dicts of plain values keep the one-file form (``ranks.checkpoint``
   returns on rank 0 only after every rank's data and the ``.metadata`` are written (a rank that fails makes
   it raise on every rank); rank 0 then writes the manifest and swaps the folder in (``files.replace_folder``:
   one atomic exchange), and the ranks agree on the outcome. A job killed at any point leaves the previous
-  folder whole; the temporary is removed by the next save or load (its writer is dead).
+  folder whole; the temporary is removed by the next save or load (its writer is dead). The swap replaces only
+  the checkpoint's own files (:func:`own_file`): anything else in the folder (a user's notes, the
+  ``model.safetensors`` and ``config.json`` of ``export_safetensors(path, path)``) is linked into the new folder
+  first and stays (an export kept so is of the step it was made from).
 - **Loading** into objects (``load_checkpoint(path, {"model": spanned, "optimizer": opt})``, every rank):
   each rank reads the parts of its current shards, whatever world size wrote them (DCP reshards), and
   ``set_state_dict`` puts them in place. Without objects, in any process, with or without a process group:
@@ -34,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import sys
 import warnings
@@ -50,11 +54,15 @@ from torch.utils._pytree import tree_leaves, tree_map
 from ... import files
 from .checkpointio import any_rank, group_size, rank, safe_load, warn_if_unsafe
 
-__all__ = ["MANIFEST", "VALUES", "Parts", "holds_objects", "is_folder_checkpoint", "load_into", "loads_into", "read_folder", "save_folder", "split"]
+__all__ = [
+    "MANIFEST", "VALUES", "Parts", "holds_objects", "is_folder_checkpoint", "load_into", "loads_into", "own_file", "read_folder", "save_folder",
+    "split",
+]  # fmt: skip
 
 MANIFEST = "torchspan.json"
 VALUES = "values.pt"
 _FORMAT = "torchspan sharded checkpoint"
+_OWN = re.compile(r"(__\d+)?\.metadata(\.tmp)?|.*\.distcp|torchspan\.json|values\.pt|\.(torchspan\.json|values\.pt)\.torchspan\..*")
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -83,6 +91,13 @@ def loads_into(state: Mapping[str, Any]) -> bool:
     """Whether ``load_checkpoint(path, state)`` loads into ``state``'s objects (a model, an optimizer, shards, or
     anything with ``state_dict``/``load_state_dict``)."""
     return any(_kind(v) != "value" for v in state.values())
+
+
+def own_file(name: str) -> bool:
+    """Whether ``name`` in a checkpoint folder is the checkpoint's (DCP's ``.metadata`` and ``.distcp`` shards, the
+    manifest, the values, their temporaries): a save replaces these and keeps every other entry (a user's notes,
+    an export's ``model.safetensors``)."""
+    return bool(_OWN.fullmatch(name))
 
 
 def is_folder_checkpoint(path: Path) -> bool:
@@ -261,7 +276,7 @@ def _write(tmp: Path, saved: dict[str, Any], parts: Parts, path: str | os.PathLi
         if coordinator:  # DCP returned here: every rank's shards and the .metadata are written
             _write_values(tmp, parts, path)
             files.write_text(tmp / MANIFEST, json.dumps(_manifest(parts), indent=1) + "\n", durable=True)
-            files.replace_folder(tmp, path)
+            files.replace_folder(tmp, path, keep=lambda name: not own_file(name))
     except (Exception, CheckpointException) as exc:
         return exc
     return None
