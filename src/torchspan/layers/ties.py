@@ -11,6 +11,11 @@ The runtime keeps one copy per device that holds a layer of the tie, sums the gr
 use into each and keeps the copies equal after each optimizer step; the planner may co-locate
 ``Tie.layers`` instead.
 
+A model may also *say* what is tied (``declared_ties``): transformers' ``_tied_weights_keys`` under a config's
+``tie_word_embeddings``. A model built on ``meta`` can have lost such a tie (``accelerate.init_empty_weights()``
+copies each parameter registered, ``lm_head.weight = embed_tokens.weight`` too); ``runtime.ranks.metaweights`` ties
+it again before the weights are made.
+
 Usage: ``[t.name for t in find_ties(model, find_layers(model, x))]`` → ``["transformer.wte.weight"]``.
 """
 
@@ -23,7 +28,7 @@ from torch import nn
 
 from .blocks import Layer, param_layers
 
-__all__ = ["Alias", "Tie", "find_ties"]
+__all__ = ["Alias", "Tie", "declared_ties", "find_ties"]
 
 
 @dataclass(frozen=True)
@@ -89,3 +94,35 @@ def find_ties(model: nn.Module, layers: Sequence[Layer]) -> list[Tie]:
             )
         )
     return sorted(ties, key=lambda t: (index[t.layers[0]], t.name))
+
+
+def declared_ties(model: nn.Module) -> list[tuple[str, str]]:
+    """``(holder, source)`` qualified parameter names that ``model`` says are one tensor, whether they are now or not:
+    transformers' own mapping (``get_expanded_tied_weights_keys``, 5.x: ``_tied_weights_keys`` where the config ties),
+    else a config's ``tie_word_embeddings`` with ``get_output_embeddings().weight`` held by ``get_input_embeddings()``.
+    ``[]`` for a model that says nothing. Reads only; the model's own methods are asked, nothing is changed."""
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    expand = getattr(model, "get_expanded_tied_weights_keys", None)
+    if callable(expand):
+        try:
+            pairs = list(expand(all_submodels=True).items())
+        except Exception:  # a mapping its own code cannot expand: no declared tie to restore
+            pairs = []
+        return [(t, s) for t, s in pairs if t in params and s in params and t != s]
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return []
+    try:
+        source, holder = model.get_input_embeddings(), model.get_output_embeddings()  # type: ignore[operator]
+    except Exception:  # no such methods, or transformers' base raising NotImplementedError
+        return []
+    names = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), name)
+    found = []
+    for module in (holder, source):
+        prefix = names.get(id(module)) if isinstance(module, nn.Module) else None
+        weight = f"{prefix}.weight" if prefix else "weight"
+        if prefix is None or weight not in params:
+            return []
+        found.append(weight)
+    return [(found[0], found[1])] if found[0] != found[1] else []

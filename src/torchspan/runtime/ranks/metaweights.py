@@ -37,9 +37,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...layers.ties import declared_ties
 from ..metainit import Slot, bind, has_meta, materialize, meta_slots, run_init
 
-__all__ = ["WEIGHTS_HELP", "check_weights", "fill", "materialize_replica", "materialize_stage"]
+__all__ = ["WEIGHTS_HELP", "check_weights", "fill", "materialize_replica", "materialize_stage", "retie"]
 
 WEIGHTS_HELP = (
     "weights='init' (the model's own initialisation: reset_parameters, transformers' init weights, seeded by "
@@ -52,7 +53,7 @@ def check_weights(model: nn.Module, weights: Any, where: str = "span") -> None:
     """``ValueError`` before any work: a ``meta`` model with no ``weights`` (naming the options), ``weights`` for
     a model that is not on ``meta``, a ``weights`` of another kind, parameters partly on ``meta``, a path that is
     no checkpoint, a checkpoint lacking one of the model's tensors or holding another shape (its index or
-    ``.metadata`` only is read)."""
+    ``.metadata`` only is read). A tie the model declares and lost on ``meta`` is made again first (``retie``)."""
     meta = has_meta(model)
     if weights is None:
         if meta:
@@ -77,8 +78,36 @@ def check_weights(model: nn.Module, weights: Any, where: str = "span") -> None:
             f"{len(params) - len(real)} parameter(s) of the model are on meta and {len(real)} are not (e.g. {real[0]!r}); "
             "build every parameter on meta (with torch.device('meta'): model = ...) or none"
         )
+    retie(model)
     if isinstance(weights, (str, os.PathLike)) and weights != "init":
         _check_saved(Path(weights), meta_slots(model))
+
+
+def retie(model: nn.Module) -> None:
+    """Tie again what ``model`` declares tied (``layers.ties.declared_ties``: a config's ``tie_word_embeddings``) and
+    holds as separate tensors: ``accelerate.init_empty_weights()`` registers a copy of every parameter, so under
+    transformers 5.x ``lm_head.weight = embed_tokens.weight`` leaves two. The model's own ``tie_weights()`` first (as
+    ``from_pretrained`` runs it), then each holder given its source's parameter; a tie of two shapes is refused."""
+    pairs = declared_ties(model)
+
+    def broken() -> list[tuple[str, str]]:
+        return [(t, s) for t, s in pairs if model.get_parameter(t) is not model.get_parameter(s)]
+
+    if not broken():
+        return
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):
+        tie()
+    for holder, source in broken():
+        kept, given = model.get_parameter(source), model.get_parameter(holder)
+        if kept.shape != given.shape:
+            raise ValueError(
+                f"span(..., weights=...): the model declares {holder!r} tied to {source!r} (its config's tie_word_embeddings), "
+                f"but they have shapes {list(given.shape)} and {list(kept.shape)}; build it with tie_word_embeddings=False, "
+                "or give the two one shape"
+            )
+        parent, _, key = holder.rpartition(".")
+        setattr(model.get_submodule(parent), key, kept)
 
 
 def _source(path: Path) -> tuple[str, Path]:
