@@ -91,14 +91,18 @@ def _check_workers(settings: Settings, devices: list[torch.device]) -> None:
         )
 
 
-def _sharding(plan: Plan | None, shard: Any, offload: Any, reshard_after_forward: Any, precision: str) -> dict[str, Any]:
-    """``span``'s sharding keywords, else the plan's (``Plan.shard``, ``Plan.offload``), checked before any work."""
+def _sharding(plan: Plan | None, shard: Any, offload: Any, reshard_after_forward: Any, precision: str, per_shard_batchnorm: Any = False) -> dict[str, Any]:
+    """``span``'s keywords for replicas (sharding, else the plan's ``Plan.shard``, ``Plan.offload``; BatchNorm's
+    per-shard statistics accepted), checked before any work."""
     chosen = dict(
         shard=_given(shard, getattr(plan, "shard", None), False),
         offload=_given(offload, getattr(plan, "offload", None), None),
         reshard_after_forward=reshard_after_forward,
+        per_shard_batchnorm=per_shard_batchnorm,
     )
     check_shard_options(chosen["shard"], chosen["offload"], precision, reshard_after_forward)
+    if not isinstance(per_shard_batchnorm, bool):
+        raise ValueError(f"per_shard_batchnorm={per_shard_batchnorm!r} must be True or False")
     return chosen
 
 
@@ -182,6 +186,7 @@ def span(
     shard: bool | None = None,
     offload: str | None = None,
     reshard_after_forward: bool = True,
+    per_shard_batchnorm: bool = False,
     weights: Any = None,
 ) -> Spanned:
     """Place ``model``'s layers (``torchspan.layers``) on devices and return a pipelined ``Spanned``.
@@ -222,6 +227,8 @@ def span(
     False ZeRO-2; ``offload="cpu"``: states in CPU memory, needs a GPU). In a plain process it opens a
     process group of one (``init_distributed()``): one GPU training with offload. With several stages in a
     launched job of replicas x stages ranks: each stage sharded over its replicas (``runtime.ranks.stageshard``).
+    A replica refuses BatchNorm (each rank would normalise its shard with its own statistics); ``per_shard_batchnorm=True``
+    accepts that (in one process, where nothing is sharded, it changes nothing).
     ``weights`` (a model built on ``meta``): ``"init"``, a checkpoint path or a callable; each rank materializes and
     fills only its shard or stage (``runtime.ranks.metaweights``). A meta model without it is refused before any work.
 
@@ -230,7 +237,7 @@ def span(
     _check_arguments(model, plan, devices, balance, weights)
     settings = span_settings(plan, microbatches, schedule, recompute_alias(recompute, checkpoint, None), precision, workers)  # type: ignore[arg-type]
     settings.nonfinite = _choice("nonfinite", nonfinite, NONFINITE)
-    sharding = _sharding(plan, shard, offload, reshard_after_forward, settings.precision)
+    sharding = _sharding(plan, shard, offload, reshard_after_forward, settings.precision, per_shard_batchnorm)
     join_launched_job("torchspan.span")  # launched without init_distributed(): join, never train as a lone process
     recorder = Recorder()
     replicated = _replica(model, plan, devices, balance, settings, recorder, sharding, weights)

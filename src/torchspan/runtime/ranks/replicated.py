@@ -106,6 +106,7 @@ class ReplicaExecutor(Executor):
         offload: str | None = None,
         process_group: Any = None,
         weights: Any = None,
+        per_shard_batchnorm: bool = False,
     ) -> None:
         place = torch.device(device) if device is not None else rank_info().device
         check_shard_options(shard, offload, settings.precision, reshard_after_forward)
@@ -114,6 +115,7 @@ class ReplicaExecutor(Executor):
         self.replica = DataParallelReplica(
             model, device=place, process_group=process_group, precision=settings.precision, recompute=settings.recompute,
             scaler=settings.scaler, shard=shard, reshard_after_forward=reshard_after_forward, offload=offload, weights=weights,
+            per_shard_batchnorm=per_shard_batchnorm,
         )  # fmt: skip
         self.mode = "sharded" if shard else "data-parallel"
         self.offload = offload

@@ -69,8 +69,8 @@ OFFLOADS = (None, "cpu")
 
 
 def check_shard_options(shard: bool, offload: str | None, precision: str, reshard_after_forward: Any) -> None:
-    """``ValueError`` for an offload torchspan does not know, offload without sharding, fp16 sharded, or offload
-    where no accelerator exists (FSDP2's ``CPUOffloadPolicy`` computes on one)."""
+    """``ValueError`` for an offload torchspan does not know, offload or ``reshard_after_forward=False`` without
+    sharding, fp16 sharded, or offload where no accelerator exists (FSDP2's ``CPUOffloadPolicy`` computes on one)."""
     if not isinstance(shard, bool):
         raise ValueError(f"shard={shard!r} must be True or False")
     if not isinstance(reshard_after_forward, bool):
@@ -81,6 +81,12 @@ def check_shard_options(shard: bool, offload: str | None, precision: str, reshar
         raise ValueError(
             f"offload={offload!r} needs shard=True: parameters, gradients and optimizer state are offloaded shard by "
             "shard (FSDP2's CPUOffloadPolicy); use span(model, shard=True, offload='cpu')"
+        )
+    if not reshard_after_forward and not shard:
+        raise ValueError(
+            "reshard_after_forward=False needs shard=True: it keeps FSDP2's gathered parameters from the forward to the "
+            "backward (ZeRO-2), and without sharding nothing is gathered; use span(model, shard=True, "
+            "reshard_after_forward=False), or leave reshard_after_forward out"
         )
     if shard and precision == "fp16":
         raise ValueError(
