@@ -191,44 +191,39 @@ def span(
 ) -> Spanned:
     """Place ``model``'s layers (``torchspan.layers``) on devices and return a pipelined ``Spanned``.
 
-    Placement comes from ``plan`` (a ``torchspan.Plan``: exactly its layers on its devices), or
-    from ``devices`` plus ``balance`` (layers per stage, in execution order; even split when
-    omitted), or else one stage on the model's current device. ``microbatches``, ``schedule`` and
-    ``recompute`` (activation recompute, "activation checkpointing": ``"never"``, ``"except_last"``,
-    ``"always"``; ``checkpoint=`` is its old name) left as ``None`` take the plan's values, else 1,
-    ``"gpipe"``, ``"never"``;
-    ``precision`` defaults to ``"32"``. ``workers="device"`` runs one thread per distinct device
-    (stages sharing a device take turns, which is fastest when they share the same cores);
-    ``"stage"`` gives every stage its own thread. ``nonfinite``: what ``train_step`` does when the loss
+    Placement comes from ``plan`` (a ``torchspan.Plan``: exactly its layers on its devices), or from ``devices``
+    plus ``balance`` (layers per stage, in execution order; even split when omitted), or else one stage on the
+    model's current device. ``microbatches``, ``schedule`` and ``recompute`` (activation recompute, "activation
+    checkpointing": ``"never"``, ``"except_last"``, ``"always"``; ``checkpoint=`` is its old name) left as ``None``
+    take the plan's values, else 1, ``"gpipe"``, ``"never"``; ``precision`` defaults to ``"32"``. ``workers="device"``
+    runs one thread per distinct device (stages sharing a device take turns, which is fastest when they share the
+    same cores); ``"stage"`` gives every stage its own thread. ``nonfinite``: what ``train_step`` does when the loss
     is inf/NaN, ``"raise"`` (``FloatingPointError`` naming the step and micro-batch) or ``"warn"``.
 
     Layers are ``torchspan.layers.model_layers(model)``: a model with repeated blocks inside
-    ``nn.ModuleList``/``nn.Sequential`` containers is cut into those blocks (qualified names,
-    ``transformer.h.0``; execution order confirmed by a recording forward at the first call, which
-    also places the model), any other model into its top-level children. ``split_points``
-    (qualified module names that must start a layer) and ``no_split`` (module classes kept whole)
-    choose the blocks as in ``find_layers``. A parameter shared by layers on two devices (tied
-    embeddings) stays one ``nn.Parameter`` (see ``runtime.ties``): build the optimizer from
+    ``nn.ModuleList``/``nn.Sequential`` containers is cut into those blocks (qualified names, ``transformer.h.0``;
+    execution order confirmed by a recording forward at the first call, which also places the model), any other
+    model into its top-level children. ``split_points`` (qualified module names that must start a layer) and
+    ``no_split`` (module classes kept whole) choose the blocks as in ``find_layers``. A parameter shared by layers
+    on two devices (tied embeddings) stays one ``nn.Parameter`` (see ``runtime.ties``): build the optimizer from
     ``spanned.parameters()`` as usual.
 
     In a launched job (a process group of size > 1: ``torchspan launch``/``torchrun`` and
     ``torchspan.init_distributed()``; a script launched without that call joins its job here, as
-    ``init_distributed()`` would, rather than train as one lone process per rank), ``span(model)``
-    with one stage (no ``balance``, one device or none, or a one-stage plan) returns this rank's
-    exact data-parallel replica (``runtime.ranks.replicated``: ``train_step`` on the rank's shard
-    leaves every rank the single-device gradient of all shards, ``microbatches``, ``precision`` and
-    ``recompute`` as in one process; ``join(optimizer)`` for uneven epoch ends); with more
-    stages, a pipeline across ranks: stage functions for an ``nn.Sequential`` or fx-traceable model
-    (``runtime.ranks.pipelined``), else the model's own forward on every rank with the other stages'
-    layers on ``meta`` (``runtime.ranks.ownforward``: transformers models, wrappers around ``ModuleList``s).
+    ``init_distributed()`` would, rather than train as one lone process per rank), ``span(model)`` with one stage
+    (no ``balance``, one device or none, or a one-stage plan) returns this rank's exact data-parallel replica
+    (``runtime.ranks.replicated``: ``train_step`` on the rank's shard leaves every rank the single-device gradient
+    of all shards, ``microbatches``, ``precision`` and ``recompute`` as in one process; ``join(optimizer)`` for
+    uneven epoch ends); with more stages, a pipeline across ranks: stage functions for an ``nn.Sequential`` or
+    fx-traceable model (``runtime.ranks.pipelined``), else the model's own forward on every rank with the other
+    stages' layers on ``meta`` (``runtime.ranks.ownforward``: transformers models, wrappers around ``ModuleList``s).
 
     ``shard=True`` (or a plan's ``shard``), one stage: that replica sharded by FSDP2, ``mode == "sharded"``
-    (``runtime.ranks.sharded``: ``.grad`` a ``DTensor`` shard; ``reshard_after_forward`` True is ZeRO-3,
-    False ZeRO-2; ``offload="cpu"``: states in CPU memory, needs a GPU). In a plain process it opens a
-    process group of one (``init_distributed()``): one GPU training with offload. With several stages in a
-    launched job of replicas x stages ranks: each stage sharded over its replicas (``runtime.ranks.stageshard``).
-    A replica refuses BatchNorm (each rank would normalise its shard with its own statistics); ``per_shard_batchnorm=True``
-    accepts that (in one process, where nothing is sharded, it changes nothing).
+    (``runtime.ranks.sharded``: ``.grad`` a ``DTensor`` shard; ``reshard_after_forward`` True is ZeRO-3, False
+    ZeRO-2; ``offload="cpu"``: states in CPU memory, needs a GPU). In a plain process it opens a process group of
+    one (``init_distributed()``): one GPU training with offload. With several stages in a launched job of replicas x
+    stages ranks: each stage sharded over its replicas (``runtime.ranks.stageshard``). ``per_shard_batchnorm=True``:
+    a replica's BatchNorm normalises its shard alone (else refused; one process: no effect).
     ``weights`` (a model built on ``meta``): ``"init"``, a checkpoint path or a callable; each rank materializes and
     fills only its shard or stage (``runtime.ranks.metaweights``). A meta model without it is refused before any work.
 
