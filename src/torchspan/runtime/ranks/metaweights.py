@@ -129,19 +129,62 @@ _DTYPES = {
 }  # fmt: skip
 
 
+def _not_safetensors(file: Path, why: str) -> ValueError:
+    return ValueError(
+        f"weights={str(file)!r} is not a safetensors file ({why}); pass a file that safetensors' save_file or "
+        "transformers' save_pretrained wrote (a torchspan checkpoint converts with export_safetensors), or weights='init'"
+    )
+
+
 def _header(file: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], int]]:
-    """``{name: (dtype, shape, where its data starts in the file)}`` from a safetensors file's header."""
+    """``{name: (dtype, shape, where its data starts in the file)}`` from a safetensors file's header; a file that
+    is none (a header size past its end, no JSON object of tensor entries, data past its end) is refused by name."""
     with open(file, "rb") as fh:
+        total = os.fstat(fh.fileno()).st_size
         size = int.from_bytes(fh.read(8), "little")
-        header = json.loads(fh.read(size))
+        if total < 8 or not 0 < size <= total - 8:
+            raise _not_safetensors(file, f"its first 8 bytes give a header of {size} bytes and the file has {total}")
+        text = fh.read(size)
+    try:
+        header = json.loads(text)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise _not_safetensors(file, f"its header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise _not_safetensors(file, f"its header is a JSON {type(header).__name__}, not an object")
     out = {}
     for key, entry in header.items():
         if key == "__metadata__":
             continue
-        if entry["dtype"] not in _DTYPES:
-            raise ValueError(f"weights={str(file)!r}: {key!r} is stored as {entry['dtype']}, which torchspan does not read")
-        out[key] = (_DTYPES[entry["dtype"]], tuple(entry["shape"]), 8 + size + int(entry["data_offsets"][0]))
+        try:
+            dtype, shape, (start, end) = entry["dtype"], tuple(int(n) for n in entry["shape"]), map(int, entry["data_offsets"])
+        except (TypeError, KeyError, ValueError):
+            raise _not_safetensors(file, f"its entry {key!r} is not {{dtype, shape, data_offsets}}") from None
+        if dtype not in _DTYPES:
+            raise ValueError(f"weights={str(file)!r}: {key!r} is stored as {dtype}, which torchspan does not read")
+        if not 0 <= start <= end <= total - 8 - size:
+            raise ValueError(f"weights={str(file)!r} is truncated: {key!r}'s data ends past the file's end")
+        out[key] = (_DTYPES[dtype], shape, 8 + size + start)
     return out
+
+
+def _shards(path: Path, index: Path) -> list[Path]:
+    """The files a ``model.safetensors.index.json`` names (its ``weight_map``), each of them there."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files = list(dict.fromkeys(index.parent / f for f in weight_map.values()))
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(
+            f"weights={str(path)!r}: {index.name} is not a safetensors index ({type(exc).__name__}: {exc}; it needs a "
+            '"weight_map" of tensor names to files); save the model again with save_pretrained, or weights=\'init\''
+        ) from None
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ValueError(
+            f"weights={str(path)!r}: {index.name} names {', '.join(map(repr, missing))}, which "
+            f"{'does' if len(missing) == 1 else 'do'} not exist in {str(index.parent)!r}; put every shard the index lists "
+            "there (download or save the model again)"
+        )
+    return files
 
 
 def _saved(path: Path, slots: Sequence[Slot], trusted: bool = False) -> tuple[str, dict[str, tuple[int, ...]], dict[str, Any], str]:
@@ -154,11 +197,7 @@ def _saved(path: Path, slots: Sequence[Slot], trusted: bool = False) -> tuple[st
         saved = {k: tuple(getattr(v, "size", ())) for k, v in read_metadata(found, trusted).state_dict_metadata.items()}
         prefix = _prefix(found, set(saved), {n for slot in slots for n in slot.names})
         return kind, {k[len(prefix) :]: v for k, v in saved.items() if k.startswith(prefix)}, {}, prefix
-    if found.name.endswith(".index.json"):
-        weight_map = json.loads(found.read_text(encoding="utf-8"))["weight_map"]
-        files = list(dict.fromkeys(found.parent / f for f in weight_map.values()))
-    else:
-        files = [found]
+    files = _shards(path, found) if found.name.endswith(".index.json") else [found]
     where = {key: (file, entry) for file in files for key, entry in _header(file).items()}
     return kind, {key: entry[1] for key, (_, entry) in where.items()}, where, ""
 
