@@ -84,6 +84,11 @@ def _model_state(source: Path, key: str | None, trusted: bool) -> tuple[dict[str
     saved = safe_load(source, "cpu", trusted)
     if not isinstance(saved, dict):
         raise ValueError(f"checkpoint={str(source)!r} holds a {type(saved).__name__}, not a checkpoint dict written by save_checkpoint")
+    if "torchspan_ranks" in saved:  # ranks.checkpoint's one file of a pipeline job: one state per rank
+        raise ValueError(
+            f"checkpoint={str(source)!r} is a pipeline job's per-rank checkpoint (one state per rank, each holding only its "
+            "stage), so no state in it is the whole model; save a sharded one, save_checkpoint(path, {'model': spanned, ...}), and export that folder"
+        )
     key = _choose(key, [k for k, v in saved.items() if isinstance(v, Mapping) and any(isinstance(t, torch.Tensor) for t in v.values())], source)
     tensors = _tensors(saved.get(key), key, source)
     return tensors, _shared(tensors), None
