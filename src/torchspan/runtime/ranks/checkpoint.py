@@ -49,11 +49,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ... import files
 from . import dcp
-from .checkpointio import any_rank, group_size, rank, safe_load, warn_if_unsafe
+from .checkpointio import any_rank, group_size, key_mismatch, missing_key, rank, safe_load, warn_if_unsafe
 
 __all__ = ["save_checkpoint", "load_checkpoint", "model_keys"]
 
@@ -130,7 +131,12 @@ def _to_cpu(x: Any) -> Any:
 
 
 def load_checkpoint(
-    path: str | os.PathLike[str], state: Mapping[str, Any] | None = None, *, map_location: Any = "cpu", trusted: bool = False
+    path: str | os.PathLike[str],
+    state: Mapping[str, Any] | None = None,
+    *,
+    map_location: Any = "cpu",
+    trusted: bool = False,
+    strict: bool = True,
 ) -> dict[str, Any] | None:
     """The state saved at ``path``; ``None`` when there is none (a first start).
 
@@ -141,6 +147,11 @@ def load_checkpoint(
     returned with those objects under their keys. ``load_checkpoint(path, "cuda:0")`` (``map_location`` given
     second, the older form) still works.
 
+    Complete or refused, with a one-line ``ValueError`` naming the path and the fix: a key of ``state`` the
+    checkpoint lacks, a folder missing a part (its ``values.pt``, ``torchspan.json``, ``.metadata``, a shard), and
+    (``strict=True``, as ``load_state_dict``) a model whose keys differ from the saved ones; nothing is loaded
+    then. ``strict=False`` loads the keys a model and the checkpoint both have and leaves the rest.
+
     Safe by default (``weights_only=True``: tensors, numbers, strings, lists, tuples, dicts; no code from the
     file runs). ``trusted=True`` loads any pickled object, which can run arbitrary code: only for a file
     you trust. Leftover temporaries of interrupted saves of ``path`` are removed.
@@ -150,7 +161,7 @@ def load_checkpoint(
     if state is not None and not isinstance(state, Mapping):
         raise TypeError(f"state={type(state).__name__} must be a mapping of what to load into, e.g. {{'model': spanned, 'optimizer': opt}}")
     if state is not None and dcp.loads_into(state):
-        return _load_into(path, state, trusted)
+        return _load_into(path, state, trusted, strict)
     target = Path(path)
     if not os.fspath(path):
         return None
@@ -158,8 +169,11 @@ def load_checkpoint(
     if not target.exists():
         return None
     if dcp.is_folder_checkpoint(target):
-        return dcp.read_folder(files.real_target(target), map_location, trusted=trusted)
-    return _load_file(target, map_location, trusted)
+        saved = dcp.read_folder(files.real_target(target), map_location, trusted=trusted)
+    else:
+        saved = _load_file(target, map_location, trusted)
+    _require_keys(target, state or {}, saved)  # a state of plain values names the keys wanted
+    return saved
 
 
 def _is_location(value: Any) -> bool:
@@ -168,6 +182,10 @@ def _is_location(value: Any) -> bool:
 
 
 def _load_file(target: Path, map_location: Any, trusted: bool) -> dict[str, Any]:
+    if target.is_dir() and (target / dcp.MANIFEST).is_file():
+        from .dcpread import incomplete
+
+        raise incomplete(target, f"its .metadata is missing (the {dcp.MANIFEST} beside it shows save_checkpoint wrote the folder)")
     files.require_regular_file(
         target, name="path", what="a checkpoint file", fix="name the file save_checkpoint wrote (or a sharded checkpoint folder, which holds a .metadata)"
     )
@@ -185,7 +203,7 @@ def _load_file(target: Path, map_location: Any, trusted: bool) -> dict[str, Any]
     return state
 
 
-def _load_into(path: str | os.PathLike[str], state: Mapping[str, Any], trusted: bool) -> dict[str, Any] | None:
+def _load_into(path: str | os.PathLike[str], state: Mapping[str, Any], trusted: bool, strict: bool) -> dict[str, Any] | None:
     """``state``'s objects loaded in place on every rank (a collective): rank 0 looks for the checkpoint (undoing
     an interrupted swap) and every rank goes by what it found."""
     target = Path(path)
@@ -197,10 +215,35 @@ def _load_into(path: str | os.PathLike[str], state: Mapping[str, Any], trusted: 
     if not found:
         return None
     if folder:
-        return dcp.load_into(files.real_target(target), state, trusted=trusted)
+        return dcp.load_into(files.real_target(target), state, trusted=trusted, strict=strict)
     saved = _load_file(target, "cpu", trusted)
-    for key, obj in state.items():
-        if callable(getattr(obj, "load_state_dict", None)) and key in saved:
+    _require_keys(target, state, saved)
+    loading = {key: obj for key, obj in state.items() if callable(getattr(obj, "load_state_dict", None))}
+    for key, obj in loading.items():  # every check before the first load: a refusal leaves every object as it was
+        if not isinstance(saved[key], Mapping):
+            raise ValueError(
+                f"load_checkpoint({str(target)!r}): {key!r} holds a {type(saved[key]).__name__}, not a state dict to load into "
+                f"the {type(obj).__name__} given; name the key that holds its state dict, or leave {key!r} out"
+            )
+        problem = _model_mismatch(target, key, obj, saved[key]) if strict and isinstance(obj, nn.Module) else None
+        if problem is not None:
+            raise problem
+    for key, obj in loading.items():
+        if isinstance(obj, nn.Module):
+            obj.load_state_dict(saved[key], strict=strict)
+        else:
             obj.load_state_dict(saved[key])
-            saved[key] = obj
+        saved[key] = obj
     return saved
+
+
+def _require_keys(target: Path, state: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
+    for key in state:
+        if key not in saved:
+            raise missing_key(target, key, list(saved))
+
+
+def _model_mismatch(target: Path, key: str, model: nn.Module, saved: Mapping[str, Any]) -> ValueError | None:
+    """``load_state_dict(strict=True)``'s refusal, found before anything is copied (it copies the keys that match
+    first); a model's own keys, with or without DDP's ``module.`` prefix, as ``Spanned.load_state_dict`` takes them."""
+    return key_mismatch(target, key, list(model_keys(saved)), list(dcp.unwrap(model).state_dict()))

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["any_rank", "group_size", "rank", "refusal", "safe_load", "warn_if_unsafe"]
+__all__ = ["any_rank", "group_size", "key_mismatch", "missing_key", "rank", "refusal", "safe_load", "warn_if_unsafe"]
 
 
 def group_size() -> int:
@@ -62,6 +63,35 @@ def refusal(shown: str, needed: str, path: Path) -> ValueError:
     return ValueError(
         f"{shown}: the file needs {needed}, which a safe (weights-only) load refuses: loading it could run "
         f"code from the file. If you trust the file, load it with load_checkpoint({str(path)!r}, trusted=True)"
+    )
+
+
+def _few(keys: Sequence[str], shown: int = 3) -> str:
+    more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
+    return ", ".join(map(repr, keys[:shown])) + more
+
+
+def missing_key(path: Path, key: str, saved: Sequence[str]) -> ValueError:
+    """The refusal of a key asked for that the checkpoint at ``path`` does not hold (``saved``: the keys it holds)."""
+    example = f"e.g. {{{saved[0]!r}: ...}} for what it saved under {saved[0]!r}, " if saved else ""
+    return ValueError(
+        f"load_checkpoint({str(path)!r}): the checkpoint has no {key!r} (it holds {_few(saved, 8) or 'nothing'}); name a key it "
+        f"holds, {example}or leave {key!r} out of what you load"
+    )
+
+
+def key_mismatch(path: Path, key: str, saved: Sequence[str], expected: Sequence[str]) -> ValueError | None:
+    """The refusal of a model's keys that differ from the checkpoint's (``saved``: its keys under ``key``;
+    ``expected``: the model's), as ``load_state_dict(strict=True)`` refuses them; None when they agree."""
+    have, want = set(saved), set(expected)
+    unexpected, missing = [k for k in saved if k not in want], [k for k in expected if k not in have]
+    if not unexpected and not missing:
+        return None
+    found = [f"has keys the model lacks (unexpected: {_few(unexpected)})"] if unexpected else []
+    found += [f"lacks keys of the model (missing: {_few(missing)})"] if missing else []
+    return ValueError(
+        f"load_checkpoint({str(path)!r}): the checkpoint's {key!r} {' and '.join(found)}; load it into the model it was "
+        "saved from (the same layers), or pass strict=False to load the keys both have and leave the rest as they are"
     )
 
 

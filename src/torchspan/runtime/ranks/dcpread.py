@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from .checkpointio import refusal
 
-__all__ = ["SafeLoadPlanner", "SafeReader", "checkpoint_error", "read_full", "read_metadata"]
+__all__ = ["SafeLoadPlanner", "SafeReader", "check_shards", "checkpoint_error", "incomplete", "read_full", "read_metadata"]
 
 _DCP_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
@@ -77,6 +77,31 @@ def read_metadata(path: Path, trusted: bool) -> Any:
         raise _damaged(shown, exc) from None
     except (OSError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
         raise _damaged(shown, exc) from None
+
+
+def incomplete(folder: Path, what: str) -> ValueError:
+    """The refusal of a checkpoint folder missing a part (``what``: which, in words)."""
+    return ValueError(
+        f"load_checkpoint({str(folder)!r}): the checkpoint is incomplete: {what}; restore the folder from a copy, or "
+        "delete it to start afresh (a save killed midway leaves the previous folder whole: a part was removed or lost since)"
+    )
+
+
+def check_shards(folder: Path, metadata: Any) -> None:
+    """Every file the ``.metadata`` points into is in ``folder`` and long enough (else :func:`incomplete`): a load
+    that starts finds all its parts, none refused halfway with some tensors loaded."""
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name = getattr(info, "relative_path", None)
+        if isinstance(name, str):
+            needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    for name, size in sorted(needed.items()):
+        try:
+            found = (folder / name).stat().st_size
+        except FileNotFoundError:
+            raise incomplete(folder, f"its .metadata lists the shard {name!r}, which is missing") from None
+        if found < size:
+            raise incomplete(folder, f"the shard {name!r} holds {found} bytes, where its .metadata lists {size} (cut short)")
 
 
 def _damaged(shown: str, exc: BaseException) -> ValueError:
@@ -153,7 +178,7 @@ def read_full(path: Path, trusted: bool = False, keys: set[str] | None = None) -
     """Every saved value in this process, without a process group: full tensors (on the CPU) under the saved
     keys, nested as saved (``{"model": {"lm_head.weight": ...}, "optimizer": {...}}``); ``keys``: only these
     top-level keys. Reads each tensor whole, so the whole model is in this process's memory."""
-    read_metadata(path, trusted)  # its refusal in one line (DCP would retry per-rank files and hide it)
+    check_shards(path, read_metadata(path, trusted))  # its refusal in one line (DCP would retry per-rank files and hide it)
     state: dict[str, Any] = {}
     planner = _SafeEmptyPlanner(keys, trusted=trusted, folder=path)
     with warnings.catch_warnings():
