@@ -4,7 +4,9 @@
 written by any world size, or a one-file checkpoint) in this process and writes ``hf-model/model.safetensors``
 (``{"format": "pt"}`` metadata, as transformers writes it) and ``hf-model/config.json``: the ``config`` given
 (a transformers config, a dict, or the path of a ``config.json`` or of a folder holding one), else the one the
-sharded checkpoint recorded from a transformers model. Both files are written atomically.
+sharded checkpoint recorded from a transformers model. Both files are written atomically. ``folder`` may be the
+checkpoint folder itself (``export_safetensors("ckpt", "ckpt")``): later saves of the checkpoint keep both files
+(they replace only the checkpoint's own), so export again after a save for the newer weights.
 
 Tied weights are written once, as ``save_pretrained`` writes them: of the names a tied parameter has (recorded
 at save time, or found as tensors sharing storage in a one-file checkpoint), the first the model registered is
