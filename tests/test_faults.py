@@ -315,7 +315,7 @@ def test_the_rank_the_others_waited_for_is_named_frozen_or_not(tmp_path: Path) -
     assert lines[0] == "torchspan launch: rank 1 (local rank 1, pid 1001) of train.py stopped answering: rank 0 gave up waiting for it and the job was stopped"
     assert "its last heartbeat was 20 s before the job ended: the process was frozen" in lines[1]
     assert "at train.py:12 in loss_fn: compute() (for 10 s)" in lines[1]
-    assert lines[2] == "  rank 0 (waiting): RuntimeError: Timed out waiting 10000ms" and lines[-1] == "also failed: rank 2"
+    assert lines[2] == "  rank 0 (waiting): RuntimeError: Timed out waiting 10000ms" and lines[-1] == "rank 2 was stopped by the launcher after rank 1 stopped answering"
 
 
 def test_an_error_of_its_own_comes_before_a_peer_s_timeout(tmp_path: Path) -> None:

@@ -196,6 +196,17 @@ def _failed_lines(end: _End, script: str, end_time: float) -> list[str]:
     return lines
 
 
+def _others(ends: dict[int, _End], named: set[int], after: str) -> list[str]:
+    """The ranks the summary did not name: those that failed too, and those the launcher stopped (``after`` what)."""
+    others = [e for r, e in sorted(ends.items()) if r not in named and e.failure is not None]
+    failed = [str(e.rank) for e in others if not e.stopped_by_launcher]
+    stopped = [str(e.rank) for e in others if e.stopped_by_launcher]
+    lines = [f"also failed: rank {', '.join(failed)}"] if failed else []
+    if stopped:
+        lines.append(f"{'ranks' if len(stopped) > 1 else 'rank'} {', '.join(stopped)} {'were' if len(stopped) > 1 else 'was'} stopped by the launcher {after}")
+    return lines
+
+
 def failure_report(failures: dict[int, Any], job: str | os.PathLike[str], script: str, max_restarts: int = 0) -> str:
     """The summary of a failed job (see the module docstring for which rank it names first)."""
     folder = last_attempt(job)
@@ -207,20 +218,18 @@ def failure_report(failures: dict[int, Any], job: str | os.PathLike[str], script
     end_time = min((_time(e) for e in ends.values() if e.error is not None), default=math.inf)
     if not math.isfinite(end_time):
         end_time = max((float(b.get("time", 0)) for b in beats.values()), default=0.0)
-    culprit = _raised(ends)
+    culprit, what = _raised(ends), "failed"
     if culprit is not None:
         lines = _failed_lines(culprit, script, end_time)
         named = {culprit.rank}
     else:
-        culprit = _stuck(ends, end_time)
+        culprit, what = _stuck(ends, end_time), "stopped answering"
         if culprit is not None:
             lines, named = _stuck_lines(culprit, ends, script, end_time)
         else:
-            first = min((e for e in ends.values() if e.failure is not None), key=lambda e: (_time(e), e.rank))
-            lines, named = _failed_lines(first, script, end_time), {first.rank}
-    others = sorted(r for r, e in ends.items() if r not in named and e.failure is not None)
-    if others:
-        lines.append(f"also failed: rank {', '.join(map(str, others))}")
+            culprit, what = min((e for e in ends.values() if e.failure is not None), key=lambda e: (_time(e), e.rank)), "failed"
+            lines, named = _failed_lines(culprit, script, end_time), {culprit.rank}
+    lines += _others(ends, named, f"after rank {culprit.rank} {what}")
     if max_restarts:
         lines.append(f"(after {max_restarts} restart(s), the limit set by --max-restarts)")
     traces = sorted(folder.glob("rank*.traceback.txt"))
