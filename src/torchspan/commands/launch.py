@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="c10d rendezvous endpoint instead of --master-addr/--master-port")
     p.add_argument("--max-restarts", "--max_restarts", default="0", metavar="R",
                    help="restart every rank up to R times after a failure, to resume from your checkpoint (default 0)")
-    p.add_argument("script", metavar="SCRIPT.py", help="the training script")
+    p.add_argument("script", metavar="SCRIPT.py", nargs="?", default=None, help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=run)
 
@@ -51,6 +51,11 @@ def _count(option: str, text: str, low: int, other: str = "") -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.script is None:  # argparse would say "script_args" is required too, which it is not
+        raise UsageError(
+            "a training script is required: torchspan launch [--nproc-per-node N|auto] SCRIPT.py [script args], "
+            "e.g. torchspan launch --nproc-per-node 2 train.py --epochs 3"
+        )
     nproc = "auto" if args.nproc_per_node == "auto" else _count("--nproc-per-node", args.nproc_per_node, 1, "'auto' or ")
     return launch(
         args.script,
