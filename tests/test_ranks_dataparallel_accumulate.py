@@ -160,7 +160,7 @@ def _manual_case(rank: int) -> None:
     """A backward the user runs through the replica's forward sums every rank's loss gradient."""
     x, y, _ = _data()
     replica = DataParallelReplica(_mlp())
-    spanned = torchspan.span(_mlp())
+    spanned = torchspan.span(_mlp(), loss_reduction="sum")  # the plain loop's opaque loss, declared
     reference = _mlp()
     xs, ys = shard_batch((x[:7], y[:7]), rank, 2)
     ((replica(xs) - ys) ** 2).sum().backward()

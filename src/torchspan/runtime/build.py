@@ -83,6 +83,13 @@ def span_settings(
     return Settings(microbatches, schedule, recompute, precision, workers)
 
 
+def _loss_options(settings: Settings, nonfinite: str, loss_reduction: str | None) -> None:
+    """``span``'s loss options into ``settings``: ``nonfinite`` and the plain loop's declared ``loss_reduction``."""
+    settings.nonfinite = _choice("nonfinite", nonfinite, NONFINITE)
+    if loss_reduction is not None:
+        settings.loss_reduction = _choice("loss_reduction", loss_reduction, ("mean", "sum"))
+
+
 def _check_workers(settings: Settings, devices: list[torch.device]) -> None:
     if settings.workers == "stage" and settings.recompute != "never" and len(set(devices)) < len(devices) and any(d.type == "cpu" for d in devices):
         raise ValueError(
@@ -188,6 +195,7 @@ def span(
     reshard_after_forward: bool = True,
     per_shard_batchnorm: bool = False,
     weights: Any = None,
+    loss_reduction: str | None = None,
 ) -> Spanned:
     """Place ``model``'s layers (``torchspan.layers``) on devices and return a pipelined ``Spanned``.
 
@@ -226,12 +234,13 @@ def span(
     a replica's BatchNorm normalises its shard alone (else refused; one process: no effect).
     ``weights`` (a model built on ``meta``): ``"init"``, a checkpoint path or a callable; each rank materializes and
     fills only its shard or stage (``runtime.ranks.metaweights``). A meta model without it is refused before any work.
+    ``loss_reduction`` (``"sum"``/``"mean"``): a plain loop's unreadable loss, declared (``runtime.ranks.plainloop``).
 
     Usage: ``span(model, devices=["cpu", "cpu"], balance=[2, 2], microbatches=4, schedule="1f1b")``.
     """
     _check_arguments(model, plan, devices, balance, weights)
     settings = span_settings(plan, microbatches, schedule, recompute_alias(recompute, checkpoint, None), precision, workers)  # type: ignore[arg-type]
-    settings.nonfinite = _choice("nonfinite", nonfinite, NONFINITE)
+    _loss_options(settings, nonfinite, loss_reduction)
     sharding = _sharding(plan, shard, offload, reshard_after_forward, settings.precision, per_shard_batchnorm)
     join_launched_job("torchspan.span")  # launched without init_distributed(): join, never train as a lone process
     recorder = Recorder()

@@ -44,6 +44,7 @@ class Settings:
     workers: str = "device"
     scaler: Any = None
     nonfinite: str = "raise"  # train_step on an inf/NaN loss: "raise" or "warn" (runtime.nonfinite)
+    loss_reduction: str | None = None  # the plain loop's declared loss on replicas: None (read it), "mean", "sum"
 
 
 @dataclass
@@ -132,6 +133,14 @@ class Executor(ABC):
     def weights(self, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
         """Each micro-batch's loss weight; an executor whose batch is part of a larger one passes ``total=``."""
         return spec.weights(targets, sizes)
+
+    def plain_forward(self, training: bool) -> None:
+        """Before ``spanned(...)``: refuse a forward whose plain ``loss.backward()`` could not be exact (a pipeline
+        across ranks in training); in one process autograd runs the backward across devices exactly."""
+
+    def plain_output(self, out: Any, kwargs: dict[str, Any], nonfinite: Callable[[torch.Tensor], None]) -> Any:
+        """What ``spanned(...)`` hands the user's own loop; in one process the outputs as they are."""
+        return out
 
     @abstractmethod
     def forward(self, work: Work) -> list[Any]:

@@ -31,7 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LossSpec", "loss_spec", "describe_loss", "resolve_reduction", "microbatch_weights", "weighted_loss", "is_torch_loss"]
+__all__ = [
+    "LossSpec", "loss_spec", "describe_loss", "resolve_reduction", "microbatch_weights", "weighted_loss",
+    "is_torch_loss", "class_weight_sum", "legacy_reduction",
+]
 
 Kind = Literal["sum", "samples", "class_weights", "user", "model", "opaque"]
 
@@ -272,6 +275,20 @@ def _class_weight_sum(target: Any, weight: torch.Tensor | None, ignore_index: in
         return float(keep.sum())
     picked = target[keep]
     return float(weight.detach().to(picked.device)[picked].sum()) if picked.numel() else 0.0
+
+
+def class_weight_sum(target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int) -> float:
+    """What ``CrossEntropyLoss``/``NLLLoss``'s mean divides by for class-index ``target``: the class weights of
+    the targets that are not ``ignore_index`` (their count without weights)."""
+    found = _class_weight_sum(target, weight, ignore_index)
+    return float(target.numel()) if found is None else found
+
+
+def legacy_reduction(kwargs: dict[str, Any], default: str = "mean") -> str:
+    """The reduction a torch loss call's keywords ask for, torch's deprecated ``size_average``/``reduce`` included."""
+    if kwargs.get("size_average") is not None or kwargs.get("reduce") is not None:
+        return torch.nn._reduction.legacy_get_string(kwargs.get("size_average"), kwargs.get("reduce"), emit_warning=False)
+    return kwargs.get("reduction") or default
 
 
 def _user_value(fn: Callable[[Any], Any], target: Any) -> float:

@@ -200,12 +200,18 @@ class Spanned(nn.Module):
 
         With ``labels=`` the model's own ``loss`` of each micro-batch is combined into the whole batch's
         (weighed as ``train_step(batch)`` weighs it), so ``spanned(**batch).loss`` is one device's."""
+        self._executor.plain_forward(self.module.training)
         work = self._executor.prepare(args, kwargs)
         self._executor.place(work)
         with self._step():
             outs = self._executor.forward(work)
         dev = self._executor.devices[-1]
-        return gather(outs, dev, loss=self._own_loss(args, kwargs, outs, dev))
+        out = gather(outs, dev, loss=self._own_loss(args, kwargs, outs, dev))
+        return self._executor.plain_output(out, kwargs, self._check_plain_loss)
+
+    def _check_plain_loss(self, loss: torch.Tensor) -> None:
+        """An inf/NaN loss of the plain loop (on a replica) raises or warns as ``train_step``'s does."""
+        check_loss(loss, self.nonfinite, getattr(self, "_train_steps", 0) + 1, lambda: "")
 
     def _own_loss(self, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[Any], dev: torch.device) -> Any:
         """``combine(chunk losses)`` for a forward given ``labels``: the whole batch's loss (``modelloss``)."""
@@ -341,6 +347,19 @@ class Spanned(nn.Module):
         if value not in NONFINITE:
             raise ValueError(f"nonfinite={value!r} is not one of {', '.join(map(repr, NONFINITE))}")
         self._settings.nonfinite = value
+
+    @property
+    def loss_reduction(self) -> str | None:
+        """The plain loop's loss on data-parallel replicas, declared: ``None`` (torchspan reads torch's losses applied
+        to the outputs and refuses others), ``"sum"`` (any loss summing over rows) or ``"mean"`` (a mean over the
+        rows of each rank's shard); settable, or ``span(..., loss_reduction=)`` (``ranks.plainloop``)."""
+        return self._settings.loss_reduction
+
+    @loss_reduction.setter
+    def loss_reduction(self, value: str | None) -> None:
+        if value not in (None, "mean", "sum"):
+            raise ValueError(f"loss_reduction={value!r} is not one of None, 'mean', 'sum'")
+        self._settings.loss_reduction = value
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None

@@ -50,12 +50,13 @@ from ..executor import Executor, Settings, Work
 from ..fp16 import SpanScaler
 from ..losscheck import LossChecks, loss_identity, same_identity
 from ..lossweights import LossSpec
-from ..modelloss import tokens
+from ..modelloss import own_loss, tokens
 from ..memory import ActivationMeter
 from ..microbatch import batch_size, split_sizes, split_value
 from ..record import Recorder
 from .dataparallel import DataParallelReplica
 from .env import rank_info
+from .plainloop import Record, declared, exact_model_loss, watch
 from .sharded import check_shard_options
 
 __all__ = ["ReplicaExecutor", "launched_replica"]
@@ -255,6 +256,26 @@ class ReplicaExecutor(Executor):
     def weights(self, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
         """``1.0`` per chunk: ``train`` weighs each chunk by ``spec`` against the all-reduced global normalizer."""
         return [1.0] * len(sizes)
+
+    # ------------------------------------------------------------------ the plain loop
+    def plain_output(self, out: Any, kwargs: dict[str, Any], nonfinite: Callable[[torch.Tensor], None]) -> Any:
+        """A training forward's outputs for the user's own ``loss.backward()``: a torch loss applied to them, or the
+        model's own loss from ``labels``, is this rank's share of the global batch's (``ranks.plainloop``)."""
+        if not torch.is_grad_enabled():
+            return out
+        if self.settings.precision == "fp16" and self.model.training:
+            raise ValueError(
+                "precision='fp16' needs its gradient scaler around every backward, which a plain loss.backward() on "
+                "the outputs skips; train with spanned.train_step(...) (it scales, unscales and skips overflowed "
+                "steps), or span with precision='bf16', whose plain loop needs no scaler"
+            )
+        record = Record(self.replica.group, self.replica.comm_device, nonfinite)
+        if self.settings.loss_reduction is not None:  # declared: any loss, summing or a mean over each shard's rows
+            return declared(out, self.settings.loss_reduction, record)
+        labels = kwargs.get("labels")
+        if isinstance(labels, torch.Tensor) and own_loss(out) is not None:
+            out = exact_model_loss(out, self.replica.to_device(labels), record)
+        return watch(out, record)
 
     # ------------------------------------------------------------------ steps
     def forward(self, work: Work) -> list[Any]:

@@ -349,6 +349,17 @@ class StageExecutor(Executor):
     def weights(self, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
         return self.ranks.weights(spec, targets, sizes)
 
+    def plain_forward(self, training: bool) -> None:
+        """A pipeline across ranks cannot run its schedule from a plain ``loss.backward()``: refused in training."""
+        if training and torch.is_grad_enabled() and self.ranks.mesh.stages > 1:
+            raise RuntimeError(
+                f"spanned(...) in training on a pipeline across ranks (pp({self.ranks.mesh.stages}), this rank holds "
+                f"stage {self.ranks.stage}): a plain loss.backward() cannot run the pipeline's schedule, so its "
+                "gradients would not be one device's. Train with loss = spanned.train_step(inputs, target, loss_fn) "
+                "(or spanned.train_step(batch) for a model's own loss) on every rank; for evaluation call spanned(...) "
+                "under torch.no_grad() or after spanned.eval()"
+            )
+
     def resolve_loss(
         self, checks: LossChecks, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int], dry_outputs: Callable[[], Sequence[Any]], target: Any = None
     ) -> LossSpec:
