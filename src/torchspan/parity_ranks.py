@@ -350,6 +350,14 @@ def _spawn(job: _Job, world: int, folder: str, timeout: float) -> None:
             f"the model factory, loss or batch cannot be sent to spawned ranks ({_last_line(str(exc))}); pass a "
             "module-level function (or functools.partial of one) as build= and a module-level loss_fn"
         ) from exc
+    except RuntimeError as exc:
+        if "serialize non-leaf tensor" not in str(exc):
+            raise
+        raise ValueError(
+            "the batch or target holds a tensor with autograd history (e.g. a transformers output's cache, an object "
+            "tree_map does not enter), which cannot be sent to spawned ranks; build the target from detached tensors, "
+            "and a transformers model with use_cache=False"
+        ) from exc
     start = time.monotonic()
     try:
         while not ctx.join(timeout=0.25):

@@ -23,7 +23,7 @@ from torch import nn
 
 from ._common import UsageError, load_target, synthetic_batch
 
-__all__ = ["require_inputs", "build_model", "make_batch", "example_inputs", "first_call", "require_data_devices"]
+__all__ = ["require_inputs", "build_model", "build_without_cache", "caches_off", "make_batch", "example_inputs", "first_call", "require_data_devices"]
 
 
 def _first_line(exc: BaseException) -> str:
@@ -48,6 +48,22 @@ def build_model(target: str, *, meta: bool = False) -> nn.Module:
             "return the model with its weights (e.g. nn.Sequential(nn.Linear(16, 4), nn.ReLU()))"
         )
     return model
+
+
+def caches_off(model: nn.Module) -> nn.Module:
+    """``model`` with every config's ``use_cache`` set False (transformers models default to True): a training step
+    needs no generation cache, and its tensors (with autograd history) cannot be sent to spawned ranks."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", None) is True:
+            config.use_cache = False
+    return model
+
+
+def build_without_cache(target: str) -> nn.Module:
+    """``load_target(target)`` with its caches off (``caches_off``): what each rank of ``verify --strategies`` builds
+    (module-level, so ``functools.partial(build_without_cache, target)`` pickles)."""
+    return caches_off(load_target(target))
 
 
 def _free_cpu_bytes() -> int | None:
@@ -139,10 +155,26 @@ def first_call(model: nn.Module, x: Any, options: str, *, vocab: int | None = No
     except Exception as exc:
         what = _describe(x, vocab)
         fix = f"{options}/--vocab" if "token ids" in what else options
-        raise UsageError(f"the model rejects {what}: {_first_line(exc)}; set {fix} to what its forward expects") from exc
+        rows = _embedding_rows(model) if "token ids" in what else None
+        hint = f" (its input embedding has {rows} rows: --vocab {rows} or less)" if rows is not None and vocab is not None and vocab > rows else ""
+        raise UsageError(f"the model rejects {what}: {_first_line(exc)}; set {fix} to what its forward expects{hint}") from exc
     finally:
         for m, training in modes.items():
             m.training = training
+
+
+def _integers(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
+
+
+def _embedding_rows(model: nn.Module) -> int | None:
+    """The rows of the model's input embedding (transformers' ``get_input_embeddings()``, else its first
+    ``nn.Embedding``): token ids at or past them are out of range."""
+    try:
+        found = model.get_input_embeddings()  # type: ignore[operator]
+    except Exception:
+        found = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return int(found.num_embeddings) if isinstance(found, nn.Embedding) else None
 
 
 def _describe(x: Any, vocab: int | None) -> str:
@@ -151,11 +183,12 @@ def _describe(x: Any, vocab: int | None) -> str:
             f"{k}={','.join(map(str, v.shape))}:{str(v.dtype).replace('torch.', '')}" if isinstance(v, torch.Tensor) else k
             for k, v in x.items()
         )
-        return f"the keyword inputs {shown}"
+        ids = f" (integer inputs are token ids in [0, {vocab}))" if vocab is not None and any(_integers(v) for v in x.values()) else ""
+        return f"the keyword inputs {shown}{ids}"
     if not isinstance(x, torch.Tensor):
         return f"the example inputs ({type(x).__name__})"
     dtype = str(x.dtype).replace("torch.", "")
-    ids = f" (token ids in [0, {vocab}))" if vocab is not None and not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool) else ""
+    ids = f" (token ids in [0, {vocab}))" if vocab is not None and _integers(x) else ""
     return f"a batch of shape {','.join(map(str, x.shape))} {dtype}{ids}"
 
 

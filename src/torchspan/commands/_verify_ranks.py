@@ -20,7 +20,8 @@ from rich.table import Table
 
 from ..parity_ranks import StepOptions, StrategyResult, compare_strategies, processes_for
 from ..training import mse_loss
-from ._common import UsageError, console, load_target, print_json
+from ._common import UsageError, console, print_json
+from ._target import build_without_cache
 
 __all__ = ["run_strategies"]
 
@@ -105,7 +106,7 @@ def run_strategies(
         target,
         mse_loss,
         names,
-        build=functools.partial(load_target, args.target),
+        build=functools.partial(build_without_cache, args.target),
         nproc=nproc,
         options=options,
         atol=args.atol,

@@ -3,7 +3,8 @@
 Builds the model named by TARGET (``package.module:factory`` or ``file.py:factory``), trains one
 step on random data with an MSE loss to a random target twice: with ``torchspan.span`` on the
 given devices, and on one device as the reference. Prints the largest absolute and relative
-gradient difference per layer and PASS/FAIL (exit status 1 on FAIL).
+gradient difference per layer and PASS/FAIL (exit status 1 on FAIL). A transformers model's generation cache
+is turned off (``config.use_cache = False``, here and in every rank): a training step needs none.
 
 ``--strategies single,local-pipeline,dp,rank-pipeline,hybrid,fsdp --nproc-per-node 2|4`` instead runs one
 step of each strategy from the same weights and global batch (multi-process ones in gloo processes on
@@ -40,7 +41,7 @@ from ._options import (
     add_seed_option,
     add_target_arguments,
 )
-from ._target import build_model, example_inputs, first_call, require_data_devices, require_inputs
+from ._target import build_model, caches_off, example_inputs, first_call, require_data_devices, require_inputs
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -91,7 +92,7 @@ def _random_like(out: Any) -> Any:
 def run(args: argparse.Namespace) -> int:
     """``torchspan verify``: one step with ``span`` against one device (or ``--strategies``); 0 on PASS, 1 otherwise."""
     balance = _check_options(args)
-    model = build_model(args.target)
+    model = caches_off(build_model(args.target))  # a transformers model's default use_cache=True: no cache in training
     reference = copy.deepcopy(model)
     x = _example(args, model)
     if args.strategies is not None:
@@ -139,12 +140,12 @@ def _check_options(args: argparse.Namespace) -> list[int] | None:
 
 
 def _example(args: argparse.Namespace, model: torch.nn.Module) -> Any:
-    """The seeded example batch; one tensor is tried on the model first (keyword inputs: the forward's own errors name them)."""
+    """The seeded example batch, tried on the model first (as ``plan`` and ``run`` do: a batch the forward rejects,
+    token ids past the embedding's rows, is one line naming the options)."""
     dtype = parse_dtype(args.dtype, "--input-dtype")
     torch.manual_seed(args.seed)
     x, _, _ = example_inputs(args.input_shape, args.input, dtype, args.vocab, "--input-dtype")
-    if not isinstance(x, dict):
-        first_call(model, x, "--input-shape/--input-dtype", vocab=args.vocab)
+    first_call(model, x, "--input" if isinstance(x, dict) else "--input-shape/--input-dtype", vocab=args.vocab)
     return x
 
 
