@@ -318,14 +318,15 @@ def init_distributed(backend: str | None = None, timeout: float | timedelta | No
     return rank_info()
 
 
-def join_launched_job(caller: str) -> RankInfo | None:
+def join_launched_job(caller: str, *, explicit: bool = False) -> RankInfo | None:
     """Join the job where the launcher's variables say this process is one rank of several and no
     process group exists yet (``init_distributed()`` with its defaults); returns the ``RankInfo``
     then, ``None`` where there is nothing to join (a group exists, or no launcher / a world of one).
 
     ``caller`` names the torchspan call that needs the job, for the refusal: inside a DataLoader
     worker process joining would open a second member for the same rank, so it raises
-    ``RuntimeError`` naming ``torchspan.init_distributed()`` (call it in the main process first).
+    ``RuntimeError`` naming ``torchspan.init_distributed()`` (call it in the main process first), and, where the
+    caller takes them (``explicit``: ``shard_batch``, ``rank_batches``), its ``rank=`` and ``world_size=``.
     """
     if dist.is_available() and dist.is_initialized():
         return None
@@ -338,6 +339,6 @@ def join_launched_job(caller: str) -> RankInfo | None:
         raise RuntimeError(
             f"{caller} ran in a DataLoader worker of rank {env['RANK']} (WORLD_SIZE={env['WORLD_SIZE']}) before the job's "
             "process group exists, and a worker cannot join the job for its rank: call torchspan.init_distributed() in the "
-            "main process before creating the DataLoader, or pass rank= and world_size= explicitly"
+            "main process before creating the DataLoader" + (", or pass rank= and world_size= explicitly" if explicit else "")
         )
     return init_distributed()

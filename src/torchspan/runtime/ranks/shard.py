@@ -35,7 +35,7 @@ def _where(rank: int | None, world_size: int | None, caller: str = "shard_batch"
     if rank is None or world_size is None:
         # launched without init_distributed(): join the job first, so that the rank sharded by here is the
         # rank that trains (span in the same script would otherwise be a lone process on every rank)
-        join_launched_job(f"torchspan.{caller}")
+        join_launched_job(f"torchspan.{caller}", explicit=True)
         info = rank_info()
         rank = info.rank if rank is None else rank
         world_size = info.world_size if world_size is None else world_size
