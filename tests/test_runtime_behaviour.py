@@ -96,7 +96,11 @@ def test_spanned_refuses_to_move_and_exposes_module() -> None:
     model = sequential()
     spanned = torchspan.span(model, devices=["cpu", "cpu"])
     assert spanned.module is model
-    for call in (lambda: spanned.to("cpu"), lambda: spanned.cuda(), lambda: spanned.cpu()):
+    assert spanned.to("cpu") is spanned and spanned.cpu() is spanned  # where it runs: a no-op (what trainers ask)
+    with pytest.raises(TypeError, match="torchspan owns the placement"):
+        spanned.cuda()
+    across = torchspan.span(sequential(), devices=["cpu", "meta"])
+    for call in (lambda: across.to("cpu"), lambda: across.to(torch.device("meta")), lambda: across.cpu()):
         with pytest.raises(TypeError, match="torchspan owns the placement"):
             call()
     assert "mode=sequential" in repr(spanned)

@@ -19,6 +19,7 @@ from ..planner.plans import Plan
 from ..schedule import PRECISIONS, RECOMPUTE_MODES, SCHEDULES
 from .choose import choose, replica
 from .executor import Settings
+from .facade import dressed
 from .fp16 import SpanScaler
 from .layout import Layout, layout
 from .memory import ActivationMeter
@@ -127,7 +128,7 @@ def _replica(
     meter = ActivationMeter(1)
     executor = replica(model, device, settings, recorder, meter, weights=weights, **sharding)
     why = "launched with one stage per replica" + (", sharded" if sharding["shard"] else "")
-    return Spanned(model, executor, settings, recorder, meter, mode_reason=why)
+    return dressed(Spanned(model, executor, settings, recorder, meter, mode_reason=why), model)
 
 
 def _check_meta(model: nn.Module, devices: Any, weights: Any) -> None:
@@ -254,4 +255,4 @@ def span(
     meter, options = ActivationMeter(len(lay.devices)), dict(split_points=split_points, no_split=no_split, stacklevel=2)
     executor = choose(model, lay, settings, recorder, meter, planned=plan is not None, even=balance is None, sharding=sharding, weights=weights, **options)
     why = lay.why + ("; each stage sharded over its replicas (FSDP2)" if sharding["shard"] else "")
-    return Spanned(model, executor, settings, recorder, meter, mode_reason=why)
+    return dressed(Spanned(model, executor, settings, recorder, meter, mode_reason=why), model)

@@ -38,8 +38,9 @@ import torch
 import torch.nn.functional as F
 
 from .lossweights import LossSpec
+from .microbatch import split_sizes, split_value
 
-__all__ = ["ModelLoss", "MODEL_LOSS", "model_loss", "own_loss", "verify", "IGNORE_INDEX"]
+__all__ = ["ModelLoss", "MODEL_LOSS", "model_loss", "own_loss", "verify", "combiner", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100  # transformers' ignore index for padded labels
 
@@ -165,9 +166,11 @@ def _same(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-4 * max(abs(a), abs(b)) + 1e-6
 
 
-def verify(spec: LossSpec, outputs: Sequence[Any], targets: Sequence[Any]) -> LossSpec:
+def verify(spec: LossSpec, outputs: Sequence[Any], targets: Sequence[Any], items: float | None = None) -> LossSpec:
     """``spec`` with the normalizer the model's own loss divides by: the candidate that reproduces
-    ``output.loss`` from ``output.logits`` on every chunk. ``ValueError`` (before any backward) when none does."""
+    ``output.loss`` from ``output.logits`` on every chunk. ``ValueError`` (before any backward) when none does.
+    ``items``: the ``num_items_in_batch`` the model was given (transformers' contract: each chunk's loss is its sum
+    over that count), so a candidate's mean is scaled by its count over ``items`` before comparing."""
     if spec.kind != "model":
         return spec
     seen: list[tuple[float, list[float | None]]] = []
@@ -176,7 +179,7 @@ def verify(spec: LossSpec, outputs: Sequence[Any], targets: Sequence[Any]) -> Lo
             loss, logits = own_loss(out), _logits(out)
             if loss is None or logits is None or not isinstance(labels, torch.Tensor):
                 raise ValueError(_unverifiable(out, loss, logits))
-            values = [fn(logits, labels) for _, fn, _ in CANDIDATES]
+            values = [_counted(fn(logits, labels), norm(labels), items) for _, fn, norm in CANDIDATES]
             seen.append((float(loss), [None if v is None else float(v) for v in values]))
     for i, (name, _, normalizer) in enumerate(CANDIDATES):
         if all(vals[i] is not None and _same(own, vals[i]) for own, vals in seen):  # type: ignore[arg-type]
@@ -190,6 +193,34 @@ def verify(spec: LossSpec, outputs: Sequence[Any], targets: Sequence[Any]) -> Lo
         "router_aux_loss_coef > 0) does not add up over micro-batches or shards. Train with microbatches=1 in one "
         "process, turn the auxiliary loss off, or pass train_step(batch, target, loss_fn) with your own loss"
     )
+
+
+def _counted(mean: torch.Tensor | None, count: Any, items: float | None) -> torch.Tensor | None:
+    """A candidate's mean as the model returns it: given ``num_items_in_batch``, its sum over that count."""
+    if mean is None or items is None:
+        return mean
+    return mean * (float(count) / items) if float(count) else torch.zeros_like(mean)
+
+
+def combiner(kwargs: Mapping[str, Any], outs: Sequence[Any], total: int, device: torch.device) -> Any:
+    """``combine(chunk losses)`` for a forward split into micro-batches and given ``labels``: the whole batch's
+    loss, each chunk weighed by its share of the model's normalizer (verified against the logits); with
+    ``num_items_in_batch`` (transformers' Trainer) each chunk's loss is already its sum over that count, so the
+    chunks add up. ``None`` where there is nothing to combine."""
+    labels = kwargs.get("labels")
+    if labels is None or len(outs) < 2 or any(own_loss(o) is None for o in outs):
+        return None
+    sizes = split_sizes(total, len(outs))
+    chunks = split_value(labels, len(outs), total, name="labels")
+    items = kwargs.get("num_items_in_batch")
+    items = None if items is None else float(items)
+    spec = verify(LossSpec(MODEL_LOSS, ModelLoss.name, "model"), outs, chunks, items)
+    weights = [1.0] * len(outs) if items is not None else spec.weights(chunks, sizes)
+
+    def combine(losses: list[torch.Tensor]) -> torch.Tensor:
+        return sum((l.to(device) * w for l, w in zip(losses, weights) if w != 0.0), torch.zeros((), device=device))
+
+    return combine
 
 
 def _unverifiable(out: Any, loss: Any, logits: Any) -> str:

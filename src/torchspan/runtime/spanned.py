@@ -30,7 +30,7 @@ from .fp16 import SpanScaler
 from .gradients import clip_grad_norm, guard_plain_clip, holding
 from .losscheck import LossChecks, dry_run
 from .lossweights import loss_spec
-from .modelloss import model_loss, own_loss, verify
+from .modelloss import combiner, model_loss
 from .memory import ActivationMeter, behaviour_key
 from .microbatch import batch_size, call_args, gather, split_sizes, split_value
 from .nonfinite import NONFINITE, check_loss, locate
@@ -75,6 +75,15 @@ def _load_under_module(
     inner = prefix + "module."
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
         state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
+
+
+def _same_device(placed: torch.device, asked: torch.device) -> bool:
+    """Whether ``.to(asked)`` leaves a stage on ``placed`` where it is (``"cuda"`` means the current GPU)."""
+    if placed.type != asked.type:
+        return False
+    if asked.index is None and placed.type == "cuda":  # pragma: no cover - needs a GPU
+        return placed.index in (None, torch.cuda.current_device())
+    return asked.index is None or placed.index == asked.index
 
 
 class Spanned(nn.Module):
@@ -215,19 +224,7 @@ class Spanned(nn.Module):
 
     def _own_loss(self, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[Any], dev: torch.device) -> Any:
         """``combine(chunk losses)`` for a forward given ``labels``: the whole batch's loss (``modelloss``)."""
-        labels = kwargs.get("labels")
-        if labels is None or len(outs) < 2 or any(own_loss(o) is None for o in outs):
-            return None
-        total = batch_size(args, kwargs)
-        sizes = split_sizes(total, len(outs))
-        chunks = split_value(labels, len(outs), total, name="labels")
-        _, _, spec = model_loss(kwargs)
-        weights = verify(spec, outs, chunks).weights(chunks, sizes)
-
-        def combine(losses: list[torch.Tensor]) -> torch.Tensor:
-            return sum((l.to(dev) * w for l, w in zip(losses, weights) if w != 0.0), torch.zeros((), device=dev))
-
-        return combine
+        return combiner(kwargs, outs, batch_size(args, kwargs), dev)
 
     def train_step(
         self,
@@ -451,13 +448,31 @@ class Spanned(nn.Module):
         )
 
     def to(self, *args: Any, **kwargs: Any) -> Spanned:  # type: ignore[override]
-        raise TypeError(f"Spanned.to(...) is not supported: {_PLACEMENT_MSG}")
+        """A no-op to the device every stage already runs on (what a trainer asks while preparing a model); a dtype
+        casts as ``half()`` does; anything that would move a stage raises ``TypeError``."""
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None and any(not _same_device(d, device) for d in self._executor.devices):
+            raise TypeError(f"Spanned.to({device}) is not supported: {_PLACEMENT_MSG}")
+        return self._apply(lambda t: t.to(dtype) if t.is_floating_point() else t) if dtype is not None else self
+
+    def __getattr__(self, name: str) -> Any:
+        """The model's own attributes (``config``, ``generation_config``, ``main_input_name``, ...) for code that
+        reads them from whatever it is handed, as trainers do; torchspan's own names come first."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if name.startswith("_") or module is None:
+                raise
+            return getattr(module, name)
 
     def cuda(self, device: Any = None) -> Spanned:  # type: ignore[override]
         raise TypeError(f"Spanned.cuda() is not supported: {_PLACEMENT_MSG}")
 
     def cpu(self) -> Spanned:  # type: ignore[override]
-        raise TypeError(f"Spanned.cpu() is not supported: {_PLACEMENT_MSG}")
+        if any(d.type != "cpu" for d in self._executor.devices):
+            raise TypeError(f"Spanned.cpu() is not supported: {_PLACEMENT_MSG}")
+        return self
 
     def extra_repr(self) -> str:
         stages = "; ".join(f"{d}: {', '.join(g)}" for d, g in self.stages)
