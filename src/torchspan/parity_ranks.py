@@ -27,7 +27,8 @@ never a hang) and marks its strategies failed with a message naming the rank.
 Usage::
 
     results = compare_strategies(model, x, y, F.mse_loss, ["single", "local-pipeline", "dp"],
-                                 build=functools.partial(make_model), nproc=2, loss_reduction="mean")
+                                 build=functools.partial(make_model), nproc=2,
+                                 options=StepOptions(loss_reduction="mean"))
     for r in results: print(r.name, r.ok, r.error or r.parity.failures())
 """
 
