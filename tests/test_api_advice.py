@@ -85,15 +85,17 @@ def _tied(model: nn.Module) -> bool:
     return model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
-@pytest.mark.parametrize("source", ["init", "safetensors folder", "safetensors file"])
+@pytest.mark.parametrize("source", ["init", "safetensors folder", "safetensors file", "checkpoint folder"])
 @pytest.mark.parametrize("build", list(BUILDS))
 def test_a_tied_config_is_tied_after_weights(build: str, source: str, tmp_path: Path) -> None:
     torch.manual_seed(3)
     reference = transformers.LlamaForCausalLM(_config())
     assert _tied(reference)
-    if source != "init":
+    if source.startswith("safetensors"):
         reference.save_pretrained(tmp_path)  # the tie is saved once (under model.embed_tokens.weight)
-    weights = {"init": "init", "safetensors folder": tmp_path, "safetensors file": tmp_path / "model.safetensors"}[source]
+    elif source == "checkpoint folder":
+        torchspan.save_checkpoint(tmp_path / "ckpt", {"model": reference})
+    weights = {"init": "init", "safetensors folder": tmp_path, "safetensors file": tmp_path / "model.safetensors", "checkpoint folder": tmp_path / "ckpt"}[source]
     torch.manual_seed(3)
     model = BUILDS[build]()
     spanned = torchspan.span(model, weights=weights)
