@@ -65,10 +65,11 @@ ADVISED: dict[tuple[str, str], tuple[str, ...]] = {
     ("runtime/ranks/metaweights.py", "weights"): ("span", "DataParallelReplica"),
     ("runtime/ranks/checkpointio.py", "strict"): ("load_checkpoint",),
     ("lightning/core.py", "devices"): ("lightning.Trainer",),  # Lightning's own process count
+    ("hf.py", "span"): ("torchspan.hf.Trainer",),
 }
 
 _CALL = re.compile(r"([A-Za-z_][\w.]*)\(")
-_PASS = re.compile(r"\bpass\s+", re.IGNORECASE)
+_PASS = re.compile(r"\bpass\s+(?=[A-Za-z_]\w*=)", re.IGNORECASE)  # "pass NAME=", not "pass the model (model=...)"
 _KEYWORD = re.compile(r"(?:^|[\s,(\[])([A-Za-z_]\w*)=(?!=)")
 
 
@@ -161,6 +162,7 @@ def test_the_scanner_reads_advice_as_written() -> None:
     assert list(_passes("Pass loss_reduction='mean' or 'sum' to train_step, or loss_normalizer=f")) == [("train_step", ["loss_reduction"])]
     assert list(_passes("pass loss_fn= (e.g. loss_fn=nn.CrossEntropyLoss(weight=w)) to check")) == [(None, ["loss_fn"])]
     assert list(_passes("the bypass x=1 passes y=2")) == []
+    assert list(_passes("pass the plain model (model=...), and span= says how to span it")) == []
     joined = dict(_texts(ast.parse('x = ("pass a" "lpha=1")\ny = f"pass {b}=2, or pass beta={c}"')))
     assert joined == {1: "pass alpha=1", 2: "pass {}=2, or pass beta={}"}
 
