@@ -1,0 +1,219 @@
+"""``SpanFabricStrategy``: ``lightning.fabric.Fabric(strategy=SpanFabricStrategy(**span_kwargs))`` on ``torchspan.span``.
+
+``fabric.setup(model, optimizer)`` returns the model spanned (``torchspan.span(model, **span_kwargs)``: replicas
+under a launcher, ``shard=True`` sharded, ``devices=[...]`` a local pipeline in one process; a pipeline across
+ranks is refused). ``fabric.backward(loss)`` is the plain loop, exact on replicas; ``fabric.clip_gradients``
+clips by the whole model's norm; ``fabric.save``/``fabric.load`` hold the model's own keys as full tensors.
+A DataLoader given to ``fabric.setup_dataloaders`` yields this rank's rows of each global batch (its
+``batch_size`` is the global batch; ``shard_batch``, never padded); pass an evaluation loader without it to
+evaluate whole batches on every rank.
+
+Usage::
+
+    fabric = Fabric(strategy=SpanFabricStrategy(), accelerator="cpu")
+    fabric.launch()
+    model, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters()))
+    for x, y in fabric.setup_dataloaders(loader):
+        optimizer.zero_grad(); fabric.backward(criterion(model(x), y)); optimizer.step()
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import core
+
+try:
+    from lightning.fabric.strategies import ParallelStrategy
+    from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+    from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+    from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+
+    _MISSING: ImportError | None = None
+except ImportError as exc:
+    ParallelStrategy = object  # type: ignore[assignment,misc]
+    _MISSING = exc
+
+__all__ = ["SpanFabricStrategy", "RankRows"]
+
+
+class RankRows:
+    """A DataLoader whose every batch is cut to this rank's rows (``torchspan.shard_batch``)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[Any]:
+        return (core.rows(batch) for batch in self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
+class SpanFabricStrategy(ParallelStrategy):  # type: ignore[misc,valid-type]
+    """A Fabric ``Strategy`` that spans the model given to ``fabric.setup`` with ``torchspan.span(model, **span_kwargs)``.
+
+    ``timeout``: seconds a collective waits (``torchspan.init_distributed``); every other keyword is
+    ``torchspan.span``'s, an unknown one a ``ValueError`` here. ``spanned``: the last model set up.
+    """
+
+    def __init__(
+        self,
+        *,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        timeout: float | None = None,
+        **span_kwargs: Any,
+    ) -> None:
+        if _MISSING is not None:
+            from .trainer import NEEDS_LIGHTNING
+
+            raise ImportError(NEEDS_LIGHTNING) from _MISSING
+        core.check_span_kwargs("SpanFabricStrategy", span_kwargs)
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io, precision=precision_plugin,
+        )  # fmt: skip
+        self.span_kwargs = dict(span_kwargs)
+        self._timeout = timeout
+        self._num_nodes = 1
+        self.spanned: Any = None
+
+    # ------------------------------------------------------------------ where this process stands
+    @property
+    def root_device(self) -> torch.device:
+        devices = self.parallel_devices or [torch.device("cpu")]
+        if self.local_rank < len(devices):
+            return devices[self.local_rank]
+        if devices[0].type == "cuda":
+            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
+        return devices[0]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 1
+
+    @property
+    def global_rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else super().global_rank
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size() if dist.is_initialized() else super().world_size
+
+    @property
+    def distributed_sampler_kwargs(self) -> None:  # type: ignore[override]
+        return None  # no DistributedSampler (it pads by repeats): process_dataloader cuts rows instead
+
+    def _set_world_ranks(self) -> None:
+        env = self.cluster_environment
+        if env is not None:
+            launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+            env.set_global_rank(int(os.environ["RANK"]) if launched else self.node_rank * self.num_processes + self.local_rank)
+            env.set_world_size(int(os.environ["WORLD_SIZE"]) if launched else self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def _configure_launcher(self) -> None:
+        env = self.cluster_environment
+        if env is not None and not env.creates_processes_externally and self.num_processes * self.num_nodes > 1:
+            self._launcher = _SubprocessScriptLauncher(env, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        core.check_precision("SpanFabricStrategy", getattr(self.precision, "precision", "32-true"), "Fabric precision")
+        self._set_world_ranks()
+        core.join_job(self.global_rank, self.world_size, self.local_rank, self._timeout)
+        core.check_devices("SpanFabricStrategy", self.num_processes * self.num_nodes, "Fabric")
+        super().setup_environment()
+
+    # ------------------------------------------------------------------ model, optimizers, data
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Any], scheduler: Any = None) -> Any:
+        names = {id(p): n for n, p in module.named_parameters()}
+        spanned = self.setup_module(module)
+        for optimizer in optimizers:  # a sharded span replaced the parameters the optimizer was built with
+            core.swap_parameters(optimizer, names, spanned.module)
+        return spanned, optimizers, scheduler
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        self.spanned = core.span_module(module, dict(self.span_kwargs), "SpanFabricStrategy")
+        return self.spanned
+
+    def module_to_device(self, module: nn.Module) -> None:
+        if core.spanned_in(module) is None:
+            module.to(self.root_device)
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        return RankRows(dataloader) if core.world() > 1 else dataloader
+
+    def clip_gradients_norm(
+        self, module: Any, optimizer: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = True
+    ) -> torch.Tensor:
+        self.precision.unscale_gradients(optimizer)
+        spanned = core.spanned_in(module) or self.spanned
+        return spanned.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    # ------------------------------------------------------------------ checkpoints
+    def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        spanned = core.spanned_in(module)
+        return (spanned or module).state_dict()
+
+    def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        spanned = core.spanned_in(module)
+        (spanned or module).load_state_dict(state_dict, strict=strict)
+
+    def get_optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return core.full_optimizer_state(self.spanned, getattr(optimizer, "optimizer", optimizer))
+
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, weights_only: Any = None) -> dict[str, Any]:
+        """Fabric's, with a sharded optimizer's full state loaded into each rank's shard."""
+        if not (isinstance(state, dict) and self.spanned is not None and self.spanned.mode == "sharded"):
+            return super().load_checkpoint(path, state, strict, weights_only=weights_only)
+        optimizers = {k: v for k, v in state.items() if isinstance(getattr(v, "optimizer", v), torch.optim.Optimizer)}
+        rest = super().load_checkpoint(path, {k: v for k, v in state.items() if k not in optimizers}, False, weights_only)
+        for key, opt in optimizers.items():
+            core.load_full_optimizer_state(self.spanned, getattr(opt, "optimizer", opt), rest.pop(key))
+        return rest
+
+    def teardown(self) -> None:
+        if self.cluster_environment is not None and not dist.is_initialized():  # it unsets WORLD_SIZE: the job goes on
+            self.cluster_environment.teardown()
+        super().teardown()
