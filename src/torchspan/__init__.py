@@ -52,6 +52,10 @@ __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "hf":  # integrations, imported on first use: torchspan.hf.Trainer, torchspan.lightning.SpanStrategy
+        return importlib.import_module("torchspan.hf")
+    if name == "lightning":
+        return importlib.import_module("torchspan.lightning")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'torchspan' has no attribute {name!r}")

@@ -134,6 +134,10 @@ class Executor(ABC):
         """Each micro-batch's loss weight; an executor whose batch is part of a larger one passes ``total=``."""
         return spec.weights(targets, sizes)
 
+    def replica_of(self) -> tuple[int, int]:
+        """``(replica index, replicas)`` of this process: one process is one replica."""
+        return 0, 1
+
     def plain_forward(self, training: bool) -> None:
         """Before ``spanned(...)``: refuse a forward whose plain ``loss.backward()`` could not be exact (a pipeline
         across ranks in training); in one process autograd runs the backward across devices exactly."""

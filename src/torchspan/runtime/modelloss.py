@@ -106,6 +106,8 @@ def model_loss(inputs: Any, target: Any = None, loss_reduction: str | None = Non
             "loss_reduction= / loss_normalizer= describe a loss_fn you pass; the model's own loss is verified against "
             "its logits instead (torchspan.runtime.modelloss). Drop them, or pass loss_fn=..."
         )
+    if inputs.get("num_items_in_batch") is not None:  # transformers' contract: each chunk's loss is its sum / that
+        return inputs, inputs["labels"], LossSpec(MODEL_LOSS, f"{ModelLoss.name} over num_items_in_batch", "sum")
     return inputs, inputs["labels"], LossSpec(MODEL_LOSS, ModelLoss.name, "model")
 
 

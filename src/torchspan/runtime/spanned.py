@@ -172,6 +172,11 @@ class Spanned(nn.Module):
         return [str(d) for d in self._executor.devices]
 
     @property
+    def data_parallel(self) -> tuple[int, int]:
+        """``(this process's replica, replicas)``: rows are sharded over replicas; a pipeline's stages share them."""
+        return self._executor.replica_of()
+
+    @property
     def balance(self) -> list[int]:
         return [len(g) for g in self._executor.groups]
 

@@ -257,6 +257,10 @@ class ReplicaExecutor(Executor):
         """``1.0`` per chunk: ``train`` weighs each chunk by ``spec`` against the all-reduced global normalizer."""
         return [1.0] * len(sizes)
 
+    def replica_of(self) -> tuple[int, int]:
+        group = self.replica.group
+        return dist.get_rank(group), dist.get_world_size(group)
+
     # ------------------------------------------------------------------ the plain loop
     def plain_output(self, out: Any, kwargs: dict[str, Any], nonfinite: Callable[[torch.Tensor], None]) -> Any:
         """A training forward's outputs for the user's own ``loss.backward()``: a torch loss applied to them, or the

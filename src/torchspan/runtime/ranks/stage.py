@@ -349,6 +349,9 @@ class StageExecutor(Executor):
     def weights(self, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
         return self.ranks.weights(spec, targets, sizes)
 
+    def replica_of(self) -> tuple[int, int]:
+        return self.ranks.replica, self.ranks.mesh.replicas
+
     def plain_forward(self, training: bool) -> None:
         """A pipeline across ranks cannot run its schedule from a plain ``loss.backward()``: refused in training."""
         if training and torch.is_grad_enabled() and self.ranks.mesh.stages > 1:
