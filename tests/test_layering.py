@@ -35,6 +35,7 @@ FLOORS: dict[str, int] = {
     "torchspan.progress": 7,
     "torchspan.training": 7,
     "torchspan.lightning": 7,
+    "torchspan.hf": 7,
     "torchspan.demo": 8,
     "torchspan.commands": 9,
     "torchspan.cli": 9,
