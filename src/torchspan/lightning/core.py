@@ -71,6 +71,8 @@ def join_job(global_rank: int, world_size: int, local_rank: int, timeout: Any = 
     """Open the job's process group with ``torchspan.init_distributed`` (kept if one is open): torchrun's and
     ``torchspan launch``'s variables as they are, Lightning's own launcher's (no ``RANK``) completed first."""
     if dist.is_available() and dist.is_initialized():
+        if "RANK" in os.environ:  # Lightning's environments unset WORLD_SIZE at teardown; torchspan reads both
+            os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
         return
     if world_size < 2 and "WORLD_SIZE" not in os.environ:
         return
