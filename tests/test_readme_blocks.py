@@ -6,7 +6,8 @@ Every ```python block is written to a file in a fresh temporary folder and run i
 - a block with a comment ``# NAME.py: run with: CMD, or CMD`` runs each CMD, each in a fresh folder, saved as the
   file the command names: ``python NAME.py`` or ``torchspan launch --nproc-per-node N NAME.py``;
 - a block with a comment ``# needs a GPU`` / ``# needs N GPUs`` is skipped, with that reason, where fewer are present;
-- a block that imports transformers is skipped where it is not installed (the ``hf`` extra);
+- a block that imports transformers (or Lightning) is skipped where it is not installed (the ``hf`` or
+  ``lightning`` extra);
 - a line ``print(...)`` followed by a comment line ``# TEXT`` says what it prints: TEXT must be in the output.
 
 Every ``$ torchspan ...`` line of the other blocks (and ``torchspan ...`` lines of ``bash`` blocks other than the
@@ -132,6 +133,8 @@ def test_readme_python_block_runs(block: Block, command: list[str], tmp_path: Pa
         pytest.skip(f"README.md:{block.line} needs {need} GPU(s); {torch.cuda.device_count()} here")
     if re.search(r"^\s*import .*\btransformers\b", block.text, re.M) and importlib.util.find_spec("transformers") is None:
         pytest.skip(f"README.md:{block.line} needs transformers: pip install -c constraints.txt -e '.[hf]'")
+    if re.search(r"^\s*(import|from) lightning\b", block.text, re.M) and importlib.util.find_spec("lightning") is None:
+        pytest.skip(f"README.md:{block.line} needs Lightning: pip install -c constraints.txt -e '.[lightning]'")
     proc = run_block(block, command, tmp_path)
     for text in expected_prints(block):
         assert text in proc.stdout, f"README.md:{block.line} says it prints {text!r}; it printed:\n{proc.stdout[-2000:]}"
