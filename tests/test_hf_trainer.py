@@ -178,3 +178,11 @@ def test_bad_input_is_refused_before_training(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="both would shard the model"):
         torchspan.hf.Trainer(model=_model(), args=args, train_dataset=Rows(), span={"shard": True})
     assert copy.copy(torchspan.hf.span_options({"shard": True})) == (None, {"shard": True})
+
+
+def test_span_auto_plans_from_a_training_batch(tmp_path: Path) -> None:
+    trainer = torchspan.hf.Trainer(model=_model(), args=_args(str(tmp_path), 4), train_dataset=Rows(), span="auto")
+    assert trainer.spanned.devices and trainer.spanned.balance[0] >= 1  # the planner's placement on this machine
+    trainer.train()
+    with pytest.raises(ValueError, match="pass train_dataset="):
+        torchspan.hf.Trainer(model=_model(), args=_args(str(tmp_path), 4), span="auto")

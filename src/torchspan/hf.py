@@ -49,11 +49,11 @@ def span_options(span: Any) -> tuple[Plan | None, dict[str, Any]]:
     """``(plan, keyword arguments)`` for ``torchspan.span`` from ``Trainer(span=...)``; ``ValueError`` naming a bad one."""
     if isinstance(span, Plan):
         return span, {}
-    if span is None:
+    if span is None or span == "auto":
         return None, {}
     if not isinstance(span, Mapping):
         raise TypeError(
-            f"span={type(span).__name__} is not a dict of torchspan.span keyword arguments or a torchspan.Plan; pass "
+            f"span={span!r} is not a dict of torchspan.span keyword arguments, a torchspan.Plan or 'auto'; pass "
             "e.g. span={'devices': ['cpu', 'cpu'], 'microbatches': 2}"
         )
     unknown = sorted(set(span) - _SPAN_KEYS)
@@ -115,6 +115,8 @@ class Trainer(transformers.Trainer):
             )
         plan, options = span_options(span)
         args = args if args is not None else transformers.TrainingArguments("tmp_trainer")
+        if span == "auto":  # the planner chooses, from one batch as Trainer will cut it
+            plan = _auto_plan(model, args, kwargs)
         _check_args(args, options)
         _precision(args, options)
         super().__init__(model, args, *positional, **kwargs)
@@ -242,6 +244,21 @@ class Trainer(transformers.Trainer):
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _auto_plan(model: Any, args: Any, kwargs: dict[str, Any]) -> Plan:
+    """``torchspan.plan`` on this machine's devices for one per-device batch of the training set."""
+    from .planner import plan
+
+    dataset = kwargs.get("train_dataset")
+    if dataset is None:
+        raise ValueError("span='auto' plans from a batch of the training set: pass train_dataset=")
+    collate = kwargs.get("data_collator") or transformers.default_data_collator
+    batch = collate([dataset[i] for i in range(min(args.per_device_train_batch_size, len(dataset)))])
+    batch = {k: v for k, v in batch.items() if k != "labels"}
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        batch["use_cache"] = False
+    return plan(model, batch)
 
 
 def _bare(optimizer: Any) -> Any:
