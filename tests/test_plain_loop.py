@@ -98,6 +98,27 @@ def _worker(rank: int, world: int, port: int) -> None:
     _case(rank, world, x, y, ce, "sharded replica, two backwards", shard=True, backwards=2)
     _refusals(rank, world, x, y)
     _training(rank, world, x, y, weights)
+    _precisions(rank, world, x, y)
+
+
+def _precisions(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """bf16: each rank's rows autocast as one device would run those rows; fp16 needs train_step's scaler;
+    an inf/NaN loss raises before its backward, as train_step's does."""
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 4))
+    reference = copy.deepcopy(model)
+    spanned = torchspan.span(model, precision="bf16")
+    xs, ys = x.float(), y
+    F.cross_entropy(spanned(shard_batch(xs, rank, world)), shard_batch(ys, rank, world)).backward()
+    for r in range(world):  # the same rows through the same autocast, each weighed by its share of the 11 labels
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = reference(shard_batch(xs, r, world))
+        (F.cross_entropy(out, shard_batch(ys, r, world), reduction="sum") / len(ys)).backward()
+    for (name, p), q in zip(spanned.module.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-9, msg=lambda m: f"bf16 plain loop: {name}: {m}")
+    with pytest.raises(ValueError, match="spanned.train_step"):
+        torchspan.span(_model(), precision="fp16")(shard_batch(x, rank, world))
+    with pytest.raises(FloatingPointError, match="the loss is nan"):
+        F.mse_loss(torchspan.span(_model())(shard_batch(x, rank, world)), torch.full((len(shard_batch(x, rank, world)), 4), float("nan"), dtype=torch.float64))
 
 
 def _refusals(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> None:

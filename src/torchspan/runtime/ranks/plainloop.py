@@ -202,7 +202,7 @@ def _exact_loss(func: Any, args: Any, kwargs: dict[str, Any], record: Record) ->
     x, y = plain["input"], plain["target"]
     local = func(x, y, **{**rest, "reduction": "sum"})
     count = 1.0 if reduction == "sum" else _normalizer(func, reduction, x, y, rest)
-    _check_once(func, reduction, x, y, rest, local, count, record)
+    _check_once(func, reduction, x, y, rest, count, record)
     stats = torch.stack([local.detach().double().to(record.comm), torch.tensor(count, dtype=torch.float64, device=record.comm)])
     dist.all_reduce(stats, group=record.group)
     record.losses += 1
@@ -247,17 +247,17 @@ def _normalizer(func: Any, reduction: str, x: torch.Tensor, y: Any, rest: dict[s
     return float(math.prod(shape))
 
 
-def _check_once(
-    func: Any, reduction: str, x: torch.Tensor, y: Any, rest: dict[str, Any], local: torch.Tensor, count: float, record: Record
-) -> None:
+def _check_once(func: Any, reduction: str, x: torch.Tensor, y: Any, rest: dict[str, Any], count: float, record: Record) -> None:
     """The first time a kind of loss is seen: its own mean equals the sum over the normalizer torchspan uses."""
     key = (func, reduction, tuple(sorted(k for k, v in rest.items() if v is not None)))
     if reduction == "sum" or key in record.checked or count == 0.0:
         return
     record.checked.add(key)
-    with torch.no_grad():
-        own = float(func(x, y, **{**rest, "reduction": reduction}))
-        ours = float(local) / count
+    wide = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in rest.items()}
+    y64 = y.double() if isinstance(y, torch.Tensor) and y.is_floating_point() else y
+    with torch.no_grad():  # in float64: the normalizer is checked, not the outputs' precision
+        own = float(func(x.detach().double(), y64, **{**wide, "reduction": reduction}))
+        ours = float(func(x.detach().double(), y64, **{**wide, "reduction": "sum"})) / count
     if not (abs(own - ours) <= 1e-4 * max(abs(own), abs(ours)) + 1e-6 or math.isnan(own) and math.isnan(ours)):
         what = (
             f"{func.__name__}(reduction={reduction!r}) with {sorted(key[2])} gives {own:.6g} on this rank's rows, "
