@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (transformers, accelerate) is not installed")
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate (the hf extra)")
@@ -26,6 +23,7 @@ pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate
 import torchspan  # noqa: E402
 import torchspan.hf  # noqa: E402
 from torchspan.runtime.ranks import free_port  # noqa: E402
+from ranks_spawn import join_job, spawn  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=2e-7)  # float32 sums in another order; an update is ~1e-2
 
@@ -106,12 +104,7 @@ LAYOUTS = {"dp": {}, "shard": {"shard": True}, "pipeline": {"balance": [4, 4], "
 
 
 def _job(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-    )  # fmt: skip
-    torch.set_num_threads(1)
-    torchspan.init_distributed(timeout=60)
+    join_job(rank, world, port)
     for layout, span in LAYOUTS.items():
         folder = Path(out) / layout
         trainer = torchspan.hf.Trainer(model=_model(), args=_args(str(folder), 4), train_dataset=Rows(), eval_dataset=Rows(6), span=span)
@@ -142,13 +135,7 @@ def _resume(rank: int, folder: Path, span: dict) -> None:
 
 
 def _spawn(fn, world: int, *args, deadline: float = 300.0) -> None:
-    ctx = mp.start_processes(fn, args=(world, *args), nprocs=world, join=False, start_method="spawn")
-    end = time.monotonic() + deadline
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > end:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"ranks still running after {deadline} s: a collective hangs")
+    spawn(fn, world, *args, deadline=deadline)
 
 
 @pytest.mark.slow

@@ -17,12 +17,10 @@ Usage: ``python -m pytest -q tests/test_lightning.py`` (about a minute on 2 core
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -32,6 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 import torchspan  # noqa: E402
 from torchspan.lightning import SpanFabricStrategy, SpanStrategy  # noqa: E402
 from torchspan.runtime.ranks import free_port  # noqa: E402
+from ranks_spawn import spawn  # noqa: E402
 
 TOL = dict(rtol=1e-9, atol=1e-11)
 QUIET = dict(accelerator="cpu", enable_progress_bar=False, logger=False, enable_model_summary=False)
@@ -246,13 +245,7 @@ def _refusals(rank: int) -> None:
 
 
 def _spawn(fn, world: int, *args, deadline: float = 300.0) -> None:
-    ctx = mp.start_processes(fn, args=(world, *args), nprocs=world, join=False, start_method="spawn")
-    end = time.monotonic() + deadline
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > end:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"ranks still running after {deadline} s: a collective hangs")
+    spawn(fn, world, *args, deadline=deadline)
 
 
 @pytest.mark.slow

@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 import torchspan
 from torchspan.runtime.ranks import free_port, shard_batch
 from torchspan.runtime.ranks.plainloop import PlainLoopError
+from ranks_spawn import join_job, spawn
 
 TOL = dict(rtol=1e-9, atol=1e-11)
 HF_TOL = dict(rtol=1e-5, atol=1e-8)  # transformers computes its own loss in float32 (logits.float())
@@ -81,9 +79,7 @@ def _losses(weights: torch.Tensor):
 
 
 def _worker(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    torchspan.init_distributed(timeout=60)
+    join_job(rank, world, port)
     g = torch.Generator().manual_seed(7)
     x = torch.randn(11, 5, generator=g, dtype=torch.float64)  # 6 + 5 rows
     y = torch.tensor([0, 3, 3, 1, 2, 3, 0, 1, 1, 2, 3])
@@ -178,13 +174,7 @@ def _training(rank: int, world: int, x: torch.Tensor, y: torch.Tensor, weights: 
 
 
 def _spawn(fn, world: int, *args, deadline: float = 180.0) -> None:
-    ctx = mp.start_processes(fn, args=(world, *args), nprocs=world, join=False, start_method="spawn")
-    end = time.monotonic() + deadline
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > end:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"ranks still running after {deadline} s: a collective hangs")
+    spawn(fn, world, *args, deadline=deadline)
 
 
 @pytest.mark.slow
@@ -203,9 +193,7 @@ def _llama():
 
 
 def _hf_worker(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    torchspan.init_distributed(timeout=60)
+    join_job(rank, world, port)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(1, 40, (5, 7), generator=g)
     mask = torch.ones(5, 7, dtype=torch.long)

@@ -8,15 +8,14 @@ of additions). One spawn runs all cases to keep the suite fast on a small machin
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 from torchspan.runtime.ranks import DataParallelReplica, free_port, init_distributed, shard_batch, shard_sizes
+from ranks_spawn import spawn
 
 TOL = dict(rtol=1e-10, atol=1e-12)
 
@@ -124,13 +123,7 @@ def _parity_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def _spawn(fn, world: int, *args, deadline: float = 90.0) -> None:
-    ctx = mp.start_processes(fn, args=(world, *args), nprocs=world, join=False, start_method="spawn")
-    end = time.monotonic() + deadline
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > end:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"ranks still running after {deadline} s: a collective hangs")
+    spawn(fn, world, *args, deadline=deadline)
 
 
 @pytest.mark.slow

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import copy
 import os
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 import torchspan
 from torchspan.runtime.ranks import free_port, shard_batch
+from ranks_spawn import spawn
 
 TOL = dict(rtol=1e-10, atol=1e-12)
 LOSS_TOL = dict(rtol=1e-6, atol=1e-7)  # the returned loss may be float32
@@ -111,13 +110,7 @@ def _worker(rank: int, world: int, port: int) -> None:
 
 
 def _spawn(fn, world: int, *args, deadline: float = 90.0) -> None:
-    ctx = mp.start_processes(fn, args=(world, *args), nprocs=world, join=False, start_method="spawn")
-    end = time.monotonic() + deadline
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > end:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"ranks still running after {deadline} s: a collective hangs")
+    spawn(fn, world, *args, deadline=deadline)
 
 
 @pytest.mark.slow
