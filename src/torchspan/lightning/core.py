@@ -163,3 +163,41 @@ def load_full_optimizer_state(spanned: Spanned | None, optimizer: torch.optim.Op
 
     assert spanned is not None
     set_optimizer_state_dict(spanned.module, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+class Placement:
+    """Where this process stands, for both strategies (Lightning's and Fabric's): its device, the job's ranks
+    from the process group once it exists; mixed in before Lightning's ``ParallelStrategy``."""
+
+    parallel_devices: Any
+    local_rank: int
+    _num_nodes: int
+
+    @property
+    def root_device(self) -> torch.device:
+        devices = self.parallel_devices or [torch.device("cpu")]
+        if self.local_rank < len(devices):
+            return devices[self.local_rank]
+        if devices[0].type == "cuda":
+            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
+        return devices[0]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 1
+
+    @property
+    def global_rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else super().global_rank
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size() if dist.is_initialized() else super().world_size

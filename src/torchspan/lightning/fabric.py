@@ -62,7 +62,7 @@ class RankRows:
         return getattr(self.loader, name)
 
 
-class SpanFabricStrategy(ParallelStrategy):  # type: ignore[misc,valid-type]
+class SpanFabricStrategy(core.Placement, ParallelStrategy):  # type: ignore[misc,valid-type]
     """A Fabric ``Strategy`` that spans the model given to ``fabric.setup`` with ``torchspan.span(model, **span_kwargs)``.
 
     ``timeout``: seconds a collective waits (``torchspan.init_distributed``); every other keyword is
@@ -93,36 +93,6 @@ class SpanFabricStrategy(ParallelStrategy):  # type: ignore[misc,valid-type]
         self._timeout = timeout
         self._num_nodes = 1
         self.spanned: Any = None
-
-    # ------------------------------------------------------------------ where this process stands
-    @property
-    def root_device(self) -> torch.device:
-        devices = self.parallel_devices or [torch.device("cpu")]
-        if self.local_rank < len(devices):
-            return devices[self.local_rank]
-        if devices[0].type == "cuda":
-            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
-        return devices[0]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 1
-
-    @property
-    def global_rank(self) -> int:
-        return dist.get_rank() if dist.is_initialized() else super().global_rank
-
-    @property
-    def world_size(self) -> int:
-        return dist.get_world_size() if dist.is_initialized() else super().world_size
 
     @property
     def distributed_sampler_kwargs(self) -> None:  # type: ignore[override]
