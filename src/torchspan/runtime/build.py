@@ -26,11 +26,11 @@ from .memory import ActivationMeter
 from .metainit import bind, materialize, meta_slots, restore
 from .nonfinite import NONFINITE
 from .placement import parse_devices
-from .ranks.env import init_distributed, join_launched_job
+from .ranks.env import init_distributed, join_launched_job, rank_info
 from .ranks.mesh import launched_stages
 from .ranks.metaweights import check_weights, fill
 from .ranks.replicated import launched_replica
-from .ranks.sharded import check_shard_options
+from .ranks.sharded import broadcast_module, check_shard_options
 from .record import Recorder
 from .spanned import Spanned
 
@@ -131,6 +131,30 @@ def _replica(
     return dressed(Spanned(model, executor, settings, recorder, meter, mode_reason=why), model)
 
 
+def _tensor_parallel(
+    model: nn.Module, tp: Any, tp_plan: Any, plan: Any, devices: Any, balance: Any, sharding: Any, settings: Settings
+) -> list[Any]:
+    """``model`` split over a ``tp`` mesh on this rank's device, made identical on every rank; returns the devices
+    the one-process runtime then runs it on. Refuses what does not compose with it yet."""
+    from .ranks.tensorparallel import parallelize, tp_mesh
+
+    others = {"plan": plan, "balance": balance, "shard": sharding["shard"] or None, "offload": sharding["offload"]}
+    given = [k for k, v in others.items() if v is not None] + (["devices"] if devices is not None and len(parse_devices(devices)) > 1 else [])
+    if given:
+        raise ValueError(
+            f"span(model, tp={tp!r}) with {', '.join(given)}=: tensor parallelism splits every layer over all of the "
+            "job's processes; pipelines, sharding and plans beside it are not built yet. Drop them, or drop tp="
+        )
+    init_distributed()
+    mesh = tp_mesh(tp)
+    device = rank_info().device
+    model.to(device)
+    broadcast_module(model, None, device if "nccl" in str(rank_info().backend) else torch.device("cpu"))  # rank 0's weights
+    parallelize(model, mesh, tp_plan)
+    settings.mesh = mesh
+    return [device]
+
+
 def _check_meta(model: nn.Module, devices: Any, weights: Any) -> None:
     """``weights`` checked (``ranks.metaweights.check_weights``); a meta model spanned onto meta devices only (to
     trace shapes) needs none."""
@@ -197,6 +221,8 @@ def span(
     per_shard_batchnorm: bool = False,
     weights: Any = None,
     loss_reduction: str | None = None,
+    tp: int | None = None,
+    tp_plan: Any = None,
 ) -> Spanned:
     """Place ``model``'s layers (``torchspan.layers``) on devices and return a pipelined ``Spanned``.
 
@@ -236,6 +262,7 @@ def span(
     ``weights`` (a model built on ``meta``): ``"init"``, a checkpoint path or a callable; each rank materializes and
     fills only its shard or stage (``runtime.ranks.metaweights``). A meta model without it is refused before any work.
     ``loss_reduction`` (``"sum"``/``"mean"``): a plain loop's unreadable loss, declared (``runtime.ranks.plainloop``).
+    ``tp=N``/``tp_plan=``: tensor parallel over a job of ``N`` processes (``runtime.ranks.tensorparallel``).
 
     Usage: ``span(model, devices=["cpu", "cpu"], balance=[2, 2], microbatches=4, schedule="1f1b")``.
     """
@@ -245,14 +272,31 @@ def span(
     sharding = _sharding(plan, shard, offload, reshard_after_forward, settings.precision, per_shard_batchnorm)
     join_launched_job("torchspan.span")  # launched without init_distributed(): join, never train as a lone process
     recorder = Recorder()
-    replicated = _replica(model, plan, devices, balance, settings, recorder, sharding, weights)
-    if replicated is not None:  # launched with one stage, or sharded: one replica per process
-        return replicated
+    if tp is not None:  # every layer split over the job's processes, the rest as one process (ranks.tensorparallel)
+        devices = _tensor_parallel(model, tp, tp_plan, plan, devices, balance, sharding, settings)
+    elif (replicated := _replica(model, plan, devices, balance, settings, recorder, sharding, weights)) is not None:
+        return replicated  # launched with one stage, or sharded: one replica per process
     lay = _layout(model, plan, devices, balance, split_points, no_split, weights)
+    return _staged(model, lay, plan, balance, settings, recorder, sharding, weights, dict(split_points=split_points, no_split=no_split))
+
+
+def _staged(
+    model: nn.Module,
+    lay: Layout,
+    plan: Any,
+    balance: Any,
+    settings: Settings,
+    recorder: Recorder,
+    sharding: Any,
+    weights: Any,
+    options: dict[str, Any],
+) -> Spanned:
+    """The ``Spanned`` running ``lay``'s stages: its executor chosen (``runtime.choose``), fp16's scaler made."""
     _check_workers(settings, lay.devices)
     if settings.precision == "fp16":  # train_step leaves .grad unscaled (runtime.fp16)
         settings.scaler = SpanScaler(lay.devices[-1].type)
-    meter, options = ActivationMeter(len(lay.devices)), dict(split_points=split_points, no_split=no_split, stacklevel=2)
-    executor = choose(model, lay, settings, recorder, meter, planned=plan is not None, even=balance is None, sharding=sharding, weights=weights, **options)
+    meter = ActivationMeter(len(lay.devices))
+    executor = choose(model, lay, settings, recorder, meter, planned=plan is not None, even=balance is None, sharding=sharding, weights=weights, stacklevel=3, **options)
     why = lay.why + ("; each stage sharded over its replicas (FSDP2)" if sharding["shard"] else "")
+    why += f"; each layer split over tp({settings.mesh.size()}) processes (DTensor)" if settings.mesh is not None else ""
     return dressed(Spanned(model, executor, settings, recorder, meter, mode_reason=why), model)

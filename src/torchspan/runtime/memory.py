@@ -131,18 +131,23 @@ class ActivationMeter:
         micro-batch slice of the input batch counts as the slice, and several views into one
         storage (q, k, v of a fused projection) count it once.
         """
+        local = getattr(t, "_local_tensor", None)  # a DTensor (tensor parallel): its shard is what this rank holds
         try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, some subclasses
+            storage = (local if isinstance(local, torch.Tensor) else t).untyped_storage()
+            key = (storage.data_ptr(), t.device)
+        except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, wrapper subclasses
             return t
-        key = (storage.data_ptr(), t.device)
+        if isinstance(local, torch.Tensor):
+            t_bytes = local
+        else:
+            t_bytes = t
         if key in self._exclude or t.is_meta:
             return t
-        if t.is_contiguous():  # the common case: the extent without walking shape and strides
-            start = t.storage_offset() * t.element_size()
-            span = (start, start + t.numel() * t.element_size())
+        if t_bytes.is_contiguous():  # the common case: the extent without walking shape and strides
+            start = t_bytes.storage_offset() * t_bytes.element_size()
+            span = (start, start + t_bytes.numel() * t_bytes.element_size())
         else:
-            span = self._extent(t, storage.nbytes())
+            span = self._extent(t_bytes, storage.nbytes())
         with self._lock:
             refs = self._refs[stage]
             entry = refs.get(key)

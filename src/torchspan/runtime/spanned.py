@@ -35,6 +35,7 @@ from .memory import ActivationMeter, behaviour_key
 from .microbatch import batch_size, call_args, gather, split_sizes, split_value
 from .nonfinite import NONFINITE, check_loss, locate
 from .ranks.checkpoint import model_keys
+from .ranks.tensorparallel import full_tensors
 from .record import Event, Recorder
 
 __all__ = ["Spanned"]
@@ -170,6 +171,11 @@ class Spanned(nn.Module):
     @property
     def devices(self) -> list[str]:
         return [str(d) for d in self._executor.devices]
+
+    @property
+    def mesh(self) -> Any:
+        """The ``DeviceMesh`` of the span's parallel dimensions by name (``tp``), or ``None``."""
+        return self._settings.mesh
 
     @property
     def data_parallel(self) -> tuple[int, int]:
@@ -422,7 +428,8 @@ class Spanned(nn.Module):
         ``spanned.module.state_dict()`` is the sharded form (``DTensor`` shards, the same keys)."""
         if args:
             raise TypeError("Spanned.state_dict takes keyword arguments only (destination=, prefix=, keep_vars=)")
-        return self._executor.state_dict(self.module, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        state = self._executor.state_dict(self.module, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        return full_tensors(state) if self._settings.mesh is not None and not keep_vars else state
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Load the original model's keys; keys with a ``module.`` prefix (DataParallel/DDP) work too.

@@ -129,7 +129,7 @@ def exclusive_layers(module: nn.Module, layers: Sequence[tuple[str, nn.Module]])
     return units
 
 
-def _broadcast(module: nn.Module, group: Any, comm: torch.device) -> None:
+def broadcast_module(module: nn.Module, group: Any, comm: torch.device) -> None:
     """Every parameter and buffer of ``module`` set to the group's first rank's values (each tensor once)."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
     seen: set[int] = set()
@@ -235,7 +235,7 @@ class ShardedEngine:
         self.units = shard_units(module)
         slots = meta_slots(module) if weights is not None else None  # a model built on meta: sharded first, then filled
         if dist.get_world_size(group) > 1:
-            _broadcast(module, group, comm)
+            broadcast_module(module, group, comm)
         mesh = device_mesh(group, device.type)
         policy = OffloadPolicy() if offload is None else CPUOffloadPolicy()
         half = precision == "bf16"

@@ -1,0 +1,148 @@
+"""Tensor parallelism on DTensor: each layer's weights split over the ``tp`` ranks of a ``DeviceMesh``.
+
+``span(model, tp=N)`` in a job of ``N`` processes applies ``torch.distributed.tensor.parallel.parallelize_module``
+over a one-dimensional ``DeviceMesh`` named ``tp`` (``init_device_mesh``), by a plan:
+
+- a transformers model's own ``config.base_model_tp_plan`` (its attention and MLP projections column- then
+  row-wise: the heads and the MLP width split, one all-reduce after each block half), prefixed with the base
+  model's name; the head stays whole on every rank, so the logits and the model's own loss are one device's;
+- or ``tp_plan={"blocks.*.mlp.up": "colwise", ...}``: module-name patterns (``*`` matches one name) to torch's
+  styles by name (``"colwise"``, ``"rowwise"``, ``"colwise_rep"`` (outputs gathered), ``"rowwise_rep"``,
+  ``"sequence_parallel"``) or ``ParallelStyle`` objects.
+
+Every rank runs the same batch; the rest of the span (micro-batches, recompute, precision, the loss contract) is
+the one-process runtime on this rank's device, whose collectives DTensor runs inside the layers. A parameter
+tied to one outside its module (tied embeddings) keeps its module whole. Gradients are ``DTensor`` shards
+(``.full_tensor()`` is one device's); ``state_dict()`` gathers full tensors.
+
+Usage (``span`` does this)::
+
+    mesh = tp_mesh(2)                                   # DeviceMesh("cpu", [0, 1], mesh_dim_names=("tp",))
+    parallelize(model, mesh, tp_plan=None)              # the model's own plan, or ValueError naming tp_plan=
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from .env import rank_info
+
+__all__ = ["tp_mesh", "parallelize", "tp_styles", "full_tensors", "STYLES"]
+
+STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "sequence_parallel")
+
+
+def tp_mesh(tp: Any) -> Any:
+    """The ``DeviceMesh`` of a job of exactly ``tp`` processes, its one dimension named ``tp``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp={tp!r} must be an int >= 1 (the processes each layer is split over)")
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if tp != world:
+        raise ValueError(
+            f"tp({tp}) != WORLD_SIZE({world}): tensor parallelism splits each layer over every process of the job "
+            f"(with data parallel or pipelines beside it: not yet); launch {tp} processes "
+            f"(torchspan launch --nproc-per-node {tp} train.py) or pass tp={world}"
+        )
+    info = rank_info()
+    return init_device_mesh(info.device.type, (tp,), mesh_dim_names=("tp",))
+
+
+def tp_styles(model: nn.Module, tp_plan: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``{module name: ParallelStyle}`` for every module ``model`` holds that the plan names (see the module doc)."""
+    plan = dict(tp_plan) if tp_plan is not None else _own_plan(model)
+    if not plan:
+        raise ValueError(
+            f"span(model, tp=...): {type(model).__name__} has no tensor-parallel plan of its own (a transformers "
+            "config's base_model_tp_plan); pass tp_plan={'module.name.pattern': 'colwise' | 'rowwise' | ...}, "
+            "e.g. tp_plan={'0': 'colwise', '2': 'rowwise'} for Linear -> act -> Linear"
+        )
+    names = [n for n, _ in model.named_modules() if n]
+    chosen: dict[str, Any] = {}
+    for pattern, style in plan.items():
+        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern) and _same_depth(n, pattern)]
+        if not hits:
+            raise ValueError(f"tp_plan[{pattern!r}] names no module of {type(model).__name__}; its modules are e.g. {names[:6]}")
+        for name in hits:
+            chosen[name] = _style(style, pattern)
+    return chosen
+
+
+def parallelize(model: nn.Module, mesh: Any, tp_plan: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``model``'s planned modules split over ``mesh`` in place (``parallelize_module``); returns the plan applied."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    styles = tp_styles(model, tp_plan)
+    tied = _tied_elsewhere(model, styles)
+    if tied:
+        styles = {n: s for n, s in styles.items() if n not in tied}
+    _check_divisible(model, styles, mesh.size())
+    parallelize_module(model, mesh, styles)
+    return styles
+
+
+def full_tensors(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with every ``DTensor`` gathered into its full tensor (a collective: every rank calls it)."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+
+
+def _own_plan(model: nn.Module) -> dict[str, Any]:
+    """A transformers model's ``config.base_model_tp_plan``, prefixed with its base model's attribute."""
+    config = getattr(model, "config", None)
+    plan = getattr(config, "base_model_tp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and hasattr(model, prefix) and getattr(model, prefix) is not model:
+        return {f"{prefix}.{k}": v for k, v in plan.items()}
+    return dict(plan)
+
+
+def _same_depth(name: str, pattern: str) -> bool:
+    return name.count(".") == pattern.count(".")
+
+
+def _style(style: Any, pattern: str) -> Any:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+
+    if isinstance(style, ParallelStyle):
+        return style
+    made = {
+        "colwise": lambda: ColwiseParallel(),
+        "rowwise": lambda: RowwiseParallel(),
+        "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "sequence_parallel": lambda: SequenceParallel(),
+    }.get(style)
+    if made is None:
+        raise ValueError(f"tp_plan[{pattern!r}]={style!r} is not one of {', '.join(map(repr, STYLES))} or a ParallelStyle")
+    return made()
+
+
+def _tied_elsewhere(model: nn.Module, styles: Mapping[str, Any]) -> set[str]:
+    """Planned modules holding a parameter that another module holds too (kept whole: splitting would untie it)."""
+    holders: dict[int, set[str]] = {}
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            holders.setdefault(id(p), set()).add(name)
+    return {n for n in styles for p in model.get_submodule(n).parameters() if len(holders.get(id(p), ())) > 1}
+
+
+def _check_divisible(model: nn.Module, styles: Mapping[str, Any], tp: int) -> None:
+    """Every split dimension divides by ``tp`` (DTensor would pad it; a head count must split evenly)."""
+    for name in styles:
+        weight = getattr(model.get_submodule(name), "weight", None)
+        if weight is not None and weight.dim() == 2 and weight.shape[0] % tp and weight.shape[1] % tp:
+            raise ValueError(f"{name}.weight has shape {tuple(weight.shape)}: neither dimension divides by tp={tp}")
+    config = getattr(model, "config", None)
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, key, None)
+        if isinstance(heads, int) and heads % tp:
+            raise ValueError(f"config.{key}={heads} does not divide by tp={tp}: each rank must hold whole heads")
