@@ -5,7 +5,8 @@ returned total norm equal one device's on the whole batch, for local stages, a l
 job over uneven shards, a pipeline across 2 gloo ranks (stage functions and the model's own forward,
 a tied embedding/head across the ranks) and a 2 x 2 hybrid; every norm type torch takes, and
 ``error_if_nonfinite`` as torch. On a pipeline rank the plain torch call would clip each stage by
-its own norm: it raises, naming ``spanned.clip_grad_norm_``, before it scales anything.
+its own norm: it raises, naming ``spanned.clip_grad_norm_``, before it scales anything (that rank's
+gradients refuse torch's total norm; nothing in torch is replaced: ``test_no_patching``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import math
 import pytest
 import torch
 from torch import nn
-from torch.nn.utils import clip_grad_norm_ as imported_clip  # bound before torchspan guards anything
+from torch.nn.utils import clip_grad_norm_ as imported_clip  # torch's own function: refused however it was imported
 
 import torchspan
 from torchspan.runtime.ranks import free_port, shard_batch
@@ -148,9 +149,18 @@ def _pipeline_part(rank: int, x: torch.Tensor, y: torch.Tensor) -> None:
     spanned.zero_grad()
     spanned.train_step(x, y, nn.MSELoss())
     before = [p.grad.clone() for p in spanned.parameters() if p.grad is not None]
-    for clip in (torch.nn.utils.clip_grad_norm_, imported_clip):
-        with pytest.raises(RuntimeError, match=r"spanned\.clip_grad_norm_\(max_norm, norm_type\)"):
-            clip(spanned.parameters(), 0.05)
+    grads = lambda: [p.grad for p in spanned.parameters() if p.grad is not None]  # noqa: E731
+    refused = (
+        lambda: torch.nn.utils.clip_grad_norm_(spanned.parameters(), 0.05),
+        lambda: imported_clip(spanned.parameters(), 0.05),
+        lambda: torch.nn.utils.clip_grad_norm_(spanned.parameters(), 0.05, foreach=True),
+        lambda: torch.nn.utils.clip_grad_norm_([*nn.Linear(2, 2).parameters(), *spanned.parameters()], 0.05),  # not first
+    )
+    if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6: one stage's norm, the same mistake
+        refused += (lambda: torch.nn.utils.get_total_norm(grads()),)
+    for clip in refused:
+        with pytest.raises(RuntimeError, match=rf"on rank {rank} .* stage {rank} of a 2-stage .*spanned\.clip_grad_norm_\(max_norm, norm_type\)"):
+            clip()
     after = [p.grad for p in spanned.parameters() if p.grad is not None]
     assert all(torch.equal(a, b) for a, b in zip(before, after)), f"rank {rank}: a refused clip scaled gradients"
     torch.nn.utils.clip_grad_value_(spanned.parameters(), 0.01)  # elementwise: right on a stage, not refused

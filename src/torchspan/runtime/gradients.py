@@ -22,10 +22,12 @@ pipeline it sees this stage's gradients only and clips each stage by its own nor
   root; ``max``/``min`` for ``inf``/``-inf``), and each rank scales its own shards. With CPU offload the
   shards live on the CPU; the all-reduce runs on the group's device (pytorch#148532's crash does not arise).
 
-``guard_plain_clip(ranks)`` makes a plain ``torch.nn.utils.clip_grad_norm_`` over a pipeline
-rank's gradients raise ``RuntimeError`` naming ``spanned.clip_grad_norm_``, before it scales
-anything (the check wraps the norm function torch's clip calls; it costs one pass over this
-rank's parameters per clip call, nothing otherwise).
+``guard_plain_clip(ranks)`` (after each training step of a pipeline rank) makes torch's own
+``torch.nn.utils.clip_grad_norm_`` (and ``get_total_norm``) over that rank's gradients raise ``RuntimeError``
+naming ``spanned.clip_grad_norm_``, before it scales anything, without replacing anything in ``torch``:
+each gradient the rank holds becomes a ``_StageGradient`` (its class swapped in place; every op on it runs
+as on the plain tensor, ``clip_grad_value_`` and the optimizer included) whose ``__torch_function__`` refuses
+an op called from torch's total-norm function. Other tensors, and other models' clips, never pass through it.
 
 Usage::
 
@@ -36,7 +38,9 @@ Usage::
 
 from __future__ import annotations
 
+import copy
 import math
+import sys
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -81,7 +85,12 @@ def holding(module: nn.Module, executor: Any) -> Holding:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A ``DTensor``'s local shard (a sharded replica's gradient), else ``t`` itself (shares storage: scaling it scales ``t``)."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if isinstance(t, DTensor) else _plain(t)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A marked plain gradient as a plain alias (same storage) for the foreach kernels; any other tensor as it is."""
+    return t.as_subclass(torch.Tensor) if type(t) is _StageTensor else t
 
 
 def _tensor_norms(grads: list[torch.Tensor], norm_type: float, foreach: bool | None) -> list[torch.Tensor]:
@@ -157,7 +166,7 @@ def total_norm(h: Holding, norm_type: float = 2.0, error_if_nonfinite: bool = Fa
     norm_type = float(norm_type)
     dtypes, slot = _slots(h.module)
     params = [p for p in h.local if p.grad is not None and (h.counted is None or id(p) in h.counted)]
-    norms = _tensor_norms([p.grad for p in params], norm_type, foreach)  # type: ignore[misc]
+    norms = _tensor_norms([_plain(p.grad) for p in params], norm_type, foreach)  # type: ignore[misc]
     if h.across:
         buf = torch.zeros(2, len(dtypes), dtype=torch.float64, device=h.comm)
         if params:
@@ -224,49 +233,80 @@ def clip_grad_norm(
         return total
 
 
-# ---------------------------------------------------------------------- the plain torch call on a pipeline rank
+# ---------------------------------------------------------------------- torch's own clip on a pipeline rank
 _GUARDED: weakref.WeakSet[Any] = weakref.WeakSet()  # RankStages of pipelines: their gradients are one stage's
+_TOTAL_NORM = frozenset({"_get_total_norm", "clip_grad_norm_"})  # torch's functions taking a clip's total norm (2nd: torch < 2.6)
 
 
-def _refuse_stage_grads(tensors: Sequence[Any]) -> None:
-    """``RuntimeError`` when ``tensors`` hold a pipeline rank's gradients (a norm over one stage only)."""
+def _in_torch_total_norm(frame: Any) -> bool:
+    """Whether ``frame`` (the Python caller of a torch op) is torch's own total norm, ``get_total_norm`` /
+    ``clip_grad_norm_`` in ``torch.nn.utils.clip_grad`` (a comprehension inside it counts as it, Python < 3.12)."""
+    while frame is not None and frame.f_code.co_name.startswith("<"):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_name in _TOTAL_NORM and frame.f_globals.get("__name__") == "torch.nn.utils.clip_grad"
+
+
+def _refusal(args: Sequence[Any]) -> RuntimeError:
+    """The ``RuntimeError`` for torch's own norm over a pipeline rank's gradients (``args``: the torch op's)."""
+    touched = {id(t) for a in args for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, _StageGradient)}
+    where, stages = "this rank", "one stage"
     for ranks in list(_GUARDED):
-        mine = {id(p.grad) for p in ranks.local_parameters() if p.grad is not None}
-        if any(id(t) in mine for t in tensors):
-            raise RuntimeError(
-                f"torch.nn.utils.clip_grad_norm_ on rank {ranks.info.rank} sees only the gradients of stage {ranks.stage} "
-                f"of a {ranks.mesh.stages}-stage pipeline, so it would clip each stage by its own norm and the update would "
-                "differ from one device's. Call spanned.clip_grad_norm_(max_norm, norm_type) instead: the same arguments "
-                "and return value, the norm taken over every stage's gradients (nothing was clipped)"
-            )
+        if any(id(p.grad) in touched for p in ranks.local_parameters() if p.grad is not None):
+            where, stages = f"rank {ranks.info.rank}", f"stage {ranks.stage} of a {ranks.mesh.stages}-stage pipeline"
+    return RuntimeError(
+        f"torch.nn.utils.clip_grad_norm_ on {where} sees only the gradients of {stages}, so it would clip each stage "
+        "by its own norm and the update would differ from one device's. Call spanned.clip_grad_norm_(max_norm, norm_type) "
+        "instead: the same arguments and return value, the norm taken over every stage's gradients (nothing was clipped)"
+    )
+
+
+class _StageGradient:
+    """A pipeline rank's gradient (``guard_plain_clip`` swaps the class of that tensor object, nothing else): every
+    torch op on it runs as on the plain tensor, results plain, except one called by torch's own total norm, which
+    raises (``_refusal``). Copies and pickles are the plain class (they load without torchspan)."""
+
+    __slots__ = ()
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        if _in_torch_total_norm(sys._getframe(1)):
+            raise _refusal(args)
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+
+    def _unmarked(self) -> Any:
+        """The same gradient as its plain class (an alias: same storage)."""
+        return self.as_subclass(torch.Tensor) if type(self) is _StageTensor else self.detach()  # type: ignore[attr-defined]
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self._unmarked().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        memo[id(self)] = copied = copy.deepcopy(self._unmarked(), memo)
+        return copied
+
+    def __repr__(self, **kwargs: Any) -> str:
+        return self._unmarked().__repr__(**kwargs)
+
+
+class _StageTensor(_StageGradient, torch.Tensor):
+    __slots__ = ()
+
+
+class _StageDTensor(_StageGradient, DTensor):  # a sharded stage's gradient (FSDP2)
+    __slots__ = ()
+
+
+_MARKED: dict[type, type] = {torch.Tensor: _StageTensor, DTensor: _StageDTensor}  # the gradients a stage holds
 
 
 def guard_plain_clip(ranks: Any) -> None:
-    """From now on, ``torch.nn.utils.clip_grad_norm_`` over ``ranks``' gradients (a ``RankStage``) raises.
+    """After a training step: ``torch.nn.utils.clip_grad_norm_`` (or ``get_total_norm``) over ``ranks``' gradients
+    (a ``RankStage``'s) raises, naming ``spanned.clip_grad_norm_``, before it scales anything.
 
-    Wraps the norm function torch's clip looks up in its module (``_get_total_norm``, torch >= 2.6;
-    else ``clip_grad_norm_`` itself, where ``torch.nn.utils`` exposes it). Installed once per process."""
+    Each gradient this rank holds gets the class ``_StageGradient`` (its ``__torch_function__`` sees torch's own
+    total norm calling it); nothing in ``torch`` is replaced, other tensors and other models are untouched."""
     _GUARDED.add(ranks)
-    module = torch.nn.utils.clip_grad
-    if getattr(module, "_torchspan_guarded", False):
-        return
-    inner = getattr(module, "_get_total_norm", None)
-    if inner is not None:
-
-        def guarded_norm(tensors: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-            tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-            _refuse_stage_grads(tensors)
-            return inner(tensors, *args, **kwargs)
-
-        module._get_total_norm = guarded_norm  # type: ignore[attr-defined]
-    else:  # pragma: no cover - torch < 2.6
-        plain = module.clip_grad_norm_
-
-        def guarded_clip(parameters: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-            parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            _refuse_stage_grads([p.grad for p in parameters if p.grad is not None])
-            return plain(parameters, *args, **kwargs)
-
-        module.clip_grad_norm_ = guarded_clip  # type: ignore[assignment]
-        torch.nn.utils.clip_grad_norm_ = guarded_clip  # type: ignore[assignment]
-    module._torchspan_guarded = True  # type: ignore[attr-defined]
+    for p in ranks.local_parameters():
+        marked = _MARKED.get(type(p.grad))
+        if marked is not None:
+            p.grad.__class__ = marked
