@@ -5,9 +5,9 @@ every attribute of ``torch.nn.utils``, ``torch.nn.utils.clip_grad`` and ``torch.
 before ``import torchspan``; then a model is spanned, trained one ``train_step`` and clipped, and every
 attribute must still be the very object torch had (a submodule that the import loaded is the only
 addition allowed). One process (stages on two CPU "devices"), a 2-stage pipeline across two gloo
-ranks and that pipeline with each stage sharded over 2 replicas (4 ranks), where torch's own ``clip_grad_norm_`` over a stage's gradients is still refused (it would clip
-each stage by its own norm) through those gradients alone: another model's clip in the same process runs
-untouched, with plain ``torch.Tensor`` gradients, and gives torch's norm. In this process: a stage's
+ranks and that pipeline with each stage sharded over 2 replicas (4 ranks), where torch's own
+``clip_grad_norm_`` over a stage's gradients is still refused (it would clip each stage by its own
+norm) through those gradients alone: another model's clip in the same process runs untouched, with plain ``torch.Tensor`` gradients, and gives torch's norm. In this process: a stage's
 marked gradients behave as plain tensors for everything but torch's total norm (optimizers, copies, saves).
 """
 
