@@ -92,10 +92,10 @@ def _worker(rank: int, world: int, port: int) -> None:
 def _refusals() -> None:
     with pytest.raises(ValueError, match="has no tensor-parallel plan of its own"):
         torchspan.span(nn.Sequential(nn.Linear(4, 4)), tp=2)
-    with pytest.raises(ValueError, match=r"tp\(4\) != WORLD_SIZE\(2\)"):
+    with pytest.raises(ValueError, match=r"dp_shard\(1\) \* tp\(4\) != WORLD_SIZE\(2\)"):
         torchspan.span(nn.Sequential(nn.Linear(4, 4)), tp=4, tp_plan={"0": "colwise"})
-    with pytest.raises(ValueError, match="with shard=: tensor parallelism"):
-        torchspan.span(_llama(), tp=2, shard=True)
+    with pytest.raises(ValueError, match="with balance=: tensor parallelism"):
+        torchspan.span(_llama(), tp=2, balance=[4, 4])
     with pytest.raises(ValueError, match=r"tp_plan\['1'\] names no module"):
         torchspan.span(nn.Sequential(nn.Linear(4, 4)), tp=2, tp_plan={"1": "colwise"})
     with pytest.raises(ValueError, match="is not one of 'colwise'"):
@@ -105,3 +105,33 @@ def _refusals() -> None:
 @pytest.mark.slow
 def test_tensor_parallel_gradients_are_one_devices() -> None:
     spawn(_worker, 2, free_port())
+
+
+def _worker_2d(rank: int, world: int, port: int) -> None:
+    """tp(2) x dp_shard(2): each layer split over a pair of ranks, FSDP2 over the pairs; uneven rows 3 + 2."""
+    join_job(rank, world, port)
+    batch = _batch()
+    model = _llama()
+    reference = copy.deepcopy(model)
+    spanned = torchspan.span(model, tp=2, shard=True)
+    assert spanned.mode == "sharded" and spanned.mesh.mesh_dim_names == ("dp_shard", "tp")
+    replica, replicas = spanned.data_parallel
+    assert (replica, replicas) == (rank // 2, 2)  # tp innermost: ranks 0, 1 split the layers of replica 0
+    loss = spanned.train_step(torchspan.shard_batch(batch, replica, replicas))
+    want = reference(**batch).loss
+    want.backward()
+    torch.testing.assert_close(loss.double(), want.detach().double(), rtol=1e-6, atol=1e-8)
+    _same_grads(spanned, reference, "Llama tp=2 x dp_shard=2, train_step", dict(rtol=1e-5, atol=1e-8))
+    state = spanned.state_dict()
+    torch.testing.assert_close(state["model.layers.1.self_attn.o_proj.weight"], reference.state_dict()["model.layers.1.self_attn.o_proj.weight"])
+    model = _llama()  # the plain loop
+    reference = copy.deepcopy(model)
+    spanned = torchspan.span(model, tp=2, shard=True)
+    spanned(**torchspan.shard_batch(batch, replica, replicas)).loss.backward()
+    reference(**batch).loss.backward()
+    _same_grads(spanned, reference, "Llama tp=2 x dp_shard=2, plain loop", dict(rtol=1e-5, atol=1e-8))
+
+
+@pytest.mark.slow
+def test_tensor_parallel_with_sharded_replicas_is_one_devices() -> None:
+    spawn(_worker_2d, 4, free_port(), deadline=300)

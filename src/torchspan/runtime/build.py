@@ -26,11 +26,12 @@ from .memory import ActivationMeter
 from .metainit import bind, materialize, meta_slots, restore
 from .nonfinite import NONFINITE
 from .placement import parse_devices
-from .ranks.env import init_distributed, join_launched_job, rank_info
+from .ranks.env import init_distributed, join_launched_job
 from .ranks.mesh import launched_stages
 from .ranks.metaweights import check_weights, fill
 from .ranks.replicated import launched_replica
-from .ranks.sharded import broadcast_module, check_shard_options
+from .ranks.sharded import check_shard_options
+from .ranks.tensorparallel import tensor_parallel
 from .record import Recorder
 from .spanned import Spanned
 
@@ -129,30 +130,6 @@ def _replica(
     executor = replica(model, device, settings, recorder, meter, weights=weights, **sharding)
     why = "launched with one stage per replica" + (", sharded" if sharding["shard"] else "")
     return dressed(Spanned(model, executor, settings, recorder, meter, mode_reason=why), model)
-
-
-def _tensor_parallel(
-    model: nn.Module, tp: Any, tp_plan: Any, plan: Any, devices: Any, balance: Any, sharding: Any, settings: Settings
-) -> list[Any]:
-    """``model`` split over a ``tp`` mesh on this rank's device, made identical on every rank; returns the devices
-    the one-process runtime then runs it on. Refuses what does not compose with it yet."""
-    from .ranks.tensorparallel import parallelize, tp_mesh
-
-    others = {"plan": plan, "balance": balance, "shard": sharding["shard"] or None, "offload": sharding["offload"]}
-    given = [k for k, v in others.items() if v is not None] + (["devices"] if devices is not None and len(parse_devices(devices)) > 1 else [])
-    if given:
-        raise ValueError(
-            f"span(model, tp={tp!r}) with {', '.join(given)}=: tensor parallelism splits every layer over all of the "
-            "job's processes; pipelines, sharding and plans beside it are not built yet. Drop them, or drop tp="
-        )
-    init_distributed()
-    mesh = tp_mesh(tp)
-    device = rank_info().device
-    model.to(device)
-    broadcast_module(model, None, device if "nccl" in str(rank_info().backend) else torch.device("cpu"))  # rank 0's weights
-    parallelize(model, mesh, tp_plan)
-    settings.mesh = mesh
-    return [device]
 
 
 def _check_meta(model: nn.Module, devices: Any, weights: Any) -> None:
@@ -272,10 +249,10 @@ def span(
     sharding = _sharding(plan, shard, offload, reshard_after_forward, settings.precision, per_shard_batchnorm)
     join_launched_job("torchspan.span")  # launched without init_distributed(): join, never train as a lone process
     recorder = Recorder()
-    if tp is not None:  # every layer split over the job's processes, the rest as one process (ranks.tensorparallel)
-        devices = _tensor_parallel(model, tp, tp_plan, plan, devices, balance, sharding, settings)
-    elif (replicated := _replica(model, plan, devices, balance, settings, recorder, sharding, weights)) is not None:
-        return replicated  # launched with one stage, or sharded: one replica per process
+    if tp is not None:  # every layer split over the tp ranks (ranks.tensorparallel); sharded over the others
+        devices = tensor_parallel(model, tp, tp_plan, settings, sharding, plan=plan, balance=balance, devices=devices)
+    if (tp is None or sharding["shard"]) and (got := _replica(model, plan, devices, balance, settings, recorder, sharding, weights)):
+        return got  # launched with one stage, or sharded: one replica per process
     lay = _layout(model, plan, devices, balance, split_points, no_split, weights)
     return _staged(model, lay, plan, balance, settings, recorder, sharding, weights, dict(split_points=split_points, no_split=no_split))
 

@@ -160,13 +160,14 @@ class DataParallelReplica:
             raise ValueError("no process group: call torchspan.init_distributed() before building a DataParallelReplica")
         self.info: RankInfo = rank_info()
         self.device = torch.device(device) if device is not None else self.info.device
-        self.group = process_group
+        mesh = process_group if hasattr(process_group, "get_group") else None  # a DeviceMesh dimension (tp x dp_shard)
+        self.group = process_group = mesh.get_group() if mesh is not None else process_group
         self.module = module
         self.sharded = shard
         self._engine: Any
         if shard:  # FSDP2 units over the group (ranks.sharded): the same loss contract, sharded states
             self._engine = ShardedEngine(
-                module, self.device, process_group, self.comm_device, precision=precision,
+                module, self.device, mesh or process_group, self.comm_device, precision=precision,
                 reshard_after_forward=reshard_after_forward, offload=offload, weights=weights,
             )  # fmt: skip
         else:

@@ -135,7 +135,7 @@ def broadcast_module(module: nn.Module, group: Any, comm: torch.device) -> None:
     seen: set[int] = set()
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
-            if id(t) in seen or t.device.type == "meta":
+            if id(t) in seen or t.device.type == "meta" or hasattr(t, "device_mesh"):  # a DTensor: made alike already
                 continue
             seen.add(id(t))
             if t.device == comm:
@@ -230,13 +230,15 @@ class ShardedEngine:
     ) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+        given = group if hasattr(group, "get_group") else None  # a DeviceMesh dimension: FSDP2 composes with its DTensors
+        group = given.get_group() if given is not None else group
         self.module, self.group = module, group
         self.offload, self.reshard_after_forward = offload, reshard_after_forward
         self.units = shard_units(module)
         slots = meta_slots(module) if weights is not None else None  # a model built on meta: sharded first, then filled
         if dist.get_world_size(group) > 1:
             broadcast_module(module, group, comm)
-        mesh = device_mesh(group, device.type)
+        mesh = given if given is not None else device_mesh(group, device.type)
         policy = OffloadPolicy() if offload is None else CPUOffloadPolicy()
         half = precision == "bf16"
         mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if half else None, reduce_dtype=torch.float32 if half else None)

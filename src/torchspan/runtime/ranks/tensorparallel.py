@@ -27,31 +27,65 @@ import fnmatch
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
-from .env import rank_info
+from .env import init_distributed, rank_info
 
-__all__ = ["tp_mesh", "parallelize", "tp_styles", "full_tensors", "STYLES"]
+__all__ = ["tp_mesh", "parallelize", "tensor_parallel", "tp_styles", "full_tensors", "STYLES"]
 
 STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "sequence_parallel")
 
 
-def tp_mesh(tp: Any) -> Any:
-    """The ``DeviceMesh`` of a job of exactly ``tp`` processes, its one dimension named ``tp``."""
+def tp_mesh(tp: Any, shard: bool = False) -> Any:
+    """The job's ``DeviceMesh``: ``("tp",)`` over every process, or with ``shard`` ``("dp_shard", "tp")``, ``tp``
+    innermost (torchtitan's order: a node's neighbouring ranks split the layers), the degrees checked as one equation."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp={tp!r} must be an int >= 1 (the processes each layer is split over)")
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if tp != world:
+    dp = world // tp if shard else 1
+    if dp * tp != world:
+        fix = f"launch a multiple of {tp} processes" if shard else f"launch {tp} processes or pass shard=True"
         raise ValueError(
-            f"tp({tp}) != WORLD_SIZE({world}): tensor parallelism splits each layer over every process of the job "
-            f"(with data parallel or pipelines beside it: not yet); launch {tp} processes "
-            f"(torchspan launch --nproc-per-node {tp} train.py) or pass tp={world}"
+            f"dp_shard({dp}) * tp({tp}) != WORLD_SIZE({world}): tensor parallelism splits each layer over tp ranks, "
+            f"and only sharded replicas (shard=True) hold the rest; {fix}"
         )
+    device = rank_info().device.type
+    if shard:
+        return init_device_mesh(device, (dp, tp), mesh_dim_names=("dp_shard", "tp"))
+    return init_device_mesh(device, (tp,), mesh_dim_names=("tp",))
+
+
+def tensor_parallel(
+    model: nn.Module, tp: Any, tp_plan: Any, settings: Any, sharding: dict[str, Any], **others: Any
+) -> list[Any] | None:
+    """``span``'s ``tp=``: the job's mesh made (``settings.mesh``), ``model`` on this rank's device from rank 0's
+    weights, split over the ``tp`` dimension; with ``shard=True`` the replica is then sharded over ``dp_shard``
+    (``sharding["process_group"]``). Returns the devices the rest runs on. Refuses what does not compose yet."""
+    from .sharded import broadcast_module
+
+    from ..placement import parse_devices
+
+    devices = others.pop("devices", None)
+    given = [k for k, v in {**others, "offload": sharding.get("offload")}.items() if v is not None]
+    given += ["devices"] if devices is not None and len(parse_devices(devices)) > 1 else []
+    if given:
+        raise ValueError(
+            f"span(model, tp={tp!r}) with {', '.join(given)}=: tensor parallelism composes with sharded replicas "
+            "(shard=True) so far; pipelines, offload and plans beside it are not built yet. Drop them, or drop tp="
+        )
+    init_distributed()
+    mesh = settings.mesh = tp_mesh(tp, shard=bool(sharding["shard"]))
     info = rank_info()
-    return init_device_mesh(info.device.type, (tp,), mesh_dim_names=("tp",))
+    model.to(info.device)
+    broadcast_module(model, None, info.device if "nccl" in str(info.backend) else torch.device("cpu"))
+    parallelize(model, mesh["tp"] if sharding["shard"] else mesh, tp_plan)
+    if sharding["shard"]:
+        sharding["process_group"] = mesh["dp_shard"]
+    return [info.device]
 
 
 def tp_styles(model: nn.Module, tp_plan: Mapping[str, Any] | None) -> dict[str, Any]:
