@@ -170,3 +170,15 @@ def test_demo_data_parallel_over_two_processes_reports_per_rank_throughput(tmp_p
     assert main(["demo", "--nproc", "1", "--out", str(out_dir)]) == 2
     assert main(["demo", "--nproc", "2", "--devices", "cpu,cpu", "--out", str(out_dir)]) == 2
     assert "--devices do not apply" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_verify_tensor_parallel_by_a_plan(models: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(_verify(models, "--strategies", "single,tp", "--nproc", "2", "--tp-plan", "0=colwise,2=rowwise"))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "tp (2 processes): PASS" in _summary(out, "tp"), out
+    assert main(_verify(models, "--strategies", "tp", "--tp-plan", "0:colwise")) == 2
+    assert "'0:colwise' is not MODULE=STYLE" in capsys.readouterr().err
+    assert main(_verify(models, "--strategies", "tp-fsdp", "--nproc", "2")) == 2
+    assert "tp-fsdp is dp_shard(nproc / 2) x tp(2)" in capsys.readouterr().err

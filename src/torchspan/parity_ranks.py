@@ -14,7 +14,10 @@ initial weights and the same global batch:
 - ``fsdp``: as ``dp``, with ``span(model, shard=True)``: parameters, gradients and optimizer state
   sharded by FSDP2 (each rank writes the full gradients, ``.grad.full_tensor()``);
 - ``fsdp-offload``: ``span(model, shard=True, offload="cpu")``, one process per GPU (nccl); refused
-  (``ValueError``) where there is no GPU.
+  (``ValueError``) where there is no GPU;
+- ``tp``: ``span(model, tp=nproc)``: every layer split over the processes by DTensor (the model's own tensor-parallel
+  plan or ``tp_plan``), every rank the whole batch; ``tp-fsdp``: ``span(model, tp=2, shard=True)``, FSDP2 over
+  the other ``nproc / 2`` (each tp pair one replica's rows).
 
 Multi-process strategies run in spawned gloo processes on 127.0.0.1 (a free port; the strategies
 needing the same process count share one spawn). Every rank rebuilds the model with ``build``
@@ -67,6 +70,7 @@ class StepOptions:
     balance: tuple[int, ...] | None = None
     devices: tuple[str, ...] = ("cpu", "cpu")
     loss_reduction: str | None = None
+    tp_plan: tuple[tuple[str, str], ...] | None = None  # tensor parallel: (module pattern, style) pairs, else the model's
 
 
 # A step on one rank: (model with the initial weights, global inputs, global target, loss_fn, options,
@@ -271,6 +275,33 @@ def _hybrid_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[.
     return spanned.train_step(xs, ts, loss_fn, loss_reduction=opts.loss_reduction)
 
 
+def _tp_processes(nproc: int, opts: StepOptions) -> int:
+    if nproc < 2:
+        raise ValueError(f"tp splits each layer over processes: nproc={nproc} splits nothing; pass --nproc-per-node 2 or more")
+    return nproc
+
+
+def _tp_fsdp_processes(nproc: int, opts: StepOptions) -> int:
+    if nproc < 4 or nproc % 2:
+        raise ValueError(f"tp-fsdp is dp_shard(nproc / 2) x tp(2): nproc={nproc} must be 4 or another even count >= 4")
+    return nproc
+
+
+def _tp_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions, rank: int, world: int) -> torch.Tensor:
+    from .runtime.build import span
+
+    spanned = span(model, tp=world, tp_plan=dict(opts.tp_plan) if opts.tp_plan else None)  # every rank the whole batch
+    return spanned.train_step(inputs, target, loss_fn, loss_reduction=opts.loss_reduction)
+
+
+def _tp_fsdp_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions, rank: int, world: int) -> torch.Tensor:
+    from .runtime.build import span
+
+    spanned = span(model, tp=2, shard=True, tp_plan=dict(opts.tp_plan) if opts.tp_plan else None)
+    xs, ts = shard_batch((inputs, target), *spanned.data_parallel)  # a tp pair shares its replica's rows
+    return spanned.train_step(xs, ts, loss_fn, loss_reduction=opts.loss_reduction)
+
+
 LocalStep = Callable[[nn.Module, Any, Any, Callable[..., Any], StepOptions], torch.Tensor]
 LOCAL: dict[str, LocalStep] = {"single": _single, "local-pipeline": _local_pipeline}
 RANKED: dict[str, RankStrategy] = {
@@ -279,6 +310,8 @@ RANKED: dict[str, RankStrategy] = {
     "hybrid": RankStrategy(_hybrid_processes, _hybrid_step),
     "fsdp": RankStrategy(_dp_processes, _fsdp_step),
     "fsdp-offload": RankStrategy(_offload_processes, _offload_step, backend="cpu:gloo,cuda:nccl"),
+    "tp": RankStrategy(_tp_processes, _tp_step),
+    "tp-fsdp": RankStrategy(_tp_fsdp_processes, _tp_fsdp_step),
 }
 
 

@@ -29,7 +29,19 @@ __all__ = ["run_strategies"]
 # strategies that run nothing of their kind in one process, and what each would need the others for
 _NEEDS_TWO = {"dp": "data parallel (gradients averaged across replicas)", "rank-pipeline": "a pipeline across ranks (one stage per process)",
               "hybrid": "the hybrid (2 stages x 2 replicas)",
-              "fsdp": "sharded data parallel (parameters, gradients and optimizer state split over the processes)"}  # fmt: skip
+              "fsdp": "sharded data parallel (parameters, gradients and optimizer state split over the processes)",
+              "tp": "tensor parallel (each layer split over the processes)", "tp-fsdp": "tensor parallel x sharded"}  # fmt: skip
+
+
+def tp_plan(text: str | None) -> tuple[tuple[str, str], ...] | None:
+    """``--tp-plan 0=colwise,2=rowwise`` as (module pattern, style) pairs; ``None``: the model's own plan."""
+    if not text:
+        return None
+    pairs = [item.partition("=") for item in text.split(",") if item.strip()]
+    bad = [f"{k}{eq}{v}" for k, eq, v in pairs if not eq or not k.strip() or not v.strip()]
+    if bad:
+        raise UsageError(f"--tp-plan {text!r}: {bad[0]!r} is not MODULE=STYLE; e.g. --tp-plan 0=colwise,2=rowwise")
+    return tuple((k.strip(), v.strip()) for k, _, v in pairs)
 
 
 def _names(text: str) -> list[str]:
@@ -81,7 +93,7 @@ def run_strategies(
     if alone and nproc < 2:  # one process: no replica to average with, no stage to hand over to; a PASS would prove nothing
         raise UsageError(
             f"--strategies {','.join(alone)} with --nproc-per-node {nproc}: {_NEEDS_TWO[alone[0]]} needs at least 2 processes; "
-            f"pass --nproc-per-node {4 if 'hybrid' in alone else 2}, or compare single and local-pipeline alone"
+            f"pass --nproc-per-node {4 if 'hybrid' in alone or 'tp-fsdp' in alone else 2}, or compare single and local-pipeline alone"
         )
     if not args.timeout > 0:
         raise UsageError(f"--timeout {args.timeout:g} must be > 0 seconds, e.g. --timeout 180")
@@ -92,6 +104,7 @@ def run_strategies(
         balance=tuple(balance) if balance else None,
         devices=tuple(d.strip() for d in args.devices.split(",") if d.strip()),
         loss_reduction="mean",  # mse_loss: a mean over rows, so shards weigh by their row counts
+        tp_plan=tp_plan(args.tp_plan),
     )
     counts = processes_for(names, nproc, options)  # a ValueError (exit 2) before anything runs
     con = console()

@@ -60,8 +60,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="LIST",
         help="compare several strategies with one device instead: any of single,local-pipeline,dp,rank-pipeline,hybrid,"
-        "fsdp,fsdp-offload (dp, rank-pipeline, hybrid and fsdp run in --nproc-per-node gloo processes on 127.0.0.1; "
-        "fsdp-offload needs a GPU per process)",
+        "fsdp,fsdp-offload,tp,tp-fsdp (the multi-process ones run in --nproc-per-node gloo processes on 127.0.0.1; "
+        "fsdp-offload needs a GPU per process; tp-fsdp needs 4)",
+    )
+    p.add_argument(
+        "--tp-plan",
+        default=None,
+        metavar="PLAN",
+        help="tp and tp-fsdp: MODULE=STYLE pairs (colwise, rowwise, colwise_rep, rowwise_rep, sequence_parallel), "
+        "e.g. 0=colwise,2=rowwise; default: the model's own (a transformers config's base_model_tp_plan)",
     )
     add_nproc_option(p, "processes for dp, fsdp and rank-pipeline with --strategies; hybrid needs 4 = 2 stages x 2 replicas", default=2)
     p.add_argument(
