@@ -1,4 +1,8 @@
-"""README.md's code blocks run as written, or in the form they declare, so they cannot drift.
+"""The code blocks of README.md and the guides in docs/ run as written, or in the form they declare, so they
+cannot drift.
+
+The files are README.md and every docs/*.md except docs/ARCHITECTURE.md (its blocks are diagrams, not code). A
+block's id names its file and the line of its opening fence: ``python@docs/processes.md:42``.
 
 Every ```python block is written to a file in a fresh temporary folder and run in a subprocess with a timeout:
 
@@ -14,7 +18,10 @@ Every ``$ torchspan ...`` line of the other blocks (and ``torchspan ...`` lines 
 set-up commands) must parse with torchspan's own command-line parser: the command and its options exist and their
 values parse. Nothing of it runs.
 
-Usage: ``python -m pytest -q tests/test_readme_blocks.py`` (about a minute; the launched blocks are marked slow).
+Every relative link of those files (``[text](path#anchor)``) names a file that exists, and an anchor names a
+heading of that file.
+
+Usage: ``python -m pytest -q tests/test_readme_blocks.py`` (a few minutes; the launched blocks are marked slow).
 """
 
 from __future__ import annotations
@@ -38,22 +45,29 @@ from torchspan.commands._common import join_negative_values
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+NOT_RUN = {"docs/ARCHITECTURE.md"}  # diagrams and layout, no runnable blocks
+DOCS = [README, *(p for p in sorted((ROOT / "docs").glob("*.md")) if p.relative_to(ROOT).as_posix() not in NOT_RUN)]
 TIMEOUT = 240  # seconds per command; a hang fails the test instead of blocking CI
 
 
 @dataclass(frozen=True)
 class Block:
-    line: int  # README line of the opening fence
+    line: int  # line of the opening fence in ``file``
     lang: str
     text: str
+    file: str = "README.md"  # relative to the repository root
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
 
     @property
     def id(self) -> str:
-        return f"{self.lang or 'text'}@README.md:{self.line}"
+        return f"{self.lang or 'text'}@{self.where}"
 
 
-def readme_blocks(text: str) -> list[Block]:
-    """Every fenced block of ``text`` (indented ones inside list items too), dedented."""
+def readme_blocks(text: str, file: str = "README.md") -> list[Block]:
+    """Every fenced block of ``text`` (indented ones inside list items too), dedented; ``file`` names where it is."""
     blocks, lines, i = [], text.splitlines(), 0
     while i < len(lines):
         m = re.match(r"^(\s*)```(\w*)\s*$", lines[i])
@@ -65,12 +79,12 @@ def readme_blocks(text: str) -> list[Block]:
         while i < len(lines) and lines[i].strip() != "```":
             body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i])
             i += 1
-        blocks.append(Block(start + 1, lang, "\n".join(body) + "\n"))
+        blocks.append(Block(start + 1, lang, "\n".join(body) + "\n", file))
         i += 1
     return blocks
 
 
-BLOCKS = readme_blocks(README.read_text(encoding="utf-8"))
+BLOCKS = [b for path in DOCS for b in readme_blocks(path.read_text(encoding="utf-8"), path.relative_to(ROOT).as_posix())]
 PYTHON = [b for b in BLOCKS if b.lang == "python"]
 
 
@@ -82,7 +96,7 @@ def commands(block: Block) -> list[list[str]]:
             forms = [shlex.split(c) for c in re.split(r",?\s+or\s+", m.group(1).strip().rstrip("."))]
             for argv in forms:
                 assert argv[-1].endswith(".py") and (argv[0] == "python" or argv[:2] == ["torchspan", "launch"]), (
-                    f"README.md:{block.line}: `run with:` names {' '.join(argv)!r}; use `python NAME.py` or "
+                    f"{block.where}: `run with:` names {' '.join(argv)!r}; use `python NAME.py` or "
                     "`torchspan launch --nproc-per-node N NAME.py`"
                 )
             return forms
@@ -114,7 +128,7 @@ def run_block(block: Block, command: list[str], folder: Path) -> subprocess.Comp
     env = {**os.environ, "TORCHSPAN_TIMEOUT": "120", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(_argv(command, file), cwd=folder, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     tail = (proc.stdout + proc.stderr)[-4000:]
-    assert proc.returncode == 0, f"README.md:{block.line} `{' '.join(command)}` exited {proc.returncode}:\n{tail}"
+    assert proc.returncode == 0, f"{block.where} `{' '.join(command)}` exited {proc.returncode}:\n{tail}"
     return proc
 
 
@@ -130,23 +144,27 @@ CASES = [pytest.param(b, c, id=f"{b.id}:{' '.join(c)}", marks=_marks(b)) for b i
 def test_readme_python_block_runs(block: Block, command: list[str], tmp_path: Path) -> None:
     need = gpus_needed(block)
     if need > torch.cuda.device_count():
-        pytest.skip(f"README.md:{block.line} needs {need} GPU(s); {torch.cuda.device_count()} here")
+        pytest.skip(f"{block.where} needs {need} GPU(s); {torch.cuda.device_count()} here")
     if re.search(r"^\s*import .*\btransformers\b", block.text, re.M) and importlib.util.find_spec("transformers") is None:
-        pytest.skip(f"README.md:{block.line} needs transformers: pip install -c constraints.txt -e '.[hf]'")
+        pytest.skip(f"{block.where} needs transformers: pip install -c constraints.txt -e '.[hf]'")
     if re.search(r"^\s*(import|from) lightning\b", block.text, re.M) and importlib.util.find_spec("lightning") is None:
-        pytest.skip(f"README.md:{block.line} needs Lightning: pip install -c constraints.txt -e '.[lightning]'")
+        pytest.skip(f"{block.where} needs Lightning: pip install -c constraints.txt -e '.[lightning]'")
     proc = run_block(block, command, tmp_path)
     for text in expected_prints(block):
-        assert text in proc.stdout, f"README.md:{block.line} says it prints {text!r}; it printed:\n{proc.stdout[-2000:]}"
+        assert text in proc.stdout, f"{block.where} says it prints {text!r}; it printed:\n{proc.stdout[-2000:]}"
 
 
 def test_every_python_block_is_checked() -> None:
-    """The blocks this file runs are README's python blocks, and there are some (the extraction did not go blind)."""
+    """The blocks this file runs are README's and the guides' python blocks, and there are some in each file that
+    teaches code (the extraction did not go blind)."""
     assert len(PYTHON) >= 8 and all("import" in b.text for b in PYTHON), [b.id for b in PYTHON if "import" not in b.text]
+    files = {b.file for b in PYTHON}
+    assert {"README.md", "docs/one-process.md", "docs/processes.md", "docs/trainers.md"} <= files, sorted(files)
+    assert not NOT_RUN & files and "docs/cli.md" in {b.file for b in BLOCKS}, sorted(files)
 
 
 def test_train_py_says_when_it_resumes(tmp_path: Path) -> None:
-    """The README's train.py, run a second time, resumes from ckpt.pt and says so (it printed nothing)."""
+    """The guides' train.py, run a second time, resumes from ckpt.pt and says so (it printed nothing)."""
     (block,) = [b for b in PYTHON if ["python", "train.py"] in commands(b)]
     first = run_block(block, ["python", "train.py"], tmp_path)
     assert "epoch 3" in first.stdout and (tmp_path / "ckpt.pt").exists()
@@ -184,11 +202,66 @@ def test_readme_shell_command_parses(block: Block, line: str) -> None:
         try:
             args, extra = parser.parse_known_args(join_negative_values(parser, argv))
         except SystemExit as exc:
-            pytest.fail(f"README.md:{block.line} `{line}` does not parse (exit {exc.code}): {err.getvalue().strip()}")
-    assert not extra, f"README.md:{block.line} `{line}`: unknown arguments {extra}"
-    assert getattr(args, "func", None) is not None, f"README.md:{block.line} `{line}`: no such command"
+            pytest.fail(f"{block.where} `{line}` does not parse (exit {exc.code}): {err.getvalue().strip()}")
+    assert not extra, f"{block.where} `{line}`: unknown arguments {extra}"
+    assert getattr(args, "func", None) is not None, f"{block.where} `{line}`: no such command"
 
 
 def test_shell_commands_are_found() -> None:
     names = {s.split()[1] for _, s in SHELL}
     assert {"devices", "doctor", "plan", "verify", "launch"} <= names, names
+
+
+# --------------------------------------------------------------------------- links
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation (backticks too) dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """The anchors of ``path``'s headings (outside code blocks), with GitHub's -1, -2 for repeats."""
+    found: set[str] = set()
+    fenced = False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip().startswith("```"):
+            fenced = not fenced
+        m = None if fenced else re.match(r"^#{1,6}\s+(.+?)\s*#*\s*$", line)
+        if m:
+            base = anchor = slug(m.group(1))
+            n = 0
+            while anchor in found:
+                n += 1
+                anchor = f"{base}-{n}"
+            found.add(anchor)
+    return found
+
+
+def links() -> list[tuple[str, str]]:
+    """``(file, target)`` for every relative link of README.md and the guides, outside code."""
+    found = []
+    for path in DOCS:
+        text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
+        text = re.sub(r"`[^`\n]*`", "", text)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if not re.match(r"^[a-z]+:", target):
+                found.append((path.relative_to(ROOT).as_posix(), target))
+    return found
+
+
+LINKS = links()
+
+
+@pytest.mark.parametrize(("file", "target"), [pytest.param(f, t, id=f"{f}->{t}") for f, t in LINKS])
+def test_relative_link_resolves(file: str, target: str) -> None:
+    name, _, anchor = target.partition("#")
+    path = (ROOT / file).parent / name if name else ROOT / file
+    assert path.exists(), f"{file} links to {target}: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path} does not exist"
+    if anchor and path.suffix == ".md":
+        assert anchor in anchors(path), f"{file} links to {target}: no heading of {name or file} has the anchor #{anchor}"
+
+
+def test_links_are_found() -> None:
+    assert any(t.startswith("docs/") for f, t in LINKS if f == "README.md"), "README links to no guide"
+
