@@ -265,3 +265,12 @@ def test_relative_link_resolves(file: str, target: str) -> None:
 def test_links_are_found() -> None:
     assert any(t.startswith("docs/") for f, t in LINKS if f == "README.md"), "README links to no guide"
 
+
+def test_the_demo_names_guides_that_exist() -> None:
+    """`torchspan demo`'s closing line and report.md name the guide that explains what it showed."""
+    from torchspan.demo.story import GUIDES, guide, guide_line
+
+    for name in GUIDES.values():
+        assert (ROOT / name).exists() and ROOT / name in DOCS, name
+    assert GUIDES["one process"] in guide_line() and GUIDES["processes"] in guide_line(processes=2)
+    assert guide() in guide_line() and guide(2) != guide()

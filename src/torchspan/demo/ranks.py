@@ -38,6 +38,7 @@ from ..runtime.ranks import free_port, init_distributed, shard_batch
 from .corpus import build_corpus
 from .model import CharTransformer, generate, lm_loss
 from .run import DemoConfig, out_folder
+from .story import guide, guide_line
 
 __all__ = ["RanksDemoResult", "run_demo_ranks"]
 
@@ -179,6 +180,7 @@ def run_demo_ranks(
         [(str(r["rank"]), str(r["samples"]), f"{r['seconds']:.2f}", f"{r['samples_per_second']:,.1f}", f"{r['tokens_per_second']:,.0f}") for r in ranks],
     )
     report = files.report.read_text(encoding="utf-8") + "\n## Per-rank throughput\n\n" + "\n".join(table) + "\n"
+    report += f"\n## What you saw\n\n{guide(nproc)}\n"
     write_text(files.report, report, name="out")
     write_text(out_dir / "losses.json", json.dumps(losses), name="out")
     written = {"report": files.report, "losses": out_dir / "losses.json"}
@@ -187,4 +189,5 @@ def run_demo_ranks(
     for r in ranks:
         con.print(f"rank {r['rank']}: {r['samples']} samples in {r['seconds']:.2f} s, {r['samples_per_second']:,.1f} samples/s")
     con.print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {cfg.steps} steps over {nproc} processes. Report: {files.report}")
+    con.print(guide_line(nproc))
     return RanksDemoResult(out_dir, nproc, losses, ranks, wall, sample, written)

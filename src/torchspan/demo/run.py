@@ -43,7 +43,7 @@ from .corpus import Corpus, build_corpus
 from .model import CharTransformer, generate, lm_loss
 from .placement import Placement, demo_plan, gpu_machine
 from .spanning import DemoDevices, GradientCheck, OneDevice, choose_devices, gradient_check, one_device_run, reference_copy
-from .story import check_lines, describe, next_lines, spans, why_lines
+from .story import check_lines, describe, guide, guide_line, next_lines, spans, why_lines
 
 __all__ = ["run_demo", "DemoResult", "DemoConfig", "DEFAULT_STEPS"]
 
@@ -290,11 +290,13 @@ def _sample(model: torch.nn.Module, corpus: Corpus, cfg: DemoConfig, gen: torch.
 
 
 def _sections(result: DemoResult) -> list[tuple[str, list[str]]]:
-    """``report.md``'s sections after the summary: what ran and why (with the check), a GPU machine, what to run next."""
+    """``report.md``'s sections after the summary: what ran and why (with the check), a GPU machine, what to run next,
+    and the guide that explains it."""
     sections = [("What ran and why", [f"- {line}" for line in result.story])]
     if result.gpu_machine:
         sections.append(("On a GPU machine", [result.gpu_machine]))
     sections.append(("Next", ["```bash", *result.next, "```"]))
+    sections.append(("What you saw", [guide()]))
     return sections
 
 
@@ -346,4 +348,5 @@ def _write_report(result: DemoResult, cfg: DemoConfig, n_params: int, con: Conso
         f"loss {losses[0]:.3f} -> {losses[-1]:.3f} (last-20 mean {_tail_mean(losses):.3f}) in {cfg.steps} steps, {seconds:.1f} s, "
         f"{result.tokens_per_second:,.0f} tokens/s. Report: {files.report}",
     )
+    _say(con, guide_line())
     return written

@@ -1,6 +1,7 @@
 """What the demo says about what it ran and why: one list of plain lines for the console and ``report.md``.
 
-Usage: ``lines = why_lines(setup, placement)``; ``check_lines(check, one, span_ms)``; ``next_lines(placement)``.
+Usage: ``lines = why_lines(setup, placement)``; ``check_lines(check, one, span_ms)``; ``next_lines(placement)``;
+``guide_line()`` (``guide_line(processes=2)`` for the data-parallel demo), the closing line naming the guide.
 """
 
 from __future__ import annotations
@@ -9,7 +10,10 @@ from ..planner.plans import Plan
 from .placement import Placement, ms
 from .spanning import DemoDevices, GradientCheck, OneDevice
 
-__all__ = ["describe", "why_lines", "check_lines", "next_lines", "spans"]
+__all__ = ["describe", "why_lines", "check_lines", "next_lines", "spans", "guide", "guide_line", "GUIDES"]
+
+# The guide in torchspan's repository that explains what each demo showed.
+GUIDES = {"one process": "docs/one-process.md", "processes": "docs/processes.md"}
 
 
 def spans(plan: Plan) -> bool:
@@ -81,3 +85,21 @@ def next_lines(placement: Placement) -> list[str]:
         "# every strategy's gradients against one device, for a model of examples/models.py",
         "torchspan verify examples/models.py:mlp --input-shape 7,1024 --strategies single,local-pipeline,dp,rank-pipeline --nproc-per-node 2",
     ]
+
+
+def guide(processes: int = 1) -> str:
+    """The guide that explains what the demo just showed (one process, or ``processes`` of them), and what it covers."""
+    if processes > 1:
+        return (
+            f"{GUIDES['processes']} in torchspan's repository (data parallel over processes: launching, exact "
+            "replicas, each rank's rows, checkpoints)."
+        )
+    return (
+        f"{GUIDES['one process']} in torchspan's repository (a model spanned in one process: stages, micro-batches, "
+        "schedules, the exact-gradient check)."
+    )
+
+
+def guide_line(processes: int = 1) -> str:
+    """The demo's closing line: ``What you saw: docs/one-process.md ...``."""
+    return f"What you saw: {guide(processes)}"
