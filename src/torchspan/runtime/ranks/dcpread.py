@@ -173,6 +173,16 @@ class _SafeEmptyPlanner(_SafeBytes, _EmptyStateDictLoadPlanner):
         super().__init__(keys=keys)
         self.trusted, self.folder = trusted, folder
 
+    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+        """DCP rebuilds the state dict in the order the ranks' write items came (a tensor-parallel model's split
+        tensors first, each replicated one where its writer's items fall); ``planner_data`` keeps the state dict's
+        own order (every rank's keys, flattened), so the full tensors come back with the model's key order."""
+        order = getattr(metadata, "planner_data", None)
+        if isinstance(order, dict):
+            saved = metadata.state_dict_metadata
+            metadata.state_dict_metadata = {k: saved[k] for k in order if k in saved} | saved
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+
 
 def read_full(path: Path, trusted: bool = False, keys: set[str] | None = None) -> dict[str, Any]:
     """Every saved value in this process, without a process group: full tensors (on the CPU) under the saved
