@@ -165,8 +165,40 @@ def test_microbatch_candidates() -> None:
     assert microbatch_candidates(1) == [1]
 
 
+def _cpu_seconds(fn) -> float:  # type: ignore[no-untyped-def]
+    """Process CPU time of ``fn()``: unlike the wall clock it does not grow when other jobs share the cores."""
+    start = time.process_time()
+    fn()
+    return time.process_time() - start
+
+
 def test_thousand_layers_on_eight_devices_is_fast() -> None:
-    """Order-of-magnitude guard; the figure itself is in benchmarks/plan_quality.py."""
+    """README: "plans 1,000 layers on 8 devices in well under a second" (benchmarks/plan_quality.py's search speed,
+    benchmarks/RESULTS.md). Bounds in CPU seconds, about 2.4x over what this 2-core VM measured at load 5, so that a 3x
+    slower search fails (checked by running each search three times); the wall-clock bound of 10 s let it through (the
+    wall time doubles at load 5 on 2 cores; CPU time grew ~1.35x at load 10)."""
+    import torchspan
+    from torchspan.profiler.costs import LayerCost
+
+    # the README's case, plan_quality.synthetic_profile: 4 x A100, 3 x V100, CPU (3 device types), settings on auto
+    rng = random.Random(0)
+    speeds = [1.0] * 4 + [0.6] * 3 + [0.02]
+    layers = []
+    for k in range(1000):
+        j, params = rng.uniform(0.5, 2.0), rng.randint(0, 8 * 2**20)
+        layers.append(LayerCost(
+            name=f"l{k}", kind="Linear", param_bytes=params, grad_bytes=params, optimizer_bytes=2 * params, buffer_bytes=0,
+            activation_bytes=rng.uniform(1e4, 1e5), output_bytes=rng.uniform(1e3, 5e4), flops=1e9,
+            forward_fixed=[2e-5] * 8, forward_per_sample=[1e-5 * j / s for s in speeds],
+            backward_fixed=[4e-5] * 8, backward_per_sample=[2e-5 * j / s for s in speeds], time_source=["synthetic"] * 8,
+        ))
+    prof = Profile(layers=layers, devices=torchspan.devices("a100-40gb*4,v100-16gb*3,cpu"), batch_size=64, input_bytes=1e4, optimizer="adam")
+    plans = []
+    took = min(_cpu_seconds(lambda: plans.append(search(prof))) for _ in range(2))
+    assert len(plans[0].layers) == 1000
+    assert took < 0.75, f"search on auto took {took:.2f} CPU s for 1,000 layers on 8 devices of 3 types (measured 0.29-0.32 s; 0.31-0.45 at load 10)"
+
+    # the hardest case: every layer's speed jittered on every device (8 device types), settings fixed
     rng = random.Random(0)
     devs = [device("cuda", "a100", 40 * 2**30, 25e9, i) for i in range(4)]
     devs += [device("cuda", "v100", 16 * 2**30, 12e9, i + 4) for i in range(3)] + [device("cpu", "cpu", 64 * 2**30)]
@@ -176,11 +208,10 @@ def test_thousand_layers_on_eight_devices_is_fast() -> None:
         for k in range(1000)
     ]
     prof = Profile(layers=layers, devices=devs, batch_size=64, input_bytes=1e4, optimizer="adam")
-    start = time.perf_counter()
-    plan = search(prof, microbatches=8, schedule="1f1b", recompute="never")
-    elapsed = time.perf_counter() - start
-    assert len(plan.layers) == 1000
-    assert elapsed < 10.0, f"search took {elapsed:.2f}s for 1,000 layers on 8 devices"
+    plans = []
+    took = _cpu_seconds(lambda: plans.append(search(prof, microbatches=8, schedule="1f1b", recompute="never")))
+    assert len(plans[0].layers) == 1000
+    assert took < 4.5, f"search took {took:.2f} CPU s for 1,000 layers on 8 devices of 8 types (measured 1.77-1.94 s; 2.2-2.6 at load 10)"
 
 
 # ---------------------------------------------------------------- one physical device listed twice
