@@ -264,7 +264,7 @@ class Spanned(nn.Module):
         (1 for ``reduction="sum"``). Any other callable is calibrated on its first batch (and when
         the split, target shapes or count of negative labels change): one extra no-grad forward,
         random state and buffers left as they were, finds whether it is a per-sample mean or a
-        sum (measured: 0.3-0.4x of one step on a small MLP, once, not per step); if neither
+        sum (measured: about 0.3x of one step on a small MLP, once, not per step: benchmarks/loss_calibration.py); if neither
         reproduces the full-batch value, ``ValueError`` names both values and the ways out.
         Declare it: ``loss_reduction="sum"`` / ``"mean"``; or give
         ``loss_normalizer=`` what its mean divides by for a chunk's target, e.g.
