@@ -1,4 +1,4 @@
-"""``torchspan plan``'s cluster options: ``--nodes``, ``--interconnect``, ``--intra-link``, ``--data-parallel``.
+"""``torchspan plan``'s cluster options: ``--nodes``, ``--interconnect``, ``--intra-link``, ``--data-parallel``, ``--tp``.
 
 Usage::
 
@@ -32,6 +32,10 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
         "--intra-link", default=None, metavar="LINK", help="link between a node's devices (default: NVLink for SXM GPUs, else PCIe)"
     )
     p.add_argument("--data-parallel", default="auto", metavar="N", help="data-parallel degree (default: search; must divide the ranks)")
+    p.add_argument(
+        "--tp", default="auto", metavar="N",
+        help="tensor-parallel degree within a node (default: price 2, 4 and 8 where they divide --devices; 1: none)",
+    )  # fmt: skip
 
 
 def cluster_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -57,6 +61,8 @@ def cluster_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         out[key] = value
     if args.data_parallel != "auto":
         out["data_parallel"] = _count(args.data_parallel, "--data-parallel")
+    if args.tp != "auto":
+        out["tp"] = _count(args.tp, "--tp")
     if "interconnect" in out and out.get("nodes", 1) == 1 and "intra_link" not in out:
         raise UsageError(f"--interconnect {out['interconnect']} joins nodes; add --nodes N (N >= 2)")
     return out

@@ -8,7 +8,8 @@ settings grid), ``solver`` (the exact dynamic programme), ``explain`` (why nothi
 ``PlanError``'s text), ``stable`` (measured predictions within noise are ties, broken the same way every
 run; ``Plan.runner_up``), ``optimize`` (``search``), ``baselines``, ``spread`` (one stage per
 device), ``measured`` (predicted vs measured), ``comm`` (all-reduce and point-to-point times over
-``hardware.links``), ``topology`` (``Cluster``: nodes you describe) and ``cluster`` (data x pipeline plans on it), ``api`` (``plan``).
+``hardware.links``), ``topology`` (``Cluster``: nodes you describe), ``sharded`` and ``strategies`` (FSDP2, offload, the
+comparison), ``tensorparallel`` (tensor parallel x sharded) and ``cluster`` (plans on it), ``api`` (``plan``).
 
 Usage::
 

@@ -47,6 +47,7 @@ def plan(
     data_parallel: int | str = "auto",
     checkpoint: str | None = None,
     host_memory: int | float | str | None = None,
+    tp: int | str = "auto",
 ) -> Plan:
     """The fastest placement of ``model``'s layers on ``devices`` within every memory budget.
 
@@ -71,20 +72,22 @@ def plan(
     with no ``intra_link`` and ``data_parallel="auto"`` plans one process, as without them.
 
     Strategies: a cluster plan weighs replicas (DDP), sharded (FSDP2), sharded + offload (states in host memory,
-    the optimizer step on the CPU), pipeline, hybrid and pipeline x sharded with one cost model
+    the optimizer step on the CPU), pipeline, hybrid, pipeline x sharded and tensor parallel x sharded with one cost model
     (``planner.strategies``, ``planner.sharded``); ``plan.comparison`` (printed as a table, in ``to_dict()``) has each
     one's predicted step, peak memory per device and whether it fits; the winner is the plan (``plan.shard``,
     ``plan.offload``), which ``span(model, plan)`` runs on every rank of a job of ``plan.world_size`` processes.
     A one-process plan stays one; when nothing fits one process, sharded + offload on its first accelerator (run by
     ``span(model, plan)`` in a process group of one) is planned when it fits. ``host_memory``: one node's host memory for offloaded
     states (default: this machine's free memory for present devices, 3 x the node's accelerator memory for
-    described ones).
+    described ones). ``tp``: tensor-parallel degrees a cluster plan prices (``planner.tensorparallel``: ``"auto"``, 2,
+    4 and 8 dividing the devices per node; an int fixes one, 1 prices none); ``plan.tp`` is the chosen one, run by
+    ``span(model, tp=plan.tp, shard=True)``.
     """
     from ..profiler.measure import profile
 
     recompute = recompute_alias(recompute, checkpoint, "auto")
     devs = find_devices(devices, memory)
-    one_process = (nodes is None or nodes == 1) and intra_link is None and data_parallel == "auto"
+    one_process = (nodes is None or nodes == 1) and intra_link is None and data_parallel == "auto" and tp in ("auto", 1)
     # the cluster is checked before the (slow) profile
     cluster = None if one_process else Cluster.describe(devs, nodes or 1, intra=intra_link, interconnect=interconnect)
     host = None if host_memory is None else parse_memory(host_memory, name="host_memory")
@@ -101,7 +104,7 @@ def plan(
     else:
         result = cluster_search(
             prof, cluster, microbatches=microbatches, schedule=schedule, recompute=recompute, data_parallel=data_parallel,
-            ties=ties, host_memory=host,
+            ties=ties, host_memory=host, tp=tp,
         )  # fmt: skip
     if not result.ties:  # the searches record (and charge) the ties they were given
         record_ties(result, model)

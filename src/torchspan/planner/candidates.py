@@ -47,9 +47,12 @@ class Reduction:
     end: float
 
 
-def strategy_of(dp: int, pp: int, shard: bool = False, offload: str | None = None) -> str:
+def strategy_of(dp: int, pp: int, shard: bool = False, offload: str | None = None, tp: int = 1) -> str:
     """The strategy a data x pipeline choice is: ``replicas``, ``sharded``, ``sharded + offload``, ``pipeline``,
-    ``hybrid`` (pipeline x replicas) or ``pipeline x sharded`` (``planner.strategies.STRATEGIES``)."""
+    ``hybrid`` (pipeline x replicas), ``pipeline x sharded`` or, each layer split over ``tp > 1`` ranks,
+    ``tensor parallel x sharded`` (``planner.strategies.STRATEGIES``, ``planner.tensorparallel``)."""
+    if tp > 1:
+        return "tensor parallel x sharded"
     if pp == 1:
         return "sharded + offload" if offload else "sharded" if shard else "replicas"
     if dp == 1:
@@ -59,11 +62,13 @@ def strategy_of(dp: int, pp: int, shard: bool = False, offload: str | None = Non
 
 @dataclass(frozen=True)
 class ClusterCandidate:
-    """One data x pipeline choice and its predicted step: ``step = compute + p2p + allreduce + ties + optimizer``.
+    """One data x pipeline choice and its predicted step: ``step = compute + p2p + allreduce + ties + optimizer + tp_comm``.
 
     Sharded (``shard``): ``allreduce`` is every collective the step waits for (all-gathers and reduce-scatters,
     with offload their host copies too), ``memory`` one rank's device bytes per stage, ``host`` the host bytes of
     one node (offload), ``optimizer`` the CPU optimizer step (offload), ``totals`` the collectives in full.
+    Tensor parallel (``tp > 1``, ``planner.tensorparallel``): ``dp`` replicas of ``tp`` ranks each, ``stage_ranks``
+    one row of every rank (replica ``r``: ``row[r * tp:(r + 1) * tp]``), ``tp_comm`` its all-reduces (not overlapped).
     """
 
     dp: int
@@ -86,6 +91,8 @@ class ClusterCandidate:
     totals: tuple[tuple[str, float], ...] = ()  # sharded: ("allgather_total", s), ("reduce_scatter_total", s), ...
     fits: bool = True
     why: str = ""  # when it does not fit: what is over its budget
+    tp: int = 1  # ranks each layer is split over (tensor parallel), within a node
+    tp_comm: float = 0.0  # tensor parallel: seconds of its all-reduces per step, on the compute's path
 
     @property
     def pp(self) -> int:
@@ -93,11 +100,11 @@ class ClusterCandidate:
 
     @property
     def step(self) -> float:
-        return self.compute + self.p2p + self.allreduce + self.ties + self.optimizer
+        return self.compute + self.p2p + self.allreduce + self.ties + self.optimizer + self.tp_comm
 
     @property
     def strategy(self) -> str:
-        return strategy_of(self.dp, self.pp, self.shard, self.offload)
+        return strategy_of(self.dp, self.pp, self.shard, self.offload, self.tp)
 
     @property
     def stage_memory(self) -> tuple[StageMemory, ...]:
@@ -121,6 +128,9 @@ class ClusterCandidate:
 
     def times(self) -> dict[str, float]:
         """The step split (``Plan.predicted_times``): the parts not named ``*_total`` add up to ``step``."""
+        if self.tp > 1:
+            return {"compute": self.compute, "tp_allreduce": self.tp_comm, "collectives": self.allreduce, **dict(self.totals),
+                    "p2p": self.p2p, "ties": self.ties}  # fmt: skip
         if not self.shard:
             return {"compute": self.compute, "allreduce": self.allreduce, "allreduce_total": self.allreduce_total,
                     "p2p": self.p2p, "ties": self.ties}  # fmt: skip
@@ -131,14 +141,16 @@ class ClusterCandidate:
 
     def row(self) -> str:
         mem = "/".join(format_bytes(m.total) for m in self.stage_memory)
-        head = f"dp {self.dp} x pp {self.pp} ({self.layout}; {self.strategy}), {self.cm.M} micro-batch(es), {self.cm.recompute}: "
+        split = f"tp {self.tp} x dp {self.dp}" if self.tp > 1 else f"dp {self.dp} x pp {self.pp}"
+        head = f"{split} ({self.layout}; {self.strategy}), {self.cm.M} micro-batch(es), {self.cm.recompute}: "
         if self.shard:
             total = sum(v for k, v in self.totals if k in ("allgather_total", "reduce_scatter_total"))
             comm = f"collectives {self.allreduce * 1e3:.3f} exposed (of {total * 1e3:.3f})"
         else:
             comm = f"all-reduce {self.allreduce * 1e3:.3f} exposed (of {self.allreduce_total * 1e3:.3f})"
         return (
-            head + f"step {self.step * 1e3:.3f} ms = compute {self.compute * 1e3:.3f} + {comm} + p2p {self.p2p * 1e3:.3f}"
+            head + f"step {self.step * 1e3:.3f} ms = compute {self.compute * 1e3:.3f}"
+            + (f" + tp all-reduces {self.tp_comm * 1e3:.3f}" if self.tp > 1 else "") + f" + {comm} + p2p {self.p2p * 1e3:.3f}"
             + (f" + ties {self.ties * 1e3:.3f}" if self.tie_reductions else "")
             + (f" + CPU optimizer {self.optimizer * 1e3:.3f}" if self.offload else "")
             + f"; memory per stage {mem}" + (f", host {format_bytes(self.host)} per node" if self.offload else "")

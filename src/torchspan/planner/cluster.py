@@ -11,7 +11,8 @@ micro-batch count, schedule and recompute mode of one replica (``optimize.search
 ``cluster.replica_profile``: ``pp`` copies of the node's device, ``ceil(B / dp)`` samples, hand-overs
 priced at the slowest link the layout's pipelines cross). When that best pipeline leaves some
 of its ``pp`` devices idle (fewer stages are faster for one replica), ``even_cut`` cuts it into
-exactly ``pp`` stages instead, for every setting: ``dp * pp`` fills the world.
+exactly ``pp`` stages instead, for every setting: ``dp * pp`` fills the world. Beside them, every
+``tp x dp`` of the world with each block split over ``tp`` ranks of a node (``planner.tensorparallel``).
 
 What is predicted, per replica (all replicas alike; ``M`` micro-batches)::
 
@@ -74,9 +75,10 @@ from .settings import settings_grid, sharded_schedule
 from .sharded import optimizer_passes
 from .stages import Evaluation
 from .strategies import (
-    Host, Options, choose, compare, host_of, reasons, replica_settings, sharded_pipeline, sharded_profile, sharded_replicas, unfitting,
+    TP, Host, Options, choose, compare, host_of, reasons, replica_settings, sharded_pipeline, sharded_profile, sharded_replicas, unfitting,
     why_chosen,
 )  # fmt: skip
+from .tensorparallel import tp_candidates, tp_degrees, tp_notes
 from .ties import TieCost, tie_entry
 
 __all__ = ["ClusterCandidate", "Reduction", "cluster_search", "evaluate_cluster", "even_cut", "stage_reductions", "world_splits"]
@@ -119,13 +121,17 @@ def cluster_search(
     bucket_bytes: float = BUCKET_BYTES,
     ties: Sequence[TieCost] = (),
     host_memory: float | None = None,
+    tp: int | str = "auto",
 ) -> Plan:
     """The fastest plan of ``profile`` (one node's devices) on ``cluster`` among every strategy
-    (``planner.strategies``: replicas, sharded, sharded + offload, pipeline, hybrid, pipeline x sharded).
+    (``planner.strategies``: replicas, sharded, sharded + offload, pipeline, hybrid, pipeline x sharded, tensor
+    parallel x sharded).
 
     ``bucket_bytes``: the data-parallel runtime's gradient bucket (``DataParallelReplica``'s 25 MiB).
     ``ties``: tied parameters (``planner.ties``), all-reduced per step where a candidate splits them.
     ``host_memory``: bytes of one node's host memory for offloaded states (``strategies.host_of``'s default).
+    ``tp``: the tensor-parallel degrees priced (``planner.tensorparallel``): ``"auto"`` (2, 4, 8 dividing the devices
+    per node), an int to fix one, 1 for none.
     ``plan.comparison`` holds each strategy's best, whether it fits and why the chosen one.
 
     Usage: ``cluster_search(profile, Cluster.describe(profile.devices, nodes=2))``. Raises ``PlanError``
@@ -137,6 +143,7 @@ def cluster_search(
             "profile one node's devices and describe the cluster from them"
         )
     splits = world_splits(cluster.world, len(profile.layers), profile.batch_size, data_parallel)
+    tp_degrees(cluster.per_node, tp)  # a bad tp= is refused before the search
     opts = Options(microbatches, schedule, recompute, bucket_bytes, tuple(ties))
     host = host_of(cluster, host_memory) if cluster.device.kind != "cpu" else None
     candidates: list[ClusterCandidate] = []
@@ -158,9 +165,13 @@ def cluster_search(
             sharded = sharded_replicas(profile, cluster, dp, host=host, setting=setting[0], ties=ties)
             candidates += [c for c in sharded if c.fits]
             probes += [c for c in sharded if not c.fits]
+    split = tp_candidates(profile, cluster, setting=next(iter(replica_settings(microbatches, schedule, recompute)), None),
+                          ties=ties, data_parallel=data_parallel, tp=tp)  # fmt: skip
+    candidates += [c for c in split[0] if c.fits]
+    probes += [c for c in split[0] if not c.fits]
     probes += unfitting(profile, cluster, splits, candidates, opts)
     best = choose(candidates) if candidates else None
-    rows = compare([*candidates, *probes], best, reasons(cluster, profile, splits, opts), host)
+    rows = compare([*candidates, *probes], best, {**reasons(cluster, profile, splits, opts), TP: split[1]}, host)
     if best is None:
         table = "\n".join(Plan([StagePlan("cpu", ["-"])], comparison=rows).comparison_lines())
         if last_error is not None and all("does not fit" in s for s in skipped):
@@ -247,7 +258,7 @@ def _overlap_note(best: ClusterCandidate, bucket_bytes: float) -> str:
             "the optimizer step on the device is not modelled"
         )
     if best.dp == 1:
-        return "no all-reduce (one replica); the optimizer step is not modelled"
+        return f"no {'data-parallel collective' if best.tp > 1 else 'all-reduce'} (one replica); the optimizer step is not modelled"
     if best.pp == 1:
         how = f"DDP buckets of {format_bytes(int(bucket_bytes))}, each all-reduced while the rest of backward runs"
     else:
@@ -292,7 +303,7 @@ def _to_plan(
     notes = [f"chosen: {best.row()}"]
     if rows:
         notes.append(f"strategy: {why_chosen(rows)}")
-    notes += _shard_notes(best, cluster, host)
+    notes += tp_notes(best, cluster) or _shard_notes(best, cluster, host)
     if cluster.world > 1:
         notes += [f"assumed {a}" for a in cluster.assumed]
         notes.append(
@@ -341,6 +352,7 @@ def _to_plan(
         shard=best.shard,
         offload=best.offload,
         comparison=list(rows or []),
+        tp=best.tp,
     )
 
 

@@ -110,6 +110,10 @@ class Plan:
     # "shard", "offload", "predicted_step_time", "peak_memory", "budget", "host_memory", "host_budget", "fits",
     # "chosen", "note"} each; JSON: left out when empty
     comparison: list[dict[str, Any]] = field(default_factory=list)
+    # tensor parallel (``planner.tensorparallel``): each layer split over ``tp`` ranks of a node, tp innermost:
+    # ``stage_ranks`` then holds ``data_parallel * tp`` ranks per stage, replica r's ``row[r * tp:(r + 1) * tp]``;
+    # run by ``span(model, tp=..., shard=True)`` (``span(model, plan)`` refuses it yet). JSON: left out at 1
+    tp: int = 1
 
     def __post_init__(self) -> None:
         self.stages = [s if isinstance(s, StagePlan) else StagePlan(**s) for s in self.stages]
@@ -141,27 +145,27 @@ class Plan:
 
     def _check_cluster(self) -> None:
         """Validate the cluster fields: ``data_parallel * stages == nodes * devices_per_node`` ranks, each once."""
-        for name in ("data_parallel", "nodes", "devices_per_node"):
+        for name in ("data_parallel", "nodes", "devices_per_node", "tp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "devices_per_node" else 1):
                 raise ValueError(f"Plan({name}={value!r}) must be an int >= {0 if name == 'devices_per_node' else 1}")
         if not self.stage_ranks:
-            if self.data_parallel != 1 or self.nodes != 1:
+            if self.data_parallel != 1 or self.nodes != 1 or self.tp != 1:
                 raise ValueError(
                     f"Plan(data_parallel={self.data_parallel}, nodes={self.nodes}) needs stage_ranks "
                     "(the rank of each stage in each replica); plan a cluster with torchspan.plan(..., nodes=N)"
                 )
             return
-        S, dp = len(self.stages), self.data_parallel
+        S, dp, tp = len(self.stages), self.data_parallel, self.tp
         rows = self.stage_ranks
-        if len(rows) != S or any(not isinstance(r, list) or len(r) != dp for r in rows):
-            raise ValueError(
-                f"Plan(stage_ranks={rows!r}) must hold {S} list(s) (one per stage) of {dp} rank(s) (one per replica)"
-            )
+        if len(rows) != S or any(not isinstance(r, list) or len(r) != dp * tp for r in rows):
+            per = f"{dp} rank(s) (one per replica)" if tp == 1 else f"{dp * tp} ranks (tp {tp} per replica)"
+            raise ValueError(f"Plan(stage_ranks={rows!r}) must hold {S} list(s) (one per stage) of {per}")
         world = self.nodes * self.devices_per_node
-        if dp * S != world:
+        if dp * S * tp != world:
+            what, value = ("data_parallel * stages", f"{dp} * {S}") if tp == 1 else ("data_parallel * stages * tp", f"{dp} * {S} * {tp}")
             raise ValueError(
-                f"Plan: data_parallel * stages = {dp} * {S} = {dp * S} must equal nodes * devices_per_node = "
+                f"Plan: {what} = {value} = {dp * S * tp} must equal nodes * devices_per_node = "
                 f"{self.nodes} * {self.devices_per_node} = {world} (the world size)"
             )
         flat = [r for row in rows for r in row]
@@ -170,14 +174,14 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        """Processes the plan runs on: ``data_parallel * len(stages)`` (1 for a one-process plan)."""
-        return self.data_parallel * len(self.stages) if self.stage_ranks else 1
+        """Processes the plan runs on: ``data_parallel * len(stages) * tp`` (1 for a one-process plan)."""
+        return self.data_parallel * len(self.stages) * self.tp if self.stage_ranks else 1
 
     def rank_role(self, rank: int) -> tuple[int, int]:
         """``(stage, replica)`` that global ``rank`` runs. Raises ``ValueError`` for a rank outside the plan."""
         for s, row in enumerate(self.stage_ranks):
             if rank in row:
-                return s, row.index(rank)
+                return s, row.index(rank) // self.tp
         raise ValueError(f"rank={rank!r} is not in this plan's ranks 0..{self.world_size - 1}")
 
     # ------------------------------------------------------------------ views
@@ -206,7 +210,7 @@ class Plan:
             data.pop("ties")  # a plan without tied parameters: its JSON is as before
         if not self.runner_up:
             data.pop("runner_up")  # nothing within noise: as before
-        for name, default in (("shard", False), ("offload", None), ("comparison", [])):
+        for name, default in (("shard", False), ("offload", None), ("comparison", []), ("tp", 1)):
             if data[name] == default:
                 data.pop(name)  # not sharded, nothing compared: as before
         return {"format": _FORMAT, **data}
@@ -276,6 +280,8 @@ class Plan:
         )
         if self.shard:
             head += ", sharded" + (f" with states offloaded to {self.offload}" if self.offload else "")
+        if self.tp > 1:
+            head += f", tensor parallel {self.tp}"
         if self.batch_size is not None:
             head += f", batch={self.batch_size}"
         if self.predicted_step_time is not None:
@@ -383,7 +389,8 @@ class Plan:
         split = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in t.items())
         lines = [
             f"cluster: {self.nodes} node(s) x {self.devices_per_node} device(s) = {self.world_size} ranks = "
-            f"data parallel {self.data_parallel} x pipeline {len(self.stages)}; intra-node {self.intra_link or '-'}, "
+            f"data parallel {self.data_parallel} x pipeline {len(self.stages)}"
+            + (f" x tensor parallel {self.tp}" if self.tp > 1 else "") + f"; intra-node {self.intra_link or '-'}, "
             f"interconnect {self.interconnect or '-'}",
         ]
         if split:

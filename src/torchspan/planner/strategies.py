@@ -3,9 +3,10 @@
 ``STRATEGIES``: ``replicas`` (DDP: the whole model on every rank, gradients all-reduced),
 ``sharded`` (FSDP2 / ZeRO-3: parameters, gradients and optimizer state sharded over the ranks),
 ``sharded + offload`` (the shards in host memory, the optimizer step on the CPU), ``pipeline``
-(stages on ranks, one replica), ``hybrid`` (pipeline x replicas) and ``pipeline x sharded`` (each
-stage's replicas shard its states). ``planner.cluster.cluster_search`` prices each split ``dp x pp``
-of the world: replicas, pipelines and hybrids as before (``planner.candidates``); the sharded ones
+(stages on ranks, one replica), ``hybrid`` (pipeline x replicas), ``pipeline x sharded`` (each
+stage's replicas shard its states) and ``tensor parallel x sharded`` (each block split over ``tp``
+ranks of a node, FSDP2 over the ``world / tp`` replicas: ``planner.tensorparallel``).
+``planner.cluster.cluster_search`` prices each split ``dp x pp`` of the world: replicas, pipelines and hybrids as before (``planner.candidates``); the sharded ones
 with ``planner.sharded``:
 
 * ``sharded`` / ``sharded + offload`` (``pp = 1``): the whole model on each rank, one batch per rank
@@ -16,6 +17,11 @@ with ``planner.sharded``:
   ``sharded_memory(pipeline=True)`` holds them (``sharded_profile``), the stage's gradients
   reduce-scattered instead of all-reduced (overlapping earlier stages' backward as the all-reduce
   does), plus the all-gathers its first micro-batch's forward waits for (``first_forward_exposed``).
+
+* ``tensor parallel x sharded`` (``pp = 1``, ``tp`` in 2, 4, 8 within a node): compute divided by ``tp`` plus
+  the TP all-reduces (not overlapped), then the sharded replica's collectives over ``dp``
+  (``tensorparallel.tp_candidates``). ``choose`` takes it only when predicted ``SHARD_MARGIN`` faster
+  than the best of the others that fit.
 
 ``compare`` keeps, per strategy, the fastest candidate that fits, else the one needing the least
 memory (``fits: False``, what is over), else why no split of the world is that strategy: the rows of
@@ -50,10 +56,11 @@ from .topology import Cluster, layouts, replica_profile, shard_size
 
 __all__ = [
     "STRATEGIES", "Host", "Options", "host_of", "sharded_replicas", "sharded_pipeline", "sharded_profile", "compare", "unfit",
-    "unfitting", "reasons", "replica_settings", "why_chosen", "choose", "SHARD_MARGIN",
+    "unfitting", "reasons", "replica_settings", "why_chosen", "choose", "SHARD_MARGIN", "TP",
 ]  # fmt: skip
 
-STRATEGIES = ("replicas", "sharded", "sharded + offload", "pipeline", "hybrid", "pipeline x sharded")
+STRATEGIES = ("replicas", "sharded", "sharded + offload", "pipeline", "hybrid", "pipeline x sharded", "tensor parallel x sharded")
+TP = STRATEGIES[-1]  # planner.tensorparallel's
 HOST_PER_DEVICE = 3  # assumed host memory of a described node, in multiples of its accelerators' memory
 SHARD_MARGIN = 0.02  # a sharded (offloaded) plan must be predicted this much faster than the plan without it
 
@@ -112,14 +119,16 @@ def host_of(cluster: Cluster, host_memory: float | None = None) -> Host:
 
 def choose(candidates: Sequence[ClusterCandidate]) -> ClusterCandidate:
     """The plan among fitting ``candidates``: the fastest unsharded one, replaced by the fastest sharded one only when
-    that is more than ``SHARD_MARGIN`` faster, and that by the fastest offloaded one likewise (what the cost model
-    leaves out of a sharded step, FSDP2's per-unit hooks and shard padding, costs more than it leaves out of a replica's).
+    that is more than ``SHARD_MARGIN`` faster, and that by the fastest offloaded one likewise, and that by the fastest
+    tensor-parallel one likewise (what the cost model leaves out of a sharded step, FSDP2's per-unit hooks and shard
+    padding, and of a tensor-parallel one, DTensor's per-op dispatch, costs more than it leaves out of a replica's).
     Ties: fewer stages first."""
     def fastest(group: Sequence[ClusterCandidate]) -> ClusterCandidate | None:
         return min(group, key=lambda c: (c.step, c.pp, c.layout)) if group else None
 
-    choice = fastest([c for c in candidates if not c.shard])
-    for group in ([c for c in candidates if c.shard and not c.offload], [c for c in candidates if c.offload]):
+    choice = fastest([c for c in candidates if not c.shard and c.tp == 1])
+    sharded = [c for c in candidates if c.shard and not c.offload and c.tp == 1]
+    for group in (sharded, [c for c in candidates if c.offload], [c for c in candidates if c.tp > 1]):
         best = fastest(group)
         if best is not None and (choice is None or best.step < choice.step * (1 - SHARD_MARGIN)):
             choice = best
@@ -230,15 +239,20 @@ def _row(c: ClusterCandidate, is_chosen: bool, chosen: ClusterCandidate | None) 
         note = f"does not fit: {c.why}"
     elif chosen is not None and chosen.step > 0:
         note = f"fits, {(c.step / chosen.step - 1) * 100:+.1f}% step"
-        if c.step < chosen.step:
+        if c.step < chosen.step and c.tp > 1:
+            note += f": tensor parallelism must gain {SHARD_MARGIN:.0%} or more (DTensor's and FSDP2's per-layer costs are not modelled)"
+        elif c.step < chosen.step:
             note += f": sharding must gain {SHARD_MARGIN:.0%} or more (FSDP2's per-unit costs are not modelled)"
     else:
         note = "fits"
     ranks = f"dp {c.dp}" if c.pp == 1 else f"pp {c.pp}" if c.dp == 1 else f"dp {c.dp} x pp {c.pp}"
+    if c.tp > 1:
+        ranks = f"tp {c.tp} x dp {c.dp}" if c.dp > 1 else f"tp {c.tp}"
+    extra = {"tp": c.tp, "tp_allreduce": c.tp_comm} if c.tp > 1 else {}
     return {
         "strategy": c.strategy, "ranks": ranks, "data_parallel": c.dp, "stages": c.pp, "shard": c.shard, "offload": c.offload,
         "predicted_step_time": c.step, "peak_memory": c.peak, "budget": capacity if math.isfinite(capacity) else None,
-        "host_memory": c.host, "host_budget": None, "fits": c.fits, "chosen": is_chosen, "note": note,
+        "host_memory": c.host, "host_budget": None, "fits": c.fits, "chosen": is_chosen, "note": note, **extra,
     }  # fmt: skip
 
 
@@ -322,6 +336,9 @@ def why_chosen(rows: Sequence[dict[str, Any]]) -> str:
     faster = [r for r in rows if not r.get("fits") and r.get("predicted_step_time") is not None and r["predicted_step_time"] < step]
     if faster:
         text += "; faster but over budget: " + "; ".join(f"{r['strategy']} ({r['note'].removeprefix('does not fit: ')})" for r in faster)
+    if chosen.get("tp", 1) > 1:
+        text += (f"; tp {chosen['tp']} divides each block's compute over a node's {chosen['tp']} devices for "
+                 f"{chosen['tp_allreduce'] * 1e3:.2f} ms of all-reduces per step on the intra-node link")  # fmt: skip
     runner = sorted((r for r in fit if not r.get("chosen")), key=lambda r: r["predicted_step_time"])
     if runner:
         text += f"; next: {runner[0]['strategy']} at {runner[0]['predicted_step_time'] * 1e3:.2f} ms"

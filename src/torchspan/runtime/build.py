@@ -66,6 +66,12 @@ def _check_arguments(model: nn.Module, plan: Plan | None, devices: Any, balance:
         )
     if devices is not None or balance is not None:
         raise ValueError("pass either plan or devices/balance, not both: the plan already says where each layer goes")
+    if getattr(plan, "tp", 1) > 1:  # planner.tensorparallel's plans: built by span(model, tp=...) so far
+        run = f"span(model, tp={plan.tp}, shard=True)" if plan.shard else f"span(model, tp={plan.tp})"
+        raise ValueError(
+            f"plan.tp={plan.tp}: this plan splits each layer over {plan.tp} ranks ({plan.data_parallel} replica(s) of {plan.tp} "
+            f"ranks), which span(model, plan) does not build yet; run {run} in a job of {plan.world_size} processes"
+        )
 
 
 def span_settings(
