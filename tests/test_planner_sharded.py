@@ -131,7 +131,7 @@ def test_sharded_does_not_fit_offload_does() -> None:
     plan = cluster_search(prof, Cluster.describe(prof.devices, 1, intra="nvlink4"), host_memory=100 * MB)
     rows = {r["strategy"]: r for r in plan.comparison}
     assert plan.shard and plan.offload == "cpu" and plan.data_parallel == 4
-    assert [r["fits"] for r in plan.comparison] == [False, False, True, False, False, False]
+    assert [r["fits"] for r in plan.comparison] == [False, False, True, False, False, False, False]
     host = rows["sharded + offload"]["host_memory"]
     assert host == 4 * 16 * MB and rows["sharded + offload"]["host_budget"] == 100 * MB  # the node's 4 ranks' shards
     assert plan.peak_memory["host of node 0 (cpu)"] == host
@@ -180,9 +180,9 @@ def test_comparison_table_and_json(tmp_path: Path) -> None:
     for name in STRATEGIES:
         assert any(line.startswith(name) for line in text.splitlines()), name
     assert "sharded *" in text and "does not fit: needs 61.34 MiB per device, budget 38.15 MiB" in text
-    assert "note: strategy: sharded (dp 4) is the fastest of the 5 strategies that fit; next: sharded + offload" in text
+    assert "note: strategy: sharded (dp 4) is the fastest of the 6 strategies that fit; next: tensor parallel x sharded" in text
     data = plan.to_dict()
-    assert data["shard"] is True and "offload" not in data and len(data["comparison"]) == 6
+    assert data["shard"] is True and "offload" not in data and len(data["comparison"]) == len(STRATEGIES)
     path = tmp_path / "plan.json"
     plan.save(path)
     assert Plan.load(path) == plan
