@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -67,21 +68,24 @@ def _args(out: str, batch: int, **more):
     return transformers.TrainingArguments(out, **options)
 
 
-def _plain(out: Path, batch: int) -> tuple[dict[str, torch.Tensor], float]:
-    """Plain single-process Trainer on the same global batch: its weights and eval_loss."""
+def _plain(out: Path, batch: int) -> tuple[dict[str, torch.Tensor], float, Any]:
+    """Plain single-process Trainer on the same global batch: its weights, eval_loss and predictions."""
     model = _model()
     trainer = transformers.Trainer(model=model, args=_args(str(out), batch), train_dataset=Rows(), eval_dataset=Rows(6))
     trainer.train()
-    return model.state_dict(), trainer.evaluate()["eval_loss"]
+    return model.state_dict(), trainer.evaluate()["eval_loss"], trainer.predict(Rows(6)).predictions
 
 
-def _same(folder: Path, eval_loss: float, want: tuple[dict[str, torch.Tensor], float], label: str) -> None:
+def _same(folder: Path, eval_loss: float, want: tuple[dict[str, torch.Tensor], float, Any], label: str, predictions: Any = None) -> None:
     saved = transformers.LlamaForCausalLM.from_pretrained(folder).state_dict()
     start = _model().state_dict()
     for name, value in want[0].items():
         assert not torch.equal(value, start[name]) or "rotary" in name, f"{label}: {name} did not train"
         torch.testing.assert_close(saved[name], value, **TOL, msg=lambda m: f"{label}: {name}: {m}")
     assert eval_loss == pytest.approx(want[1], rel=1e-6), label
+    if predictions is not None:  # every row once, in order, as plain Trainer gathers them
+        assert predictions.shape == want[2].shape, (label, predictions.shape, want[2].shape)
+        torch.testing.assert_close(torch.as_tensor(predictions), torch.as_tensor(want[2]), rtol=1e-4, atol=1e-5)
 
 
 def test_trainers_in_one_process_match_plain_trainer(tmp_path: Path) -> None:
@@ -112,8 +116,10 @@ def _job(rank: int, world: int, port: int, out: str) -> None:
         trainer.train()
         loss = trainer.evaluate()["eval_loss"]
         trainer.save_model(str(folder / "final"))
+        predictions = trainer.predict(Rows(6)).predictions
         if rank == 0:
             (folder / "eval.json").write_text(json.dumps(loss))
+            torch.save(torch.as_tensor(predictions), folder / "predictions.pt")
     for layout in ("shard", "pipeline"):
         _resume(rank, Path(out) / f"resume-{layout}", LAYOUTS[layout])
 
@@ -145,7 +151,8 @@ def test_launched_trainer_matches_plain_trainer(tmp_path: Path) -> None:
         replicas = 1 if layout == "pipeline" else 2
         want = _plain(tmp_path / f"plain-{layout}", 4 * replicas)
         loss = json.loads((tmp_path / layout / "eval.json").read_text())
-        _same(tmp_path / layout / "final", loss, want, f"2 ranks, {layout}")
+        predictions = torch.load(tmp_path / layout / "predictions.pt")
+        _same(tmp_path / layout / "final", loss, want, f"2 ranks, {layout}", predictions)
 
 
 def test_bad_input_is_refused_before_training(tmp_path: Path) -> None:

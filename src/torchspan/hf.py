@@ -141,6 +141,12 @@ class Trainer(transformers.Trainer):
     def get_test_dataloader(self, test_dataset: Any) -> Any:
         return _whole(super().get_test_dataloader(test_dataset))
 
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's loop, each batch's values kept as this process holds them (Trainer resets ``gather_function``
+        to accelerate's cross-process gather at the end of every loop)."""
+        self.gather_function = self._metrics_of
+        return super().evaluation_loop(*args, **kwargs)
+
     def _metrics_of(self, value: Any) -> Any:
         """What accelerate's ``gather_for_metrics`` leaves of one process's values: the last batch's repeats cut."""
         state = self.accelerator.gradient_state
