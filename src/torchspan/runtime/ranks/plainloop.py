@@ -65,7 +65,7 @@ _KEEP = frozenset(
         _T.cuda, _T.clone, torch.clone,
     }
 )
-_PER_LAST_DIM = frozenset({F.log_softmax, F.softmax, _T.log_softmax, _T.softmax, torch.log_softmax})
+_PER_LAST_DIM = frozenset({F.log_softmax, F.softmax, _T.log_softmax, _T.softmax, torch.log_softmax, torch.softmax})
 _MESSAGE = (
     "{what}. On a data-parallel replica every rank's backward is summed, so a rank's loss must be its share "
     "of the whole batch's; torchspan reads that share from torch's losses (torch.nn.functional's and the "
