@@ -26,6 +26,8 @@ Pipelines across ranks (issue 13) run from here too, by ``benchmarks/distributed
 the other flags then are that script's (``--steps`` counts rounds there, ``--threads`` as here).
 ``--shard`` (issue 20) times ``span(model, shard=True)`` against raw FSDP2 ``fully_shard`` at two model
 sizes, with each rank's memory, by ``benchmarks/distributed_sharded.py`` (its flags then).
+``--tp`` (issue 33) times ``span(model, tp=2)`` against raw ``parallelize_module`` with the same plan (a Llama and
+an MLP), by ``benchmarks/distributed_tp.py`` (its flags then).
 
 Usage::
 
@@ -39,6 +41,7 @@ Usage::
     python benchmarks/distributed.py --hybrid --steps 20        # torchspan 2x2 vs DDP x4
     python benchmarks/distributed.py --pipeline --help          # the pipeline flags
     python benchmarks/distributed.py --shard                    # span(shard=True) vs raw fully_shard, two sizes
+    python benchmarks/distributed.py --tp                       # span(tp=2) vs raw parallelize_module, Llama and MLP
     python benchmarks/distributed.py --quick                    # tiny, 2 rounds of 1 step (torchspan bench --quick)
 
 Prints ``RATIO distributed/<variant>_vs_raw_ddp_<size> <median of per-round ratios> <goal> ...`` lines for
@@ -192,6 +195,16 @@ def _sharded(argv: list[str]) -> int | None:
     return distributed_sharded.main([a for a in argv if a != "--shard"])
 
 
+def _tensor_parallel(argv: list[str]) -> int | None:
+    """``--tp``: run ``distributed_tp`` (its own flags); ``None`` without it."""
+    if "--tp" not in argv:
+        return None
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import distributed_tp
+
+    return distributed_tp.main([a for a in argv if a != "--tp"])
+
+
 def _size_list(opts: argparse.Namespace) -> list[tuple[str, tuple[int, int]]]:
     """``(label, (hidden, layers))`` per model size: ``--hidden``/``--layers`` given make one size, else ``--sizes``."""
     if opts.hidden is not None or opts.layers is not None:
@@ -226,6 +239,8 @@ def _report(label: str, times: dict[str, list[float]], opts: argparse.Namespace,
 
 def main() -> None:
     code = _sharded(sys.argv[1:])
+    if code is None:
+        code = _tensor_parallel(sys.argv[1:])
     if code is not None:
         sys.exit(code)
     code = _pipelines(sys.argv[1:])
@@ -235,6 +250,7 @@ def main() -> None:
     p.add_argument("--pipeline", action="store_true", help="time pipelines across ranks instead (benchmarks/distributed_pipeline.py)")
     p.add_argument("--hybrid", action="store_true", help="time the 2x2 hybrid against DDP x4 instead (benchmarks/distributed_pipeline.py)")
     p.add_argument("--shard", action="store_true", help="time span(shard=True) against raw fully_shard instead (benchmarks/distributed_sharded.py)")
+    p.add_argument("--tp", action="store_true", help="time span(model, tp=2) against raw parallelize_module instead (benchmarks/distributed_tp.py)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--backend", default=None, help="gloo (default on CPU) or nccl")
     p.add_argument("--sizes", default=",".join(SIZES), help=f"model sizes to time, comma-separated from {', '.join(SIZES)}")

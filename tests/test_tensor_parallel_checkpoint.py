@@ -13,6 +13,9 @@ exactly:
 - (c) one plain process without a process group: full tensors with the model's own keys, loaded into a plain
   ``LlamaForCausalLM`` + Adam; ``export_safetensors`` writes one file of the full weights (the tie once) that
   ``from_pretrained`` reads to the same weights.
+
+Beside them (found timing ``benchmarks/distributed_tp.py``): a tensor-parallel span's activation meter leaves
+its ``DTensor`` weight shards out, as it leaves out every parameter (they were counted as saved activations).
 """
 
 from __future__ import annotations
@@ -196,3 +199,28 @@ def test_a_tensor_parallel_checkpoint_exports_full_weights(saved: Path, layout: 
     assert model.lm_head.weight is model.model.embed_tokens.weight
     for key, value in want.items():
         torch.testing.assert_close(model.state_dict()[key], value, **EXACT, msg=lambda m: f"{layout}: from_pretrained: {key}: {m}")
+
+
+def _meter_job(rank: int, world: int, port: int) -> None:
+    from torchspan.runtime.memory import ActivationMeter
+
+    join_job(rank, world, port)
+    spanned = torchspan.span(_llama(), tp=2)
+    meter = ActivationMeter(1)
+    meter.reset(spanned.module.parameters())
+    shards = [p for p in spanned.module.parameters() if type(p).__name__ == "DTensor"]
+    assert shards and all(meter.hold(0, p) is p for p in shards) and meter.live == [0], "a weight shard counted as an activation"
+    spanned.train_step(_batch(0))
+    activations = spanned.memory()[0]["activations"]
+    meter.reset(spanned.module.parameters())  # the same step by hand, parameters left out: the same bytes
+    with meter.saving(0):
+        loss = spanned.module(**_batch(0)).loss
+    loss.backward()
+    assert activations == meter.peak[0] > 0
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_activation_meter_leaves_out_weight_shards() -> None:
+    spawn(_meter_job, 2, free_port())

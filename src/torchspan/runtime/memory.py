@@ -109,8 +109,9 @@ class ActivationMeter:
 
     @staticmethod
     def _key(t: torch.Tensor) -> tuple[int, torch.device] | None:
+        local = getattr(t, "_local_tensor", None)  # a DTensor's storage is its shard's (as ``hold`` keys it)
         try:
-            return (t.untyped_storage().data_ptr(), t.device)
+            return ((local if isinstance(local, torch.Tensor) else t).untyped_storage().data_ptr(), t.device)
         except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, some subclasses
             return None
 

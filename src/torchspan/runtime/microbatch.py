@@ -145,7 +145,7 @@ def _merge(column: list[Any], device: torch.device | None, where: str, scalars: 
             )
         if device is not None:
             column = [t.to(device) for t in column]
-        return torch.cat(column, dim=0)
+        return column[0] if len(column) == 1 else torch.cat(column, dim=0)  # one micro-batch: no copy
     if any(type(o) is not type(first) for o in column[1:]):
         raise ValueError(f"micro-batch outputs have different structures at {where}, so they cannot be concatenated")
     if dataclasses.is_dataclass(first) and not isinstance(first, type):
