@@ -66,6 +66,9 @@ ADVISED: dict[tuple[str, str], tuple[str, ...]] = {
     ("runtime/ranks/checkpointio.py", "strict"): ("load_checkpoint",),
     ("lightning/core.py", "devices"): ("lightning.Trainer",),  # Lightning's own process count
     ("hf.py", "span"): ("torchspan.hf.Trainer",),
+    ("hf.py", "train_dataset"): ("torchspan.hf.Trainer",),
+    ("runtime/ranks/tensorparallel.py", "shard"): ("span",),
+    ("runtime/ranks/tensorparallel.py", "tp_plan"): ("span",),
 }
 
 _CALL = re.compile(r"([A-Za-z_][\w.]*)\(")
