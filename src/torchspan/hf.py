@@ -37,12 +37,12 @@ from torch.utils._pytree import tree_map
 
 from .planner.plans import Plan
 from .runtime import Spanned, span as span_model
+from .runtime.modelloss import shifted_tokens, tokens
 from .runtime.ranks import load_checkpoint, save_checkpoint, shard_batch
 
 __all__ = ["Trainer"]
 
 _SPAN_KEYS = frozenset(inspect.signature(span_model).parameters) - {"model", "plan"}
-_IGNORE = -100
 
 
 def span_options(span: Any) -> tuple[Plan | None, dict[str, Any]]:
@@ -274,7 +274,7 @@ def _bare(optimizer: Any) -> Any:
 
 def _count(labels: torch.Tensor, shifted: bool) -> int:
     """The labels Trainer counts: not ``-100``, after the first position for a causal LM's shifted loss."""
-    return int(((labels[..., 1:] if shifted else labels) != _IGNORE).sum())
+    return int(shifted_tokens(labels) if shifted else tokens(labels))
 
 
 def _whole(loader: Any) -> Any:

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from .lossweights import LossSpec
 from .microbatch import split_sizes, split_value
 
-__all__ = ["ModelLoss", "MODEL_LOSS", "model_loss", "own_loss", "verify", "combiner", "IGNORE_INDEX"]
+__all__ = ["ModelLoss", "MODEL_LOSS", "model_loss", "own_loss", "verify", "combiner", "same_value", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100  # transformers' ignore index for padded labels
 
@@ -162,7 +162,8 @@ CANDIDATES: list[tuple[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor 
 ]
 
 
-def _same(a: float, b: float) -> bool:
+def same_value(a: float, b: float) -> bool:
+    """Whether two losses agree to float32 rounding (both NaN counts as agreeing: a chunk of padding only)."""
     if math.isnan(a) or math.isnan(b):
         return math.isnan(a) and math.isnan(b)
     return abs(a - b) <= 1e-4 * max(abs(a), abs(b)) + 1e-6
@@ -184,7 +185,7 @@ def verify(spec: LossSpec, outputs: Sequence[Any], targets: Sequence[Any], items
             values = [_counted(fn(logits, labels), norm(labels), items) for _, fn, norm in CANDIDATES]
             seen.append((float(loss), [None if v is None else float(v) for v in values]))
     for i, (name, _, normalizer) in enumerate(CANDIDATES):
-        if all(vals[i] is not None and _same(own, vals[i]) for own, vals in seen):  # type: ignore[arg-type]
+        if all(vals[i] is not None and same_value(own, vals[i]) for own, vals in seen):  # type: ignore[arg-type]
             return dataclasses.replace(spec, user_normalizer=normalizer, name=f"{ModelLoss.name} ({name})")
     own, vals = seen[0]
     tried = ", ".join(f"{n}: {v:.6g}" for (n, _, _), v in zip(CANDIDATES, vals) if v is not None) or "none applies to these labels"

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from ..lossweights import class_weight_sum, legacy_reduction
-from ..modelloss import CANDIDATES, own_loss
+from ..modelloss import CANDIDATES, own_loss, same_value
 
 __all__ = ["Record", "watch", "declared", "exact_model_loss", "Watched", "PlainLoopError"]
 
@@ -282,7 +282,7 @@ def exact_model_loss(out: Any, labels: torch.Tensor, record: Record) -> Any:
         for _, recompute, normalizer in CANDIDATES:
             value = recompute(_plain(logits).detach(), labels)
             count = float(normalizer(labels)) if value is not None else 0.0
-            same = value is not None and (count == 0.0 or _same(float(loss), float(value)))
+            same = value is not None and (count == 0.0 or same_value(float(loss), float(value)))
             fits.append(1.0 if same else 0.0)
             counts.append(count)
     local = float(loss.detach()) if counts else 0.0
@@ -305,12 +305,6 @@ def exact_model_loss(out: Any, labels: torch.Tensor, record: Record) -> Any:
     if record.nonfinite is not None:
         record.nonfinite(exact.detach())
     return _with_loss(out, exact)
-
-
-def _same(a: float, b: float) -> bool:
-    if math.isnan(a) or math.isnan(b):
-        return math.isnan(a) and math.isnan(b)
-    return abs(a - b) <= 1e-4 * max(abs(a), abs(b)) + 1e-6
 
 
 def _with_loss(out: Any, loss: torch.Tensor) -> Any:
