@@ -125,6 +125,7 @@ def _refusals(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> None:
         "reduction='none' then a mask": lambda out: (F.cross_entropy(out, mine_y, reduction="none") * 2).sum(),
         "a mean over rows first": lambda out: F.cross_entropy(out - out.mean(0), mine_y),
         "the outputs' own sum": lambda out: out.sum(),
+        "a torch loss plus a term through torch.cat": lambda out: F.cross_entropy(out, mine_y) + torch.cat([out, out]).pow(2).mean(),
     }
     for label, loss in opaque.items():
         spanned = torchspan.span(_model())

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from ..lossweights import class_weight_sum, legacy_reduction
 from ..modelloss import CANDIDATES, own_loss, same_value
@@ -150,9 +150,14 @@ def _wrap(t: torch.Tensor, record: Record) -> torch.Tensor:
 
 
 def _record_of(args: Any, kwargs: Any) -> Record | None:
+    """The record of a watched output among ``args``/``kwargs``, nested ones included (``torch.cat([out, ...])``)."""
     for a in (*args, *kwargs.values()):
         if isinstance(a, Watched):
             return a._record
+        if isinstance(a, (list, tuple, dict)):
+            found = next((t for t in tree_leaves(a) if isinstance(t, Watched)), None)
+            if found is not None:
+                return found._record
     return None
 
 
