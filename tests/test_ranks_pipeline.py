@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import torchspan
+from ranks_spawn import spawn
 from torchspan.runtime.ranks import free_port, init_distributed
 from torchspan.runtime.ranks.mesh import Mesh, launched_stages
 
@@ -208,14 +209,7 @@ def _failing_worker(rank: int, world: int, port: int, out: str) -> None:
 
 def _spawn(fn, world: int, *args, deadline: float = 90.0) -> float:
     """Run ``fn`` on ``world`` processes; fail the test (never hang) past ``deadline``; return the seconds taken."""
-    start = time.monotonic()
-    ctx = mp.start_processes(fn, args=(world, *args), nprocs=world, join=False, start_method="spawn")
-    while not ctx.join(timeout=0.5):
-        if time.monotonic() - start > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"ranks still running after {deadline} s: a pipeline exchange hangs")
-    return time.monotonic() - start
+    return spawn(fn, world, *args, deadline=deadline)
 
 
 def test_mesh_equation_and_stage_count() -> None:

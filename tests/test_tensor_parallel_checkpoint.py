@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_map
 
 import torchspan
 from ranks_spawn import join_job, spawn
+from test_ranks_checkpoint_dcp import _same  # model keys in order, then every optimizer moment
 from torchspan.runtime.ranks import free_port
 
 transformers = pytest.importorskip("transformers", reason="the Llama case needs the hf extra")
@@ -75,16 +76,6 @@ def _full_state(module, opt) -> dict[str, dict]:
     model = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in module.state_dict().items()}
     state = {"model": model, "optimizer": get_optimizer_state_dict(module, opt, options=full)}
     return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, state)
-
-
-def _same(got: dict, want: dict, label: str, **tol: float) -> None:
-    assert list(got["model"]) == list(want["model"]), label
-    for key, value in want["model"].items():
-        torch.testing.assert_close(got["model"][key], value, **tol, msg=lambda m: f"{label}: {key}: {m}")
-    assert set(got["optimizer"]["state"]) == set(want["optimizer"]["state"]), label
-    for name, moments in want["optimizer"]["state"].items():
-        for slot, value in moments.items():
-            torch.testing.assert_close(got["optimizer"]["state"][name][slot], value, **tol, msg=lambda m: f"{label}: {name}.{slot}: {m}")
 
 
 def _span(seed: int, layout: str):
