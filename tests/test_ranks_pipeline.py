@@ -214,7 +214,7 @@ def _spawn(fn, world: int, *args, deadline: float = 90.0) -> float:
 
 def test_mesh_equation_and_stage_count() -> None:
     assert Mesh.for_world(4, 2).stage_ranks(1) == [1, 3]
-    with pytest.raises(ValueError, match=r"dp\(2\) \* pp\(2\) != WORLD_SIZE\(6\)"):
+    with pytest.raises(ValueError, match=r"pp\(2\) \* dp_replicate\(2\) \* dp_shard\(1\) != WORLD_SIZE\(6\)"):
         Mesh.for_world(6, 2, replicas=2)
     with pytest.raises(ValueError, match=r"WORLD_SIZE\(6\) is not a multiple of pp\(4\)"):
         Mesh.for_world(6, 4)

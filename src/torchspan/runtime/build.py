@@ -206,6 +206,7 @@ def span(
     loss_reduction: str | None = None,
     tp: int | None = None,
     tp_plan: Any = None,
+    mesh: Any = None,
 ) -> Spanned:
     """Place ``model``'s layers (``torchspan.layers``) on devices and return a pipelined ``Spanned``.
 
@@ -246,6 +247,8 @@ def span(
     fills only its shard or stage (``runtime.ranks.metaweights``). A meta model without it is refused before any work.
     ``loss_reduction`` (``"sum"``/``"mean"``): a plain loop's unreadable loss, declared (``runtime.ranks.plainloop``).
     ``tp=N``/``tp_plan=``: tensor parallel over a job of ``N`` processes (``runtime.ranks.tensorparallel``).
+    ``mesh``: the job's ``DeviceMesh`` to use (else built; ``spanned.mesh``), its dimension names and sizes the span's
+    degrees (``runtime.ranks.devicemesh``).
 
     Usage: ``span(model, devices=["cpu", "cpu"], balance=[2, 2], microbatches=4, schedule="1f1b")``.
     """
@@ -255,6 +258,7 @@ def span(
     sharding = _sharding(plan, shard, offload, reshard_after_forward, settings.precision, per_shard_batchnorm)
     join_launched_job("torchspan.span")  # launched without init_distributed(): join, never train as a lone process
     recorder = Recorder()
+    settings.mesh = mesh  # a user's DeviceMesh, checked against the degrees by the strategy that uses it
     if tp is not None:  # every layer split over the tp ranks (ranks.tensorparallel); sharded over the others
         devices = tensor_parallel(model, tp, tp_plan, settings, sharding, plan=plan, balance=balance, devices=devices)
     if (tp is None or sharding["shard"]) and (got := _replica(model, plan, devices, balance, settings, recorder, sharding, weights)):
@@ -276,10 +280,16 @@ def _staged(
 ) -> Spanned:
     """The ``Spanned`` running ``lay``'s stages: its executor chosen (``runtime.choose``), fp16's scaler made."""
     _check_workers(settings, lay.devices)
+    if settings.mesh is not None and lay.ranked is None and "tp" not in (settings.mesh.mesh_dim_names or ()):
+        raise ValueError(
+            "mesh= was given, but this span runs in one process (no launched job with replicas, stages or tp): "
+            "launch the job (torchspan launch / torchrun) or leave mesh= out"
+        )
     if settings.precision == "fp16":  # train_step leaves .grad unscaled (runtime.fp16)
         settings.scaler = SpanScaler(lay.devices[-1].type)
     meter = ActivationMeter(len(lay.devices))
     executor = choose(model, lay, settings, recorder, meter, planned=plan is not None, even=balance is None, sharding=sharding, weights=weights, stacklevel=3, **options)
     why = lay.why + ("; each stage sharded over its replicas (FSDP2)" if sharding["shard"] else "")
-    why += f"; each layer split over tp({settings.mesh.size()}) processes (DTensor)" if settings.mesh is not None else ""
+    tp = dict(zip(settings.mesh.mesh_dim_names or (), settings.mesh.shape)).get("tp") if settings.mesh is not None else None
+    why += f"; each layer split over tp({tp}) processes (DTensor)" if tp else ""
     return dressed(Spanned(model, executor, settings, recorder, meter, mode_reason=why), model)

@@ -174,7 +174,8 @@ class Spanned(nn.Module):
 
     @property
     def mesh(self) -> Any:
-        """The ``DeviceMesh`` of the span's parallel dimensions by name (``tp``), or ``None``."""
+        """The job's ``DeviceMesh`` (``runtime.ranks.devicemesh``), its dimensions by name in torchtitan's order
+        (``pp``, ``dp_replicate``, ``dp_shard``, ``tp``) for every launched strategy; ``None`` in one process."""
         return self._settings.mesh
 
     @property
@@ -429,7 +430,8 @@ class Spanned(nn.Module):
         if args:
             raise TypeError("Spanned.state_dict takes keyword arguments only (destination=, prefix=, keep_vars=)")
         state = self._executor.state_dict(self.module, destination=destination, prefix=prefix, keep_vars=keep_vars)
-        return full_tensors(state) if self._settings.mesh is not None and not keep_vars else state
+        split = "tp" in (getattr(self._settings.mesh, "mesh_dim_names", None) or ())  # tensor parallel's DTensors
+        return full_tensors(state) if split and not keep_vars else state
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Load the original model's keys; keys with a ``module.`` prefix (DataParallel/DDP) work too.

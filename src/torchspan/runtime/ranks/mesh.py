@@ -12,6 +12,10 @@ Usage::
     mesh = Mesh.for_world(world_size=4, stages=2)          # Mesh(stages=2, replicas=2)
     mesh.rank(replica=1, stage=0), mesh.coords(3)          # 2, (1, 1)
     mesh.stage_ranks(0), mesh.pipeline_ranks(1)            # [0, 2], [2, 3]
+    Mesh.of(device_mesh)                                   # the coordinates of a DeviceMesh ("pp", "dp_...")
+
+The communication itself runs on the job's ``DeviceMesh`` (``ranks.devicemesh``): ``Mesh.of`` reads these
+coordinates from its rank tensor, so the two always agree.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from .devicemesh import check_degrees, dim_size
 
 __all__ = ["Mesh", "launched_stages"]
 
@@ -71,12 +77,27 @@ class Mesh:
                 )
             replicas = world_size // stages
         _positive("data_parallel", replicas)
-        if replicas * stages != world_size:
-            raise ValueError(
-                f"dp({replicas}) * pp({stages}) != WORLD_SIZE({world_size}): launch {replicas * stages} processes, "
-                f"or set the plan's data-parallel degree to {world_size // stages if world_size % stages == 0 else '?'}"
-            )
+        fit = world_size // stages if world_size % stages == 0 else "?"
+        check_degrees(
+            {"pp": stages, "dp_replicate": replicas}, world_size,
+            f"launch {replicas * stages} processes, or set the plan's data-parallel degree to {fit}",
+        )
         return cls(stages, replicas, tuple(tuple(row) for row in table) if table else ())
+
+    @classmethod
+    def of(cls, device_mesh: Any) -> Mesh:
+        """The coordinates of a job's ``DeviceMesh`` (``ranks.devicemesh``): ``pp`` its stages, its ``dp_replicate``
+        or ``dp_shard`` dimension the replicas, the rank tensor the table."""
+        names = tuple(device_mesh.mesh_dim_names or ())
+        dp = next((n for n in ("dp_replicate", "dp_shard") if n in names), None)
+        stages, replicas = dim_size(device_mesh, "pp"), dim_size(device_mesh, dp) if dp else 1
+        if stages * replicas != device_mesh.size():
+            raise ValueError(f"a pipeline's mesh has dimensions pp and one dp (dp_replicate or dp_shard), not {names}")
+        ranks = device_mesh.mesh
+        if "pp" in names and dp is not None and names.index("pp") > names.index(dp):
+            ranks = ranks.transpose(0, 1)
+        table = tuple(tuple(int(r) for r in row) for row in ranks.reshape(stages, replicas).tolist())
+        return cls(stages, replicas, table)
 
     @property
     def world_size(self) -> int:

@@ -101,7 +101,8 @@ class RankOwnForwardExecutor(StageExecutor):
         weights: Any = None,
         **options: Any,
     ) -> None:
-        self.ranks = RankStage(model, mesh, info, len(groups), settings.precision)
+        self.ranks = RankStage(model, mesh, info, len(groups), settings.precision, settings=settings, shard=shard)
+        mesh = self.ranks.mesh  # the coordinates of the job's DeviceMesh (a user's span(mesh=) may number otherwise)
         self._weights = weights  # a model built on meta: this stage filled at the first call (place)
         self._shard: bool | None = reshard_after_forward if shard else None  # sharded: reshard_after_forward
         super().__init__([info.device] * mesh.stages, groups)

@@ -1,6 +1,7 @@
 """A pipeline across ranks, optionally replicated data-parallel: ``span(model, ...)`` in a launched job.
 
-Each rank runs one stage of one replica (``Mesh``: ``rank = replica * stages + stage``). It holds
+Each rank runs one stage of one replica (``Mesh``: ``rank = replica * stages + stage``, the job's ``DeviceMesh``
+``("pp", "dp_replicate")``). It holds
 what the local ``PipelinedExecutor`` holds with another ``Transport``: the same stage functions
 (``StageFunctions``), schedule walk (``Pipeline``) and loss weights, but values to other stages
 travel by point-to-point (``RankTransport``). What several processes need (other stages' layers as
@@ -71,7 +72,8 @@ class RankPipelineExecutor(StageExecutor):
         reshard_after_forward: bool = True,
         weights: Any = None,
     ) -> None:
-        self.ranks = RankStage(model, mesh, info, len(groups), settings.precision)
+        self.ranks = RankStage(model, mesh, info, len(groups), settings.precision, settings=settings, shard=shard)
+        mesh = self.ranks.mesh  # the coordinates of the job's DeviceMesh (a user's span(mesh=) may number otherwise)
         if mode not in ("sequential", "fx"):
             raise ValueError(f"RankPipelineExecutor runs stage functions (sequential or fx), not {mode!r}: span uses RankOwnForwardExecutor")
         super().__init__([info.device] * mesh.stages, groups)
@@ -163,7 +165,8 @@ def launched_mesh(plan: Any, devices: Any, balance: Sequence[int] | None) -> tup
 
     Stages: the plan's, else ``len(balance)``, else ``len(devices)``; replicas: the plan's
     ``data_parallel`` (with its ``stage_ranks``), else ``WORLD_SIZE // stages``. Raises ``ValueError``
-    printing ``dp(2) * pp(2) != WORLD_SIZE(6)`` when they do not fill the world.
+    printing ``pp(2) * dp_replicate(3) * dp_shard(1) != WORLD_SIZE(4)`` when they do not fill the world. The
+    ``DeviceMesh`` over these coordinates is made by the executor's ``RankStage`` (``ranks.devicemesh``).
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None

@@ -55,6 +55,7 @@ from ..memory import ActivationMeter
 from ..microbatch import batch_size, split_sizes, split_value
 from ..record import Recorder
 from .dataparallel import DataParallelReplica
+from .devicemesh import check_degrees, job_mesh, sub_mesh
 from .env import rank_info
 from .plainloop import Record, declared, exact_model_loss, watch
 from .sharded import check_shard_options
@@ -72,18 +73,30 @@ def launched_replica(plan: Any) -> bool:
     """True when ``span`` runs in a process group of size > 1 with one pipeline stage: a data-parallel replica.
 
     A plan (one stage) must say ``data_parallel`` 1 (a one-process plan, replicated) or the world
-    size; anything else is a ``ValueError`` printing ``dp(3) * pp(1) != WORLD_SIZE(2)``.
+    size; anything else is a ``ValueError`` printing ``pp(1) * dp_replicate(3) * dp_shard(1) != WORLD_SIZE(2)``.
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return False
     world = dist.get_world_size()
     dp = getattr(plan, "data_parallel", 1) if plan is not None else 1
-    if dp not in (1, world):
-        raise ValueError(
-            f"dp({dp}) * pp(1) != WORLD_SIZE({world}): this plan has one stage and data_parallel={dp}; launch {dp} "
-            f"processes, or re-plan with data_parallel={world} (or use a one-process plan: one replica per process)"
+    if dp != 1:
+        check_degrees(
+            {"pp": 1, "dp_replicate": dp}, world,
+            f"this plan has one stage and data_parallel={dp}; launch {dp} processes, or re-plan with "
+            f"data_parallel={world} (or use a one-process plan: one replica per process)",
         )
     return True
+
+
+def replica_mesh(settings: Settings, device: torch.device, shard: bool) -> Any:
+    """The job's ``DeviceMesh`` for one replica per rank, ``("dp_replicate",)`` (DDP) or ``("dp_shard",)`` (FSDP2) over
+    every rank (a user's ``span(mesh=)``, checked), set as ``settings.mesh``; returns the dimension the replica uses."""
+    name = "dp_shard" if shard else "dp_replicate"
+    world = dist.get_world_size()
+    info = rank_info()
+    kind = device.type if info.backend is not None and "nccl" in info.backend else "cpu"
+    settings.mesh = job_mesh(kind, {name: world}, keep=(name,), given=settings.mesh)
+    return sub_mesh(settings.mesh, name)
 
 
 class ReplicaExecutor(Executor):
@@ -111,6 +124,8 @@ class ReplicaExecutor(Executor):
     ) -> None:
         place = torch.device(device) if device is not None else rank_info().device
         check_shard_options(shard, offload, settings.precision, reshard_after_forward)
+        if process_group is None:  # the job's mesh (tensor parallel passes its dp_shard dimension)
+            process_group = replica_mesh(settings, place, shard)
         if settings.precision == "fp16" and settings.scaler is None:
             settings.scaler = SpanScaler(place.type)  # one decision on every rank: it reads the all-reduced gradients
         self.replica = DataParallelReplica(

@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_map
 from ..executor import Executor
 from ..losscheck import LossChecks
 from ..lossweights import LossSpec
+from .devicemesh import derived_group, job_mesh, sub_mesh
 from .env import RankInfo
 from .fingerprint import batch_fingerprint
 from .mesh import Mesh
@@ -61,7 +62,10 @@ class RankStage:
     replicas: the default group), made by ``start``.
     """
 
-    def __init__(self, model: nn.Module, mesh: Mesh, info: RankInfo, stages: int, precision: str = "32") -> None:
+    def __init__(
+        self, model: nn.Module, mesh: Mesh, info: RankInfo, stages: int, precision: str = "32", *, settings: Any = None,
+        shard: bool = False,
+    ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("no process group: call torchspan.init_distributed() before span() in a launched job")
         if precision == "fp16":
@@ -69,16 +73,24 @@ class RankStage:
                 "precision='fp16' across ranks is not supported: each rank's gradient scaler would decide alone to "
                 "skip a step on inf and the stages would drift apart; use precision='bf16' (no scaler needed) or '32'"
             )
-        if info.world_size != mesh.world_size:
-            raise ValueError(f"dp({mesh.replicas}) * pp({mesh.stages}) != WORLD_SIZE({info.world_size})")
         if stages != mesh.stages:
             raise ValueError(f"{stages} layer group(s) for pp({mesh.stages}) stages; give one group per stage")
-        self.model, self.mesh, self.info = model, mesh, info
-        self.replica, self.stage = mesh.coords(info.rank)
         self.device = info.device
         self.comm = info.device if info.backend and "nccl" in info.backend else torch.device("cpu")
-        self.stage_group: Any = None
-        self.pipe_group: Any = None
+        self.dp_name = "dp_shard" if shard else "dp_replicate"
+        self.device_mesh = job_mesh(
+            self.comm.type, {"pp": mesh.stages, self.dp_name: mesh.replicas}, keep=("pp",), table=mesh.table,
+            given=getattr(settings, "mesh", None), advice=f"launch {mesh.world_size} processes",
+        )  # the job's DeviceMesh (ranks.devicemesh): a user's span(mesh=), else the plan's numbering
+        if settings is not None:
+            settings.mesh = self.device_mesh
+        mesh = Mesh.of(self.device_mesh)
+        self.model, self.mesh, self.info = model, mesh, info
+        self.replica, self.stage = mesh.coords(info.rank)
+        self.dp_mesh = sub_mesh(self.device_mesh, self.dp_name) if mesh.replicas > 1 else None  # this stage's replicas
+        self.stage_group: Any = self.dp_mesh.get_group() if self.dp_mesh is not None else None
+        pp = sub_mesh(self.device_mesh, "pp")
+        self.pipe_group: Any = pp.get_group() if pp is not None else None  # this replica's pipeline
         self._tie_stages: list[tuple[int, ...]] = []
         self._tie_of: dict[int, int] = {}  # id(tied parameter this stage holds) -> index of its tie group
         self._tie_groups: list[tuple[Any, int]] = []  # (group, its lowest rank)
@@ -135,21 +147,11 @@ class RankStage:
 
     # ------------------------------------------------------------------ groups and start
     def start(self) -> None:
-        """Make every group (all ranks, one order: ``new_group`` is collective) and start identical:
-        replicas of a stage and tied copies are broadcast from the lowest holding rank."""
-        m = self.mesh
-        if m.replicas > 1:
-            for s in range(m.stages):
-                g = dist.new_group(m.stage_ranks(s))
-                if s == self.stage:
-                    self.stage_group = g
-            for r in range(m.replicas):
-                g = dist.new_group(m.pipeline_ranks(r))
-                if r == self.replica:
-                    self.pipe_group = g
-        for stages in self._tie_stages:
-            ranks = m.tie_ranks(stages)
-            self._tie_groups.append((dist.new_group(ranks), ranks[0]))
+        """Make the tie groups (all ranks, one order: collective; the stage and pipeline groups are the mesh's) and
+        start identical: replicas of a stage and tied copies are broadcast from the lowest holding rank."""
+        for stages in self._tie_stages:  # not a sub-mesh: those stages' ranks in every replica (ranks.devicemesh)
+            group, ranks = derived_group(self.device_mesh, "pp", stages)
+            self._tie_groups.append((group, ranks[0]))
         with torch.no_grad():
             if self.stage_group is not None:
                 src = self.mesh.rank(0, self.stage)
@@ -171,7 +173,7 @@ class RankStage:
                 "nothing to shard it over; launch replicas x stages processes (e.g. 4 for 2 stages x 2 replicas) or "
                 "pipeline without shard=True"
             )
-        self.shards = StageShards(self.model, layers, self.stage_group, self.device, tied=set(self._tie_of), reshard_after_forward=reshard_after_forward)
+        self.shards = StageShards(self.model, layers, self.dp_mesh, self.device, tied=set(self._tie_of), reshard_after_forward=reshard_after_forward)
 
     def state_dict(self, **options: Any) -> Any:
         """The model's state dict as this rank holds it (other stages' entries ``meta``); sharded entries as full

@@ -7,8 +7,8 @@ themselves: FSDP2 within a stage, a pipeline across stages (torchtitan's composi
 ``fully_shard`` with ``torch.distributed.pipelining``). ``RankStage.shard`` makes a ``StageShards``:
 
 - **Units**: ``fully_shard`` on each of this stage's layers that owns parameters no other module holds
-  (``sharded.exclusive_layers``), over a ``DeviceMesh`` of the stage's data-parallel group
-  (``RankStage.stage_group``). Each unit is its own FSDP root: a pipeline rank runs no forward over
+  (``sharded.exclusive_layers``), over the stage's ``dp_shard`` sub-mesh of the job's ``DeviceMesh``
+  (``RankStage.dp_mesh``). Each unit is its own FSDP root: a pipeline rank runs no forward over
   its whole stage. What no unit holds stays replicated and is summed in the stage's group by
   ``RankStage`` as in the hybrid: a parameter tied across stages (in its tie group: one parameter on
   every rank), the model's own tensors (root attributes), a layer sharing a parameter with another.
@@ -79,7 +79,7 @@ class StageShards:
         from torch.distributed.fsdp import fully_shard
 
         self.units = [(n, m) for n, m in exclusive_layers(model, layers) if not any(id(p) in tied for p in m.parameters())]
-        self.mesh = device_mesh(group, device.type)
+        self.mesh = group if hasattr(group, "get_group") else device_mesh(group, device.type)  # the job mesh's dp_shard
         for _, unit in self.units:
             before = {(id(m), k): p for m in unit.modules() for k, p in m._parameters.items() if p is not None}
             fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard_after_forward)

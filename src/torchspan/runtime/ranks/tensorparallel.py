@@ -38,25 +38,20 @@ __all__ = ["tp_mesh", "parallelize", "tensor_parallel", "tp_styles", "full_tenso
 STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "sequence_parallel")
 
 
-def tp_mesh(tp: Any, shard: bool = False) -> Any:
-    """The job's ``DeviceMesh``: ``("tp",)`` over every process, or with ``shard`` ``("dp_shard", "tp")``, ``tp``
-    innermost (torchtitan's order: a node's neighbouring ranks split the layers), the degrees checked as one equation."""
-    from torch.distributed.device_mesh import init_device_mesh
+def tp_mesh(tp: Any, shard: bool = False, given: Any = None) -> Any:
+    """The job's ``DeviceMesh`` (``ranks.devicemesh``): ``("tp",)`` over every process, or with ``shard``
+    ``("dp_shard", "tp")``, ``tp`` innermost (torchtitan's order: a node's neighbouring ranks split the layers), the
+    degrees checked as one equation; ``given``: a user's ``span(mesh=)``, checked against them."""
+    from .devicemesh import job_mesh
 
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp={tp!r} must be an int >= 1 (the processes each layer is split over)")
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     dp = world // tp if shard else 1
-    if dp * tp != world:
-        fix = f"launch a multiple of {tp} processes" if shard else f"launch {tp} processes or pass shard=True"
-        raise ValueError(
-            f"dp_shard({dp}) * tp({tp}) != WORLD_SIZE({world}): tensor parallelism splits each layer over tp ranks, "
-            f"and only sharded replicas (shard=True) hold the rest; {fix}"
-        )
-    device = rank_info().device.type
-    if shard:
-        return init_device_mesh(device, (dp, tp), mesh_dim_names=("dp_shard", "tp"))
-    return init_device_mesh(device, (tp,), mesh_dim_names=("tp",))
+    fix = f"launch a multiple of {tp} processes" if shard else f"launch {tp} processes or pass shard=True"
+    advice = f"tensor parallelism splits each layer over tp ranks, and only sharded replicas (shard=True) hold the rest; {fix}"
+    degrees, keep = ({"dp_shard": dp, "tp": tp}, ("dp_shard", "tp")) if shard else ({"tp": tp}, ("tp",))
+    return job_mesh(rank_info().device.type, degrees, keep=keep, given=given, advice=advice)
 
 
 def tensor_parallel(
@@ -78,7 +73,7 @@ def tensor_parallel(
             "(shard=True) so far; pipelines, offload and plans beside it are not built yet. Drop them, or drop tp="
         )
     init_distributed()
-    mesh = settings.mesh = tp_mesh(tp, shard=bool(sharding["shard"]))
+    mesh = settings.mesh = tp_mesh(tp, shard=bool(sharding["shard"]), given=settings.mesh)
     info = rank_info()
     model.to(info.device)
     broadcast_module(model, None, info.device if "nccl" in str(info.backend) else torch.device("cpu"))
