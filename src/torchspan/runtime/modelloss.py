@@ -221,7 +221,7 @@ def combiner(kwargs: Mapping[str, Any], outs: Sequence[Any], total: int, device:
     weights = [1.0] * len(outs) if items is not None else spec.weights(chunks, sizes)
 
     def combine(losses: list[torch.Tensor]) -> torch.Tensor:
-        return sum((l.to(device) * w for l, w in zip(losses, weights) if w != 0.0), torch.zeros((), device=device))
+        return sum((part.to(device) * w for part, w in zip(losses, weights) if w != 0.0), torch.zeros((), device=device))
 
     return combine
 
