@@ -1,7 +1,7 @@
 """The planner prices tensor parallelism (issue 33 item 4): ``tensor parallel x sharded`` in the cluster comparison,
 its time and memory by ``planner.tensorparallel``'s formulas (checked by hand), chosen where it is predicted fastest and
 fits (a 70B-shaped Llama on 4 nodes of 8 H100s; wide layers only it fits), not where replicas or pipelines win or it does
-not fit, ``Plan.tp`` (JSON), ``--tp`` and ``span(model, plan)`` naming ``span(model, tp=..., shard=True)``."""
+not fit, ``Plan.tp`` (JSON), ``--tp`` and ``span(model, plan)`` in one process naming the launched job it needs."""
 
 from __future__ import annotations
 
@@ -200,7 +200,7 @@ def test_plan_tp_field_validates_and_span_names_the_way_to_run_it() -> None:
         Plan(stages, tp=0)
     with pytest.raises(ValueError, match="needs stage_ranks"):
         Plan(stages, tp=2)
-    with pytest.raises(ValueError, match=r"span\(model, tp=2, shard=True\) in a job of 4 processes"):
+    with pytest.raises(ValueError, match=r"WORLD_SIZE is 1: run span\(model, plan\) in a launched job of 4 processes"):
         torchspan.span(nn.Sequential(nn.Linear(4, 4)), plan)
 
 

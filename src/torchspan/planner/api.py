@@ -81,7 +81,7 @@ def plan(
     states (default: this machine's free memory for present devices, 3 x the node's accelerator memory for
     described ones). ``tp``: tensor-parallel degrees a cluster plan prices (``planner.tensorparallel``: ``"auto"``, 2,
     4 and 8 dividing the devices per node; an int fixes one, 1 prices none); ``plan.tp`` is the chosen one, run by
-    ``span(model, tp=plan.tp, shard=True)``.
+    ``span(model, plan)`` (``runtime.ranks.tensorparallel.planned``: on fewer ranks, shrunk).
     """
     from ..profiler.measure import profile
 

@@ -112,7 +112,7 @@ class Plan:
     comparison: list[dict[str, Any]] = field(default_factory=list)
     # tensor parallel (``planner.tensorparallel``): each layer split over ``tp`` ranks of a node, tp innermost:
     # ``stage_ranks`` then holds ``data_parallel * tp`` ranks per stage, replica r's ``row[r * tp:(r + 1) * tp]``;
-    # run by ``span(model, tp=..., shard=True)`` (``span(model, plan)`` refuses it yet). JSON: left out at 1
+    # ``span(model, plan)`` runs it (as ``span(model, tp=..., shard=True)``; shrunk on fewer ranks). JSON: left out at 1
     tp: int = 1
 
     def __post_init__(self) -> None:

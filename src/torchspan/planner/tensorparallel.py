@@ -175,8 +175,8 @@ def tp_notes(best: ClusterCandidate, cluster: Cluster) -> list[str]:
     sharded = f", then FSDP2 over dp_shard {best.dp} ({best.reductions[0].link})" if best.dp > 1 else ""
     return [
         f"tensor parallel: {sum(split)} block(s) split over tp {best.tp} ranks of a node (DTensor: attention heads and "
-        f"MLP width column- then row-wise){sharded}{whole}; run it in a job of {cluster.world} processes with {run} "
-        f"(span(model, plan) does not build it yet); planner.tensorparallel has the formulas",
+        f"MLP width column- then row-wise){sharded}{whole}; span(model, plan) runs it in a job of {cluster.world} "
+        f"processes, as {run} does (on fewer: shrunk, tp = gcd(tp, WORLD_SIZE)); planner.tensorparallel has the formulas",
         f"tp all-reduces: 4 per block (2 forward, 2 backward) of its output over {cluster.intra.key}, "
         f"{best.tp_comm * 1e3:.3f} ms per step, not overlapped with compute; a split block keeps {WHOLE_OUTPUTS} "
         "output-sized activations whole and 1/tp of the rest",

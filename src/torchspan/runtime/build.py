@@ -246,9 +246,8 @@ def span(
     ``weights`` (a model built on ``meta``): ``"init"``, a checkpoint path or a callable; each rank materializes and
     fills only its shard or stage (``runtime.ranks.metaweights``). A meta model without it is refused before any work.
     ``loss_reduction`` (``"sum"``/``"mean"``): a plain loop's unreadable loss, declared (``runtime.ranks.plainloop``).
-    ``tp=N``/``tp_plan=``: tensor parallel over a job of ``N`` processes (``runtime.ranks.tensorparallel``).
-    ``mesh``: the job's ``DeviceMesh`` to use (else built; ``spanned.mesh``), its dimension names and sizes the span's
-    degrees (``runtime.ranks.devicemesh``).
+    ``tp=N``/``tp_plan=``: tensor parallel over ``N`` processes (``runtime.ranks.tensorparallel``). ``mesh``: the job's
+    ``DeviceMesh`` to use, checked against the span's degrees (else built: ``spanned.mesh``, ``runtime.ranks.devicemesh``).
 
     Usage: ``span(model, devices=["cpu", "cpu"], balance=[2, 2], microbatches=4, schedule="1f1b")``.
     """
@@ -257,8 +256,7 @@ def span(
     _loss_options(settings, nonfinite, loss_reduction)
     sharding = _sharding(plan, shard, offload, reshard_after_forward, settings.precision, per_shard_batchnorm)
     join_launched_job("torchspan.span")  # launched without init_distributed(): join, never train as a lone process
-    recorder = Recorder()
-    settings.mesh = mesh  # a user's DeviceMesh, checked against the degrees by the strategy that uses it
+    recorder, settings.mesh = Recorder(), mesh  # a user's DeviceMesh: checked by the strategy that uses it
     if tp is not None:  # every layer split over the tp ranks (ranks.tensorparallel); sharded over the others
         devices = tensor_parallel(model, tp, tp_plan, settings, sharding, plan=plan, balance=balance, devices=devices)
     if (tp is None or sharding["shard"]) and (got := _replica(model, plan, devices, balance, settings, recorder, sharding, weights)):
@@ -280,7 +278,7 @@ def _staged(
 ) -> Spanned:
     """The ``Spanned`` running ``lay``'s stages: its executor chosen (``runtime.choose``), fp16's scaler made."""
     _check_workers(settings, lay.devices)
-    if settings.mesh is not None and lay.ranked is None and "tp" not in (settings.mesh.mesh_dim_names or ()):
+    if settings.mesh is not None and lay.ranked is None and "tp" not in (getattr(settings.mesh, "mesh_dim_names", None) or ()):
         raise ValueError(
             "mesh= was given, but this span runs in one process (no launched job with replicas, stages or tp): "
             "launch the job (torchspan launch / torchrun) or leave mesh= out"

@@ -109,8 +109,8 @@ def check_given(mesh: Any, degrees: Mapping[str, int], names: Sequence[str]) -> 
 
     want = ", ".join(f"{n}={degrees.get(n, 1)}" for n in names)
     fix = (
-        f"pass mesh=init_device_mesh(device, {tuple(degrees.get(n, 1) for n in names)}, "
-        f"mesh_dim_names={tuple(names)}), or leave mesh= out and torchspan builds it"
+        f"call span(model, mesh=init_device_mesh(device, {tuple(degrees.get(n, 1) for n in names)}, "
+        f"mesh_dim_names={tuple(names)})), or leave mesh= out and torchspan builds it"
     )
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"mesh={mesh!r} is not a torch DeviceMesh; this span needs dimensions {want}: {fix}")

@@ -102,7 +102,6 @@ class RankOwnForwardExecutor(StageExecutor):
         **options: Any,
     ) -> None:
         self.ranks = RankStage(model, mesh, info, len(groups), settings.precision, settings=settings, shard=shard)
-        mesh = self.ranks.mesh  # the coordinates of the job's DeviceMesh (a user's span(mesh=) may number otherwise)
         self._weights = weights  # a model built on meta: this stage filled at the first call (place)
         self._shard: bool | None = reshard_after_forward if shard else None  # sharded: reshard_after_forward
         super().__init__([info.device] * mesh.stages, groups)
@@ -114,7 +113,7 @@ class RankOwnForwardExecutor(StageExecutor):
         self._kept: set[int] = set()
         self._paths = {True: Path(), False: Path()}  # training forwards, no-grad forwards
         self._fwd: Forward | None = None
-        self._transport = RankTransport(mesh, info.rank, info.device, self.ranks.comm)  # values "own-fwd"/"own-eval", gradients "own-bwd"
+        self._transport = RankTransport(self.ranks.mesh, info.rank, info.device, self.ranks.comm)  # values "own-fwd"/"own-eval", gradients "own-bwd"
         self._swaps = TiedSwaps({})
         self._steps = MeteredSteps(meter)  # which training steps count saved activations (micro-batch shapes)
         self._meta_calls = MetaCalls()

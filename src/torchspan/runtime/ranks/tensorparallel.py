@@ -33,7 +33,7 @@ from torch import nn
 
 from .env import init_distributed, rank_info
 
-__all__ = ["tp_mesh", "parallelize", "tensor_parallel", "tp_styles", "full_tensors", "STYLES"]
+__all__ = ["tp_mesh", "parallelize", "tensor_parallel", "planned", "tp_styles", "full_tensors", "STYLES"]
 
 STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "sequence_parallel")
 
@@ -64,8 +64,11 @@ def tensor_parallel(
 
     from ..placement import parse_devices
 
-    devices = others.pop("devices", None)
+    devices, plan = others.pop("devices", None), others.pop("plan", None)
+    if plan is not None and plan.tp > 1:  # the planner's tensor parallel x sharded, on the launched world
+        tp = planned(model, plan, tp, sharding)
     given = [k for k, v in {**others, "offload": sharding.get("offload")}.items() if v is not None]
+    given += ["plan"] if plan is not None and plan.tp == 1 else []
     given += ["devices"] if devices is not None and len(parse_devices(devices)) > 1 else []
     if given:
         raise ValueError(
@@ -81,6 +84,53 @@ def tensor_parallel(
     if sharding["shard"]:
         sharding["process_group"] = mesh["dp_shard"]
     return [info.device]
+
+
+def planned(model: nn.Module, plan: Any, tp: Any, sharding: dict[str, Any]) -> int:
+    """``span(model, plan)`` for a plan with ``plan.tp > 1`` (``planner.tensorparallel``): the ``tp`` it runs on the
+    launched world, ``sharding["shard"]`` set where replicas remain (FSDP2 over ``dp_shard``, as planned).
+
+    On the plan's world: its ``tp x dp_shard``. On fewer ranks (a cluster's plan tried on 2-4 processes): "shrunk",
+    ``tp = gcd(plan.tp, WORLD_SIZE)`` ranks per replica and sharded replicas over the rest, with a ``UserWarning`` (the
+    gradients are one device's in any layout; the plan's predicted times and memory are its own world's). Refused: a
+    ``tp=`` other than the plan's, several stages, layers the model lacks, ranks not tp-innermost, one process, a
+    larger job, a world sharing no degree with ``plan.tp``."""
+    import math
+    import warnings
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    n, t, dp = plan.world_size, plan.tp, plan.data_parallel
+    what = f"plan.tp={t}: this plan splits each layer over {t} ranks ({dp} replica(s) of {t} ranks, {n} processes)"
+    run = f"span(model, tp={t}, shard=True)" if dp > 1 else f"span(model, tp={t})"
+    if tp is not None and tp != t:
+        raise ValueError(f"span(model, plan, tp={tp!r}): {what}; drop tp= to run the plan, or re-plan with tp={tp}")
+    if len(plan.stages) != 1 or plan.stage_ranks != [list(range(n))]:
+        raise ValueError(
+            f"{what} on {len(plan.stages)} stage(s), ranks {plan.stage_ranks}: span(model, plan) runs one stage with tp "
+            "innermost (the planner's tensor parallel x sharded); tensor parallel x pipeline is not built yet. Re-plan"
+        )
+    unknown = [name for name in plan.layers if name not in dict(model.named_modules())]
+    if unknown:
+        raise ValueError(f"{what}, of layers {unknown} that {type(model).__name__} does not have: re-plan for this model")
+    if world == 1 or world > n:
+        raise ValueError(
+            f"{what}; WORLD_SIZE is {world}: run span(model, plan) in a launched job of {n} processes (torchspan launch "
+            f"--nproc-per-node ...), or of fewer that {t} shares a degree with (it runs shrunk), as {run} would"
+        )
+    if world < n:
+        t = math.gcd(t, world)
+        if t == 1:
+            raise ValueError(f"{what}; WORLD_SIZE({world}) shares no degree with it: launch a multiple of 2 processes")
+        dp = world // t
+        warnings.warn(
+            f"span(model, plan): the plan is for {n} ranks (tp {plan.tp} x dp_shard {plan.data_parallel}); it runs shrunk "
+            f"on the {world} launched as tp {t} x dp_shard {dp} (tp = gcd(plan.tp, WORLD_SIZE)): the gradients are one "
+            f"device's, the plan's predicted times and memory are for {n} ranks",
+            UserWarning,
+            stacklevel=4,
+        )
+    sharding["shard"] = dp > 1
+    return t
 
 
 def tp_styles(model: nn.Module, tp_plan: Mapping[str, Any] | None) -> dict[str, Any]:
