@@ -25,8 +25,9 @@ MODELS = textwrap.dedent(
     import torch, transformers
 
     def llama():
-        cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                                       num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+        cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24,
+                                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                       tie_word_embeddings=True)
         torch.manual_seed(0)
         return transformers.LlamaForCausalLM(cfg)
     """

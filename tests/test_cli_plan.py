@@ -21,7 +21,8 @@ def build():
     return nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8))
 
 def wide():
-    return nn.Sequential(nn.Linear(32, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.Linear(1024, 8))
+    return nn.Sequential(nn.Linear(32, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                         nn.Linear(1024, 1024), nn.Linear(1024, 8))
 
 def tokens():
     return nn.Sequential(nn.Embedding(100, 16), nn.Flatten(), nn.Linear(16 * 12, 4))

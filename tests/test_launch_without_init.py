@@ -110,7 +110,8 @@ torch.set_num_threads(1)
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 4)).double()
 g = torch.Generator().manual_seed(7)
-x, y = torch.randn(7, 5, generator=g, dtype=torch.float64), torch.randn(7, 4, generator=g, dtype=torch.float64)
+x = torch.randn(7, 5, generator=g, dtype=torch.float64)
+y = torch.randn(7, 4, generator=g, dtype=torch.float64)
 if order == "shard-first":           # the data first: shard_batch joins the job
     xs, ys = torchspan.shard_batch((x, y))
     spanned = torchspan.span(model)
@@ -124,14 +125,17 @@ for _ in range(3):
     opt.zero_grad()
     losses.append(float(spanned.train_step(xs, ys, nn.MSELoss())))
     opt.step()
-result = {"world": dist.get_world_size() if dist.is_initialized() else 1, "mode": spanned.mode, "losses": losses, "params": {k: v.detach() for k, v in model.state_dict().items()}}
+result = {"world": dist.get_world_size() if dist.is_initialized() else 1, "mode": spanned.mode, "losses": losses,
+          "params": {k: v.detach() for k, v in model.state_dict().items()}}
 if order == "span-first":            # a pipeline in the same job: every rank gets the whole batch
     torch.manual_seed(1)
-    piped = torchspan.span(nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 4)).double(), balance=[2, 1])
+    piped = torchspan.span(nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 4)).double(),
+                           balance=[2, 1])
     piped.zero_grad()
     result["pipeline_loss"] = float(piped.train_step(x, y, nn.MSELoss()))
     result["pipeline_mode"] = piped.mode
-    result["pipeline_grads"] = {k: p.grad for k, p in piped.module.named_parameters() if p.device.type != "meta"}
+    result["pipeline_grads"] = {k: p.grad for k, p in piped.module.named_parameters()
+                                if p.device.type != "meta"}
 torch.save(result, f"{out}.rank{os.environ['RANK']}")
 """
 

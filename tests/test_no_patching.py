@@ -39,7 +39,8 @@ import torch.nn.utils
 import torch.nn.utils.clip_grad
 
 assert "torchspan" not in sys.modules, "the check needs a process that has not imported torchspan"
-WATCHED = {"torch.nn.utils": torch.nn.utils, "torch.nn.utils.clip_grad": torch.nn.utils.clip_grad, "torch.Tensor": torch.Tensor}
+WATCHED = {"torch.nn.utils": torch.nn.utils, "torch.nn.utils.clip_grad": torch.nn.utils.clip_grad,
+           "torch.Tensor": torch.Tensor}
 before = {name: dict(vars(obj)) for name, obj in WATCHED.items()}
 
 import torchspan
@@ -88,7 +89,8 @@ for name, obj in WATCHED.items():
         if key not in now or now[key] is not value:
             changed.append(f"{name}.{key}")
     for key, value in now.items():
-        loaded = isinstance(value, types.ModuleType) and value.__name__ == f"{name}.{key}"  # a submodule import
+        # a submodule import
+        loaded = isinstance(value, types.ModuleType) and value.__name__ == f"{name}.{key}"
         if key not in before[name] and not loaded:
             changed.append(f"{name}.{key} (added)")
 result["changed"] = changed

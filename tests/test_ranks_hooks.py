@@ -405,7 +405,8 @@ import torch, transformers
 
 def llama():
     cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=4,
-                                   num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True, use_cache=False)
+                                   num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+                                   use_cache=False)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg)
 '''

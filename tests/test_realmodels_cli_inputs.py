@@ -38,7 +38,8 @@ MODELS = textwrap.dedent(
 
         torch.manual_seed(0)
         cfg = transformers.GPT2Config(
-            n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=16, bos_token_id=0, eos_token_id=0, use_cache=False,
+            n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=16, bos_token_id=0, eos_token_id=0,
+            use_cache=False,
         )
         return transformers.GPT2LMHeadModel(cfg)
     """
