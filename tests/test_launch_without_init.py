@@ -125,8 +125,8 @@ for _ in range(3):
     opt.zero_grad()
     losses.append(float(spanned.train_step(xs, ys, nn.MSELoss())))
     opt.step()
-result = {"world": dist.get_world_size() if dist.is_initialized() else 1, "mode": spanned.mode, "losses": losses,
-          "params": {k: v.detach() for k, v in model.state_dict().items()}}
+result = {"world": dist.get_world_size() if dist.is_initialized() else 1, "mode": spanned.mode,
+          "losses": losses, "params": {k: v.detach() for k, v in model.state_dict().items()}}
 if order == "span-first":            # a pipeline in the same job: every rank gets the whole batch
     torch.manual_seed(1)
     piped = torchspan.span(nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 4)).double(),
