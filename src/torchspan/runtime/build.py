@@ -66,12 +66,6 @@ def _check_arguments(model: nn.Module, plan: Plan | None, devices: Any, balance:
         )
     if devices is not None or balance is not None:
         raise ValueError("pass either plan or devices/balance, not both: the plan already says where each layer goes")
-    if getattr(plan, "tp", 1) > 1:  # planner.tensorparallel's plans: built by span(model, tp=...) so far
-        run = f"span(model, tp={plan.tp}, shard=True)" if plan.shard else f"span(model, tp={plan.tp})"
-        raise ValueError(
-            f"plan.tp={plan.tp}: this plan splits each layer over {plan.tp} ranks ({plan.data_parallel} replica(s) of {plan.tp} "
-            f"ranks), which span(model, plan) does not build yet; run {run} in a job of {plan.world_size} processes"
-        )
 
 
 def span_settings(
@@ -257,9 +251,10 @@ def span(
     sharding = _sharding(plan, shard, offload, reshard_after_forward, settings.precision, per_shard_batchnorm)
     join_launched_job("torchspan.span")  # launched without init_distributed(): join, never train as a lone process
     recorder, settings.mesh = Recorder(), mesh  # a user's DeviceMesh: checked by the strategy that uses it
-    if tp is not None:  # every layer split over the tp ranks (ranks.tensorparallel); sharded over the others
-        devices = tensor_parallel(model, tp, tp_plan, settings, sharding, plan=plan, balance=balance, devices=devices)
-    if (tp is None or sharding["shard"]) and (got := _replica(model, plan, devices, balance, settings, recorder, sharding, weights)):
+    split = tp is not None or getattr(plan, "tp", 1) > 1  # every layer over tp ranks (ranks.tensorparallel), a plan's too
+    if split:  # sharded over the other ranks; a plan is consumed here (its tp and replicas on the launched world)
+        devices, plan = tensor_parallel(model, tp, tp_plan, settings, sharding, plan=plan, balance=balance, devices=devices), None
+    if (not split or sharding["shard"]) and (got := _replica(model, plan, devices, balance, settings, recorder, sharding, weights)):
         return got  # launched with one stage, or sharded: one replica per process
     lay = _layout(model, plan, devices, balance, split_points, no_split, weights)
     return _staged(model, lay, plan, balance, settings, recorder, sharding, weights, dict(split_points=split_points, no_split=no_split))
