@@ -23,6 +23,7 @@ FLOORS: dict[str, int] = {
     "torchspan.schedule": 0,
     "torchspan.hardware": 0,
     "torchspan.files": 0,
+    "torchspan.temporaries": 0,
     "torchspan.layers": 1,
     "torchspan.profiler": 2,
     "torchspan.planner": 3,

@@ -39,15 +39,18 @@ import os
 import re
 import ctypes
 import errno
-import secrets
 import shutil
-import socket
 import stat
-import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
+
+from .temporaries import ACTIVE as _ACTIVE
+from .temporaries import ACTIVE_LOCK as _ACTIVE_LOCK
+from .temporaries import prefix as _prefix
+from .temporaries import process_started as _this_process_started
+from .temporaries import stale as _stale
+from .temporaries import temporary as _temporary
 
 __all__ = [
     "atomic_open",
@@ -62,13 +65,6 @@ __all__ = [
     "write_bytes",
     "write_text",
 ]
-
-_MARK = "torchspan"  # .NAME.torchspan.PID.TOKEN.HOST.tmp
-_NAME_MAX = 150  # characters of the target's name kept in a temporary's name (NAME_MAX is 255)
-_ACTIVE: set[str] = set()  # temporaries this process is writing now (threads included)
-_ACTIVE_LOCK = threading.Lock()
-_IMPORTED = time.time()
-
 
 def _shown(name: str, value: Any) -> str:
     """``--out 'x'`` for a command-line option, ``path='x'`` for an API argument."""
@@ -191,18 +187,6 @@ def _writable_folder(folder: Path, shown: str, make: bool, fix: str) -> None:
 # --------------------------------------------------------------------------- atomic writes
 
 
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:32] or "host"
-
-
-def _prefix(target: Path) -> str:
-    return f".{target.name[:_NAME_MAX]}.{_MARK}."
-
-
-def _temporary(target: Path, suffix: str = "tmp") -> Path:
-    return target.with_name(f"{_prefix(target)}{os.getpid()}.{secrets.token_hex(4)}.{_host()}.{suffix}")
-
-
 @contextlib.contextmanager
 def atomic_open(
     path: str | os.PathLike[str], mode: str = "wb", *, name: str = "path", durable: bool = False, make_parent: bool = False
@@ -287,53 +271,6 @@ def write_bytes(path: str | os.PathLike[str], data: bytes, *, name: str = "path"
 
 
 # --------------------------------------------------------------------------- leftovers of interrupted writes
-
-
-def _started(pid: int) -> float | None:
-    """When process ``pid`` started (seconds since the epoch), from ``/proc``; ``None`` where unknown."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
-            ticks = int(fh.read().rpartition(")")[2].split()[19])
-        with open("/proc/stat", encoding="ascii") as fh:
-            boot = next(int(line.split()[1]) for line in fh if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-
-
-def _this_process_started() -> float:
-    started = _started(os.getpid())
-    return started if started is not None else _IMPORTED
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
-def _stale(entry: Path, rest: str, since: float) -> bool:
-    """Whether the temporary ``entry`` (``rest``: its name after ``.NAME.torchspan.``) has no live writer."""
-    try:
-        changed = entry.lstat().st_mtime
-    except FileNotFoundError:
-        return False
-    if str(entry) in _ACTIVE:
-        return False
-    match = re.fullmatch(r"(\d+)\.[0-9a-f]+\.([A-Za-z0-9-]+)\.(?:tmp|old)", rest)
-    if match is None or match.group(2) != _host():  # another machine's pid means nothing here: go by age
-        return changed < since
-    pid = int(match.group(1))
-    if pid == os.getpid():
-        return True  # ours, and not being written: a write of ours that failed to clean up
-    if not _alive(pid):
-        return True
-    started = _started(pid)
-    return started is not None and started > changed + 1.0  # the pid was reused after the writer died
 
 
 def clean_temporaries(path: str | os.PathLike[str]) -> list[Path]:
