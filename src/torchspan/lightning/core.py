@@ -29,7 +29,7 @@ from ..runtime.ranks.mesh import launched_stages
 
 __all__ = [
     "SPAN_KEYS", "check_span_kwargs", "check_precision", "join_job", "world", "rank", "span_module",
-    "refuse_rank_pipeline", "rows", "spanned_in", "swap_parameters", "full_optimizer_state",
+    "refuse_rank_pipeline", "rank_pipeline", "rows", "spanned_in", "swap_parameters", "full_optimizer_state",
     "load_full_optimizer_state", "check_devices",
 ]  # fmt: skip
 
@@ -94,23 +94,39 @@ def check_devices(owner: str, processes: int, where: str = "Trainer") -> None:
         )
 
 
-def refuse_rank_pipeline(owner: str, kwargs: dict[str, Any]) -> None:
-    """A pipeline across ranks runs its schedule in ``spanned.train_step``, never from Lightning's ``loss.backward()``."""
+def refuse_rank_pipeline(owner: str, kwargs: dict[str, Any], sharded_only: bool = False) -> None:
+    """Fabric: a pipeline across ranks runs its schedule in ``spanned.train_step``, never from ``fabric.backward``.
+    Lightning's Trainer runs it (``lightning.staged``), but not sharded (``sharded_only``)."""
     stages = launched_stages(kwargs.get("plan"), kwargs.get("devices"), kwargs.get("balance"))
-    if stages > 1 and world() > 1:
+    if stages < 2 or world() < 2 or (sharded_only and not kwargs.get("shard")):
+        return
+    given = ", ".join(f"{k}=..." for k in ("plan", "devices", "balance", "shard") if kwargs.get(k) is not None)
+    if sharded_only:
         raise ValueError(
-            f"{owner}({', '.join(f'{k}=...' for k in ('plan', 'devices', 'balance') if kwargs.get(k) is not None)}) in a "
-            f"job of {world()} processes is a pipeline across ranks ({stages} stages): Lightning runs loss.backward() "
-            "itself, and a pipeline across ranks runs its schedule only in spanned.train_step(inputs, target, loss_fn). "
-            f"Run it in one process ({owner}(devices=['cpu', 'cpu'], microbatches=4): a local pipeline), as replicas "
-            f"({owner}() under a launcher) or sharded replicas ({owner}(shard=True)); or write the loop yourself with "
-            "torchspan.span(...).train_step"
+            f"{owner}({given}) in a job of {world()} processes is a sharded pipeline across ranks ({stages} stages), "
+            f"which {owner} does not run under Lightning's loop: drop shard=True ({owner}(devices=...) pipelines "
+            "across ranks, with replicas of the pipeline when the job has more ranks than stages), or write the loop "
+            "yourself with torchspan.span(..., shard=True).train_step"
         )
+    raise ValueError(
+        f"{owner}({given}) in a job of {world()} processes is a pipeline across ranks ({stages} stages): Fabric runs "
+        "fabric.backward(loss) itself, and a pipeline across ranks runs its schedule only in "
+        "spanned.train_step(inputs, target, loss_fn). Use lightning's Trainer with "
+        f"torchspan.lightning.SpanStrategy({given}) (it runs the pipeline from training_step), write the loop with "
+        "torchspan.span(...).train_step without Fabric, run it in one process ({owner}(devices=['cpu', 'cpu'], microbatches=4): a local pipeline), or as "
+        f"replicas ({owner}() under a launcher) or sharded replicas ({owner}(shard=True))"
+    )
 
 
-def span_module(module: nn.Module, kwargs: dict[str, Any], owner: str) -> Spanned:
-    """``torchspan.span(module, **kwargs)`` once every check passed."""
-    refuse_rank_pipeline(owner, kwargs)
+def rank_pipeline(spanned: Spanned | None) -> bool:
+    """Whether ``spanned`` is a pipeline across ranks (this process holds one of its stages)."""
+    return spanned is not None and world() > 1 and len(spanned.stages) > 1
+
+
+def span_module(module: nn.Module, kwargs: dict[str, Any], owner: str, pipelines: bool = False) -> Spanned:
+    """``torchspan.span(module, **kwargs)`` once every check passed (``pipelines``: a pipeline across ranks is run
+    by the caller, not refused)."""
+    refuse_rank_pipeline(owner, kwargs, sharded_only=pipelines)
     return span(module, **kwargs)
 
 

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import core
+from ..runtime.ranks import shard_batch
+from . import core, staged
 from .modules import inner, load_around, module_path, move_around, swap_in
 
 try:
@@ -91,6 +92,10 @@ class SpanStrategy(core.Placement, ParallelStrategy):  # type: ignore[misc,valid
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Data-parallel replicas (a pipeline's stages read the same rows); the strategy itself cuts rows, unpadded."""
+        if core.rank_pipeline(self.spanned):
+            replica, replicas = self.spanned.data_parallel
+            return {"num_replicas": replicas, "rank": replica}
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     def set_world_ranks(self) -> None:
@@ -139,8 +144,10 @@ class SpanStrategy(core.Placement, ParallelStrategy):  # type: ignore[misc,valid
         kwargs = dict(self.span_kwargs)
         if getattr(self.precision_plugin, "precision", "") == "bf16-mixed" and core.world() == 1 and not kwargs.get("shard"):
             kwargs.setdefault("precision", "bf16")  # stages run in their own threads: autocast each one
-        self.spanned = core.span_module(inner(lm, self._path), kwargs, "SpanStrategy")
+        self.spanned = core.span_module(inner(lm, self._path), kwargs, "SpanStrategy", pipelines=True)
         swap_in(lm, self._path, self.spanned)
+        if core.rank_pipeline(self.spanned):  # training_step's loss runs the pipeline's step (lightning.staged)
+            staged.defer_training(self.spanned)
 
     def _clip_with_span(self) -> None:
         """Lightning's ``gradient_clip_val`` (norm) clips by the whole model's norm, as one device would."""
@@ -165,8 +172,15 @@ class SpanStrategy(core.Placement, ParallelStrategy):  # type: ignore[misc,valid
         """Training batches: this rank's rows of the global batch; evaluation batches: whole, on every rank."""
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is not None and trainer.training:
-            batch = core.rows(batch)
+            batch = self._rows(batch)
         return super().batch_to_device(batch, device, dataloader_idx)
+
+    def _rows(self, batch: Any) -> Any:
+        """This process's rows: its replica's (every stage of a pipeline across ranks the same), else its rank's."""
+        if not core.rank_pipeline(self.spanned):
+            return core.rows(batch)
+        replica, replicas = self.spanned.data_parallel
+        return shard_batch(batch, replica, replicas) if replicas > 1 else batch
 
     # ------------------------------------------------------------------ collectives
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
@@ -186,14 +200,24 @@ class SpanStrategy(core.Placement, ParallelStrategy):  # type: ignore[misc,valid
         return box[0]
 
     # ------------------------------------------------------------------ checkpoints
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The LightningModule's state dict; a pipeline across ranks: every stage's weights (a collective)."""
+        state = super().lightning_module_state_dict()
+        return staged.gathered_state(state) if core.rank_pipeline(self.spanned) else state
+
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
+        if core.rank_pipeline(self.spanned):
+            return staged.gathered_optimizer_state(optimizer)
         return core.full_optimizer_state(self.spanned, optimizer)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            core.load_full_optimizer_state(self.spanned, optimizer, state)
+            if core.rank_pipeline(self.spanned):
+                staged.local_optimizer_state(optimizer, state)
+            else:
+                core.load_full_optimizer_state(self.spanned, optimizer, state)
             if len(set(self.spanned.devices)) == 1 and self.spanned.mode != "sharded":
                 _optimizer_to_device(optimizer, self.root_device)
 
