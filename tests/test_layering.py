@@ -31,6 +31,7 @@ FLOORS: dict[str, int] = {
     "torchspan.runtime": 5,
     "torchspan.parity": 6,
     "torchspan.parity_ranks": 6,
+    "torchspan.parity_strategies": 6,
     "torchspan.launch": 6,
     "torchspan.pictures": 7,
     "torchspan.progress": 7,

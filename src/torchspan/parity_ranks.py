@@ -55,37 +55,11 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from .parity import GradDiff, Parity, grad_difference
-from .runtime.ranks import free_port, init_distributed, shard_batch
+from .parity_strategies import LOCAL, RANKED, RankStep, RankStrategy, StepOptions
+from .parity_strategies import forward as _forward
+from .runtime.ranks import free_port, init_distributed
 
 __all__ = ["StepOptions", "RankStrategy", "StrategyResult", "RankFailure", "LOCAL", "RANKED", "compare_strategies", "processes_for"]
-
-
-@dataclass(frozen=True)
-class StepOptions:
-    """How the pipelined strategies cut and run the model; ``loss_reduction`` is passed to ``train_step``."""
-
-    microbatches: int = 4
-    schedule: str = "gpipe"
-    recompute: str = "never"
-    balance: tuple[int, ...] | None = None
-    devices: tuple[str, ...] = ("cpu", "cpu")
-    loss_reduction: str | None = None
-    tp_plan: tuple[tuple[str, str], ...] | None = None  # tensor parallel: (module pattern, style) pairs, else the model's
-
-
-# A step on one rank: (model with the initial weights, global inputs, global target, loss_fn, options,
-# rank, world size) -> the loss; afterwards the parameters the rank holds (not meta) carry .grad.
-RankStep = Callable[[nn.Module, Any, Any, Callable[..., Any], StepOptions, int, int], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class RankStrategy:
-    """A multi-process strategy: ``processes(nproc, options)`` is its process count (a ``ValueError`` stating
-    the equation when ``nproc`` cannot host it) and ``step`` runs on every rank (module-level: it is pickled)."""
-
-    processes: Callable[[int, StepOptions], int]
-    step: RankStep
-    backend: str = "gloo"  # the ranks' process group ("cpu:gloo,cuda:nccl" where a step computes on GPUs)
 
 
 @dataclass(frozen=True)
@@ -125,14 +99,6 @@ class _Job:
     backend: str = "gloo"
 
 
-def _forward(model: nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, tuple):
-        return model(*inputs)
-    return model(inputs)
-
-
 def _full(grad: torch.Tensor) -> torch.Tensor:
     """A gradient as one device holds it: a sharded one (``DTensor``) gathered from every rank (a collective),
     its shard first moved to the mesh's device where it was offloaded to the CPU."""
@@ -155,164 +121,6 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
         for n, p in model.named_parameters(remove_duplicate=False)
         if p.device.type != "meta"
     }
-
-
-# ---------------------------------------------------------------------------------------- strategies
-def _single(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions) -> torch.Tensor:
-    loss = loss_fn(_forward(model, inputs), target)
-    loss.backward()
-    return loss.detach()
-
-
-def _local_pipeline(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions) -> torch.Tensor:
-    from .runtime.build import span
-
-    spanned = span(
-        model,
-        devices=list(opts.devices),
-        balance=list(opts.balance) if opts.balance else None,
-        microbatches=opts.microbatches,
-        schedule=opts.schedule,
-        recompute=opts.recompute,
-    )
-    return spanned.train_step(inputs, target, loss_fn, loss_reduction=opts.loss_reduction)
-
-
-def _dp_processes(nproc: int, opts: StepOptions) -> int:
-    if nproc < 2:
-        raise ValueError(
-            f"dp and fsdp split the batch over processes: nproc={nproc} runs nothing data-parallel; pass --nproc-per-node 2 or more"
-        )
-    return nproc
-
-
-def _dp_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions, rank: int, world: int) -> torch.Tensor:
-    from .runtime.build import span
-
-    spanned = span(model)  # launched, one stage: an exact data-parallel replica
-    xs, ts = shard_batch((inputs, target), rank, world)
-    return spanned.train_step(xs, ts, loss_fn, loss_reduction=opts.loss_reduction)
-
-
-def _fsdp_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions, rank: int, world: int) -> torch.Tensor:
-    from .runtime.build import span
-
-    spanned = span(model, shard=True)  # launched, one stage: the replica sharded by FSDP2
-    xs, ts = shard_batch((inputs, target), rank, world)
-    return spanned.train_step(xs, ts, loss_fn, loss_reduction=opts.loss_reduction)
-
-
-def _offload_processes(nproc: int, opts: StepOptions) -> int:
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus == 0:
-        raise ValueError(
-            "fsdp-offload needs a GPU: FSDP2's CPU offload keeps parameters, gradients and optimizer state in CPU memory "
-            "and computes on the GPU, and this machine has none; compare fsdp instead"
-        )
-    if nproc > gpus:
-        raise ValueError(f"fsdp-offload runs one process per GPU: --nproc-per-node {nproc} > {gpus} GPU(s); pass --nproc-per-node {gpus}")
-    return nproc
-
-
-def _offload_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions, rank: int, world: int) -> torch.Tensor:
-    from .runtime.build import span
-
-    spanned = span(model, shard=True, offload="cpu")  # pragma: no cover - needs a GPU
-    xs, ts = shard_batch((inputs, target), rank, world)
-    return spanned.train_step(xs, ts, loss_fn, loss_reduction=opts.loss_reduction)
-
-
-def _pipeline_processes(nproc: int, opts: StepOptions) -> int:
-    stages = len(opts.balance) if opts.balance else nproc
-    if nproc < 2:
-        raise ValueError(f"rank-pipeline needs a stage per process: nproc={nproc} pipelines nothing; pass --nproc-per-node 2 or more")
-    if stages != nproc:
-        raise ValueError(
-            f"rank-pipeline runs one stage per process: pp({stages}) != nproc({nproc}); "
-            f"give --balance with {nproc} entries or --nproc-per-node {stages}"
-        )
-    return nproc
-
-
-def _hybrid_shape(nproc: int, opts: StepOptions) -> tuple[int, int]:
-    """``(dp, pp)`` of the hybrid mesh: ``pp = len(balance)`` (default 2), ``dp = nproc // pp`` (at least 2)."""
-    pp = len(opts.balance) if opts.balance else 2
-    dp = max(2, nproc // pp)
-    if dp * pp != nproc:
-        raise ValueError(
-            f"hybrid needs {dp * pp} processes ({pp} stages x {dp} replicas): dp({dp}) * pp({pp}) != nproc({nproc}); pass --nproc-per-node {dp * pp}"
-        )
-    return dp, pp
-
-
-def _hybrid_processes(nproc: int, opts: StepOptions) -> int:
-    dp, pp = _hybrid_shape(nproc, opts)
-    return dp * pp
-
-
-def _span_ranked(model: nn.Module, stages: int, opts: StepOptions) -> Any:
-    from .runtime.build import span
-
-    return span(
-        model,
-        devices=["cpu"] * stages,
-        balance=list(opts.balance) if opts.balance else None,
-        microbatches=opts.microbatches,
-        schedule=opts.schedule,
-        recompute=opts.recompute,
-    )
-
-
-def _pipeline_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions, rank: int, world: int) -> torch.Tensor:
-    spanned = _span_ranked(model, world, opts)
-    return spanned.train_step(inputs, target, loss_fn, loss_reduction=opts.loss_reduction)
-
-
-def _hybrid_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions, rank: int, world: int) -> torch.Tensor:
-    dp, pp = _hybrid_shape(world, opts)
-    spanned = _span_ranked(model, pp, opts)
-    xs, ts = shard_batch((inputs, target), rank // pp, dp)  # rank = replica * pp + stage (Mesh)
-    return spanned.train_step(xs, ts, loss_fn, loss_reduction=opts.loss_reduction)
-
-
-def _tp_processes(nproc: int, opts: StepOptions) -> int:
-    if nproc < 2:
-        raise ValueError(f"tp splits each layer over processes: nproc={nproc} splits nothing; pass --nproc-per-node 2 or more")
-    return nproc
-
-
-def _tp_fsdp_processes(nproc: int, opts: StepOptions) -> int:
-    if nproc < 4 or nproc % 2:
-        raise ValueError(f"tp-fsdp is dp_shard(nproc / 2) x tp(2): nproc={nproc} must be 4 or another even count >= 4")
-    return nproc
-
-
-def _tp_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions, rank: int, world: int) -> torch.Tensor:
-    from .runtime.build import span
-
-    spanned = span(model, tp=world, tp_plan=dict(opts.tp_plan) if opts.tp_plan else None)  # every rank the whole batch
-    return spanned.train_step(inputs, target, loss_fn, loss_reduction=opts.loss_reduction)
-
-
-def _tp_fsdp_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions, rank: int, world: int) -> torch.Tensor:
-    from .runtime.build import span
-
-    spanned = span(model, tp=2, shard=True, tp_plan=dict(opts.tp_plan) if opts.tp_plan else None)
-    xs, ts = shard_batch((inputs, target), *spanned.data_parallel)  # a tp pair shares its replica's rows
-    return spanned.train_step(xs, ts, loss_fn, loss_reduction=opts.loss_reduction)
-
-
-LocalStep = Callable[[nn.Module, Any, Any, Callable[..., Any], StepOptions], torch.Tensor]
-LOCAL: dict[str, LocalStep] = {"single": _single, "local-pipeline": _local_pipeline}
-RANKED: dict[str, RankStrategy] = {
-    "dp": RankStrategy(_dp_processes, _dp_step),
-    "rank-pipeline": RankStrategy(_pipeline_processes, _pipeline_step),
-    "hybrid": RankStrategy(_hybrid_processes, _hybrid_step),
-    "fsdp": RankStrategy(_dp_processes, _fsdp_step),
-    "fsdp-offload": RankStrategy(_offload_processes, _offload_step, backend="cpu:gloo,cuda:nccl"),
-    "tp": RankStrategy(_tp_processes, _tp_step),
-    "tp-fsdp": RankStrategy(_tp_fsdp_processes, _tp_fsdp_step),
-}
 
 
 def processes_for(strategies: Sequence[str], nproc: int, options: StepOptions | None = None) -> dict[str, int]:
@@ -430,6 +238,66 @@ def _merge(
     return Parity(tuple(grads), loss, reference_loss, atol, rtol)
 
 
+@dataclass(frozen=True)
+class _Compare:
+    """The one-device reference a strategy's gradients and loss are compared with, and the tolerances."""
+
+    reference: nn.Module
+    loss: float
+    atol: float
+    rtol: float
+
+    def parity(self, per_rank: list[dict[str, Any]]) -> Parity:
+        return _merge(per_rank, self.reference, self.loss, self.atol, self.rtol)
+
+
+def _run_local(
+    model: nn.Module,
+    inputs: Any,
+    target: Any,
+    loss_fn: Callable[..., Any],
+    strategies: Sequence[str],
+    counts: dict[str, int],
+    opts: StepOptions,
+    compare: _Compare,
+) -> dict[int, StrategyResult]:
+    """The strategies that run in this process, each on a fresh copy of ``model``, by index in ``strategies``."""
+    results: dict[int, StrategyResult] = {}
+    for i, name in enumerate(strategies):
+        if counts[name] == 0:
+            start = time.monotonic()
+            local = copy.deepcopy(model)
+            try:
+                loss = LOCAL[name](local, inputs, target, loss_fn, opts)
+            except Exception as exc:  # a strategy that refuses the model is that strategy's failure
+                results[i] = StrategyResult(name, 0, error=f"{type(exc).__name__}: {_last_line(str(exc))}")
+                continue
+            parity = compare.parity([{"grads": _grads(local), "loss": float(loss)}])
+            results[i] = StrategyResult(name, 0, parity, seconds=time.monotonic() - start)
+    return results
+
+
+def _run_spawn(job: _Job, world: int, strategies: Sequence[str], timeout: float, compare: _Compare) -> dict[int, StrategyResult]:
+    """One spawn of ``world`` ranks running ``job``'s steps; each step's result (or the spawn's error) by index."""
+    results: dict[int, StrategyResult] = {}
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="torchspan-verify-") as folder:
+        error = None
+        try:
+            _spawn(job, world, folder, timeout)
+        except RankFailure as exc:
+            error = str(exc)
+        seconds = time.monotonic() - start
+        for i, _ in job.steps:
+            files = [Path(folder, f"s{i}.rank{r}.pt") for r in range(world)]
+            if all(f.exists() for f in files):
+                per_rank = [torch.load(f, weights_only=False) for f in files]
+                results[i] = StrategyResult(strategies[i], world, compare.parity(per_rank), seconds=seconds)
+            else:
+                results[i] = StrategyResult(strategies[i], world, error=error or "a rank wrote no gradients", seconds=seconds)
+    return results
+
+
 def compare_strategies(
     model: nn.Module,
     inputs: Any,
@@ -464,37 +332,12 @@ def compare_strategies(
         target = target(out)
     ref_loss_t = loss_fn(out, target)
     ref_loss_t.backward()
-    ref_loss = float(ref_loss_t.detach())
-    results: dict[int, StrategyResult] = {}
-    for i, name in enumerate(strategies):
-        if counts[name] == 0:
-            start = time.monotonic()
-            local = copy.deepcopy(model)
-            try:
-                loss = LOCAL[name](local, inputs, target, loss_fn, opts)
-            except Exception as exc:  # a strategy that refuses the model is that strategy's failure
-                results[i] = StrategyResult(name, 0, error=f"{type(exc).__name__}: {_last_line(str(exc))}")
-                continue
-            parity = _merge([{"grads": _grads(local), "loss": float(loss)}], reference, ref_loss, atol, rtol)
-            results[i] = StrategyResult(name, 0, parity, seconds=time.monotonic() - start)
+    compare = _Compare(reference, float(ref_loss_t.detach()), atol, rtol)
+    results = _run_local(model, inputs, target, loss_fn, strategies, counts, opts, compare)
     detached = tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, (inputs, target))
     for world, backend in sorted({(c, RANKED[n].backend) for n, c in counts.items() if c}):
         steps = [(i, RANKED[n].step) for i, n in enumerate(strategies) if counts[n] == world and RANKED[n].backend == backend]
         assert build is not None
         job = _Job(build, state, detached[0], detached[1], loss_fn, opts, steps, backend)
-        start = time.monotonic()
-        with tempfile.TemporaryDirectory(prefix="torchspan-verify-") as folder:
-            error = None
-            try:
-                _spawn(job, world, folder, timeout)
-            except RankFailure as exc:
-                error = str(exc)
-            seconds = time.monotonic() - start
-            for i, _ in steps:
-                files = [Path(folder, f"s{i}.rank{r}.pt") for r in range(world)]
-                if all(f.exists() for f in files):
-                    per_rank = [torch.load(f, weights_only=False) for f in files]
-                    results[i] = StrategyResult(strategies[i], world, _merge(per_rank, reference, ref_loss, atol, rtol), seconds=seconds)
-                else:
-                    results[i] = StrategyResult(strategies[i], world, error=error or "a rank wrote no gradients", seconds=seconds)
+        results.update(_run_spawn(job, world, strategies, timeout, compare))
     return [results[i] for i in range(len(strategies))]
