@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -34,17 +34,10 @@ from .modelloss import combiner, model_loss
 from .memory import ActivationMeter, behaviour_key
 from .microbatch import batch_size, call_args, gather, split_sizes, split_value
 from .nonfinite import NONFINITE, check_loss, locate
-from .ranks.checkpoint import model_keys
-from .ranks.tensorparallel import full_tensors
+from .placed import PlacedModule
 from .record import Event, Recorder
 
 __all__ = ["Spanned"]
-
-_PLACEMENT_MSG = (
-    "torchspan owns the placement of a Spanned model: each stage's layers already live on their "
-    "device. To run elsewhere, build a new one: torchspan.span(spanned.module, devices=[...]) or with a plan"
-)
-
 
 def _warn_batchnorm(spanned: Any, modules: list[nn.Module]) -> None:
     """Warn once: BatchNorm in training mode normalises per micro-batch, not over the full batch (``modules``: the model's)."""
@@ -69,25 +62,7 @@ def _warn_batchnorm(spanned: Any, modules: list[nn.Module]) -> None:
         )
 
 
-def _load_under_module(
-    module: nn.Module, state_dict: dict[str, Any], prefix: str, *_rest: Any
-) -> None:
-    """Load-state-dict pre-hook: ``{prefix}key`` (as ``Spanned.state_dict`` writes it) → ``{prefix}module.key``."""
-    inner = prefix + "module."
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
-        state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
-
-
-def _same_device(placed: torch.device, asked: torch.device) -> bool:
-    """Whether ``.to(asked)`` leaves a stage on ``placed`` where it is (``"cuda"`` means the current GPU)."""
-    if placed.type != asked.type:
-        return False
-    if asked.index is None and placed.type == "cuda":  # pragma: no cover - needs a GPU
-        return placed.index in (None, torch.cuda.current_device())
-    return asked.index is None or placed.index == asked.index
-
-
-class Spanned(nn.Module):
+class Spanned(PlacedModule):
     """A model whose layers live on several devices, trained with micro-batch pipelining.
 
     ``module`` is the original model; ``mode`` says how it runs: ``"sequential"`` / ``"fx"`` (stage
@@ -118,8 +93,6 @@ class Spanned(nn.Module):
         self._recorder = recorder
         self._meter = meter
         self._loss_checks = LossChecks()  # opaque losses calibrated, per batch structure
-        # A Spanned nested in another module loads that module's checkpoints (keys without ``module.``).
-        self._register_load_state_dict_pre_hook(_load_under_module, with_module=True)  # public name needs torch>=2.5
 
     # ------------------------------------------------------------------ settings and placement
     @property
@@ -276,6 +249,35 @@ class Spanned(nn.Module):
         overflowed step is skipped by the optimizer, as ``GradScaler`` skips it (``runtime.fp16``). An
         inf/NaN loss raises ``FloatingPointError`` (``span(..., nonfinite="warn")`` warns instead).
         """
+        inputs, target, spec = self._loss_of(inputs, target, loss_fn, loss_reduction, loss_normalizer)
+        loss_fn = spec.loss_fn
+        args, kwargs = call_args(inputs)
+        work = self._executor.prepare(args, kwargs)
+        total = batch_size(args, kwargs)
+        empty = total == 0 and self._executor.empty_batches  # a data-parallel rank's empty shard adds zero
+        sizes = [0] if empty else split_sizes(total, len(work.chunks))  # a data-parallel shard may hold fewer rows
+        targets = split_value(target, len(sizes), total, name="target")
+        if isinstance(loss_fn, nn.Module):
+            loss_fn.to(self._executor.devices[-1])
+        self._executor.place(work)
+        spec = self._executor.resolve_loss(self._loss_checks, spec, targets, sizes, lambda: self._dry_forward(work), target)
+        weights = self._executor.weights(spec, targets, sizes)
+        with self._step((behaviour_key(loss_fn), tuple(w == 0.0 for w in weights))), self._finishing():
+            loss = self._executor.train(work, targets, loss_fn, weights, spec)
+        shard = getattr(getattr(self._executor, "info", None), "rank", None) if self.mode in ("data-parallel", "sharded") else None
+        self._after_train(loss, lambda: locate(lambda: self._dry_forward(work), loss_fn, targets, weights, sizes, self.precision, shard))
+        return loss
+
+    def _loss_of(
+        self,
+        inputs: Any,
+        target: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+        loss_reduction: str | None,
+        loss_normalizer: Callable[[Any], Any] | None,
+    ) -> tuple[Any, Any, Any]:
+        """``train_step``'s refusals before any work (nothing to train, no target, a meta stage, no_grad) and its
+        loss: ``(inputs, target, LossSpec)``, the model's own loss when ``loss_fn`` is None (``modelloss``)."""
         # a rank of a pipeline holds other stages' parameters as frozen meta copies: they still count
         if not any(p.requires_grad or p.device.type == "meta" for p in self.module.parameters()):
             raise ValueError(
@@ -298,25 +300,9 @@ class Spanned(nn.Module):
                 "trained there (a meta stage is for tracing shapes with spanned(...) under torch.no_grad()); span the model "
                 "on real devices, e.g. devices=['cpu', 'cpu']"
             )
-        loss_fn = spec.loss_fn
-        args, kwargs = call_args(inputs)
         if not torch.is_grad_enabled():
             raise RuntimeError("train_step runs backward, but gradients are disabled here (torch.no_grad()); call it outside no_grad")
-        work = self._executor.prepare(args, kwargs)
-        total = batch_size(args, kwargs)
-        empty = total == 0 and self._executor.empty_batches  # a data-parallel rank's empty shard adds zero
-        sizes = [0] if empty else split_sizes(total, len(work.chunks))  # a data-parallel shard may hold fewer rows
-        targets = split_value(target, len(sizes), total, name="target")
-        if isinstance(loss_fn, nn.Module):
-            loss_fn.to(self._executor.devices[-1])
-        self._executor.place(work)
-        spec = self._executor.resolve_loss(self._loss_checks, spec, targets, sizes, lambda: self._dry_forward(work), target)
-        weights = self._executor.weights(spec, targets, sizes)
-        with self._step((behaviour_key(loss_fn), tuple(w == 0.0 for w in weights))), self._finishing():
-            loss = self._executor.train(work, targets, loss_fn, weights, spec)
-        shard = getattr(getattr(self._executor, "info", None), "rank", None) if self.mode in ("data-parallel", "sharded") else None
-        self._after_train(loss, lambda: locate(lambda: self._dry_forward(work), loss_fn, targets, weights, sizes, self.precision, shard))
-        return loss
+        return inputs, target, spec
 
     def _dry_forward(self, work: Any) -> list[Any]:
         """Per-micro-batch outputs of a forward that leaves no trace (for a loss calibration)."""
@@ -421,72 +407,6 @@ class Spanned(nn.Module):
         """
         ex = self._executor
         return stage_memory(self.module, ex.devices, ex.groups, ex.root_attrs, self._meter.peak, optimizer, ex.placed_layers())
-
-    # ------------------------------------------------------------------ state and placement
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:  # type: ignore[override]
-        """The original model's state dict (same keys as ``spanned.module.state_dict()``). Sharded
-        (``mode == "sharded"``): full tensors gathered on every rank, a collective (call it on every rank);
-        ``spanned.module.state_dict()`` is the sharded form (``DTensor`` shards, the same keys)."""
-        if args:
-            raise TypeError("Spanned.state_dict takes keyword arguments only (destination=, prefix=, keep_vars=)")
-        state = self._executor.state_dict(self.module, destination=destination, prefix=prefix, keep_vars=keep_vars)
-        split = "tp" in (getattr(self._settings.mesh, "mesh_dim_names", None) or ())  # tensor parallel's DTensors
-        return full_tensors(state) if split and not keep_vars else state
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
-        """Load the original model's keys; keys with a ``module.`` prefix (DataParallel/DDP) work too.
-
-        Values are copied into the placed parameters, whatever device they were saved from (sharded: each
-        rank keeps its shard of the full tensors).
-        """
-        if assign:
-            raise ValueError(
-                "load_state_dict(assign=True) would replace the placed parameters with the loaded tensors on their "
-                "saved devices; torchspan owns placement, so use assign=False (values are copied in place)"
-            )
-        return self._executor.load_state_dict(self.module, model_keys(state_dict), strict=strict)
-
-    def _apply(self, fn: Any, recurse: bool = True) -> Spanned:  # type: ignore[override]
-        """``half()``/``float()`` work; anything that would move a stage off its device (``parent.cuda()``) raises."""
-        for t in list(self.module.parameters()) + list(self.module.buffers()):
-            moved = fn(torch.empty(0, dtype=t.dtype, device=t.device))
-            if isinstance(moved, torch.Tensor) and moved.device != t.device:
-                raise TypeError(f"moving a Spanned's tensors from {t.device} to {moved.device} is not supported: {_PLACEMENT_MSG}")
-        return super()._apply(fn, recurse)
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError(
-            "a Spanned cannot be pickled, saved whole or deep-copied (it holds worker state and a device placement). "
-            "Save spanned.state_dict() (or torch.save(spanned.module)); to copy, span a copy of the model: "
-            "torchspan.span(copy.deepcopy(spanned.module), devices=spanned.devices, balance=spanned.balance)"
-        )
-
-    def to(self, *args: Any, **kwargs: Any) -> Spanned:  # type: ignore[override]
-        """A no-op to the device every stage already runs on (what a trainer asks while preparing a model); a dtype
-        casts as ``half()`` does; anything that would move a stage raises ``TypeError``."""
-        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        if device is not None and any(not _same_device(d, device) for d in self._executor.devices):
-            raise TypeError(f"Spanned.to({device}) is not supported: {_PLACEMENT_MSG}")
-        return self._apply(lambda t: t.to(dtype) if t.is_floating_point() else t) if dtype is not None else self
-
-    def __getattr__(self, name: str) -> Any:
-        """The model's own attributes (``config``, ``generation_config``, ``main_input_name``, ...) for code that
-        reads them from whatever it is handed, as trainers do; torchspan's own names come first."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            module = self.__dict__.get("_modules", {}).get("module")
-            if name.startswith("_") or module is None:
-                raise
-            return getattr(module, name)
-
-    def cuda(self, device: Any = None) -> Spanned:  # type: ignore[override]
-        raise TypeError(f"Spanned.cuda() is not supported: {_PLACEMENT_MSG}")
-
-    def cpu(self) -> Spanned:  # type: ignore[override]
-        if any(d.type != "cpu" for d in self._executor.devices):
-            raise TypeError(f"Spanned.cpu() is not supported: {_PLACEMENT_MSG}")
-        return self
 
     def extra_repr(self) -> str:
         stages = "; ".join(f"{d}: {', '.join(g)}" for d, g in self.stages)
