@@ -10,10 +10,12 @@ Usage::
     python examples/train_lightning.py                                    # one process: a 2-stage local pipeline
     torchspan launch --nproc-per-node 2 examples/train_lightning.py       # --span dp: exact replicas (the default launched)
     torchspan launch --nproc-per-node 2 examples/train_lightning.py --span shard
+    torchspan launch --nproc-per-node 2 examples/train_lightning.py --span pipeline   # 2 stages, one per rank
     python examples/train_lightning.py --span dp --devices 2              # Lightning's own launcher starts the 2 processes
 
-``--span pipeline`` launched is refused: a pipeline across ranks runs its schedule in ``spanned.train_step``, which
-Lightning's ``loss.backward()`` cannot drive (the strategy says so before training).
+``--span pipeline`` launched is a pipeline across the ranks (each holds one stage): ``training_step``'s loss runs
+its schedule (``torchspan.lightning.staged``), 4 micro-batches of each global batch, and ``loss.backward()`` adds
+the step's gradients; each rank steps its own stage's parameters.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def main() -> int:
         print(f"train_lightning.py: {err}", file=sys.stderr)
         return 2
     strategy = spanned.trainer.strategy
-    state, reference = spanned.state_dict(), plain.state_dict()
+    state, reference = strategy.lightning_module_state_dict(), plain.state_dict()  # a pipeline: every stage's
     diff = max(float((state[k] - reference[k]).abs().max()) for k in reference)
     if strategy.is_global_zero:
         print(f"torchspan {args.span}: mode={strategy.spanned.mode} on {', '.join(strategy.spanned.devices)}, {strategy.world_size} process(es)")
