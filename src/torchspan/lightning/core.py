@@ -3,7 +3,8 @@
 ``trainer.SpanStrategy`` (``lightning.pytorch.Trainer``) and ``fabric.SpanFabricStrategy``
 (``lightning.fabric.Fabric``) both span one module with ``torchspan.span(module, **span_kwargs)`` and
 give each rank its rows of every global batch (``shard_batch``: 7 rows over 2 ranks are 4 + 3, never
-padded by repeats as ``DistributedSampler`` pads). Everything here is plain torch and torchspan.
+padded by repeats as ``DistributedSampler`` pads). Fabric refuses a pipeline across ranks
+(``refuse_rank_pipeline``); the Trainer's strategy runs it (``lightning.staged``). Plain torch and torchspan.
 
 Usage (inside a strategy)::
 

@@ -2,11 +2,12 @@
 
 ``fabric.setup(model, optimizer)`` returns the model spanned (``torchspan.span(model, **span_kwargs)``: replicas
 under a launcher, ``shard=True`` sharded, ``devices=[...]`` a local pipeline in one process; a pipeline across
-ranks is refused). ``fabric.backward(loss)`` is the plain loop, exact on replicas; ``fabric.clip_gradients``
-clips by the whole model's norm; ``fabric.save``/``fabric.load`` hold the model's own keys as full tensors.
-A DataLoader given to ``fabric.setup_dataloaders`` yields this rank's rows of each global batch (its
-``batch_size`` is the global batch; ``shard_batch``, never padded); pass an evaluation loader without it to
-evaluate whole batches on every rank.
+ranks is refused: ``fabric.backward`` cannot run its schedule, ``SpanStrategy`` under ``L.Trainer`` can).
+``fabric.backward(loss)`` is the plain loop, exact on replicas; ``fabric.clip_gradients`` clips by the whole
+model's norm; ``fabric.save``/``fabric.load`` hold the model's own keys as full tensors. A DataLoader given to
+``fabric.setup_dataloaders`` yields this rank's rows of each global batch (its ``batch_size`` is the global
+batch; ``shard_batch``, never padded); pass an evaluation loader without it to evaluate whole batches on every
+rank.
 
 Usage::
 

@@ -8,12 +8,15 @@ one device on the whole global batch.
 - One process: ``SpanStrategy(devices=["cpu", "cpu"], microbatches=4)`` is a local pipeline (plain autograd).
 - Launched (``torchspan launch --nproc-per-node 2 train.py``, torchrun, or Lightning's own launcher with
   ``Trainer(devices=2)``): ``SpanStrategy()`` is one exact data-parallel replica per process,
-  ``SpanStrategy(shard=True)`` a sharded one (FSDP2). A pipeline across ranks is refused (it needs ``train_step``).
+  ``SpanStrategy(shard=True)`` a sharded one (FSDP2), ``SpanStrategy(devices=["cpu", "cpu"], microbatches=4)``
+  a pipeline across ranks (with replicas when the job has more ranks than stages): ``training_step``'s loss runs
+  its schedule and ``loss.backward()`` adds the step's gradients (``lightning.staged``, ``lightning.deferred``).
 - Data: the DataLoader's ``batch_size`` is the global batch, as on one device; each training batch is cut to
-  this rank's rows (``shard_batch``: uneven, never padded); validation, test and predict run whole batches on
-  every rank, so what they log and return is one device's.
+  this rank's rows (``shard_batch``: uneven, never padded; a pipeline's stages take their replica's rows);
+  validation, test and predict run whole batches on every rank, so what they log and return is one device's.
 - ``gradient_clip_val`` clips by the whole model's norm (``spanned.clip_grad_norm_``); checkpoints hold the
-  model's own keys as full tensors (sharded: optimizer state too, keyed by parameter name); fp16 is refused.
+  model's own keys as full tensors (sharded: optimizer state too, keyed by parameter name; a pipeline across
+  ranks: every stage's weights and optimizer state, gathered); fp16 is refused.
 
 Usage::
 
