@@ -30,7 +30,7 @@ from ..runtime.ranks.mesh import launched_stages
 
 __all__ = [
     "SPAN_KEYS", "check_span_kwargs", "check_precision", "join_job", "world", "rank", "span_module",
-    "refuse_rank_pipeline", "rank_pipeline", "rows", "spanned_in", "swap_parameters", "full_optimizer_state",
+    "refuse_rank_pipeline", "stages_asked", "rank_pipeline", "rows", "spanned_in", "swap_parameters", "full_optimizer_state",
     "load_full_optimizer_state", "check_devices",
 ]  # fmt: skip
 
@@ -98,7 +98,7 @@ def check_devices(owner: str, processes: int, where: str = "Trainer") -> None:
 def refuse_rank_pipeline(owner: str, kwargs: dict[str, Any], sharded_only: bool = False) -> None:
     """Fabric: a pipeline across ranks runs its schedule in ``spanned.train_step``, never from ``fabric.backward``.
     Lightning's Trainer runs it (``lightning.staged``), but not sharded (``sharded_only``)."""
-    stages = launched_stages(kwargs.get("plan"), kwargs.get("devices"), kwargs.get("balance"))
+    stages = stages_asked(kwargs)
     if stages < 2 or world() < 2 or (sharded_only and not kwargs.get("shard")):
         return
     given = ", ".join(f"{k}=..." for k in ("plan", "devices", "balance", "shard") if kwargs.get(k) is not None)
@@ -117,6 +117,11 @@ def refuse_rank_pipeline(owner: str, kwargs: dict[str, Any], sharded_only: bool 
         "torchspan.span(...).train_step without Fabric, run it in one process ({owner}(devices=['cpu', 'cpu'], microbatches=4): a local pipeline), or as "
         f"replicas ({owner}() under a launcher) or sharded replicas ({owner}(shard=True))"
     )
+
+
+def stages_asked(kwargs: dict[str, Any]) -> int:
+    """How many pipeline stages the span's keywords ask for (its plan's, ``balance``'s or ``devices``' length)."""
+    return launched_stages(kwargs.get("plan"), kwargs.get("devices"), kwargs.get("balance"))
 
 
 def rank_pipeline(spanned: Spanned | None) -> bool:

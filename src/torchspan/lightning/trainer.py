@@ -145,8 +145,9 @@ class SpanStrategy(core.Placement, ParallelStrategy):  # type: ignore[misc,valid
             return
         self._path = module_path(lm, "SpanStrategy", self._module_name)
         kwargs = dict(self.span_kwargs)
-        if getattr(self.precision_plugin, "precision", "") == "bf16-mixed" and core.world() == 1 and not kwargs.get("shard"):
-            kwargs.setdefault("precision", "bf16")  # stages run in their own threads: autocast each one
+        staged_ = core.world() == 1 or core.stages_asked(kwargs) > 1  # stages in threads or other ranks' steps
+        if getattr(self.precision_plugin, "precision", "") == "bf16-mixed" and staged_ and not kwargs.get("shard"):
+            kwargs.setdefault("precision", "bf16")  # each stage autocasts itself
         self.spanned = core.span_module(inner(lm, self._path), kwargs, "SpanStrategy", pipelines=True)
         swap_in(lm, self._path, self.spanned)
         if core.rank_pipeline(self.spanned):  # training_step's loss runs the pipeline's step (lightning.staged)
