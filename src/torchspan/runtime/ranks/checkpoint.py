@@ -53,7 +53,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ... import files
-from . import dcp
+from . import dcp, dcpload
 from .checkpointio import any_rank, group_size, key_mismatch, missing_key, rank, safe_load, warn_if_unsafe
 
 __all__ = ["save_checkpoint", "load_checkpoint", "model_keys"]
@@ -169,7 +169,7 @@ def load_checkpoint(
     if not target.exists():
         return None
     if dcp.is_folder_checkpoint(target):
-        saved = dcp.read_folder(files.real_target(target), map_location, trusted=trusted)
+        saved = dcpload.read_folder(files.real_target(target), map_location, trusted=trusted)
     else:
         saved = _load_file(target, map_location, trusted)
     _require_keys(target, state or {}, saved)  # a state of plain values names the keys wanted
@@ -215,7 +215,7 @@ def _load_into(path: str | os.PathLike[str], state: Mapping[str, Any], trusted: 
     if not found:
         return None
     if folder:
-        return dcp.load_into(files.real_target(target), state, trusted=trusted, strict=strict)
+        return dcpload.load_into(files.real_target(target), state, trusted=trusted, strict=strict)
     saved = _load_file(target, "cpu", trusted)
     _require_keys(target, state, saved)
     loading = {key: obj for key, obj in state.items() if callable(getattr(obj, "load_state_dict", None))}

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ... import files
-from . import dcp
+from . import dcp, dcpload
 from .checkpointio import safe_load
 
 __all__ = ["export_safetensors"]
@@ -76,7 +76,7 @@ def _model_state(source: Path, key: str | None, trusted: bool) -> tuple[dict[str
         from .dcpread import read_full
 
         folder = files.real_target(source)
-        manifest = dcp.read_manifest(folder) or {}
+        manifest = dcpload.read_manifest(folder) or {}
         models = [k for k, kind in manifest.get("keys", {}).items() if kind in ("model", "tree")]
         key = _choose(key, models, source)
         state = read_full(folder, trusted, keys={key})

@@ -313,7 +313,7 @@ def _read_safetensors(slots: Sequence[Slot], shapes: dict[str, tuple[int, ...]],
 def _prefix(folder: Path, keys: set[str], names: set[str]) -> str:
     """The top-level key the model was saved under ("model" for save_checkpoint(path, {"model": ...})); without
     torchspan's manifest (a folder ``dcp.save`` wrote), "model." or none, whichever finds more of ``names``."""
-    from .dcp import read_manifest
+    from .dcpload import read_manifest
 
     manifest = read_manifest(folder)
     if manifest is not None:
