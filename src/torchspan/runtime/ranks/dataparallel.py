@@ -19,12 +19,8 @@ Gradient accumulation over calls (no ``zero_grad()`` between them) needs nothing
 already in ``.grad`` are the same on every rank, so DDP's mean keeps them and adds this call's sum
 (``DDPEngine``). ``.grad`` tensors are views into DDP's buckets (nothing is copied back).
 
-End of an epoch: every rank must take part in every step. ``rank_batches`` gives every rank the
-same number of steps (an empty shard adds exactly zero). Where ranks may still run out at different
-times, call ``replica.join(optimizer)`` after the loop on every rank: a rank that has finished keeps
-taking part (zero_grad, an empty shard, step: a rank with no rows runs one row of its last inputs
-at weight 0, buffers left as they were, since many models cannot run zero rows) until all ranks have joined; the others' steps stay exact for the data
-that exists, and parameters and optimizer state stay identical everywhere.
+End of an epoch: every rank must take part in every step; ``rank_batches`` gives every rank as many steps, and
+``replica.join(optimizer)`` after the loop lets ranks run out at different times (see ``join``).
 
 Engines: the loss contract above is written once, here; what reduces the gradients is the replica's
 engine: ``DDPEngine`` (``ranks.ddp``: DDP, its own reduction of the loss times ``W``; fp16: a SUM comm hook) or, with ``shard=True``, ``ShardedEngine``
@@ -54,62 +50,20 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ...layers import buffer_slots, kept, model_layers
-from ...schedule import PRECISIONS, RECOMPUTE_MODES
 from ..fp16 import SpanScaler
 from ..layercall import LayerCalls, recomputes
-from ..lossweights import LossSpec, describe_loss, loss_spec, weighted_loss
+from ..lossweights import weighted_loss
 from ..microbatch import batch_size, call_args, split_value
 from .checkpoint import model_keys
-from .ddp import DDPEngine
 from .env import RankInfo, rank_info
-from .metaweights import check_weights, fill, materialize_replica
-from .sharded import ShardedEngine, check_shard_options, first_row, no_rows, stand_ins
+from .engines import replica_engine
+from .metaweights import check_weights
+from .replicachecks import check_policy, refuse_batchnorm, shard_loss
+
+_check_policy = check_policy  # its old name here
+from .sharded import check_shard_options, first_row, no_rows, stand_ins
 
 __all__ = ["DataParallelReplica", "shard_loss"]
-
-
-def shard_loss(loss_fn: Callable[..., Any], loss_reduction: str | None = None, loss_normalizer: Callable[[Any], Any] | None = None) -> LossSpec:
-    """The ``LossSpec`` a rank weighs its shard's loss by; an opaque loss is refused (``ValueError``).
-
-    Its ``normalizer(target, size)`` is what a mean divides one shard's summed loss by: the
-    sample count, or for ``CrossEntropyLoss``/``NLLLoss`` the class weights of the non-ignored
-    targets, or ``loss_normalizer(target)``. A loss torchspan cannot read (a lambda, say) must
-    declare ``loss_reduction="mean"``/``"sum"`` or ``loss_normalizer=``.
-    """
-    spec = loss_spec(loss_fn, loss_reduction, loss_normalizer)
-    if spec.reduction is None:
-        raise ValueError(
-            f"loss_fn={describe_loss(loss_fn)} is opaque: torchspan cannot tell whether it sums or averages, and "
-            "data-parallel weights depend on it. Pass loss_reduction='mean' or 'sum' to train_step, or "
-            "loss_normalizer=callable(target) for a mean over something else (e.g. lambda y: (y != -100).sum())"
-        )
-    return spec
-
-
-def _refuse_batchnorm(module: nn.Module) -> None:
-    """``ValueError`` naming the first BatchNorm layer whose batch statistics a shard would change."""
-    for name, layer in module.named_modules():
-        if isinstance(layer, nn.modules.batchnorm._BatchNorm) and not isinstance(layer, nn.SyncBatchNorm):
-            raise ValueError(
-                f"layer {name or '(the model)'!r} is {type(layer).__name__}: in data parallel each rank normalises its own "
-                "shard with that shard's batch statistics, so the gradients would not be one device's. Convert it with "
-                "model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model), use GroupNorm/LayerNorm, or pass "
-                "per_shard_batchnorm=True to accept per-shard statistics"
-            )
-
-
-def _check_policy(precision: str, recompute: str, scaler: Any) -> None:
-    """``ValueError`` naming a precision or recompute mode a replica does not know, or fp16 without a scaler."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not one of {', '.join(map(repr, PRECISIONS))}")
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute={recompute!r} is not one of {', '.join(map(repr, RECOMPUTE_MODES))}")
-    if precision == "fp16" and scaler is None:
-        raise ValueError(
-            "precision='fp16' needs a gradient scaler: pass scaler=torch.amp.GradScaler(device_type) and step with "
-            "scaler.step(optimizer); scaler.update() (every rank decides alike: it reads the all-reduced gradients), "
-            "or use torchspan.span(model, precision='fp16'), whose plain optimizer.step() is right"
-        )
 
 
 class DataParallelReplica:
@@ -151,32 +105,21 @@ class DataParallelReplica:
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"module={type(module).__name__} is not a torch.nn.Module")
-        _check_policy(precision, recompute, scaler)
+        check_policy(precision, recompute, scaler)
         check_weights(module, weights, "DataParallelReplica")
         check_shard_options(shard, offload, precision, reshard_after_forward)
         if not per_shard_batchnorm:
-            _refuse_batchnorm(module)
+            refuse_batchnorm(module)
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("no process group: call torchspan.init_distributed() before building a DataParallelReplica")
         self.info: RankInfo = rank_info()
         self.device = torch.device(device) if device is not None else self.info.device
-        mesh = process_group if hasattr(process_group, "get_group") else None  # a DeviceMesh dimension (tp x dp_shard)
-        self.group = process_group = mesh.get_group() if mesh is not None else process_group
-        self.module = module
-        self.sharded = shard
-        self._engine: Any
-        if shard:  # FSDP2 units over the group (ranks.sharded): the same loss contract, sharded states
-            self._engine = ShardedEngine(
-                module, self.device, mesh or process_group, self.comm_device, precision=precision,
-                reshard_after_forward=reshard_after_forward, offload=offload, weights=weights,
-            )  # fmt: skip
-        else:
-            if weights is not None:  # a meta-built model: a replica holds all of it
-                fill(module, materialize_replica(module, self.device), weights, group=process_group, comm=self.comm_device)
-            self._engine = DDPEngine(
-                module, self.device, process_group, bucket_cap_mb=bucket_cap_mb,
-                find_unused_parameters=find_unused_parameters, sync_buffers=sync_buffers, by_sum=precision == "fp16",
-            )  # fmt: skip
+        self.module, self.sharded = module, shard
+        self.group, self._engine = replica_engine(
+            module, self.device, process_group, self.comm_device, shard=shard, precision=precision, weights=weights,
+            reshard_after_forward=reshard_after_forward, offload=offload, bucket_cap_mb=bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters, sync_buffers=sync_buffers,
+        )
         self.precision, self.recompute, self.scaler = precision, recompute, scaler
         self._calls: LayerCalls | None = None  # recompute's wrappers around the model's layers, made at the first step
         self._template: tuple[Any, Any, Callable[..., Any]] | None = None  # one row of the last inputs, target, loss
