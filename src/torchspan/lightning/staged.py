@@ -107,6 +107,8 @@ class Runner:
             for p, g in zip(params, earlier):
                 p.grad = g
         value = value.detach().to(self.device, dtype if dtype.is_floating_point else value.dtype)
+        if not params:  # a stage with nothing to train: Lightning's backward reaches nothing here
+            return value.requires_grad_()
         return _Stashed.apply(value, grads, *params)
 
 
