@@ -61,7 +61,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from ..hardware import format_bytes
 from ..hardware.links import Link
 from ..profiler.costs import Profile
 from .candidates import ClusterCandidate, Reduction, evaluate_cluster, even_cut, slowest_hop, stage_reductions
@@ -72,14 +71,13 @@ from .topology import Cluster, layouts, replica_profile, shard_size
 from .optimize import search
 from .plans import Plan, StagePlan
 from .settings import settings_grid, sharded_schedule
-from .sharded import optimizer_passes
 from .stages import Evaluation
 from .strategies import (
     TP, Host, Options, choose, compare, host_of, reasons, replica_settings, sharded_pipeline, sharded_profile, sharded_replicas, unfitting,
-    why_chosen,
 )  # fmt: skip
-from .tensorparallel import tp_candidates, tp_degrees, tp_notes
-from .ties import TieCost, tie_entry
+from .tensorparallel import tp_candidates, tp_degrees
+from .ties import TieCost
+from .clusterplan import to_plan
 
 __all__ = ["ClusterCandidate", "Reduction", "cluster_search", "evaluate_cluster", "even_cut", "stage_reductions", "world_splits"]
 
@@ -146,6 +144,25 @@ def cluster_search(
     tp_degrees(cluster.per_node, tp)  # a bad tp= is refused before the search
     opts = Options(microbatches, schedule, recompute, bucket_bytes, tuple(ties))
     host = host_of(cluster, host_memory) if cluster.device.kind != "cpu" else None
+    candidates, probes, skipped, last_error = _per_split(profile, cluster, splits, opts, host)
+    split = tp_candidates(profile, cluster, setting=next(iter(replica_settings(microbatches, schedule, recompute)), None),
+                          ties=ties, data_parallel=data_parallel, tp=tp)  # fmt: skip
+    candidates += [c for c in split[0] if c.fits]
+    probes += [c for c in split[0] if not c.fits]
+    probes += unfitting(profile, cluster, splits, candidates, opts)
+    best = choose(candidates) if candidates else None
+    rows = compare([*candidates, *probes], best, {**reasons(cluster, profile, splits, opts), TP: split[1]}, host)
+    if best is None:
+        raise _no_fit(cluster, splits, rows, skipped, last_error)
+    return to_plan(best, candidates, skipped, cluster, profile.batch_size, bucket_bytes, ties, rows, host)
+
+
+def _per_split(
+    profile: Profile, cluster: Cluster, splits: list[tuple[int, int]], opts: Options, host: Host | None
+) -> tuple[list[ClusterCandidate], list[ClusterCandidate], list[str], PlanError | None]:
+    """Every split's fitting candidates, the sharded replicas that do not fit (probes), the splits skipped and why,
+    and the last memory error met (``cluster_search``'s loop over ``world_splits``)."""
+    microbatches, schedule, recompute, ties = opts.microbatches, opts.schedule, opts.recompute, opts.ties
     candidates: list[ClusterCandidate] = []
     probes: list[ClusterCandidate] = []
     skipped: list[str] = []
@@ -165,25 +182,23 @@ def cluster_search(
             sharded = sharded_replicas(profile, cluster, dp, host=host, setting=setting[0], ties=ties)
             candidates += [c for c in sharded if c.fits]
             probes += [c for c in sharded if not c.fits]
-    split = tp_candidates(profile, cluster, setting=next(iter(replica_settings(microbatches, schedule, recompute)), None),
-                          ties=ties, data_parallel=data_parallel, tp=tp)  # fmt: skip
-    candidates += [c for c in split[0] if c.fits]
-    probes += [c for c in split[0] if not c.fits]
-    probes += unfitting(profile, cluster, splits, candidates, opts)
-    best = choose(candidates) if candidates else None
-    rows = compare([*candidates, *probes], best, {**reasons(cluster, profile, splits, opts), TP: split[1]}, host)
-    if best is None:
-        table = "\n".join(Plan([StagePlan("cpu", ["-"])], comparison=rows).comparison_lines())
-        if last_error is not None and all("does not fit" in s for s in skipped):
-            raise PlanError(
-                f"no strategy fits {cluster.world} ranks: even {splits[-1][1]} stage(s) per replica, sharded or offloaded, "
-                f"need more memory than a device has.\n{table}\n{last_error}"
-            )
-        raise ValueError(
-            f"no data x pipeline split of {cluster.world} ranks fills the world: " + "; ".join(skipped)
-            + ". Use fewer devices per node or nodes, or a larger batch"
+    return candidates, probes, skipped, last_error
+
+
+def _no_fit(
+    cluster: Cluster, splits: list[tuple[int, int]], rows: list[dict[str, object]], skipped: list[str], last_error: PlanError | None
+) -> Exception:
+    """Why ``cluster_search`` found nothing: ``PlanError`` when memory stopped every split, else ``ValueError``."""
+    table = "\n".join(Plan([StagePlan("cpu", ["-"])], comparison=rows).comparison_lines())
+    if last_error is not None and all("does not fit" in s for s in skipped):
+        return PlanError(
+            f"no strategy fits {cluster.world} ranks: even {splits[-1][1]} stage(s) per replica, sharded or offloaded, "
+            f"need more memory than a device has.\n{table}\n{last_error}"
         )
-    return _to_plan(best, candidates, skipped, cluster, profile.batch_size, bucket_bytes, ties, rows, host)
+    return ValueError(
+        f"no data x pipeline split of {cluster.world} ranks fills the world: " + "; ".join(skipped)
+        + ". Use fewer devices per node or nodes, or a larger batch"
+    )
 
 
 def _split(
@@ -243,132 +258,3 @@ def _stage_link(cluster: Cluster, ranks: list[list[int]]) -> Link:
     """The slowest link any hand-over of this layout crosses (the search prices every boundary at it)."""
     hops = [slowest_hop(cluster, ranks[s], ranks[s + 1]) for s in range(len(ranks) - 1)]
     return cluster.inter if cluster.inter in hops else cluster.intra
-
-
-def _overlap_note(best: ClusterCandidate, bucket_bytes: float) -> str:
-    """How much of the all-reduce (or the sharded collectives) the step waits for, and why; what is not modelled."""
-    if best.shard:
-        t = dict(best.totals)
-        how = ("each unit's all-gather while the unit before it computes, each reduce-scatter while the units before it run "
-               "backward" if best.pp == 1 else "each stage's parameters gathered during its first forward, its gradients "
-               "reduce-scattered while stages < s still run backward")  # fmt: skip
-        return (
-            f"collectives: all-gathers {t.get('allgather_total', 0.0) * 1e3:.3f} ms, reduce-scatters "
-            f"{t.get('reduce_scatter_total', 0.0) * 1e3:.3f} ms, {best.allreduce * 1e3:.3f} ms of them exposed ({how}); "
-            "the optimizer step on the device is not modelled"
-        )
-    if best.dp == 1:
-        return f"no {'data-parallel collective' if best.tp > 1 else 'all-reduce'} (one replica); the optimizer step is not modelled"
-    if best.pp == 1:
-        how = f"DDP buckets of {format_bytes(int(bucket_bytes))}, each all-reduced while the rest of backward runs"
-    else:
-        how = "stage s's all-reduce runs while stages < s still run backward"
-    return (
-        f"all-reduce {best.allreduce_total * 1e3:.3f} ms, {best.allreduce * 1e3:.3f} ms of it exposed ({how}); "
-        "the optimizer step is not modelled"
-    )
-
-
-def _shard_notes(best: ClusterCandidate, cluster: Cluster, host: Host | None) -> list[str]:
-    """What a sharded plan runs: FSDP2 over each stage's replicas, units, and with offload where the states go."""
-    if not best.shard:
-        return []
-    if best.pp == 1:
-        how = f"fully_shard per layer, the root last, reshard_after_forward=True, over all {best.dp} ranks"
-    else:
-        how = (f"over each stage's {best.dp} replicas as torch.distributed.pipelining runs FSDP stages: parameters gathered "
-               "for the step, gradients reduce-scattered after the last micro-batch")  # fmt: skip
-    notes = [
-        f"sharded: span(model, plan) runs FSDP2 ({how}): parameters, gradients and optimizer state at rest divided by "
-        f"{best.dp}; planner.sharded has the formulas"
-    ]
-    if best.offload and host is not None:
-        t = dict(best.totals)
-        params = sum(lay.param_bytes for lay in best.cm.profile.layers) * min(cluster.per_node, best.dp) / best.dp
-        notes.append(
-            f"offload: the shards live in host memory ({format_bytes(best.host)} of the node's "
-            f"{format_bytes(host.budget)}, {host.source}); copies over PCIe {t.get('pcie_total', 0.0) * 1e3:.3f} ms in "
-            f"the collectives; the optimizer steps on the CPU: {best.optimizer * 1e3:.3f} ms "
-            f"({optimizer_passes(best.cm.profile.optimizer)} passes over the node's {format_bytes(params)} of parameters "
-            f"at {host.bandwidth_source}, planner.sharded)"
-        )
-    return notes
-
-
-def _to_plan(
-    best: ClusterCandidate, all_: list[ClusterCandidate], skipped: list[str], cluster: Cluster, batch: int, bucket_bytes: float,
-    ties: Sequence[TieCost] = (), rows: list[dict[str, object]] | None = None, host: Host | None = None,
-) -> Plan:
-    """The chosen candidate as a ``Plan``: replica 0's stages on their ranks' devices, the others in notes."""
-    notes = [f"chosen: {best.row()}"]
-    if rows:
-        notes.append(f"strategy: {why_chosen(rows)}")
-    notes += tp_notes(best, cluster) or _shard_notes(best, cluster, host)
-    if cluster.world > 1:
-        notes += [f"assumed {a}" for a in cluster.assumed]
-        notes.append(
-            f"links: intra-node {cluster.intra.short()}, interconnect {cluster.inter.short()}; "
-            "figures and sources: torchspan.hardware.links"
-        )
-    if best.dp > 1 and not best.shard:
-        ends = [f"stage {s}: {r.link}, {r.buckets} bucket(s), ends {r.end * 1e3:+.3f} ms" for s, r in enumerate(best.reductions)]
-        notes.append("all-reduce per stage over " + ", ".join(ends))
-    if best.links:
-        notes.append("hand-overs over " + ", ".join(f"{s}->{s + 1}: {k}" for s, k in enumerate(best.links)))
-    others = sorted((c for c in all_ if c is not best), key=lambda c: c.step)
-    notes += [f"also: {c.row()}" for c in others]
-    notes += [f"skipped: {s}" for s in skipped]
-    notes.append(_overlap_note(best, bucket_bytes))
-    plan = best.cm.to_plan(best.evaluation, "torchspan-cluster", notes=notes)
-    plan.ties = _tie_records(best, ties)
-    plan.notes += [
-        f"tied parameter {t['name']} is used on stages {', '.join(map(str, t['stages']))} ({', '.join(t['layers'])}): each "  # type: ignore[arg-type]
-        f"rank holding one keeps a copy ({int(t['bytes']):,} bytes), {t['charge']}: {float(t['seconds']) * 1e3:.3f} ms per step"  # type: ignore[arg-type]
-        for t in plan.ties if "seconds" in t
-    ]  # fmt: skip
-    replica0 = [row[0] for row in best.stage_ranks]
-    stages = [
-        dataclasses.replace(sp, device=cluster.local_device(r), param_bytes=m.params, grad_bytes=m.grads, optimizer_bytes=m.optimizer,
-                            activation_bytes=m.activations, buffer_bytes=m.buffers, workspace_bytes=m.workspace)
-        for sp, r, m in zip(plan.stages, replica0, best.stage_memory)
-    ]  # fmt: skip
-    peak = {f"rank {r} ({cluster.local_device(r)}, node {cluster.node_of(r)})": m.total for r, m in zip(replica0, best.stage_memory)}
-    if best.offload:
-        peak["host of node 0 (cpu)"] = best.host
-    return dataclasses.replace(
-        plan,
-        stages=stages,
-        batch_size=batch,
-        predicted_step_time=best.step,
-        peak_memory=peak,
-        data_parallel=best.dp,
-        nodes=cluster.nodes,
-        devices_per_node=cluster.per_node,
-        stage_ranks=[list(r) for r in best.stage_ranks],
-        interconnect=cluster.inter.key,
-        intra_link=cluster.intra.key,
-        # the parts not named *_total add up to the step ("allreduce"/"collectives": the exposed part)
-        predicted_times=best.times(),
-        shard=best.shard,
-        offload=best.offload,
-        comparison=list(rows or []),
-        tp=best.tp,
-    )
-
-
-def _tie_records(best: ClusterCandidate, ties: Sequence[TieCost]) -> list[dict[str, object]]:
-    """``Plan.ties`` of the chosen candidate: a split tie's ``seconds`` is its all-reduce per step."""
-    names = [lay.name for lay in best.cm.profile.layers]
-    reduced = {id(t): (n, r) for t, n, r in best.tie_reductions}
-    out = []
-    for tie in ties:
-        entry = tie_entry(tie, names, best.evaluation.stages)
-        if id(tie) in reduced:
-            n, r = reduced[id(tie)]
-            entry["seconds"] = r.seconds
-            entry["charge"] = (
-                f"its gradient all-reduced every step over {n} ranks on {r.link}, ending {r.end * 1e3:+.3f} ms after "
-                f"the last backward ({best.ties * 1e3:.3f} ms of all ties exposed past the stages' all-reduces)"
-            )
-        out.append(entry)
-    return out
