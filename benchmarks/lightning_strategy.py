@@ -7,9 +7,14 @@ order rotating, the same LightningModule (an MLP, class-weighted cross-entropy i
 times the steps after ``--warmup`` (Trainer setup excluded). Printed: each strategy's median ms/step and the median of
 the per-round ratios span / ddp, as a ``RATIO`` line for ``torchspan bench``.
 
+Then, in this one process (``--local-rounds``, 0 skips it): plain Lightning on one device (``Trainer(devices=1)``,
+the global batch ``--batch * nproc`` rows) against ``SpanStrategy(devices=["cpu", "cpu"], microbatches=4)``, a
+2-stage local pipeline (stages in threads, ``--threads`` each), alternating rounds, the same timing: a second
+``RATIO`` line (lightning/local_pipeline_vs_single_device).
+
 Usage::
 
-    python benchmarks/lightning_strategy.py                 # 2 x gloo, 6 rounds of 6 timed steps
+    python benchmarks/lightning_strategy.py                 # 2 x gloo, 6 rounds of 6 timed steps; local 6 rounds
     python benchmarks/lightning_strategy.py --quick         # a smoke run (torchspan bench --quick)
 """
 
@@ -79,10 +84,18 @@ class _Clock:
         return (time.perf_counter() - self.start) / max(1, self.steps)
 
 
+def _strategy(name: str) -> object:
+    from torchspan.lightning import SpanStrategy
+
+    if name == "ddp":
+        return "ddp"
+    if name == "single":
+        return "auto"
+    return SpanStrategy(devices=["cpu", "cpu"], microbatches=4) if name == "local" else SpanStrategy()
+
+
 def _fit(name: str, opts: argparse.Namespace, world: int) -> float:
     from torch.utils.data import DataLoader, TensorDataset
-
-    from torchspan.lightning import SpanStrategy
 
     steps = opts.warmup + opts.steps
     g = torch.Generator().manual_seed(1)
@@ -91,11 +104,13 @@ def _fit(name: str, opts: argparse.Namespace, world: int) -> float:
     per_loader = opts.batch if name == "ddp" else opts.batch * world  # DDP: rows per rank; torchspan: the global batch
     clock = _Clock(opts.warmup)
     trainer = L.Trainer(
-        strategy="ddp" if name == "ddp" else SpanStrategy(), accelerator="cpu", devices=world, max_steps=steps,
+        strategy=_strategy(name), accelerator="cpu", devices=world if name in ("ddp", "span") else 1, max_steps=steps,
         enable_progress_bar=False, logger=False, enable_checkpointing=False, enable_model_summary=False,
         callbacks=[clock.hooks()],
     )  # fmt: skip
     trainer.fit(_module(opts.hidden, opts.layers), DataLoader(data, batch_size=per_loader))
+    if name in ("single", "local"):
+        return clock.per_step()
     timed = torch.tensor([clock.per_step()])
     torch.distributed.all_reduce(timed, op=torch.distributed.ReduceOp.MAX)  # a step is as slow as its slowest rank
     return float(timed)
@@ -129,7 +144,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
-    add_quick(p, None, hidden=64, layers=1, batch=8, steps=1, warmup=1, rounds=2)
+    p.add_argument("--local-rounds", type=int, default=6, help="rounds of the local pipeline against one device (0: skip)")
+    add_quick(p, None, hidden=64, layers=1, batch=8, steps=1, warmup=1, rounds=2, local_rounds=2)
     opts = p.parse_args()
     if L is None:
         print("SKIP lightning/span_vs_ddp lightning is not installed (pip install -e '.[lightning]')")
@@ -147,6 +163,29 @@ def main() -> None:
     paired = statistics.median(s / d for s, d in zip(times["span"], times["ddp"]))
     print(f"RATIO lightning/span_strategy_vs_ddp_strategy {paired:.3f} - Lightning's DDPStrategy, {opts.nproc} x gloo, "
           f"MLP 256-{opts.hidden}x{opts.layers}-10")
+    if opts.local_rounds:
+        _local(opts)
+
+
+def _local(opts: argparse.Namespace) -> None:
+    """A 2-stage local pipeline against plain Lightning on one device, alternating rounds in this process."""
+    import logging
+
+    warnings.filterwarnings("ignore")
+    for name in ("lightning", "lightning.pytorch", "lightning.pytorch.utilities.rank_zero"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    torch.set_num_threads(opts.threads)
+    times: dict[str, list[float]] = {"single": [], "local": []}
+    for r in range(opts.local_rounds):
+        for name in (("single", "local") if r % 2 == 0 else ("local", "single")):
+            times[name].append(_fit(name, opts, opts.nproc))
+    print(f"one process, MLP 256-{opts.hidden}x{opts.layers}-10, batch {opts.batch * opts.nproc}, {opts.threads} thread(s), "
+          f"{opts.local_rounds} alternating rounds of {opts.steps} timed steps")
+    for name, ts in times.items():
+        print(f"  {name:6s} median {statistics.median(ts) * 1e3:8.2f} ms/step (rounds {min(ts) * 1e3:.2f}..{max(ts) * 1e3:.2f})")
+    paired = statistics.median(s / d for s, d in zip(times["local"], times["single"]))
+    print(f"RATIO lightning/local_pipeline_vs_single_device {paired:.3f} - plain Lightning on one device, "
+          f"SpanStrategy(devices=['cpu', 'cpu'], microbatches=4), MLP 256-{opts.hidden}x{opts.layers}-10")
 
 
 if __name__ == "__main__":

@@ -130,7 +130,7 @@ _METADATA = frozenset(
         torch.Tensor.is_complex, torch.Tensor.element_size, torch.Tensor.nelement, torch.Tensor.ndimension,
         torch.Tensor.stride, torch.Tensor.is_contiguous, torch.Tensor.get_device,
     }
-)  # fmt: skip
+)
 
 
 def _metadata(func: Any, args: Any, kwargs: Any) -> Any:

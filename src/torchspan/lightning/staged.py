@@ -44,7 +44,7 @@ _MODULES: dict[Any, type[nn.Module]] = {
     F.poisson_nll_loss: nn.PoissonNLLLoss, F.soft_margin_loss: nn.SoftMarginLoss,
     F.multilabel_soft_margin_loss: nn.MultiLabelSoftMarginLoss, F.multilabel_margin_loss: nn.MultiLabelMarginLoss,
     F.multi_margin_loss: nn.MultiMarginLoss, F.hinge_embedding_loss: nn.HingeEmbeddingLoss,
-}  # fmt: skip
+}
 
 
 class _Stashed(torch.autograd.Function):
