@@ -199,14 +199,12 @@ class Solver:
         cap_tau = tau * (1 + 1e-12) if tau != INF else INF
         wl = self._link_weights(cap_tau)
         cin = np.where(self.cin <= cap_tau, self.cin, INF)
-        ar = np.arange(L, dtype=np.int64)
         if tau == INF:
             hi_time = [np.full(L, L, dtype=np.int64) for _ in range(T)]
         else:
             hi_time = [np.searchsorted(self.PS[t], self.PS[t][:L] + cap_tau, side="right") - 1 for t in range(T)]
         # level n: a stage with n stages after it holds what stage 0 of n + 1 stages holds
         his = [np.minimum(self.max_end(t, self.cm.in_flight(0, n + 1)), hi_time[t]) for n in range(len(self.levels) - 1) for t in range(T)]
-        order, pos = self.order, self.pos
         # reach[r]: no r stages from layer 0 get past it (any type, the widest window at each start)
         widest = np.maximum.accumulate(np.max(np.stack(his), axis=0))
         depth = len(self.levels) - 1
@@ -218,44 +216,12 @@ class Solver:
         for n in range(len(self.levels) - 1 if self.sequence is None else min(len(self.sequence), len(self.levels) - 1)):
             k_his = his[n * T : (n + 1) * T]
             if n == 0:  # the last stage ends at layer L
-                i0, i1 = 0, L - 1
-                nxt = np.full((len(self.levels[1]), T, L), INF)
-                for t in self._allowed(n):
-                    src, dst = self.moves[0][t]
-                    if len(src):
-                        nxt[dst, t, :] = np.where(k_his[t] >= L, self.PL_last[t][L] - self.PL_last[t][:L], INF)
-                        nxt[dst, t, 0] = self.PL_full[t][L] if k_his[t][0] >= L else INF  # the only stage
+                i0, nxt = 0, self._last_level(k_his)
             else:
-                arr, c0 = G[-1]
-                w = arr.shape[2]
-                cols = slice(c0, c0 + w)
-                wlc = wl[:, cols]
-                srt = arr[:, order, :]
-                A = srt + wlc[order][None]
-                prefix = A  # minimum over types of lower bandwidth (inclusive), in place
-                suffix = srt.copy()  # minimum over types of higher bandwidth (inclusive)
-                for r in range(1, T):
-                    np.minimum(prefix[:, r - 1], prefix[:, r], out=prefix[:, r])
-                    np.minimum(suffix[:, T - r], suffix[:, T - r - 1], out=suffix[:, T - r - 1])
-                maxlen = max(int((h - ar).max()) for h in k_his)
-                # a suffix of n + 1 stages must leave a prefix the other stages can cover
-                i0, i1 = max(0, c0 - maxlen), min(c0 + w - 2, L - 1, reach[depth - n - 1])
-                if i1 < i0:
+                step = self._next_level(n, *G[-1], k_his, wl, reach[depth - n - 1])
+                if step is None:
                     break
-                rows = np.arange(i0, i1 + 1)
-                nxt = np.full((len(self.levels[n + 1]), T, i1 - i0 + 1), INF)
-                left = np.maximum(rows + 1, c0) - c0
-                for t in self._allowed(n):
-                    src, dst = self.moves[n][t]
-                    if not len(src):
-                        continue
-                    r = pos[t]
-                    H = suffix[src, r, :] + wlc[t][None, :]
-                    if r > 0:
-                        np.minimum(H, prefix[src, r - 1, :], out=H)
-                    H += self.PL[t][None, cols]
-                    right = np.minimum(k_his[t][i0 : i1 + 1], c0 + w - 1) - c0
-                    nxt[dst, t, :] = _window_min(H, left, right) - self.PL[t][None, i0 : i1 + 1]
+                nxt, i0 = step
             finite = np.isfinite(nxt).any(axis=(0, 1))
             if not finite.any():
                 break
@@ -270,6 +236,56 @@ class Solver:
         if best_at is None:
             return None
         return self._rebuild(G, best_at, wl, his)
+
+    def _last_level(self, k_his: list[np.ndarray]) -> np.ndarray:
+        """Level 0 of ``run``: the last stage, ending at layer L, by its first layer (columns), level and type."""
+        L = self.cm.L
+        nxt = np.full((len(self.levels[1]), len(self.groups), L), INF)
+        for t in self._allowed(0):
+            src, dst = self.moves[0][t]
+            if len(src):
+                nxt[dst, t, :] = np.where(k_his[t] >= L, self.PL_last[t][L] - self.PL_last[t][:L], INF)
+                nxt[dst, t, 0] = self.PL_full[t][L] if k_his[t][0] >= L else INF  # the only stage
+        return nxt
+
+    def _next_level(
+        self, n: int, arr: np.ndarray, c0: int, k_his: list[np.ndarray], wl: np.ndarray, reach: int
+    ) -> tuple[np.ndarray, int] | None:
+        """Level ``n`` of ``run`` from level ``n - 1`` (``arr``, its first column ``c0``): one more stage in front,
+        over the rows its start can take; ``(values, first row)``, or ``None`` when no start is left."""
+        L, T = self.cm.L, len(self.groups)
+        order, pos = self.order, self.pos
+        ar = np.arange(L, dtype=np.int64)
+        w = arr.shape[2]
+        cols = slice(c0, c0 + w)
+        wlc = wl[:, cols]
+        srt = arr[:, order, :]
+        A = srt + wlc[order][None]
+        prefix = A  # minimum over types of lower bandwidth (inclusive), in place
+        suffix = srt.copy()  # minimum over types of higher bandwidth (inclusive)
+        for r in range(1, T):
+            np.minimum(prefix[:, r - 1], prefix[:, r], out=prefix[:, r])
+            np.minimum(suffix[:, T - r], suffix[:, T - r - 1], out=suffix[:, T - r - 1])
+        maxlen = max(int((h - ar).max()) for h in k_his)
+        # a suffix of n + 1 stages must leave a prefix the other stages can cover
+        i0, i1 = max(0, c0 - maxlen), min(c0 + w - 2, L - 1, reach)
+        if i1 < i0:
+            return None
+        rows = np.arange(i0, i1 + 1)
+        nxt = np.full((len(self.levels[n + 1]), T, i1 - i0 + 1), INF)
+        left = np.maximum(rows + 1, c0) - c0
+        for t in self._allowed(n):
+            src, dst = self.moves[n][t]
+            if not len(src):
+                continue
+            r = pos[t]
+            H = suffix[src, r, :] + wlc[t][None, :]
+            if r > 0:
+                np.minimum(H, prefix[src, r - 1, :], out=H)
+            H += self.PL[t][None, cols]
+            right = np.minimum(k_his[t][i0 : i1 + 1], c0 + w - 1) - c0
+            nxt[dst, t, :] = _window_min(H, left, right) - self.PL[t][None, i0 : i1 + 1]
+        return nxt, i0
 
     def _rebuild(self, G: list[tuple[np.ndarray, int]], at: tuple[int, int, int], wl: np.ndarray, his: list[np.ndarray]) -> list[Stage]:
         L = self.cm.L
