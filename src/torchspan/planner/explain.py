@@ -114,6 +114,69 @@ def _describe(dev: Device) -> str:
     return f"{dev.device} ({dev.name})" if dev.name else str(dev.device)
 
 
+def _device_tips(
+    profile: Profile,
+    settings: Sequence[Setting],
+    cm: CostModel,
+    capacity: dict[int, int | None],
+    whole: int,
+    largest: int,
+    largest_name: str,
+) -> list[str]:
+    """Checked ways to fit by the devices: the largest layer alone, a larger budget on one, another device."""
+    devs, names, physical = profile.devices, cm.names, sorted(capacity)
+    tips: list[str] = []
+    finite = [d for d in physical if capacity[d] is not None]
+    if largest > max((capacity[d] or 0) for d in finite) if finite else False:
+        tips.append(
+            f"layer {largest_name!r} needs {_at_least(largest)} by itself, more than any device offers: "
+            f"a device with at least {_at_least(largest)} free, or split that layer into smaller child modules"
+        )
+    # a larger budget on one device
+    for d in finite:
+        cap = int(capacity[d] or 0)
+        need = _smallest(cap, max(whole, cap + 1), lambda c, d=d: fits(_with_capacity(profile, d, c), settings))
+        if need is not None:
+            tips.append(f"a larger budget on {names[d]}: {_at_least(need)} (now {format_bytes(cap)}) fits")
+    # another device: an accelerator like the largest listed one (another entry of the CPU would be the same CPU)
+    accels = [d for d in physical if devs[d].kind != "cpu"]
+    if accels:
+        like = max(accels, key=lambda d: capacity[d] or 0)
+        cap = int(capacity[like] or whole)
+        if fits(_with_extra(profile, like, cap), settings):
+            tips.append(f"another device like {_describe(devs[like])} with {_at_least(cap)} fits")
+        else:
+            need = _smallest(0, max(whole, 1), lambda c: fits(_with_extra(profile, like, c), settings))
+            if need is not None:
+                tips.append(f"another device like {devs[like].device} with at least {_at_least(need)} free fits")
+    return tips
+
+
+def _setting_tips(profile: Profile, settings: Sequence[Setting]) -> list[str]:
+    """Checked ways to fit by settings other than the ones the caller fixed."""
+    ms = sorted({m for m, _, _ in settings})
+    scheds = sorted({s for _, s, _ in settings})
+    recomputes = sorted({c for _, _, c in settings})
+    tips: list[str] = []
+    all_ms = microbatch_candidates(profile.batch_size)
+    if "1f1b" not in scheds and fits(profile, [(m, "1f1b", c) for m, _, c in settings]):
+        tips.append("schedule='1f1b' fits (a stage keeps at most as many micro-batches in flight as stages after it)")
+    for c in ("except_last", "always"):
+        if c not in recomputes and fits(profile, [(m, s, c) for m, s, _ in settings]):
+            tips.append(f"recompute={c!r} fits (stages keep their inputs and recompute activations in backward)")
+            break
+    if len(ms) == 1:
+        for m in all_ms:
+            if m != ms[0] and fits(profile, [(m, s, c) for _, s, c in settings]):
+                tips.append(f"microbatches={m} fits (micro-batches of {-(-profile.batch_size // m)} sample(s))")
+                break
+    relaxed = [(m, "1f1b", c) for c in ("never", "except_last") for m in all_ms]
+    settings_tips = [t for t in tips if t.startswith(("schedule=", "recompute=", "microbatches="))]
+    if not settings_tips and set(settings) != set(relaxed) and fits(profile, relaxed):
+        tips.append("letting torchspan choose (microbatches, schedule and recompute 'auto') fits")
+    return tips
+
+
 def explain_no_fit(profile: Profile, settings: Sequence[Setting]) -> PlanError:
     """A ``PlanError`` with needed vs available memory per device and checked ways to make it fit."""
     devs = profile.devices
@@ -148,47 +211,8 @@ def explain_no_fit(profile: Profile, settings: Sequence[Setting]) -> PlanError:
         available[names[d]] = cap
     head += "\nPer device (needed: the whole model, " + _at_least(whole) + "):\n" + "\n".join(rows)
 
-    tips: list[str] = []
-    finite = [d for d in physical if capacity[d] is not None]
-    if largest > max((capacity[d] or 0) for d in finite) if finite else False:
-        tips.append(
-            f"layer {largest_name!r} needs {_at_least(largest)} by itself, more than any device offers: "
-            f"a device with at least {_at_least(largest)} free, or split that layer into smaller child modules"
-        )
-    # a larger budget on one device
-    for d in finite:
-        cap = int(capacity[d] or 0)
-        need = _smallest(cap, max(whole, cap + 1), lambda c, d=d: fits(_with_capacity(profile, d, c), settings))
-        if need is not None:
-            tips.append(f"a larger budget on {names[d]}: {_at_least(need)} (now {format_bytes(cap)}) fits")
-    # another device: an accelerator like the largest listed one (another entry of the CPU would be the same CPU)
-    accels = [d for d in physical if devs[d].kind != "cpu"]
-    if accels:
-        like = max(accels, key=lambda d: capacity[d] or 0)
-        cap = int(capacity[like] or whole)
-        if fits(_with_extra(profile, like, cap), settings):
-            tips.append(f"another device like {_describe(devs[like])} with {_at_least(cap)} fits")
-        else:
-            need = _smallest(0, max(whole, 1), lambda c: fits(_with_extra(profile, like, c), settings))
-            if need is not None:
-                tips.append(f"another device like {devs[like].device} with at least {_at_least(need)} free fits")
-    # other settings than the ones the caller fixed
-    all_ms = microbatch_candidates(profile.batch_size)
-    if "1f1b" not in scheds and fits(profile, [(m, "1f1b", c) for m, _, c in settings]):
-        tips.append("schedule='1f1b' fits (a stage keeps at most as many micro-batches in flight as stages after it)")
-    for c in ("except_last", "always"):
-        if c not in recomputes and fits(profile, [(m, s, c) for m, s, _ in settings]):
-            tips.append(f"recompute={c!r} fits (stages keep their inputs and recompute activations in backward)")
-            break
-    if len(ms) == 1:
-        for m in all_ms:
-            if m != ms[0] and fits(profile, [(m, s, c) for _, s, c in settings]):
-                tips.append(f"microbatches={m} fits (micro-batches of {-(-profile.batch_size // m)} sample(s))")
-                break
-    relaxed = [(m, "1f1b", c) for c in ("never", "except_last") for m in all_ms]
-    settings_tips = [t for t in tips if t.startswith(("schedule=", "recompute=", "microbatches="))]
-    if not settings_tips and set(settings) != set(relaxed) and fits(profile, relaxed):
-        tips.append("letting torchspan choose (microbatches, schedule and recompute 'auto') fits")
+    tips = _device_tips(profile, settings, cm, capacity, whole, largest, largest_name)
+    tips += _setting_tips(profile, settings)
     if not tips:
         tips.append(f"a smaller batch than {profile.batch_size}, or a device with {_at_least(whole)} free for the whole model")
     return PlanError(head, needed=needed, available=available, suggestions=tips)
