@@ -3,7 +3,8 @@
 Each rank runs the same batch; the full gradient of every parameter (``.grad.full_tensor()`` where it is split)
 must equal one device's on that batch, for a tied Llama-style decoder with grouped-query attention (its own
 ``base_model_tp_plan``) through ``train_step`` with micro-batches and through the plain ``loss.backward()``,
-and an MLP by a ``tp_plan`` the user passes; clipping by the whole model's norm; ``state_dict()`` full tensors.
+and an MLP by a ``tp_plan`` the user passes; clipping by the whole model's norm (also with sharded replicas on 4
+ranks: 2-D shards beside 1-D ones); ``state_dict()`` full tensors.
 """
 
 from __future__ import annotations
@@ -122,6 +123,10 @@ def _worker_2d(rank: int, world: int, port: int) -> None:
     want.backward()
     torch.testing.assert_close(loss.double(), want.detach().double(), rtol=1e-6, atol=1e-8)
     _same_grads(spanned, reference, "Llama tp=2 x dp_shard=2, train_step", dict(rtol=1e-5, atol=1e-8))
+    # the whole model's norm: 2-D DTensor shards beside the tied embedding's 1-D ones (FSDP2 over dp_shard alone)
+    norm = spanned.clip_grad_norm_(0.1)
+    torch.testing.assert_close(norm.double(), torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1), rtol=1e-5, atol=1e-8)
+    _same_grads(spanned, reference, "Llama tp=2 x dp_shard=2, clipped", dict(rtol=1e-5, atol=1e-8))
     state = spanned.state_dict()
     torch.testing.assert_close(state["model.layers.1.self_attn.o_proj.weight"], reference.state_dict()["model.layers.1.self_attn.o_proj.weight"])
     model = _llama()  # the plain loop

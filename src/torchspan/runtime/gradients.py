@@ -116,8 +116,9 @@ def _tensor_norms(grads: list[torch.Tensor], norm_type: float, foreach: bool | N
 
 
 def _sharded_norms(grads: list[torch.Tensor], sharded: list[int], norm_type: float, foreach: bool | None) -> list[torch.Tensor]:
-    """Norms of gradients some of which are ``DTensor`` shards: each rank's shard norms, combined in float64 by one
-    all-reduce over the shards' group (a sum of ``norm ** p``, a max for ``inf``, a min for ``-inf``, a sum for 0)."""
+    """Norms of gradients some of which are ``DTensor`` shards: each rank's shard norms, combined in float64 by an
+    all-reduce over each dimension of the shards' mesh (a sum of ``norm ** p``, a max for ``inf``, a min for ``-inf``,
+    a sum for 0; a term held on a ``Replicate`` dimension divided by its copies), per mesh."""
     local = [_local(g) for g in grads]
     present = [i for i, t in enumerate(local) if t.numel() > 0]
     found = _tensor_norms([local[i] for i in present], norm_type, foreach) if present else []
@@ -126,18 +127,23 @@ def _sharded_norms(grads: list[torch.Tensor], sharded: list[int], norm_type: flo
     values = [torch.tensor(neutral, dtype=torch.float64)] * len(grads)
     for i, n in zip(present, found):
         values[i] = n.detach().to("cpu", torch.float64)
-    mesh = grads[sharded[0]].device_mesh  # type: ignore[attr-defined]
-    comm = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
-    buf = torch.stack([values[i] for i in sharded]).to(comm)
-    if not inf and norm_type != 0:
-        buf = buf.pow(norm_type)
-    op = (dist.ReduceOp.MIN if norm_type < 0 else dist.ReduceOp.MAX) if inf else dist.ReduceOp.SUM
-    dist.all_reduce(buf, op=op, group=mesh.get_group())
-    if not inf and norm_type != 0:
-        buf = buf.pow(1.0 / norm_type)
     out = [values[i].to(local[i].device, local[i].dtype) for i in range(len(grads))]
-    for j, i in enumerate(sharded):
-        out[i] = buf[j].to(local[i].device, local[i].dtype)
+    meshes: dict[Any, list[int]] = {}  # FSDP2 over tp: 2-D DTensors beside 1-D ones (a whole tied layer)
+    for i in sharded:
+        meshes.setdefault(grads[i].device_mesh, []).append(i)  # type: ignore[attr-defined]
+    for mesh, held in meshes.items():
+        comm = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+        buf = torch.stack([values[i] for i in held]).to(comm)
+        if not inf:  # a copy on each of r ranks of a Replicate mesh dimension counts once: its term / r
+            copies = [math.prod(mesh.size(d) for d, p in enumerate(grads[i].placements) if p.is_replicate()) for i in held]  # type: ignore[attr-defined]
+            buf = (buf.pow(norm_type) if norm_type != 0 else buf) / torch.tensor(copies, dtype=buf.dtype, device=comm)
+        op = (dist.ReduceOp.MIN if norm_type < 0 else dist.ReduceOp.MAX) if inf else dist.ReduceOp.SUM
+        for d in range(mesh.ndim):  # over every mesh dimension: the sum (or max) over all its ranks
+            dist.all_reduce(buf, op=op, group=mesh.get_group(d))
+        if not inf and norm_type != 0:
+            buf = buf.pow(1.0 / norm_type)
+        for j, i in enumerate(held):
+            out[i] = buf[j].to(local[i].device, local[i].dtype)
     return out
 
 
