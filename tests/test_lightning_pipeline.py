@@ -78,11 +78,20 @@ class Mixed(Tagger):
 
 
 def _references(folder: Path) -> None:
-    """Plain Lightning on one device: the weights (and last logged loss) every pipeline must end with."""
+    """Plain Lightning on one device: the weights (and last logged losses) every pipeline must end with."""
     for name, kind, kwargs in [*_CASES, ("logged", Logged, {})]:
         lit = kind()
-        trainer = _fit(lit, tokens=kind is Tagger, **kwargs)
+        trainer = _fit(lit, tokens=kind is Tagger, **kwargs) if kind is not Logged else _validated(lit)
         torch.save({"state": lit.state_dict(), "metrics": dict(trainer.callback_metrics)}, folder / f"{name}.pt")
+
+
+def _validated(lit: L.LightningModule, strategy=None) -> L.Trainer:
+    """Two epochs with a validation loader (sanity check and each epoch's validation run the eval forward)."""
+    trainer = L.Trainer(
+        strategy=strategy or "auto", **QUIET, max_epochs=2, enable_checkpointing=False, gradient_clip_val=0.3, devices=1
+    )
+    trainer.fit(lit, _loader(), _loader())
+    return trainer
 
 
 def _load(folder: Path, name: str) -> dict:
@@ -108,11 +117,14 @@ def _worker(rank: int, world: int, port: int, folder: str) -> None:
         reference.load_state_dict(_load(where, name)["state"])
         _same(_whole(trainer, kind), reference, f"rank {rank}, pipeline across ranks, {name}")
     lit = Logged()
-    trainer = _fit(lit, SpanStrategy(**PIPE))
-    want = _load(where, "logged")["metrics"]
-    for key in ("loss_value", "train_loss"):  # train_step sums the micro-batches' losses in float32
-        got = float(trainer.callback_metrics[key])
-        assert abs(got - float(want[key])) < 1e-6 * abs(float(want[key])), (rank, key, got, float(want[key]))
+    trainer = _validated(lit, SpanStrategy(**PIPE))  # validation between the training epochs
+    want = _load(where, "logged")
+    reference = Logged()
+    reference.load_state_dict(want["state"])
+    _same(_whole(trainer, Logged), reference, f"rank {rank}, pipeline across ranks, validated")
+    for key in ("loss_value", "train_loss", "val_loss"):  # train_step sums the micro-batches' losses in float32
+        got, wanted = float(trainer.callback_metrics[key]), float(want["metrics"][key])
+        assert abs(got - wanted) < 1e-6 * abs(wanted), (rank, key, got, wanted)
     _resume(rank, where, _load(where, "four-epochs")["state"])
     _evaluate()
     _refusals()
