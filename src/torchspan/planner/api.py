@@ -5,6 +5,18 @@ Usage::
     plan = torchspan.plan(model, torch.randn(32, 512), devices="cuda:0,cpu", memory={"cuda:0": "8GiB"})
     print(plan)                     # one row per stage, predicted step time, peak memory per device
     spanned = torchspan.span(model, plan)
+
+**Strategies**: a cluster plan weighs replicas (DDP), sharded (FSDP2), sharded + offload (states in host memory,
+the optimizer step on the CPU), pipeline, hybrid, pipeline x sharded and tensor parallel x sharded with one cost model
+(``planner.strategies``, ``planner.sharded``); ``plan.comparison`` (printed as a table, in ``to_dict()``) has each
+one's predicted step, peak memory per device and whether it fits; the winner is the plan (``plan.shard``,
+``plan.offload``), which ``span(model, plan)`` runs on every rank of a job of ``plan.world_size`` processes.
+A one-process plan stays one; when nothing fits one process, sharded + offload on its first accelerator (run by
+``span(model, plan)`` in a process group of one) is planned when it fits. ``host_memory``: one node's host memory for offloaded
+states (default: this machine's free memory for present devices, 3 x the node's accelerator memory for
+described ones). ``tp``: tensor-parallel degrees a cluster plan prices (``planner.tensorparallel``: ``"auto"``, 2,
+4 and 8 dividing the devices per node; an int fixes one, 1 prices none); ``plan.tp`` is the chosen one, run by
+``span(model, plan)`` (``runtime.ranks.tensorparallel.planned``: on fewer ranks, shrunk).
 """
 
 from __future__ import annotations
@@ -71,17 +83,7 @@ def plan(
     ``plan.data_parallel``, ``plan.stage_ranks``, ``plan.predicted_times``). ``nodes`` of None or 1
     with no ``intra_link`` and ``data_parallel="auto"`` plans one process, as without them.
 
-    Strategies: a cluster plan weighs replicas (DDP), sharded (FSDP2), sharded + offload (states in host memory,
-    the optimizer step on the CPU), pipeline, hybrid, pipeline x sharded and tensor parallel x sharded with one cost model
-    (``planner.strategies``, ``planner.sharded``); ``plan.comparison`` (printed as a table, in ``to_dict()``) has each
-    one's predicted step, peak memory per device and whether it fits; the winner is the plan (``plan.shard``,
-    ``plan.offload``), which ``span(model, plan)`` runs on every rank of a job of ``plan.world_size`` processes.
-    A one-process plan stays one; when nothing fits one process, sharded + offload on its first accelerator (run by
-    ``span(model, plan)`` in a process group of one) is planned when it fits. ``host_memory``: one node's host memory for offloaded
-    states (default: this machine's free memory for present devices, 3 x the node's accelerator memory for
-    described ones). ``tp``: tensor-parallel degrees a cluster plan prices (``planner.tensorparallel``: ``"auto"``, 2,
-    4 and 8 dividing the devices per node; an int fixes one, 1 prices none); ``plan.tp`` is the chosen one, run by
-    ``span(model, plan)`` (``runtime.ranks.tensorparallel.planned``: on fewer ranks, shrunk).
+    Strategies, ``host_memory`` and ``tp``: see the module docstring.
     """
     from ..profiler.measure import profile
 
@@ -93,6 +95,24 @@ def plan(
     host = None if host_memory is None else parse_memory(host_memory, name="host_memory")
     prof = profile(model, example_inputs, devs, optimizer=optimizer, dtype=dtype)
     ties = tie_costs(model, [lay.name for lay in prof.layers])
+    result = _search(prof, cluster, ties, host, microbatches, schedule, recompute, data_parallel, tp)
+    if not result.ties:  # the searches record (and charge) the ties they were given
+        record_ties(result, model)
+    return result
+
+
+def _search(
+    prof: Profile,
+    cluster: Cluster | None,
+    ties: list[TieCost],
+    host: float | None,
+    microbatches: int | str,
+    schedule: str,
+    recompute: str,
+    data_parallel: int | str,
+    tp: int | str,
+) -> Plan:
+    """One process (``cluster`` None): ``search``, or sharded + offload when nothing else fits; else ``cluster_search``."""
     if cluster is None:
         try:
             result = search(prof, microbatches=microbatches, schedule=schedule, recompute=recompute, ties=ties)
@@ -106,8 +126,6 @@ def plan(
             prof, cluster, microbatches=microbatches, schedule=schedule, recompute=recompute, data_parallel=data_parallel,
             ties=ties, host_memory=host, tp=tp,
         )  # fmt: skip
-    if not result.ties:  # the searches record (and charge) the ties they were given
-        record_ties(result, model)
     return result
 
 
