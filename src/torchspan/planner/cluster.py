@@ -72,8 +72,9 @@ from .optimize import search
 from .plans import Plan, StagePlan
 from .settings import settings_grid, sharded_schedule
 from .stages import Evaluation
+from .comparison import compare, reasons, unfitting
 from .strategies import (
-    TP, Host, Options, choose, compare, host_of, reasons, replica_settings, sharded_pipeline, sharded_profile, sharded_replicas, unfitting,
+    TP, Host, Options, choose, host_of, replica_settings, sharded_pipeline, sharded_profile, sharded_replicas,
 )  # fmt: skip
 from .tensorparallel import tp_candidates, tp_degrees
 from .ties import TieCost

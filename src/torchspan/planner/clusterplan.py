@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from ..hardware import format_bytes
 from .candidates import ClusterCandidate
 from .plans import Plan
-from .strategies import Host, why_chosen
+from .comparison import why_chosen
+from .strategies import Host
 from .tensorparallel import tp_notes
 from .sharded import optimizer_passes
 from .topology import Cluster
