@@ -5,9 +5,10 @@
 
 - **Memory**: layers of other stages become ``meta`` tensors (``requires_grad=False``) on this
   rank, so only this stage's parameters take memory and reach the optimizer.
-- **Groups**: the data-parallel group of this stage (the ranks holding it), this replica's
-  pipeline, and one group per set of stages sharing parameters (tied embeddings: Megatron's
-  embedding group, every replica included). Replicas and tied copies start identical (broadcast).
+- **Groups**: sub-meshes of the job's ``DeviceMesh`` (``ranks.devicemesh``, ``("pp", "dp_replicate")``): this
+  stage's replicas ``mesh["dp_replicate"]`` (``"dp_shard"`` sharded), this replica's pipeline ``mesh["pp"]``, and
+  one group per set of stages sharing parameters, derived from the mesh's rank tensor (tied embeddings:
+  Megatron's embedding group, every replica included). Replicas and tied copies start identical (broadcast).
 - **Weights**: with replicas, the last stages all-reduce the loss normalizer so every replica
   weighs its micro-batches against the global batch.
 - **Gradients**: once this rank ran its last backward, a SUM of this step's gradients starts in
@@ -57,9 +58,9 @@ def _meta_copy(t: torch.Tensor) -> torch.Tensor:
 class RankStage:
     """This rank's stage of a ``mesh.replicas`` x ``mesh.stages`` mesh (see the module docstring).
 
-    ``comm``: the device collectives run on (this rank's GPU under nccl, else the CPU);
-    ``pipe_group``/``stage_group``: this replica's pipeline and this stage's replicas (``None`` without
-    replicas: the default group), made by ``start``.
+    ``comm``: the device collectives run on (this rank's GPU under nccl, else the CPU); ``device_mesh``: the job's
+    mesh (a user's ``span(mesh=)``, else built here; ``settings.mesh``); ``pipe_group``/``stage_group``: this
+    replica's pipeline and this stage's replicas (``None`` without replicas), groups of its sub-meshes.
     """
 
     def __init__(
