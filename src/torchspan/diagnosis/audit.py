@@ -26,6 +26,7 @@ from torch import nn
 from .dataparallel import audit_dataparallel, audit_state_dict
 from .mismatch import DeviceMismatchError, dtype_name, is_cpu_scalar, unregistered_parameter_fix
 from .naming import named_tensors
+from .optimizer import audit_optimizer
 from .report import Finding, Report, name_list
 from .ties import audit_ties
 from .watcher import watch
@@ -226,87 +227,6 @@ def audit_batch(
                         fix=f"move the target with `target = target.to('{ldev}')` before computing the loss",
                     )
                 )
-    return findings
-
-
-# ---------------------------------------------------------------------- optimizer
-
-
-def audit_optimizer(
-    optimizer: torch.optim.Optimizer,
-    model: nn.Module,
-    loss_fn: Any = None,
-    *,
-    names: tuple[str, str] = ("optimizer", "model"),
-) -> list[Finding]:
-    """Optimizer state off its parameter's device; param groups holding tensors the model no longer owns.
-
-    Usage: ``audit_optimizer(opt, model)``.
-    """
-    oname, mname = names
-    findings: list[Finding] = []
-    qual = {id(p): f"{mname}.{n}" for n, p in model.named_parameters()}
-    known = set(qual)
-    if isinstance(loss_fn, nn.Module):
-        known |= {id(p) for p in loss_fn.parameters()}
-    in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    orphans = [(n, p) for n, p in model.named_parameters() if id(p) not in in_opt]
-    orphan_shapes = {tuple(p.shape) for _, p in orphans}
-
-    for g, group in enumerate(optimizer.param_groups):
-        stale = [(i, p) for i, p in enumerate(group["params"]) if id(p) not in known]
-        if not stale:
-            continue
-        matched = [p for _, p in stale if tuple(p.shape) in orphan_shapes]
-        listed = [f"params[{i}] {tuple(p.shape)} on {p.device}" for i, p in stale]
-        details = [f"{len(stale)} of {len(group['params'])} tensors: {name_list(listed)}"]
-        if orphans:
-            details.append(f"{len(orphans)} parameter(s) of {mname} are in no param group: {name_list([f'{mname}.{n}' for n, _ in orphans])}")
-        findings.append(
-            Finding(
-                code="optimizer-stale-params",
-                severity="error" if matched else "warning",
-                title=(
-                    f"{oname}.param_groups[{g}] holds {len(stale)} tensor(s) that are not parameters of {mname}"
-                    + (" - it was probably built before the parameters were replaced" if matched else "")
-                ),
-                where=f"{oname}.param_groups[{g}]",
-                details=details,
-                fix=(
-                    f"build the optimizer after moving the model: `{mname}.to(device)` first, then "
-                    f"`{oname} = torch.optim.{type(optimizer).__name__}({mname}.parameters(), ...)` (moving to or from "
-                    f"'meta', `to_empty()`, `load_state_dict(assign=True)` and "
-                    f"`torch.__future__.set_overwrite_module_params_on_conversion(True)` create new Parameter objects)"
-                    + ("" if matched else "; ignore this if those tensors belong to another module on purpose")
-                ),
-            )
-        )
-
-    stray: list[str] = []
-    devices: set[str] = set()
-    for g, group in enumerate(optimizer.param_groups):
-        for i, p in enumerate(group["params"]):
-            pname = qual.get(id(p), f"param_groups[{g}]['params'][{i}]")
-            for key, val in optimizer.state.get(p, {}).items():
-                if isinstance(val, torch.Tensor) and not is_cpu_scalar(val) and val.device != p.device:
-                    stray.append(f"{oname}.state[{pname}][{key!r}] on {val.device}, parameter on {p.device}")
-                    devices.add(str(p.device))
-    if stray:
-        dev = sorted(devices)[0]
-        findings.append(
-            Finding(
-                code="optimizer-state-device",
-                severity="error",
-                title=f"{len(stray)} optimizer state tensor(s) are not on their parameter's device",
-                where=oname,
-                details=[name_list(stray)],
-                fix=(
-                    f"move the state next to the parameters: `torchspan.to_device({oname}, '{dev}')`, or call "
-                    f"`{mname}.to('{dev}')` before `{oname}.load_state_dict(...)` (it puts the state on each "
-                    f"parameter's device at that moment)"
-                ),
-            )
-        )
     return findings
 
 
