@@ -231,6 +231,34 @@ def unregistered_parameter_fix(name: str, leaf: str) -> str:
     )
 
 
+def _owned_fix(a: TensorArg, expected: str) -> str | None:
+    """How to move a named tensor something owns (a module's buffer, parameter or attribute, an optimizer's state)
+    to ``expected``; ``None`` for other kinds."""
+    assert a.name is not None
+    if a.kind == "buffer":
+        owner, leaf = _owner(a.name)
+        return f"call `{owner}.to('{expected}')`: its buffer `{leaf}` stays on {a.device} until the module itself is moved"
+    if a.kind == "parameter":
+        owner, _ = _owner(a.name)
+        return f"move the layer with `{owner}.to('{expected}')`, or move its input to {a.device} before calling it"
+    if a.kind == "unregistered parameter":
+        return unregistered_parameter_fix(a.name, _owner(a.name)[1])
+    if a.kind == "attribute":
+        owner, leaf = _owner(a.name)
+        return (
+            f"`{a.name}` is a plain tensor attribute, which `.to()` does not move: register it in __init__ with "
+            f"`self.register_buffer('{leaf}', tensor)` so `{owner}.to('{expected}')` takes it along"
+        )
+    if a.kind == "optimizer state":
+        opt = py_path(a.name.split(".state[", 1)[0])
+        return (
+            f"move the optimizer state next to its parameters with `torchspan.to_device({opt}, '{expected}')` after "
+            f"the model has moved, or move the model to '{expected}' before `{opt}.load_state_dict(...)` "
+            f"(it puts the state on each parameter's device at that moment)"
+        )
+    return None
+
+
 def build_fix(
     args: Sequence[TensorArg],
     expected: str,
@@ -249,29 +277,9 @@ def build_fix(
     for i, a in enumerate(args):
         if not a.odd:
             continue
-        if a.kind == "buffer" and a.name:
-            owner, leaf = _owner(a.name)
-            fixes.append(
-                f"call `{owner}.to('{expected}')`: its buffer `{leaf}` stays on {a.device} until the module itself is moved"
-            )
-        elif a.kind == "parameter" and a.name:
-            owner, _ = _owner(a.name)
-            fixes.append(f"move the layer with `{owner}.to('{expected}')`, or move its input to {a.device} before calling it")
-        elif a.kind == "unregistered parameter" and a.name:
-            fixes.append(unregistered_parameter_fix(a.name, _owner(a.name)[1]))
-        elif a.kind == "attribute" and a.name:
-            owner, leaf = _owner(a.name)
-            fixes.append(
-                f"`{a.name}` is a plain tensor attribute, which `.to()` does not move: register it in __init__ with "
-                f"`self.register_buffer('{leaf}', tensor)` so `{owner}.to('{expected}')` takes it along"
-            )
-        elif a.kind == "optimizer state" and a.name:
-            opt = py_path(a.name.split(".state[", 1)[0])
-            fixes.append(
-                f"move the optimizer state next to its parameters with `torchspan.to_device({opt}, '{expected}')` after "
-                f"the model has moved, or move the model to '{expected}' before `{opt}.load_state_dict(...)` "
-                f"(it puts the state on each parameter's device at that moment)"
-            )
+        owned = _owned_fix(a, expected) if a.name else None
+        if owned is not None:
+            fixes.append(owned)
         elif i in factories:
             made = f"`{a.name}` was" if a.name else "this tensor was"
             move = f"; or move it before use{at}: `{a.name} = {a.name}.to('{expected}')`" if a.name else ""
