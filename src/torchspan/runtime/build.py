@@ -4,6 +4,28 @@
 (``span_settings``), the model cut into stages (``runtime.layout``) and the executor chosen
 (``runtime.choose``, the one place that knows every executor). It returns the ``Spanned`` façade.
 
+In a launched job (a process group of size > 1: ``torchspan launch``/``torchrun`` and
+``torchspan.init_distributed()``; a script launched without that call joins its job in ``span``, as
+``init_distributed()`` would, rather than train as one lone process per rank), ``span(model)`` with one stage
+(no ``balance``, one device or none, or a one-stage plan) returns this rank's exact data-parallel replica
+(``runtime.ranks.replicated``: ``train_step`` on the rank's shard leaves every rank the single-device gradient
+of all shards, ``microbatches``, ``precision`` and ``recompute`` as in one process; ``join(optimizer)`` for
+uneven epoch ends); with more stages, a pipeline across ranks: stage functions for an ``nn.Sequential`` or
+fx-traceable model (``runtime.ranks.pipelined``), else the model's own forward on every rank with the other
+stages' layers on ``meta`` (``runtime.ranks.ownforward``: transformers models, wrappers around ``ModuleList``s).
+
+``shard=True`` (or a plan's ``shard``), one stage: that replica sharded by FSDP2, ``mode == "sharded"``
+(``runtime.ranks.sharded``: ``.grad`` a ``DTensor`` shard; ``reshard_after_forward`` True is ZeRO-3, False
+ZeRO-2; ``offload="cpu"``: states in CPU memory, needs a GPU). In a plain process it opens a process group of
+one (``init_distributed()``): one GPU training with offload. With several stages in a launched job of replicas x
+stages ranks: each stage sharded over its replicas (``runtime.ranks.stageshard``). ``per_shard_batchnorm=True``:
+a replica's BatchNorm normalises its shard alone (else refused; one process: no effect).
+
+``tp=N``/``tp_plan=`` (or a plan's ``tp``): each layer split over ``N`` processes, with ``shard=True`` FSDP2 over
+the rest (``runtime.ranks.tensorparallel``; a plan on fewer ranks than it was made for runs shrunk).
+``mesh``: the job's ``DeviceMesh`` to use, checked against the span's degrees (else built: ``spanned.mesh``,
+``runtime.ranks.devicemesh``).
+
 Usage: ``spanned = span(model, devices=["cpu", "cpu"], balance=[2, 2], microbatches=4)``.
 """
 
@@ -221,43 +243,46 @@ def span(
     on two devices (tied embeddings) stays one ``nn.Parameter`` (see ``runtime.ties``): build the optimizer from
     ``spanned.parameters()`` as usual.
 
-    In a launched job (a process group of size > 1: ``torchspan launch``/``torchrun`` and
-    ``torchspan.init_distributed()``; a script launched without that call joins its job here, as
-    ``init_distributed()`` would, rather than train as one lone process per rank), ``span(model)`` with one stage
-    (no ``balance``, one device or none, or a one-stage plan) returns this rank's exact data-parallel replica
-    (``runtime.ranks.replicated``: ``train_step`` on the rank's shard leaves every rank the single-device gradient
-    of all shards, ``microbatches``, ``precision`` and ``recompute`` as in one process; ``join(optimizer)`` for
-    uneven epoch ends); with more stages, a pipeline across ranks: stage functions for an ``nn.Sequential`` or
-    fx-traceable model (``runtime.ranks.pipelined``), else the model's own forward on every rank with the other
-    stages' layers on ``meta`` (``runtime.ranks.ownforward``: transformers models, wrappers around ``ModuleList``s).
-
-    ``shard=True`` (or a plan's ``shard``), one stage: that replica sharded by FSDP2, ``mode == "sharded"``
-    (``runtime.ranks.sharded``: ``.grad`` a ``DTensor`` shard; ``reshard_after_forward`` True is ZeRO-3, False
-    ZeRO-2; ``offload="cpu"``: states in CPU memory, needs a GPU). In a plain process it opens a process group of
-    one (``init_distributed()``): one GPU training with offload. With several stages in a launched job of replicas x
-    stages ranks: each stage sharded over its replicas (``runtime.ranks.stageshard``). ``per_shard_batchnorm=True``:
-    a replica's BatchNorm normalises its shard alone (else refused; one process: no effect).
-    ``weights`` (a model built on ``meta``): ``"init"``, a checkpoint path or a callable; each rank materializes and
-    fills only its shard or stage (``runtime.ranks.metaweights``). A meta model without it is refused before any work.
-    ``loss_reduction`` (``"sum"``/``"mean"``): a plain loop's unreadable loss, declared (``runtime.ranks.plainloop``).
-    ``tp=N``/``tp_plan=``: tensor parallel over ``N`` processes (``runtime.ranks.tensorparallel``). ``mesh``: the job's
-    ``DeviceMesh`` to use, checked against the span's degrees (else built: ``spanned.mesh``, ``runtime.ranks.devicemesh``).
+    In a launched job (``torchspan launch``/``torchrun``; a script that did not call ``init_distributed()``
+    joins its job here): one stage is this rank's exact data-parallel replica, more stages a pipeline across
+    ranks; ``shard=True`` (or a plan's) shards them by FSDP2 (``reshard_after_forward``, ``offload="cpu"``,
+    ``per_shard_batchnorm``); ``tp=N``/``tp_plan=`` (or a plan's ``tp``) splits each layer over ``N`` processes;
+    ``mesh``: the job's ``DeviceMesh`` to use. This module's docstring says each. ``weights`` (a model built on
+    ``meta``): ``"init"``, a checkpoint path or a callable, each rank filling only its shard or stage
+    (``runtime.ranks.metaweights``; a meta model without it is refused). ``loss_reduction`` (``"sum"``/``"mean"``):
+    a plain loop's unreadable loss, declared (``runtime.ranks.plainloop``).
 
     Usage: ``span(model, devices=["cpu", "cpu"], balance=[2, 2], microbatches=4, schedule="1f1b")``.
     """
     _check_arguments(model, plan, devices, balance, weights)
-    settings = span_settings(plan, microbatches, schedule, recompute_alias(recompute, checkpoint, None), precision, workers)  # type: ignore[arg-type]
+    recompute = recompute_alias(recompute, checkpoint, None)
+    settings = span_settings(plan, microbatches, schedule, recompute, precision, workers)  # type: ignore[arg-type]
     _loss_options(settings, nonfinite, loss_reduction)
     sharding = _sharding(plan, shard, offload, reshard_after_forward, settings.precision, per_shard_batchnorm)
-    join_launched_job("torchspan.span")  # launched without init_distributed(): join, never train as a lone process
-    recorder, settings.mesh = Recorder(), mesh  # a user's DeviceMesh: checked by the strategy that uses it
-    split = tp is not None or getattr(plan, "tp", 1) > 1  # every layer over tp ranks (ranks.tensorparallel), a plan's too
-    if split:  # sharded over the other ranks; a plan is consumed here (its tp and replicas on the launched world)
-        devices, plan = tensor_parallel(model, tp, tp_plan, settings, sharding, plan=plan, balance=balance, devices=devices), None
-    if (not split or sharding["shard"]) and (got := _replica(model, plan, devices, balance, settings, recorder, sharding, weights)):
-        return got  # launched with one stage, or sharded: one replica per process
-    lay = _layout(model, plan, devices, balance, split_points, no_split, weights)
-    return _staged(model, lay, plan, balance, settings, recorder, sharding, weights, dict(split_points=split_points, no_split=no_split))
+    join_launched_job("torchspan.span")  # launched without init_distributed(): join, never train alone
+    settings.mesh = mesh  # a user's DeviceMesh: checked by the strategy that uses it
+    where = dict(devices=devices, balance=balance, split_points=split_points, no_split=no_split, weights=weights)
+    return _spanned(model, plan, settings, sharding, tp, tp_plan, where)
+
+
+def _spanned(
+    model: nn.Module, plan: Plan | None, settings: Settings, sharding: dict[str, Any], tp: Any, tp_plan: Any, where: dict[str, Any]
+) -> Spanned:
+    """``span``'s strategy from its checked settings: tensor parallel first (``tp=`` or a plan's ``tp``; the plan is
+    consumed there), then a launched replica (one stage, or sharded), else the stages of ``runtime.layout``."""
+    devices, balance, weights = where["devices"], where["balance"], where["weights"]
+    recorder = Recorder()
+    split = tp is not None or getattr(plan, "tp", 1) > 1  # every layer over tp ranks (ranks.tensorparallel)
+    if split:  # sharded over the other ranks; a plan's tp and replicas on the launched world
+        devices = tensor_parallel(model, tp, tp_plan, settings, sharding, plan=plan, balance=balance, devices=devices)
+        plan = None
+    if not split or sharding["shard"]:
+        got = _replica(model, plan, devices, balance, settings, recorder, sharding, weights)
+        if got is not None:
+            return got  # launched with one stage, or sharded: one replica per process
+    lay = _layout(model, plan, devices, balance, where["split_points"], where["no_split"], weights)
+    options = dict(split_points=where["split_points"], no_split=where["no_split"])
+    return _staged(model, lay, plan, balance, settings, recorder, sharding, weights, options)
 
 
 def _staged(
@@ -281,7 +306,7 @@ def _staged(
     if settings.precision == "fp16":  # train_step leaves .grad unscaled (runtime.fp16)
         settings.scaler = SpanScaler(lay.devices[-1].type)
     meter = ActivationMeter(len(lay.devices))
-    executor = choose(model, lay, settings, recorder, meter, planned=plan is not None, even=balance is None, sharding=sharding, weights=weights, stacklevel=3, **options)
+    executor = choose(model, lay, settings, recorder, meter, planned=plan is not None, even=balance is None, sharding=sharding, weights=weights, stacklevel=4, **options)
     why = lay.why + ("; each stage sharded over its replicas (FSDP2)" if sharding["shard"] else "")
     tp = dict(zip(settings.mesh.mesh_dim_names or (), settings.mesh.shape)).get("tp") if settings.mesh is not None else None
     why += f"; each layer split over tp({tp}) processes (DTensor)" if tp else ""
