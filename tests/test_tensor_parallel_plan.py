@@ -69,6 +69,7 @@ def _run(rank: int, world: int, text: str) -> None:
     tp = math.gcd(plan.tp, world) if shrunk else plan.tp
     said = [str(w.message) for w in caught if "runs shrunk" in str(w.message)]
     assert len(said) == int(shrunk), said
+    assert all(w.filename == __file__ for w in caught if "runs shrunk" in str(w.message))  # at the span() call
     if shrunk:
         assert f"tp {tp} x dp_shard {world // tp}" in said[0] and f"for {plan.world_size} ranks" in said[0]
     replica, replicas = spanned.data_parallel

@@ -8,7 +8,10 @@ over a one-dimensional ``DeviceMesh`` named ``tp`` (``init_device_mesh``), by a 
   model's name; the head stays whole on every rank, so the logits and the model's own loss are one device's;
 - or ``tp_plan={"blocks.*.mlp.up": "colwise", ...}``: module-name patterns (``*`` matches one name) to torch's
   styles by name (``"colwise"``, ``"rowwise"``, ``"colwise_rep"`` (outputs gathered), ``"rowwise_rep"``,
-  ``"sequence_parallel"``) or ``ParallelStyle`` objects.
+  ``"sequence_parallel"``; transformers' ``"colwise_gather_output"`` and ``"rowwise_split_input"`` too) or
+  ``ParallelStyle`` objects (used as given). A plan naming ``"sequence_parallel"`` norms runs them on sequence
+  shards, its row-wise projections reduce-scattering into them and its column-wise ones gathering from them
+  (``ranks.sequenceparallel``).
 
 Every rank runs the same batch; the rest of the span (micro-batches, recompute, precision, the loss contract) is
 the one-process runtime on this rank's device, whose collectives DTensor runs inside the layers. A parameter
@@ -32,10 +35,12 @@ import torch.distributed as dist
 from torch import nn
 
 from .env import init_distributed, rank_info
+from .sequenceparallel import SEQUENCE_DIM, sequence_hooks
 
 __all__ = ["tp_mesh", "parallelize", "tensor_parallel", "planned", "tp_styles", "full_tensors", "STYLES"]
 
 STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "sequence_parallel")
+ALIASES = {"colwise_gather_output": "colwise_rep", "rowwise_split_input": "rowwise_rep"}  # transformers' names
 
 
 def tp_mesh(tp: Any, shard: bool = False, given: Any = None) -> Any:
@@ -127,7 +132,7 @@ def planned(model: nn.Module, plan: Any, tp: Any, sharding: dict[str, Any]) -> i
             f"on the {world} launched as tp {t} x dp_shard {dp} (tp = gcd(plan.tp, WORLD_SIZE)): the gradients are one "
             f"device's, the plan's predicted times and memory are for {n} ranks",
             UserWarning,
-            stacklevel=4,
+            stacklevel=5,  # planned, tensor_parallel, build._spanned, span: the caller's line
         )
     sharding["shard"] = dp > 1
     return t
@@ -144,18 +149,19 @@ def tp_styles(model: nn.Module, tp_plan: Mapping[str, Any] | None) -> dict[str, 
         )
     names = [n for n, _ in model.named_modules() if n]
     chosen: dict[str, Any] = {}
+    sequence = any(style == "sequence_parallel" for style in plan.values())  # rowwise then reduce-scatters
     for pattern, style in plan.items():
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern) and _same_depth(n, pattern)]
         if not hits:
             raise ValueError(f"tp_plan[{pattern!r}] names no module of {type(model).__name__}; its modules are e.g. {names[:6]}")
         for name in hits:
-            chosen[name] = _style(style, pattern)
+            chosen[name] = _style(style, pattern, sequence)
     return chosen
 
 
 def parallelize(model: nn.Module, mesh: Any, tp_plan: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``model``'s planned modules split over ``mesh`` in place (``parallelize_module``); returns the plan applied."""
-    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
     styles = tp_styles(model, tp_plan)
     tied = _tied_elsewhere(model, styles)
@@ -163,6 +169,8 @@ def parallelize(model: nn.Module, mesh: Any, tp_plan: Mapping[str, Any] | None =
         styles = {n: s for n, s in styles.items() if n not in tied}
     _check_divisible(model, styles, mesh.size())
     parallelize_module(model, mesh, styles)
+    if any(isinstance(s, SequenceParallel) for s in styles.values()) and _named_sequence(model, tp_plan):
+        sequence_hooks(model, styles, mesh)  # the layouts around sequence-sharded norms (ranks.sequenceparallel)
     return styles
 
 
@@ -187,21 +195,31 @@ def _same_depth(name: str, pattern: str) -> bool:
     return name.count(".") == pattern.count(".")
 
 
-def _style(style: Any, pattern: str) -> Any:
-    from torch.distributed.tensor import Replicate
+def _named_sequence(model: nn.Module, tp_plan: Mapping[str, Any] | None) -> bool:
+    """Whether the plan names ``"sequence_parallel"`` (the hooks keep torchspan's layouts; style objects are the user's)."""
+    plan = dict(tp_plan) if tp_plan is not None else _own_plan(model)
+    return any(style == "sequence_parallel" for style in plan.values())
+
+
+def _style(style: Any, pattern: str, sequence: bool = False) -> Any:
+    """A plan entry's ``ParallelStyle``; in a plan with ``"sequence_parallel"`` (``sequence``), ``"rowwise"``
+    reduce-scatters into the sequence-sharded stream (``ranks.sequenceparallel``)."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
     if isinstance(style, ParallelStyle):
         return style
+    style = ALIASES.get(style, style)
     made = {
         "colwise": lambda: ColwiseParallel(),
-        "rowwise": lambda: RowwiseParallel(),
+        "rowwise": lambda: RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM), use_local_output=False) if sequence else RowwiseParallel(),
         "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
         "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
         "sequence_parallel": lambda: SequenceParallel(),
     }.get(style)
     if made is None:
-        raise ValueError(f"tp_plan[{pattern!r}]={style!r} is not one of {', '.join(map(repr, STYLES))} or a ParallelStyle")
+        names = ", ".join(map(repr, STYLES + tuple(ALIASES)))
+        raise ValueError(f"tp_plan[{pattern!r}]={style!r} is not one of {names} or a ParallelStyle")
     return made()
 
 
