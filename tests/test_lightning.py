@@ -7,8 +7,8 @@ weights in one process as a local pipeline, and in two gloo ranks on 127.0.0.1 (
 loop on two ranks. Two losses: class-weighted cross-entropy, and a padded token mean (``ignore_index=-100``,
 a different number of tokens in every row). Also: ``gradient_clip_val``, ``accumulate_grad_batches``,
 ``sync_dist`` logging, validation/predict on whole batches, ``ModelCheckpoint`` + ``ckpt_path=`` resume, and
-the refusals (fp16, unknown keys, a pipeline across ranks under Fabric, ``Trainer(devices=)`` against the job's
-size). A pipeline across ranks under the Trainer: ``tests/test_lightning_pipeline.py``.
+the refusals (fp16, unknown keys, a sharded pipeline across ranks, ``Trainer(devices=)`` against the job's size).
+A pipeline across ranks: ``tests/test_lightning_pipeline.py``.
 
 Skipped when ``lightning`` is not installed (``pip install -e '.[lightning]'``).
 
@@ -239,10 +239,10 @@ def _fabric(rank: int, want: dict) -> None:
 
 
 def _refusals(rank: int) -> None:
-    fabric = L.Fabric(strategy=SpanFabricStrategy(devices=["cpu", "cpu"]), accelerator="cpu", devices=1)
+    fabric = L.Fabric(strategy=SpanFabricStrategy(devices=["cpu", "cpu"], shard=True), accelerator="cpu", devices=1)
     fabric.launch()
     lit = Classifier()
-    with pytest.raises(ValueError, match="pipeline across ranks.*SpanStrategy"):  # the Trainer's strategy runs it
+    with pytest.raises(ValueError, match="sharded pipeline across ranks.*drop shard=True"):
         fabric.setup(lit.model, torch.optim.Adam(lit.model.parameters()))
     with pytest.raises(ValueError, match=r"devices=3.*WORLD_SIZE=2"):
         _fit(Classifier(), SpanStrategy(), devices=3)

@@ -6,7 +6,8 @@ ranks (each holds one stage): ``training_step``'s ``criterion(self(x), y)`` runs
 ``L.Trainer`` runs in one process on the same global batches (23 samples in batches of 8: the last one short,
 micro-batches 3+3+2 and 3+2+2), ``float64``: class-weighted cross-entropy, a padded token mean over flattened
 tokens, ``accumulate_grad_batches=2``, ``gradient_clip_val``; the logged loss is the global batch's;
-``ModelCheckpoint`` + ``ckpt_path=`` resume; validation and predict through the pipeline; a ``training_step``
+``ModelCheckpoint`` + ``ckpt_path=`` resume; validation and predict through the pipeline; Fabric's own loop
+on the pipeline (``SpanFabricStrategy``) with ``fabric.save``/``fabric.load``; a ``training_step``
 torchspan cannot read on the deferred outputs is refused, naming the way out. On four ranks: 2 stages x 2
 replicas, each replica's rows uneven (4 + 4, 4 + 3).
 
@@ -28,7 +29,7 @@ L = pytest.importorskip("lightning", reason="Lightning is not installed: pip ins
 from ranks_spawn import join_job, spawn  # noqa: E402
 from test_lightning import QUIET, TOL, Classifier, Tagger, _data, _fit, _loader, _same  # noqa: E402
 
-from torchspan.lightning import SpanStrategy  # noqa: E402
+from torchspan.lightning import SpanFabricStrategy, SpanStrategy  # noqa: E402
 from torchspan.lightning.deferred import PipelineLoopError  # noqa: E402
 from torchspan.runtime.ranks import free_port  # noqa: E402
 
@@ -127,7 +128,39 @@ def _worker(rank: int, world: int, port: int, folder: str) -> None:
         assert abs(got - wanted) < 1e-6 * abs(wanted), (rank, key, got, wanted)
     _resume(rank, where, _load(where, "four-epochs")["state"])
     _evaluate()
+    _fabric(rank, where, _load(where, "classifier")["state"])
     _refusals()
+
+
+def _fabric(rank: int, folder: Path, want: dict) -> None:
+    """Fabric's own loop on the pipeline (the loss runs the step, fabric.backward adds its gradients): the Trainer's
+    plain reference weights; fabric.save writes every stage's weights and Adam state, fabric.load puts them back."""
+    fabric = L.Fabric(strategy=SpanFabricStrategy(**PIPE), accelerator="cpu", devices=1)
+    fabric.launch()
+    lit = Classifier()
+    model, optimizer = fabric.setup(lit.model, torch.optim.Adam(lit.model.parameters(), lr=0.05))
+    loader = fabric.setup_dataloaders(_loader())
+    for _ in range(2):
+        for x, y in loader:
+            optimizer.zero_grad()
+            fabric.backward(lit.criterion(model(x), y))
+            fabric.clip_gradients(model, optimizer, max_norm=0.3)
+            optimizer.step()
+    path = folder / "fabric-pipeline.ckpt"
+    fabric.save(path, {"model": model, "optimizer": optimizer, "step": 6})
+    saved = torch.load(path, weights_only=False)
+    got = {f"model.{k}": v for k, v in saved["model"].items()}
+    for key, value in want.items():
+        if key.startswith("model."):
+            torch.testing.assert_close(got[key], value, **TOL, msg=lambda m, key=key: f"rank {rank}, fabric: {key}: {m}")
+    assert len(saved["optimizer"]["state"]) == 4, "every stage's Adam state is saved"
+    other = Classifier(seed=3)
+    model2, optimizer2 = fabric.setup(other.model, torch.optim.Adam(other.model.parameters(), lr=0.05))
+    assert fabric.load(path, {"model": model2, "optimizer": optimizer2}) == {"step": 6}
+    mine = {k: v for k, v in model2.state_dict().items() if v.device.type != "meta"}
+    assert mine and all(torch.equal(v, saved["model"][k]) for k, v in mine.items()), "this rank's stage is loaded"
+    opt_state = optimizer2.state_dict()["state"]
+    assert opt_state and all(torch.equal(s["exp_avg"], saved["optimizer"]["state"][i]["exp_avg"]) for i, s in opt_state.items())
 
 
 def _resume(rank: int, folder: Path, want: dict) -> None:

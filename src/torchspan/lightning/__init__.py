@@ -3,7 +3,7 @@
 ``SpanStrategy(**span_kwargs)`` (Trainer) and ``SpanFabricStrategy(**span_kwargs)`` (Fabric) train the model with
 ``torchspan.span(model, **span_kwargs)``: one process (a local pipeline with ``devices=["cpu", "cpu"]``), or
 launched (``torchspan launch``, torchrun, Lightning's own launcher) as exact data-parallel replicas, sharded
-replicas (``shard=True``) or, under ``L.Trainer``, a pipeline across ranks (``devices=["cpu", "cpu"]`` on 2 ranks). Lightning is imported here only (``import torchspan`` never imports it); without
+replicas (``shard=True``) or a pipeline across ranks (``devices=["cpu", "cpu"]`` on 2 ranks: ``lightning.staged``). Lightning is imported here only (``import torchspan`` never imports it); without
 it installed, building a strategy raises ``ImportError`` naming the ``lightning`` extra.
 
 Usage::

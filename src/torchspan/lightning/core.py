@@ -3,8 +3,8 @@
 ``trainer.SpanStrategy`` (``lightning.pytorch.Trainer``) and ``fabric.SpanFabricStrategy``
 (``lightning.fabric.Fabric``) both span one module with ``torchspan.span(module, **span_kwargs)`` and
 give each rank its rows of every global batch (``shard_batch``: 7 rows over 2 ranks are 4 + 3, never
-padded by repeats as ``DistributedSampler`` pads). Fabric refuses a pipeline across ranks
-(``refuse_rank_pipeline``); the Trainer's strategy runs it (``lightning.staged``). Plain torch and torchspan.
+padded by repeats as ``DistributedSampler`` pads). A pipeline across ranks is run by ``lightning.staged`` (a
+sharded one refused: ``refuse_rank_pipeline``). Plain torch and torchspan.
 
 Usage (inside a strategy)::
 
@@ -95,27 +95,17 @@ def check_devices(owner: str, processes: int, where: str = "Trainer") -> None:
         )
 
 
-def refuse_rank_pipeline(owner: str, kwargs: dict[str, Any], sharded_only: bool = False) -> None:
-    """Fabric: a pipeline across ranks runs its schedule in ``spanned.train_step``, never from ``fabric.backward``.
-    Lightning's Trainer runs it (``lightning.staged``), but not sharded (``sharded_only``)."""
+def refuse_rank_pipeline(owner: str, kwargs: dict[str, Any]) -> None:
+    """A sharded pipeline across ranks (``shard=True`` with stages, launched) is not run under Lightning's loops."""
     stages = stages_asked(kwargs)
-    if stages < 2 or world() < 2 or (sharded_only and not kwargs.get("shard")):
+    if stages < 2 or world() < 2 or not kwargs.get("shard"):
         return
     given = ", ".join(f"{k}=..." for k in ("plan", "devices", "balance", "shard") if kwargs.get(k) is not None)
-    if sharded_only:
-        raise ValueError(
-            f"{owner}({given}) in a job of {world()} processes is a sharded pipeline across ranks ({stages} stages), "
-            f"which {owner} does not run under Lightning's loop: drop shard=True ({owner}(devices=...) pipelines "
-            "across ranks, with replicas of the pipeline when the job has more ranks than stages), or write the loop "
-            "yourself with torchspan.span(..., shard=True).train_step"
-        )
     raise ValueError(
-        f"{owner}({given}) in a job of {world()} processes is a pipeline across ranks ({stages} stages): Fabric runs "
-        "fabric.backward(loss) itself, and a pipeline across ranks runs its schedule only in "
-        "spanned.train_step(inputs, target, loss_fn). Use lightning's Trainer with "
-        f"torchspan.lightning.SpanStrategy({given}) (it runs the pipeline from training_step), write the loop with "
-        "torchspan.span(...).train_step without Fabric, run it in one process ({owner}(devices=['cpu', 'cpu'], microbatches=4): a local pipeline), or as "
-        f"replicas ({owner}() under a launcher) or sharded replicas ({owner}(shard=True))"
+        f"{owner}({given}) in a job of {world()} processes is a sharded pipeline across ranks ({stages} stages), "
+        f"which {owner} does not run under Lightning's loop: drop shard=True ({owner}(devices=...) pipelines "
+        "across ranks, with replicas of the pipeline when the job has more ranks than stages), or write the loop "
+        "yourself with torchspan.span(..., shard=True).train_step"
     )
 
 
@@ -129,10 +119,10 @@ def rank_pipeline(spanned: Spanned | None) -> bool:
     return spanned is not None and world() > 1 and len(spanned.stages) > 1
 
 
-def span_module(module: nn.Module, kwargs: dict[str, Any], owner: str, pipelines: bool = False) -> Spanned:
-    """``torchspan.span(module, **kwargs)`` once every check passed (``pipelines``: a pipeline across ranks is run
-    by the caller, not refused)."""
-    refuse_rank_pipeline(owner, kwargs, sharded_only=pipelines)
+def span_module(module: nn.Module, kwargs: dict[str, Any], owner: str) -> Spanned:
+    """``torchspan.span(module, **kwargs)`` once every check passed (a pipeline across ranks is the caller's to run:
+    ``staged.defer_training``)."""
+    refuse_rank_pipeline(owner, kwargs)
     return span(module, **kwargs)
 
 

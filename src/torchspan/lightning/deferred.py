@@ -22,6 +22,7 @@ Usage (``SpanStrategy`` does this)::
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -104,6 +105,8 @@ class Deferred(torch.Tensor):
                 return func(*args, **kwargs)
         if func in _LOSSES:
             return found._call.runner.loss(func, args, kwargs)
+        if func is torch.Tensor.register_hook and _lightnings(args[1] if len(args) > 1 else kwargs.get("hook")):
+            return torch.utils.hooks.RemovableHandle(OrderedDict())  # Fabric's check that fabric.backward runs: it does
         metadata = _metadata(func, args, kwargs)
         if metadata is not _NONE:
             return metadata
@@ -140,6 +143,12 @@ def _metadata(func: Any, args: Any, kwargs: Any) -> Any:
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
     return _NONE
+
+
+def _lightnings(hook: Any) -> bool:
+    """Whether ``hook`` is Lightning's own (Fabric hooks every output to check ``fabric.backward`` is used); the
+    outputs' gradients never exist on a pipeline rank, so a user's hook on them is refused."""
+    return str(getattr(getattr(hook, "func", hook), "__module__", "")).startswith("lightning.")
 
 
 def _deferred_in(args: Any, kwargs: Any) -> Deferred | None:

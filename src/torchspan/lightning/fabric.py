@@ -1,13 +1,14 @@
 """``SpanFabricStrategy``: ``lightning.fabric.Fabric(strategy=SpanFabricStrategy(**span_kwargs))`` on ``torchspan.span``.
 
 ``fabric.setup(model, optimizer)`` returns the model spanned (``torchspan.span(model, **span_kwargs)``: replicas
-under a launcher, ``shard=True`` sharded, ``devices=[...]`` a local pipeline in one process; a pipeline across
-ranks is refused: ``fabric.backward`` cannot run its schedule, ``SpanStrategy`` under ``L.Trainer`` can).
-``fabric.backward(loss)`` is the plain loop, exact on replicas; ``fabric.clip_gradients`` clips by the whole
-model's norm; ``fabric.save``/``fabric.load`` hold the model's own keys as full tensors. A DataLoader given to
+under a launcher, ``shard=True`` sharded, ``devices=[...]`` a local pipeline in one process and launched a pipeline
+across ranks: the loss applied to its outputs runs the step, ``fabric.backward`` adds its gradients, as under
+``SpanStrategy``: ``lightning.staged``). ``fabric.backward(loss)`` is the plain loop, exact on replicas;
+``fabric.clip_gradients`` clips by the whole model's norm; ``fabric.save``/``fabric.load`` hold the model's own keys
+as full tensors (a pipeline's: every stage's, and every stage's optimizer state). A DataLoader given to
 ``fabric.setup_dataloaders`` yields this rank's rows of each global batch (its ``batch_size`` is the global
-batch; ``shard_batch``, never padded); pass an evaluation loader without it to evaluate whole batches on every
-rank.
+batch; ``shard_batch``, never padded; a pipeline's stages its replica's rows); pass an evaluation loader without
+it to evaluate whole batches on every rank.
 
 Usage::
 
@@ -28,7 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import core
+from ..runtime.ranks import shard_batch
+from . import core, staged
 
 try:
     from lightning.fabric.strategies import ParallelStrategy
@@ -46,13 +48,15 @@ __all__ = ["SpanFabricStrategy", "RankRows"]
 
 
 class RankRows:
-    """A DataLoader whose every batch is cut to this rank's rows (``torchspan.shard_batch``)."""
+    """A DataLoader whose every batch is cut to this process's rows (``torchspan.shard_batch``): its rank's, or on a
+    pipeline across ranks its replica's (``cut``, read when each batch comes: the model may be set up later)."""
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Any, cut: Any = None) -> None:
         self.loader = loader
+        self.cut = cut or core.rows
 
     def __iter__(self) -> Iterator[Any]:
-        return (core.rows(batch) for batch in self.loader)
+        return (self.cut(batch) for batch in self.loader)
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -129,6 +133,8 @@ class SpanFabricStrategy(core.Placement, ParallelStrategy):  # type: ignore[misc
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         self.spanned = core.span_module(module, dict(self.span_kwargs), "SpanFabricStrategy")
+        if core.rank_pipeline(self.spanned):  # the loss on its outputs runs the step, fabric.backward adds its gradients
+            staged.defer_training(self.spanned)
         return self.spanned
 
     def module_to_device(self, module: nn.Module) -> None:
@@ -136,7 +142,13 @@ class SpanFabricStrategy(core.Placement, ParallelStrategy):  # type: ignore[misc
             module.to(self.root_device)
 
     def process_dataloader(self, dataloader: Any) -> Any:
-        return RankRows(dataloader) if core.world() > 1 else dataloader
+        return RankRows(dataloader, self._rows) if core.world() > 1 else dataloader
+
+    def _rows(self, batch: Any) -> Any:
+        if not core.rank_pipeline(self.spanned):
+            return core.rows(batch)
+        replica, replicas = self.spanned.data_parallel
+        return shard_batch(batch, replica, replicas) if replicas > 1 else batch
 
     def clip_gradients_norm(
         self, module: Any, optimizer: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = True
@@ -165,23 +177,33 @@ class SpanFabricStrategy(core.Placement, ParallelStrategy):  # type: ignore[misc
     # ------------------------------------------------------------------ checkpoints
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
         spanned = core.spanned_in(module)
-        return (spanned or module).state_dict()
+        state = (spanned or module).state_dict()
+        return staged.gathered_state(state) if core.rank_pipeline(spanned) else state
 
     def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
         spanned = core.spanned_in(module)
         (spanned or module).load_state_dict(state_dict, strict=strict)
 
     def get_optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return core.full_optimizer_state(self.spanned, getattr(optimizer, "optimizer", optimizer))
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        if core.rank_pipeline(self.spanned):
+            return staged.gathered_optimizer_state(optimizer)
+        return core.full_optimizer_state(self.spanned, optimizer)
 
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, weights_only: Any = None) -> dict[str, Any]:
-        """Fabric's, with a sharded optimizer's full state loaded into each rank's shard."""
-        if not (isinstance(state, dict) and self.spanned is not None and self.spanned.mode == "sharded"):
+        """Fabric's, with a sharded optimizer's full state loaded into each rank's shard, a pipeline's into each
+        rank's stage."""
+        pipeline = core.rank_pipeline(self.spanned)
+        sharded = self.spanned is not None and self.spanned.mode == "sharded"
+        if not (isinstance(state, dict) and (sharded or pipeline)):
             return super().load_checkpoint(path, state, strict, weights_only=weights_only)
         optimizers = {k: v for k, v in state.items() if isinstance(getattr(v, "optimizer", v), torch.optim.Optimizer)}
         rest = super().load_checkpoint(path, {k: v for k, v in state.items() if k not in optimizers}, False, weights_only)
         for key, opt in optimizers.items():
-            core.load_full_optimizer_state(self.spanned, getattr(opt, "optimizer", opt), rest.pop(key))
+            if pipeline:
+                staged.local_optimizer_state(getattr(opt, "optimizer", opt), rest.pop(key))
+            else:
+                core.load_full_optimizer_state(self.spanned, getattr(opt, "optimizer", opt), rest.pop(key))
         return rest
 
     def teardown(self) -> None:

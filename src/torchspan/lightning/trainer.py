@@ -148,7 +148,7 @@ class SpanStrategy(core.Placement, ParallelStrategy):  # type: ignore[misc,valid
         staged_ = core.world() == 1 or core.stages_asked(kwargs) > 1  # stages in threads or other ranks' steps
         if getattr(self.precision_plugin, "precision", "") == "bf16-mixed" and staged_ and not kwargs.get("shard"):
             kwargs.setdefault("precision", "bf16")  # each stage autocasts itself
-        self.spanned = core.span_module(inner(lm, self._path), kwargs, "SpanStrategy", pipelines=True)
+        self.spanned = core.span_module(inner(lm, self._path), kwargs, "SpanStrategy")
         swap_in(lm, self._path, self.spanned)
         if core.rank_pipeline(self.spanned):  # training_step's loss runs the pipeline's step (lightning.staged)
             staged.defer_training(self.spanned)
