@@ -166,4 +166,43 @@ def test_the_plan_and_run_vocabulary_has_one_definition() -> None:
     assert plans.SCHEDULES is planner.SCHEDULES is spanned.SCHEDULES is sched.SCHEDULES
     assert plans.RECOMPUTE_MODES is planner.RECOMPUTE_MODES is spanned.RECOMPUTE_MODES is sched.RECOMPUTE_MODES
     assert spanned.PRECISIONS is sched.PRECISIONS
-    assert sched.SCHEDULES == ("gpipe", "1f1b", "zero-bubble", "merged-weights") and sched.RECOMPUTE_MODES == ("never", "except_last", "always")
+    assert sched.SCHEDULES == ("gpipe", "1f1b", "zero-bubble", "merged-weights", "interleaved-1f1b") and sched.RECOMPUTE_MODES == ("never", "except_last", "always")
+
+
+def _rank_order(plan: list[list[sched.Action]], rank: int, ranks: int) -> list[tuple[str, int, int]]:
+    return [(a.kind[0], a.stage, a.microbatch) for a in sched.merged_order(plan, list(range(rank, len(plan), ranks)))]
+
+
+def test_interleaved_1f1b_is_megatrons_order_per_rank() -> None:
+    """4 stages looped on 2 ranks, 4 micro-batches: each rank runs Megatron's order (warm-up 2 (p - r - 1) + (v - 1) p
+    forwards in rounds of p micro-batches per chunk, then one forward / one backward), every action once."""
+    plan = sched.build("interleaved-1f1b", 4, 4, ranks=2)
+    assert _rank_order(plan, 0, 2) == [
+        ("f", 0, 0), ("f", 0, 1), ("f", 2, 0), ("f", 2, 1),  # warm-up: 2 * (2 - 0 - 1) + (2 - 1) * 2 = 4
+        ("f", 0, 2), ("b", 2, 0), ("f", 0, 3), ("b", 2, 1), ("f", 2, 2), ("b", 0, 0), ("f", 2, 3), ("b", 0, 1),
+        ("b", 2, 2), ("b", 2, 3), ("b", 0, 2), ("b", 0, 3),
+    ]
+    assert _rank_order(plan, 1, 2)[:3] == [("f", 1, 0), ("f", 1, 1), ("f", 3, 0)]  # warm-up (2 - 1) * 2 = 2, then 1F1B
+    for s, actions in enumerate(plan):  # every stage: each micro-batch's forward, then its backward, in micro-batch order
+        assert [a.stage for a in actions] == [s] * 8
+        assert [(a.kind, a.microbatch) for a in actions if a.kind == sched.BACKWARD] == [(sched.BACKWARD, i) for i in range(4)]
+    # a rank's clocks are distinct: merged_order of its stages is exactly the order above
+    for r in range(2):
+        clocks = [a.clock for a in sched.merged_order(plan, [r, r + 2])]
+        assert len(set(clocks)) == len(clocks)
+
+
+def test_interleaved_1f1b_shrinks_the_bubble() -> None:
+    """Counted in 1F1B stage actions (an interleaved stage action is half of one, v = 2): 2 ranks, 8 micro-batches
+    take 17 against 1F1B's 2 (m + p - 1) = 18: the bubble is (p - 1) / (v m) of the step, not (p - 1) / m."""
+    span = lambda plan: max(a.clock for actions in plan for a in actions) + 1  # noqa: E731
+    inter = span(sched.build("interleaved-1f1b", 8, 4, ranks=2)) / 2  # stages half the size
+    assert inter == 17 < span(sched.one_f_one_b(8, 2)) == 2 * (8 + 2 - 1)
+    assert sched.build("interleaved-1f1b", 4, 2, ranks=2) == sched.one_f_one_b(4, 2)  # one stage per rank: 1F1B
+
+
+def test_interleaved_1f1b_refuses_counts_it_cannot_run() -> None:
+    with pytest.raises(ValueError, match=r"microbatches=5 is not a multiple of 2; pass microbatches=4 or 6"):
+        sched.build("interleaved-1f1b", 5, 4, ranks=2)
+    with pytest.raises(ValueError, match=r"5 stages on 2 pipeline ranks .* balance="):
+        sched.build("interleaved-1f1b", 4, 5, ranks=2)

@@ -25,6 +25,13 @@ action took the same time; the runtime uses it to interleave stages that share o
   micro-batch on and never waits for a forward that 1F1B's order would hold back behind an input
   backward on the way up (a round trip between ranks per micro-batch), and nothing waits for an
   earlier stage's input backwards but its own weight pass at the end.
+- ``interleaved_one_f_one_b(m, n, ranks)`` (Megatron's interleaved 1F1B): ``n = v * ranks`` stages placed looped,
+  stage ``s`` on rank ``s % ranks``, each rank holding ``v`` of them. Each rank runs forwards of its stages in
+  rounds of ``ranks`` micro-batches (a round through chunk 0, then chunk 1, ...), a warm-up of
+  ``2 (ranks - r - 1) + (v - 1) ranks`` forwards, then one forward / one backward: the bubble shrinks to
+  ``(ranks - 1) / (v m)`` of the step, at ``v`` times the point-to-point messages. Its clocks count one unit
+  per action *per rank* (the ranks are the workers), so ``merged_order`` of a rank's stages is Megatron's order.
+  ``microbatches`` must be a multiple of ``ranks`` (refused otherwise); with one stage per rank it is 1F1B.
 
 The vocabulary a plan and a run are written in lives here too, once: ``SCHEDULES`` (the schedule
 names ``build`` knows), ``RECOMPUTE_MODES`` (activation recompute, "activation checkpointing": ``never``; ``except_last``,
@@ -52,6 +59,8 @@ __all__ = [
     "one_f_one_b",
     "zero_bubble",
     "merged_weights",
+    "interleaved_one_f_one_b",
+    "looped_ranks",
     "merges_weights",
     "weight_run_ends",
     "forwards_first",
@@ -66,7 +75,7 @@ FORWARD = "forward"
 BACKWARD = "backward"
 BACKWARD_INPUT = "backward_input"  # gradient w.r.t. the stage's inputs only (zero-bubble's B)
 BACKWARD_WEIGHT = "backward_weight"  # the parameters' gradients of that micro-batch, run later (zero-bubble's W)
-SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "merged-weights")
+SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "merged-weights", "interleaved-1f1b")
 RECOMPUTE_MODES = ("never", "except_last", "always")
 PRECISIONS = ("32", "bf16", "fp16")
 
@@ -89,42 +98,48 @@ def _check(microbatches: int, stages: int) -> None:
 
 
 def _with_clocks(orders: list[list[tuple[str, int]]]) -> list[list[Action]]:
-    """Give each (kind, microbatch) its earliest clock respecting stage order and data dependencies.
+    """Give each (kind, microbatch) of each stage's order its earliest clock (one worker per stage).
 
     Dependencies: forward(s, i) needs forward(s-1, i); backward(s, i) needs forward(s, i) and
     backward(s+1, i); backward_input likewise (on backward_input(s+1, i)); backward_weight(s, i) needs
     backward_input(s, i). Raises ``ValueError`` if the orders can never complete (a cycle).
     """
-    n = len(orders)
+    return _clocked([[(k, s, i) for k, i in order] for s, order in enumerate(orders)], len(orders))
+
+
+def _deps(kind: str, s: int, i: int, n: int) -> list[tuple[str, int, int]]:
+    if kind == FORWARD:
+        return [(FORWARD, s - 1, i)] if s > 0 else []
+    if kind == BACKWARD_WEIGHT:
+        return [(BACKWARD_INPUT, s, i)]
+    return [(FORWARD, s, i)] + ([(kind, s + 1, i)] if s < n - 1 else [])
+
+
+def _clocked(workers: list[list[tuple[str, int, int]]], n: int) -> list[list[Action]]:
+    """Earliest clocks of each worker's ``(kind, stage, microbatch)`` order over ``n`` stages (one action per
+    worker per clock; dependencies as ``_with_clocks``); returns each stage's actions in clock order."""
     clock: dict[tuple[str, int, int], int] = {}
-    pos = [0] * n
-    last = [-1] * n
-    remaining = sum(len(o) for o in orders)
+    pos, last = [0] * len(workers), [-1] * len(workers)
+    remaining = sum(len(o) for o in workers)
     while remaining:
         progressed = False
-        for s in range(n):
-            while pos[s] < len(orders[s]):
-                kind, i = orders[s][pos[s]]
-                deps = []
-                if kind == FORWARD and s > 0:
-                    deps.append((FORWARD, s - 1, i))
-                if kind in (BACKWARD, BACKWARD_INPUT):
-                    deps.append((FORWARD, s, i))
-                    if s < n - 1:
-                        deps.append((kind, s + 1, i))
-                if kind == BACKWARD_WEIGHT:
-                    deps.append((BACKWARD_INPUT, s, i))
+        for w, order in enumerate(workers):
+            while pos[w] < len(order):
+                key = order[pos[w]]
+                deps = _deps(*key, n)
                 if any(d not in clock for d in deps):
                     break
-                t = max([last[s] + 1] + [clock[d] + 1 for d in deps])
-                clock[(kind, s, i)] = t
-                last[s] = t
-                pos[s] += 1
+                clock[key] = last[w] = max([last[w] + 1] + [clock[d] + 1 for d in deps])
+                pos[w] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             raise ValueError("schedule orders have a dependency cycle; they can never complete")
-    return [[Action(clock[(k, s, i)], s, i, k) for k, i in orders[s]] for s in range(n)]
+    stages: list[list[Action]] = [[] for _ in range(n)]
+    for order in workers:
+        for k, s, i in order:
+            stages[s].append(Action(clock[(k, s, i)], s, i, k))
+    return [sorted(actions, key=lambda a: a.clock) for actions in stages]
 
 
 def gpipe(microbatches: int, stages: int) -> list[list[Action]]:
@@ -194,6 +209,60 @@ def merged_weights(microbatches: int, stages: int) -> list[list[Action]]:
     return _with_clocks([(first if s < stages - 1 else last) + weights for s in range(stages)])
 
 
+def looped_ranks(microbatches: int, stages: int, ranks: int) -> int:
+    """``v``, the stages each of ``ranks`` holds when ``stages`` are placed looped (stage ``s`` on rank ``s % ranks``),
+    checked for Megatron's interleaved 1F1B: ``stages`` a multiple of ``ranks``, and ``microbatches`` too when ``v > 1``.
+    Raises ``ValueError`` naming the fix.
+
+    Usage: ``looped_ranks(4, 4, 2) == 2``.
+    """
+    _check(microbatches, stages)
+    _check(1, ranks)
+    if stages % ranks:
+        raise ValueError(
+            f"schedule='interleaved-1f1b' places stage s on rank s % {ranks}: {stages} stages on {ranks} pipeline "
+            f"ranks is not a whole number of stages per rank; pass balance= (or devices=) with "
+            f"{stages // ranks * ranks or ranks} or {(stages // ranks + 1) * ranks} stages"
+        )
+    v = stages // ranks
+    if v > 1 and microbatches % ranks:
+        lower = microbatches // ranks * ranks
+        fix = f"microbatches={lower} or {lower + ranks}" if lower else f"microbatches={ranks}"
+        raise ValueError(
+            f"schedule='interleaved-1f1b' runs micro-batches in rounds of the {ranks} pipeline ranks: "
+            f"microbatches={microbatches} is not a multiple of {ranks}; pass {fix} (or schedule='1f1b')"
+        )
+    return v
+
+
+def interleaved_one_f_one_b(microbatches: int, stages: int, ranks: int) -> list[list[Action]]:
+    """Megatron's interleaved 1F1B over ``stages`` placed looped on ``ranks`` (see the module docstring): each
+    stage's actions, clocked per rank. One stage per rank: ``one_f_one_b``.
+
+    Usage: ``[(a.stage, a.kind) for a in merged_order(interleaved_one_f_one_b(4, 4, 2), [0, 2])]``.
+    """
+    v = looped_ranks(microbatches, stages, ranks)
+    if v == 1:
+        return one_f_one_b(microbatches, stages)
+    m, p = microbatches, ranks
+    total = m * v
+
+    def step(k: int, r: int, kind: str) -> tuple[str, int, int]:
+        chunk = (k // p) % v
+        chunk = chunk if kind == FORWARD else v - 1 - chunk
+        return kind, chunk * p + r, (k // (p * v)) * p + k % p
+
+    workers: list[list[tuple[str, int, int]]] = []
+    for r in range(p):
+        warmup = min(2 * (p - r - 1) + (v - 1) * p, total)
+        order = [step(k, r, FORWARD) for k in range(warmup)]
+        for i in range(total - warmup):
+            order += [step(warmup + i, r, FORWARD), step(i, r, BACKWARD)]
+        order += [step(k, r, BACKWARD) for k in range(total - warmup, total)]
+        workers.append(order)
+    return _clocked(workers, stages)
+
+
 def merges_weights(name: str) -> bool:
     """Whether the schedule called ``name`` runs each stage's consecutive weight backwards as one pass."""
     return name == "merged-weights"
@@ -235,8 +304,9 @@ def forward_only(microbatches: int, stages: int) -> list[list[Action]]:
     return _with_clocks([[(FORWARD, i) for i in range(microbatches)] for _ in range(stages)])
 
 
-def build(name: str, microbatches: int, stages: int) -> list[list[Action]]:
-    """The schedule called ``name`` (one of ``SCHEDULES``)."""
+def build(name: str, microbatches: int, stages: int, ranks: int | None = None) -> list[list[Action]]:
+    """The schedule called ``name`` (one of ``SCHEDULES``). ``ranks``: the workers (pipeline ranks) the stages are
+    placed on, looped (``interleaved-1f1b`` only; default one per stage, where it is 1F1B)."""
     if name == "gpipe":
         return gpipe(microbatches, stages)
     if name == "1f1b":
@@ -245,6 +315,8 @@ def build(name: str, microbatches: int, stages: int) -> list[list[Action]]:
         return zero_bubble(microbatches, stages)
     if name == "merged-weights":
         return merged_weights(microbatches, stages)
+    if name == "interleaved-1f1b":
+        return interleaved_one_f_one_b(microbatches, stages, stages if ranks is None else ranks)
     raise ValueError(f"schedule={name!r} is not one of {', '.join(SCHEDULES)}; pick one of those")
 
 
