@@ -35,6 +35,20 @@ from .record import Recorder
 __all__ = ["check_pipeline_sharding", "choose", "replica"]
 
 
+def _check_one_stage_per_worker(lay: Layout, settings: Settings) -> None:
+    """The model's own forward runs a micro-batch's whole forward in one call per rank (or thread): several stages
+    of one rank or device cannot be interleaved with other micro-batches' (``ranks.looped``, stage functions only)."""
+    workers = lay.ranked[0].stages if lay.ranked is not None else len(set(lay.devices))
+    looped = len(lay.groups) > workers
+    if (lay.ranked is not None and looped) or (looped and settings.schedule == "interleaved-1f1b"):
+        where = f"pp({workers}) ranks" if lay.ranked is not None else f"{workers} device(s)"
+        raise ValueError(
+            f"{len(lay.groups)} stages on {where}: several stages per rank (looped, schedule='interleaved-1f1b') run "
+            f"stage functions (an nn.Sequential or an fx-traceable model), not a model's own forward ({lay.why}); "
+            f"pass balance= with {workers} entries (one stage per rank), or schedule='1f1b'"
+        )
+
+
 def replica(
     model: nn.Module, device: torch.device | None, settings: Settings, recorder: Recorder, meter: ActivationMeter, **sharding: Any
 ) -> Executor:
@@ -65,6 +79,8 @@ def choose(
     ``weights``: a meta-built model's values, for a pipeline across ranks (each rank materializes its stage)."""
     options = dict(balance_given=not planned, layers=lay.layer_set, even=even, split_points=split_points, no_split=no_split)
     shard = check_pipeline_sharding(lay, sharding)
+    if lay.mode == "own-forward":
+        _check_one_stage_per_worker(lay, settings)
     if lay.ranked is not None and lay.mode == "own-forward":  # the model's own forward on every rank, its stage for real
         return RankOwnForwardExecutor(model, lay.groups, settings, recorder, meter, *lay.ranked, **shard, weights=weights, **options)
     if lay.ranked is not None:

@@ -24,6 +24,7 @@ from ..planner.plans import Plan
 from .placement import check_entries, parse_devices, stages_from_balance, stages_from_plan
 from .ranks.env import RankInfo
 from .ranks.mesh import Mesh
+from .ranks.mesh import launched_stages
 from .ranks.pipelined import launched_mesh
 
 __all__ = ["Layout", "layout"]
@@ -70,7 +71,7 @@ def layout(
     ranked = launched_mesh(plan, devices, balance)  # launched with pp > 1: one stage per rank (runtime.ranks)
     here = ranked[1].device if ranked is not None else None
     if ranked is not None and plan is None:
-        devices = [ranked[1].device] * ranked[0].stages
+        devices = [ranked[1].device] * max(ranked[0].stages, launched_stages(None, devices, balance))
     if plan is not None:
         if layer_set is not None:
             _check_plan_names(model, plan, names)

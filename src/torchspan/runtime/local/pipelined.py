@@ -22,7 +22,7 @@ from ..lossweights import LossSpec
 from ..memory import ActivationMeter
 from ..placement import check_shared, place
 from ..record import Recorder
-from .pipeline import Pipeline
+from .looped import LoopedPipeline
 from .stagefns import StageFunctions
 from .worker import worker_groups
 
@@ -58,7 +58,7 @@ class PipelinedExecutor(Executor):
         self.settings = settings
         self.fns = StageFunctions(model, mode, self.groups)
         per_stage = settings.workers == "stage"
-        self._pipeline = Pipeline(
+        self._pipeline = LoopedPipeline(
             self.devices, recompute=settings.recompute, precision=settings.precision, recorder=recorder, meter=meter,
             groups=worker_groups(self.devices, per_stage) if per_stage else None,
         )  # fmt: skip

@@ -36,7 +36,7 @@ from torch import nn
 
 from ...layers import top_level_modules
 from ..executor import Settings, Work
-from ..local.pipeline import Pipeline
+from ..local.looped import LoopedPipeline
 from ..local.pipelined import stage_functions
 from ..local.stagefns import StageFunctions
 from ..lossweights import LossSpec
@@ -45,6 +45,7 @@ from ..placement import check_shared, place
 from ..record import Recorder
 from ..metainit import bind
 from .env import RankInfo, rank_info
+from .looped import LastBackwards, LoopedTransport, looped_mesh, position_groups
 from .mesh import Mesh, launched_stages
 from .metaweights import fill, materialize_stage
 from .p2p import RankTransport
@@ -72,20 +73,27 @@ class RankPipelineExecutor(StageExecutor):
         reshard_after_forward: bool = True,
         weights: Any = None,
     ) -> None:
-        self.ranks = RankStage(model, mesh, info, len(groups), settings.precision, settings=settings, shard=shard)
+        # RankStage counts positions (one per rank of a pipeline), each holding its looped stages (ranks.looped)
+        self.ranks = RankStage(model, mesh, info, mesh.stages, settings.precision, settings=settings, shard=shard)
         mesh = self.ranks.mesh  # the coordinates of the job's DeviceMesh (a user's span(mesh=) may number otherwise)
         if mode not in ("sequential", "fx"):
             raise ValueError(f"RankPipelineExecutor runs stage functions (sequential or fx), not {mode!r}: span uses RankOwnForwardExecutor")
-        super().__init__([info.device] * mesh.stages, groups)
+        super().__init__([info.device] * len(groups), groups)
         self.mode, self.model, self.settings = mode, model, settings
-        self.stage = self.ranks.stage
+        self.stage = self.ranks.stage  # this rank's position in its pipeline; it runs stages ``self.local``
+        self.local = list(range(self.stage, len(groups), mesh.stages))
+        self.mine = position_groups(self.groups, mesh.stages)[self.stage]  # the layers of every stage of this rank
+        transport = (
+            RankTransport(mesh, info.rank, info.device, self.ranks.comm) if len(groups) == mesh.stages
+            else LoopedTransport(mesh, info.rank, info.device, self.ranks.comm, stages=len(groups))
+        )
         self.shards_batch = mesh.replicas > 1  # each pipeline trains one shard of the global batch
         self.fns = StageFunctions(model, mode, self.groups)
-        self._pipeline = Pipeline(
+        self._pipeline = LoopedPipeline(
             self.devices, recompute=settings.recompute, precision=settings.precision, recorder=recorder, meter=meter,
-            transport=RankTransport(mesh, info.rank, info.device, self.ranks.comm),
-        )  # fmt: skip
-        stage = [top_level_modules(model)[name] for name in self.groups[self.stage]]  # and the model's own tensors:
+            transport=transport,
+        )
+        stage = [top_level_modules(model)[name] for name in self.mine]  # and the model's own tensors:
         slots = materialize_stage(model, stage, info.device, roots=True) if weights is not None else None
         self._place(graph)
         if slots is not None:  # values for this stage only, before the replicas are made alike
@@ -100,20 +108,21 @@ class RankPipelineExecutor(StageExecutor):
         """This stage's layers sharded over its replicas, except those whose tensors the fx graph reads directly."""
         layers = top_level_modules(self.model)
         read = [str(n.target) for n in (graph.nodes if graph is not None else ()) if n.op == "get_attr"]
-        mine = [(name, layers[name]) for name in self.groups[self.stage] if not any(t.startswith(name + ".") for t in read)]
+        mine = [(name, layers[name]) for name in self.mine if not any(t.startswith(name + ".") for t in read)]
         self.ranks.shard(mine, reshard_after_forward)
 
     def _place(self, graph: Any) -> None:
         """Only this stage's layers move to this rank's device; the other stages' become meta. An fx split
         still cuts every stage (the transport needs their boundaries), placing only ours."""
         layers = top_level_modules(self.model)
-        local = self.ranks.find_ties(layers, self.groups)
+        positions = self.ranks.mesh.stages
+        local = self.ranks.find_ties(layers, position_groups(self.groups, positions))
         for s, group in enumerate(self.groups):
-            if s != self.stage:
+            if s % positions != self.stage:
                 for name in group:
                     self.ranks.to_meta(layers[name], local)
         stage_of = self.stage_of
-        mine = {name: s for name, s in stage_of.items() if s == self.stage}
+        mine = {name: s for name, s in stage_of.items() if s % positions == self.stage}
         check_shared(self.model, stage_of)
 
         def put(attrs: dict[str, int]) -> None:
@@ -121,7 +130,7 @@ class RankPipelineExecutor(StageExecutor):
             place(self.model, mine, self.devices, self.root_attrs)
 
         self.fns.split(graph, put)
-        self.ranks.roots_to_meta(self.root_attrs, local)
+        self.ranks.roots_to_meta({q: s % positions for q, s in self.root_attrs.items()}, local)
 
     def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Work:
         return self.fns.prepare(args, kwargs, self.settings.microbatches)
@@ -147,7 +156,7 @@ class RankPipelineExecutor(StageExecutor):
         with self.ranks.reducing() as reduction:  # this step's gradients summed in each group once its last backward ran
             loss = self._pipeline.train(
                 stage_functions(work), work.chunks, targets, loss_fn, weights, s.schedule, s.scaler, buffers,
-                finished=lambda _stage, total: reduction.finished(total),
+                finished=LastBackwards(len(self.local), reduction.finished),
             )
         total = reduction.total
         return total[0].to(loss.device, loss.dtype) if total is not None else loss
@@ -166,7 +175,8 @@ def launched_mesh(plan: Any, devices: Any, balance: Sequence[int] | None) -> tup
     Stages: the plan's, else ``len(balance)``, else ``len(devices)``; replicas: the plan's
     ``data_parallel`` (with its ``stage_ranks``), else ``WORLD_SIZE // stages``. Raises ``ValueError``
     printing ``pp(2) * dp_replicate(3) * dp_shard(1) != WORLD_SIZE(4)`` when they do not fill the world. The
-    ``DeviceMesh`` over these coordinates is made by the executor's ``RankStage`` (``ranks.devicemesh``).
+    ``DeviceMesh`` over these coordinates is made by the executor's ``RankStage`` (``ranks.devicemesh``). More
+    stages than ranks: one pipeline over every rank, stage ``s`` on rank ``s % WORLD_SIZE`` (``ranks.looped``).
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
@@ -175,5 +185,8 @@ def launched_mesh(plan: Any, devices: Any, balance: Sequence[int] | None) -> tup
         return None
     info = rank_info()
     table = getattr(plan, "stage_ranks", None) or None
+    looped = None if table else looped_mesh(info.world_size, stages)
+    if looped is not None:
+        return looped, info
     replicas = getattr(plan, "data_parallel", None) if table else None
     return Mesh.for_world(info.world_size, stages, replicas, table), info

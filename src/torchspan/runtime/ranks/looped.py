@@ -1,0 +1,100 @@
+"""Several pipeline stages per rank, placed looped: stage ``s`` on pipeline rank ``s % P``.
+
+A plan (or ``balance``/``devices``) with more stages than pipeline ranks gives each of the ``P`` ranks
+``v = stages / P`` stages, as Megatron's interleaved 1F1B needs (``schedule="interleaved-1f1b"``; any other
+schedule runs too). The mesh and ``RankStage`` keep counting *positions* (one per rank of a pipeline):
+a rank's layers are those of all its stages (``position_groups``), so other ranks' layers become meta, tied
+parameters are found between ranks (a tie between two stages of one rank is one parameter, summed by
+autograd), and the last position holds the last stage. Between stages of one rank a value is a local
+hand-off (``Pipeline``'s mailbox); ``LoopedTransport`` sends the others to ``s % P``'s rank, each pair of
+stages on its own message slot (``seq`` = the lower stage's chunk, ``s // P``), so two stage pairs between the
+same ranks never share a tag or a predicted header.
+
+Usage (``RankPipelineExecutor`` does this)::
+
+    transport = LoopedTransport(Mesh(2), rank=0, device=torch.device("cpu"), stages=4)
+    transport.is_local(2), transport.peer(3)       # True, 1
+    position_groups([["a"], ["b"], ["c"], ["d"]], 2)  # [["a", "c"], ["b", "d"]]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .mesh import Mesh
+from .p2p import RankTransport
+
+__all__ = ["LastBackwards", "LoopedTransport", "looped_mesh", "position_groups"]
+
+
+def position_groups(groups: Sequence[Sequence[str]], positions: int) -> list[list[str]]:
+    """The layers of each pipeline rank: its stages' groups (``s % positions``), in stage order."""
+    return [[name for s in range(p, len(groups), positions) for name in groups[s]] for p in range(positions)]
+
+
+def looped_mesh(world_size: int, stages: int) -> Mesh | None:
+    """One pipeline over ``world_size`` ranks when ``stages`` exceeds it (looped), ``None`` otherwise; ``ValueError``
+    naming the fix when the stages do not split evenly over the ranks."""
+    if stages <= world_size:
+        return None
+    if stages % world_size:
+        lower = stages // world_size * world_size
+        raise ValueError(
+            f"{stages} stages on WORLD_SIZE({world_size}) ranks: more stages than ranks are placed looped (stage s "
+            f"on rank s % {world_size}), which needs a multiple of {world_size} stages; pass balance= (or devices=) "
+            f"with {lower} or {lower + world_size} entries, or launch {stages} processes"
+        )
+    return Mesh(world_size, 1)
+
+
+class LoopedTransport(RankTransport):
+    """``RankTransport`` for ``stages`` stages looped over the ``mesh.stages`` ranks of each pipeline."""
+
+    def __init__(
+        self, mesh: Mesh, rank: int, device: torch.device, comm_device: torch.device | None = None, *, stages: int
+    ) -> None:
+        super().__init__(mesh, rank, device, comm_device)
+        self.positions = mesh.stages
+        self.chunks = stages // mesh.stages
+        if self.chunks * self.positions != stages:
+            raise ValueError(f"{stages} stages cannot be looped over pp({mesh.stages}) ranks: give a multiple of {mesh.stages}")
+
+    def peer(self, stage: int) -> int:
+        return self.mesh.rank(self.replica, stage % self.positions)
+
+    def is_local(self, stage: int) -> bool:
+        return stage % self.positions == self.stage
+
+    def where(self, stage: int) -> str:
+        return f"rank {self.peer(stage)} ("
+
+    def _slot(self, src: int, dst: int, seq: int) -> int:
+        return seq * self.chunks + min(src, dst) // self.positions
+
+    def send(self, values: list[Any], spec: Any, src: int, dst: int, kind: str, mb: int = 0, seq: int = 0) -> None:
+        super().send(values, spec, src, dst, kind, mb, self._slot(src, dst, seq))
+
+    def receive(self, src: int, dst: int, kind: str, mb: int = 0, seq: int = 0) -> tuple[list[Any], Any]:
+        return super().receive(src, dst, kind, mb, self._slot(src, dst, seq))
+
+    def expect(self, src: int, dst: int, kind: str, mbs: Sequence[int]) -> None:
+        if self.chunks == 1:
+            super().expect(src, dst, kind, mbs)  # else the early receives would post seq 0's slot: received when asked
+
+
+class LastBackwards:
+    """Calls ``done(loss)`` once every one of a rank's ``stages`` has run its last backward (``Pipeline``'s
+    ``finished`` fires once per local stage): a rank's gradient reductions start after its last stage's.
+
+    Usage: ``finished = LastBackwards(2, reduction.finished)``; ``Pipeline.train(..., finished=finished)``."""
+
+    def __init__(self, stages: int, done: Any) -> None:
+        self.left, self.done = stages, done
+
+    def __call__(self, stage: int, loss: torch.Tensor) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.done(loss)
