@@ -7,6 +7,8 @@
 
    - every torchspan schedule (``torchspan.schedule.SCHEDULES``, so a new one is picked up by itself;
      ``--schedule`` selects some): ``span(model, balance=[n/2, n/2], microbatches=m, schedule=s)``;
+     ``interleaved-1f1b`` on the layers cut in four chunks, 2 stages per rank (looped: 0,2 | 1,3), as torch's
+     ``ScheduleInterleaved1F1B`` below, and timed against it too (goal <= 0.9: ``interleaved_vs_Interleaved1F1B``);
    - ``torch.distributed.pipelining``'s ``Schedule1F1B`` (the anchor) and ``ScheduleGPipe`` on the model
      cut in two, one ``PipelineStage`` per rank, and its multi-stage schedules (``ScheduleInterleaved1F1B``,
      ``ScheduleInterleavedZeroBubble``, ``ScheduleLoopedBFS``: stages 0,2 on rank 0 and 1,3 on rank 1;
@@ -70,6 +72,8 @@ SIZES = {  # the two sizes of the issue; --width/--depth/--batch/--microbatches 
 TORCH_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV", "LoopedBFS")
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")  # stage order on the ranks: 0,3 | 1,2 (the others loop: 0,2 | 1,3)
 ANCHOR = "torch Schedule1F1B"
+PER_RANK = {"interleaved-1f1b": 2}  # torchspan schedules timed with several stages per rank (looped)
+TWINS = {"torchspan interleaved-1f1b": "torch ScheduleInterleaved1F1B"}  # also timed against torch's own
 Step = Callable[[], Any]
 Grads = Callable[[], dict[str, torch.Tensor]]
 
@@ -123,10 +127,12 @@ def _held(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _torchspan(schedule: str, size: dict[str, int], data: tuple, loss_fn: nn.Module) -> tuple[Step, Grads, Any]:
-    """``span`` over the whole model cut in two halves, with ``schedule``: (step, gradients, the Spanned)."""
-    n = 2 * size["depth"]
-    spanned = torchspan.span(_model(size["width"], size["depth"]), balance=[n // 2, n - n // 2],
-                             microbatches=size["microbatches"], schedule=schedule)  # fmt: skip
+    """``span`` over the whole model cut in two halves (four chunks, 2 per rank, for ``interleaved-1f1b``), with
+    ``schedule``: (step, gradients, the Spanned)."""
+    n, chunks = 2 * size["depth"], PER_RANK.get(schedule, 1) * 2
+    balance = [n * (i + 1) // chunks - n * i // chunks for i in range(chunks)]
+    spanned = torchspan.span(_model(size["width"], size["depth"]), balance=balance,
+                             microbatches=size["microbatches"], schedule=schedule)
     x, y = data
 
     def step() -> None:
@@ -193,7 +199,7 @@ def _variants(rank: int, world: int, size: dict[str, int], args: argparse.Namesp
     for name in args.schedule:
         key = f"torchspan {name}"
         steps[key], grads[key], spanned[name] = _torchspan(name, size, data, loss_fn)
-        per_rank[key] = 1
+        per_rank[key] = PER_RANK.get(name, 1)
     for kind in dict.fromkeys(["1F1B", *args.torch]):  # the anchor first, once
         key = f"torch Schedule{kind}"
         try:
@@ -328,6 +334,13 @@ def _report(size_name: str, size: dict[str, int], times: dict[str, list[float]],
               + ("" if same[k][0] else " (NOT the same gradients)") for k in times if k != ANCHOR and k.startswith(("torchspan ", "torch "))]  # fmt: skip
     if best_ours is not None:
         lines.append(f"RATIO {tag}/best_torchspan_vs_best_torch {best:.3f} - {best_ours} vs {best_torch}, {size_name}")
+    for k, twin in TWINS.items():
+        if k in times and twin in times:
+            r = _per_round(times, k, twin)
+            lines.append(f"  {k} / {twin}: median of per-round ratios {r:.3f} (per round: "
+                         + " ".join(f"{a / c:.2f}" for a, c in zip(times[k], times[twin])) + ")")
+            lines.append(f"RATIO {tag}/{_slug(k)}_vs_{_slug(twin)[6:]} {r:.3f} <=0.9 {twin}, {size_name}: {d} x Linear({w}), "
+                         f"{m} micro-batches, 2 stages per rank" + ("" if same[k][0] else " (NOT the same gradients)"))
     lines += [f"SKIP {tag}/{_slug(s.split(': ')[0])}_vs_Schedule1F1B {s.split(': ', 1)[1]}" for s in skipped]
     return lines
 
