@@ -211,7 +211,7 @@ def _variants(rank: int, world: int, size: dict[str, int], args: argparse.Namesp
             key = f"{name} unchecked"
             steps[key], grads[key], unchecked = _torchspan(name, size, data, loss_fn)
             unchecked._executor.ranks.check_same_batch = lambda *a: None
-            per_rank[key] = 1
+            per_rank[key] = PER_RANK.get(name, 1)
             args.spent[name] = _clocked(spanned[name]._executor.ranks)
     if args.late_receives:  # the same pipelines with every receive posted when the schedule needs it
         for name in args.schedule:
@@ -219,7 +219,7 @@ def _variants(rank: int, world: int, size: dict[str, int], args: argparse.Namesp
             steps[key], grads[key], late = _torchspan(name, size, data, loss_fn)
             transport = late._executor._pipeline.transport
             transport.expect = lambda *a, _t=transport, **k: _t.run_gate()  # the step's gate only, no receive posted
-            per_rank[key] = 1
+            per_rank[key] = PER_RANK.get(name, 1)
     return steps, grads, skipped, per_rank
 
 

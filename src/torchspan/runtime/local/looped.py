@@ -16,6 +16,9 @@ Usage::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
+
+import torch
 
 from ... import schedule as sched
 from .pipeline import Pipeline
@@ -39,6 +42,8 @@ def looped_workers(groups: Sequence[Sequence[int]], stages: int) -> int | None:
 class LoopedPipeline(Pipeline):
     """A ``Pipeline`` that builds ``interleaved-1f1b`` for its workers (see the module docstring)."""
 
+    prepost = True  # interleaved across processes: post the step's receives at its start (``train``)
+
     def _plan(self, schedule: str, m: int, n: int) -> list[list[sched.Action]]:
         if schedule != INTERLEAVED:
             return super()._plan(schedule, m, n)
@@ -47,6 +52,15 @@ class LoopedPipeline(Pipeline):
         if plan is None:
             plan = self._plans[key] = sched.build(schedule, m, n, ranks=self.workers(n))
         return plan
+
+    def train(self, fns: Sequence[Any], inputs: Sequence[Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+        """``Pipeline.train``; an interleaved step across processes first posts every receive it will take
+        (``expect_step``: a sender's payload then goes out inside its send, no wake-up of gloo's thread later)."""
+        schedule = args[3] if len(args) > 3 else kwargs.get("schedule")
+        prepost = getattr(self.transport, "expect_step", None)
+        if schedule == INTERLEAVED and prepost is not None and self.prepost:
+            prepost(len(fns), len(inputs))
+        return super().train(fns, inputs, *args, **kwargs)
 
     def workers(self, n: int) -> int:
         """The pipeline's workers (ranks) for ``n`` stages; ``ValueError`` where the stages are not looped on them."""

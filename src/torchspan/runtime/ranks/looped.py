@@ -23,9 +23,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .mesh import Mesh
-from .p2p import RankTransport
+from .p2p import _PREFIX, RankTransport, tag
 
 __all__ = ["LastBackwards", "LoopedTransport", "looped_mesh", "position_groups"]
 
@@ -81,8 +82,26 @@ class LoopedTransport(RankTransport):
         return super().receive(src, dst, kind, mb, self._slot(src, dst, seq))
 
     def expect(self, src: int, dst: int, kind: str, mbs: Sequence[int]) -> None:
-        if self.chunks == 1:
-            super().expect(src, dst, kind, mbs)  # else the early receives would post seq 0's slot: received when asked
+        """Post now the receives of ``mbs`` from stage ``src`` to ``dst`` whose size an earlier step announced (on
+        the pair's slot; a CPU transport only, as ``RankTransport.expect``)."""
+        self.run_gate()
+        if self.comm_device.type != "cpu":
+            return
+        peer, seq = self.peer(src), self._slot(src, dst, 0)
+        for mb in mbs:
+            known = self._received.get((peer, kind, mb, seq))
+            if known is not None and (peer, kind, mb, seq) not in self._early:
+                buf = torch.empty(_PREFIX + known.nbytes, dtype=torch.uint8, device=self.comm_device)
+                self._early[(peer, kind, mb, seq)] = (dist.irecv(buf, src=peer, tag=tag(kind, mb, seq)), buf)
+
+    def expect_step(self, stages: int, microbatches: int) -> None:
+        """At the start of a step: every receive of this rank's stages from other ranks (forwards from the stage
+        before, gradients from the stage after) whose size is known, posted at once (``expect``)."""
+        for s in range(self.stage, stages, self.positions):
+            if s > 0:
+                self.expect(s - 1, s, "fwd", range(microbatches))
+            if s < stages - 1:
+                self.expect(s + 1, s, "bwd", range(microbatches))
 
 
 class LastBackwards:
