@@ -63,6 +63,10 @@ ADVISED: dict[tuple[str, str], tuple[str, ...]] = {
     ("runtime/ranks/env.py", "rank"): ("shard_batch", "rank_batches"),  # said only to them (join_launched_job(explicit=True))
     ("runtime/ranks/env.py", "world_size"): ("shard_batch", "rank_batches"),
     ("runtime/ranks/metaweights.py", "weights"): ("span", "DataParallelReplica"),
+    ("runtime/choose.py", "balance"): ("span",),  # several stages per rank refused for a model's own forward
+    ("runtime/local/looped.py", "devices"): ("span",),  # interleaved-1f1b on stages that are not looped
+    ("runtime/ranks/looped.py", "balance"): ("span",),  # more stages than ranks, not a multiple
+    ("schedule.py", "balance"): ("span",),  # interleaved-1f1b: stages not a multiple of the ranks
     ("runtime/ranks/checkpointio.py", "strict"): ("load_checkpoint",),
     ("lightning/core.py", "devices"): ("lightning.Trainer",),  # Lightning's own process count
     ("hf.py", "span"): ("torchspan.hf.Trainer",),

@@ -68,9 +68,10 @@ def test_search_matches_brute_force(prof: Profile, data: st.DataObject) -> None:
 def test_auto_settings_match_brute_force_over_every_setting(prof: Profile) -> None:
     """Skipping GPipe and 'always' under 'auto' loses nothing (they are dominated: 1F1B has GPipe's time with no more
     memory, merged-weights its memory with no more time). Zero-bubble is not dominated but 'auto' does not try it
-    (settings.py: chosen only when asked for)."""
+    (settings.py: chosen only when asked for). Interleaved-1F1B prices looped placements (not the contiguous ones
+    brute_force tries): 'auto' takes the best one's looped form only when predicted faster, so never slower."""
     best = None
-    asked_only = ("zero-bubble",)
+    asked_only = ("zero-bubble", "interleaved-1f1b")
     for m, s, c in itertools.product(microbatch_candidates(prof.batch_size), [s for s in SCHEDULES if s not in asked_only], RECOMPUTE_MODES):
         ev = brute_force(CostModel(prof, m, s, c))
         if ev is not None and (best is None or ev.step_time < best):
@@ -81,7 +82,10 @@ def test_auto_settings_match_brute_force_over_every_setting(prof: Profile) -> No
         return
     plan = search(prof)
     assert plan.predicted_step_time is not None
-    assert close(plan.predicted_step_time, best, 1e-7)
+    if plan.schedule == "interleaved-1f1b":
+        assert plan.predicted_step_time < best
+    else:
+        assert close(plan.predicted_step_time, best, 1e-7)
 
 
 @SETTINGS

@@ -62,8 +62,8 @@ def test_the_same_measured_profile_plans_the_same_way_every_run(monkeypatch: pyt
     runs = [rerun(two_gpus(), seed) for seed in range(12)]
     with monkeypatch.context() as exact:  # the rule before: the exact optimum of each run's measurements
         exact.setattr(stable, "MEASURED_NOISE", 0.0)
-        assert len({placement(search(p)) for p in runs}) > 1  # cuda:0 | cuda:1 on some runs, cuda:1 | cuda:0 on others
-    plans = [search(p) for p in runs]
+        assert len({placement(search(p, schedule="1f1b")) for p in runs}) > 1  # cuda:0 | cuda:1 on some, cuda:1 | cuda:0 on others
+    plans = [search(p, schedule="1f1b") for p in runs]  # (auto: its looped form, interleaved, from the same choice)
     assert {placement(p) for p in plans} == {(("cuda:0", "cuda:1"), (4, 4), 8, "1f1b", "never")}  # devices in listed order
     for plan in plans:  # the other order is named as within noise
         assert plan.runner_up["devices"] == ["cuda:1", "cuda:0"] and plan.runner_up["noise"] == 0.05

@@ -99,6 +99,7 @@ from ..profiler.costs import Profile
 from ..schedule import RECOMPUTE_MODES, SCHEDULES
 from .physical import INF, budget_of, host_bandwidth, link_bandwidth, memory_bandwidth, physical_names
 from .costplan import PlanConversion
+from .interleaved import INTERLEAVED, evaluate_interleaved
 from .stages import Evaluation, Stage, StageMemory
 from .ties import TieCost, copy_times
 
@@ -167,7 +168,8 @@ def _range_max_table(values: np.ndarray) -> np.ndarray:
 
 
 class CostModel(PlanConversion):
-    """Prefix sums over a ``Profile`` for one micro-batch count, schedule and recompute mode."""
+    """Prefix sums over a ``Profile`` for one micro-batch count, schedule and recompute mode (plans to and from
+    placements: ``PlanConversion``; the interleaved schedule's price: ``planner.interleaved``)."""
 
     def __init__(
         self,
@@ -376,6 +378,12 @@ class CostModel(PlanConversion):
         ``ties``: charge these instead of the model's own (``()``: none)."""
         stages = tuple(stages)
         self.check_stages(stages)
+        if self.schedule == INTERLEAVED:  # looped stages, the bubble divided by the stages per device
+            return evaluate_interleaved(self, stages, ties)
+        return self.evaluate_with(stages, ties, [self.in_flight(i, len(stages)) for i in range(len(stages))])
+
+    def evaluate_with(self, stages: tuple[Stage, ...], ties: Sequence[TieCost] | None, flight: Sequence[int]) -> Evaluation:
+        """``evaluate`` with stage ``s`` holding ``flight[s]`` micro-batches (what the schedule keeps in flight)."""
         S = len(stages)
         fwd, bwd, lat, mem, tied = [], [], [], [], []
         busy: dict[str, float] = {}
@@ -389,7 +397,7 @@ class CostModel(PlanConversion):
             tied.append((1 if rc == "never" else 2) * tf + tb)  # steady: recompute copies again
             PL = self.PL_full if S == 1 else self.PL_last if idx == S - 1 else self.PL if apart else self.PL_full
             lat.append(float(PL[d, s.end] - PL[d, s.start]) + (2 if rc == "always" else 1) * tf + tb)
-            mem.append(self.stage_memory(s.start, s.end, self.in_flight(idx, S)))
+            mem.append(self.stage_memory(s.start, s.end, flight[idx]))
             name = self.names[d]
             busy[name] = busy.get(name, 0.0) + float(self.PS[d, s.end] - self.PS[d, s.start]) + tied[-1]
             held[name] = held.get(name, 0) + mem[-1].total

@@ -53,6 +53,8 @@ import numpy as np
 from ..hardware import format_bytes
 from ..profiler.costs import Profile
 from .cost import CostModel, time_tables
+from .interleaved import INTERLEAVED
+from .interleaved import choose as choose_interleaved
 from .explain import explain_no_fit
 from .physical import INF
 from .plans import Plan
@@ -197,7 +199,8 @@ def search(
     Usage: ``search(profile, microbatches=8, schedule="1f1b")``. Raises ``PlanError`` (listing
     needed vs available memory and what would make it fit) when no placement fits.
     """
-    grid = settings_grid(profile.batch_size, microbatches, schedule, recompute)
+    # interleaved: the best one-stage-per-device placement, then looped (``planner.interleaved.choose``)
+    grid = settings_grid(profile.batch_size, microbatches, "1f1b" if schedule == INTERLEAVED else schedule, recompute)
     tables = time_tables(profile)
     ties = tuple(ties)
     kept = [c for r in range(1, len(ties) + 1) for c in itertools.combinations(ties, r)] if len(ties) <= 3 else [ties]
@@ -230,9 +233,13 @@ def search(
     seen = [(st.cm, st.best) for st in feasible if st.best is not None and st is not winner]
     choice = stable_choice(models, kept, winner.cm, winner.best, _Setting, seen, rtol)
     programmes = sum(st.programmes for st in settings) + choice.programmes
-    notes = plan_notes(choice.cm, choice.ev, programmes, len(grid)) + choice.notes
-    plan = choice.cm.to_plan(choice.ev, "torchspan", notes=notes)
-    plan.runner_up = choice.runner_up
+    cm, ev, extra = choice.cm, choice.ev, []
+    interleaved = choose_interleaved(cm, ev, schedule)
+    if interleaved is not None:
+        cm, ev, extra = interleaved
+    notes = plan_notes(cm, ev, programmes, len(grid)) + choice.notes + extra
+    plan = cm.to_plan(ev, "torchspan", notes=notes)
+    plan.runner_up = choice.runner_up if interleaved is None else {}  # it names another 1-stage-per-device order
     return plan
 
 
