@@ -55,11 +55,15 @@ def _assert_search_matches_brute_force(cm: CostModel) -> None:
         assert got.fits
 
 
+# the schedules the solver searches; interleaved-1f1b prices looped placements, made after the search from its best
+# one-stage-per-device placement (planner.interleaved, tests/test_planner_interleaved.py)
+SOLVED = [s for s in SCHEDULES if s != "interleaved-1f1b"]
+
 @SETTINGS
 @given(small_profiles(), st.data())
 def test_search_matches_brute_force(prof: Profile, data: st.DataObject) -> None:
     m = data.draw(st.sampled_from(microbatch_candidates(prof.batch_size)))
-    cm = CostModel(prof, m, data.draw(st.sampled_from(SCHEDULES)), data.draw(st.sampled_from(RECOMPUTE_MODES)))
+    cm = CostModel(prof, m, data.draw(st.sampled_from(SOLVED)), data.draw(st.sampled_from(RECOMPUTE_MODES)))
     _assert_search_matches_brute_force(cm)
 
 
@@ -292,7 +296,7 @@ def distinct_devices(draw: st.DrawFn) -> Profile:
 @given(distinct_devices(), st.data())
 def test_search_matches_brute_force_on_all_distinct_devices(prof: Profile, data: st.DataObject) -> None:
     m = data.draw(st.sampled_from([1, 2, 4, 8]))
-    cm = CostModel(prof, m, data.draw(st.sampled_from(SCHEDULES)), data.draw(st.sampled_from(RECOMPUTE_MODES)))
+    cm = CostModel(prof, m, data.draw(st.sampled_from(SOLVED)), data.draw(st.sampled_from(RECOMPUTE_MODES)))
     _assert_search_matches_brute_force(cm)
 
 
