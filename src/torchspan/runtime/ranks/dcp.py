@@ -62,7 +62,10 @@ __all__ = [
 MANIFEST = "torchspan.json"
 VALUES = "values.pt"
 _FORMAT = "torchspan sharded checkpoint"
-_OWN = re.compile(r"(__\d+)?\.metadata(\.tmp)?|.*\.distcp|torchspan\.json|values\.pt|\.(torchspan\.json|values\.pt)\.torchspan\..*")
+_OWN = re.compile(
+    r"(__\d+)?\.metadata(\.tmp)?|.*\.distcp|torchspan\.json|values\.pt"  # DCP's files, the manifest, the values
+    r"|\.(torchspan\.json|values\.pt)\.torchspan\..*"  # their temporaries (files.atomic_open)
+)
 
 
 def _is_dtensor(t: Any) -> bool:
