@@ -59,9 +59,9 @@ from .env import RankInfo, rank_info
 from .engines import replica_engine
 from .metaweights import check_weights
 from .replicachecks import check_policy, refuse_batchnorm, shard_loss
+from .sharded import check_shard_options, first_row, no_rows, stand_ins
 
 _check_policy = check_policy  # its old name here
-from .sharded import check_shard_options, first_row, no_rows, stand_ins
 
 __all__ = ["DataParallelReplica", "shard_loss"]
 
