@@ -166,7 +166,7 @@ def replay(chain: tuple[Any, ...], out: Any, shape_only: bool = False) -> Any:
     for func, args, kwargs in chain:
         if shape_only and (func in _PER_LAST_DIM or func in _CASTS):
             continue
-        args, kwargs = tree_map(lambda a: out if a is _HERE else a, (args, kwargs))
+        args, kwargs = tree_map(lambda a, prev=out: prev if a is _HERE else a, (args, kwargs))
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
     return out
