@@ -5,14 +5,15 @@ users never write a loss. torchspan splits the batch into micro-batches (and dat
 and each chunk's ``output.loss`` is the model's *mean* over that chunk, so the chunk is weighed by
 its share of what the whole batch's mean divides by. That depends on the loss the model computes:
 
-=====================================  ============================================  =======================
-the model's loss                       recomputed from the chunk's logits            a chunk's normalizer
-=====================================  ============================================  =======================
-causal LM (labels shifted by one)      ``CE(logits[..., :-1, :], labels[..., 1:])``   ``(labels[..., 1:] != -100).sum()``
-token mean (masked LM, seq2seq,        ``CE(logits, labels)``                         ``(labels != -100).sum()``
-token or sequence classification)
-regression / multi-label               ``MSE`` / ``BCE with logits``                  samples
-=====================================  ============================================  =======================
+==========================  ============================================  ===================================
+the model's loss            recomputed from the chunk's logits            a chunk's normalizer
+==========================  ============================================  ===================================
+causal LM (shifted by one)  ``CE(logits[..., :-1, :], labels[..., 1:])``  ``(labels[..., 1:] != -100).sum()``
+token mean (masked LM,      ``CE(logits, labels)``                        ``(labels != -100).sum()``
+seq2seq, token or
+sequence classification)
+regression / multi-label    ``MSE`` / ``BCE with logits``                 samples
+==========================  ============================================  ===================================
 
 torchspan does not trust a class name: on the first batch (and whenever the batch's structure
 changes) it recomputes every candidate from a dry forward's logits and keeps the one that equals
