@@ -1,7 +1,8 @@
 """``torchspan demo [--devices SPEC] [--memory DEV=SIZE ...] [--steps N] [--out DIR] [--json]``: watch torchspan train across your devices.
 
 Also ``--schedule gpipe|1f1b`` and ``--microbatches N`` to override the planner's choice, and
-``--nproc-per-node N`` to train data-parallel over N processes instead (report.md gives per-rank throughput).
+``--nproc-per-node N`` to train data-parallel over N processes instead (report.md gives per-rank throughput),
+with ``--tp T`` tensor-parallel (each block's MLP split over T of them; parity with one device in report.md).
 
 Trains a small character-level transformer on torchspan's own source code, planned for the given
 devices and run pipelined with ``span``. On any machine it shows a span: without a GPU the planner
@@ -47,6 +48,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_schedule_option(p, default="auto")
     add_microbatches_option(p, auto=True, default="auto")
     add_nproc_option(p, "train data-parallel over N >= 2 processes instead (gloo on this machine's CPU)", default=None)
+    p.add_argument(
+        "--tp", type=int, default=None, metavar="T",
+        help="with --nproc-per-node: split each block's MLP over T of the processes (tensor parallel; N / T sharded "
+        "replicas) and report parity with one device (default none: data parallel)",
+    )  # fmt: skip
     add_json_option(p, "the report's figures and the files written", " (the live output goes to stderr)")
     p.set_defaults(func=run)
 
@@ -62,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
     con = console(sys.stderr) if args.json else console()
     if args.nproc_per_node is not None:
         return _run_ranks(args, microbatches, con)
+    if args.tp is not None:
+        raise UsageError(f"--tp {args.tp} splits layers over processes: pass --nproc-per-node N too (a multiple of {args.tp})")
     result = run_demo(
         devices=args.devices,
         memory=parse_memory_options(args.memory),
@@ -97,7 +105,9 @@ def _run_ranks(args: argparse.Namespace, microbatches: object, con: Console) -> 
         raise UsageError(
             f"--nproc-per-node {nproc} trains one replica per CPU process, so {', '.join(given)} do not apply; drop them or drop --nproc-per-node"
         )
-    result = run_demo_ranks(nproc, steps=args.steps, out=args.out, console=con)
+    if args.tp is not None and (args.tp < 2 or nproc % args.tp):
+        raise UsageError(f"--tp {args.tp} must be >= 2 and divide --nproc-per-node {nproc}")
+    result = run_demo_ranks(nproc, steps=args.steps, out=args.out, console=con, tp=args.tp)
     if args.json:
         print_json(_ranks_json(result))
     return 0
@@ -137,9 +147,11 @@ def _demo_json(result: Any) -> dict[str, Any]:
 def _ranks_json(result: Any) -> dict[str, Any]:
     """The data-parallel demo's figures (``demo.ranks.RanksDemoResult``): per-rank throughput, loss, sample and files."""
     return {
-        "strategy": "data-parallel",
+        "strategy": "data-parallel" if result.tp is None else "tensor-parallel",
         "out": str(result.out),
         "nproc_per_node": result.nproc,
+        "tp": result.tp,
+        "parity": result.parity,
         "ranks": [{k: v for k, v in r.items() if k not in ("losses", "sample")} for r in result.ranks],
         "loss": _losses(result.losses),
         "seconds": result.seconds,

@@ -174,14 +174,7 @@ def run_demo(
     setup = choose_devices(devices, memory)
     con.print(_device_table(setup.found, f"devices ({devices if isinstance(devices, str) else ','.join(devices)})"))
 
-    torch.manual_seed(cfg.seed)
-    corpus: Corpus = build_corpus(cfg.corpus, seed=cfg.seed)
-    model = CharTransformer(corpus.vocab_size, dim=cfg.dim, depth=cfg.depth, heads=cfg.heads, seq_len=cfg.seq_len)
-    n_params = sum(p.numel() for p in model.parameters())
-    con.print(
-        f"corpus: {len(corpus.text):,} characters of torchspan's own {cfg.corpus} text; "
-        f"model: {n_params:,} parameters in {len(list(model.children()))} layers"
-    )
+    corpus, model, n_params = _model(cfg, con)
     batch = _batches(corpus, cfg)
     placement, gpu = _plan(model, corpus, cfg, setup, out_dir, con)
     story = why_lines(setup, placement)
@@ -191,10 +184,7 @@ def run_demo(
     spanned = torchspan.span(model, placement.plan)
     optimizer = torch.optim.AdamW(spanned.parameters(), lr=cfg.lr)
     check, one = _check(spanned, reference, batch, cfg, con)
-    trained = train(spanned, optimizer, batch, lm_loss, cfg.steps, console=con, items_per_step=cfg.batch_size * cfg.seq_len, speed_unit="tok/s", memory_every=10)
-    span_ms = 1e3 * statistics.median(a + b for a, b in zip(trained.step_times, trained.optimizer_times))
-    compared = check_lines(check, one, trained.losses, span_ms)
-    _say(con, *compared[1:])
+    trained, span_ms, compared = _train(spanned, optimizer, batch, cfg, con, check, one)
     result = DemoResult(
         out=out_dir,
         plan=placement.plan,
@@ -216,6 +206,32 @@ def run_demo(
     )
     result.files = _write_report(result, cfg, n_params, con)
     return result
+
+
+def _model(cfg: DemoConfig, con: Console) -> tuple[Corpus, CharTransformer, int]:
+    """The corpus (torchspan's own text), the demo model on it (seeded) and its parameter count, said."""
+    torch.manual_seed(cfg.seed)
+    corpus: Corpus = build_corpus(cfg.corpus, seed=cfg.seed)
+    model = CharTransformer(corpus.vocab_size, dim=cfg.dim, depth=cfg.depth, heads=cfg.heads, seq_len=cfg.seq_len)
+    n_params = sum(p.numel() for p in model.parameters())
+    con.print(
+        f"corpus: {len(corpus.text):,} characters of torchspan's own {cfg.corpus} text; "
+        f"model: {n_params:,} parameters in {len(list(model.children()))} layers"
+    )
+    return corpus, model, n_params
+
+
+def _train(
+    spanned: Any, optimizer: Any, batch: Callable[[int], Any], cfg: DemoConfig, con: Console, check: Any, one: Any
+) -> tuple[Any, float, list[str]]:
+    """The span trained ``cfg.steps`` steps (live figures), its median ms per step, and the lines comparing it with
+    the check and plain PyTorch (said, but the first)."""
+    items = cfg.batch_size * cfg.seq_len
+    trained = train(spanned, optimizer, batch, lm_loss, cfg.steps, console=con, items_per_step=items, speed_unit="tok/s", memory_every=10)
+    span_ms = 1e3 * statistics.median(a + b for a, b in zip(trained.step_times, trained.optimizer_times))
+    compared = check_lines(check, one, trained.losses, span_ms)
+    _say(con, *compared[1:])
+    return trained, span_ms, compared
 
 
 def _say(con: Console, *lines: str, style: str | None = None) -> None:

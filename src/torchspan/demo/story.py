@@ -87,8 +87,14 @@ def next_lines(placement: Placement) -> list[str]:
     ]
 
 
-def guide(processes: int = 1) -> str:
-    """The guide that explains what the demo just showed (one process, or ``processes`` of them), and what it covers."""
+def guide(processes: int = 1, tp: int | None = None) -> str:
+    """The guide that explains what the demo just showed (one process, or ``processes`` of them, tensor parallel
+    with ``tp``), and what it covers."""
+    if tp:
+        return (
+            f"{GUIDES['processes']} in torchspan's repository, its tensor-parallel section (each layer split over "
+            "processes: tp_plan=, sharded replicas beside it, sequence parallel, plans that choose it)."
+        )
     if processes > 1:
         return (
             f"{GUIDES['processes']} in torchspan's repository (data parallel over processes: launching, exact "
@@ -100,6 +106,6 @@ def guide(processes: int = 1) -> str:
     )
 
 
-def guide_line(processes: int = 1) -> str:
+def guide_line(processes: int = 1, tp: int | None = None) -> str:
     """The demo's closing line: ``What you saw: docs/one-process.md ...``."""
-    return f"What you saw: {guide(processes)}"
+    return f"What you saw: {guide(processes, tp)}"
