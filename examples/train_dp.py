@@ -8,7 +8,8 @@ job started with ``--max-restarts`` continues where it failed.
 Usage::
 
     torchspan launch --nproc-per-node 2 examples/train_dp.py --steps 12
-    torchspan launch --nproc-per-node 2 --max-restarts 1 examples/train_dp.py --checkpoint /tmp/ckpt.pt --crash-after 5
+    torchspan launch --nproc-per-node 2 --max-restarts 1 examples/train_dp.py \\
+        --checkpoint /tmp/ckpt.pt --crash-after 5
     torchrun --nproc-per-node 2 examples/train_dp.py        # the same, with plain torchrun
     python examples/train_dp.py                             # one process: the reference
 """

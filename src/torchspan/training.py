@@ -6,7 +6,8 @@ loss, speed and, every ``memory_every`` steps, memory per stage.
 
 Usage::
 
-    trained = train(spanned, optimizer, lambda step: (x, y), loss_fn, steps=20, console=con, items_per_step=len(x))
+    trained = train(spanned, optimizer, lambda step: (x, y), loss_fn, steps=20, console=con,
+                    items_per_step=len(x))
     trained.losses[-1], trained.step_times, trained.items_per_second
 """
 

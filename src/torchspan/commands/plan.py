@@ -3,11 +3,15 @@
 TARGET is ``package.module:factory`` or ``path/to/file.py:factory`` returning the model. Examples::
 
     torchspan plan mymodels:build --input-shape 32,512 --devices cuda:0,cpu --memory cuda:0=8GiB
-    torchspan plan train.py:make_model --input-shape 8,128 --input-dtype int64 --devices "a100-40gb*2,cpu" --json
+    torchspan plan train.py:make_model --input-shape 8,128 --input-dtype int64 \\
+        --devices "a100-40gb*2,cpu" --json
     torchspan plan train.py:make_model --input-shape 32,512 --out plan.json
-    torchspan plan train.py:gpt2 --input input_ids=8,128:int64 --input attention_mask=8,128:int64 --vocab 2 --devices cpu,cpu
-    torchspan plan train.py:make_model --input-shape 64,512 --nodes 2 --devices "h100-80gb*8" --interconnect ib-400g
-    torchspan plan examples/models.py:llama_7b --input input_ids=8,2048:int64 --vocab 32000 --nodes 2 --devices "h100-80gb*8"
+    torchspan plan train.py:gpt2 --input input_ids=8,128:int64 --input attention_mask=8,128:int64 \\
+        --vocab 2 --devices cpu,cpu
+    torchspan plan train.py:make_model --input-shape 64,512 --nodes 2 --devices "h100-80gb*8" \\
+        --interconnect ib-400g
+    torchspan plan examples/models.py:llama_7b --input input_ids=8,2048:int64 --vocab 32000 --nodes 2 \\
+        --devices "h100-80gb*8"
 
 When every device is described (catalog names such as h100-80gb; no cpu or auto), the model is built on the
 meta device (shapes only: no memory, no compute) and profiled from FLOP estimates, so a model larger than this

@@ -20,11 +20,12 @@ parts kept whole, per-sample parts divided; ``out_i``: its output bytes at ``b``
     whole layer i : F'_i = F_i                             Bw'_i = Bw_i
     AR_i          = comm.allreduce_time(out_i, tp, intra-node link)       (split layers; 0 for whole ones)
     compute       = c_in + sum_i (F'_i + Bw'_i)                          (c_in: the batch from the host)
-    tp_comm       = sum_{split i} 4 AR_i       (2 in forward, 2 in backward: after the attention's and the MLP's
-                                                row-wise projection, and their inputs' gradients)
-    collectives   = sharded.sharded_step's exposed part, the units' times F'_i + 2 AR_i and Bw'_i + 2 AR_i, their
-                    bytes P_i / tp (split) or P_i (whole), over dp ranks on the link the dp group spans
-                    (every tp rank's group {t, t + tp, ...}: the interconnect once it spans nodes); 0 for dp = 1
+    tp_comm       = sum_{split i} 4 AR_i       (2 in forward, 2 in backward: after the attention's and the
+                                                MLP's row-wise projection, and their inputs' gradients)
+    collectives   = sharded.sharded_step's exposed part, the units' times F'_i + 2 AR_i and Bw'_i + 2 AR_i,
+                    their bytes P_i / tp (split) or P_i (whole), over dp ranks on the link the dp group
+                    spans (every tp rank's group {t, t + tp, ...}: the interconnect once it spans nodes);
+                    0 for dp = 1
     step          = compute + tp_comm + collectives
 
 The TP all-reduces are on the compute's path (DTensor waits for each before the next op): not overlapped

@@ -9,7 +9,8 @@ Usage::
 
     lay = LayerCost("fc", "Linear", param_bytes=40, grad_bytes=40, optimizer_bytes=80, buffer_bytes=0,
                     activation_bytes=16.0, output_bytes=8.0, flops=20.0)
-    prof = Profile([lay], devices=[Device(torch.device("cpu"), "cpu")], batch_size=8, input_bytes=16.0, optimizer="adam")
+    prof = Profile([lay], devices=[Device(torch.device("cpu"), "cpu")], batch_size=8, input_bytes=16.0,
+                   optimizer="adam")
     prof.step_seconds(0), prof.layer("fc").state_bytes
 """
 

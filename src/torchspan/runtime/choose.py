@@ -9,7 +9,8 @@ and replicas, each stage sharded over its replicas (pipeline x sharded, ``ranks.
 
 Usage (``span`` does this)::
 
-    executor = choose(model, layout(model, plan, devices, balance), settings, recorder, meter, planned=False, even=True)
+    executor = choose(model, layout(model, plan, devices, balance), settings, recorder, meter,
+                      planned=False, even=True)
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Usage (``span`` does this)::
 
     stages = stages_from_balance(["a", "b", "c"], [cpu, cpu], [2, 1])   # [["a", "b"], ["c"]]
-    place(model, {"a": 0, "b": 0, "c": 1}, [cpu, cpu], root_attrs={}, layers={"a": model.a, "b": model.b, "c": model.c})
+    place(model, {"a": 0, "b": 0, "c": 1}, [cpu, cpu], root_attrs={},
+          layers={"a": model.a, "b": model.b, "c": model.c})
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ saved activations are attributed to the stage whose child is running.
 
 Usage (``span`` does this)::
 
-    hp = HookPlacement(model, {"a": 0, "b": 1}, [cpu, cpu], recorder, meter, "32", {"a": model.a, "b": model.b})
+    hp = HookPlacement(model, {"a": 0, "b": 1}, [cpu, cpu], recorder, meter, "32",
+                       {"a": model.a, "b": model.b})
     hp.install(); out = model(x)
 """
 

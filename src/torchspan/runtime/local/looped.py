@@ -9,7 +9,8 @@ refuses an interleaved schedule on stages that are not looped (naming the device
 
 Usage::
 
-    pipe = LoopedPipeline(devices, recompute="never", precision="32", recorder=Recorder(), meter=ActivationMeter(4))
+    pipe = LoopedPipeline(devices, recompute="never", precision="32", recorder=Recorder(),
+                          meter=ActivationMeter(4))
     loss = pipe.train(stage_fns, mb_inputs, mb_targets, loss_fn, weights, "interleaved-1f1b")
 """
 

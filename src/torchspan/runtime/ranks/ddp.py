@@ -12,7 +12,8 @@ of its own).
 
 Usage (``DataParallelReplica`` does this)::
 
-    engine = DDPEngine(module, device, group, bucket_cap_mb=25.0, find_unused_parameters=False, sync_buffers=True)
+    engine = DDPEngine(module, device, group, bucket_cap_mb=25.0, find_unused_parameters=False,
+                       sync_buffers=True)
     engine.fresh()                                    # a step starts: the carrier holds no loss
     out = engine(x)                                   # a training forward through DDP
     engine.carrying(loss, loss).backward(torch.tensor(engine.grad_scale))   # .grad: every rank's gradient summed

@@ -32,7 +32,8 @@ of the pipeline raises it instead of waiting for a peer that stopped.
 
 Usage (``span`` does this in a launched job)::
 
-    ex = RankOwnForwardExecutor(model, groups, settings, recorder, meter, Mesh(1, 2), rank_info(), balance_given=True)
+    ex = RankOwnForwardExecutor(model, groups, settings, recorder, meter, Mesh(1, 2), rank_info(),
+                                balance_given=True)
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ gradient reductions started once the rank's last backward ran) is the ``RankStag
 
 Usage (``span`` does this in a launched job)::
 
-    ex = RankPipelineExecutor(model, "sequential", None, groups, settings, recorder, meter, Mesh(2, 2), rank_info())
+    ex = RankPipelineExecutor(model, "sequential", None, groups, settings, recorder, meter, Mesh(2, 2),
+                              rank_info())
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ the operands earlier stages hold (``resolve_rebuilds``).
 
 Usage (``RankOwnForwardExecutor`` does this)::
 
-    seen = [Seen("model.layers.2", (GRAD, REAL), (None, None)), Seen("model.layers.2", (META, REAL), (None, None))]
+    seen = [Seen("model.layers.2", (GRAD, REAL), (None, None)),
+            Seen("model.layers.2", (META, REAL), (None, None))]
     route = route_call(5, "model.layers.2", 1, seen)   # Transfer(leaf=0, src=0, dst=1, grad=True)
 """
 
