@@ -58,8 +58,8 @@ ADVISED: dict[tuple[str, str], tuple[str, ...]] = {
     ("planner/topology.py", "interconnect"): ("plan",),
     ("runtime/lossweights.py", "loss_reduction"): ("train_step",),
     ("runtime/modelloss.py", "loss_fn"): ("train_step",),
-    ("runtime/ranks/dataparallel.py", "scaler"): ("DataParallelReplica",),  # span makes its own scaler
-    ("runtime/ranks/dataparallel.py", "per_shard_batchnorm"): ("span", "DataParallelReplica"),  # span(shard=True), launched span
+    ("runtime/ranks/replicachecks.py", "scaler"): ("DataParallelReplica",),  # span makes its own scaler
+    ("runtime/ranks/replicachecks.py", "per_shard_batchnorm"): ("span", "DataParallelReplica"),  # span(shard=True), launched span
     ("runtime/ranks/env.py", "rank"): ("shard_batch", "rank_batches"),  # said only to them (join_launched_job(explicit=True))
     ("runtime/ranks/env.py", "world_size"): ("shard_batch", "rank_batches"),
     ("runtime/ranks/metaweights.py", "weights"): ("span", "DataParallelReplica"),
