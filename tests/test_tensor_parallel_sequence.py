@@ -20,7 +20,7 @@ from torch import nn
 
 import torchspan
 from ranks_spawn import join_job, spawn
-from test_tensor_parallel import TOL, _batch, _llama, _same_grads
+from test_tensor_parallel import _batch, _llama, _same_grads
 from torchspan.runtime.ranks import free_port
 from torchspan.runtime.ranks.sequenceparallel import sequence_blocks
 

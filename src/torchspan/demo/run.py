@@ -35,7 +35,7 @@ from rich.text import Text
 from .. import pictures
 from ..schedule import SCHEDULES
 from ..files import output_folder, write_text
-from ..hardware import Device, devices as find_devices
+from ..hardware import Device
 from ..planner.plans import Plan
 from ..runtime.record import Event
 from ..training import train
