@@ -60,6 +60,7 @@ class LoopedTransport(RankTransport):
         super().__init__(mesh, rank, device, comm_device)
         self.positions = mesh.stages
         self.chunks = stages // mesh.stages
+        self._prepost: tuple[int, int] | None = None  # (stages, micro-batches) whose receives the gate posts
         if self.chunks * self.positions != stages:
             raise ValueError(f"{stages} stages cannot be looped over pp({mesh.stages}) ranks: give a multiple of {mesh.stages}")
 
@@ -96,7 +97,22 @@ class LoopedTransport(RankTransport):
 
     def expect_step(self, stages: int, microbatches: int) -> None:
         """At the start of a step: every receive of this rank's stages from other ranks (forwards from the stage
-        before, gradients from the stage after) whose size is known, posted at once (``expect``)."""
+        before, gradients from the stage after) whose size is known, posted at once (``expect``) once the step's
+        gate has run (at its first transfer: the first stage's first forward still overlaps the batch check)."""
+        self._prepost = (stages, microbatches)
+
+    def run_gate(self) -> None:
+        super().run_gate()
+        todo, self._prepost = self._prepost, None
+        if todo is not None:
+            self._post_step(*todo)
+
+    def finish(self, ok: bool) -> None:
+        if not ok:
+            self._prepost = None  # a failed step posts nothing more
+        super().finish(ok)
+
+    def _post_step(self, stages: int, microbatches: int) -> None:
         for s in range(self.stage, stages, self.positions):
             if s > 0:
                 self.expect(s - 1, s, "fwd", range(microbatches))
