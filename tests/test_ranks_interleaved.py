@@ -46,7 +46,8 @@ class Tied4(nn.Module):
 def _steps(rank: int, x: torch.Tensor, y: torch.Tensor) -> None:
     """Gradients of 4 stages on 2 ranks equal one device's: schedules, losses, uneven micro-batches, accumulation."""
     labels = torch.tensor([0, 3, 3, 1, 2, 3, 0])
-    for schedule, m in (("interleaved-1f1b", 4), ("interleaved-1f1b", 2), ("1f1b", 3), ("gpipe", 3)):
+    schedules = (("interleaved-1f1b", 4), ("interleaved-1f1b", 2), ("1f1b", 3), ("gpipe", 3), ("zero-bubble", 3), ("merged-weights", 3))
+    for schedule, m in schedules:
         for loss_fn, target in ((nn.MSELoss(), y), (nn.CrossEntropyLoss(ignore_index=1), labels)):
             label = f"{schedule}, {m} micro-batches, {type(loss_fn).__name__}"
             model = _seq()
