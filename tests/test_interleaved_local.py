@@ -4,6 +4,7 @@ against one device, run in Megatron's order per worker, drawn in the timeline; r
 from __future__ import annotations
 
 import copy
+import itertools
 from pathlib import Path
 
 import pytest
@@ -37,10 +38,15 @@ def test_interleaved_in_one_process_is_exact_runs_megatrons_order_and_is_drawn(t
     assert pictures.timeline_problems(events) == []
     compute = sorted((e for e in events if e.kind in ("forward", "backward")), key=lambda e: e.start)
     # one worker holds the 4 stages: the blocks follow the schedule's order for that worker, never overlapping
-    order = [(a.kind, a.stage, a.microbatch) for a in sched.merged_order(sched.build("interleaved-1f1b", 4, 4, 1), [0, 1, 2, 3])]
+    order = [
+        (a.kind, a.stage, a.microbatch)
+        for a in sched.merged_order(sched.build("interleaved-1f1b", 4, 4, 1), [0, 1, 2, 3])
+    ]
     assert [(e.kind, e.stage, e.microbatch) for e in compute] == order
-    assert all(b.start >= a.end - 1e-6 for a, b in zip(compute, compute[1:]))
-    png = pictures.timeline_png(events, tmp_path / "timeline.png", title="interleaved-1f1b, 4 stages on one worker")
+    assert all(b.start >= a.end - 1e-6 for a, b in itertools.pairwise(compute))
+    png = pictures.timeline_png(
+        events, tmp_path / "timeline.png", title="interleaved-1f1b, 4 stages on one worker"
+    )
     assert png.stat().st_size > 1000
 
 
@@ -50,9 +56,28 @@ def test_interleaved_needs_looped_devices() -> None:
     from torchspan.runtime.memory import ActivationMeter
     from torchspan.runtime.record import Recorder
 
-    pipe = LoopedPipeline([torch.device("cpu")] * 4, recompute="never", precision="32", recorder=Recorder(),
-                          meter=ActivationMeter(4), groups=[[0, 1], [2, 3]])
-    with pytest.raises(ValueError, match=r"interleaved-1f1b' runs stage s on worker s % P .* schedule='1f1b'"):
+    pipe = LoopedPipeline(
+        [torch.device("cpu")] * 4,
+        recompute="never",
+        precision="32",
+        recorder=Recorder(),
+        meter=ActivationMeter(4),
+        groups=[[0, 1], [2, 3]],
+    )
+    with pytest.raises(
+        ValueError, match=r"interleaved-1f1b' runs stage s on worker s % P .* schedule='1f1b'"
+    ):
         pipe._plan("interleaved-1f1b", 4, 4)
-    assert len(LoopedPipeline([torch.device("cpu")] * 4, recompute="never", precision="32", recorder=Recorder(),
-                              meter=ActivationMeter(4), groups=[[0, 2], [1, 3]])._plan("interleaved-1f1b", 4, 4)) == 4
+    assert (
+        len(
+            LoopedPipeline(
+                [torch.device("cpu")] * 4,
+                recompute="never",
+                precision="32",
+                recorder=Recorder(),
+                meter=ActivationMeter(4),
+                groups=[[0, 2], [1, 3]],
+            )._plan("interleaved-1f1b", 4, 4)
+        )
+        == 4
+    )

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from planner_synth import device, layer
+
 from torchspan import schedule as sched
 from torchspan.planner.cost import CostModel
 from torchspan.planner.interleaved import looped, positions
@@ -64,9 +64,13 @@ def test_looped_placement_and_the_search_choice() -> None:
     plan = search(prof, microbatches=4, schedule="interleaved-1f1b", recompute="never")
     assert plan.schedule == "interleaved-1f1b" and [s.device for s in plan.stages] == ["cuda:0", "cuda:1"] * 2
     auto = search(prof, microbatches=4, schedule="auto", recompute="never")
-    assert auto.schedule == "interleaved-1f1b" and auto.predicted_step_time == pytest.approx(plan.predicted_step_time)
+    assert auto.schedule == "interleaved-1f1b" and auto.predicted_step_time == pytest.approx(
+        plan.predicted_step_time
+    )
     # a slow link makes the extra transfers cost more than the bubble saves: auto keeps one stage per device
-    slow = search(_profile(bandwidth=2.3e4), microbatches=4, schedule="auto", recompute="never")  # c = 0.70 ms
+    slow = search(
+        _profile(bandwidth=2.3e4), microbatches=4, schedule="auto", recompute="never"
+    )  # c = 0.70 ms
     assert slow.schedule != "interleaved-1f1b" and len(slow.stages) == 2
     # micro-batches that are not rounds of the devices: asked for, it says why it runs as 1F1B
     odd = search(prof, microbatches=3, schedule="interleaved-1f1b", recompute="never")

@@ -46,7 +46,14 @@ class Tied4(nn.Module):
 def _steps(rank: int, x: torch.Tensor, y: torch.Tensor) -> None:
     """Gradients of 4 stages on 2 ranks equal one device's: schedules, losses, uneven micro-batches, accumulation."""
     labels = torch.tensor([0, 3, 3, 1, 2, 3, 0])
-    schedules = (("interleaved-1f1b", 4), ("interleaved-1f1b", 2), ("1f1b", 3), ("gpipe", 3), ("zero-bubble", 3), ("merged-weights", 3))
+    schedules = (
+        ("interleaved-1f1b", 4),
+        ("interleaved-1f1b", 2),
+        ("1f1b", 3),
+        ("gpipe", 3),
+        ("zero-bubble", 3),
+        ("merged-weights", 3),
+    )
     for schedule, m in schedules:
         for loss_fn, target in ((nn.MSELoss(), y), (nn.CrossEntropyLoss(ignore_index=1), labels)):
             label = f"{schedule}, {m} micro-batches, {type(loss_fn).__name__}"
@@ -56,8 +63,12 @@ def _steps(rank: int, x: torch.Tensor, y: torch.Tensor) -> None:
             got = spanned.train_step(x, target, loss_fn)  # 7 rows: uneven micro-batches
             want = loss_fn(reference(x), target)
             want.backward()
-            torch.testing.assert_close(got.double(), want.detach(), **LOSS_TOL, msg=lambda e, label=label: f"{label}: loss: {e}")
-            assert _check(spanned, reference, label, rank) == (4 if rank == 0 else 2)  # Linears 0 and 2, or Linear 3
+            torch.testing.assert_close(
+                got.double(), want.detach(), **LOSS_TOL, msg=lambda e, label=label: f"{label}: loss: {e}"
+            )
+            assert _check(spanned, reference, label, rank) == (
+                4 if rank == 0 else 2
+            )  # Linears 0 and 2, or Linear 3
             spanned.train_step(x[:5], target[:5], loss_fn)  # accumulated, as on one device
             loss_fn(reference(x[:5]), target[:5]).backward()
             _check(spanned, reference, f"{label}, accumulated", rank)
@@ -69,9 +80,15 @@ def _optimizer_and_ties(rank: int, g: torch.Generator) -> None:
     model = _seq()
     reference = copy.deepcopy(model)
     spanned = torchspan.span(model, devices=["cpu"] * 4, microbatches=4, schedule="interleaved-1f1b")
-    opt, ref_opt = torch.optim.Adam(spanned.parameters(), lr=0.05), torch.optim.Adam(reference.parameters(), lr=0.05)
+    opt, ref_opt = (
+        torch.optim.Adam(spanned.parameters(), lr=0.05),
+        torch.optim.Adam(reference.parameters(), lr=0.05),
+    )
     for n in (7, 6, 4):
-        xs, ys = torch.randn(n, 5, generator=g, dtype=torch.float64), torch.randn(n, 4, generator=g, dtype=torch.float64)
+        xs, ys = (
+            torch.randn(n, 5, generator=g, dtype=torch.float64),
+            torch.randn(n, 4, generator=g, dtype=torch.float64),
+        )
         opt.zero_grad()
         spanned.train_step(xs, ys, nn.MSELoss())
         opt.step()
@@ -90,7 +107,9 @@ def _optimizer_and_ties(rank: int, g: torch.Generator) -> None:
     spanned = torchspan.span(model, balance=[2, 1, 1, 1], microbatches=4, schedule="interleaved-1f1b")
     assert spanned.mode == "fx"
     loss_fn = nn.CrossEntropyLoss()
-    got = spanned.train_step(ids, tokens.view(7, 3), lambda out, t: loss_fn(out, t.flatten()), loss_reduction="mean")
+    got = spanned.train_step(
+        ids, tokens.view(7, 3), lambda out, t: loss_fn(out, t.flatten()), loss_reduction="mean"
+    )
     want = loss_fn(reference(ids), tokens)
     want.backward()
     torch.testing.assert_close(got.double(), want.detach(), **LOSS_TOL)
@@ -133,7 +152,9 @@ def _worker(rank: int, world: int, port: int) -> None:
     _optimizer_and_ties(rank, g)
     _messages(rank, x, y)
     with pytest.raises(ValueError, match=r"microbatches=3 is not a multiple of 2; pass microbatches=2 or 4"):
-        torchspan.span(_seq(), balance=[1, 1, 1, 1], microbatches=3, schedule="interleaved-1f1b").train_step(x, y, nn.MSELoss())
+        torchspan.span(_seq(), balance=[1, 1, 1, 1], microbatches=3, schedule="interleaved-1f1b").train_step(
+            x, y, nn.MSELoss()
+        )
     _leave()
 
 
@@ -141,7 +162,9 @@ def test_looped_placement_and_its_transport() -> None:
     """Stage s on rank s % P; a stage of this rank is local (a hand-off), each remote stage pair on its own slot."""
     assert position_groups([["a"], ["b"], ["c"], ["d"]], 2) == [["a", "c"], ["b", "d"]]
     assert looped_mesh(2, 4) == Mesh(2, 1) and looped_mesh(4, 4) is None
-    with pytest.raises(ValueError, match=r"5 stages on WORLD_SIZE\(2\) .* balance= \(or devices=\) with 4 or 6 entries"):
+    with pytest.raises(
+        ValueError, match=r"5 stages on WORLD_SIZE\(2\) .* balance= \(or devices=\) with 4 or 6 entries"
+    ):
         looped_mesh(2, 5)
     t = LoopedTransport(Mesh(2), 0, torch.device("cpu"), stages=4)
     assert [t.is_local(s) for s in range(4)] == [True, False, True, False]

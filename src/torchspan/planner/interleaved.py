@@ -69,10 +69,19 @@ def evaluate_interleaved(cm: CostModel, stages: tuple[Stage, ...], ties: Sequenc
     latency = compute / v + sum(ev.links)
     bottleneck = max([*ev.device_busy, *load.values(), c_in])
     return Evaluation(
-        stages=ev.stages, forward=ev.forward, backward=ev.backward, links=ev.links, memory=ev.memory,
-        latency_sum=latency, bottleneck=bottleneck, step_time=latency + (cm.M - 1 / v) * bottleneck,
-        devices=ev.devices, device_busy=ev.device_busy, device_memory=ev.device_memory,
-        device_capacity=ev.device_capacity, ties=ev.ties,
+        stages=ev.stages,
+        forward=ev.forward,
+        backward=ev.backward,
+        links=ev.links,
+        memory=ev.memory,
+        latency_sum=latency,
+        bottleneck=bottleneck,
+        step_time=latency + (cm.M - 1 / v) * bottleneck,
+        devices=ev.devices,
+        device_busy=ev.device_busy,
+        device_memory=ev.device_memory,
+        device_capacity=ev.device_capacity,
+        ties=ev.ties,
     )
 
 
@@ -122,8 +131,10 @@ def choose(cm: CostModel, ev: Evaluation, schedule: str) -> tuple[CostModel, Eva
         elif schedule == "auto" and looped_ev.step_time >= ev.step_time:
             return None
         else:
-            note = (f"interleaved-1f1b: {len(stages)} stages looped over {len(ev.stages)} devices, predicted "
-                    f"{looped_ev.step_time * 1e3:.3f} ms/step against {ev.step_time * 1e3:.3f} ms for {cm.schedule}")
+            note = (
+                f"interleaved-1f1b: {len(stages)} stages looped over {len(ev.stages)} devices, predicted "
+                f"{looped_ev.step_time * 1e3:.3f} ms/step against {ev.step_time * 1e3:.3f} ms for {cm.schedule}"
+            )
             return inter, looped_ev, [note]
     if schedule == "auto":
         return None

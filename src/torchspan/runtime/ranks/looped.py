@@ -55,14 +55,22 @@ class LoopedTransport(RankTransport):
     """``RankTransport`` for ``stages`` stages looped over the ``mesh.stages`` ranks of each pipeline."""
 
     def __init__(
-        self, mesh: Mesh, rank: int, device: torch.device, comm_device: torch.device | None = None, *, stages: int
+        self,
+        mesh: Mesh,
+        rank: int,
+        device: torch.device,
+        comm_device: torch.device | None = None,
+        *,
+        stages: int,
     ) -> None:
         super().__init__(mesh, rank, device, comm_device)
         self.positions = mesh.stages
         self.chunks = stages // mesh.stages
         self._prepost: tuple[int, int] | None = None  # (stages, micro-batches) whose receives the gate posts
         if self.chunks * self.positions != stages:
-            raise ValueError(f"{stages} stages cannot be looped over pp({mesh.stages}) ranks: give a multiple of {mesh.stages}")
+            raise ValueError(
+                f"{stages} stages cannot be looped over pp({mesh.stages}) ranks: give a multiple of {mesh.stages}"
+            )
 
     def peer(self, stage: int) -> int:
         return self.mesh.rank(self.replica, stage % self.positions)
@@ -76,7 +84,9 @@ class LoopedTransport(RankTransport):
     def _slot(self, src: int, dst: int, seq: int) -> int:
         return seq * self.chunks + min(src, dst) // self.positions
 
-    def send(self, values: list[Any], spec: Any, src: int, dst: int, kind: str, mb: int = 0, seq: int = 0) -> None:
+    def send(
+        self, values: list[Any], spec: Any, src: int, dst: int, kind: str, mb: int = 0, seq: int = 0
+    ) -> None:
         super().send(values, spec, src, dst, kind, mb, self._slot(src, dst, seq))
 
     def receive(self, src: int, dst: int, kind: str, mb: int = 0, seq: int = 0) -> tuple[list[Any], Any]:
