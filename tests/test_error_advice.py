@@ -66,6 +66,9 @@ ADVISED: dict[tuple[str, str], tuple[str, ...]] = {
     ("runtime/choose.py", "balance"): ("span",),  # several stages per rank refused for a model's own forward
     ("runtime/local/looped.py", "devices"): ("span",),  # interleaved-1f1b on stages that are not looped
     ("runtime/ranks/looped.py", "balance"): ("span",),  # more stages than ranks, not a multiple
+    ("runtime/ranks/ownlooped.py", "balance"): ("span",),  # own forward, several stages per rank: refusals
+    ("runtime/ranks/ownlooped.py", "schedule"): ("span",),
+    ("runtime/ranks/ownlooped.py", "recompute"): ("span",),
     ("schedule.py", "balance"): ("span",),  # interleaved-1f1b: stages not a multiple of the ranks
     ("runtime/ranks/checkpointio.py", "strict"): ("load_checkpoint",),
     ("lightning/core.py", "devices"): ("lightning.Trainer",),  # Lightning's own process count

@@ -29,6 +29,7 @@ from .local.serial import SerialExecutor
 from .local.threaded import OwnForwardExecutor
 from .memory import ActivationMeter
 from .ranks.ownforward import RankOwnForwardExecutor
+from .ranks.ownlooped import check_looped
 from .ranks.pipelined import RankPipelineExecutor
 from .ranks.replicated import ReplicaExecutor
 from .record import Recorder
@@ -36,12 +37,15 @@ from .record import Recorder
 __all__ = ["check_pipeline_sharding", "choose", "replica"]
 
 
-def _check_one_stage_per_worker(lay: Layout, settings: Settings) -> None:
+def _check_one_stage_per_worker(lay: Layout, settings: Settings, shard: Any = None) -> None:
     """The model's own forward runs a micro-batch's whole forward in one call per rank (or thread): several stages
-    of one rank or device cannot be interleaved with other micro-batches' (``ranks.looped``, stage functions only)."""
+    of one device cannot be interleaved with other micro-batches'; across ranks they run looped in one common
+    order (``ranks.ownlooped``, which checks them)."""
     workers = lay.ranked[0].stages if lay.ranked is not None else len(set(lay.devices))
     looped = len(lay.groups) > workers
-    if (lay.ranked is not None and looped) or (looped and settings.schedule == "interleaved-1f1b"):
+    if lay.ranked is not None and looped:  # several stages per rank: ranks.ownlooped
+        check_looped(len(lay.groups), workers, settings.schedule, settings.recompute, bool(shard))
+    elif looped and settings.schedule == "interleaved-1f1b":
         where = f"pp({workers}) ranks" if lay.ranked is not None else f"{workers} device(s)"
         raise ValueError(
             f"{len(lay.groups)} stages on {where}: several stages per rank (looped, schedule='interleaved-1f1b') run "
@@ -81,7 +85,7 @@ def choose(
     options = dict(balance_given=not planned, layers=lay.layer_set, even=even, split_points=split_points, no_split=no_split)
     shard = check_pipeline_sharding(lay, sharding)
     if lay.mode == "own-forward":
-        _check_one_stage_per_worker(lay, settings)
+        _check_one_stage_per_worker(lay, settings, shard)
     if lay.ranked is not None and lay.mode == "own-forward":  # the model's own forward on every rank, its stage for real
         return RankOwnForwardExecutor(model, lay.groups, settings, recorder, meter, *lay.ranked, **shard, weights=weights, **options)
     if lay.ranked is not None:

@@ -89,6 +89,7 @@ class Forward:
         self.sent: list[tuple[torch.Tensor, int]] = []  # (sent tensor whose gradient comes back, its stage)
         self.messages: dict[tuple[bool, int], int] = {}  # (sent, other stage) -> values sent to / received from it so far
         self.inbound: list[tuple[torch.Tensor, int]] = []  # (received leaf needing a gradient, its source stage)
+        self.sent_after: list[int] = []  # for each of ``sent``: how many of ``inbound`` were received before it
         self.loss: torch.Tensor | None = None
         self.recipes = Recipes()  # the glue's meta values, while the forward runs
         # id(meta layer output) -> (it, the layer). Meta ones only: every layer's outputs are meta on some rank, where

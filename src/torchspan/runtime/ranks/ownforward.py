@@ -19,6 +19,8 @@ holds, as for stage functions; the layers and their recording forward are ``OwnF
 With ``shard=True`` and replicas, this stage's blocks are sharded by FSDP2 over the stage's
 replicas once placed (``ranks.stageshard``): every forward is then a collective of those replicas.
 
+Several stages per rank (more stages than pipeline ranks) are placed looped, stage ``s`` on rank ``s % P``: a rank's
+stages are one group of layers here, the ranks run one common order and backward runs in segments (``ownlooped``).
 Schedules are ``torchspan.schedule``'s (GPipe, 1F1B, zero-bubble: ``splitgrad.run_actions``): this rank
 runs its stage's actions in order; a forward blocks where an argument from an earlier stage has not
 arrived yet. Exact: the loss is weighed against the whole batch on the last stage and every rank's
@@ -58,13 +60,14 @@ from ..memory import ActivationMeter, MeteredSteps
 from ..metainit import bind
 from ..placement import place
 from ..record import Recorder
-from ..splitgrad import Pending, input_backward, run_actions
+from ..splitgrad import Pending, run_actions
 from .env import RankInfo
 from .mesh import Mesh
 from .metaweights import fill, materialize_stage
 from .ownloss import stage_loss
 from .forwardstate import Forward, LayerCall, Path, Shortcut, call_leaves, real_arguments, sent_tensor
 from .metacalls import MISSING, Described, MetaCalls, TiedSwaps, guarded, shape_key
+from .ownlooped import common_plan, rank_groups, stage_backward
 from .ownmessages import ForwardMessages
 from .p2p import PeerError, RankTransport
 from .routes import META, CallRoute, DivergedError, Seen, check_last_stage, cut_advice, resolve_rebuilds, route_call
@@ -102,10 +105,12 @@ class RankOwnForwardExecutor(StageExecutor):
         weights: Any = None,
         **options: Any,
     ) -> None:
-        self.ranks = RankStage(model, mesh, info, len(groups), settings.precision, settings=settings, shard=shard)
+        self._looped = len(groups) > mesh.stages  # several stages per rank (``ownlooped``)
+        stages = mesh.stages if self._looped else len(groups)
+        self.ranks = RankStage(model, mesh, info, stages, settings.precision, settings=settings, shard=shard)
         self._weights = weights  # a model built on meta: this stage filled at the first call (place)
         self._shard: bool | None = reshard_after_forward if shard else None  # sharded: reshard_after_forward
-        super().__init__([info.device] * mesh.stages, groups)
+        super().__init__([info.device] * len(groups), groups)
         self.model, self.settings, self.recorder, self.meter = model, settings, recorder, meter
         self.mesh, self.stage, self.device = mesh, self.ranks.stage, info.device
         self.shards_batch = mesh.replicas > 1  # each pipeline trains one shard of the global batch
@@ -141,38 +146,41 @@ class RankOwnForwardExecutor(StageExecutor):
             return
         self.groups, root_attrs = self.own.record(work, self.devices, self.groups)
         check_last_stage([layer.name for layer in self.own.layer_set if layer.ran], self.groups)
+        self._order = [n for g in self.groups for n in g]  # execution order
+        self._held = rank_groups(self.groups, self.mesh.stages)  # each rank's layers (looped: of several stages)
         self.root_attrs = dict(root_attrs)
+        root_attrs = {q: s % self.mesh.stages for q, s in root_attrs.items()}  # the rank reading it first
         mine_roots = [q for q, s in root_attrs.items() if s == self.stage]
-        stage = [self.layers[name] for name in self.groups[self.stage]]
+        stage = [self.layers[name] for name in self._held[self.stage]]
         slots = materialize_stage(self.model, stage, self.device, mine_roots) if self._weights is not None else None
-        keep = self.ranks.find_ties(self.layers, self.groups)
+        keep = self.ranks.find_ties(self.layers, self._held)
         for q in mine_roots:
             path, _, attr = q.rpartition(".")
             owner = self.model.get_submodule(path) if path else self.model
             t = owner._parameters.get(attr, owner._buffers.get(attr))
             if t is not None:
                 keep.add(id(t))
-        for s, group in enumerate(self.groups):
+        for s, group in enumerate(self._held):
             if s != self.stage:
                 for name in group:
                     self.ranks.to_meta(self.layers[name], keep)
         self.ranks.roots_to_meta(root_attrs, keep)
-        mine = {name: self.stage for name in self.groups[self.stage]}
+        mine = {name: self.stage for name in self._held[self.stage]}
         place(self.model, mine, self.devices, self.root_attrs, self.layers, mine_roots)
         if slots is not None:  # values for this stage only, before the replicas are made alike
             bind(slots, self.model)
             fill(self.model, slots, self._weights, comm=self.ranks.comm)
-        self._swaps = TiedSwaps({name: self.layers[name] for s, group in enumerate(self.groups) if s != self.stage for name in group})
+        self._swaps = TiedSwaps({name: self.layers[name] for s, group in enumerate(self._held) if s != self.stage for name in group})
         self.ranks.start()
         if self._shard is not None:  # this stage's blocks sharded over its replicas (after start's broadcast)
-            self.ranks.shard([(name, self.layers[name]) for name in self.groups[self.stage]], self._shard)
+            self.ranks.shard([(name, self.layers[name]) for name in self._held[self.stage]], self._shard)
         self._together.group = self.ranks.pipe_group  # made by start() when there are replicas
         self._kept = {id(t) for t in [*self.model.parameters(), *self.model.buffers()]}  # the glue never turns them meta
         self._placed = True
 
     @contextmanager
     def _layers_wrapped(self) -> Iterator[None]:
-        stage_of = self.stage_of
+        stage_of = {name: r for r, g in enumerate(self._held) for name in g}  # the rank running each layer
         done: list[tuple[nn.Module, Any]] = []
         for name, module in self.layers.items():
             if name in stage_of:  # an instance attribute shadows the class's forward (a user's own patch is kept)
@@ -259,6 +267,7 @@ class RankOwnForwardExecutor(StageExecutor):
                 self._messages.send(st, sent, tr.dst)
                 if st.grad and tr.grad:
                     st.sent.append((sent, tr.dst))
+                    st.sent_after.append(len(st.inbound))
 
     def _record(self, st: Forward, c: LayerCall, failed: str | None) -> CallRoute:
         """A new branch's route, found with every rank of the pipeline (the same views: the same route or error)."""
@@ -268,10 +277,10 @@ class RankOwnForwardExecutor(StageExecutor):
         dtypes = tuple(t.dtype for t in c.tensors)
         views = self._together.gather(Seen(c.name, codes, aliases, dtypes, failed))
         try:
-            route = route_call(c.k, c.name, c.stage, views, pending=True)
+            route = route_call(c.k, c.name, c.stage, views, pending=True, looped=self._looped)
             if route.unresolved:  # values the glue combined from several stages: how each rank made them
                 views = self._together.gather({i: st.recipes.tree(c.tensors[i], st.code, st.layer_of) for i in route.unresolved})
-                resolve_rebuilds(route, views, lambda layers: cut_advice(self.groups, layers), [n for g in self.groups for n in g])
+                resolve_rebuilds(route, views, lambda layers: cut_advice(self.groups, layers), self._order, self._looped)
         except (ValueError, DivergedError) as exc:
             raise every_rank(exc) from None
         node = Path()
@@ -396,24 +405,9 @@ class RankOwnForwardExecutor(StageExecutor):
 
     def _backward(self, st: Forward, split: bool = False) -> Pending | None:
         """Gradients of what crossed come back, those of what this rank received go out; ``split``: weights' later."""
-        outs: list[torch.Tensor] = []
-        grads: list[torch.Tensor | None] = []
-        for t, stage in st.sent:
-            outs.append(t)
-            grads.append(self._messages.take(torch.empty_like(t, device=self.device), stage))
-        if st.loss is not None and st.loss.requires_grad:
-            outs.append(st.loss)
-            grads.append(None)
         merge = sched.merges_weights(self.settings.schedule)
-        if split and (st.inbound or merge) and not st.recompute and self._shard is None:  # not checkpointed, not FSDP
-            found, pending = input_backward(outs, grads, [t for t, _ in st.inbound], merge=merge)
-        else:
-            if outs:
-                torch.autograd.backward(outs, grads)
-            found, pending = [t.grad for t, _ in st.inbound], None
-        for (t, stage), g in zip(st.inbound, found):
-            self._messages.post(g if g is not None else torch.zeros_like(t), stage)
-        return pending
+        split = split and (bool(st.inbound) or merge) and not st.recompute and self._shard is None  # not FSDP
+        return stage_backward(st, self._messages, self.device, looped=self._looped, split=split, merge=merge)
 
     def train(
         self,
@@ -444,7 +438,8 @@ class RankOwnForwardExecutor(StageExecutor):
         live: dict[int, Forward] = {}
         key = (s.schedule, s.microbatches, n)
         if self._actions[0] != key:  # the schedule is built once per (schedule, micro-batches)
-            self._actions = (key, sched.build(s.schedule, s.microbatches, n))
+            build = common_plan if self._looped else sched.build  # looped: one order on every rank
+            self._actions = (key, build(s.schedule, s.microbatches, n))
         plan = self._actions[1]
         actions = plan[self.stage]
         self._messages.start_step(plan)

@@ -110,14 +110,15 @@ def _describe(codes: Sequence[int]) -> str:
     return "[" + ", ".join(("meta", "real", "real+grad")[c] for c in codes) + "]"
 
 
-def route_call(call: int, layer: str, stage: int, seen: Sequence[Seen], pending: bool = False) -> CallRoute:
+def route_call(call: int, layer: str, stage: int, seen: Sequence[Seen], pending: bool = False, looped: bool = False) -> CallRoute:
     """The route of call ``call`` (``layer``, owned by ``stage``) from every stage's ``Seen`` (index = stage).
 
     Raises ``DivergedError`` when the stages disagree on the call, and ``ValueError`` when the
     owner needs a value no earlier stage computed (a later stage's value read by an earlier
     stage's layer: the stages are not in execution order). A value no stage holds (the model's
     code combined values of several stages) raises too, unless ``pending``: then it is listed in
-    ``route.unresolved`` for ``resolve_rebuilds``.
+    ``route.unresolved`` for ``resolve_rebuilds``. ``looped``: each stage is a rank holding several stages, and
+    every other rank precedes this one (``ownlooped``): the value comes from the nearest one before it on the ring.
     """
     for s, view in enumerate(seen):
         if view.layer != layer or len(view.codes) != len(seen[stage].codes):
@@ -138,7 +139,7 @@ def route_call(call: int, layer: str, stage: int, seen: Sequence[Seen], pending:
         if alias is not None:
             route.reuses.append(Reuse(i, alias[0], alias[1]))
             continue
-        holders = [u for u in range(stage) if seen[u].codes[i] != META]
+        holders = [u for u in _before(stage, len(seen), looped) if seen[u].codes[i] != META]
         if not holders:
             later = [u for u in range(stage + 1, len(seen)) if seen[u].codes[i] != META]
             if later:
@@ -167,18 +168,23 @@ def _combined(layer: str, stage: int, leaf: int, why: str, advice: str = "") -> 
 
 
 def resolve_rebuilds(
-    route: CallRoute, trees: Sequence[dict[int, Node]], advise: Callable[[list[str]], str] | None = None, order: Sequence[str] = ()
+    route: CallRoute,
+    trees: Sequence[dict[int, Node]],
+    advise: Callable[[list[str]], str] | None = None,
+    order: Sequence[str] = (),
+    looped: bool = False,
 ) -> None:
     """For each of ``route.unresolved``, from every stage's ``glue`` tree of it (index = stage): the
     operands the owner receives (``Transfer`` with a ``path``) to replay the glue ops that made it
     (``route.rebuilds``). Raises ``ValueError`` when some operand is held by no earlier stage and cannot
     be replayed either, naming the layers whose outputs the value combines (in execution ``order`` when
-    given; ``advise(layers)``: what to do). The same ``trees`` give the same answer on every rank."""
+    given; ``advise(layers)``: what to do; ``looped``: as ``route_call``). The same ``trees`` give the same answer
+    on every rank."""
     stage = route.stage
     for leaf in route.unresolved:
         found: list[Transfer] = []
         nodes = [t.get(leaf) for t in trees]
-        why = _resolve(stage, leaf, (), nodes, found)
+        why = _resolve(stage, leaf, (), nodes, found, looped)
         if why:
             layers = sorted(layers_in(nodes), key=lambda n: order.index(n) if n in order else len(order))
             made = f"; it is made from the outputs of {', '.join(map(repr, layers))}" if layers else ""
@@ -189,14 +195,21 @@ def resolve_rebuilds(
     route.unresolved = []
 
 
-def _resolve(stage: int, leaf: int, path: tuple[int, ...], nodes: list[Node | None], found: list[Transfer]) -> str:
+def _before(stage: int, stages: int, looped: bool) -> list[int]:
+    """The stages a value may come from, the nearest last: earlier ones, or with ``looped`` every other on the ring."""
+    return [(stage + 1 + j) % stages for j in range(stages - 1)] if looped else list(range(stage))
+
+
+def _resolve(
+    stage: int, leaf: int, path: tuple[int, ...], nodes: list[Node | None], found: list[Transfer], looped: bool = False
+) -> str:
     """Fill ``found`` with the transfers that let ``stage`` hold position ``path``; returns why not ('' when it can)."""
     own = nodes[stage]
     if own is None:
         return "the model's code made it differently on different ranks"
     if own[0] != META:
         return ""
-    holders = [u for u in range(stage) if nodes[u] is not None and nodes[u][0] != META]  # type: ignore[index]
+    holders = [u for u in _before(stage, len(nodes), looped) if nodes[u] is not None and nodes[u][0] != META]  # type: ignore[index]
     if holders and path:
         src = holders[-1]
         held = nodes[src]
@@ -209,7 +222,7 @@ def _resolve(stage: int, leaf: int, path: tuple[int, ...], nodes: list[Node | No
     if not own[4]:
         return f"{what} was changed in place after it was made (e.g. h += x or h.mul_(s)); write it out of place (h = h + x)"
     for j in range(len(own[2])):
-        why = _resolve(stage, leaf, (*path, j), [node_at(n, (j,)) for n in nodes], found)
+        why = _resolve(stage, leaf, (*path, j), [node_at(n, (j,)) for n in nodes], found, looped)
         if why:
             return why
     return ""
