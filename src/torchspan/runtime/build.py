@@ -54,6 +54,7 @@ from .ranks.metaweights import check_weights, fill
 from .ranks.replicated import launched_replica
 from .ranks.sharded import check_shard_options
 from .ranks.tensorparallel import tensor_parallel
+from .ranks.tpstages import tp_pipeline
 from .record import Recorder
 from .spanned import Spanned
 
@@ -273,6 +274,8 @@ def _spanned(
     devices, balance, weights = where["devices"], where["balance"], where["weights"]
     recorder = Recorder()
     split = tp is not None or getattr(plan, "tp", 1) > 1  # every layer over tp ranks (ranks.tensorparallel)
+    if split and tp_pipeline(tp, tp_plan, plan, sharding, where):  # pipeline stages each split over tp (3-D)
+        settings.tp, split = (tp, tp_plan), False
     if split:  # sharded over the other ranks; a plan's tp and replicas on the launched world
         devices = tensor_parallel(model, tp, tp_plan, settings, sharding, plan=plan, balance=balance, devices=devices)
         plan = None

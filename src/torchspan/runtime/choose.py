@@ -32,6 +32,7 @@ from .ranks.ownforward import RankOwnForwardExecutor
 from .ranks.ownlooped import check_looped
 from .ranks.pipelined import RankPipelineExecutor
 from .ranks.replicated import ReplicaExecutor
+from .ranks.tpstages import tp_pipeline_executor
 from .record import Recorder
 
 __all__ = ["check_pipeline_sharding", "choose", "replica"]
@@ -86,6 +87,8 @@ def choose(
     shard = check_pipeline_sharding(lay, sharding)
     if lay.mode == "own-forward":
         _check_one_stage_per_worker(lay, settings, shard)
+    if lay.ranked is not None and settings.tp is not None:  # a pipeline of tensor-parallel stages (3-D)
+        return tp_pipeline_executor(model, lay, settings, recorder, meter)
     if lay.ranked is not None and lay.mode == "own-forward":  # the model's own forward on every rank, its stage for real
         return RankOwnForwardExecutor(model, lay.groups, settings, recorder, meter, *lay.ranked, **shard, weights=weights, **options)
     if lay.ranked is not None:

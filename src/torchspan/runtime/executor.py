@@ -45,6 +45,7 @@ class Settings:
     scaler: Any = None
     nonfinite: str = "raise"  # train_step on an inf/NaN loss: "raise" or "warn" (runtime.nonfinite)
     loss_reduction: str | None = None  # the plain loop's declared loss on replicas: None (read it), "mean", "sum"
+    tp: Any = None  # (tp, tp_plan) of a pipeline of tensor-parallel stages (runtime.ranks.tpstages)
     mesh: Any = None  # the DeviceMesh the span's parallel dimensions live on (tensor parallel: its "tp" dimension)
 
 

@@ -75,7 +75,7 @@ class RankPipelineExecutor(StageExecutor):
         weights: Any = None,
     ) -> None:
         # RankStage counts positions (one per rank of a pipeline), each holding its looped stages (ranks.looped)
-        self.ranks = RankStage(model, mesh, info, mesh.stages, settings.precision, settings=settings, shard=shard)
+        self.ranks = self._stage(model, mesh, info, settings, shard)
         mesh = self.ranks.mesh  # the coordinates of the job's DeviceMesh (a user's span(mesh=) may number otherwise)
         if mode not in ("sequential", "fx"):
             raise ValueError(f"RankPipelineExecutor runs stage functions (sequential or fx), not {mode!r}: span uses RankOwnForwardExecutor")
@@ -104,6 +104,10 @@ class RankPipelineExecutor(StageExecutor):
         if shard:
             self._shard(graph, reshard_after_forward)
             self._pipeline.split = False  # FSDP reduces a layer once its inputs' gradients are done: no split backward
+
+    def _stage(self, model: nn.Module, mesh: Mesh, info: RankInfo, settings: Settings, shard: bool) -> RankStage:
+        """This rank's ``RankStage`` (``ranks.tpstages`` makes one whose stage is tensor-parallel)."""
+        return RankStage(model, mesh, info, mesh.stages, settings.precision, settings=settings, shard=shard)
 
     def _shard(self, graph: Any, reshard_after_forward: bool) -> None:
         """This stage's layers sharded over its replicas, except those whose tensors the fx graph reads directly."""

@@ -159,11 +159,14 @@ def tp_styles(model: nn.Module, tp_plan: Mapping[str, Any] | None) -> dict[str, 
     return chosen
 
 
-def parallelize(model: nn.Module, mesh: Any, tp_plan: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """``model``'s planned modules split over ``mesh`` in place (``parallelize_module``); returns the plan applied."""
+def parallelize(model: nn.Module, mesh: Any, tp_plan: Mapping[str, Any] | None = None, within: Any = None) -> dict[str, Any]:
+    """``model``'s planned modules split over ``mesh`` in place (``parallelize_module``); returns the plan applied.
+    ``within``: only the modules under these names (a pipeline stage's layers, ``ranks.tpstages``)."""
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
     styles = tp_styles(model, tp_plan)
+    if within is not None:
+        styles = {n: s for n, s in styles.items() if any(n == w or n.startswith(w + ".") for w in within)}
     tied = _tied_elsewhere(model, styles)
     if tied:
         styles = {n: s for n, s in styles.items() if n not in tied}
