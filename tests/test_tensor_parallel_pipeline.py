@@ -102,7 +102,41 @@ def _worker(rank: int, world: int, port: int, folder: str) -> None:
         want = trained[name].full_tensor() if hasattr(trained[name], "full_tensor") else trained[name]
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m, name=name: f"resumed {name}: {m}")
         torch.testing.assert_close(got, ref[name], **TOL, msg=lambda m, name=name: f"resumed {name} vs one device: {m}")
+    _llama_case()
     _refusals()
+
+
+def _llama_case(label: str = "Llama pp2 x tp2") -> None:
+    """A tied GQA Llama (transformers, its own base_model_tp_plan and loss) through its own forward, 2 stages; with
+    replicas each trains its shard of the batch."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True, use_cache=False,
+    )
+    model = transformers.LlamaForCausalLM(config).double()
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 40, (5, 7), generator=g)
+    mask = torch.ones(5, 7, dtype=torch.long)
+    mask[0, -3:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    spanned = torchspan.span(model, tp=2, devices=["cpu", "cpu"], microbatches=2)  # 3 + 2 rows (2 + 1 per replica)
+    replica, replicas = spanned.data_parallel
+    loss = spanned.train_step(torchspan.shard_batch(batch, replica, replicas))
+    expected = reference(**batch).loss
+    expected.backward()
+    near = {"rtol": 1e-5, "atol": 1e-8}  # the model's own loss is float32
+    torch.testing.assert_close(loss.double(), expected.detach().double(), **near)
+    ref = dict(reference.named_parameters())
+    held = [(n, p) for n, p in spanned.module.named_parameters() if p.device.type != "meta" and p.requires_grad]
+    assert any(type(p).__name__ == "DTensor" for _, p in held), f"{label}: no layer split over tp"
+    for name, p in held:
+        got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        torch.testing.assert_close(got, ref[name].grad, **near, msg=lambda m, name=name: f"{label}: {name}: {m}")
+    norm = spanned.clip_grad_norm_(0.05)
+    torch.testing.assert_close(norm.double(), torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05).double(), **near)
 
 
 def _refusals() -> None:
@@ -114,21 +148,6 @@ def _refusals() -> None:
         torchspan.span(_mlp(), tp=2, balance=[1, 1, 1, 1], tp_plan=PLAN)
     with pytest.raises(ValueError, match="weights="):
         torchspan.span(_mlp(), tp=2, balance=[2, 2], tp_plan=PLAN, weights="init")
-    with pytest.raises(ValueError, match="runs its own forward"):
-        torchspan.span(Stack(), tp=2, balance=[1, 1], tp_plan={"blocks.*.up": "colwise", "blocks.*.down": "rowwise"})
-
-
-class Stack(nn.Module):
-    """Blocks in a ModuleList under a forward of its own (not stage functions)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(), Block()])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x) if x.shape[0] else x
-        return x
 
 
 def test_pipeline_of_tensor_parallel_stages_is_one_devices(tmp_path) -> None:
@@ -149,6 +168,7 @@ def _worker_3d(rank: int, world: int, port: int) -> None:
         assert replicas == 2 and replica == (rank // 2) % 2, (rank, spanned.data_parallel)
         mine = torchspan.shard_batch((inputs, targets), replica, replicas)
         _check(spanned, reference, *mine, loss_fn, f"{label} pp2 x dp2 x tp2", whole=(inputs, targets))
+    _llama_case("Llama pp2 x dp2 x tp2")
 
 
 def test_pipeline_of_tensor_parallel_stages_with_replicas_is_one_devices() -> None:

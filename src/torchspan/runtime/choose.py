@@ -88,7 +88,7 @@ def choose(
     if lay.mode == "own-forward":
         _check_one_stage_per_worker(lay, settings, shard)
     if lay.ranked is not None and settings.tp is not None:  # a pipeline of tensor-parallel stages (3-D)
-        return tp_pipeline_executor(model, lay, settings, recorder, meter)
+        return tp_pipeline_executor(model, lay, settings, recorder, meter, **options)
     if lay.ranked is not None and lay.mode == "own-forward":  # the model's own forward on every rank, its stage for real
         return RankOwnForwardExecutor(model, lay.groups, settings, recorder, meter, *lay.ranked, **shard, weights=weights, **options)
     if lay.ranked is not None:

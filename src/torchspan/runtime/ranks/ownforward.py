@@ -87,6 +87,7 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
     ``OwnForwardLayers``)."""
 
     mode = "own-forward"
+    stage_type: type[RankStage] = RankStage  # ranks.tpstages: a tensor-parallel stage
 
     def __init__(
         self,
@@ -105,7 +106,7 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
     ) -> None:
         self._looped = len(groups) > mesh.stages  # several stages per rank (``ownlooped``)
         stages = mesh.stages if self._looped else len(groups)
-        self.ranks = RankStage(model, mesh, info, stages, settings.precision, settings=settings, shard=shard)
+        self.ranks = self.stage_type(model, mesh, info, stages, settings.precision, settings=settings, shard=shard)
         self._weights = weights  # a model built on meta: this stage filled at the first call (place)
         self._shard: bool | None = reshard_after_forward if shard else None  # sharded: reshard_after_forward
         super().__init__([info.device] * len(groups), groups)

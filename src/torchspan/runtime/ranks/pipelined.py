@@ -42,9 +42,9 @@ from ..local.pipelined import stage_functions
 from ..local.stagefns import StageFunctions
 from ..lossweights import LossSpec
 from ..memory import ActivationMeter
+from ..metainit import bind
 from ..placement import check_shared, place
 from ..record import Recorder
-from ..metainit import bind
 from .env import RankInfo, rank_info
 from .looped import LastBackwards, LoopedTransport, looped_mesh, position_groups
 from .mesh import Mesh, launched_stages
@@ -57,6 +57,8 @@ __all__ = ["RankPipelineExecutor", "launched_mesh"]
 
 class RankPipelineExecutor(StageExecutor):
     """This rank's stage of a ``mesh.replicas`` x ``mesh.stages`` pipeline mesh (see the module docstring)."""
+
+    stage_type: type[RankStage] = RankStage  # ranks.tpstages: a tensor-parallel stage
 
     def __init__(
         self,
@@ -75,7 +77,7 @@ class RankPipelineExecutor(StageExecutor):
         weights: Any = None,
     ) -> None:
         # RankStage counts positions (one per rank of a pipeline), each holding its looped stages (ranks.looped)
-        self.ranks = self._stage(model, mesh, info, settings, shard)
+        self.ranks = self.stage_type(model, mesh, info, mesh.stages, settings.precision, settings=settings, shard=shard)
         mesh = self.ranks.mesh  # the coordinates of the job's DeviceMesh (a user's span(mesh=) may number otherwise)
         if mode not in ("sequential", "fx"):
             raise ValueError(f"RankPipelineExecutor runs stage functions (sequential or fx), not {mode!r}: span uses RankOwnForwardExecutor")
@@ -104,10 +106,6 @@ class RankPipelineExecutor(StageExecutor):
         if shard:
             self._shard(graph, reshard_after_forward)
             self._pipeline.split = False  # FSDP reduces a layer once its inputs' gradients are done: no split backward
-
-    def _stage(self, model: nn.Module, mesh: Mesh, info: RankInfo, settings: Settings, shard: bool) -> RankStage:
-        """This rank's ``RankStage`` (``ranks.tpstages`` makes one whose stage is tensor-parallel)."""
-        return RankStage(model, mesh, info, mesh.stages, settings.precision, settings=settings, shard=shard)
 
     def _shard(self, graph: Any, reshard_after_forward: bool) -> None:
         """This stage's layers sharded over its replicas, except those whose tensors the fx graph reads directly."""

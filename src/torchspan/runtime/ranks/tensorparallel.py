@@ -78,7 +78,8 @@ def tensor_parallel(
     if given:
         raise ValueError(
             f"span(model, tp={tp!r}) with {', '.join(given)}=: tensor parallelism composes with sharded replicas "
-            "(shard=True) so far; pipelines, offload and plans beside it are not built yet. Drop them, or drop tp="
+            "(shard=True), and a pipeline of tensor-parallel stages runs in a launched job with balance=/devices= and no "
+            "plan (ranks.tpstages); offload and plans beside it are not built yet. Drop them, or drop tp="
         )
     init_distributed()
     mesh = settings.mesh = tp_mesh(tp, shard=bool(sharding["shard"]), given=settings.mesh)

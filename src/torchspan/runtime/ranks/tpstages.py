@@ -17,8 +17,10 @@ and runs the stage functions of ``ranks.pipelined`` on it:
   the pipeline-wide sum runs over ``mesh["pp"]`` of this ``tp`` coordinate, so a whole parameter held on every
   ``tp`` rank counts once.
 
-Refused (``ValueError`` naming the argument): sequence parallel in a plan, several stages per rank, the model's
-own forward (a model that is not an ``nn.Sequential`` or fx-traceable), ``shard=True``, ``weights=``, ``plan=``.
+Both executors: stage functions (an ``nn.Sequential`` or fx-traceable model, ``TpPipelineExecutor``) and the
+model's own forward (a transformers model by its ``base_model_tp_plan``, ``TpOwnForwardExecutor``: the recording
+forward runs whole, the stage is split once placed). Refused (``ValueError`` naming the argument): sequence
+parallel in a plan, several stages per rank, ``shard=True``, ``weights=``, ``plan=``.
 
 Usage (``span`` does this in a launched job of 4 processes)::
 
@@ -38,10 +40,11 @@ from torch import nn
 from .devicemesh import job_mesh, sub_mesh
 from .env import RankInfo
 from .mesh import Mesh
+from .ownforward import RankOwnForwardExecutor
 from .pipelined import RankPipelineExecutor
 from .stage import RankStage
 
-__all__ = ["TpPipelineExecutor", "TpRankStage", "check_tp_pipeline"]
+__all__ = ["TpOwnForwardExecutor", "TpPipelineExecutor", "TpRankStage", "check_tp_pipeline", "tp_pipeline"]
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,10 @@ class TpRankStage(RankStage):
     """A ``RankStage`` on the mesh ``("pp", "dp_replicate", "tp")`` (see the module docstring); ``tp_mesh``: this
     stage's ``tp`` sub-mesh, ``mesh``: the ``pp x dp`` ranks of this rank's ``tp`` coordinate."""
 
-    def __init__(self, model: nn.Module, info: RankInfo, stages: int, tp: int, precision: str, settings: Any) -> None:
+    def __init__(
+        self, model: nn.Module, mesh: Mesh, info: RankInfo, stages: int, precision: str = "32", *, settings: Any, shard: bool = False
+    ) -> None:
+        tp = settings.tp[0]  # (tp, tp_plan): build's
         if precision == "fp16":
             raise ValueError(
                 "precision='fp16' across ranks is not supported: each rank's gradient scaler would decide alone to "
@@ -184,30 +190,38 @@ class TpRankStage(RankStage):
         return out
 
 
+def split_stage(model: nn.Module, mesh: Any, tp_plan: Any, layers: Any) -> None:
+    """This stage's ``layers`` split over the ``tp`` sub-mesh by the plan filtered to them; a plan (a model's own
+    too) with sequence parallel there is refused (its activations would cross stages sequence-sharded)."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    from .tensorparallel import parallelize, tp_styles
+
+    styles = tp_styles(model, tp_plan)
+    sequence = [n for n, st in styles.items() if isinstance(st, SequenceParallel)]
+    if sequence:
+        raise ValueError(
+            f"the tensor-parallel plan (tp_plan={tp_plan!r}, else the model's own) runs {sequence[:3]} sequence "
+            "parallel, inside a pipeline of tensor-parallel stages that is not built; pass a tp_plan= without "
+            "'sequence_parallel' entries, or drop balance=/devices= (one tensor-parallel stage)"
+        )
+    parallelize(model, mesh, tp_plan, within=layers)
+
+
 class TpPipelineExecutor(RankPipelineExecutor):
     """``RankPipelineExecutor`` on a ``TpRankStage``: this rank's stage split over its ``tp`` ranks after it started."""
 
-    def __init__(self, *args: Any, tp: int, tp_plan: Any, **kwargs: Any) -> None:
-        from .tensorparallel import parallelize
+    stage_type = TpRankStage
 
-        self._tp = tp
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        parallelize(self.model, self.ranks.tp_mesh, tp_plan, within=self.mine)
-
-    def _stage(self, model: nn.Module, mesh: Mesh, info: RankInfo, settings: Any, shard: bool) -> RankStage:
-        return TpRankStage(model, info, mesh.stages, self._tp, settings.precision, settings)
+        split_stage(self.model, self.ranks.tp_mesh, self.settings.tp[1], self.mine)  # type: ignore[attr-defined]
 
 
-
-def tp_pipeline_executor(model: nn.Module, lay: Any, settings: Any, recorder: Any, meter: Any) -> TpPipelineExecutor:
-    """``choose``'s executor for ``settings.tp`` in a launched pipeline: stage functions only (``lay.mode``)."""
-    tp, tp_plan = settings.tp
-    if lay.mode not in ("sequential", "fx"):
-        raise ValueError(
-            f"span(model, tp={tp}) with pipeline stages runs stage functions (an nn.Sequential or an fx-traceable "
-            f"model), and {type(model).__name__} runs its own forward ({lay.why}); drop balance=/devices= to split "
-            "every layer over tp ranks in one stage (with shard=True for replicas), or pass an nn.Sequential of its layers"
-        )
+def tp_pipeline_executor(model: nn.Module, lay: Any, settings: Any, recorder: Any, meter: Any, **options: Any) -> Any:
+    """``choose``'s executor for ``settings.tp`` in a launched pipeline: stage functions (``lay.mode`` sequential or
+    fx) or the model's own forward; ``options``: the own forward's (``choose``)."""
+    tp = settings.tp[0]
     _, info = lay.ranked
     world, stages = dist.get_world_size(), len(lay.groups)
     if world % (stages * tp):
@@ -217,8 +231,24 @@ def tp_pipeline_executor(model: nn.Module, lay: Any, settings: Any, recorder: An
             f"rank with tp are not built); pass balance= with a number of entries dividing {world // tp}, or launch a "
             f"multiple of {stages * tp} processes"
         )
-    mesh = Mesh(len(lay.groups))  # the stage count; TpRankStage reads the rest from the job's DeviceMesh
-    return TpPipelineExecutor(model, lay.mode, lay.graph, lay.groups, settings, recorder, meter, mesh, info, tp=tp, tp_plan=tp_plan)
+    mesh = Mesh(stages, world // (stages * tp))  # the degrees; TpRankStage reads the ranks from the job's DeviceMesh
+    if lay.mode == "own-forward":
+        return TpOwnForwardExecutor(model, lay.groups, settings, recorder, meter, mesh, info, **options)
+    return TpPipelineExecutor(model, lay.mode, lay.graph, lay.groups, settings, recorder, meter, mesh, info)
+
+
+class TpOwnForwardExecutor(RankOwnForwardExecutor):
+    """``RankOwnForwardExecutor`` on a ``TpRankStage``: this rank's stage split over its ``tp`` ranks once placed
+    (the recording forward runs the whole model, whole)."""
+
+    stage_type = TpRankStage
+
+    def place(self, work: Any) -> None:
+        if self._placed:
+            return
+        super().place(work)
+        split_stage(self.model, self.ranks.tp_mesh, self.settings.tp[1], self.groups[self.stage])  # type: ignore[attr-defined]
+        self._kept = {id(t) for t in [*self.model.parameters(), *self.model.buffers()]}
 
 
 def tp_pipeline(tp: Any, tp_plan: Any, plan: Any, sharding: dict[str, Any], where: dict[str, Any]) -> bool:
