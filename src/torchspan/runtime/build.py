@@ -22,7 +22,9 @@ stages ranks: each stage sharded over its replicas (``runtime.ranks.stageshard``
 a replica's BatchNorm normalises its shard alone (else refused; one process: no effect).
 
 ``tp=N``/``tp_plan=`` (or a plan's ``tp``): each layer split over ``N`` processes, with ``shard=True`` FSDP2 over
-the rest (``runtime.ranks.tensorparallel``; a plan on fewer ranks than it was made for runs shrunk).
+the rest (``runtime.ranks.tensorparallel``; a plan on fewer ranks than it was made for runs shrunk). With
+``balance=``/``devices=`` naming several stages in a launched job: a pipeline of tensor-parallel stages with
+replicas, ``pp x dp_replicate x tp`` (``runtime.ranks.tpstages``).
 ``mesh``: the job's ``DeviceMesh`` to use, checked against the span's degrees (else built: ``spanned.mesh``,
 ``runtime.ranks.devicemesh``).
 
