@@ -76,6 +76,7 @@ ADVISED: dict[tuple[str, str], tuple[str, ...]] = {
     ("hf.py", "train_dataset"): ("torchspan.hf.Trainer",),
     ("runtime/ranks/tensorparallel.py", "shard"): ("span",),
     ("runtime/ranks/tensorparallel.py", "tp_plan"): ("span",),
+    ("runtime/ranks/tpstages.py", "balance"): ("span",),  # a pipeline of tensor-parallel stages: pp x tp must divide
 }
 
 _CALL = re.compile(r"([A-Za-z_][\w.]*)\(")
