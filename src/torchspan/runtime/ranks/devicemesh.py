@@ -146,10 +146,19 @@ def dim_size(mesh: Any, name: str) -> int:
     return mesh.shape[names.index(name)] if name in names else 1
 
 
-def derived_group(mesh: Any, name: str, indices: Sequence[int]) -> tuple[Any, list[int]]:
+def derived_group(mesh: Any, name: str, indices: Sequence[int], per: str | None = None) -> tuple[Any, list[int]]:
     """One process group over the ranks at ``indices`` of dimension ``name`` (every other coordinate), read from
-    ``mesh``'s rank tensor; ``(group, its ranks sorted)``. Collective: every rank calls it in the same order."""
+    ``mesh``'s rank tensor; ``(group, its ranks sorted)``. Collective: every rank calls it in the same order.
+    ``per``: one such group per coordinate of that dimension (a tie group per ``tp`` rank); this rank's returned."""
     names = tuple(mesh.mesh_dim_names or ())
     ranks = mesh.mesh if name not in names else mesh.mesh.index_select(names.index(name), torch.tensor(sorted(set(indices))))
-    chosen = sorted(int(r) for r in ranks.flatten().tolist())
-    return dist.new_group(chosen), chosen
+    if per is None or per not in names:
+        chosen = sorted(int(r) for r in ranks.flatten().tolist())
+        return dist.new_group(chosen), chosen
+    mine: tuple[Any, list[int]] | None = None
+    for i in range(ranks.shape[names.index(per)]):
+        chosen = sorted(int(r) for r in ranks.select(names.index(per), i).flatten().tolist())
+        group = dist.new_group(chosen)
+        mine = (group, chosen) if dist.get_rank() in chosen else mine
+    assert mine is not None, f"rank {dist.get_rank()} is not in the mesh {mesh}"
+    return mine

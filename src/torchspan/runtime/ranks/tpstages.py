@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .devicemesh import job_mesh, sub_mesh
+from .devicemesh import derived_group, job_mesh, sub_mesh
 from .env import RankInfo
 from .mesh import Mesh
 from .ownforward import RankOwnForwardExecutor
@@ -119,13 +119,9 @@ class TpRankStage(RankStage):
     def start(self) -> None:
         """Tie groups per ``tp`` coordinate (collective: every rank makes every group, in one order), then every
         tensor this rank holds as its ``tp`` rank 0's, replica 0's and the tied copies' lowest rank's."""
-        for stages in self._tie_stages:
-            mine: tuple[Any, int] | None = None
-            for t in range(self.tp_mesh.size()):
-                chosen = sorted(int(r) for r in self.device_mesh.mesh.select(-1, t)[list(stages)].flatten().tolist())
-                group = dist.new_group(chosen)
-                mine = (group, chosen[0]) if self.info.rank in chosen else mine
-            self._tie_groups.append(mine)  # type: ignore[arg-type]
+        for stages in self._tie_stages:  # those stages' ranks of this tp coordinate, every replica (ranks.devicemesh)
+            group, ranks = derived_group(self.device_mesh, "pp", stages, per="tp")
+            self._tie_groups.append((group, ranks[0]))
         held = [t for t in [*self.model.parameters(), *self.model.buffers()] if t.device.type != "meta"]
         with torch.no_grad():
             src = int(self.tp_mesh.mesh[0])
