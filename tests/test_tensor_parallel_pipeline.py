@@ -84,6 +84,9 @@ def _worker(rank: int, world: int, port: int, folder: str) -> None:
     reference = copy.deepcopy(model)
     spanned = torchspan.span(model, tp=2, balance=[2, 2], microbatches=3, tp_plan=PLAN, schedule="1f1b")
     _check(spanned, reference, ids, ids, _ce, "tied decoder pp2 x tp2")
+    model = _decoder()  # zero-bubble (backward split into input and weight gradients) with recompute
+    split = torchspan.span(model, tp=2, balance=[2, 2], microbatches=3, tp_plan=PLAN, schedule="zero-bubble", recompute="always")
+    _check(split, copy.deepcopy(_decoder()), ids, ids, _ce, "tied decoder pp2 x tp2, zero-bubble, recompute")
     with torch.no_grad():  # evaluation: the last stage's outputs on every rank
         torch.testing.assert_close(spanned(ids), reference(ids), **TOL)
     torch.optim.SGD(spanned.parameters(), lr=0.5).step()
