@@ -1,13 +1,16 @@
-"""torchspan data parallel, as users call it, against raw DistributedDataParallel: same model, data and processes.
+"""torchspan data parallel, as users call it, against raw DistributedDataParallel: same model, data and
+processes.
 
 Two gloo processes on 127.0.0.1 (or nccl with ``--backend nccl`` on GPUs) time, at each model size of
 ``--sizes`` (MLPs of about 3M, 20M and 100M parameters; default all three), raw DDP (mean loss per rank,
 DDP's averaging) against ``torchspan.span(model)`` (the user's path in a launched job: the ``Spanned``
 façade over ``ReplicaExecutor``; exact global loss), each two ways:
 
-- **one step** (``raw DDP``, ``span``): ``zero_grad()`` (``.grad`` None), forward, backward, ``optimizer.step()``;
+- **one step** (``raw DDP``, ``span``): ``zero_grad()`` (``.grad`` None), forward, backward,
+``optimizer.step()``;
   ``span loop`` is the user's plain loop on the same span, ``loss_fn(spanned(x), y).backward()`` (exact: the
-  output reads the loss applied to it and all-reduces its normalizer, ``runtime.ranks.plainloop``; goal <= 1.03x);
+  output reads the loss applied to it and all-reduces its normalizer, ``runtime.ranks.plainloop``; goal <=
+  1.03x);
 - **accumulating** (``raw DDP acc``, ``span acc``): gradient accumulation over calls, no ``zero_grad()``
   between them, so every timed call adds to ``.grad`` (a round starts with ``zero_grad()`` and one untimed
   call). The anchor is raw DDP's plain ``loss.backward()`` each call: like ``span``'s ``train_step`` every
@@ -26,23 +29,30 @@ Pipelines across ranks (issue 13) run from here too, by ``benchmarks/distributed
 the other flags then are that script's (``--steps`` counts rounds there, ``--threads`` as here).
 ``--shard`` (issue 20) times ``span(model, shard=True)`` against raw FSDP2 ``fully_shard`` at two model
 sizes, with each rank's memory, by ``benchmarks/distributed_sharded.py`` (its flags then).
-``--tp`` (issue 33) times ``span(model, tp=2)`` against raw ``parallelize_module`` with the same plan (a Llama and
-an MLP), by ``benchmarks/distributed_tp.py`` (its flags then).
+``--tp`` (issue 33) times ``span(model, tp=2)`` against raw ``parallelize_module`` with the same plan (a Llama
+and an MLP), by ``benchmarks/distributed_tp.py`` (its flags then).
 
 Usage::
 
-    python benchmarks/distributed.py --threads 1 --rounds 12        # 2 CPU processes, gloo, 3M, 20M and 100M
+    # 2 CPU processes, gloo, 3M, 20M and 100M
+    python benchmarks/distributed.py --threads 1 --rounds 12
     python benchmarks/distributed.py --threads 1 --sizes 3M,20M --rounds 21
-    python benchmarks/distributed.py --rounds 12 --steps 10 --hidden 2048 --layers 4   # one custom size
-    python benchmarks/distributed.py --backend nccl --nproc 1   # one-GPU sanity run
-    python benchmarks/distributed.py --pipeline --steps 30      # torchspan 1F1B vs Schedule1F1B, 2 gloo ranks
-    python benchmarks/distributed.py --pipeline --steps 30 --batch-check-cost   # + the same-batch check's cost per step
-    python benchmarks/distributed.py --pipeline --late-receives   # + what posting forward receives at once gains
-    python benchmarks/distributed.py --hybrid --steps 20        # torchspan 2x2 vs DDP x4
-    python benchmarks/distributed.py --pipeline --help          # the pipeline flags
-    python benchmarks/distributed.py --shard                    # span(shard=True) vs raw fully_shard, two sizes
-    python benchmarks/distributed.py --tp                       # span(tp=2) vs raw parallelize_module, Llama and MLP
-    python benchmarks/distributed.py --quick                    # tiny, 2 rounds of 1 step (torchspan bench --quick)
+    # one custom size
+    python benchmarks/distributed.py --rounds 12 --steps 10 --hidden 2048 --layers 4
+    # one-GPU sanity run
+    python benchmarks/distributed.py --backend nccl --nproc 1
+    # torchspan 1F1B vs Schedule1F1B, 2 gloo ranks
+    python benchmarks/distributed.py --pipeline --steps 30
+    # + the same-batch check's cost per step
+    python benchmarks/distributed.py --pipeline --steps 30 --batch-check-cost
+    # + what posting forward receives at once gains
+    python benchmarks/distributed.py --pipeline --late-receives
+    # torchspan 2x2 vs DDP x4
+    python benchmarks/distributed.py --hybrid --steps 20
+    python benchmarks/distributed.py --pipeline --help   # the pipeline flags
+    python benchmarks/distributed.py --shard             # span(shard=True) vs raw fully_shard, two sizes
+    python benchmarks/distributed.py --tp                # span(tp=2) vs raw parallelize_module, Llama and MLP
+    python benchmarks/distributed.py --quick             # tiny, 2 rounds of 1 step (torchspan bench --quick)
 
 Prints ``RATIO distributed/<variant>_vs_raw_ddp_<size> <median of per-round ratios> <goal> ...`` lines for
 ``torchspan bench`` (``span``, ``span_accumulating``; ``replica`` with ``--replica``).
@@ -71,7 +81,11 @@ from _quick import add_quick  # noqa: E402  (benchmarks/_quick.py, beside this s
 
 VARIANTS = ("raw DDP", "span", "span loop", "replica", "raw DDP acc", "span acc")
 ANCHOR = {"span": "raw DDP", "span loop": "raw DDP", "replica": "raw DDP", "span acc": "raw DDP acc"}
-SIZES = {"3M": (1024, 3), "20M": (2048, 5), "100M": (4096, 6)}  # hidden, layers: 3.4M, 21.5M, 101.7M parameters
+SIZES = {
+    "3M": (1024, 3),
+    "20M": (2048, 5),
+    "100M": (4096, 6),
+}  # hidden, layers: 3.4M, 21.5M, 101.7M parameters
 
 
 def _model(hidden: int, layers: int) -> nn.Module:
@@ -90,10 +104,15 @@ def _timed(step, sync) -> float:  # type: ignore[no-untyped-def]
     return time.perf_counter() - start
 
 
-def _steps(hidden: int, layers: int, device: torch.device, x: torch.Tensor, y: torch.Tensor) -> tuple[dict, dict]:  # type: ignore[type-arg]
-    """Each variant's timed step and its round setup (the accumulating ones start a round with ``.grad`` filled)."""
+def _steps(
+    hidden: int, layers: int, device: torch.device, x: torch.Tensor, y: torch.Tensor
+) -> tuple[dict, dict]:  # type: ignore[type-arg]
+    """Each variant's timed step and its round setup (the accumulating ones start a round with ``.grad``
+    filled)."""
     loss_fn = nn.CrossEntropyLoss()
-    raw = DistributedDataParallel(_model(hidden, layers).to(device), device_ids=[device.index] if device.type == "cuda" else None)
+    raw = DistributedDataParallel(
+        _model(hidden, layers).to(device), device_ids=[device.index] if device.type == "cuda" else None
+    )
     raw_opt = torch.optim.SGD(raw.parameters(), lr=1e-3)
     spanned = torchspan.span(_model(hidden, layers))  # what users call: a replica in a launched job
     assert spanned.mode == "data-parallel", spanned.mode
@@ -111,7 +130,9 @@ def _steps(hidden: int, layers: int, device: torch.device, x: torch.Tensor, y: t
         spanned.train_step(x, y, loss_fn)
         span_opt.step()
 
-    def loop_step() -> None:  # the plain loop on the same replica: the output reads the loss (ranks.plainloop)
+    def loop_step() -> (
+        None
+    ):  # the plain loop on the same replica: the output reads the loss (ranks.plainloop)
         span_opt.zero_grad()
         loss_fn(spanned(x), y).backward()
         span_opt.step()
@@ -131,12 +152,18 @@ def _steps(hidden: int, layers: int, device: torch.device, x: torch.Tensor, y: t
         return lambda: (zero(), step())  # .grad=None, then one untimed call: every timed call accumulates
 
     steps = dict(zip(VARIANTS, (raw_step, span_step, loop_step, bare_step, raw_acc, span_acc)))
-    setups = {"raw DDP acc": filled(raw_opt.zero_grad, raw_acc), "span acc": filled(span_opt.zero_grad, span_acc)}
+    setups = {
+        "raw DDP acc": filled(raw_opt.zero_grad, raw_acc),
+        "span acc": filled(span_opt.zero_grad, span_acc),
+    }
     return steps, setups
 
 
-def _time_size(hidden: int, layers: int, device: torch.device, opts: argparse.Namespace, sync) -> dict[str, list[float]]:  # type: ignore[no-untyped-def]
-    """Per-round mean step times of every variant at one model size, the variants alternating in each round."""
+def _time_size(
+    hidden: int, layers: int, device: torch.device, opts: argparse.Namespace, sync
+) -> dict[str, list[float]]:  # type: ignore[no-untyped-def]
+    """Per-round mean step times of every variant at one model size, the variants alternating in each
+    round."""
     g = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randn(opts.batch, 256, generator=g).to(device)
     y = torch.randint(0, 10, (opts.batch,), generator=g).to(device)
@@ -157,7 +184,13 @@ def _time_size(hidden: int, layers: int, device: torch.device, opts: argparse.Na
 
 
 def _worker(rank: int, world: int, port: int, opts: argparse.Namespace, results: dict) -> None:  # type: ignore[type-arg]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(opts.threads)
     info = init_distributed(backend=opts.backend, timeout=600)
     device = info.device
@@ -174,7 +207,8 @@ def _worker(rank: int, world: int, port: int, opts: argparse.Namespace, results:
 
 
 def _pipelines(argv: list[str]) -> int | None:
-    """``--pipeline`` / ``--hybrid``: run ``distributed_pipeline`` (its own flags); ``None`` for data parallel."""
+    """``--pipeline`` / ``--hybrid``: run ``distributed_pipeline`` (its own flags); ``None`` for data
+    parallel."""
     modes = [m for m in ("pipeline", "hybrid") if f"--{m}" in argv]
     if not modes:
         return None
@@ -206,7 +240,8 @@ def _tensor_parallel(argv: list[str]) -> int | None:
 
 
 def _size_list(opts: argparse.Namespace) -> list[tuple[str, tuple[int, int]]]:
-    """``(label, (hidden, layers))`` per model size: ``--hidden``/``--layers`` given make one size, else ``--sizes``."""
+    """``(label, (hidden, layers))`` per model size: ``--hidden``/``--layers`` given make one size, else
+    ``--sizes``."""
     if opts.hidden is not None or opts.layers is not None:
         hidden, layers = opts.hidden or 1024, opts.layers if opts.layers is not None else 3
         params = sum(p.numel() for p in _model(hidden, layers).parameters())
@@ -219,22 +254,31 @@ def _size_list(opts: argparse.Namespace) -> list[tuple[str, tuple[int, int]]]:
 
 
 def _report(label: str, times: dict[str, list[float]], opts: argparse.Namespace, res: dict) -> None:  # type: ignore[type-arg]
-    """One size's medians and ratios (median of per-round ratios to each variant's anchor), and its RATIO lines."""
+    """One size's medians and ratios (median of per-round ratios to each variant's anchor), and its RATIO
+    lines."""
     hidden, layers = dict(opts.size_list)[label]
     params = sum(p.numel() for p in _model(hidden, layers).parameters())
     print(f"{label}: MLP 256-{hidden}x{layers}-10, {params / 1e6:.1f}M parameters")
     for name, ts in times.items():
-        print(f"  {name:12s} median {statistics.median(ts) * 1e3:9.2f} ms/step  (rounds {min(ts) * 1e3:.2f}..{max(ts) * 1e3:.2f} ms)")
+        print(
+            f"  {name:12s} median {statistics.median(ts) * 1e3:9.2f} ms/step  (rounds "
+            f"{min(ts) * 1e3:.2f}..{max(ts) * 1e3:.2f} ms)"
+        )
     for name, anchor in ANCHOR.items():
         if name not in times:
             continue
         ratio = statistics.median(times[name]) / statistics.median(times[anchor])
         paired = statistics.median(t / r for t, r in zip(times[name], times[anchor]))
         goal = "<=1.03" if name == "span loop" else "<=1.0" if name.startswith("span") else "-"
-        print(f"  ratio {name} / {anchor}: {ratio:.3f} (median of per-round ratios {paired:.3f}; goal {goal})")
+        print(
+            f"  ratio {name} / {anchor}: {ratio:.3f} (median of per-round ratios {paired:.3f}; goal {goal})"
+        )
         tag = name.replace(" acc", "_accumulating").replace(" loop", "_plain_loop").replace(" ", "_")
-        print(f"RATIO distributed/{tag}_vs_raw_ddp_{label} {paired:.3f} {goal} raw DistributedDataParallel"
-              f"{' accumulating (plain backward each call)' if 'acc' in name else ''}, {opts.nproc} x {res['backend']}, {label}")
+        print(
+            f"RATIO distributed/{tag}_vs_raw_ddp_{label} {paired:.3f} {goal} raw DistributedDataParallel"
+            f"{' accumulating (plain backward each call)' if 'acc' in name else ''}, {opts.nproc} x "
+            f"{res['backend']}, {label}"
+        )
 
 
 def main() -> None:
@@ -247,21 +291,45 @@ def main() -> None:
     if code is not None:
         sys.exit(code)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--pipeline", action="store_true", help="time pipelines across ranks instead (benchmarks/distributed_pipeline.py)")
-    p.add_argument("--hybrid", action="store_true", help="time the 2x2 hybrid against DDP x4 instead (benchmarks/distributed_pipeline.py)")
-    p.add_argument("--shard", action="store_true", help="time span(shard=True) against raw fully_shard instead (benchmarks/distributed_sharded.py)")
-    p.add_argument("--tp", action="store_true", help="time span(model, tp=2) against raw parallelize_module instead (benchmarks/distributed_tp.py)")
+    p.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="time pipelines across ranks instead (benchmarks/distributed_pipeline.py)",
+    )
+    p.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="time the 2x2 hybrid against DDP x4 instead (benchmarks/distributed_pipeline.py)",
+    )
+    p.add_argument(
+        "--shard",
+        action="store_true",
+        help="time span(shard=True) against raw fully_shard instead (benchmarks/distributed_sharded.py)",
+    )
+    p.add_argument(
+        "--tp",
+        action="store_true",
+        help="time span(model, tp=2) against raw parallelize_module instead (benchmarks/distributed_tp.py)",
+    )
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--backend", default=None, help="gloo (default on CPU) or nccl")
-    p.add_argument("--sizes", default=",".join(SIZES), help=f"model sizes to time, comma-separated from {', '.join(SIZES)}")
+    p.add_argument(
+        "--sizes",
+        default=",".join(SIZES),
+        help=f"model sizes to time, comma-separated from {', '.join(SIZES)}",
+    )
     p.add_argument("--hidden", type=int, default=None, help="one MLP of this width instead of --sizes")
     p.add_argument("--layers", type=int, default=None, help="its hidden layers (default 3)")
     p.add_argument("--batch", type=int, default=64, help="rows per rank")
     p.add_argument("--steps", type=int, default=5, help="steps per timed round")
     p.add_argument("--rounds", type=int, default=12, help="rounds; each times every variant, order rotating")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--replica", action="store_true", help="also time the bare DataParallelReplica (no accumulation)")
-    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="intra-op threads per process")
+    p.add_argument(
+        "--replica", action="store_true", help="also time the bare DataParallelReplica (no accumulation)"
+    )
+    p.add_argument(
+        "--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="intra-op threads per process"
+    )
     add_quick(p, None, hidden=64, layers=1, batch=8, steps=1, rounds=2, warmup=1)
     opts = p.parse_args()
     if opts.backend == "nccl" and opts.nproc > torch.cuda.device_count():
@@ -271,8 +339,10 @@ def main() -> None:
         results = manager.dict()
         mp.spawn(_worker, args=(opts.nproc, free_port(), opts, results), nprocs=opts.nproc)
         res = dict(results)
-    print(f"{opts.nproc} x {res['backend']} on {res['device']}, batch {opts.batch}/rank, {opts.threads} thread(s)/process, "
-          f"{opts.rounds} alternating rounds of {opts.steps} steps per size")
+    print(
+        f"{opts.nproc} x {res['backend']} on {res['device']}, batch {opts.batch}/rank, {opts.threads} "
+        f"thread(s)/process, {opts.rounds} alternating rounds of {opts.steps} steps per size"
+    )
     for label, _ in opts.size_list:
         _report(label, res[label], opts, res)
 

@@ -1,4 +1,5 @@
-"""Pipelines across processes: every torchspan schedule against torch.distributed.pipelining, and the hybrid against DDP.
+"""Pipelines across processes: every torchspan schedule against torch.distributed.pipelining, and the hybrid
+against DDP.
 
 1. **2-rank pipeline** (``pipeline``): the same ``nn.Sequential`` of ``depth`` x (Linear + ReLU), the same
    batch and micro-batches, 2 gloo processes, at two sizes (``--sizes``; both by default): ``small``
@@ -8,13 +9,15 @@
    - every torchspan schedule (``torchspan.schedule.SCHEDULES``, so a new one is picked up by itself;
      ``--schedule`` selects some): ``span(model, balance=[n/2, n/2], microbatches=m, schedule=s)``;
      ``interleaved-1f1b`` on the layers cut in four chunks, 2 stages per rank (looped: 0,2 | 1,3), as torch's
-     ``ScheduleInterleaved1F1B`` below, and timed against it too (goal <= 0.9: ``interleaved_vs_Interleaved1F1B``);
+     ``ScheduleInterleaved1F1B`` below, and timed against it too (goal <= 0.9:
+     ``interleaved_vs_Interleaved1F1B``);
    - ``torch.distributed.pipelining``'s ``Schedule1F1B`` (the anchor) and ``ScheduleGPipe`` on the model
      cut in two, one ``PipelineStage`` per rank, and its multi-stage schedules (``ScheduleInterleaved1F1B``,
      ``ScheduleInterleavedZeroBubble``, ``ScheduleLoopedBFS``: stages 0,2 on rank 0 and 1,3 on rank 1;
      ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``: V order, 0,3 and 1,2) on the same layers cut in four
      chunks, 2 virtual stages per rank; those missing from the installed torch, or refusing the
-     configuration (DualPipeV wants micro-batches >= stages), are printed as skipped. ``--torch`` selects some.
+     configuration (DualPipeV wants micro-batches >= stages), are printed as skipped. ``--torch`` selects
+     some.
 
    Before timing, one step of every variant from ``.grad = None``: each rank's gradients are compared
    with the first torchspan schedule's ("same gradients: yes/no", max |diff| over both ranks), so the
@@ -50,8 +53,9 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,16 +64,25 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-import torchspan  # noqa: E402
-from torchspan.schedule import SCHEDULES  # noqa: E402
-from torchspan.runtime.ranks import free_port, init_distributed  # noqa: E402
 from _quick import add_quick  # noqa: E402  (benchmarks/_quick.py, beside this script)
+
+import torchspan  # noqa: E402
+from torchspan.runtime.ranks import free_port, init_distributed  # noqa: E402
+from torchspan.schedule import SCHEDULES  # noqa: E402
 
 SIZES = {  # the two sizes of the issue; --width/--depth/--batch/--microbatches override them
     "small": dict(width=512, depth=8, batch=64, microbatches=4),
     "heavy": dict(width=1536, depth=8, batch=128, microbatches=8),
 }
-TORCH_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV", "LoopedBFS")
+TORCH_SCHEDULES = (
+    "1F1B",
+    "GPipe",
+    "Interleaved1F1B",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+    "LoopedBFS",
+)
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")  # stage order on the ranks: 0,3 | 1,2 (the others loop: 0,2 | 1,3)
 ANCHOR = "torch Schedule1F1B"
 PER_RANK = {"interleaved-1f1b": 2}  # torchspan schedules timed with several stages per rank (looped)
@@ -95,7 +108,8 @@ def _timed(fn: Step) -> float:
 
 
 def _order(names: list[str], r: int) -> list[str]:
-    """Round ``r``'s order: rotated by ``r`` and reversed every other round (each variant in every position)."""
+    """Round ``r``'s order: rotated by ``r`` and reversed every other round (each variant in every
+    position)."""
     k = r % len(names)
     turned = names[k:] + names[:k]
     return turned if r % 2 == 0 else turned[::-1]
@@ -115,7 +129,13 @@ def _rounds(steps: dict[str, Step], args: argparse.Namespace) -> dict[str, list[
 
 
 def _join(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // world))
     init_distributed(timeout=120)
 
@@ -123,16 +143,26 @@ def _join(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------- the variants of the 2-rank pipeline
 def _held(module: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's gradients by the whole model's parameter names (parameters it does not run have none)."""
-    return {name: p.grad for name, p in module.named_parameters() if p.grad is not None and p.device.type != "meta"}
+    return {
+        name: p.grad
+        for name, p in module.named_parameters()
+        if p.grad is not None and p.device.type != "meta"
+    }
 
 
-def _torchspan(schedule: str, size: dict[str, int], data: tuple, loss_fn: nn.Module) -> tuple[Step, Grads, Any]:
-    """``span`` over the whole model cut in two halves (four chunks, 2 per rank, for ``interleaved-1f1b``), with
-    ``schedule``: (step, gradients, the Spanned)."""
+def _torchspan(
+    schedule: str, size: dict[str, int], data: tuple, loss_fn: nn.Module
+) -> tuple[Step, Grads, Any]:
+    """``span`` over the whole model cut in two halves (four chunks, 2 per rank, for ``interleaved-1f1b``),
+    with ``schedule``: (step, gradients, the Spanned)."""
     n, chunks = 2 * size["depth"], PER_RANK.get(schedule, 1) * 2
     balance = [n * (i + 1) // chunks - n * i // chunks for i in range(chunks)]
-    spanned = torchspan.span(_model(size["width"], size["depth"]), balance=balance,
-                             microbatches=size["microbatches"], schedule=schedule)
+    spanned = torchspan.span(
+        _model(size["width"], size["depth"]),
+        balance=balance,
+        microbatches=size["microbatches"],
+        schedule=schedule,
+    )
     x, y = data
 
     def step() -> None:
@@ -151,9 +181,12 @@ def _stage_ids(kind: str, rank: int, world: int, per_rank: int) -> list[int]:
     return [rank + world * k for k in range(per_rank)]  # looped: round-robin
 
 
-def _torch(kind: str, rank: int, world: int, size: dict[str, int], data: tuple, loss_fn: nn.Module) -> tuple[Step, Grads, int]:
+def _torch(
+    kind: str, rank: int, world: int, size: dict[str, int], data: tuple, loss_fn: nn.Module
+) -> tuple[Step, Grads, int]:
     """torch's ``Schedule<kind>`` on the same layers: one stage per rank, or 2 (four chunks) for a multi-stage
-    schedule; raises ``LookupError`` when the installed torch lacks it (its constructor's errors pass through)."""
+    schedule; raises ``LookupError`` when the installed torch lacks it (its constructor's errors pass
+    through)."""
     from torch.distributed import pipelining
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
@@ -186,10 +219,16 @@ def _torch(kind: str, rank: int, world: int, size: dict[str, int], data: tuple, 
     return step, lambda: _held(whole), per_rank
 
 
-def _variants(rank: int, world: int, size: dict[str, int], args: argparse.Namespace) -> tuple[dict, dict, list[str], dict]:
-    """Build every variant of one size: ({name: step}, {name: gradients}, [skipped lines], {name: stages per rank})."""
+def _variants(
+    rank: int, world: int, size: dict[str, int], args: argparse.Namespace
+) -> tuple[dict, dict, list[str], dict]:
+    """Build every variant of one size: ({name: step}, {name: gradients}, [skipped lines], {name: stages per
+    rank})."""
     g = torch.Generator().manual_seed(1)
-    data = (torch.randn(size["batch"], size["width"], generator=g), torch.randn(size["batch"], size["width"], generator=g))
+    data = (
+        torch.randn(size["batch"], size["width"], generator=g),
+        torch.randn(size["batch"], size["width"], generator=g),
+    )
     loss_fn = nn.MSELoss()
     steps: dict[str, Step] = {}
     grads: dict[str, Grads] = {}
@@ -218,14 +257,17 @@ def _variants(rank: int, world: int, size: dict[str, int], args: argparse.Namesp
             key = f"{name} late receives"
             steps[key], grads[key], late = _torchspan(name, size, data, loss_fn)
             transport = late._executor._pipeline.transport
-            transport.expect = lambda *a, _t=transport, **k: _t.run_gate()  # the step's gate only, no receive posted
+            transport.expect = lambda *a, _t=transport, **k: (
+                _t.run_gate()
+            )  # the step's gate only, no receive posted
             per_rank[key] = PER_RANK.get(name, 1)
     return steps, grads, skipped, per_rank
 
 
 def _first_steps(steps: dict[str, Step], grads: dict[str, Grads], world: int) -> dict[str, str]:
-    """One step of each variant from ``.grad = None``, keeping its gradients; a variant that raises on any rank
-    is dropped from ``steps`` (its error is returned: {name: error}; a schedule not running across ranks yet)."""
+    """One step of each variant from ``.grad = None``, keeping its gradients; a variant that raises on any
+    rank is dropped from ``steps`` (its error is returned: {name: error}; a schedule not running across ranks
+    yet)."""
     failed: dict[str, str] = {}
     for name in list(steps):
         try:
@@ -241,10 +283,14 @@ def _first_steps(steps: dict[str, Step], grads: dict[str, Grads], world: int) ->
     return failed
 
 
-def _whole_grad(held: dict[str, torch.Tensor], shapes: dict[str, torch.Size]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole model's gradient as one vector, summed over the ranks (each adds what it holds, zeros elsewhere),
-    and per parameter how many ranks hold its gradient (1 for every one in a pipeline)."""
-    flat = torch.cat([held[n].detach().flatten() if n in held else torch.zeros(s.numel()) for n, s in shapes.items()])
+def _whole_grad(
+    held: dict[str, torch.Tensor], shapes: dict[str, torch.Size]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole model's gradient as one vector, summed over the ranks (each adds what it holds, zeros
+    elsewhere), and per parameter how many ranks hold its gradient (1 for every one in a pipeline)."""
+    flat = torch.cat(
+        [held[n].detach().flatten() if n in held else torch.zeros(s.numel()) for n, s in shapes.items()]
+    )
     count = torch.tensor([float(n in held) for n in shapes])
     dist.all_reduce(flat)
     dist.all_reduce(count)
@@ -284,8 +330,11 @@ def _pipeline(rank: int, world: int, port: int, args: argparse.Namespace, out: s
             if args.batch_check_cost:
                 lines.append(_check_cost(times, args.spent, args.schedule).rstrip())
             if args.late_receives:
-                lines += [f"  early / late receives, {name}: median of per-round ratios "
-                          f"{_per_round(times, f'torchspan {name}', f'{name} late receives'):.3f}" for name in args.schedule]
+                lines += [
+                    f"  early / late receives, {name}: median of per-round ratios "
+                    f"{_per_round(times, f'torchspan {name}', f'{name} late receives'):.3f}"
+                    for name in args.schedule
+                ]
         del steps, grads
     if rank == 0:
         Path(out).write_text("\n".join(lines) + "\n")
@@ -303,44 +352,76 @@ def _per_round(times: dict[str, list[float]], num: str, den: str) -> float:
     return statistics.median(a / b for a, b in zip(times[num], times[den]))
 
 
-def _report(size_name: str, size: dict[str, int], times: dict[str, list[float]], same: dict[str, tuple[bool, float]],
-            skipped: list[str], per_rank: dict[str, int]) -> list[str]:  # fmt: skip
-    """One size: medians, ratios to ``Schedule1F1B`` and same gradients per variant, torchspan's best against torch's
-    best (both among the variants with the reference's gradients), ``RATIO`` and ``SKIP`` lines."""
+def _report(
+    size_name: str,
+    size: dict[str, int],
+    times: dict[str, list[float]],
+    same: dict[str, tuple[bool, float]],
+    skipped: list[str],
+    per_rank: dict[str, int],
+) -> list[str]:
+    """One size: medians, ratios to ``Schedule1F1B`` and same gradients per variant, torchspan's best against
+    torch's best (both among the variants with the reference's gradients), ``RATIO`` and ``SKIP`` lines."""
     w, d, b, m = size["width"], size["depth"], size["batch"], size["microbatches"]
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = {k: _per_round(times, k, ANCHOR) for k in times}
     ref = next(iter(times))
-    lines = [f"pipeline 2 ranks, {size_name}: {d} x (Linear({w}, {w}) + ReLU), batch {b}, {m} micro-batches, {len(times[ANCHOR])} rounds",
-             f"  {'variant':36s} {'stages/rank':>11s} {'median ms/step':>14s} {'ratio of medians':>16s} "
-             f"{'median per-round ratio':>22s}  same gradients as {ref}"]  # fmt: skip
+    lines = [
+        f"pipeline 2 ranks, {size_name}: {d} x (Linear({w}, {w}) + ReLU), batch {b}, {m} micro-batches, "
+        f"{len(times[ANCHOR])} rounds",
+        f"  {'variant':36s} {'stages/rank':>11s} {'median ms/step':>14s} {'ratio of medians':>16s} "
+        f"{'median per-round ratio':>22s}  same gradients as {ref}",
+    ]
     for k in times:
         ok, diff = same[k]
         verdict = "(reference)" if k == ref else f"{'yes' if ok else 'no'} (max |diff| {diff:.1e})"
-        lines.append(f"  {k:36s} {per_rank[k]:11d} {med[k] * 1e3:14.2f} {med[k] / med[ANCHOR]:16.3f} {ratio[k]:22.3f}  {verdict}")
+        lines.append(
+            f"  {k:36s} {per_rank[k]:11d} {med[k] * 1e3:14.2f} {med[k] / med[ANCHOR]:16.3f} "
+            f"{ratio[k]:22.3f}  {verdict}"
+        )
     lines += [f"  skipped {s}" for s in skipped]
     ours = [k for k in times if k.startswith("torchspan ")]
     for k in ours:
-        lines.append(f"  {k} / {ANCHOR}, per round: " + " ".join(f"{a / c:.2f}" for a, c in zip(times[k], times[ANCHOR])))
-    fair = [k for k in times if same[k][0] and k.startswith(("torchspan ", "torch "))]  # not the diagnostic variants
+        lines.append(
+            f"  {k} / {ANCHOR}, per round: "
+            + " ".join(f"{a / c:.2f}" for a, c in zip(times[k], times[ANCHOR]))
+        )
+    fair = [
+        k for k in times if same[k][0] and k.startswith(("torchspan ", "torch "))
+    ]  # not the diagnostic variants
     best_ours = min((k for k in ours if k in fair), key=ratio.__getitem__, default=None)
     best_torch = min((k for k in fair if k.startswith("torch ")), key=ratio.__getitem__)
     tag = f"pipeline_2ranks/{size_name}"
     if best_ours is not None:
         best = _per_round(times, best_ours, best_torch)
-        lines.append(f"  best: {best_ours} / {best_torch} (torch's best here) = {best:.3f} (median of per-round ratios)")
+        lines.append(
+            f"  best: {best_ours} / {best_torch} (torch's best here) = {best:.3f} (median of per-round "
+            "ratios)"
+        )
     anchor = f"Schedule1F1B, {size_name}: {d} x Linear({w}), {m} micro-batches, 2 ranks"
-    lines += [f"RATIO {tag}/{_slug(k)}_vs_Schedule1F1B {ratio[k]:.3f} {'<=0.9' if k in ours else '-'} {anchor}"
-              + ("" if same[k][0] else " (NOT the same gradients)") for k in times if k != ANCHOR and k.startswith(("torchspan ", "torch "))]  # fmt: skip
+    lines += [
+        f"RATIO {tag}/{_slug(k)}_vs_Schedule1F1B {ratio[k]:.3f} {'<=0.9' if k in ours else '-'} {anchor}"
+        + ("" if same[k][0] else " (NOT the same gradients)")
+        for k in times
+        if k != ANCHOR and k.startswith(("torchspan ", "torch "))
+    ]
     if best_ours is not None:
-        lines.append(f"RATIO {tag}/best_torchspan_vs_best_torch {best:.3f} - {best_ours} vs {best_torch}, {size_name}")
+        lines.append(
+            f"RATIO {tag}/best_torchspan_vs_best_torch {best:.3f} - {best_ours} vs {best_torch}, {size_name}"
+        )
     for k, twin in TWINS.items():
         if k in times and twin in times:
             r = _per_round(times, k, twin)
-            lines.append(f"  {k} / {twin}: median of per-round ratios {r:.3f} (per round: "
-                         + " ".join(f"{a / c:.2f}" for a, c in zip(times[k], times[twin])) + ")")
-            lines.append(f"RATIO {tag}/{_slug(k)}_vs_{_slug(twin)[6:]} {r:.3f} <=0.9 {twin}, {size_name}: {d} x Linear({w}), "
-                         f"{m} micro-batches, 2 stages per rank" + ("" if same[k][0] else " (NOT the same gradients)"))
+            lines.append(
+                f"  {k} / {twin}: median of per-round ratios {r:.3f} (per round: "
+                + " ".join(f"{a / c:.2f}" for a, c in zip(times[k], times[twin]))
+                + ")"
+            )
+            lines.append(
+                f"RATIO {tag}/{_slug(k)}_vs_{_slug(twin)[6:]} {r:.3f} <=0.9 {twin}, {size_name}: {d} x "
+                f"Linear({w}), {m} micro-batches, 2 stages per rank"
+                + ("" if same[k][0] else " (NOT the same gradients)")
+            )
     lines += [f"SKIP {tag}/{_slug(s.split(': ')[0])}_vs_Schedule1F1B {s.split(': ', 1)[1]}" for s in skipped]
     return lines
 
@@ -378,23 +459,29 @@ def _clocked(ranks: Any) -> tuple[list[float], list[float]]:
     return spent, waits
 
 
-def _check_cost(times: dict[str, list[float]], spent: dict[str, tuple[list[float], list[float]]], schedules: list[str]) -> str:
+def _check_cost(
+    times: dict[str, list[float]], spent: dict[str, tuple[list[float], list[float]]], schedules: list[str]
+) -> str:
     """The same-batch check's cost: time inside the check (rank 0) against the step, and checked / unchecked
     step times from the same rounds (medians and median of per-round ratios)."""
-    lines = ["per-step same-batch check (RankStage.check_same_batch), checked / unchecked in the same rounds:"]
+    lines = [
+        "per-step same-batch check (RankStage.check_same_batch), checked / unchecked in the same rounds:"
+    ]
     for name in schedules:
         on, off = times[f"torchspan {name}"], times[f"{name} unchecked"]
         per_round = [a / b for a, b in zip(on, off)]
         inside, waits = spent[name]
         both = statistics.median([a + b for a, b in zip(inside, waits)])
         lines.append(
-            f"  {name}: rank 0 spent {statistics.median(inside) * 1e3:.3f} ms in the check (fingerprint, all-gather started) and "
-            f"{statistics.median(waits) * 1e3:.3f} ms waiting for its verdict before the first send (medians of {len(inside)} steps); "
-            f"together {both * 1e3:.3f} ms = {100 * both / statistics.median(on):.2f}% of the checked step"
+            f"  {name}: rank 0 spent {statistics.median(inside) * 1e3:.3f} ms in the check (fingerprint, "
+            f"all-gather started) and {statistics.median(waits) * 1e3:.3f} ms waiting for its verdict "
+            f"before the first send (medians of {len(inside)} steps); together {both * 1e3:.3f} ms = "
+            f"{100 * both / statistics.median(on):.2f}% of the checked step"
         )
         lines.append(
-            f"  {name}: checked {statistics.median(on) * 1e3:.2f} ms, unchecked {statistics.median(off) * 1e3:.2f} ms: "
-            f"{statistics.median(on) / statistics.median(off):.4f} (medians); median of per-round ratios {statistics.median(per_round):.4f}"
+            f"  {name}: checked {statistics.median(on) * 1e3:.2f} ms, unchecked "
+            f"{statistics.median(off) * 1e3:.2f} ms: {statistics.median(on) / statistics.median(off):.4f} "
+            f"(medians); median of per-round ratios {statistics.median(per_round):.4f}"
         )
     return "\n".join(lines) + "\n"
 
@@ -409,7 +496,12 @@ def _hybrid(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     y = torch.randn(size["batch"], size["width"], generator=g)
     loss_fn = nn.MSELoss()
     n = 2 * size["depth"]
-    ours = torchspan.span(_model(size["width"], size["depth"]), balance=[n // 2, n - n // 2], microbatches=size["microbatches"], schedule="1f1b")
+    ours = torchspan.span(
+        _model(size["width"], size["depth"]),
+        balance=[n // 2, n - n // 2],
+        microbatches=size["microbatches"],
+        schedule="1f1b",
+    )
     half = size["batch"] // 2
     xs, ys = x[replica * half : (replica + 1) * half], y[replica * half : (replica + 1) * half]
     ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(_model(size["width"], size["depth"])))
@@ -429,8 +521,13 @@ def _hybrid(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         title = "hybrid 2 stages x 2 replicas vs DDP on 4 processes"
         med = {k: statistics.median(v) for k, v in times.items()}
         r = _per_round(times, "torchspan 2x2", "DDP x4")
-        lines = [f"{title}:"] + [f"  {k:20s} median {v * 1e3:8.2f} ms/step over {len(times[k])} rounds" for k, v in med.items()]
-        lines.append(f"  ratio torchspan 2x2 / DDP x4 = {med['torchspan 2x2'] / med['DDP x4']:.3f} (medians); median of per-round ratios {r:.3f}")
+        lines = [f"{title}:"] + [
+            f"  {k:20s} median {v * 1e3:8.2f} ms/step over {len(times[k])} rounds" for k, v in med.items()
+        ]
+        lines.append(
+            f"  ratio torchspan 2x2 / DDP x4 = {med['torchspan 2x2'] / med['DDP x4']:.3f} (medians); "
+            f"median of per-round ratios {r:.3f}"
+        )
         lines.append(f"RATIO hybrid_2x2/torchspan_2x2_vs_DDP_x4 {r:.3f} - {title}")
         Path(out).write_text("\n".join(lines) + "\n")
 
@@ -439,20 +536,48 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=20, help="timed rounds (one step of every variant per round)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps of every variant first")
-    p.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES),
-                   help="; ".join(f"{k}: {v['depth']} x Linear({v['width']}), batch {v['batch']}, {v['microbatches']} micro-batches"
-                                  for k, v in SIZES.items()))  # fmt: skip
+    p.add_argument(
+        "--sizes",
+        nargs="+",
+        choices=list(SIZES),
+        default=list(SIZES),
+        help="; ".join(
+            f"{k}: {v['depth']} x Linear({v['width']}), batch {v['batch']}, {v['microbatches']} micro-batches"
+            for k, v in SIZES.items()
+        ),
+    )
     for name in ("width", "depth", "batch", "microbatches"):
         p.add_argument(f"--{name}", type=int, default=None, help="override every chosen size's")
-    p.add_argument("--schedule", nargs="+", choices=SCHEDULES, default=list(SCHEDULES),
-                   help="torchspan's pipeline schedule(s), each timed against Schedule1F1B in the same rounds (default: all)")
-    p.add_argument("--torch", nargs="+", choices=TORCH_SCHEDULES, default=list(TORCH_SCHEDULES),
-                   help="torch's schedules besides the anchor Schedule1F1B (default: all; those that do not apply are skipped)")
-    p.add_argument("--late-receives", action="store_true",
-                   help="also time each torchspan pipeline posting every receive only when needed, in the same rounds")
-    p.add_argument("--batch-check-cost", action="store_true",
-                   help="also time each torchspan pipeline with its per-step same-batch check off, in the same rounds (the check's cost)")
-    p.add_argument("--threads", type=int, default=0, help="intra-op threads per process (0: cores // processes)")
+    p.add_argument(
+        "--schedule",
+        nargs="+",
+        choices=SCHEDULES,
+        default=list(SCHEDULES),
+        help="torchspan's pipeline schedule(s), each timed against Schedule1F1B in the same rounds "
+        "(default: all)",
+    )
+    p.add_argument(
+        "--torch",
+        nargs="+",
+        choices=TORCH_SCHEDULES,
+        default=list(TORCH_SCHEDULES),
+        help="torch's schedules besides the anchor Schedule1F1B (default: all; those that do not apply are "
+        "skipped)",
+    )
+    p.add_argument(
+        "--late-receives",
+        action="store_true",
+        help="also time each torchspan pipeline posting every receive only when needed, in the same rounds",
+    )
+    p.add_argument(
+        "--batch-check-cost",
+        action="store_true",
+        help="also time each torchspan pipeline with its per-step same-batch check off, in the same rounds "
+        "(the check's cost)",
+    )
+    p.add_argument(
+        "--threads", type=int, default=0, help="intra-op threads per process (0: cores // processes)"
+    )
     p.add_argument("--only", nargs="+", choices=("pipeline", "hybrid"), default=("pipeline", "hybrid"))
     p.add_argument("--skip-hybrid", action="store_true", help="same as --only pipeline")
     return p
@@ -463,15 +588,23 @@ def main(argv: list[str] | None = None) -> int:
     add_quick(p, argv, steps=2, warmup=1, sizes=["small"], width=32, depth=4, batch=8, microbatches=2)
     args = p.parse_args(argv)
     only = ["pipeline"] if args.skip_hybrid else list(args.only)
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores shared by all processes (gloo on 127.0.0.1), "
-          f"{args.threads or max(1, (os.cpu_count() or 2) // 2)} intra-op thread(s) per process")
+    print(
+        f"torch {torch.__version__}, {os.cpu_count()} CPU cores shared by all processes (gloo on 127.0.0.1), "
+        f"{args.threads or max(1, (os.cpu_count() or 2) // 2)} intra-op thread(s) per process"
+    )
     print("load average (1, 5, 15 min) before: " + ", ".join(f"{v:.2f}" for v in os.getloadavg()))
-    print(f"{args.warmup} warm-up steps of every variant, then {args.steps} rounds of one step each (order rotating, "
-          "reversed every other round; barrier around each step; each step from .grad = None)")
+    print(
+        f"{args.warmup} warm-up steps of every variant, then {args.steps} rounds of one step each (order "
+        "rotating, reversed every other round; barrier around each step; each step from .grad = None)"
+    )
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [(name, fn, world) for name, fn, world in (("pipeline", _pipeline, 2), ("hybrid", _hybrid, 4)) if name in only]
+        runs = [
+            (name, fn, world)
+            for name, fn, world in (("pipeline", _pipeline, 2), ("hybrid", _hybrid, 4))
+            if name in only
+        ]
         for name, fn, world in runs:
             out = str(Path(tmp) / f"{name}.txt")
             mp.start_processes(fn, args=(world, free_port(), args, out), nprocs=world, start_method="spawn")

@@ -1,4 +1,5 @@
-"""torchspan sharded data parallel, as users call it, against raw FSDP2 ``fully_shard``: same model, data and processes.
+"""torchspan sharded data parallel, as users call it, against raw FSDP2 ``fully_shard``: same model, data and
+processes.
 
 ``python benchmarks/distributed.py --shard`` runs this (so does ``python benchmarks/distributed_sharded.py``).
 Two gloo processes on 127.0.0.1 (or nccl with ``--backend nccl`` on GPUs) each build, for every model
@@ -14,12 +15,13 @@ them), the process's peak resident set (CPU) or ``torch.cuda.max_memory_allocate
 
 Usage::
 
-    python benchmarks/distributed.py --shard                       # 2 CPU processes, gloo, two sizes
+    python benchmarks/distributed.py --shard           # 2 CPU processes, gloo, two sizes
     python benchmarks/distributed.py --shard --sizes 512x2,1024x4 --rounds 15
     python benchmarks/distributed.py --shard --backend nccl --nproc 2
-    python benchmarks/distributed.py --shard --quick               # tiny, 2 rounds of 1 step (torchspan bench --quick)
+    python benchmarks/distributed.py --shard --quick   # tiny, 2 rounds of 1 step (torchspan bench --quick)
 
-Prints ``RATIO distributed_sharded/span_vs_raw_fully_shard_<size> <median of per-round ratios> <=1.03 ...`` per size.
+Prints ``RATIO distributed_sharded/span_vs_raw_fully_shard_<size> <median of per-round ratios> <=1.03 ...``
+per size.
 """
 
 from __future__ import annotations
@@ -49,14 +51,19 @@ VARIANTS = ("raw fully_shard", "span", "replica")
 
 
 def _model(hidden: int, layers: int) -> nn.Module:
-    """An MLP of residual-free blocks (``Linear, GELU, Linear``): ``model_layers`` finds the blocks, FSDP2's units."""
+    """An MLP of residual-free blocks (``Linear, GELU, Linear``): ``model_layers`` finds the blocks, FSDP2's
+    units."""
     torch.manual_seed(0)
-    blocks = [nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden)) for _ in range(layers)]
+    blocks = [
+        nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+        for _ in range(layers)
+    ]
     return nn.Sequential(nn.Linear(256, hidden), *blocks, nn.Linear(hidden, 10))
 
 
 def _raw(model: nn.Module) -> nn.Module:
-    """FSDP2 as its documentation shows it: ``fully_shard`` on every child that has parameters, then on the root."""
+    """FSDP2 as its documentation shows it: ``fully_shard`` on every child that has parameters, then on the
+    root."""
     from torch.distributed.fsdp import fully_shard
 
     for child in model.children():
@@ -84,8 +91,11 @@ def _timed(step: Callable[[], None], sync: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def _variants(hidden: int, layers: int, x: torch.Tensor, y: torch.Tensor, rank: int, world: int) -> dict[str, Any]:
-    """Both variants of one size: ``{name: (step, module, optimizer)}`` (the global batch is every rank's rows)."""
+def _variants(
+    hidden: int, layers: int, x: torch.Tensor, y: torch.Tensor, rank: int, world: int
+) -> dict[str, Any]:
+    """Both variants of one size: ``{name: (step, module, optimizer)}`` (the global batch is every rank's
+    rows)."""
     loss_fn = nn.CrossEntropyLoss()
     raw = _raw(_model(hidden, layers))
     raw_opt = torch.optim.Adam(raw.parameters(), lr=1e-4)
@@ -121,7 +131,8 @@ def _variants(hidden: int, layers: int, x: torch.Tensor, y: torch.Tensor, rank: 
 
 
 def _measure(variants: dict[str, Any], opts: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """Alternating rounds (each variant first in turn); per variant the per-step times and the peak device memory."""
+    """Alternating rounds (each variant first in turn); per variant the per-step times and the peak device
+    memory."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     for _ in range(opts.warmup):
         for step, _, _ in variants.values():
@@ -142,7 +153,13 @@ def _measure(variants: dict[str, Any], opts: argparse.Namespace, device: torch.d
 
 
 def _worker(rank: int, world: int, port: int, opts: argparse.Namespace, results: dict) -> None:  # type: ignore[type-arg]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(opts.threads)
     info = init_distributed(backend=opts.backend, timeout=300)
     g = torch.Generator().manual_seed(0)
@@ -169,20 +186,30 @@ def _report(size: str, ranks: list[dict[str, Any]], opts: argparse.Namespace, ba
     med = {k: statistics.median(times[k]) for k in VARIANTS}
     print(f"  {size}: {params / 1e6:.2f}M parameters")
     for name, value in med.items():
-        print(f"    {name:16s} median {value * 1e3:8.2f} ms/step  (rounds {min(times[name]) * 1e3:.2f}..{max(times[name]) * 1e3:.2f} ms)")
+        print(
+            f"    {name:16s} median {value * 1e3:8.2f} ms/step  (rounds "
+            f"{min(times[name]) * 1e3:.2f}..{max(times[name]) * 1e3:.2f} ms)"
+        )
     for rank, r in enumerate(ranks):
         for name in VARIANTS:
             held = r["held"][name]
             shares = ", ".join(f"{k} {held[k] / 2**20:.2f}/{full[k] / 2**20:.2f} MiB" for k in full)
-            peak = f", peak allocated {r['peaks'][name] / 2**20:.1f} MiB" if r["peaks"][name] is not None else ""
+            peak = (
+                f", peak allocated {r['peaks'][name] / 2**20:.1f} MiB" if r["peaks"][name] is not None else ""
+            )
             print(f"    rank {rank} {name:16s} holds {shares}{peak}")
         print(f"    rank {rank} process peak RSS {r['rss'] / 2**20:.0f} MiB (every variant and size so far)")
     for name in VARIANTS[1:]:
         paired = statistics.median(s / f for s, f in zip(times[name], times["raw fully_shard"]))
         goal = "; goal <= 1.03" if name == "span" else ""
-        print(f"    ratio {name} / raw fully_shard: {med[name] / med['raw fully_shard']:.3f} (median of per-round ratios {paired:.3f}{goal})")
-        print(f"RATIO distributed_sharded/{name}_vs_raw_fully_shard_{size} {paired:.3f} {'<=1.03' if name == 'span' else '-'} "
-              f"raw FSDP2 fully_shard, {opts.nproc} x {backend}")
+        print(
+            f"    ratio {name} / raw fully_shard: {med[name] / med['raw fully_shard']:.3f} (median of "
+            f"per-round ratios {paired:.3f}{goal})"
+        )
+        print(
+            f"RATIO distributed_sharded/{name}_vs_raw_fully_shard_{size} {paired:.3f} "
+            f"{'<=1.03' if name == 'span' else '-'} raw FSDP2 fully_shard, {opts.nproc} x {backend}"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -191,12 +218,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--shard", action="store_true", help="(accepted: distributed.py --shard runs this script)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--backend", default=None, help="gloo (default on CPU) or nccl")
-    p.add_argument("--sizes", default="256x2,512x4", help="model sizes, HIDDENxLAYERS (blocks of hidden -> 4 hidden -> hidden)")
-    p.add_argument("--batch", type=int, default=32, help="rows per rank (the last rank gets fewer: uneven shards)")
+    p.add_argument(
+        "--sizes",
+        default="256x2,512x4",
+        help="model sizes, HIDDENxLAYERS (blocks of hidden -> 4 hidden -> hidden)",
+    )
+    p.add_argument(
+        "--batch", type=int, default=32, help="rows per rank (the last rank gets fewer: uneven shards)"
+    )
     p.add_argument("--steps", type=int, default=3, help="steps per timed round")
-    p.add_argument("--rounds", type=int, default=12, help="rounds; each times every variant, the order rotating")
+    p.add_argument(
+        "--rounds", type=int, default=12, help="rounds; each times every variant, the order rotating"
+    )
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="intra-op threads per process")
+    p.add_argument(
+        "--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="intra-op threads per process"
+    )
     add_quick(p, args, sizes="64x1,128x2", batch=4, steps=1, rounds=2, warmup=1)
     opts = p.parse_args(args)
     if opts.backend == "nccl" and opts.nproc > torch.cuda.device_count():
@@ -206,8 +243,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = manager.dict()
         mp.spawn(_worker, args=(opts.nproc, free_port(), opts, results), nprocs=opts.nproc)
         res = dict(results)
-    print(f"{opts.nproc} x {res['backend']} on {res['device']}, batch {opts.batch}/rank (uneven), Adam, "
-          f"{opts.rounds} alternating rounds of {opts.steps} steps, {opts.threads} thread(s) per process")  # fmt: skip
+    print(
+        f"{opts.nproc} x {res['backend']} on {res['device']}, batch {opts.batch}/rank (uneven), Adam, "
+        f"{opts.rounds} alternating rounds of {opts.steps} steps, {opts.threads} thread(s) per process"
+    )
     for hidden, layers in _sizes(opts.sizes):
         _report(f"{hidden}x{layers}", res[f"{hidden}x{layers}"], opts, res["backend"])
     return 0

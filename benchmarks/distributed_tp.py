@@ -1,28 +1,30 @@
-"""torchspan tensor parallelism, as users call it, against raw ``parallelize_module``: same model, plan, data, processes.
+"""torchspan tensor parallelism, as users call it, against raw ``parallelize_module``: same model, plan, data,
+processes.
 
-``python benchmarks/distributed.py --tp`` runs this (so does ``python benchmarks/distributed_tp.py``). Two gloo
-processes on 127.0.0.1 (or nccl with ``--backend nccl`` on GPUs) each build, per model, identical models from the
-same seed and split them over a one-dimensional ``DeviceMesh`` ``("tp",)`` by the same plan:
+``python benchmarks/distributed.py --tp`` runs this (so does ``python benchmarks/distributed_tp.py``). Two
+gloo processes on 127.0.0.1 (or nccl with ``--backend nccl`` on GPUs) each build, per model, identical models
+from the same seed and split them over a one-dimensional ``DeviceMesh`` ``("tp",)`` by the same plan:
 
 - **raw parallelize**: ``parallelize_module(model, init_device_mesh(..., mesh_dim_names=("tp",)), plan)`` with
   ``ColwiseParallel`` / ``RowwiseParallel`` written out, and the plain loop ``zero_grad(); loss.backward();
   step()``;
 - **span**: ``torchspan.span(model, tp=2)`` (a transformers model's own ``base_model_tp_plan``; the MLP's by
   ``tp_plan=``) through ``train_step`` (goal <= 1.03x raw);
-- **span loop**: the same span in the user's plain loop, ``loss.backward()`` on its output (goal <= 1.03x raw).
+- **span loop**: the same span in the user's plain loop, ``loss.backward()`` on its output (goal <= 1.03x
+raw).
 
-Models: a Llama-style ``transformers.LlamaForCausalLM`` (``--hidden`` 256, ``--layers`` 4, 8 heads, 4 KV heads,
-MLP width 4x, vocabulary 2048, its own loss; ``--batch`` 8 sequences of ``--seq`` 128 tokens, the same on both
-ranks) and an MLP of ``Linear(h, 4h), GELU, Linear(4h, h)`` blocks (columns then rows, MSE loss, 64 rows). Every
-rank runs the same batch (tensor parallelism splits the layers, not the rows); Adam. Each round times every
-variant, the order rotating from round to round, so all see the same machine load; the median of per-round
-ratios is printed per model.
+Models: a Llama-style ``transformers.LlamaForCausalLM`` (``--hidden`` 256, ``--layers`` 4, 8 heads, 4 KV
+heads, MLP width 4x, vocabulary 2048, its own loss; ``--batch`` 8 sequences of ``--seq`` 128 tokens, the same
+on both ranks) and an MLP of ``Linear(h, 4h), GELU, Linear(4h, h)`` blocks (columns then rows, MSE loss, 64
+rows). Every rank runs the same batch (tensor parallelism splits the layers, not the rows); Adam. Each round
+times every variant, the order rotating from round to round, so all see the same machine load; the median of
+per-round ratios is printed per model.
 
 Usage::
 
-    python benchmarks/distributed.py --tp                   # 2 CPU processes, gloo, 1 thread each, both models
+    python benchmarks/distributed.py --tp         # 2 CPU processes, gloo, 1 thread each, both models
     python benchmarks/distributed_tp.py --rounds 15 --models llama
-    python benchmarks/distributed_tp.py --quick             # tiny, 2 rounds of 1 step (torchspan bench --quick)
+    python benchmarks/distributed_tp.py --quick   # tiny, 2 rounds of 1 step (torchspan bench --quick)
 
 Prints ``RATIO distributed/tp_vs_raw_parallelize_<model> <median of per-round ratios> <=1.03 ...`` and
 ``RATIO distributed/tp_plain_loop_vs_raw_parallelize_<model> ...`` per model.
@@ -52,10 +54,14 @@ from _quick import add_quick  # noqa: E402  (benchmarks/_quick.py, beside this s
 VARIANTS = ("raw parallelize", "span", "span loop")
 MODELS = ("llama", "mlp")
 LLAMA_PLAN = {  # LlamaConfig.base_model_tp_plan, written out as parallelize_module takes it
-    "model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.k_proj": "colwise",
-    "model.layers.*.self_attn.v_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise",
-    "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.down_proj": "rowwise",
-}  # fmt: skip
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+}
 MLP_PLAN = {"*.0": "colwise", "*.2": "rowwise"}
 
 
@@ -64,16 +70,24 @@ def _llama(opts: argparse.Namespace) -> nn.Module:
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=opts.vocab, hidden_size=opts.hidden, intermediate_size=4 * opts.hidden, num_hidden_layers=opts.layers,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=max(opts.seq, 8), use_cache=False,
-    )  # fmt: skip
+        vocab_size=opts.vocab,
+        hidden_size=opts.hidden,
+        intermediate_size=4 * opts.hidden,
+        num_hidden_layers=opts.layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=max(opts.seq, 8),
+        use_cache=False,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
 def _mlp(opts: argparse.Namespace) -> nn.Module:
     torch.manual_seed(0)
     h = opts.mlp_hidden
-    return nn.Sequential(*[nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h)) for _ in range(opts.layers)])
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h)) for _ in range(opts.layers)]
+    )
 
 
 def _raw(model: nn.Module, plan: dict[str, str], tp: int) -> nn.Module:
@@ -108,7 +122,12 @@ def _variants(name: str, opts: argparse.Namespace, device: torch.device) -> dict
     raw = _raw(make(opts), plan, opts.nproc)
     raw_opt = torch.optim.Adam(raw.parameters(), lr=1e-4)
     spanned = torchspan.span(make(opts), tp=opts.nproc, tp_plan=None if name == "llama" else MLP_PLAN)
-    assert type(next(p for n, p in spanned.module.named_parameters() if n.endswith("0.weight") or "q_proj" in n)).__name__ == "DTensor"
+    assert (
+        type(
+            next(p for n, p in spanned.module.named_parameters() if n.endswith("0.weight") or "q_proj" in n)
+        ).__name__
+        == "DTensor"
+    )
     span_opt = torch.optim.Adam(spanned.parameters(), lr=1e-4)
 
     def raw_step() -> None:
@@ -137,7 +156,9 @@ def _timed(step: Callable[[], None], sync: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def _measure(steps: dict[str, Callable[[], None]], opts: argparse.Namespace, sync: Callable[[], None]) -> dict[str, list[float]]:
+def _measure(
+    steps: dict[str, Callable[[], None]], opts: argparse.Namespace, sync: Callable[[], None]
+) -> dict[str, list[float]]:
     """Per-round mean step times, every variant first, second and last in turn, the direction alternating."""
     for _ in range(opts.warmup):
         for step in steps.values():
@@ -152,7 +173,13 @@ def _measure(steps: dict[str, Callable[[], None]], opts: argparse.Namespace, syn
 
 
 def _worker(rank: int, world: int, port: int, opts: argparse.Namespace, results: dict) -> None:  # type: ignore[type-arg]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(opts.threads)
     info = init_distributed(backend=opts.backend, timeout=300)
     sync = (lambda: torch.cuda.synchronize(info.device)) if info.device.type == "cuda" else (lambda: None)
@@ -174,17 +201,29 @@ def _label(name: str, opts: argparse.Namespace) -> str:
 
 def _report(name: str, times: dict[str, list[float]], opts: argparse.Namespace, backend: str) -> None:
     label = _label(name, opts)
-    shown = f"seq {opts.seq} x batch {opts.batch}, vocab {opts.vocab}" if name == "llama" else f"{opts.mlp_batch} rows"
+    shown = (
+        f"seq {opts.seq} x batch {opts.batch}, vocab {opts.vocab}"
+        if name == "llama"
+        else f"{opts.mlp_batch} rows"
+    )
     print(f"  {label}: {shown}")
     for variant, ts in times.items():
-        print(f"    {variant:16s} median {statistics.median(ts) * 1e3:8.2f} ms/step  (rounds {min(ts) * 1e3:.2f}..{max(ts) * 1e3:.2f} ms)")
+        print(
+            f"    {variant:16s} median {statistics.median(ts) * 1e3:8.2f} ms/step  (rounds "
+            f"{min(ts) * 1e3:.2f}..{max(ts) * 1e3:.2f} ms)"
+        )
     anchor = times["raw parallelize"]
     for variant, tag in (("span", "tp"), ("span loop", "tp_plain_loop")):
         plain = statistics.median(times[variant]) / statistics.median(anchor)
         paired = statistics.median(t / r for t, r in zip(times[variant], anchor))
-        print(f"    ratio {variant} / raw parallelize: {plain:.3f} (median of per-round ratios {paired:.3f}; goal <= 1.03)")
-        print(f"RATIO distributed/{tag}_vs_raw_parallelize_{label} {paired:.3f} <=1.03 raw parallelize_module, same plan, "
-              f"{opts.nproc} x {backend}, {opts.threads} thread(s)")  # fmt: skip
+        print(
+            f"    ratio {variant} / raw parallelize: {plain:.3f} (median of per-round ratios {paired:.3f}; "
+            "goal <= 1.03)"
+        )
+        print(
+            f"RATIO distributed/{tag}_vs_raw_parallelize_{label} {paired:.3f} <=1.03 raw "
+            f"parallelize_module, same plan, {opts.nproc} x {backend}, {opts.threads} thread(s)"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -202,10 +241,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--mlp-hidden", type=int, default=512, help="the MLP's width (blocks of h -> 4h -> h)")
     p.add_argument("--mlp-batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=1, help="steps per timed round")
-    p.add_argument("--rounds", type=int, default=40, help="rounds; each times every variant, the order rotating (a shared machine: many short rounds)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=40,
+        help="rounds; each times every variant, the order rotating (a shared machine: many short rounds)",
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
-    add_quick(p, args, hidden=32, layers=1, seq=8, batch=2, vocab=64, mlp_hidden=16, mlp_batch=4, steps=1, rounds=2, warmup=1)
+    add_quick(
+        p,
+        args,
+        hidden=32,
+        layers=1,
+        seq=8,
+        batch=2,
+        vocab=64,
+        mlp_hidden=16,
+        mlp_batch=4,
+        steps=1,
+        rounds=2,
+        warmup=1,
+    )
     opts = p.parse_args(args)
     opts.model_list = [m.strip() for m in opts.models.split(",") if m.strip()]
     if not opts.model_list or any(m not in MODELS for m in opts.model_list):
@@ -216,8 +273,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = manager.dict()
         mp.spawn(_worker, args=(opts.nproc, free_port(), opts, results), nprocs=opts.nproc)
         res = dict(results)
-    print(f"{opts.nproc} x {res['backend']} on {res['device']}, tp={opts.nproc}, Adam, {opts.rounds} alternating rounds "
-          f"of {opts.steps} steps, {opts.threads} thread(s) per process")  # fmt: skip
+    print(
+        f"{opts.nproc} x {res['backend']} on {res['device']}, tp={opts.nproc}, Adam, {opts.rounds} "
+        f"alternating rounds of {opts.steps} steps, {opts.threads} thread(s) per process"
+    )
     for name in opts.model_list:
         _report(name, res[name], opts, res["backend"])
     return 0

@@ -85,7 +85,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: PyTorch's default)")
-    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall time, or this process's CPU time")
+    ap.add_argument(
+        "--clock", choices=("wall", "cpu"), default="wall", help="wall time, or this process's CPU time"
+    )
     ap.add_argument("--quick", action="store_true", help="at most 10 steps (for torchspan bench --quick)")
     args = ap.parse_args()
     if args.quick:
@@ -93,8 +95,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(
-        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, threads={torch.get_num_threads()}, "
-        f"clock={args.clock}"
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+        f"threads={torch.get_num_threads()}, clock={args.clock}"
     )
     cases = [
         ("realistic", args.width, args.depth, args.batch, args.tokens),
@@ -107,7 +109,10 @@ def main() -> None:
             f"watched {watched * 1e3:8.2f} ms, ratio {watched / plain:5.2f}x, {ops} ops checked/step"
         )
         goal = "<=1.5" if label == "realistic" else "-"
-        print(f"RATIO doctor_watch/plain_{label.split()[0]} {watched / plain:.3f} {goal} plain forward+backward, same model")
+        print(
+            f"RATIO doctor_watch/plain_{label.split()[0]} {watched / plain:.3f} {goal} plain "
+            "forward+backward, same model"
+        )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""What the loop users write costs on top of ``train_step``: the non-finite loss check, ``spanned.clip_grad_norm_``
-and the fp16 finish (issue 18 items 2, 3, 10).
+"""What the loop users write costs on top of ``train_step``: the non-finite loss check,
+``spanned.clip_grad_norm_`` and the fp16 finish (issue 18 items 2, 3, 10).
 
 Local (one process, 2 stages on the CPU, 4 micro-batches, transformer-style MLP blocks), measured
 interleaved (the order reversed every other round) so machine noise hits every variant alike;
@@ -10,7 +10,8 @@ medians printed:
 - ``clip``: ``spanned.clip_grad_norm_(1.0)`` vs ``torch.nn.utils.clip_grad_norm_(spanned.parameters(), 1.0)``;
 - ``fp16``: the plain fp16 loop (``train_step(); opt.step()``: the finish at the end of each train_step
   and the step hooks) vs ``--fp16-loop old``, the loop before (``spanned.step(opt)`` through GradScaler),
-  which only an older checkout runs: ``PYTHONPATH=<old checkout>/src python benchmarks/gradients_cost.py --only fp16 --fp16-loop old``.
+  which only an older checkout runs: ``PYTHONPATH=<old checkout>/src python benchmarks/gradients_cost.py
+  --only fp16 --fp16-loop old``.
 
 ``--ranks``: 2 gloo ranks, a 2-stage pipeline: ``spanned.clip_grad_norm_`` (one all-reduce of
 2 x named-parameters float64) vs a step.
@@ -96,26 +97,53 @@ def _local(args: argparse.Namespace) -> None:
 
     for f in (step, unchecked, ours, torchs):
         _timed(f, 3)
-    times: dict[str, list[float]] = {"step (check on)": [], "step (check off)": [], "spanned.clip_grad_norm_": [], "torch clip_grad_norm_": []}
-    pairs = [("step (check on)", step, 1), ("step (check off)", unchecked, 1), ("spanned.clip_grad_norm_", ours, 5), ("torch clip_grad_norm_", torchs, 5)]
+    times: dict[str, list[float]] = {
+        "step (check on)": [],
+        "step (check off)": [],
+        "spanned.clip_grad_norm_": [],
+        "torch clip_grad_norm_": [],
+    }
+    pairs = [
+        ("step (check on)", step, 1),
+        ("step (check off)", unchecked, 1),
+        ("spanned.clip_grad_norm_", ours, 5),
+        ("torch clip_grad_norm_", torchs, 5),
+    ]
     for i in range(args.steps):  # every variant in turn, the order reversed every other round
         for name, fn, n in pairs if i % 2 else pairs[::-1]:
             times[name] += _timed(fn, n)
     n = sum(1 for _ in spanned.module.parameters())
-    print(f"local: {args.depth} blocks of width {args.width} ({n} parameter tensors), batch {args.batch}x{args.tokens}, 4 micro-batches, 2 CPU stages")
+    print(
+        f"local: {args.depth} blocks of width {args.width} ({n} parameter tensors), batch "
+        f"{args.batch}x{args.tokens}, 4 micro-batches, 2 CPU stages"
+    )
     for k, v in times.items():
         print(f"  {k:28s} {statistics.median(v) * 1e3:9.3f} ms")
     on, off = statistics.median(times["step (check on)"]), statistics.median(times["step (check off)"])
-    print(f"  check on / off: {on / off:.4f}; clip / step: {statistics.median(times['spanned.clip_grad_norm_']) / on:.4f}")
-    ours_clip, torch_clip = statistics.median(times["spanned.clip_grad_norm_"]), statistics.median(times["torch clip_grad_norm_"])
-    print(f"RATIO gradients_cost/step_check_on_vs_off {on / off:.3f} - the same step with the non-finite loss check off")
-    print(f"RATIO gradients_cost/spanned_clip_vs_torch_clip {ours_clip / torch_clip:.3f} - torch.nn.utils.clip_grad_norm_ on the same parameters")
+    print(
+        f"  check on / off: {on / off:.4f}; clip / step: "
+        f"{statistics.median(times['spanned.clip_grad_norm_']) / on:.4f}"
+    )
+    ours_clip, torch_clip = (
+        statistics.median(times["spanned.clip_grad_norm_"]),
+        statistics.median(times["torch clip_grad_norm_"]),
+    )
+    print(
+        f"RATIO gradients_cost/step_check_on_vs_off {on / off:.3f} - the same step with the non-finite "
+        "loss check off"
+    )
+    print(
+        f"RATIO gradients_cost/spanned_clip_vs_torch_clip {ours_clip / torch_clip:.3f} - "
+        "torch.nn.utils.clip_grad_norm_ on the same parameters"
+    )
 
 
 def _fp16(args: argparse.Namespace) -> None:
     x = torch.randn(args.batch, args.tokens, args.width)
     y = torch.randn(args.batch, args.tokens, args.width)
-    spanned = torchspan.span(_model(args.width, args.depth), devices=["cpu", "cpu"], microbatches=4, precision="fp16")
+    spanned = torchspan.span(
+        _model(args.width, args.depth), devices=["cpu", "cpu"], microbatches=4, precision="fp16"
+    )
     opt = torch.optim.SGD(spanned.parameters(), lr=1e-4)
 
     def step() -> None:
@@ -125,16 +153,29 @@ def _fp16(args: argparse.Namespace) -> None:
 
     _timed(step, 3)
     times = _timed(step, args.steps)
-    print(f"fp16 loop {args.fp16_loop}: median {statistics.median(times) * 1e3:.3f} ms per step ({torchspan.__file__})")
+    print(
+        f"fp16 loop {args.fp16_loop}: median {statistics.median(times) * 1e3:.3f} ms per step "
+        f"({torchspan.__file__})"
+    )
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     torchspan.init_distributed(timeout=60)
     x = torch.randn(args.batch, args.tokens, args.width, generator=torch.Generator().manual_seed(0))
     y = torch.randn(args.batch, args.tokens, args.width, generator=torch.Generator().manual_seed(1))
-    spanned = torchspan.span(_model(args.width, args.depth), balance=[args.depth // 2, args.depth - args.depth // 2 + 1], microbatches=4)
+    spanned = torchspan.span(
+        _model(args.width, args.depth),
+        balance=[args.depth // 2, args.depth - args.depth // 2 + 1],
+        microbatches=4,
+    )
     opt = torch.optim.SGD(spanned.parameters(), lr=1e-4)
 
     def step() -> None:
@@ -155,7 +196,10 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         clips += _timed(clip, 5)
     if rank == 0:
         s, c = statistics.median(steps), statistics.median(clips)
-        print(f"2 gloo ranks, 2-stage pipeline: step {s * 1e3:.3f} ms, spanned.clip_grad_norm_ {c * 1e3:.3f} ms ({c / s:.4f} of a step)")
+        print(
+            f"2 gloo ranks, 2-stage pipeline: step {s * 1e3:.3f} ms, spanned.clip_grad_norm_ {c * 1e3:.3f} "
+            f"ms ({c / s:.4f} of a step)"
+        )
         print(f"RATIO gradients_cost/ranks_clip_vs_step {c / s:.4f} - one train step of the 2-rank pipeline")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

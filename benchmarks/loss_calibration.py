@@ -12,8 +12,8 @@ over ``--devices`` with ``--microbatches`` (a calibration needs more than one mi
 - **calibrating / calibrated** (the RATIO line): on the same span, a step whose calibration is forgotten first
   (a fresh ``LossChecks``, so it calibrates again: what a first call pays for it, with everything else
   warm) against a step that finds it remembered, alternating in every round (the order swapped every other
-  round); ``extra / step`` = median per-round ``calibrating / calibrated - 1``. Each calibrating step is checked
-  to have run one dry forward, each calibrated step none.
+  round); ``extra / step`` = median per-round ``calibrating / calibrated - 1``. Each calibrating step is
+  checked to have run one dry forward, each calibrated step none.
 - **first call** of a fresh span with the lambda against a fresh span given ``F.cross_entropy`` itself (read,
   never calibrated; a declared ``loss_reduction=`` would still be verified by a dry forward): the same
   first-step costs but the calibration, ``(opaque first - read first) / later step``, median over ``--fresh``
@@ -23,9 +23,10 @@ over ``--devices`` with ``--microbatches`` (a calibration needs more than one mi
 
 Usage::
 
-    python benchmarks/loss_calibration.py                      # width 512, depth 4, batch 128, 4 micro-batches, cpu
-    python benchmarks/loss_calibration.py --devices cpu,cpu    # 2 stages in one process
-    python benchmarks/loss_calibration.py --quick              # tiny, 2 rounds (torchspan bench --quick)
+    # width 512, depth 4, batch 128, 4 micro-batches, cpu
+    python benchmarks/loss_calibration.py
+    python benchmarks/loss_calibration.py --devices cpu,cpu   # 2 stages in one process
+    python benchmarks/loss_calibration.py --quick             # tiny, 2 rounds (torchspan bench --quick)
 
 Prints ``RATIO loss_calibration/calibration_vs_step <extra / step> - ...``.
 """
@@ -74,8 +75,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--devices", default="cpu", help="comma-separated, e.g. cpu or cpu,cpu")
-    parser.add_argument("--rounds", type=int, default=60, help="rounds of (calibrating, calibrated) on one span")
-    parser.add_argument("--fresh", type=int, default=10, help="pairs of fresh spans timed on their first call")
+    parser.add_argument(
+        "--rounds", type=int, default=60, help="rounds of (calibrating, calibrated) on one span"
+    )
+    parser.add_argument(
+        "--fresh", type=int, default=10, help="pairs of fresh spans timed on their first call"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: torch's default)")
     add_quick(parser, argv, width=32, depth=2, batch=8, rounds=2, fresh=1)
     args = parser.parse_args(argv)
@@ -88,8 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     y = torch.randint(0, 10, (args.batch,), generator=g)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); MLP 64-{args.width}x{args.depth}-10, batch "
-        f"{args.batch}, {args.microbatches} micro-batches on {devices}; 1-minute load average {load:.2f}"
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); MLP "
+        f"64-{args.width}x{args.depth}-10, batch {args.batch}, {args.microbatches} micro-batches on "
+        f"{devices}; 1-minute load average {load:.2f}"
     )
 
     # 1. the same span: calibration forgotten before one step, remembered before the other
@@ -118,8 +124,14 @@ def main(argv: list[str] | None = None) -> None:
         ratios.append(times["calibrating"] / times["calibrated"])
     step = statistics.median(without)
     extra = statistics.median(ratios) - 1.0
-    print(f"1. same span, {args.rounds} rounds: calibrating step {statistics.median(with_cal) * 1e3:.3f} ms, calibrated step {step * 1e3:.3f} ms (medians)")
-    print(f"   calibration / step = {extra:.3f} (median per-round ratio - 1; per-round range {min(ratios) - 1:.3f} to {max(ratios) - 1:.3f})")
+    print(
+        f"1. same span, {args.rounds} rounds: calibrating step {statistics.median(with_cal) * 1e3:.3f} ms, "
+        f"calibrated step {step * 1e3:.3f} ms (medians)"
+    )
+    print(
+        f"   calibration / step = {extra:.3f} (median per-round ratio - 1; per-round range "
+        f"{min(ratios) - 1:.3f} to {max(ratios) - 1:.3f})"
+    )
 
     # 2. fresh spans, first call: the opaque lambda against F.cross_entropy itself (read, never calibrated)
     extras: list[float] = []
@@ -139,13 +151,20 @@ def main(argv: list[str] | None = None) -> None:
         later = statistics.median(_timed(opaque_first) for _ in range(3))
         extras.append((times["opaque_first"] - times["read_first"]) / later)
         firsts.append(times["opaque_first"] / later)
-    print(f"2. fresh spans, {args.fresh} pairs: (opaque first call - F.cross_entropy first call) / later step = {statistics.median(extras):.3f} (median; range {min(extras):.3f} to {max(extras):.3f})")
-    print(f"3. fresh span, opaque loss: first call / later step = {statistics.median(firsts):.3f} (median; range {min(firsts):.3f} to {max(firsts):.3f})")
+    print(
+        f"2. fresh spans, {args.fresh} pairs: (opaque first call - F.cross_entropy first call) / later "
+        f"step = {statistics.median(extras):.3f} (median; range {min(extras):.3f} to {max(extras):.3f})"
+    )
+    print(
+        f"3. fresh span, opaque loss: first call / later step = {statistics.median(firsts):.3f} (median; "
+        f"range {min(firsts):.3f} to {max(firsts):.3f})"
+    )
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"1-minute load average after: {load:.2f}")
     print(
-        f"RATIO loss_calibration/calibration_vs_step {extra:.3f} - an opaque loss's calibration (one extra no-grad forward, once) "
-        f"over one train_step, MLP width {args.width}, {args.microbatches} micro-batches on {args.devices}"
+        f"RATIO loss_calibration/calibration_vs_step {extra:.3f} - an opaque loss's calibration (one extra "
+        f"no-grad forward, once) over one train_step, MLP width {args.width}, {args.microbatches} "
+        f"micro-batches on {args.devices}"
     )
 
 

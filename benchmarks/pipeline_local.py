@@ -13,8 +13,8 @@ per-round ratios, what machine noise hurts least):
 - ``torchgpipe``: ``GPipe(model, balance=[8, 8], devices=['cpu', 'cpu'], chunks=8)`` with its
   default ``checkpoint='except_last'``, and with ``checkpoint='never'`` (like-for-like).
 - ``torchspan``: ``span(model, devices=['cpu', 'cpu'], balance=[8, 8], microbatches=8)``,
-  schedules gpipe, 1f1b and merged-weights, ``checkpoint='never'`` (torchspan's default) and ``'except_last'``;
-  and ``workers='stage'`` (a thread per stage, intra-op threads split between them).
+  schedules gpipe, 1f1b and merged-weights, ``checkpoint='never'`` (torchspan's default) and
+  ``'except_last'``; and ``workers='stage'`` (a thread per stage, intra-op threads split between them).
 
 With a GPU it also runs ``['cpu', 'cuda:0']`` and ``['cuda:0']`` for torchspan and the plain loop.
 
@@ -69,7 +69,13 @@ def torchgpipe_step(model: nn.Module, checkpoint: str) -> Callable[[torch.Tensor
         from torchgpipe import GPipe
     except ImportError:
         return None
-    pipe = GPipe(model, balance=[2 * LAYERS // 2, 2 * LAYERS // 2], devices=["cpu", "cpu"], chunks=CHUNKS, checkpoint=checkpoint)
+    pipe = GPipe(
+        model,
+        balance=[2 * LAYERS // 2, 2 * LAYERS // 2],
+        devices=["cpu", "cpu"],
+        chunks=CHUNKS,
+        checkpoint=checkpoint,
+    )
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         pipe.zero_grad(set_to_none=True)
@@ -84,7 +90,13 @@ def torchspan_step(
     half = len(model) // 2
     balance = [half, len(model) - half] if len(devices) == 2 else [len(model)]
     spanned = torchspan.span(
-        model, devices=devices, balance=balance, microbatches=CHUNKS, schedule=schedule, recompute=checkpoint, workers=workers
+        model,
+        devices=devices,
+        balance=balance,
+        microbatches=CHUNKS,
+        schedule=schedule,
+        recompute=checkpoint,
+        workers=workers,
     )
     cuda = [torch.device(d) for d in devices if d.startswith("cuda")]
 
@@ -97,7 +109,9 @@ def torchspan_step(
     return step
 
 
-def measure(cases: dict[str, Callable[[torch.Tensor, torch.Tensor], None]], rounds: int, per_round: int) -> dict[str, list[float]]:
+def measure(
+    cases: dict[str, Callable[[torch.Tensor, torch.Tensor], None]], rounds: int, per_round: int
+) -> dict[str, list[float]]:
     """Per-step times of every case, ``rounds`` rounds of ``per_round`` steps each; the order reverses every
     other round, so each case's round-neighbours change and machine noise hits all of them alike."""
     torch.manual_seed(1)
@@ -124,11 +138,19 @@ def per_round(times: dict[str, list[float]], name: str, anchor: str) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="fewer rounds, batch 64 of width 256 (a smoke run for torchspan bench --quick)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer rounds, batch 64 of width 256 (a smoke run for torchspan bench --quick)",
+    )
     p.add_argument("--rounds", type=int, default=None)
-    p.add_argument("--size", choices=tuple(SIZES), default="default",
-                   help="default: 8 x Linear(1024), batch 256, 8 micro-batches; small: 8 x Linear(512), batch 64, 4 "
-                        "micro-batches (where per-step overhead shows)")  # fmt: skip
+    p.add_argument(
+        "--size",
+        choices=tuple(SIZES),
+        default="default",
+        help="default: 8 x Linear(1024), batch 256, 8 micro-batches; small: 8 x Linear(512), batch 64, 4 "
+        "micro-batches (where per-step overhead shows)",
+    )
     args = p.parse_args(argv)
     globals().update(SIZES[args.size])  # the step functions read these at call time
     if args.quick:
@@ -136,17 +158,26 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or (3 if args.quick else 15)
     per_round_steps = 1 if args.quick else 2
 
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"intra-op threads {torch.get_num_threads()}, python {sys.version.split()[0]}")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
+        f"{torch.__version__}, intra-op threads {torch.get_num_threads()}, python {sys.version.split()[0]}"
+    )
     base = build()
     cases: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {
         "plain": plain_step(copy.deepcopy(base), torch.device("cpu")),
         "torchspan gpipe never": torchspan_step(copy.deepcopy(base), ["cpu", "cpu"], "gpipe", "never"),
         "torchspan 1f1b never": torchspan_step(copy.deepcopy(base), ["cpu", "cpu"], "1f1b", "never"),
-        "torchspan merged-weights never": torchspan_step(copy.deepcopy(base), ["cpu", "cpu"], "merged-weights", "never"),
-        "torchspan gpipe except_last": torchspan_step(copy.deepcopy(base), ["cpu", "cpu"], "gpipe", "except_last"),
-        # one thread per stage, 1 intra-op thread each: real overlap, but slower than intra-op parallelism on one CPU
-        "torchspan gpipe workers=stage": torchspan_step(copy.deepcopy(base), ["cpu", "cpu"], "gpipe", "never", "stage"),
+        "torchspan merged-weights never": torchspan_step(
+            copy.deepcopy(base), ["cpu", "cpu"], "merged-weights", "never"
+        ),
+        "torchspan gpipe except_last": torchspan_step(
+            copy.deepcopy(base), ["cpu", "cpu"], "gpipe", "except_last"
+        ),
+        # one thread per stage, 1 intra-op thread each: real overlap, but slower than intra-op parallelism on
+        # one CPU
+        "torchspan gpipe workers=stage": torchspan_step(
+            copy.deepcopy(base), ["cpu", "cpu"], "gpipe", "never", "stage"
+        ),
     }
     for ck in ("except_last", "never"):
         fn = torchgpipe_step(copy.deepcopy(base), ck)
@@ -160,28 +191,49 @@ def main(argv: list[str] | None = None) -> int:
     times = measure(cases, rounds, per_round_steps)
     t = {k: statistics.median(v) for k, v in times.items()}
     load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"1-minute load average: {load0:.2f} before, {load1:.2f} after (above the core count means a noisy run)")
-    print(f"\nstep time, median of {rounds} rounds x {per_round_steps} steps (batch {BATCH}, width {WIDTH}, {CHUNKS} micro-batches):")
+    print(
+        f"1-minute load average: {load0:.2f} before, {load1:.2f} after (above the core count means a noisy "
+        "run)"
+    )
+    print(
+        f"\nstep time, median of {rounds} rounds x {per_round_steps} steps (batch {BATCH}, width {WIDTH}, "
+        f"{CHUNKS} micro-batches):"
+    )
     for name, sec in t.items():
-        ratio = f"   x{per_round(times, name, 'plain'):.3f} of plain (median of per-round ratios)" if name != "plain" else ""
+        ratio = (
+            f"   x{per_round(times, name, 'plain'):.3f} of plain (median of per-round ratios)"
+            if name != "plain"
+            else ""
+        )
         print(f"  {name:32s} {sec * 1e3:8.1f} ms{ratio}")
     print()
     r = lambda name, anchor: per_round(times, name, anchor)  # noqa: E731
-    print(f"RATIO torchspan_gpipe/plain_loop {r('torchspan gpipe never', 'plain'):.3f} <=1.03 plain micro-batch loop, cpu (median of per-round ratios)")
-    print(f"RATIO torchspan_stage_threads/plain_loop {r('torchspan gpipe workers=stage', 'plain'):.3f} - plain loop, cpu (workers='stage')")
-    print(f"RATIO torchspan_1f1b/plain_loop {r('torchspan 1f1b never', 'plain'):.3f} <=1.03 plain micro-batch loop, cpu (median of per-round ratios)")
     print(
-        f"RATIO torchspan_merged_weights/plain_loop {r('torchspan merged-weights never', 'plain'):.3f} <=1.03 plain micro-batch "
-        "loop, cpu (median of per-round ratios)"
+        f"RATIO torchspan_gpipe/plain_loop {r('torchspan gpipe never', 'plain'):.3f} <=1.03 plain "
+        "micro-batch loop, cpu (median of per-round ratios)"
+    )
+    print(
+        f"RATIO torchspan_stage_threads/plain_loop {r('torchspan gpipe workers=stage', 'plain'):.3f} - "
+        "plain loop, cpu (workers='stage')"
+    )
+    print(
+        f"RATIO torchspan_1f1b/plain_loop {r('torchspan 1f1b never', 'plain'):.3f} <=1.03 plain "
+        "micro-batch loop, cpu (median of per-round ratios)"
+    )
+    print(
+        f"RATIO torchspan_merged_weights/plain_loop {r('torchspan merged-weights never', 'plain'):.3f} "
+        "<=1.03 plain micro-batch loop, cpu (median of per-round ratios)"
     )
     if "torchgpipe except_last" in t:
         print(
-            f"RATIO torchspan_default/torchgpipe_default {r('torchspan gpipe never', 'torchgpipe except_last'):.3f} <=0.8 "
-            "torchgpipe 0.0.7 defaults (torchspan recompute=never vs torchgpipe checkpoint=except_last), cpu,cpu"
+            "RATIO torchspan_default/torchgpipe_default "
+            f"{r('torchspan gpipe never', 'torchgpipe except_last'):.3f} <=0.8 torchgpipe 0.0.7 defaults "
+            "(torchspan recompute=never vs torchgpipe checkpoint=except_last), cpu,cpu"
         )
         print(
-            f"RATIO torchspan/torchgpipe_except_last {r('torchspan gpipe except_last', 'torchgpipe except_last'):.3f} - "
-            "torchgpipe 0.0.7 like-for-like checkpoint=except_last, cpu,cpu"
+            "RATIO torchspan/torchgpipe_except_last "
+            f"{r('torchspan gpipe except_last', 'torchgpipe except_last'):.3f} - torchgpipe 0.0.7 "
+            "like-for-like checkpoint=except_last, cpu,cpu"
         )
         print(
             f"RATIO torchspan/torchgpipe_never {r('torchspan gpipe never', 'torchgpipe never'):.3f} - "
@@ -189,11 +241,21 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         why = "torchgpipe is not installed (pip install -c constraints.txt 'torchspan[bench]')"
-        for name in ("torchspan_default/torchgpipe_default", "torchspan/torchgpipe_except_last", "torchspan/torchgpipe_never"):
+        for name in (
+            "torchspan_default/torchgpipe_default",
+            "torchspan/torchgpipe_except_last",
+            "torchspan/torchgpipe_never",
+        ):
             print(f"SKIP {name} {why}")
     if "torchspan cuda" in t:  # pragma: no cover - needs a GPU
-        print(f"RATIO torchspan_cuda/plain_cuda {r('torchspan cuda', 'plain cuda'):.3f} <=1.1 plain loop, cuda:0")
-        print(f"RATIO torchspan_cpu+cuda/plain_cuda {r('torchspan cpu+cuda', 'plain cuda'):.3f} - plain loop, cuda:0")
+        print(
+            f"RATIO torchspan_cuda/plain_cuda {r('torchspan cuda', 'plain cuda'):.3f} <=1.1 plain loop, "
+            "cuda:0"
+        )
+        print(
+            f"RATIO torchspan_cpu+cuda/plain_cuda {r('torchspan cpu+cuda', 'plain cuda'):.3f} - plain "
+            "loop, cuda:0"
+        )
     return 0
 
 

@@ -49,12 +49,13 @@ from torch import nn
 import torchspan
 from torchspan.hardware import format_bytes
 from torchspan.planner.cost import CostModel
-from torchspan.planner.stages import Stage
-from torchspan.planner.plans import Plan
 from torchspan.planner.optimize import search
+from torchspan.planner.plans import Plan
+from torchspan.planner.stages import Stage
 from torchspan.profiler.costs import Profile
 
-# The conv net's BatchNorm sees micro-batches, not the batch: a numerics note that does not bear on time or memory.
+# The conv net's BatchNorm sees micro-batches, not the batch: a numerics note that does not bear on time or
+# memory.
 warnings.filterwarnings("ignore", message="BatchNorm layer")
 
 
@@ -81,11 +82,19 @@ def transformer_stack() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 
 def conv_net() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     model = nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-        nn.Conv2d(32, 64, 3, padding=1, stride=2), nn.BatchNorm2d(64), nn.ReLU(),
-        nn.Conv2d(64, 64, 3, padding=1, stride=2), nn.BatchNorm2d(64), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10),
-    )  # fmt: skip
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1, stride=2),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+        nn.Conv2d(64, 64, 3, padding=1, stride=2),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(64, 10),
+    )
     return model, torch.randn(32, 3, 32, 32), torch.randn(32, 10)
 
 
@@ -118,7 +127,9 @@ def two_stage_plan(prof: Profile, microbatches: int = 4) -> Plan:
     L = len(prof.layers)
     evs = [cm.evaluate([Stage(0, 0, cut), Stage(1, cut, L)]) for cut in range(1, L)]
     ev = min(evs, key=lambda e: max(f + b for f, b in zip(e.forward, e.backward)))
-    return cm.to_plan(ev, "balanced two-stage split", notes=["built by plan_accuracy.py; scored by CostModel.evaluate"])
+    return cm.to_plan(
+        ev, "balanced two-stage split", notes=["built by plan_accuracy.py; scored by CostModel.evaluate"]
+    )
 
 
 def run_case(name: str, devices: list[str], steps: int) -> dict[str, Any]:
@@ -132,7 +143,9 @@ def run_case(name: str, devices: list[str], steps: int) -> dict[str, Any]:
     placed = cm.stages_for(plan)
     again = cm.evaluate(placed).step_time
     if abs(again - float(plan.predicted_step_time or 0.0)) > 1e-9 * again:
-        raise RuntimeError(f"CostModel.evaluate gives {again} s for the plan, which predicts {plan.predicted_step_time} s")
+        raise RuntimeError(
+            f"CostModel.evaluate gives {again} s for the plan, which predicts {plan.predicted_step_time} s"
+        )
     # gradient accumulation (micro-batches after the first) runs inside the backward blocks
     accumulate = [float(cm.accumulate[st.device, st.start : st.end].sum()) for st in placed]
     spanned = torchspan.span(model, plan)  # default workers="device"
@@ -151,7 +164,13 @@ def run_case(name: str, devices: list[str], steps: int) -> dict[str, Any]:
         times.append(time.perf_counter() - t0)
         opt.step()
         for i in range(len(plan.stages)):
-            busy[i].append(sum(e.duration for e in spanned.timeline() if e.stage == i and e.kind in ("forward", "backward")))
+            busy[i].append(
+                sum(
+                    e.duration
+                    for e in spanned.timeline()
+                    if e.stage == i and e.kind in ("forward", "backward")
+                )
+            )
     measured_stages = spanned.memory(opt)
     stages = []
     for sp, ms in zip(plan.stages, measured_stages):
@@ -191,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = 4 if args.quick else args.steps
     names = ["mlp"] if args.quick else list(MODELS)
     print(
-        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{args.threads} intra-op thread(s), {steps} measured steps per case"
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
+        f"{torch.__version__}, {args.threads} intra-op thread(s), {steps} measured steps per case"
     )
     rows = []
     loads = [load()]
@@ -202,32 +221,45 @@ def main(argv: list[str] | None = None) -> int:
         loads.append(load())
         for label, res in ((f"{name}/cpu", single), (f"{name}/cpu,cpu", split)):
             plan = res["plan"]
-            print(f"\n== {label}: {len(plan.stages)} stage(s) {plan.balance}, {plan.microbatches} micro-batch(es), "
-                  f"{plan.schedule}, recompute={plan.recompute}")
+            print(
+                f"\n== {label}: {len(plan.stages)} stage(s) {plan.balance}, {plan.microbatches} "
+                f"micro-batch(es), {plan.schedule}, recompute={plan.recompute}"
+            )
             lo, hi = res["spread"]
-            print(f"   step: predicted {res['predicted_step'] * 1e3:.2f} ms, measured median {res['measured_step'] * 1e3:.2f} ms "
-                  f"(min {lo * 1e3:.2f}, max {hi * 1e3:.2f})")
+            print(
+                f"   step: predicted {res['predicted_step'] * 1e3:.2f} ms, measured median "
+                f"{res['measured_step'] * 1e3:.2f} ms (min {lo * 1e3:.2f}, max {hi * 1e3:.2f})"
+            )
             for i, st in enumerate(res["stages"]):
-                print(f"   stage {i} on {st['device']} ({st['layers']} layers): predicted {format_bytes(st['predicted'])} "
-                      f"(+ {format_bytes(st['workspace'])} transient workspace, not metered), "
-                      f"measured {format_bytes(st['measured'])}; saved activations predicted "
-                      f"{format_bytes(st['predicted_act'])}, measured {format_bytes(st['measured_act'])}; "
-                      f"compute (fwd+bwd of all micro-batches, from spanned.timeline()) predicted "
-                      f"{st['predicted_busy'] * 1e3:.2f} ms, measured {st['measured_busy'] * 1e3:.2f} ms")
+                print(
+                    f"   stage {i} on {st['device']} ({st['layers']} layers): predicted "
+                    f"{format_bytes(st['predicted'])} (+ {format_bytes(st['workspace'])} transient "
+                    f"workspace, not metered), measured {format_bytes(st['measured'])}; saved activations "
+                    f"predicted {format_bytes(st['predicted_act'])}, measured "
+                    f"{format_bytes(st['measured_act'])}; compute (fwd+bwd of all micro-batches, from "
+                    f"spanned.timeline()) predicted {st['predicted_busy'] * 1e3:.2f} ms, measured "
+                    f"{st['measured_busy'] * 1e3:.2f} ms"
+                )
             rows.append((label, res))
     print(f"\nload average (1 min) before and after each model: {', '.join(f'{v:.2f}' for v in loads)}")
     print()
     for label, res in rows:
         p, m = res["predicted_step"], res["measured_step"]
-        print(f"RATIO plan_accuracy/{label}/step_time {error_factor(p, m):.3f} <=1.15 measured train_step "
-              f"(predicted/measured {p / m:.3f})")
+        print(
+            f"RATIO plan_accuracy/{label}/step_time {error_factor(p, m):.3f} <=1.15 measured train_step "
+            f"(predicted/measured {p / m:.3f})"
+        )
         for i, st in enumerate(res["stages"]):
             p, m = st["predicted"], st["measured"]
-            print(f"RATIO plan_accuracy/{label}/memory_stage{i} {error_factor(p, m):.3f} <=1.15 spanned.memory() "
-                  f"(predicted/measured {p / m:.3f})")
+            print(
+                f"RATIO plan_accuracy/{label}/memory_stage{i} {error_factor(p, m):.3f} <=1.15 "
+                f"spanned.memory() (predicted/measured {p / m:.3f})"
+            )
             p, m = st["predicted_busy"], st["measured_busy"]
-            print(f"RATIO plan_accuracy/{label}/compute_stage{i} {error_factor(p, m):.3f} - spanned.timeline() "
-                  f"(predicted/measured {p / m:.3f})")
+            print(
+                f"RATIO plan_accuracy/{label}/compute_stage{i} {error_factor(p, m):.3f} - spanned.timeline() "
+                f"(predicted/measured {p / m:.3f})"
+            )
     return 0
 
 

@@ -16,9 +16,10 @@ Every process runs ``torch.set_num_threads(1)``. Prints Markdown tables for benc
 
 Usage::
 
-    python benchmarks/plan_cluster.py                 # default sizes and repeats
+    python benchmarks/plan_cluster.py   # default sizes and repeats
     python benchmarks/plan_cluster.py --repeats 20 --batch 64 --widths 512,2048
-    python benchmarks/plan_cluster.py --quick         # 2 processes, 3 sizes, width 64, 2 repeats (torchspan bench --quick)
+    # 2 processes, 3 sizes, width 64, 2 repeats (torchspan bench --quick)
+    python benchmarks/plan_cluster.py --quick
 
 Also prints ``RATIO plan_cluster/... <predicted / measured> - ...`` lines (read by ``torchspan bench``).
 """
@@ -45,6 +46,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from _quick import add_quick  # noqa: E402  (benchmarks/_quick.py, beside this script)
+
 from torchspan.runtime.ranks import init_distributed  # noqa: E402
 
 SIZES = [4 * 1024, 64 * 1024, 1024**2, 4 * 1024**2, 16 * 1024**2]
@@ -65,13 +67,23 @@ def mlp(width: int = 512) -> nn.Sequential:
     return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
-def _worker(rank: int, world: int, port: int, job: str, args: dict[str, Any], queue: Any, faults: str) -> None:
+def _worker(
+    rank: int, world: int, port: int, job: str, args: dict[str, Any], queue: Any, faults: str
+) -> None:
     trace = open(Path(faults) / f"rank{rank}.txt", "w")  # noqa: SIM115 - open until the process ends
     faulthandler.enable(file=trace)  # a rank killed by a signal (abort) leaves its Python stacks here
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    # torchspan's join: at exit it destroys the group and lets gloo's worker threads finish before the interpreter's
-    # teardown (a raw init_process_group here lost a rank to SIGABRT at exit now and then: "Fatal Python error:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
+    # torchspan's join: at exit it destroys the group and lets gloo's worker threads finish before the
+    # interpreter's teardown (a raw init_process_group here lost a rank to SIGABRT at exit now and then:
+    # "Fatal Python
+    # error:
     # Aborted" in a thread with no Python frame, after the job had returned)
     init_distributed(backend="gloo", timeout=300)
     out = _allreduce(args) if job == "allreduce" else _ddp_step(rank, world, args)
@@ -80,7 +92,8 @@ def _worker(rank: int, world: int, port: int, job: str, args: dict[str, Any], qu
 
 
 def _allreduce(args: dict[str, Any]) -> dict[int, float]:
-    """Median seconds per all-reduce, per size (slowest rank's view: a barrier before each, max over ranks)."""
+    """Median seconds per all-reduce, per size (slowest rank's view: a barrier before each, max over
+    ranks)."""
     out = {}
     for size in args["sizes"]:
         t = torch.ones(size // 4)
@@ -99,7 +112,8 @@ def _allreduce(args: dict[str, Any]) -> dict[int, float]:
 
 def _ddp_step(rank: int, world: int, args: dict[str, Any]) -> tuple[float, float]:
     """Median seconds of forward + backward of a DDP replica (25 MiB buckets) on its shard of the global
-    batch: ``(synced, under no_sync)``, steps alternating; their difference is the all-reduce the step waits for."""
+    batch: ``(synced, under no_sync)``, steps alternating; their difference is the all-reduce the step waits
+    for."""
     torch.manual_seed(0)
     width = args["width"]
     model = nn.parallel.DistributedDataParallel(mlp(width), bucket_cap_mb=25.0)  # as DataParallelReplica
@@ -127,7 +141,9 @@ def run(world: int, job: str, args: dict[str, Any]) -> Any:
     queue = ctx.SimpleQueue()
     port = free_port()
     with tempfile.TemporaryDirectory() as faults:
-        procs = [ctx.Process(target=_worker, args=(r, world, port, job, args, queue, faults)) for r in range(world)]
+        procs = [
+            ctx.Process(target=_worker, args=(r, world, port, job, args, queue, faults)) for r in range(world)
+        ]
         for p in procs:
             p.start()
         for r, p in enumerate(procs):
@@ -137,8 +153,10 @@ def run(world: int, job: str, args: dict[str, Any]) -> Any:
                 fd, kept = tempfile.mkstemp(prefix=f"plan_cluster_{job}_rank{r}_", suffix=".txt")
                 os.write(fd, stacks.encode())
                 os.close(fd)
-                raise RuntimeError(f"{stacks[-2000:]}\n{job} over {world} processes: rank {r} exited with {p.exitcode} "
-                                   f"(its Python stacks at the fault: {kept})")
+                raise RuntimeError(
+                    f"{stacks[-2000:]}\n{job} over {world} processes: rank {r} exited with {p.exitcode} "
+                    f"(its Python stacks at the fault: {kept})"
+                )
     return queue.get()
 
 
@@ -170,7 +188,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--widths", default="512,2048", help="MLP widths of the data-parallel step, comma-separated")
+    ap.add_argument(
+        "--widths", default="512,2048", help="MLP widths of the data-parallel step, comma-separated"
+    )
     add_quick(ap, None, repeats=2, warmup=1, batch=16, widths="64")  # and 2 processes only, sizes up to 1 MiB
     opts = ap.parse_args()
     procs = (2,) if opts.quick else (2, 4)
@@ -182,15 +202,24 @@ def main() -> None:
     measured = {n: run(n, "allreduce", args) for n in procs}
     fitted_at = fit(measured[2])
     table = links.lookup("loopback")
-    listed = f"links.py table: {table.bandwidth / 1e9:.3f} GB/s x {table.efficiency:g}, {table.latency * 1e6:.1f} us"
+    listed = (
+        f"links.py table: {table.bandwidth / 1e9:.3f} GB/s x {table.efficiency:g}, "
+        f"{table.latency * 1e6:.1f} us"
+    )
     if fitted_at is None:
         fitted = None
-        print(f"\nfit on 2 processes: none, the times do not grow with the size (noise at these sizes) ({listed})")
+        print(
+            "\nfit on 2 processes: none, the times do not grow with the size (noise at these sizes) "
+            f"({listed})"
+        )
     else:
         bw, lat = fitted_at
         fitted = links.calibrated(table, bw, lat, "this run")
         print(f"\nfit on 2 processes: bandwidth {bw / 1e9:.3f} GB/s, latency {lat * 1e6:.1f} us ({listed})")
-    print("\n| processes | bytes | measured ms | predicted ms (table) | pred/meas | predicted ms (this run's fit) | pred/meas |")
+    print(
+        "\n| processes | bytes | measured ms | predicted ms (table) | pred/meas | predicted ms (this run's "
+        "fit) | pred/meas |"
+    )
     print("|---|---|---|---|---|---|---|")
     for n in procs:
         for size in sizes:
@@ -205,36 +234,68 @@ def main() -> None:
         x = torch.randn(opts.batch, width)
         for n in procs:
             meas, alone = run(n, "ddp", {**args, "width": width})
-            pl = plan(mlp(width), x, devices="cpu", nodes=n, interconnect="loopback", data_parallel=n,
-                      microbatches=1, recompute="never", optimizer="sgd")  # fmt: skip
+            pl = plan(
+                mlp(width),
+                x,
+                devices="cpu",
+                nodes=n,
+                interconnect="loopback",
+                data_parallel=n,
+                microbatches=1,
+                recompute="never",
+                optimizer="sgd",
+            )
             rows.append((width, n, meas, alone, pl))
-    print("\n| width | processes | DDP fwd+bwd measured ms | all at the end: compute + all-reduce ms | pred/meas "
-          "| overlapped: compute + exposed ms | pred/meas | plan |")  # fmt: skip
+    print(
+        "\n| width | processes | DDP fwd+bwd measured ms | all at the end: compute + all-reduce ms | "
+        "pred/meas | overlapped: compute + exposed ms | pred/meas | plan |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for width, n, meas, alone, pl in rows:
         t = pl.predicted_times
         before = t["compute"] + t["allreduce_total"] + t["p2p"]
         after = pl.predicted_step_time or 0.0
         buckets = next((k for k in pl.notes if "bucket(s)" in k), "").split(", ")[1:2]
-        what = f"dp {pl.data_parallel} x pp {len(pl.stages)}, {opts.batch // n} samples/replica, {''.join(buckets)}"
-        print(f"| {width} | {n} | {meas * 1e3:.2f} | {before * 1e3:.2f} ({t['compute'] * 1e3:.2f} + "
-              f"{t['allreduce_total'] * 1e3:.2f}) | {_err(before, meas)} | {after * 1e3:.2f} ({t['compute'] * 1e3:.2f} + "
-              f"{t['allreduce'] * 1e3:.2f}) | {_err(after, meas)} | {what} |")  # fmt: skip
-    print("\nThe all-reduce alone: measured wait = DDP step - the same step under no_sync (same processes, alternating).")
-    print("\n| width | processes | no_sync ms | measured wait ms | predicted all-reduce (all at the end) ms | pred/meas "
-          "| predicted exposed ms | pred/meas |")  # fmt: skip
+        what = (
+            f"dp {pl.data_parallel} x pp {len(pl.stages)}, {opts.batch // n} samples/replica, "
+            f"{''.join(buckets)}"
+        )
+        print(
+            f"| {width} | {n} | {meas * 1e3:.2f} | {before * 1e3:.2f} ({t['compute'] * 1e3:.2f} + "
+            f"{t['allreduce_total'] * 1e3:.2f}) | {_err(before, meas)} | {after * 1e3:.2f} "
+            f"({t['compute'] * 1e3:.2f} + {t['allreduce'] * 1e3:.2f}) | {_err(after, meas)} | {what} |"
+        )
+    print(
+        "\nThe all-reduce alone: measured wait = DDP step - the same step under no_sync (same processes, "
+        "alternating)."
+    )
+    print(
+        "\n| width | processes | no_sync ms | measured wait ms | predicted all-reduce (all at the end) ms "
+        "| pred/meas | predicted exposed ms | pred/meas |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for width, n, meas, alone, pl in rows:
         t, wait = pl.predicted_times, max(meas - alone, 1e-9)
-        print(f"| {width} | {n} | {alone * 1e3:.2f} | {wait * 1e3:.2f} | {t['allreduce_total'] * 1e3:.2f} | "
-              f"{_err(t['allreduce_total'], wait)} | {t['allreduce'] * 1e3:.2f} | {_err(t['allreduce'], wait)} |")  # fmt: skip
+        print(
+            f"| {width} | {n} | {alone * 1e3:.2f} | {wait * 1e3:.2f} | {t['allreduce_total'] * 1e3:.2f} | "
+            f"{_err(t['allreduce_total'], wait)} | {t['allreduce'] * 1e3:.2f} | "
+            f"{_err(t['allreduce'], wait)} |"
+        )
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
-    for n in procs:  # for torchspan bench: the comm model's all-reduce (links.py's loopback row) over gloo's, median over sizes
+    # for torchspan bench: the comm model's all-reduce (links.py's loopback row) over gloo's, median over
+    # sizes
+    for n in procs:
         ratio = statistics.median(allreduce_time(size, n, table) / measured[n][size] for size in sizes)
-        print(f"RATIO plan_cluster/allreduce_{n}proc/predicted_vs_measured {ratio:.3f} - gloo all_reduce on 127.0.0.1, median over {len(sizes)} sizes")
+        print(
+            f"RATIO plan_cluster/allreduce_{n}proc/predicted_vs_measured {ratio:.3f} - gloo all_reduce on "
+            f"127.0.0.1, median over {len(sizes)} sizes"
+        )
     for width, n, meas, _, pl in rows:
-        print(f"RATIO plan_cluster/ddp_width{width}_{n}proc/predicted_vs_measured {(pl.predicted_step_time or 0.0) / meas:.3f} - "
-              "DDP forward+backward measured (plan: compute + exposed all-reduce)")
+        print(
+            f"RATIO plan_cluster/ddp_width{width}_{n}proc/predicted_vs_measured "
+            f"{(pl.predicted_step_time or 0.0) / meas:.3f} - DDP forward+backward measured (plan: compute "
+            "+ exposed all-reduce)"
+        )
 
 
 if __name__ == "__main__":

@@ -56,8 +56,8 @@ from torchspan.hardware import format_bytes
 from torchspan.planner import PlanError
 from torchspan.planner.baselines import STRATEGIES, baseline
 from torchspan.planner.explain import frugal_needs
-from torchspan.planner.settings import settings_grid
 from torchspan.planner.optimize import search
+from torchspan.planner.settings import settings_grid
 from torchspan.profiler.costs import LayerCost, Profile
 
 # ----------------------------------------------------------------------------- models
@@ -91,8 +91,18 @@ def conv_net(quick: bool) -> tuple[nn.Module, torch.Tensor]:
     chans = [3, 32, 64, 128, 256] if quick else [3, 64, 128, 256, 512]
     layers: list[nn.Module] = []
     for a, b in zip(chans, chans[1:]):
-        layers += [nn.Sequential(nn.Conv2d(a, b, 3, padding=1), nn.ReLU()), nn.Sequential(nn.Conv2d(b, b, 3, padding=1), nn.ReLU()), nn.MaxPool2d(2)]
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(chans[-1], 1024), nn.ReLU(), nn.Linear(1024, 10)]
+        layers += [
+            nn.Sequential(nn.Conv2d(a, b, 3, padding=1), nn.ReLU()),
+            nn.Sequential(nn.Conv2d(b, b, 3, padding=1), nn.ReLU()),
+            nn.MaxPool2d(2),
+        ]
+    layers += [
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(chans[-1], 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 10),
+    ]
     size = 32 if quick else 64
     return nn.Sequential(*layers), torch.randn(64, 3, size, size)
 
@@ -137,30 +147,45 @@ def run_case(model_name: str, cluster: str, quick: bool) -> None:
     t_search = time.perf_counter() - t0
     assert plan.predicted_step_time is not None
     ours = plan.batch_size / plan.predicted_step_time
-    print(f"\n== {model_name} on {cluster} ({spec}); {len(prof.layers)} layers, batch {prof.batch_size}, "
-          f"profile {t_profile:.1f}s, search {t_search * 1e3:.0f} ms")
+    print(
+        f"\n== {model_name} on {cluster} ({spec}); {len(prof.layers)} layers, batch {prof.batch_size}, "
+        f"profile {t_profile:.1f}s, search {t_search * 1e3:.0f} ms"
+    )
     budgets = ", ".join(f"{d.device}={format_bytes(d.capacity)}" for d in prof.devices)
     print(f"   budgets: {budgets}")
-    print(f"   {'strategy':<13} {'samples/s':>11} {'vs torchspan':>12}  {'M':>3} {'sched':>5} {'ckpt':>11}  balance (devices)")
-    print(f"   {'torchspan':<13} {ours:>11.1f} {'1.00x':>12}  {plan.microbatches:>3} {plan.schedule:>5} {plan.recompute:>11}  "
-          f"{plan.balance} ({', '.join(plan.devices)})")
+    print(
+        f"   {'strategy':<13} {'samples/s':>11} {'vs torchspan':>12}  {'M':>3} {'sched':>5} {'ckpt':>11}  "
+        "balance (devices)"
+    )
+    print(
+        f"   {'torchspan':<13} {ours:>11.1f} {'1.00x':>12}  {plan.microbatches:>3} {plan.schedule:>5} "
+        f"{plan.recompute:>11}  {plan.balance} ({', '.join(plan.devices)})"
+    )
     best_name, best_tp, any_tp = None, 0.0, 0.0
     for strategy in STRATEGIES:
         bplan, ev = baseline(prof, strategy)
         tp = bplan.batch_size / ev.step_time
         tag = f"{ours / tp:.2f}x" if ev.fits else "OOM"
-        print(f"   {strategy:<13} {tp:>11.1f} {tag:>12}  {bplan.microbatches:>3} {bplan.schedule:>5} {bplan.recompute:>11}  "
-              f"{bplan.balance} ({', '.join(bplan.devices)})")
+        print(
+            f"   {strategy:<13} {tp:>11.1f} {tag:>12}  {bplan.microbatches:>3} {bplan.schedule:>5} "
+            f"{bplan.recompute:>11}  {bplan.balance} ({', '.join(bplan.devices)})"
+        )
         any_tp = max(any_tp, tp)
         if ev.fits and tp > best_tp:
             best_name, best_tp = strategy, tp
-    print(f"   (for reference: torchspan / fastest baseline if its budget overruns were allowed = {ours / any_tp:.2f}x)")
+    print(
+        "   (for reference: torchspan / fastest baseline if its budget overruns were allowed = "
+        f"{ours / any_tp:.2f}x)"
+    )
     goal = ">=1.3" if cluster in HETEROGENEOUS else ">=1.0"
     if best_name is None:
         print("   every baseline runs out of memory; torchspan's plan fits")
         print(f"RATIO plan_quality_{model_name}_{cluster} inf {goal} all baselines OOM")
     else:
-        print(f"RATIO plan_quality_{model_name}_{cluster} {ours / best_tp:.3f} {goal} best baseline: {best_name}")
+        print(
+            f"RATIO plan_quality_{model_name}_{cluster} {ours / best_tp:.3f} {goal} best baseline: "
+            f"{best_name}"
+        )
 
 
 # ----------------------------------------------------------------------------- search speed
@@ -176,10 +201,19 @@ def synthetic_profile(n_layers: int, speeds: list[float] | None = None) -> Profi
         params = rng.randint(0, 8 * 2**20)
         layers.append(
             LayerCost(
-                name=f"l{k}", kind="Linear", param_bytes=params, grad_bytes=params, optimizer_bytes=2 * params,
-                buffer_bytes=0, activation_bytes=rng.uniform(1e4, 1e5), output_bytes=rng.uniform(1e3, 5e4), flops=1e9,
-                forward_fixed=[2e-5] * 8, forward_per_sample=[1e-5 * j / s for s in speeds],
-                backward_fixed=[4e-5] * 8, backward_per_sample=[2e-5 * j / s for s in speeds],
+                name=f"l{k}",
+                kind="Linear",
+                param_bytes=params,
+                grad_bytes=params,
+                optimizer_bytes=2 * params,
+                buffer_bytes=0,
+                activation_bytes=rng.uniform(1e4, 1e5),
+                output_bytes=rng.uniform(1e3, 5e4),
+                flops=1e9,
+                forward_fixed=[2e-5] * 8,
+                forward_per_sample=[1e-5 * j / s for s in speeds],
+                backward_fixed=[4e-5] * 8,
+                backward_per_sample=[2e-5 * j / s for s in speeds],
                 time_source=["synthetic"] * 8,
             )
         )
@@ -199,8 +233,10 @@ def time_case(prof: Profile, title: str) -> float:
     """Best-of-3 search time, slowest of (settings fixed, settings on auto); prints both."""
     print(f"\n== search speed: {title}")
     worst = 0.0
-    for label, kwargs in [("fixed M=8, 1f1b, never", dict(microbatches=8, schedule="1f1b", recompute="never")),
-                          ("auto (M, schedule, recompute)", {})]:
+    for label, kwargs in [
+        ("fixed M=8, 1f1b, never", dict(microbatches=8, schedule="1f1b", recompute="never")),
+        ("auto (M, schedule, recompute)", {}),
+    ]:
         runs = []
         for _ in range(3):
             t0 = time.perf_counter()
@@ -208,19 +244,32 @@ def time_case(prof: Profile, title: str) -> float:
             runs.append(time.perf_counter() - t0)
         best = min(runs)
         worst = max(worst, best)
-        print(f"   {label:<32} {best:.3f} s (best of 3)  -> M={plan.microbatches}, stages {plan.balance}; {plan.notes[-1]}")
+        print(
+            f"   {label:<32} {best:.3f} s (best of 3)  -> M={plan.microbatches}, stages {plan.balance}; "
+            f"{plan.notes[-1]}"
+        )
     return worst
 
 
 def time_search() -> None:
-    worst = time_case(synthetic_profile(1000), "1,000 synthetic layers on 8 devices (4 x A100, 3 x V100, CPU: 3 types)")
-    print(f"RATIO plan_search_1000x8_seconds {worst:.3f} <=1.0 one-second target (slowest of the two searches)")
+    worst = time_case(
+        synthetic_profile(1000), "1,000 synthetic layers on 8 devices (4 x A100, 3 x V100, CPU: 3 types)"
+    )
+    print(
+        f"RATIO plan_search_1000x8_seconds {worst:.3f} <=1.0 one-second target (slowest of the two searches)"
+    )
     prof = distinct_budgets(synthetic_profile(1000))
     budgets = ", ".join(format_bytes(d.capacity) for d in prof.devices if d.kind != "cpu")
     worst = time_case(prof, f"the same, 8 all-distinct devices (GPU budgets {budgets}, each binding; CPU)")
-    print(f"RATIO plan_search_1000x8_distinct_seconds {worst:.3f} <=1.0 one-second target (slowest of the two searches)")
+    print(
+        f"RATIO plan_search_1000x8_distinct_seconds {worst:.3f} <=1.0 one-second target (slowest of the "
+        "two searches)"
+    )
     speeds = [1.0, 0.97, 0.94, 0.91, 0.6, 0.58, 0.56, 0.02]
-    worst = time_case(synthetic_profile(1000, speeds), "for reference: 8 distinct speeds, roomy budgets (8 types, widest search)")
+    worst = time_case(
+        synthetic_profile(1000, speeds),
+        "for reference: 8 distinct speeds, roomy budgets (8 types, widest search)",
+    )
     print(f"   (reference, no goal) plan_search_1000x8_distinct_speeds_seconds {worst:.3f}")
 
 
@@ -230,7 +279,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    print(f"plan_quality on {platform.processor() or platform.machine()} ({os.cpu_count()} cores), torch {torch.__version__}")
+    print(
+        f"plan_quality on {platform.processor() or platform.machine()} ({os.cpu_count()} cores), torch "
+        f"{torch.__version__}"
+    )
     for model_name in MODELS:
         for cluster in CLUSTERS:
             run_case(model_name, cluster, args.quick)

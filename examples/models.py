@@ -1,6 +1,6 @@
 """Model factories for `torchspan plan` / `torchspan verify` examples.
 
-    torchspan plan examples/models.py:mlp --input-shape 64,1024 --devices "a100-40gb,cpu" --memory cuda:0=200MiB
+torchspan plan examples/models.py:mlp --input-shape 64,1024 --devices "a100-40gb,cpu" --memory cuda:0=200MiB
 """
 
 from torch import nn
@@ -15,15 +15,22 @@ def mlp() -> nn.Sequential:
 
 
 def llama_7b():  # type: ignore[no-untyped-def]
-    """A Llama-2-7B-shaped transformers decoder (6.7e9 parameters, 27 GB in float32), randomly initialised: plan it for
-    described devices, where `torchspan plan` builds it on the meta device (no memory, no initialisation compute).
+    """A Llama-2-7B-shaped transformers decoder (6.7e9 parameters, 27 GB in float32), randomly initialised:
+    plan it for described devices, where `torchspan plan` builds it on the meta device (no memory, no
+    initialisation compute).
 
-        torchspan plan examples/models.py:llama_7b --input input_ids=8,2048:int64 --vocab 32000 --nodes 2 --devices "h100-80gb*8"
+        torchspan plan examples/models.py:llama_7b --input input_ids=8,2048:int64 --vocab 32000 --nodes 2
+        --devices "h100-80gb*8"
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-        max_position_embeddings=4096, use_cache=False,
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        max_position_embeddings=4096,
+        use_cache=False,
     )
     return LlamaForCausalLM(config)

@@ -22,7 +22,13 @@ import os
 import torch
 from torch import nn
 
-from torchspan.runtime.ranks import DataParallelReplica, init_distributed, load_checkpoint, rank_batches, save_checkpoint
+from torchspan.runtime.ranks import (
+    DataParallelReplica,
+    init_distributed,
+    load_checkpoint,
+    rank_batches,
+    save_checkpoint,
+)
 
 SAMPLES, FEATURES, CLASSES, PAD = 45, 16, 5, -1
 
@@ -42,7 +48,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=10, help="global batch size (all ranks together)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--checkpoint", default=None, help="save after every step and resume from this file")
-    parser.add_argument("--crash-after", type=int, default=0, help="simulate a failure of the last rank after this step (first attempt only)")
+    parser.add_argument(
+        "--crash-after",
+        type=int,
+        default=0,
+        help="simulate a failure of the last rank after this step (first attempt only)",
+    )
     parser.add_argument("--out", default=None, help="rank 0 writes the final state dict and losses here")
     args = parser.parse_args()
 
@@ -73,12 +84,23 @@ def main() -> None:
         optimizer.step()
         losses.append(float(loss))
         if args.checkpoint:
-            save_checkpoint(args.checkpoint, {"model": replica.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1, "losses": losses})
+            save_checkpoint(
+                args.checkpoint,
+                {
+                    "model": replica.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "step": step + 1,
+                    "losses": losses,
+                },
+            )
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if step + 1 == args.crash_after and first_attempt and info.rank == info.world_size - 1:
             raise RuntimeError(f"simulated failure on rank {info.rank} after step {step + 1}")
         if info.is_main:
-            print(f"step {step + 1}/{args.steps} loss {loss:.4f} ({len(mine)} rows on rank 0 of {info.world_size} ranks)")
+            print(
+                f"step {step + 1}/{args.steps} loss {loss:.4f} ({len(mine)} rows on rank 0 of "
+                f"{info.world_size} ranks)"
+            )
     if args.out and info.is_main:
         torch.save({"model": replica.state_dict(), "losses": losses, "world_size": info.world_size}, args.out)
 

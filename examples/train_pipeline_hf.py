@@ -28,9 +28,15 @@ VOCAB, PAD = 64, -100
 
 def make_model(dtype: torch.dtype) -> torch.nn.Module:
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=True, use_cache=False,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).to(dtype)
 
@@ -55,11 +61,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--batch", type=int, default=6, help="global batch size (rows)")
     parser.add_argument("--length", type=int, default=12, help="tokens per row")
-    parser.add_argument("--stages", type=int, default=0, help="pipeline stages (default: every process is one stage)")
+    parser.add_argument(
+        "--stages", type=int, default=0, help="pipeline stages (default: every process is one stage)"
+    )
     parser.add_argument("--microbatches", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--reference", action="store_true", help="plain PyTorch in this one process")
-    parser.add_argument("--out", default=None, help="each rank writes the parameters it holds and the losses here (.rankN)")
+    parser.add_argument(
+        "--out", default=None, help="each rank writes the parameters it holds and the losses here (.rankN)"
+    )
     args = parser.parse_args()
 
     dtype = getattr(torch, args.dtype)
@@ -67,20 +77,28 @@ def main() -> None:
     if args.reference:
         rank, module = 0, model
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-        step_fn = lambda b: token_loss(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]), b["labels"])  # noqa: E731
+        step_fn = lambda b: token_loss(
+            model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]), b["labels"]
+        )  # noqa: E731
     else:
         info = init_distributed()
         stages = args.stages or info.world_size
         replicas = info.world_size // stages
         rank, replica = info.rank, info.rank // stages
-        spanned = torchspan.span(model, devices=["cpu"] * stages, microbatches=args.microbatches, schedule="1f1b")
+        spanned = torchspan.span(
+            model, devices=["cpu"] * stages, microbatches=args.microbatches, schedule="1f1b"
+        )
         module = spanned.module
-        optimizer = torch.optim.Adam(spanned.parameters(), lr=1e-2)  # this rank's stage (tied embedding included)
+        optimizer = torch.optim.Adam(
+            spanned.parameters(), lr=1e-2
+        )  # this rank's stage (tied embedding included)
 
         def step_fn(b: dict[str, torch.Tensor]) -> torch.Tensor:
             mine = shard_batch(b, replica, replicas)  # this replica's rows; every stage of it gets the same
             inputs = {"input_ids": mine["input_ids"], "attention_mask": mine["attention_mask"]}
-            return spanned.train_step(inputs, mine["labels"], token_loss, loss_normalizer=lambda y: (y != PAD).sum())
+            return spanned.train_step(
+                inputs, mine["labels"], token_loss, loss_normalizer=lambda y: (y != PAD).sum()
+            )
 
     losses = []
     for step in range(args.steps):

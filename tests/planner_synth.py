@@ -32,10 +32,20 @@ def device(
     dev = torch.device("cpu") if kind == "cpu" else torch.device(kind, index)
     source = "found" if present else "test"
     extra = {"memory_bandwidth": memory_bandwidth} if memory_bandwidth else {}
-    return Device(dev, name, total_memory=capacity, free_memory=capacity, host_bandwidth=bandwidth, source=source, extra=extra)
+    return Device(
+        dev,
+        name,
+        total_memory=capacity,
+        free_memory=capacity,
+        host_bandwidth=bandwidth,
+        source=source,
+        extra=extra,
+    )
 
 
-def layer(name: str, params: int, act: float, out: float, speeds: list[float], fixed: float = 1e-5) -> LayerCost:
+def layer(
+    name: str, params: int, act: float, out: float, speeds: list[float], fixed: float = 1e-5
+) -> LayerCost:
     """A layer whose per-sample time on device d is ``1e-4 / speeds[d]`` (backward twice that)."""
     return LayerCost(
         name=name,
@@ -71,7 +81,9 @@ def random_profile(rng: random.Random, n_layers: int, devices: list[Device], bat
         lay.shared_activation_bytes = rng.uniform(0, 100)
         lay.activation_fixed_bytes = rng.uniform(0, 50)
         layers.append(lay)
-    return Profile(layers=layers, devices=devices, batch_size=batch, input_bytes=rng.uniform(1, 100), optimizer="adam")
+    return Profile(
+        layers=layers, devices=devices, batch_size=batch, input_bytes=rng.uniform(1, 100), optimizer="adam"
+    )
 
 
 def adjacent(names: list[str]) -> bool:

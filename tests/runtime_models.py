@@ -10,11 +10,20 @@ from torch import nn
 
 def sequential(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+    return nn.Sequential(
+        nn.Linear(6, 16),
+        nn.ReLU(),
+        nn.Linear(16, 16),
+        nn.Tanh(),
+        nn.Linear(16, 16),
+        nn.ReLU(),
+        nn.Linear(16, 3),
+    )
 
 
 class Residual(nn.Module):
-    """fx-traceable: residual connections, two inputs, keyword arguments, a model-owned parameter, tuple output."""
+    """fx-traceable: residual connections, two inputs, keyword arguments, a model-owned parameter, tuple
+    output."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -24,7 +33,9 @@ class Residual(nn.Module):
         self.head = nn.Linear(16, 3)
         self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 16))
 
-    def forward(self, x: torch.Tensor, extra: torch.Tensor, *, mask: torch.Tensor | None = None, gain: float = 1.0) -> Any:
+    def forward(
+        self, x: torch.Tensor, extra: torch.Tensor, *, mask: torch.Tensor | None = None, gain: float = 1.0
+    ) -> Any:
         h = torch.relu(self.embed(x)) + extra
         r = h
         h = torch.relu(self.block1(h)) * self.scale

@@ -15,12 +15,13 @@ from typing import Any
 
 import pytest
 import torch
+from test_model_loss import (
+    _Returns,
+)  # a module whose forward returns None or a float (tests/test_model_loss.py)
 from torch import nn
 
 import torchspan
 from torchspan.parity_ranks import processes_for
-
-from test_model_loss import _Returns  # a module whose forward returns None or a float (tests/test_model_loss.py)
 
 
 class _RunsCode:
@@ -69,36 +70,97 @@ CASES: list[tuple[str, Callable[[Path], Any], type[BaseException], str]] = [
     ("load_checkpoint of a corrupt file", _corrupt, ValueError, "ckpt.pt"),
     ("load_checkpoint of a crafted torch.save file", _crafted, ValueError, "trusted=True"),
     ("load_checkpoint of a crafted raw pickle", lambda t: _crafted(t, raw=True), ValueError, "evil.pt"),
-    ("init_distributed with an unknown backend", lambda t: torchspan.init_distributed(backend="nosuch"), ValueError, "backend='nosuch'"),
-    ("init_distributed with a backend that is no string", lambda t: torchspan.init_distributed(backend=3), TypeError, "backend=3"),  # type: ignore[arg-type]
-    ("train_step without a target", lambda t: torchspan.span(_mlp()).train_step(_x(), None, nn.MSELoss()), ValueError, "target=None"),
-    ("forward returning None", lambda t: torchspan.span(_Returns("none")).train_step(_x(), _y(), nn.MSELoss()), ValueError, "forward returned None"),
-    ("forward returning a float", lambda t: torchspan.span(_Returns("float")).train_step(_x(), _y(), nn.MSELoss()), ValueError, "returned a float"),
+    (
+        "init_distributed with an unknown backend",
+        lambda t: torchspan.init_distributed(backend="nosuch"),
+        ValueError,
+        "backend='nosuch'",
+    ),
+    (
+        "init_distributed with a backend that is no string",
+        lambda t: torchspan.init_distributed(backend=3),
+        TypeError,
+        "backend=3",
+    ),  # type: ignore[arg-type]
+    (
+        "train_step without a target",
+        lambda t: torchspan.span(_mlp()).train_step(_x(), None, nn.MSELoss()),
+        ValueError,
+        "target=None",
+    ),
+    (
+        "forward returning None",
+        lambda t: torchspan.span(_Returns("none")).train_step(_x(), _y(), nn.MSELoss()),
+        ValueError,
+        "forward returned None",
+    ),
+    (
+        "forward returning a float",
+        lambda t: torchspan.span(_Returns("float")).train_step(_x(), _y(), nn.MSELoss()),
+        ValueError,
+        "returned a float",
+    ),
     (
         "a stage on meta then train_step",
-        lambda t: torchspan.span(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), devices=["cpu", "meta"]).train_step(_x(), _y(), nn.MSELoss()),
+        lambda t: torchspan.span(
+            nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), devices=["cpu", "meta"]
+        ).train_step(_x(), _y(), nn.MSELoss()),
         ValueError,
         "meta tensors hold shapes",
     ),
-    ("rank_batches of a negative sample count", lambda t: torchspan.rank_batches(-5, 2, rank=0, world_size=1), ValueError, "-5"),
-    ("rank_batches with batch size 0", lambda t: torchspan.rank_batches(10, 0, rank=0, world_size=1), ValueError, "batch_size"),
+    (
+        "rank_batches of a negative sample count",
+        lambda t: torchspan.rank_batches(-5, 2, rank=0, world_size=1),
+        ValueError,
+        "-5",
+    ),
+    (
+        "rank_batches with batch size 0",
+        lambda t: torchspan.rank_batches(10, 0, rank=0, world_size=1),
+        ValueError,
+        "batch_size",
+    ),
     ("verify dp with one process", lambda t: processes_for(["dp"], 1), ValueError, "--nproc-per-node 2"),
     ("verify fsdp with one process", lambda t: processes_for(["fsdp"], 1), ValueError, "--nproc-per-node 2"),
-    ("verify rank-pipeline with one process", lambda t: processes_for(["rank-pipeline"], 1), ValueError, "--nproc-per-node 2"),
+    (
+        "verify rank-pipeline with one process",
+        lambda t: processes_for(["rank-pipeline"], 1),
+        ValueError,
+        "--nproc-per-node 2",
+    ),
     ("verify with an unknown strategy", lambda t: processes_for(["zero3"], 2), ValueError, "'zero3'"),
-    ("span with microbatches=0", lambda t: torchspan.span(_mlp(), microbatches=0), ValueError, "microbatches"),
-    ("span with an unknown schedule", lambda t: torchspan.span(_mlp(), schedule="sideways"), ValueError, "sideways"),
-    ("span with an unknown device", lambda t: torchspan.span(_mlp(), devices=["nvidia"]), ValueError, "nvidia"),
+    (
+        "span with microbatches=0",
+        lambda t: torchspan.span(_mlp(), microbatches=0),
+        ValueError,
+        "microbatches",
+    ),
+    (
+        "span with an unknown schedule",
+        lambda t: torchspan.span(_mlp(), schedule="sideways"),
+        ValueError,
+        "sideways",
+    ),
+    (
+        "span with an unknown device",
+        lambda t: torchspan.span(_mlp(), devices=["nvidia"]),
+        ValueError,
+        "nvidia",
+    ),
     ("shard_batch with world 0", lambda t: torchspan.shard_batch(_x(), 0, 0), ValueError, "0"),
 ]
 
 
 @pytest.mark.parametrize(("name", "call", "kind", "needle"), CASES, ids=[c[0] for c in CASES])
-def test_bad_call_is_one_clear_error(name: str, call: Callable[[Path], Any], kind: type[BaseException], needle: str, tmp_path: Path) -> None:
+def test_bad_call_is_one_clear_error(
+    name: str, call: Callable[[Path], Any], kind: type[BaseException], needle: str, tmp_path: Path
+) -> None:
     with pytest.raises(Exception) as info:
         call(tmp_path)
     exc = info.value
-    assert type(exc) not in (AttributeError, AssertionError, NotImplementedError, KeyError, IndexError), repr(exc)
+    assert type(exc) not in (AttributeError, AssertionError, NotImplementedError, KeyError, IndexError), repr(
+        exc
+    )
     assert isinstance(exc, kind), repr(exc)
     message = str(exc)
     assert "\n" not in message.strip(), message

@@ -10,9 +10,17 @@ from torchspan.hardware import catalog
 
 
 def test_every_entry_is_described_with_sources_and_figures() -> None:
-    assert {"h100-80gb", "a100-40gb", "a100-80gb", "v100-16gb", "v100-32gb", "l4", "t4", "rtx-4090", "generic-cpu"} <= set(
-        catalog.names()
-    )
+    assert {
+        "h100-80gb",
+        "a100-40gb",
+        "a100-80gb",
+        "v100-16gb",
+        "v100-32gb",
+        "l4",
+        "t4",
+        "rtx-4090",
+        "generic-cpu",
+    } <= set(catalog.names())
     for key in catalog.names():
         dev = catalog.lookup(key)
         assert dev is not None
@@ -42,7 +50,14 @@ def test_known_datasheet_figures() -> None:
 
 @pytest.mark.parametrize(
     ("token", "key"),
-    [("A100-40GB", "a100-40gb"), ("h100", "h100-80gb"), ("NVIDIA L4", "l4"), ("rtx4090", "rtx-4090"), ("RTX_4090", "rtx-4090"), ("tesla-t4", "t4")],
+    [
+        ("A100-40GB", "a100-40gb"),
+        ("h100", "h100-80gb"),
+        ("NVIDIA L4", "l4"),
+        ("rtx4090", "rtx-4090"),
+        ("RTX_4090", "rtx-4090"),
+        ("tesla-t4", "t4"),
+    ],
 )
 def test_aliases_and_case(token: str, key: str) -> None:
     dev = catalog.lookup(token)

@@ -5,9 +5,10 @@
   raising, interrupted right before or inside the swap, the process SIGKILLed) leaves them and the previous
   checkpoint whole.
 - A load is complete or refused: a folder missing a part (``values.pt`` or a value in it, ``torchspan.json``,
-  ``.metadata``, a ``.distcp`` shard, a shard cut short), a key asked for that the checkpoint lacks (one file, a folder, a folder
-  ``dcp.save`` wrote) and a checkpoint with keys the model lacks (one file, a folder) each raise one
-  ``ValueError`` naming the path, the key or part, and the fix; ``strict=False`` loads the keys both have.
+  ``.metadata``, a ``.distcp`` shard, a shard cut short), a key asked for that the checkpoint lacks (one file,
+  a folder, a folder ``dcp.save`` wrote) and a checkpoint with keys the model lacks (one file, a folder) each
+  raise one ``ValueError`` naming the path, the key or part, and the fix; ``strict=False`` loads the keys both
+  have.
 """
 
 from __future__ import annotations
@@ -97,7 +98,9 @@ def test_an_export_into_the_checkpoint_folder_outlives_saves(tmp_path: Path) -> 
     assert load_checkpoint(ckpt)["step"] == 2  # type: ignore[index]
 
 
-def _writer_raises(ckpt: Path, model: nn.Module, opt: torch.optim.Optimizer, monkeypatch: pytest.MonkeyPatch) -> None:
+def _writer_raises(
+    ckpt: Path, model: nn.Module, opt: torch.optim.Optimizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from torch.distributed.checkpoint import FileSystemWriter
 
     def half_written(self, plan, planner):  # type: ignore[no-untyped-def]
@@ -109,7 +112,9 @@ def _writer_raises(ckpt: Path, model: nn.Module, opt: torch.optim.Optimizer, mon
         save_checkpoint(ckpt, {"model": model, "optimizer": opt, "step": 3})
 
 
-def _interrupted_before_the_swap(ckpt: Path, model: nn.Module, opt: torch.optim.Optimizer, monkeypatch: pytest.MonkeyPatch) -> None:
+def _interrupted_before_the_swap(
+    ckpt: Path, model: nn.Module, opt: torch.optim.Optimizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def interrupted(a: Path, b: Path) -> bool:
         raise KeyboardInterrupt  # the user's files are carried into the new folder, the swap never happens
 
@@ -118,22 +123,29 @@ def _interrupted_before_the_swap(ckpt: Path, model: nn.Module, opt: torch.optim.
         save_checkpoint(ckpt, {"model": model, "optimizer": opt, "step": 3})
 
 
-def _interrupted_between_the_renames(ckpt: Path, model: nn.Module, opt: torch.optim.Optimizer, monkeypatch: pytest.MonkeyPatch) -> None:
+def _interrupted_between_the_renames(
+    ckpt: Path, model: nn.Module, opt: torch.optim.Optimizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real_rename = os.rename
 
     def die_between(src, dst):  # type: ignore[no-untyped-def]
         real_rename(src, dst)
         if str(dst).endswith(".old"):
-            raise KeyboardInterrupt  # the previous folder (with the user's files) is aside, the new one not in
+            # the previous folder (with the user's files) is aside, the new one not in
+            raise KeyboardInterrupt
 
-    monkeypatch.setattr(files, "_exchange", lambda a, b: False)  # a filesystem without renameat2(RENAME_EXCHANGE)
+    monkeypatch.setattr(
+        files, "_exchange", lambda a, b: False
+    )  # a filesystem without renameat2(RENAME_EXCHANGE)
     monkeypatch.setattr(os, "rename", die_between)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(ckpt, {"model": model, "optimizer": opt, "step": 3})
     monkeypatch.undo()
     aside = [p for p in ckpt.parent.iterdir() if p.name.endswith(".old")]
     assert not ckpt.exists() and len(aside) == 1
-    aside[0].rename(aside[0].with_name(aside[0].name.replace(f".{os.getpid()}.", ".999999999.", 1)))  # as a dead writer left it
+    aside[0].rename(
+        aside[0].with_name(aside[0].name.replace(f".{os.getpid()}.", ".999999999.", 1))
+    )  # as a dead writer left it
 
 
 _KILLED = """
@@ -157,7 +169,9 @@ save_checkpoint(ckpt, {"model": model, "step": 3})
 """
 
 
-def _process_killed(ckpt: Path, model: nn.Module, opt: torch.optim.Optimizer, monkeypatch: pytest.MonkeyPatch) -> None:
+def _process_killed(
+    ckpt: Path, model: nn.Module, opt: torch.optim.Optimizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     marker = ckpt.parent / "writing"
     child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_KILLED), str(ckpt), str(marker)])
     try:
@@ -171,14 +185,18 @@ def _process_killed(ckpt: Path, model: nn.Module, opt: torch.optim.Optimizer, mo
         child.wait(30)
     temporary = Path(marker.read_text())
     marker.unlink()
-    assert temporary.is_dir() and temporary.parent == ckpt.parent  # what the kill left; the next load removes it
+    assert (
+        temporary.is_dir() and temporary.parent == ckpt.parent
+    )  # what the kill left; the next load removes it
 
 
 KILLS = [_writer_raises, _interrupted_before_the_swap, _interrupted_between_the_renames, _process_killed]
 
 
 @pytest.mark.parametrize("kill", KILLS, ids=lambda f: f.__name__.strip("_"))
-def test_a_save_killed_midway_keeps_the_users_files_and_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kill) -> None:  # type: ignore[no-untyped-def]
+def test_a_save_killed_midway_keeps_the_users_files_and_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kill
+) -> None:  # type: ignore[no-untyped-def]
     model, opt = _trained()
     ckpt = tmp_path / "keep"
     save_checkpoint(ckpt, {"model": model, "optimizer": opt, "step": 1})
@@ -235,7 +253,9 @@ def test_a_checkpoint_missing_a_part_is_refused(tmp_path: Path, damage: str, mes
 
 def _file_named_net(tmp_path: Path) -> Path:
     model, opt = _trained()
-    save_checkpoint(tmp_path / "net.pt", {"net": model.state_dict(), "optimizer": opt.state_dict(), "step": 1})
+    save_checkpoint(
+        tmp_path / "net.pt", {"net": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}
+    )
     return tmp_path / "net.pt"
 
 
@@ -250,21 +270,34 @@ def _folder_dcp_wrote(tmp_path: Path) -> Path:
 
     model, opt = _trained()
     with pytest.warns(UserWarning):
-        dcp.save({"net": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}, checkpoint_id=tmp_path / "raw")
+        dcp.save(
+            {"net": model.state_dict(), "optimizer": opt.state_dict(), "step": 1},
+            checkpoint_id=tmp_path / "raw",
+        )
     return tmp_path / "raw"
 
 
-@pytest.mark.parametrize("made", [_file_named_net, _folder_named_net, _folder_dcp_wrote], ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize(
+    "made", [_file_named_net, _folder_named_net, _folder_dcp_wrote], ids=lambda f: f.__name__.strip("_")
+)
 @pytest.mark.parametrize("asked", ["model", "epoch"])
 def test_a_key_the_checkpoint_lacks_is_refused(tmp_path: Path, made, asked: str) -> None:  # type: ignore[no-untyped-def]
     path = made(tmp_path)
     fresh, fresh_opt = _trained(seed=1)
     before = _weights(fresh)
-    state = {"model": fresh, "optimizer": fresh_opt} if asked == "model" else {"net": fresh, "optimizer": fresh_opt, "epoch": 0}
-    with pytest.raises(ValueError, match=rf"the checkpoint has no '{asked}' \(it holds 'net', 'optimizer', 'step'\)") as info:
+    state = (
+        {"model": fresh, "optimizer": fresh_opt}
+        if asked == "model"
+        else {"net": fresh, "optimizer": fresh_opt, "epoch": 0}
+    )
+    with pytest.raises(
+        ValueError, match=rf"the checkpoint has no '{asked}' \(it holds 'net', 'optimizer', 'step'\)"
+    ) as info:
         load_checkpoint(path, state)
     text = str(info.value)
-    assert "\n" not in text and f"load_checkpoint({str(path)!r})" in text and "name a key it holds" in text, text
+    assert "\n" not in text and f"load_checkpoint({str(path)!r})" in text and "name a key it holds" in text, (
+        text
+    )
     _unchanged(fresh, before)
 
 
@@ -275,7 +308,11 @@ def test_keys_the_model_lacks_are_refused_unless_strict_is_false(tmp_path: Path,
     save_checkpoint(path, {"model": deep.state_dict() if form == "file" else deep, "step": 1})
     shallow = _mlp(2, seed=1)
     before = _weights(shallow)
-    with pytest.raises(ValueError, match=r"'model' has keys the model lacks \(unexpected: '4\.weight', '4\.bias', '6\.weight' and 3 more\)") as info:
+    with pytest.raises(
+        ValueError,
+        match=r"'model' has keys the model lacks \(unexpected: '4\.weight', '4\.bias', '6\.weight' and 3 "
+        r"more\)",
+    ) as info:
         load_checkpoint(path, {"model": shallow})
     text = str(info.value)
     assert "\n" not in text and f"load_checkpoint({str(path)!r}" in text and "strict=False" in text, text
@@ -287,7 +324,9 @@ def test_keys_the_model_lacks_are_refused_unless_strict_is_false(tmp_path: Path,
         assert torch.equal(value, deep.state_dict()[key]), key
 
     save_checkpoint(path, {"model": shallow.state_dict() if form == "file" else shallow, "step": 2})
-    wider = _mlp(3, seed=2)  # the checkpoint lacks keys of the model: refused, or left as they are with strict=False
+    wider = _mlp(
+        3, seed=2
+    )  # the checkpoint lacks keys of the model: refused, or left as they are with strict=False
     with pytest.raises(ValueError, match=r"lacks keys of the model \(missing: '4\.weight', '4\.bias'\)"):
         load_checkpoint(path, {"model": wider})
     kept = _weights(wider)["4.weight"]

@@ -47,8 +47,13 @@ def test_goal_met_and_parse():
     assert bench.goal_met(5.0, "-") is None
     with pytest.raises(ValueError, match="goal='about 1'"):
         bench.goal_met(1.0, "about 1")
-    ratios = bench.parse_ratios("noise\nRATIO a 0.5 <=1 anchor words here\n  RATIO b 2 - \nRATIOS are fun? no\n")
-    assert [(r.name, r.value, r.goal, r.anchor) for r in ratios][:2] == [("a", 0.5, "<=1", "anchor words here"), ("b", 2.0, "-", "")]
+    ratios = bench.parse_ratios(
+        "noise\nRATIO a 0.5 <=1 anchor words here\n  RATIO b 2 - \nRATIOS are fun? no\n"
+    )
+    assert [(r.name, r.value, r.goal, r.anchor) for r in ratios][:2] == [
+        ("a", 0.5, "<=1", "anchor words here"),
+        ("b", 2.0, "-", ""),
+    ]
     with pytest.raises(ValueError, match="is not 'RATIO <name>"):
         bench.parse_ratios("RATIO lonely")
     with pytest.raises(ValueError, match="'fast' is not a number"):
@@ -115,31 +120,44 @@ def test_bench_bad_arguments(tmp_path: Path, capsys):
 
 
 def test_a_comparison_skipped_for_a_missing_anchor_is_shown(tmp_path: Path, capsys):
-    # issue 10: `bench --quick` said nothing when torchgpipe was missing; scripts print SKIP lines, the table shows them
+    # issue 10: `bench --quick` said nothing when torchgpipe was missing; scripts print SKIP lines, the table
+    # shows them
     d = tmp_path / "benchmarks"
     d.mkdir()
-    write(d, "anchorless.py", "print('RATIO a/plain 0.9 <=1.1 plain loop')\nprint('SKIP a/torchgpipe torchgpipe is not installed')\n")
+    write(
+        d,
+        "anchorless.py",
+        "print('RATIO a/plain 0.9 <=1.1 plain loop')\nprint('SKIP a/torchgpipe torchgpipe is not "
+        "installed')\n",
+    )
     assert bench.parse_skips("x\nSKIP a/b b is not installed\n") == {"a/b": "b is not installed"}
     assert main(["bench", "--quick", "--dir", str(d)]) == 0
     out = capsys.readouterr().out
     assert "a/torchgpipe" in out and "skipped" in out and "torchgpipe is not installed" in out
     assert main(["bench", "--quick", "--dir", str(d), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["results"][0]["skipped"] == {"a/torchgpipe": "torchgpipe is not installed"}
+    assert json.loads(capsys.readouterr().out)["results"][0]["skipped"] == {
+        "a/torchgpipe": "torchgpipe is not installed"
+    }
 
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def test_every_benchmark_script_takes_quick() -> None:
-    # issue 19: five scripts rejected --quick (argparse: unrecognized arguments) and `torchspan bench --quick` exited 1
-    missing = [p.name for p in bench.find_scripts(BENCHMARKS) if "add_quick(" not in p.read_text() and '"--quick"' not in p.read_text()]
+    # issue 19: five scripts rejected --quick (argparse: unrecognized arguments) and `torchspan bench --quick`
+    # exited 1
+    missing = [
+        p.name
+        for p in bench.find_scripts(BENCHMARKS)
+        if "add_quick(" not in p.read_text() and '"--quick"' not in p.read_text()
+    ]
     assert missing == []
 
 
 @pytest.mark.slow
 def test_bench_quick_runs_every_benchmark_for_real(capsys: pytest.CaptureFixture[str]) -> None:
-    """Every script in benchmarks/ in its --quick form, as a new user runs it: exit 0, ratios from each (about 2 minutes
-    on 2 shared cores)."""
+    """Every script in benchmarks/ in its --quick form, as a new user runs it: exit 0, ratios from each (about
+    2 minutes on 2 shared cores)."""
     rc = main(["bench", "--quick", "--json", "--dir", str(BENCHMARKS), "--timeout", "300"])
     data = json.loads(capsys.readouterr().out)
     failed = {r["script"]: f"exit {r['returncode']}: {r['tail']}" for r in data["results"] if not r["ok"]}
@@ -151,9 +169,19 @@ def test_bench_quick_runs_every_benchmark_for_real(capsys: pytest.CaptureFixture
 def test_pipeline_ranks_hooks_profiles_nothing_with_zero_profile_steps() -> None:
     # issue 19: --profile-steps 0 died with ZeroDivisionError after the timed rounds
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "pipeline_ranks_hooks.py"), "--quick", "--skip-hf", "--profile-steps", "0"],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(BENCHMARKS / "pipeline_ranks_hooks.py"),
+            "--quick",
+            "--skip-hf",
+            "--profile-steps",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "RATIO pipeline_ranks_hooks/mlp/" in proc.stdout and "profile of (b)" not in proc.stdout
 
@@ -170,7 +198,13 @@ def _benchmark(name: str):  # type: ignore[no-untyped-def]
 def test_pipeline_bench_puts_every_variant_in_every_position() -> None:
     # issue 21: many variants share a round; each must run first, last and in between as often as the others
     dp = _benchmark("distributed_pipeline")
-    names = ["torchspan gpipe", "torchspan 1f1b", "torch Schedule1F1B", "torch ScheduleGPipe", "torch ScheduleZBVZeroBubble"]
+    names = [
+        "torchspan gpipe",
+        "torchspan 1f1b",
+        "torch Schedule1F1B",
+        "torch ScheduleGPipe",
+        "torch ScheduleZBVZeroBubble",
+    ]
     seen: dict[str, set[int]] = {n: set() for n in names}
     for r in range(2 * len(names)):
         order = dp._order(names, r)
@@ -193,8 +227,8 @@ def test_pipeline_bench_virtual_stages_in_torchs_order() -> None:
 
 
 def test_pipeline_bench_report_ratios_best_and_skips() -> None:
-    # the printed form: a RATIO per variant against Schedule1F1B (median of per-round ratios), torchspan's best
-    # against torch's best among the variants with the same gradients, SKIP lines for what did not run
+    # the printed form: a RATIO per variant against Schedule1F1B (median of per-round ratios), torchspan's
+    # best against torch's best among the variants with the same gradients, SKIP lines for what did not run
     dp = _benchmark("distributed_pipeline")
     times = {
         "torchspan gpipe": [1.2, 1.2, 1.2],
@@ -204,8 +238,14 @@ def test_pipeline_bench_report_ratios_best_and_skips() -> None:
         "torch ScheduleGPipe": [0.5, 0.5, 0.5],  # fastest, but its gradients differ: not torch's best
     }
     same = {k: (k != "torch ScheduleGPipe", 0.0 if k != "torch ScheduleGPipe" else 1e-2) for k in times}
-    lines = dp._report("small", dp.SIZES["small"], times, same, ["torch ScheduleDualPipeV: needs more micro-batches"],
-                       {k: 2 if "Interleaved" in k else 1 for k in times})  # fmt: skip
+    lines = dp._report(
+        "small",
+        dp.SIZES["small"],
+        times,
+        same,
+        ["torch ScheduleDualPipeV: needs more micro-batches"],
+        {k: 2 if "Interleaved" in k else 1 for k in times},
+    )
     text = "\n".join(lines)
     ratios = {r.name: r for r in bench.parse_ratios(text)}
     assert ratios["pipeline_2ranks/small/torchspan_1f1b_vs_Schedule1F1B"].value == pytest.approx(0.9)
@@ -213,19 +253,29 @@ def test_pipeline_bench_report_ratios_best_and_skips() -> None:
     assert ratios["pipeline_2ranks/small/torch_Interleaved1F1B_vs_Schedule1F1B"].goal == "-"
     assert "NOT the same gradients" in ratios["pipeline_2ranks/small/torch_GPipe_vs_Schedule1F1B"].anchor
     assert ratios["pipeline_2ranks/small/best_torchspan_vs_best_torch"].value == pytest.approx(0.9 / 0.9)
-    assert "torchspan 1f1b vs torch ScheduleInterleaved1F1B" in ratios["pipeline_2ranks/small/best_torchspan_vs_best_torch"].anchor
-    assert bench.parse_skips(text) == {"pipeline_2ranks/small/torch_DualPipeV_vs_Schedule1F1B": "needs more micro-batches"}
+    assert (
+        "torchspan 1f1b vs torch ScheduleInterleaved1F1B"
+        in ratios["pipeline_2ranks/small/best_torchspan_vs_best_torch"].anchor
+    )
+    assert bench.parse_skips(text) == {
+        "pipeline_2ranks/small/torch_DualPipeV_vs_Schedule1F1B": "needs more micro-batches"
+    }
     assert " no (max |diff| 1.0e-02)" in text and "(reference)" in text
 
 
 @pytest.mark.slow
 def test_pipeline_bench_quick_times_every_schedule_on_the_same_gradients() -> None:
-    """``distributed.py --pipeline --quick``: every torchspan schedule of SCHEDULES and torch's Schedule1F1B, each
-    variant's gradients compared before timing (torch's, on the same layers, must equal torchspan's)."""
+    """``distributed.py --pipeline --quick``: every torchspan schedule of SCHEDULES and torch's Schedule1F1B,
+    each variant's gradients compared before timing (torch's, on the same layers, must equal torchspan's)."""
     from torchspan.schedule import SCHEDULES
 
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "distributed.py"), "--pipeline", "--quick"],
-                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "distributed.py"), "--pipeline", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     names = {r.name for r in bench.parse_ratios(proc.stdout)} | set(bench.parse_skips(proc.stdout))
     for schedule in SCHEDULES:
@@ -236,7 +286,8 @@ def test_pipeline_bench_quick_times_every_schedule_on_the_same_gradients() -> No
 
 
 def test_cluster_bench_fit_reads_no_bandwidth_from_noise() -> None:
-    # bench --quick failed now and then: three small all-reduces whose times fell with size gave a negative bandwidth
+    # bench --quick failed now and then: three small all-reduces whose times fell with size gave a negative
+    # bandwidth
     fit = _benchmark("plan_cluster").fit
     assert fit({4096: 1.0e-3, 65536: 0.9e-3, 1 << 20: 0.8e-3}) is None
     bw, lat = fit({4096: 1e-4, 65536: 2e-4, 1 << 20: 1e-3})

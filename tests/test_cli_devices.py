@@ -49,9 +49,13 @@ def test_bad_memory_options(argv: list[str], needle: str, capsys: pytest.Capture
 
 
 def test_version_and_module_entry_point() -> None:
-    out = subprocess.run([sys.executable, "-m", "torchspan", "--version"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "torchspan", "--version"], capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip().startswith("torchspan ")
-    out = subprocess.run([sys.executable, "-m", "torchspan", "devices", "--json"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "torchspan", "devices", "--json"], capture_output=True, text=True, check=True
+    )
     assert json.loads(out.stdout)[-1]["kind"] == "cpu"
 
 

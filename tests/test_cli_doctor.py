@@ -123,7 +123,9 @@ def test_dataparallel_cpu_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "model = model.module" in out
 
 
-def test_clean_script_runs_to_the_end_with_its_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_clean_script_runs_to_the_end_with_its_arguments(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     argv_before = sys.argv[:]
     code = main(["doctor", write(tmp_path, "train.py", CLEAN), "--", "2", "--flag"])
     out = capsys.readouterr().out
@@ -137,7 +139,11 @@ def test_json_report_keeps_stdout_clean(tmp_path: Path, capsys: pytest.CaptureFi
     code = main(["doctor", "--json", write(tmp_path, "toy.py", TOY)])
     captured = capsys.readouterr()
     data = json.loads(captured.out)
-    assert code == EXIT_DEVICE_ERROR and data["status"] == "device-error" and data["exit_code"] == EXIT_DEVICE_ERROR
+    assert (
+        code == EXIT_DEVICE_ERROR
+        and data["status"] == "device-error"
+        and data["exit_code"] == EXIT_DEVICE_ERROR
+    )
     first = data["report"]["findings"][0]
     assert first["code"] == "device-mismatch" and first["where"] == "model.net2 (Linear)"
     assert any(t["name"] == "model.net2.weight" for t in first["tensors"])
@@ -167,7 +173,9 @@ def test_missing_script_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureF
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_terminal_output_uses_rich(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_terminal_output_uses_rich(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
     code = main(["doctor", write(tmp_path, "loss.py", LOSS_WEIGHT)])
     out = capsys.readouterr().out
@@ -179,7 +187,11 @@ def test_terminal_output_uses_rich(tmp_path: Path, capsys: pytest.CaptureFixture
 def test_unrelated_error_mentioning_a_device_is_not_called_a_device_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    script = write(tmp_path, "disk.py", "raise RuntimeError('No space left on device while writing a device type table')\n")
+    script = write(
+        tmp_path,
+        "disk.py",
+        "raise RuntimeError('No space left on device while writing a device type table')\n",
+    )
     code = main(["doctor", script])
     captured = capsys.readouterr()
     assert code == 1
@@ -213,17 +225,23 @@ PREFIX = """
 """
 
 
-def test_optimizer_holding_replaced_parameters_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_optimizer_holding_replaced_parameters_is_reported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     code = main(["doctor", write(tmp_path, "stale.py", STALE_OPTIMIZER)])
     out = capsys.readouterr().out
     assert code == EXIT_DEVICE_ERROR and "ran to the end without a device error" in out
     assert "opt.param_groups[0] holds 2 tensor(s) that are not parameters of model" in out
     assert "model.weight, model.bias" in out
-    assert main(["doctor", write(tmp_path, "gan.py", TWO_MODELS)]) == 0  # optimizers over other modules are fine
+    assert (
+        main(["doctor", write(tmp_path, "gan.py", TWO_MODELS)]) == 0
+    )  # optimizers over other modules are fine
     assert "no device problem seen" in capsys.readouterr().out
 
 
-def test_state_dict_prefix_named_with_a_fix_that_works(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_state_dict_prefix_named_with_a_fix_that_works(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     code = main(["doctor", write(tmp_path, "load.py", PREFIX.format(fix=""))])
     out = capsys.readouterr().out
     assert code == 1 and "not a device error" in out
@@ -233,12 +251,18 @@ def test_state_dict_prefix_named_with_a_fix_that_works(tmp_path: Path, capsys: p
     assert main(["doctor", write(tmp_path, "fixed.py", PREFIX.format(fix=fix + "\n    "))]) == 0
 
 
-def test_json_names_the_error_that_ended_the_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_json_names_the_error_that_ended_the_script(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     script = write(tmp_path, "bad.py", "def f():\n    raise ValueError('bad value 42')\nf()\n")
     assert main(["doctor", "--json", script]) == 1
     data = json.loads(capsys.readouterr().out)
     assert data["status"] == "script-error"
-    assert data["error"] == {"type": "ValueError", "message": "bad value 42", "where": "bad.py:2: raise ValueError('bad value 42')"}
+    assert data["error"] == {
+        "type": "ValueError",
+        "message": "bad value 42",
+        "where": "bad.py:2: raise ValueError('bad value 42')",
+    }
     assert main(["doctor", "--json", write(tmp_path, "ok.py", "x = 1\n")]) == 0
     assert json.loads(capsys.readouterr().out)["error"] is None
 

@@ -1,4 +1,5 @@
-"""Bad input to every subcommand: one ``torchspan <cmd>: error:`` line, exit 2 (3 for doctor's device findings), no traceback.
+"""Bad input to every subcommand: one ``torchspan <cmd>: error:`` line, exit 2 (3 for doctor's device
+findings), no traceback.
 
 Table-driven (issue 10 item 6): each row is a command line with the kind of mistake it makes and,
 where the message matters, words it must contain. Rows run in-process through ``cli.main`` (a few
@@ -62,21 +63,38 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     (d / "existing.txt").write_text("a file, not a folder\n")
     (d / "empty_benchmarks").mkdir()
     good = {
-        "format": 1, "layers": ["0", "1", "2"], "microbatches": 1, "schedule": "gpipe", "checkpoint": "never",
+        "format": 1,
+        "layers": ["0", "1", "2"],
+        "microbatches": 1,
+        "schedule": "gpipe",
+        "checkpoint": "never",
         "stages": [{"device": "cpu", "layers": ["0", "1", "2"]}],
-    }  # fmt: skip
+    }
     text = json.dumps(good)
     (d / "truncated.json").write_text(text[: len(text) // 2])
     (d / "not_a_plan.json").write_text(json.dumps({"hello": "world"}))
     (d / "list.json").write_text("[1, 2, 3]")
-    os.mkfifo(d / "pipe")  # files (issue 19): a FIFO and a link to a device are refused, never written through
+    os.mkfifo(
+        d / "pipe"
+    )  # files (issue 19): a FIFO and a link to a device are refused, never written through
     (d / "null_link").symlink_to("/dev/null")
-    return {k: str(v) for k, v in {
-        "models": d / "models.py", "broken": d / "broken.py", "binary": d / "binary.py", "device_error": d / "device_error.py",
-        "existing": d / "existing.txt", "dir": d, "empty_benchmarks": d / "empty_benchmarks",
-        "truncated": d / "truncated.json", "not_a_plan": d / "not_a_plan.json", "list": d / "list.json",
-        "fifo": d / "pipe", "null_link": d / "null_link",
-    }.items()}  # fmt: skip
+    return {
+        k: str(v)
+        for k, v in {
+            "models": d / "models.py",
+            "broken": d / "broken.py",
+            "binary": d / "binary.py",
+            "device_error": d / "device_error.py",
+            "existing": d / "existing.txt",
+            "dir": d,
+            "empty_benchmarks": d / "empty_benchmarks",
+            "truncated": d / "truncated.json",
+            "not_a_plan": d / "not_a_plan.json",
+            "list": d / "list.json",
+            "fifo": d / "pipe",
+            "null_link": d / "null_link",
+        }.items()
+    }
 
 
 # (command line with {placeholders} from `files`, kind of mistake, words the error must contain)
@@ -120,14 +138,26 @@ CASES: list[tuple[str, str, str]] = [
     ("plan {models}:noparams --input-shape 4,16", "model without parameters", "without parameters"),
     ("plan {models}:lin --input-shape 4,17", "wrong shape", "the model rejects a batch of shape 4,17"),
     ("plan {models}:lin --input-shape 4,16 --devices nvidia", "unknown device", "unknown device"),
-    ("plan {models}:lin --input-shape 4,16 --devices cpu --memory cpu=lots", "malformed budget", "not a memory size"),
+    (
+        "plan {models}:lin --input-shape 4,16 --devices cpu --memory cpu=lots",
+        "malformed budget",
+        "not a memory size",
+    ),
     ("plan {models}:lin --input-shape 4,16 --microbatches -1", "negative number", "--microbatches"),
     ("plan {models}:lin --input-shape 4,16 --dtype float99", "malformed argument", "not a torch dtype"),
     ("plan {models} --input-shape 4,16", "target without factory", "TARGET"),
     ("plan {models}:lin --input-shape 4,16 --out {dir}", "folder for a file", "is a folder"),
     ("plan {models}:lin --input-shape 4,16 --out {fifo}", "FIFO for a file", "is a FIFO"),
-    ("plan {models}:lin --input-shape 4,16 --out {null_link}", "link to a device for a file", "is a character device"),
-    ("plan {models}:lin --input-shape 4,16 --out {existing}/plan.json", "output under a file", "nothing can be created under it"),
+    (
+        "plan {models}:lin --input-shape 4,16 --out {null_link}",
+        "link to a device for a file",
+        "is a character device",
+    ),
+    (
+        "plan {models}:lin --input-shape 4,16 --out {existing}/plan.json",
+        "output under a file",
+        "nothing can be created under it",
+    ),
     ("plan {models}:lin --input-shape -8,16", "negative number", "--input-shape '-8,16' is not a shape"),
     ("plan {models}:lin --input-shape -8x16", "negative number", "--input-shape '-8x16' is not a shape"),
     # run
@@ -142,18 +172,42 @@ CASES: list[tuple[str, str, str]] = [
     ("run {models}:raises --input-shape 4,16", "factory that raises", "factory exploded"),
     ("run {broken}:build --input-shape 4,16", "syntax error", "SyntaxError"),
     ("run {models}:noparams --input-shape 4,16", "model without parameters", "without parameters"),
-    ("run {models}:emb --input-shape 4,3", "float ids into an embedding", "the model rejects a batch of shape 4,3 float32"),
+    (
+        "run {models}:emb --input-shape 4,3",
+        "float ids into an embedding",
+        "the model rejects a batch of shape 4,3 float32",
+    ),
     ("run {models}:lin --input-shape 4,16 --devices meta,cpu", "device without data", "meta holds shapes"),
     ("run {models}:lin --input-shape 4,16 --devices nvidia", "unknown device", "unknown device"),
     ("run {models}:lin --input-shape 4,16 --devices cpu --memory cpu=", "malformed budget", "not DEV=SIZE"),
     ("run {models}:lin --input-shape 4,16 --plan {dir}/missing.json", "nonexistent plan", "does not exist"),
-    ("run {models}:lin --input-shape 4,16 --plan {truncated}", "truncated plan JSON", "is not a torchspan plan"),
-    ("run {models}:lin --input-shape 4,16 --plan {not_a_plan}", "hand-edited plan JSON", "is not a torchspan plan"),
+    (
+        "run {models}:lin --input-shape 4,16 --plan {truncated}",
+        "truncated plan JSON",
+        "is not a torchspan plan",
+    ),
+    (
+        "run {models}:lin --input-shape 4,16 --plan {not_a_plan}",
+        "hand-edited plan JSON",
+        "is not a torchspan plan",
+    ),
     ("run {models}:lin --input-shape 4,16 --plan {list}", "hand-edited plan JSON", "is not a torchspan plan"),
     ("run {models}:lin --input-shape 4,16 --out {existing}", "file for a folder", "is a file"),
-    ("run {models}:lin --input-shape 4,16 --out {existing}/run", "output under a file", "nothing can be created under it"),
-    ("run {models}:lin --input-shape 4,16 --out {null_link}", "link to a device for a folder", "is a character device"),
-    ("run {models}:lin --input-shape 4,16 --plan /dev/null", "device file for a plan", "--plan '/dev/null' is a character device"),
+    (
+        "run {models}:lin --input-shape 4,16 --out {existing}/run",
+        "output under a file",
+        "nothing can be created under it",
+    ),
+    (
+        "run {models}:lin --input-shape 4,16 --out {null_link}",
+        "link to a device for a folder",
+        "is a character device",
+    ),
+    (
+        "run {models}:lin --input-shape 4,16 --plan /dev/null",
+        "device file for a plan",
+        "--plan '/dev/null' is a character device",
+    ),
     ("run {models}:lin --input-shape 4,16 --plan {dir}", "folder for a plan", "is a folder, not a plan file"),
     # verify
     ("verify {models}:lin", "missing argument", "--input"),
@@ -166,20 +220,45 @@ CASES: list[tuple[str, str, str]] = [
     ("verify {broken}:build --input-shape 4,16", "syntax error", "SyntaxError"),
     ("verify {models}:noparams --input-shape 4,16", "model without parameters", "without parameters"),
     ("verify {models}:lin --input-shape 4,17", "wrong shape", "the model rejects a batch of shape 4,17"),
-    ("verify {models}:lin --input-shape 4,16 --input-dtype int64", "integer dtype the model cannot take", "int64"),
+    (
+        "verify {models}:lin --input-shape 4,16 --input-dtype int64",
+        "integer dtype the model cannot take",
+        "int64",
+    ),
     ("verify {models}:lin --input-shape 4,16 --devices meta,cpu", "device without data", "meta holds shapes"),
     ("verify {models}:lin --input-shape 4,16 --devices nvidia", "unknown device", "nvidia"),
     ("verify {models}:lin --input-shape 4,16 --balance 1,x", "malformed argument", "--balance"),
-    # issue 19: accepted and a wrong verdict (inf passes everything, nan nothing); PASS with nothing data-parallel run
-    ("verify {models}:lin --input-shape 4,16 --rtol inf", "infinite number", "--rtol inf must be a finite number >= 0"),
-    ("verify {models}:lin --input-shape 4,16 --atol nan", "malformed number", "--atol nan must be a finite number >= 0"),
+    # issue 19: accepted and a wrong verdict (inf passes everything, nan nothing); PASS with nothing
+    # data-parallel run
+    (
+        "verify {models}:lin --input-shape 4,16 --rtol inf",
+        "infinite number",
+        "--rtol inf must be a finite number >= 0",
+    ),
+    (
+        "verify {models}:lin --input-shape 4,16 --atol nan",
+        "malformed number",
+        "--atol nan must be a finite number >= 0",
+    ),
     ("verify {models}:lin --input-shape 4,16 --atol -1e-3", "negative number", "--atol -0.001 must be"),
-    ("verify {models}:lin --input-shape 4,16 --strategies dp --nproc 1", "strategy it cannot run", "--nproc-per-node 2"),
-    ("verify {models}:lin --input-shape 4,16 --strategies single,rank-pipeline --nproc-per-node 1", "strategy it cannot run",
-     "rank-pipeline with --nproc-per-node 1"),
-    # issue 19: argparse took "-8,16" for an option ("expected one argument"); negative values reach the checks
+    (
+        "verify {models}:lin --input-shape 4,16 --strategies dp --nproc 1",
+        "strategy it cannot run",
+        "--nproc-per-node 2",
+    ),
+    (
+        "verify {models}:lin --input-shape 4,16 --strategies single,rank-pipeline --nproc-per-node 1",
+        "strategy it cannot run",
+        "rank-pipeline with --nproc-per-node 1",
+    ),
+    # issue 19: argparse took "-8,16" for an option ("expected one argument"); negative values reach the
+    # checks
     ("verify {models}:lin --input-shape -8,16", "negative number", "--input-shape '-8,16' is not a shape"),
-    ("verify {models}:lin --input-shape 4,16 --balance -1,2", "negative number", "--balance '-1,2' needs positive integers"),
+    (
+        "verify {models}:lin --input-shape 4,16 --balance -1,2",
+        "negative number",
+        "--balance '-1,2' needs positive integers",
+    ),
     # demo
     ("demo --steps 0 --out {dir}/demo", "zero number", "--steps 0"),
     ("demo --steps -5 --out {dir}/demo", "negative number", "--steps -5"),
@@ -216,7 +295,11 @@ LAUNCH_CASES: list[tuple[str, str, str]] = [
     ("launch --master-port 70000 {device_error}", "huge number", "--master-port"),
     ("launch --max-restarts -1 {device_error}", "negative number", "--max-restarts"),
     ("launch --rdzv-endpoint nowhere {device_error}", "malformed argument", "HOST:PORT"),
-    ("launch --rdzv-endpoint node0:29400 --master-port 29500 {device_error}", "conflicting options", "not both"),
+    (
+        "launch --rdzv-endpoint node0:29400 --master-port 29500 {device_error}",
+        "conflicting options",
+        "not both",
+    ),
 ]
 if "launch" in cli.COMMANDS:
     CASES += LAUNCH_CASES
@@ -231,9 +314,17 @@ def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str,
     return code, out.out, out.err
 
 
-@pytest.mark.parametrize(("line", "kind", "needle"), CASES, ids=[f"{c[0].split()[0]}: {c[1]}: {c[0]}" for c in CASES])
+@pytest.mark.parametrize(
+    ("line", "kind", "needle"), CASES, ids=[f"{c[0].split()[0]}: {c[1]}: {c[0]}" for c in CASES]
+)
 def test_bad_input_is_one_line_error(
-    line: str, kind: str, needle: str, files: dict[str, str], capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    line: str,
+    kind: str,
+    needle: str,
+    files: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.chdir(tmp_path)  # nothing a failing command writes lands in the checkout
     argv = [word.format(**files) for word in line.split()]
@@ -262,20 +353,31 @@ def test_every_subcommand_has_eight_kinds_of_bad_input() -> None:
 
 
 def _console_script() -> list[str]:
-    found = shutil.which("torchspan", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    found = shutil.which(
+        "torchspan", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    )
     return [found] if found else [sys.executable, "-m", "torchspan"]
 
 
 @pytest.mark.parametrize(
     ("argv", "needle"),
-    [(["devices", "a100-80gb*1000000"], "at most 128"), (["doctor", "{broken}", "--json"], "not valid Python")],
+    [
+        (["devices", "a100-80gb*1000000"], "at most 128"),
+        (["doctor", "{broken}", "--json"], "not valid Python"),
+    ],
 )
 def test_console_script_prints_one_line(argv: list[str], needle: str, files: dict[str, str]) -> None:
     proc = subprocess.run(
-        [*_console_script(), *(a.format(**files) for a in argv)], capture_output=True, text=True, timeout=60, check=False
+        [*_console_script(), *(a.format(**files) for a in argv)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stderr.startswith(f"torchspan {argv[0]}: error: ")
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stderr.startswith(
+        f"torchspan {argv[0]}: error: "
+    )
     assert needle in proc.stderr
 
 
@@ -283,8 +385,19 @@ def test_negative_values_are_joined_to_their_option_only() -> None:
     from torchspan.commands._common import join_negative_values
 
     parser = cli.build_parser()
-    assert join_negative_values(parser, ["plan", "m.py:f", "--input-shape", "-8,16", "--json"]) == ["plan", "m.py:f", "--input-shape=-8,16", "--json"]
-    assert join_negative_values(parser, ["run", "m.py:f", "--lr", "-1e-3", "--steps", "3"]) == ["run", "m.py:f", "--lr=-1e-3", "--steps", "3"]
+    assert join_negative_values(parser, ["plan", "m.py:f", "--input-shape", "-8,16", "--json"]) == [
+        "plan",
+        "m.py:f",
+        "--input-shape=-8,16",
+        "--json",
+    ]
+    assert join_negative_values(parser, ["run", "m.py:f", "--lr", "-1e-3", "--steps", "3"]) == [
+        "run",
+        "m.py:f",
+        "--lr=-1e-3",
+        "--steps",
+        "3",
+    ]
     unchanged = [
         ["plan", "m.py:f", "--json", "-8"],  # a flag takes no value: left for argparse to refuse
         ["plan", "m.py:f", "--", "--input-shape", "-8,16"],  # after -- nothing is an option

@@ -1,9 +1,10 @@
-"""CLI probes from fuzzing (issue 29): ``torchspan verify`` on a transformers model as its config comes (``use_cache``
-left True), token ids past the model's embedding, ``torchspan launch`` without a script or with a rank that exits on
-its own. Each either works or is one line naming the option and the fix (never a raw traceback).
+"""CLI probes from fuzzing (issue 29): ``torchspan verify`` on a transformers model as its config comes
+(``use_cache`` left True), token ids past the model's embedding, ``torchspan launch`` without a script or with
+a rank that exits on its own. Each either works or is one line naming the option and the fix (never a raw
+traceback).
 
-The multi-process verify row spawns gloo processes once for all its strategies (those of one process count share
-one spawn); the launch row starts a real two-rank job (a few seconds).
+The multi-process verify row spawns gloo processes once for all its strategies (those of one process count
+share one spawn); the launch row starts a real two-rank job (a few seconds).
 """
 
 from __future__ import annotations
@@ -69,34 +70,70 @@ def _one_line_error(code: int, err: str, command: str) -> str:
 
 # (id, arguments after the model file, words the one error line must contain)
 REFUSED = [
-    ("--vocab past the embedding", ["--input", "input_ids=4,6:int64", "--vocab", "1000"], "its input embedding has 40 rows: --vocab 40 or less"),
-    ("--vocab past the embedding, strategies", ["--input", "input_ids=4,6:int64", "--vocab", "1000", "--strategies", "single,dp"], "--vocab 40 or less"),
-    ("positional ids past the embedding", ["--input-shape", "4,6", "--input-dtype", "int64", "--vocab", "1000"], "set --input-shape/--input-dtype/--vocab to what its forward expects (its input embedding has 40 rows"),
-]  # fmt: skip
+    (
+        "--vocab past the embedding",
+        ["--input", "input_ids=4,6:int64", "--vocab", "1000"],
+        "its input embedding has 40 rows: --vocab 40 or less",
+    ),
+    (
+        "--vocab past the embedding, strategies",
+        ["--input", "input_ids=4,6:int64", "--vocab", "1000", "--strategies", "single,dp"],
+        "--vocab 40 or less",
+    ),
+    (
+        "positional ids past the embedding",
+        ["--input-shape", "4,6", "--input-dtype", "int64", "--vocab", "1000"],
+        "set --input-shape/--input-dtype/--vocab to what its forward expects (its input embedding has 40 "
+        "rows",
+    ),
+]
 
 
 @pytest.mark.parametrize(("name", "args", "needle"), REFUSED, ids=[r[0] for r in REFUSED])
-def test_verify_refuses_in_one_line(name: str, args: list[str], needle: str, models: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_refuses_in_one_line(
+    name: str, args: list[str], needle: str, models: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     line = _one_line_error(*_run(["verify", f"{models}:llama", *args], capsys)[::2], "verify")
     assert needle in line, line
 
 
-def test_verify_runs_a_default_config_transformers_model(models: str, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = _run([
-        "verify", f"{models}:llama", "--input", "input_ids=4,6:int64", "--vocab", "40", "--microbatches", "2",
-        "--strategies", "single,dp,fsdp,rank-pipeline", "--nproc-per-node", "2",
-    ], capsys)  # fmt: skip
+def test_verify_runs_a_default_config_transformers_model(
+    models: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = _run(
+        [
+            "verify",
+            f"{models}:llama",
+            "--input",
+            "input_ids=4,6:int64",
+            "--vocab",
+            "40",
+            "--microbatches",
+            "2",
+            "--strategies",
+            "single,dp,fsdp,rank-pipeline",
+            "--nproc-per-node",
+            "2",
+        ],
+        capsys,
+    )
     assert code == 0 and "Traceback" not in err + out, out + err
     for strategy in ("dp", "fsdp", "rank-pipeline"):
         assert f"{strategy} (2 processes): PASS" in out, out
-    code, out, err = _run(["verify", f"{models}:llama", "--input", "input_ids=4,6:int64", "--vocab", "40"], capsys)
+    code, out, err = _run(
+        ["verify", f"{models}:llama", "--input", "input_ids=4,6:int64", "--vocab", "40"], capsys
+    )
     assert code == 0 and "PASS" in out, out + err
 
 
 def test_launch_without_a_script_says_a_script_is_required(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["launch"], ["launch", "--nproc-per-node", "2"]):
         line = _one_line_error(*_run(argv, capsys)[::2], "launch")
-        assert "a training script is required" in line and "SCRIPT.py [script args]" in line and "script_args" not in line, line
+        assert (
+            "a training script is required" in line
+            and "SCRIPT.py [script args]" in line
+            and "script_args" not in line
+        ), line
 
 
 @pytest.mark.slow
@@ -105,9 +142,16 @@ def test_launch_names_the_rank_it_stopped_after_another_exited(tmp_path: Path) -
     script.write_text(EXIT_7)
     done = subprocess.run(
         [sys.executable, "-m", "torchspan", "launch", "--nproc-per-node", "2", str(script)],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        check=False,
+    )
     assert done.returncode == 1, done.stderr[-3000:]
     report = done.stderr[done.stderr.index("torchspan launch: rank 1") :]
     assert "of exit7.py failed with exit code 7" in report.splitlines()[0], report
-    assert "rank 0 was stopped by the launcher after rank 1 failed" in report.splitlines() and "also failed" not in report, report
+    assert (
+        "rank 0 was stopped by the launcher after rank 1 failed" in report.splitlines()
+        and "also failed" not in report
+    ), report

@@ -3,10 +3,12 @@
 - ``torchspan --help``: every command it lists has a section ``## torchspan NAME`` in docs/cli.md, in the same
   order, and no section names a command that does not exist; the top-level options (``--help``, ``--version``)
   are named before the first section.
-- ``torchspan NAME --help``: every option string of the command (aliases and old spellings too) is named in its
+- ``torchspan NAME --help``: every option string of the command (aliases and old spellings too) is named in
+its
   section; every option shown by ``--help`` appears there as ``--help`` writes it (``--memory DEV=SIZE``,
   ``--schedule {auto,gpipe,...}``), so a changed metavar or choice shows here; every positional is named.
-- docs/cli.md names no option that does not exist: every ``--word`` in a command's section is an option of that
+- docs/cli.md names no option that does not exist: every ``--word`` in a command's section is an option of
+that
   command, and every ``--word`` before the first section an option of some command or of ``torchspan`` itself.
 
 When an option changes, print the option lists as the parser has them and paste the command's list into its
@@ -43,9 +45,14 @@ def shown(action: argparse.Action) -> bool:
 
 
 def arguments(sub: argparse.ArgumentParser) -> list[tuple[str, str]]:
-    """``(invocation, help)`` for each argument ``--help`` shows: ``("--memory DEV=SIZE", "memory budget ...")``."""
+    """``(invocation, help)`` for each argument ``--help`` shows: ``("--memory DEV=SIZE", "memory budget
+    ...")``."""
     fmt = sub._get_formatter()
-    return [(fmt._format_action_invocation(a), fmt._expand_help(a) if a.help else "") for a in sub._actions if shown(a)]
+    return [
+        (fmt._format_action_invocation(a), fmt._expand_help(a) if a.help else "")
+        for a in sub._actions
+        if shown(a)
+    ]
 
 
 def option_lines(sub: argparse.ArgumentParser) -> list[str]:
@@ -73,14 +80,18 @@ def test_help_lists_the_commands_cli_md_documents() -> None:
         f"docs/cli.md's sections {list(SECTIONS)} are not torchspan's commands {list(COMMAND_PARSERS)}"
     )
     for name in COMMAND_PARSERS:
-        assert f"`torchspan {name}`" in INTRO, f"docs/cli.md's table of commands leaves out `torchspan {name}`"
+        assert f"`torchspan {name}`" in INTRO, (
+            f"docs/cli.md's table of commands leaves out `torchspan {name}`"
+        )
 
 
 def test_top_level_options_are_named() -> None:
     for action in build_parser()._actions:
         for option in action.option_strings:
             if option.startswith("--"):
-                assert option in INTRO, f"docs/cli.md does not name `torchspan {option}` before its first section"
+                assert option in INTRO, (
+                    f"docs/cli.md does not name `torchspan {option}` before its first section"
+                )
 
 
 @pytest.mark.parametrize("name", list(COMMAND_PARSERS))
@@ -95,8 +106,8 @@ def test_every_option_of_the_command_is_documented(name: str) -> None:
                 assert option in named, f"docs/cli.md's `torchspan {name}` section does not name {option}"
     for invocation, _ in arguments(sub):
         assert f"`{invocation}`" in section, (
-            f"docs/cli.md's `torchspan {name}` section lacks `{invocation}` as `torchspan {name} --help` writes it; "
-            f"regenerate its list with `python tests/test_cli_help_docs.py {name}`"
+            f"docs/cli.md's `torchspan {name}` section lacks `{invocation}` as `torchspan {name} --help` "
+            f"writes it; regenerate its list with `python tests/test_cli_help_docs.py {name}`"
         )
 
 
@@ -105,7 +116,9 @@ def test_the_section_names_no_option_the_command_lacks(name: str) -> None:
     sub, section = COMMAND_PARSERS[name], SECTIONS.get(name, "")
     real = {o for a in sub._actions for o in a.option_strings}
     unknown = sorted(set(OPTION.findall(section)) - real)
-    assert not unknown, f"docs/cli.md's `torchspan {name}` section names {unknown}, which `torchspan {name}` does not take"
+    assert not unknown, (
+        f"docs/cli.md's `torchspan {name}` section names {unknown}, which `torchspan {name}` does not take"
+    )
 
 
 def test_the_intro_names_no_option_that_does_not_exist() -> None:

@@ -13,7 +13,7 @@ from torchspan.cli import main
 from torchspan.planner import Plan
 from torchspan.planner.strategies import STRATEGIES
 
-FACTORY = '''
+FACTORY = """
 import torch
 from torch import nn
 
@@ -29,7 +29,7 @@ def tokens():
 
 def not_a_model():
     return 42
-'''
+"""
 
 
 @pytest.fixture()
@@ -47,19 +47,52 @@ def test_plan_prints_a_table(target: str, capsys: pytest.CaptureFixture[str]) ->
 
 def test_plan_json_and_out_file(target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out_file = tmp_path / "plan.json"
-    argv = ["plan", f"{target}:build", "--input-shape", "16,32", "--devices", "cpu,cpu", "--memory", "cpu=1GiB"]
-    argv += ["--microbatches", "4", "--schedule", "gpipe", "--recompute", "except_last", "--json", "--out", str(out_file)]
+    argv = [
+        "plan",
+        f"{target}:build",
+        "--input-shape",
+        "16,32",
+        "--devices",
+        "cpu,cpu",
+        "--memory",
+        "cpu=1GiB",
+    ]
+    argv += [
+        "--microbatches",
+        "4",
+        "--schedule",
+        "gpipe",
+        "--recompute",
+        "except_last",
+        "--json",
+        "--out",
+        str(out_file),
+    ]
     assert main(argv) == 0
     printed = json.loads(capsys.readouterr().out)
     saved = Plan.load(out_file)
     assert Plan.from_dict(printed) == saved
-    assert (saved.microbatches, saved.schedule, saved.recompute, saved.batch_size) == (4, "gpipe", "except_last", 16)
+    assert (saved.microbatches, saved.schedule, saved.recompute, saved.batch_size) == (
+        4,
+        "gpipe",
+        "except_last",
+        16,
+    )
     assert saved.layers == ["0", "1", "2", "3", "4"]
 
 
 def test_plan_spills_to_the_cpu_for_a_described_gpu(target: str, capsys: pytest.CaptureFixture[str]) -> None:
     # each 1024x1024 layer needs ~16.8 MB with gradients and Adam state: one fits in 20 MB
-    argv = ["plan", f"{target}:wide", "--input-shape", "64,32", "--devices", "a100-40gb,cpu", "--memory", "cuda:0=20MB"]
+    argv = [
+        "plan",
+        f"{target}:wide",
+        "--input-shape",
+        "64,32",
+        "--devices",
+        "a100-40gb,cpu",
+        "--memory",
+        "cuda:0=20MB",
+    ]
     assert main(argv + ["--json"]) == 0
     plan = Plan.from_dict(json.loads(capsys.readouterr().out))
     assert set(plan.devices) == {"cuda:0", "cpu"}
@@ -68,14 +101,38 @@ def test_plan_spills_to_the_cpu_for_a_described_gpu(target: str, capsys: pytest.
 
 
 def test_integer_inputs(target: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", f"{target}:tokens", "--input-shape", "4,12", "--dtype", "int64", "--devices", "cpu", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                f"{target}:tokens",
+                "--input-shape",
+                "4,12",
+                "--dtype",
+                "int64",
+                "--devices",
+                "cpu",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["batch_size"] == 4
 
 
 def test_nothing_fits_exits_2_with_the_plan_error(target: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", f"{target}:build", "--input-shape", "16,32", "--devices", "cpu", "--memory", "cpu=10KB"]) == 2
+    assert (
+        main(
+            ["plan", f"{target}:build", "--input-shape", "16,32", "--devices", "cpu", "--memory", "cpu=10KB"]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
-    assert "torchspan plan: error: no placement" in err and "What would make it fit" in err and "Traceback" not in err
+    assert (
+        "torchspan plan: error: no placement" in err
+        and "What would make it fit" in err
+        and "Traceback" not in err
+    )
 
 
 @pytest.mark.parametrize(
@@ -88,7 +145,9 @@ def test_nothing_fits_exits_2_with_the_plan_error(target: str, capsys: pytest.Ca
         (["--input-shape", "16,32", "--memory", "cpu"], "DEV=SIZE"),
     ],
 )
-def test_bad_arguments_are_named(target: str, extra: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_arguments_are_named(
+    target: str, extra: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["plan", f"{target}:build", "--devices", "cpu", *extra]) == 2
     assert needle in capsys.readouterr().err
 
@@ -101,7 +160,11 @@ def test_bad_target(target: str, capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     "source, attr, needle",
     [
-        ("def build():\n    raise RuntimeError('no weights here')\n", "build", "building the model failed with RuntimeError: no weights here"),
+        (
+            "def build():\n    raise RuntimeError('no weights here')\n",
+            "build",
+            "building the model failed with RuntimeError: no weights here",
+        ),
         ("def build(:\n    pass\n", "build", "failed with SyntaxError"),
         ("build = 3\n", "build", "build is a int; name a function returning the model"),
     ],
@@ -120,10 +183,17 @@ def test_inputs_the_model_rejects_are_a_usage_error(
     target: str, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
     # int64 ids into a Linear: the fake sizing pass lets it through, the real forward does not
-    assert main(["plan", f"{target}:build", "--input-shape", "4,32", "--dtype", "int64", "--devices", "cpu"]) == 2
+    assert (
+        main(["plan", f"{target}:build", "--input-shape", "4,32", "--dtype", "int64", "--devices", "cpu"])
+        == 2
+    )
     err = capsys.readouterr().err
     # the wording plan, run and verify share (commands/_target.first_call)
-    assert "the model rejects a batch of shape 4,32 int64" in err and "set --input-shape/--dtype" in err and "Traceback" not in err
+    assert (
+        "the model rejects a batch of shape 4,32 int64" in err
+        and "set --input-shape/--dtype" in err
+        and "Traceback" not in err
+    )
     # a wrong feature size: one message, and no traceback logged by FakeTensorMode (20 lines on stderr)
     with caplog.at_level(logging.DEBUG):
         assert main(["plan", f"{target}:build", "--input-shape", "4,31", "--devices", "cpu"]) == 2
@@ -131,16 +201,24 @@ def test_inputs_the_model_rejects_are_a_usage_error(
     assert not [r for r in caplog.records if r.name.startswith("torch._subclasses")]
 
 
-def test_out_into_a_missing_folder_creates_it(target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_out_into_a_missing_folder_creates_it(
+    target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out_file = tmp_path / "plans" / "new" / "plan.json"
-    assert main(["plan", f"{target}:build", "--input-shape", "4,32", "--devices", "cpu", "--out", str(out_file)]) == 0
+    assert (
+        main(["plan", f"{target}:build", "--input-shape", "4,32", "--devices", "cpu", "--out", str(out_file)])
+        == 0
+    )
     assert Plan.load(out_file).layers == ["0", "1", "2", "3", "4"]
-    assert main(["plan", f"{target}:build", "--input-shape", "4,32", "--devices", "cpu", "--out", str(tmp_path)]) == 2
+    assert (
+        main(["plan", f"{target}:build", "--input-shape", "4,32", "--devices", "cpu", "--out", str(tmp_path)])
+        == 2
+    )
     assert "is a folder" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- the command line plans from meta
-META_FACTORY = '''
+META_FACTORY = """
 import json, os
 import torch
 from torch import nn
@@ -156,7 +234,7 @@ def big():
 
 def small():
     return record(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)))
-'''
+"""
 
 
 @pytest.fixture()
@@ -170,15 +248,31 @@ def _seen(factory: Path) -> list[list[str]]:
     return [json.loads(line) for line in (factory.parent / "devices.json").read_text().splitlines()]
 
 
-def test_cli_plans_a_model_built_on_meta_for_described_devices(factory: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_plans_a_model_built_on_meta_for_described_devices(
+    factory: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     start = time.perf_counter()
-    argv = ["plan", f"{factory}:big", "--input-shape", "32,4096", "--nodes", "2", "--devices", "a100-40gb*4", "--json"]
+    argv = [
+        "plan",
+        f"{factory}:big",
+        "--input-shape",
+        "32,4096",
+        "--nodes",
+        "2",
+        "--devices",
+        "a100-40gb*4",
+        "--json",
+    ]
     assert main(argv) == 0
     took = time.perf_counter() - start
-    assert _seen(factory) == [["meta"]]  # the factory ran under torch.device("meta"): no parameter was allocated
+    assert _seen(factory) == [
+        ["meta"]
+    ]  # the factory ran under torch.device("meta"): no parameter was allocated
     plan = Plan.from_dict(json.loads(capsys.readouterr().out))
     assert plan.world_size == 8 and [r["strategy"] for r in plan.comparison] == list(STRATEGIES)
-    assert took < 60, took  # seconds on a shared 2-core machine, where a real build and forward take far longer
+    assert took < 60, (
+        took
+    )  # seconds on a shared 2-core machine, where a real build and forward take far longer
     # a present device is measured on the real model, built as before
     assert main(["plan", f"{factory}:small", "--input-shape", "8,32", "--devices", "cpu"]) == 0
     assert _seen(factory)[-1] == ["cpu"]
@@ -186,7 +280,17 @@ def test_cli_plans_a_model_built_on_meta_for_described_devices(factory: Path, ca
 
 
 def test_cli_host_memory_option(factory: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["plan", f"{factory}:small", "--input-shape", "8,32", "--nodes", "2", "--devices", "h100-80gb", "--json"]
+    argv = [
+        "plan",
+        f"{factory}:small",
+        "--input-shape",
+        "8,32",
+        "--nodes",
+        "2",
+        "--devices",
+        "h100-80gb",
+        "--json",
+    ]
     assert main([*argv, "--host-memory", "1KiB"]) == 0
     rows = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)["comparison"]}
     assert rows["sharded + offload"]["host_budget"] == 1024 and not rows["sharded + offload"]["fits"]

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchspan.planner.measured import compare, ratio, typical_step_time
 from torchspan.cli import main
 from torchspan.planner import Plan, StagePlan
+from torchspan.planner.measured import compare, ratio, typical_step_time
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
-FACTORY = '''
+FACTORY = """
 import torch
 from torch import nn
 
@@ -29,7 +29,7 @@ def tokens():
 
 def broken():
     raise RuntimeError("weights file not found")
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,9 @@ def layer_bytes(layers: list[str]) -> int:
 # --------------------------------------------------------------------------- runs
 
 
-def test_run_on_two_cpu_entries_prints_predicted_vs_measured(models: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_on_two_cpu_entries_prints_predicted_vs_measured(
+    models: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     argv = ["run", f"{models}:build", "--input-shape", "16,32", "--devices", "cpu,cpu", "--steps", "3"]
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -65,11 +67,26 @@ def test_run_on_two_cpu_entries_prints_predicted_vs_measured(models: str, capsys
 
 def test_spread_json_and_out_files(models: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out_dir = tmp_path / "out"
-    argv = [f"{models}:build", "--input-shape", "16,32", "--devices", "cpu,cpu", "--spread", "--steps", "3", "--out", str(out_dir)]
+    argv = [
+        f"{models}:build",
+        "--input-shape",
+        "16,32",
+        "--devices",
+        "cpu,cpu",
+        "--spread",
+        "--steps",
+        "3",
+        "--out",
+        str(out_dir),
+    ]
     result = run_json(argv, capsys)
     assert len(result["stages"]) == 2 and result["plan"]["microbatches"] >= 2
     step = result["step_time"]
-    assert step["measured"] > 0 and step["predicted"] > 0 and step["ratio"] == pytest.approx(step["measured"] / step["predicted"])
+    assert (
+        step["measured"] > 0
+        and step["predicted"] > 0
+        and step["ratio"] == pytest.approx(step["measured"] / step["predicted"])
+    )
     assert step["steps_measured"] == 2
     assert len(result["losses"]) == 3 and all(math.isfinite(v) for v in result["losses"])
     assert result["samples_per_second"] > 0 and result["optimizer_step_time"] > 0
@@ -89,17 +106,46 @@ def test_spread_json_and_out_files(models: str, tmp_path: Path, capsys: pytest.C
     assert on_disk["losses"] == result["losses"] and on_disk["files"]["plan"] == str(out_dir / "plan.json")
 
     # the saved two-stage plan runs again as is
-    again = run_json([f"{models}:build", "--input-shape", "16,32", "--plan", str(out_dir / "plan.json"), "--steps", "2"], capsys)
+    again = run_json(
+        [f"{models}:build", "--input-shape", "16,32", "--plan", str(out_dir / "plan.json"), "--steps", "2"],
+        capsys,
+    )
     assert [s["layers"] for s in again["stages"]] == [s.layers for s in saved.stages]
     assert again["plan"] == result["plan"]
 
 
-def test_run_a_plan_written_by_torchspan_plan(models: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_a_plan_written_by_torchspan_plan(
+    models: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     plan_file = tmp_path / "plan.json"
-    argv = ["plan", f"{models}:build", "--input-shape", "16,32", "--devices", "cpu", "--microbatches", "2", "--schedule", "gpipe"]
+    argv = [
+        "plan",
+        f"{models}:build",
+        "--input-shape",
+        "16,32",
+        "--devices",
+        "cpu",
+        "--microbatches",
+        "2",
+        "--schedule",
+        "gpipe",
+    ]
     assert main([*argv, "--out", str(plan_file)]) == 0
     capsys.readouterr()
-    result = run_json([f"{models}:build", "--input-shape", "16,32", "--plan", str(plan_file), "--steps", "3", "--optimizer", "sgd"], capsys)
+    result = run_json(
+        [
+            f"{models}:build",
+            "--input-shape",
+            "16,32",
+            "--plan",
+            str(plan_file),
+            "--steps",
+            "3",
+            "--optimizer",
+            "sgd",
+        ],
+        capsys,
+    )
     assert (result["plan"]["microbatches"], result["plan"]["schedule"]) == (2, "gpipe")
     assert result["plan"] == Plan.load(plan_file).to_dict()
     (stage,) = result["stages"]
@@ -108,8 +154,22 @@ def test_run_a_plan_written_by_torchspan_plan(models: str, tmp_path: Path, capsy
     assert result["losses"][-1] < result["losses"][0]  # the same batch every step: the loss falls
 
 
-def test_token_ids_and_cross_entropy_over_the_last_dim(models: str, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = [f"{models}:tokens", "--input-shape", "4,12", "--dtype", "int64", "--vocab", "100", "--loss", "ce", "--devices", "cpu"]
+def test_token_ids_and_cross_entropy_over_the_last_dim(
+    models: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        f"{models}:tokens",
+        "--input-shape",
+        "4,12",
+        "--dtype",
+        "int64",
+        "--vocab",
+        "100",
+        "--loss",
+        "ce",
+        "--devices",
+        "cpu",
+    ]
     result = run_json([*argv, "--steps", "3", "--lr", "1e-2"], capsys)
     # random classes over 100 outputs: a fresh model's loss is about ln(100)
     assert abs(result["losses"][0] - math.log(100)) < 1.0
@@ -128,7 +188,9 @@ def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     return err
 
 
-def test_bad_targets_exit_2_with_one_line(models: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_targets_exit_2_with_one_line(
+    models: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     err = _error([str(tmp_path / "nope.py") + ":build", "--input-shape", "16,32"], capsys)
     assert "does not exist" in err
     err = _error([f"{models}:missing", "--input-shape", "16,32"], capsys)
@@ -142,20 +204,42 @@ def test_bad_targets_exit_2_with_one_line(models: str, tmp_path: Path, capsys: p
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without cuda:0")
 def test_plan_for_absent_devices(models: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plan_file = tmp_path / "a100.json"
-    assert main(["plan", f"{models}:build", "--input-shape", "16,32", "--devices", "a100-40gb", "--out", str(plan_file)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                f"{models}:build",
+                "--input-shape",
+                "16,32",
+                "--devices",
+                "a100-40gb",
+                "--out",
+                str(plan_file),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     err = _error([f"{models}:build", "--input-shape", "16,32", "--plan", str(plan_file)], capsys)
     assert "cuda:0" in err and "A100" in err and "does not have" in err
     assert f"torchspan plan {models}:build --input-shape 16,32 --devices auto --out {plan_file}" in err
 
 
-def test_plan_for_another_model_and_conflicting_options(models: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_for_another_model_and_conflicting_options(
+    models: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     plan_file = tmp_path / "plan.json"
-    Plan(stages=[StagePlan("cpu", ["0", "1", "2"]), StagePlan("cpu", ["3", "4"])], microbatches=2).save(plan_file)
-    err = _error([f"{models}:tokens", "--input-shape", "4,12", "--dtype", "int64", "--plan", str(plan_file)], capsys)
+    Plan(stages=[StagePlan("cpu", ["0", "1", "2"]), StagePlan("cpu", ["3", "4"])], microbatches=2).save(
+        plan_file
+    )
+    err = _error(
+        [f"{models}:tokens", "--input-shape", "4,12", "--dtype", "int64", "--plan", str(plan_file)], capsys
+    )
     assert "made for another model" in err and "'2'" not in err and "2, 3, 4" in err
     assert f"torchspan plan {models}:tokens --input-shape 4,12 --dtype int64 --out {plan_file}" in err
-    err = _error([f"{models}:build", "--input-shape", "16,32", "--plan", str(plan_file), "--devices", "cpu"], capsys)
+    err = _error(
+        [f"{models}:build", "--input-shape", "16,32", "--plan", str(plan_file), "--devices", "cpu"], capsys
+    )
     assert "drop --devices" in err
     err = _error([f"{models}:build", "--input-shape", "1,32", "--plan", str(plan_file)], capsys)
     assert "2 micro-batches" in err
@@ -173,13 +257,30 @@ def test_compare_ratios_and_step_time() -> None:
     assert typical_step_time([9.0, 1.0, 3.0, 2.0]) == 2.0  # the first step is left out
     assert typical_step_time([5.0]) == 5.0
     assert ratio(3.0, 2.0) == 1.5 and ratio(3.0, 0) is None and ratio(None, 2.0) is None
-    plan = Plan(stages=[StagePlan("cpu", ["a"], param_bytes=100, activation_bytes=50, workspace_bytes=7)], predicted_step_time=0.5)
-    memory = [{"stage": 0, "device": "cpu", "params": 100, "grads": 100, "optimizer": 0, "activations": 75, "buffers": 0}]
+    plan = Plan(
+        stages=[StagePlan("cpu", ["a"], param_bytes=100, activation_bytes=50, workspace_bytes=7)],
+        predicted_step_time=0.5,
+    )
+    memory = [
+        {
+            "stage": 0,
+            "device": "cpu",
+            "params": 100,
+            "grads": 100,
+            "optimizer": 0,
+            "activations": 75,
+            "buffers": 0,
+        }
+    ]
     result = compare(plan, memory, [2.0, 1.0, 1.0])
     assert result["step_time"] == {"predicted": 0.5, "measured": 1.0, "ratio": 2.0, "steps_measured": 2}
     (st,) = result["stages"]
     assert st["activations"] == {"predicted": 50, "measured": 75, "ratio": 1.5}
-    assert st["grads"]["ratio"] is None and st["total"] == {"predicted": 150, "measured": 275, "ratio": 275 / 150}
+    assert st["grads"]["ratio"] is None and st["total"] == {
+        "predicted": 150,
+        "measured": 275,
+        "ratio": 275 / 150,
+    }
     assert st["workspace_predicted"] == 7
     with pytest.raises(ValueError, match="memory has 2 stage"):
         compare(plan, memory * 2, [1.0])
@@ -187,8 +288,11 @@ def test_compare_ratios_and_step_time() -> None:
         typical_step_time([])
 
 
-def test_out_budgets_use_the_device_names_of_the_plan(models: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    # regression: --memory CPU=... was passed to memory.png under the raw key 'CPU', so no budget line was drawn
+def test_out_budgets_use_the_device_names_of_the_plan(
+    models: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # regression: --memory CPU=... was passed to memory.png under the raw key 'CPU', so no budget line was
+    # drawn
     from torchspan.commands import run as run_command
 
     seen: dict[str, int] = {}
@@ -199,17 +303,36 @@ def test_out_budgets_use_the_device_names_of_the_plan(models: str, tmp_path: Pat
         return real(out, plan, spanned, memory, losses, budgets, result)
 
     monkeypatch.setattr(run_command, "_write_outputs", spy)
-    argv = [f"{models}:build", "--input-shape", "16,32", "--devices", "cpu", "--memory", "CPU=1GiB", "--steps", "1", "--out", str(tmp_path / "o")]
+    argv = [
+        f"{models}:build",
+        "--input-shape",
+        "16,32",
+        "--devices",
+        "cpu",
+        "--memory",
+        "CPU=1GiB",
+        "--steps",
+        "1",
+        "--out",
+        str(tmp_path / "o"),
+    ]
     run_json(argv, capsys)
     assert seen == {"cpu": 2**30}
 
 
-def test_fp16_weights_under_adam_get_the_real_cause_and_precision_trains(models: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_fp16_weights_under_adam_get_the_real_cause_and_precision_trains(
+    models: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     # issue 10: "lower --lr" was wrong advice; fp16 parameters with Adam are NaN at any learning rate
     argv = ["run", f"{models}:build", "--input-shape", "16,32", "--devices", "cpu", "--steps", "3"]
     assert main([*argv, "--dtype", "float16", "--lr", "1e-6"]) == 2
     err = capsys.readouterr().err
-    assert "the loss became nan" in err and "--precision fp16" in err and "--optimizer sgd" in err and "lower --lr" not in err
+    assert (
+        "the loss became nan" in err
+        and "--precision fp16" in err
+        and "--optimizer sgd" in err
+        and "lower --lr" not in err
+    )
     # what the advice says works: fp32 master weights with autocast, through the fp16 gradient scaler
     result = run_json([*argv[1:], "--precision", "fp16"], capsys)
     assert result["precision"] == "fp16" and all(math.isfinite(v) for v in result["losses"])

@@ -46,7 +46,22 @@ def models(tmp_path: Path) -> str:
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_verify_passes(models: str, schedule: str, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["verify", f"{models}:mlp", "--input-shape", "10,8", "--devices", "cpu,cpu", "--balance", "2,3", "--microbatches", "3", "--schedule", schedule])
+    code = main(
+        [
+            "verify",
+            f"{models}:mlp",
+            "--input-shape",
+            "10,8",
+            "--devices",
+            "cpu,cpu",
+            "--balance",
+            "2,3",
+            "--microbatches",
+            "3",
+            "--schedule",
+            schedule,
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "mode=sequential" in out and "PASS" in out and "max abs diff" in out
@@ -65,29 +80,62 @@ def test_verify_usage_errors(models: str, capsys: pytest.CaptureFixture[str]) ->
     assert "balance=[1, 1]" in capsys.readouterr().err
 
 
-def test_verify_json_gives_layers_parameters_and_the_verdict(models: str, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["verify", f"{models}:mlp", "--input-shape", "10,8", "--balance", "2,3", "--microbatches", "3", "--json"]
+def test_verify_json_gives_layers_parameters_and_the_verdict(
+    models: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "verify",
+        f"{models}:mlp",
+        "--input-shape",
+        "10,8",
+        "--balance",
+        "2,3",
+        "--microbatches",
+        "3",
+        "--json",
+    ]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["verdict"] == "PASS" and result["mode"] == "sequential" and result["recompute"] == "never"
     assert [s["layers"] for s in result["stages"]] == [["0", "1"], ["2", "3", "4"]]
     assert [r["layer"] for r in result["layers"]] == ["0", "1", "2", "3", "4"]
-    assert {p["name"] for p in result["parameters"]} == {f"{i}.{k}" for i in (0, 2, 4) for k in ("weight", "bias")}
-    assert all(p["within"] for p in result["parameters"]) and result["loss"] == pytest.approx(result["reference_loss"])
+    assert {p["name"] for p in result["parameters"]} == {
+        f"{i}.{k}" for i in (0, 2, 4) for k in ("weight", "bias")
+    }
+    assert all(p["within"] for p in result["parameters"]) and result["loss"] == pytest.approx(
+        result["reference_loss"]
+    )
     assert main(["verify", f"{models}:drift", "--input-shape", "8,8", "--microbatches", "4", "--json"]) == 1
     result = json.loads(capsys.readouterr().out)
     assert result["verdict"] == "FAIL" and any(r["result"] == "DIFFERENT" for r in result["layers"])
 
 
 def test_verify_strategies_json_gives_each_strategy(models: str, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["verify", f"{models}:mlp", "--input-shape", "6,8", "--microbatches", "2", "--strategies", "single,local-pipeline", "--json"]
+    argv = [
+        "verify",
+        f"{models}:mlp",
+        "--input-shape",
+        "6,8",
+        "--microbatches",
+        "2",
+        "--strategies",
+        "single,local-pipeline",
+        "--json",
+    ]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["verdict"] == "PASS" and [s["name"] for s in result["strategies"]] == ["single", "local-pipeline"]
-    assert all(s["processes"] == 0 and s["verdict"] == "PASS" and s["error"] is None for s in result["strategies"])
+    assert result["verdict"] == "PASS" and [s["name"] for s in result["strategies"]] == [
+        "single",
+        "local-pipeline",
+    ]
+    assert all(
+        s["processes"] == 0 and s["verdict"] == "PASS" and s["error"] is None for s in result["strategies"]
+    )
     assert len(result["strategies"][1]["parameters"]) == 6
 
 
-def test_verify_refuses_an_empty_vocab_as_plan_and_run_do(models: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_refuses_an_empty_vocab_as_plan_and_run_do(
+    models: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["verify", f"{models}:mlp", "--input-shape", "8,8", "--vocab", "0"]) == 2
     assert "--vocab 0 must be >= 1" in capsys.readouterr().err

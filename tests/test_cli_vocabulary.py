@@ -1,4 +1,5 @@
-"""One CLI vocabulary: an option name means the same thing, with the same choices, type and help, in every command.
+"""One CLI vocabulary: an option name means the same thing, with the same choices, type and help, in every
+command.
 
 Built from ``torchspan.cli.build_parser()`` alone (nothing runs), so a new command or option that
 drifts from the others fails here.
@@ -63,7 +64,12 @@ def test_input_dtype_keeps_dtype_as_an_alias_and_vocab_has_one_default() -> None
         dtype = _option(command, "--input-dtype")
         assert dtype is _option(command, "--dtype") and dtype is not None and dtype.default == "float32"
         vocab = _option(command, "--vocab")
-        assert vocab is not None and vocab.default == 2 and vocab.type is int and "(default 2)" in (vocab.help or "")
+        assert (
+            vocab is not None
+            and vocab.default == 2
+            and vocab.type is int
+            and "(default 2)" in (vocab.help or "")
+        )
 
 
 def test_every_command_that_prints_a_result_has_json() -> None:
@@ -75,13 +81,21 @@ def test_every_command_that_prints_a_result_has_json() -> None:
 
 
 def test_schedule_recompute_and_precision_choices_are_the_library_constants() -> None:
-    for name, names in (("--schedule", SCHEDULES), ("--recompute", RECOMPUTE_MODES), ("--precision", PRECISIONS)):
+    for name, names in (
+        ("--schedule", SCHEDULES),
+        ("--recompute", RECOMPUTE_MODES),
+        ("--precision", PRECISIONS),
+    ):
         actions = _having(name)
         assert actions, name
         for command, action in actions.items():
             choices = tuple(action.choices or ())
             planned = action.default in (None, "auto")  # the planner chooses: "auto" is offered first
-            assert choices == (("auto", *names) if planned and name != "--precision" else names), (command, name, choices)
+            assert choices == (("auto", *names) if planned and name != "--precision" else names), (
+                command,
+                name,
+                choices,
+            )
             assert "default" in (action.help or ""), (command, name)
     assert set(_having("--schedule")) == {"plan", "run", "verify", "demo"}
     assert set(_having("--recompute")) == {"plan", "run", "verify"}
@@ -105,7 +119,9 @@ def test_devices_read_alike() -> None:
     _same(actions, "metavar", "type", "option_strings")
     for command, action in actions.items():
         help_text = action.help or ""
-        assert action.metavar == "SPEC" and ": a device spec, e.g. " in help_text and "(default " in help_text, (command, help_text)
+        assert (
+            action.metavar == "SPEC" and ": a device spec, e.g. " in help_text and "(default " in help_text
+        ), (command, help_text)
 
 
 def test_microbatches_is_an_int_or_auto_where_a_search_chooses() -> None:
@@ -113,11 +129,18 @@ def test_microbatches_is_an_int_or_auto_where_a_search_chooses() -> None:
     assert set(actions) == {"plan", "run", "verify", "demo"}
     for command, action in actions.items():
         help_text = action.help or ""
-        assert help_text.startswith("micro-batches per step: an integer >= 1") and "(default " in help_text, (command, help_text)
+        assert help_text.startswith("micro-batches per step: an integer >= 1") and "(default " in help_text, (
+            command,
+            help_text,
+        )
         if command == "verify":  # span runs a fixed count: no search to choose it
             assert action.type is int and action.metavar == "N" and "auto" not in help_text
         else:
-            assert action.type is None and action.metavar == "N|auto" and "or auto for the planner's choice" in help_text
+            assert (
+                action.type is None
+                and action.metavar == "N|auto"
+                and "or auto for the planner's choice" in help_text
+            )
 
 
 def test_process_counts_are_nproc_per_node_with_the_old_spelling_kept() -> None:
@@ -140,7 +163,12 @@ def test_out_says_file_or_folder() -> None:
 
 
 def test_options_with_a_default_say_it() -> None:
-    quiet = (argparse._HelpAction, argparse._VersionAction, argparse._StoreTrueAction, argparse._StoreConstAction)
+    quiet = (
+        argparse._HelpAction,
+        argparse._VersionAction,
+        argparse._StoreTrueAction,
+        argparse._StoreConstAction,
+    )
     missing = []
     for command, parser in COMMANDS.items():
         for action in parser._actions:

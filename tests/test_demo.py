@@ -103,7 +103,9 @@ def check_timeline(result) -> None:
 
 
 def test_run_demo_two_stage_pipeline_writes_everything(tmp_path):
-    result = run_demo(devices="cpu,cpu", steps=3, out=tmp_path / "demo", console=quiet(), config=DemoConfig(**SMALL))
+    result = run_demo(
+        devices="cpu,cpu", steps=3, out=tmp_path / "demo", console=quiet(), config=DemoConfig(**SMALL)
+    )
     check_outputs(tmp_path / "demo")
     check_timeline(result)
     assert len(result.losses) == 3 and result.tokens_per_second > 0
@@ -121,14 +123,30 @@ def test_budget_on_one_cpu_is_shared_by_its_entries(tmp_path):
     """`cpu,cpu` is one device with one budget: splitting cannot make a too-small budget fit."""
     from torchspan.planner import PlanError
 
-    model = CharTransformer(len(ALPHABET), dim=SMALL["dim"], depth=SMALL["depth"], heads=SMALL["heads"], seq_len=SMALL["seq_len"])
+    model = CharTransformer(
+        len(ALPHABET), dim=SMALL["dim"], depth=SMALL["depth"], heads=SMALL["heads"], seq_len=SMALL["seq_len"]
+    )
     state = sum(p.numel() for p in model.parameters()) * 4 * 4  # params, grads, two Adam moments
     with pytest.raises(PlanError) as exc:
-        run_demo(devices="cpu,cpu", memory={"cpu": int(state * 0.7)}, steps=1, out=tmp_path, console=quiet(), config=DemoConfig(**SMALL))
+        run_demo(
+            devices="cpu,cpu",
+            memory={"cpu": int(state * 0.7)},
+            steps=1,
+            out=tmp_path,
+            console=quiet(),
+            config=DemoConfig(**SMALL),
+        )
     msg = str(exc.value)
     assert "listed 2 times: one device, one budget" in msg and "a larger budget on cpu" in msg
     budget = int(state * 1.3)  # fits, but only just: every stage together must stay under it
-    result = run_demo(devices="cpu,cpu", memory={"cpu": budget}, steps=2, out=tmp_path, console=quiet(), config=DemoConfig(**SMALL))
+    result = run_demo(
+        devices="cpu,cpu",
+        memory={"cpu": budget},
+        steps=2,
+        out=tmp_path,
+        console=quiet(),
+        config=DemoConfig(**SMALL),
+    )
     assert len(result.plan.stages) == 2, str(result.plan)
     assert sum(stage.total_bytes for stage in result.plan.stages) <= budget, str(result.plan)
 
@@ -136,13 +154,16 @@ def test_budget_on_one_cpu_is_shared_by_its_entries(tmp_path):
 def test_cli_demo(tmp_path, capsys):
     assert main(["demo", "--steps", "0", "--out", str(tmp_path)]) == 2
     assert "--steps 0 must be >= 1" in capsys.readouterr().err
-    assert main(["demo", "--devices", "cpu", "--memory", "cuda:0=1GiB", "--steps", "1", "--out", str(tmp_path)]) == 2
+    assert (
+        main(["demo", "--devices", "cpu", "--memory", "cuda:0=1GiB", "--steps", "1", "--out", str(tmp_path)])
+        == 2
+    )
     assert "memory['cuda:0']" in capsys.readouterr().err
 
 
 def test_spread_plan_uses_every_device_as_a_real_pipeline():
-    from torchspan.planner.spread import spread_plan
     from torchspan.hardware import devices
+    from torchspan.planner.spread import spread_plan
     from torchspan.profiler import profile
 
     model = CharTransformer(len(ALPHABET), dim=16, depth=2, heads=2, seq_len=8)
@@ -151,13 +172,16 @@ def test_spread_plan_uses_every_device_as_a_real_pipeline():
     assert plan is not None and plan.devices == ["cpu", "cpu"]
     assert plan.layers == ["embed", "block0", "block1", "norm", "head"]
     assert plan.microbatches >= 4  # at least two per stage, so the pipeline shows
-    assert spread_plan(profile(model, torch.zeros(8, 8, dtype=torch.long), devices("cpu"), measure=False)) is None
+    assert (
+        spread_plan(profile(model, torch.zeros(8, 8, dtype=torch.long), devices("cpu"), measure=False))
+        is None
+    )
 
 
 def test_spread_plan_on_one_cpu_is_balanced():
     """Two entries of one CPU cost the same however the layers are cut; the demo shows the balanced cut."""
-    from torchspan.planner.spread import spread_plan
     from torchspan.hardware import devices
+    from torchspan.planner.spread import spread_plan
     from torchspan.profiler import profile
 
     model = CharTransformer(len(ALPHABET), dim=32, depth=4, heads=2, seq_len=16)
@@ -170,12 +194,18 @@ def test_spread_plan_on_one_cpu_is_balanced():
 
 def test_run_demo_keeps_config_steps_when_steps_is_not_given(tmp_path):
     # regression: the old default steps=DEFAULT_STEPS overrode config.steps (a 3-step config ran 500 steps)
-    result = run_demo(devices="cpu", out=tmp_path, console=quiet(), config=DemoConfig(**{**SMALL, "steps": 3, "sample_chars": 0}))
+    result = run_demo(
+        devices="cpu",
+        out=tmp_path,
+        console=quiet(),
+        config=DemoConfig(**{**SMALL, "steps": 3, "sample_chars": 0}),
+    )
     assert len(result.losses) == 3
 
 
 def test_batch_on_a_corpus_of_exactly_seq_len_plus_one_characters_gives_the_clear_error():
-    # regression: len(data) == seq_len + 1 passed the guard and torch.randint raised "random_ expects 'from' < 'to'"
+    # regression: len(data) == seq_len + 1 passed the guard and torch.randint raised "random_ expects 'from' <
+    # 'to'"
     from torchspan.demo.corpus import Corpus
 
     corpus = Corpus(text="abcdefgh", data=torch.arange(8), source="grammar")
@@ -197,7 +227,8 @@ def test_cli_demo_rejects_bad_microbatches_before_training(tmp_path, capsys, val
 
 def test_default_demo_shows_a_span_and_its_gradient_check_on_any_machine(tmp_path):
     # issue 19: on a machine without a GPU `torchspan demo` trained one stage with one micro-batch (a one-bar
-    # timeline, a one-column memory picture) and nothing said that nothing was spanned or what to run to see it
+    # timeline, a one-column memory picture) and nothing said that nothing was spanned or what to run to see
+    # it
     con = quiet()
     result = run_demo(steps=3, out=tmp_path, console=con, config=DemoConfig(**SMALL))
     assert len(result.plan.stages) >= 2, str(result.plan)
@@ -206,22 +237,41 @@ def test_default_demo_shows_a_span_and_its_gradient_check_on_any_machine(tmp_pat
     assert result.check is not None and result.check.ok and result.check.max_abs < 1e-5
     report = (tmp_path / "report.md").read_text()
     shown = con.file.getvalue()
-    for text in ("## What ran and why", "exact gradients: PASS", "max abs diff", "max rel diff", "plain PyTorch on", "torchspan demo --nproc-per-node 2"):
+    for text in (
+        "## What ran and why",
+        "exact gradients: PASS",
+        "max abs diff",
+        "max rel diff",
+        "plain PyTorch on",
+        "torchspan demo --nproc-per-node 2",
+    ):
         assert text in report and text.replace("## ", "") in report, text
     assert "exact gradients: PASS" in shown and "torchspan demo --nproc-per-node 2" in shown
     if not any(d.kind != "cpu" for d in result.found):  # a CPU-only machine: two CPU stages, said plainly
-        assert [s.device for s in result.plan.stages] == ["cpu", "cpu"] and [str(d.device) for d in result.found] == ["cpu"]
+        assert [s.device for s in result.plan.stages] == ["cpu", "cpu"] and [
+            str(d.device) for d in result.found
+        ] == ["cpu"]
         assert result.chosen is not None and len(result.chosen.stages) == 1  # what torchspan.plan alone chose
-        assert "no GPU" in report and "nothing would be spanned" in report and "cannot be faster than one device" in report
+        assert (
+            "no GPU" in report
+            and "nothing would be spanned" in report
+            and "cannot be faster than one device" in report
+        )
         assert "## On a GPU machine" in report and "cuda:0" in result.gpu_machine and "cuda:0" in shown
 
 
 def test_the_span_trains_like_plain_pytorch_beside_it(tmp_path):
-    result = run_demo(devices="cpu,cpu", steps=4, out=tmp_path, console=quiet(), config=DemoConfig(**SMALL, compare_steps=3))
+    result = run_demo(
+        devices="cpu,cpu", steps=4, out=tmp_path, console=quiet(), config=DemoConfig(**SMALL, compare_steps=3)
+    )
     one = result.one_device
     assert one is not None and one.device == "cpu" and len(one.losses) == 3 and one.ms_per_step > 0
-    assert one.losses == pytest.approx(result.losses[:3], abs=1e-5)  # same weights, same batches, same optimizer
-    assert result.check.parameters == sum(1 for _ in CharTransformer(len(ALPHABET), dim=32, depth=2, heads=2, seq_len=16).parameters())
+    assert one.losses == pytest.approx(
+        result.losses[:3], abs=1e-5
+    )  # same weights, same batches, same optimizer
+    assert result.check.parameters == sum(
+        1 for _ in CharTransformer(len(ALPHABET), dim=32, depth=2, heads=2, seq_len=16).parameters()
+    )
     assert "the first 3 losses differ by at most" in (tmp_path / "report.md").read_text()
 
 
@@ -261,7 +311,9 @@ def test_demo_devices_for_auto_span_what_the_machine_has(monkeypatch):
                 return [Device(torch.device("cpu"), "CPU"), Device(torch.device("cpu"), "CPU")]
             if spec != "auto":
                 return [Device(torch.device(s), s) for s in spec.split(",")]
-            return [Device(torch.device("cuda", i), "GPU") for i in range(gpus)] + [Device(torch.device("cpu"), "CPU")]
+            return [Device(torch.device("cuda", i), "GPU") for i in range(gpus)] + [
+                Device(torch.device("cpu"), "CPU")
+            ]
 
         return find
 

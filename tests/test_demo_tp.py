@@ -1,8 +1,10 @@
-"""``torchspan demo --nproc-per-node 2 --tp 2``: the demo model tensor-parallel over 2 gloo processes, parity reported.
+"""``torchspan demo --nproc-per-node 2 --tp 2``: the demo model tensor-parallel over 2 gloo processes, parity
+reported.
 
-Each block's MLP is split over the 2 processes (``demo.tensorparallel.TP_PLAN``); the run sets one step's gradients
-(gathered whole) and the first steps' losses against the same model on one device, and says so in the JSON, on the
-console and in ``report.md``. ``--tp`` without ``--nproc-per-node``, or not dividing it, is refused.
+Each block's MLP is split over the 2 processes (``demo.tensorparallel.TP_PLAN``); the run sets one step's
+gradients (gathered whole) and the first steps' losses against the same model on one device, and says so in
+the JSON, on the console and in ``report.md``. ``--tp`` without ``--nproc-per-node``, or not dividing it, is
+refused.
 """
 
 from __future__ import annotations
@@ -21,10 +23,17 @@ SMALL = dict(batch_size=8, seq_len=16, dim=32, depth=2, heads=2, sample_chars=20
 
 
 @pytest.mark.slow
-def test_demo_tp_trains_tensor_parallel_and_reports_parity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(demo_ranks, "run_demo_ranks", functools.partial(demo_ranks.run_demo_ranks, config=DemoConfig(**SMALL)))
+def test_demo_tp_trains_tensor_parallel_and_reports_parity(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(
+        demo_ranks, "run_demo_ranks", functools.partial(demo_ranks.run_demo_ranks, config=DemoConfig(**SMALL))
+    )
     out_dir = tmp_path / "demo"
-    assert main(["demo", "--nproc-per-node", "2", "--tp", "2", "--steps", "4", "--out", str(out_dir), "--json"]) == 0
+    assert (
+        main(["demo", "--nproc-per-node", "2", "--tp", "2", "--steps", "4", "--out", str(out_dir), "--json"])
+        == 0
+    )
     captured = capsys.readouterr()
     result = json.loads(captured.out)
     assert result["strategy"] == "tensor-parallel" and result["tp"] == 2 and result["nproc_per_node"] == 2
@@ -35,17 +44,29 @@ def test_demo_tp_trains_tensor_parallel_and_reports_parity(tmp_path: Path, monke
     assert one["steps"] == 4 and one["largest_difference"] < 1e-5 and len(result["losses"]) == 4, one
     assert result["sample"].startswith("def ") and result["parity"][0].startswith("exact gradients: PASS")
     report = Path(result["files"]["report"]).read_text(encoding="utf-8")
-    for text in ("tensor parallel over 2 processes", "each block's MLP split over tp 2", "## Against one device",
-                 "exact gradients: PASS", "largest loss difference", "tensor-parallel section"):  # fmt: skip
+    for text in (
+        "tensor parallel over 2 processes",
+        "each block's MLP split over tp 2",
+        "## Against one device",
+        "exact gradients: PASS",
+        "largest loss difference",
+        "tensor-parallel section",
+    ):
         assert text in report, text
     assert "exact gradients: PASS" in captured.err  # the live output went to stderr
 
 
 @pytest.mark.slow
-def test_demo_without_tp_stays_data_parallel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_without_tp_stays_data_parallel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The same runner without ``--tp``: one replica per process on its rows (4 + 4), no parity section."""
-    monkeypatch.setattr(demo_ranks, "run_demo_ranks", functools.partial(demo_ranks.run_demo_ranks, config=DemoConfig(**SMALL)))
-    assert main(["demo", "--nproc-per-node", "2", "--steps", "3", "--out", str(tmp_path / "dp"), "--json"]) == 0
+    monkeypatch.setattr(
+        demo_ranks, "run_demo_ranks", functools.partial(demo_ranks.run_demo_ranks, config=DemoConfig(**SMALL))
+    )
+    assert (
+        main(["demo", "--nproc-per-node", "2", "--steps", "3", "--out", str(tmp_path / "dp"), "--json"]) == 0
+    )
     result = json.loads(capsys.readouterr().out)
     assert result["strategy"] == "data-parallel" and result["tp"] is None and result["parity"] == []
     assert [r["samples"] for r in result["ranks"]] == [12, 12] and "gradient_check" not in result["ranks"][0]

@@ -27,8 +27,13 @@ def only(report: Report, code: str) -> Finding:
 
 def test_clean_setup_has_no_findings_and_runs() -> None:
     model = mlp()
-    report = doctor(model, torch.randn(5, 3), target=torch.randint(0, 2, (5,)), loss_fn=nn.CrossEntropyLoss(),
-                    optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    report = doctor(
+        model,
+        torch.randn(5, 3),
+        target=torch.randint(0, 2, (5,)),
+        loss_fn=nn.CrossEntropyLoss(),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+    )
     assert report.ok and report.findings == [] and report.ran and report.ops_checked > 5
     assert "no device problem" in report.format()
 
@@ -84,7 +89,11 @@ def test_optimizer_state_on_another_device_than_its_parameter() -> None:
     model = mlp().to("meta")
     opt = torch.optim.Adam(model.parameters())
     for p in model.parameters():  # a checkpoint's state loaded after the model moved
-        opt.state[p] = {"step": torch.tensor(3.0), "exp_avg": torch.zeros(p.shape), "exp_avg_sq": torch.zeros(p.shape)}
+        opt.state[p] = {
+            "step": torch.tensor(3.0),
+            "exp_avg": torch.zeros(p.shape),
+            "exp_avg_sq": torch.zeros(p.shape),
+        }
     f = only(doctor(model, optimizer=opt), "optimizer-state-device")
     assert f.severity == "error"
     assert "optimizer.state[model.0.weight]['exp_avg'] on cpu, parameter on meta" in f.details[0]
@@ -128,7 +137,9 @@ def test_state_dict_prefix_both_ways() -> None:
     model = mlp()
     saved = {f"module.{k}": v for k, v in model.state_dict().items()}
     f = only(doctor(model, state_dict=saved), "state-dict-prefix")
-    assert "'module.'" in f.title and "consume_prefix_in_state_dict_if_present(state_dict, 'module.')" in f.fix
+    assert (
+        "'module.'" in f.title and "consume_prefix_in_state_dict_if_present(state_dict, 'module.')" in f.fix
+    )
     wrapped = nn.DataParallel(mlp())
     g = [x for x in audit_state_dict(wrapped, model.state_dict()) if x.code == "state-dict-prefix"]
     assert len(g) == 1 and "model.module.load_state_dict(state_dict)" in g[0].fix
@@ -174,7 +185,9 @@ def test_run_adds_the_watchers_error_and_restores_gradients_and_buffers() -> Non
     before = model[1].running_mean.clone()
     grad = torch.full_like(model[0].weight, 7.0)
     model[0].weight.grad = grad
-    report = doctor(model, torch.randn(5, 3), target=torch.zeros(5, dtype=torch.long), loss_fn=nn.CrossEntropyLoss())
+    report = doctor(
+        model, torch.randn(5, 3), target=torch.zeros(5, dtype=torch.long), loss_fn=nn.CrossEntropyLoss()
+    )
     f = only(report, "device-mismatch")
     assert f.where == "model.2 (Linear)" and any(t.name == "model.2.weight" for t in f.tensors)
     assert report.ran and not report.ok
@@ -216,10 +229,16 @@ def test_bad_arguments_are_named() -> None:
 def test_report_json_plain_and_rich() -> None:
     model = mlp().to("meta")
     target = torch.zeros(2, dtype=torch.long, device="meta")
-    report = torchspan.doctor(model, torch.randn(2, 3), target=target, loss_fn=nn.CrossEntropyLoss(weight=torch.ones(2)), run=False)
+    report = torchspan.doctor(
+        model, torch.randn(2, 3), target=target, loss_fn=nn.CrossEntropyLoss(weight=torch.ones(2)), run=False
+    )
     assert sorted(report.codes()) == ["batch-device", "loss-device"]
     data = json.loads(json.dumps(report.to_dict()))
-    assert data["ok"] is False and data["errors"] == 2 and [f["code"] for f in data["findings"]] == report.codes()
+    assert (
+        data["ok"] is False
+        and data["errors"] == 2
+        and [f["code"] for f in data["findings"]] == report.codes()
+    )
     assert report.format().startswith("torchspan doctor: 2 error(s), 0 warning(s)")
     buf = io.StringIO()
     report.render(Console(file=buf, width=120, force_terminal=False))
@@ -227,7 +246,8 @@ def test_report_json_plain_and_rich() -> None:
     assert "error: loss_fn buffer" in text and "fix" in text and "loss_fn.to('meta')" in text
 
 
-# ---------------------------------------------------------------------- issue 10: advice that fixes the problem
+# ---------------------------------------------------------------------- issue 10: advice that fixes the
+# problem
 
 
 class _VeryBigModule(nn.Module):
@@ -250,7 +270,11 @@ def test_parameter_moved_after_wrapping_is_not_told_to_become_a_buffer() -> None
     with pytest.raises(torchspan.DeviceMismatchError) as exc, torchspan.watch():
         model(torch.randn(4, 4))
     text = str(exc.value)
-    assert "unregistered parameter" in text and "nn.Parameter(t.to(device))" in text and "register_buffer" not in text
+    assert (
+        "unregistered parameter" in text
+        and "nn.Parameter(t.to(device))" in text
+        and "register_buffer" not in text
+    )
 
 
 def test_plain_tensor_attribute_without_grad_still_gets_register_buffer() -> None:

@@ -271,7 +271,11 @@ def test_optimizer_state_left_on_other_device() -> None:
     opt = torch.optim.Adam(model.parameters())
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
-        opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(p.shape), "exp_avg_sq": torch.zeros(p.shape)}
+        opt.state[p] = {
+            "step": torch.tensor(1.0),
+            "exp_avg": torch.zeros(p.shape),
+            "exp_avg_sq": torch.zeros(p.shape),
+        }
     with pytest.raises(DeviceMismatchError) as info:
         with watch():
             opt.step()
@@ -324,7 +328,9 @@ def test_real_cuda_mismatch_and_legal_mixes() -> None:
     with watch():
         x * torch.tensor(2.0)  # CPU scalar: legal
         x[torch.tensor([0, 1])]  # CPU index: legal
-        nn.utils.rnn.pack_padded_sequence(seq, torch.tensor([5, 4, 2]), batch_first=True)  # CPU lengths: legal
+        nn.utils.rnn.pack_padded_sequence(
+            seq, torch.tensor([5, 4, 2]), batch_first=True
+        )  # CPU lengths: legal
 
 
 def test_producers_are_kept_beside_tensors_not_on_them(monkeypatch: pytest.MonkeyPatch) -> None:

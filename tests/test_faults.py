@@ -113,7 +113,14 @@ print("script done", flush=True)
 def _env(tmp: Path, **extra: str) -> dict[str, str]:
     """A clean environment; the launcher's job folder (kept after a failure) goes under ``tmp``."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp))
-    for key in ("RANK", "WORLD_SIZE", "TORCHSPAN_VERBOSE", "TORCHSPAN_JOB_DIR", "TORCHSPAN_LAUNCHER_PID", "TORCHSPAN_TIMEOUT"):
+    for key in (
+        "RANK",
+        "WORLD_SIZE",
+        "TORCHSPAN_VERBOSE",
+        "TORCHSPAN_JOB_DIR",
+        "TORCHSPAN_LAUNCHER_PID",
+        "TORCHSPAN_TIMEOUT",
+    ):
         env.pop(key, None)
     env.update(extra)
     return env
@@ -138,22 +145,40 @@ def test_a_rank_that_stops_answering_is_named(strategy: str, how: str, waiting: 
     script.write_text(STUCK)
     start = time.monotonic()
     done = subprocess.run(
-        [*LAUNCH, "2", str(script), strategy, how], cwd=tmp_path, env=_env(tmp_path, TORCHSPAN_TIMEOUT=str(TIMEOUT_S)),
-        capture_output=True, text=True, timeout=TIMEOUT_S + 90,
-    )  # fmt: skip
+        [*LAUNCH, "2", str(script), strategy, how],
+        cwd=tmp_path,
+        env=_env(tmp_path, TORCHSPAN_TIMEOUT=str(TIMEOUT_S)),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S + 90,
+    )
     took = time.monotonic() - start
     assert done.returncode == 1, done.stderr[-3000:]
     assert took < TIMEOUT_S + 30, f"{strategy}: the stuck rank was named after {took:.0f} s"
     lines = _summary(done.stderr)
-    assert done.stderr.lstrip().startswith("torchspan launch: "), done.stderr[:2000]  # the summary comes first
-    assert lines[0].startswith("torchspan launch: rank 1 (local rank 1, pid ") and "of stuck.py stopped answering" in lines[0], lines
+    assert done.stderr.lstrip().startswith("torchspan launch: "), done.stderr[
+        :2000
+    ]  # the summary comes first
+    assert (
+        lines[0].startswith("torchspan launch: rank 1 (local rank 1, pid ")
+        and "of stuck.py stopped answering" in lines[0]
+    ), lines
     assert f"rank 0 gave up waiting for it after {TIMEOUT_S} s" in lines[0], lines
-    where = "in torchspan's Spanned.train_step, at stuck.py:18 in loss_fn: time.sleep(3600 if how == \"sleep\" else 2)"
+    where = (
+        'in torchspan\'s Spanned.train_step, at stuck.py:18 in loss_fn: time.sleep(3600 if how == "sleep" '
+        "else 2)"
+    )
     if how == "sleep":
         assert lines[1].startswith(f"  it was {where} (for "), lines
     else:
-        assert lines[1].startswith("  its last heartbeat was ") and "the process was frozen" in lines[1] and where in lines[1], lines
-    assert lines[2].startswith("  rank 0 (waiting): ") and waiting in lines[2].replace("Timed out", "timeout"), lines
+        assert (
+            lines[1].startswith("  its last heartbeat was ")
+            and "the process was frozen" in lines[1]
+            and where in lines[1]
+        ), lines
+    assert lines[2].startswith("  rank 0 (waiting): ") and waiting in lines[2].replace(
+        "Timed out", "timeout"
+    ), lines
     assert "probably failed" not in "\n".join(lines) and "[rank0]" not in done.stderr
 
 
@@ -162,7 +187,9 @@ def test_a_killed_launcher_leaves_no_worker(tmp_path: Path) -> None:
     """SIGKILL of `torchspan launch` (a scheduler, the OOM killer): its workers end within 15 s."""
     script = tmp_path / "forever.py"
     script.write_text(FOREVER)
-    launcher = subprocess.Popen([*LAUNCH, "2", str(script)], cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        [*LAUNCH, "2", str(script)], cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE, text=True
+    )
     pids: list[int] = []
     try:
         assert launcher.stdout is not None
@@ -178,7 +205,9 @@ def test_a_killed_launcher_leaves_no_worker(tmp_path: Path) -> None:
         killed = time.monotonic()
         while any(_alive(pid) for pid in pids) and time.monotonic() - killed < 15:
             time.sleep(0.1)
-        assert not any(_alive(pid) for pid in pids), f"workers {pids} still running 15 s after the launcher was killed"
+        assert not any(_alive(pid) for pid in pids), (
+            f"workers {pids} still running 15 s after the launcher was killed"
+        )
     finally:
         for pid in pids:
             if _alive(pid):
@@ -207,19 +236,32 @@ def test_a_failure_summary_comes_first_with_the_script_frames(verbose: bool, tmp
     script = tmp_path / "raising.py"
     script.write_text(RAISING)
     extra = {"TORCHSPAN_VERBOSE": "1"} if verbose else {}
-    done = subprocess.run([*LAUNCH, "2", str(script)], cwd=tmp_path, env=_env(tmp_path, **extra), capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [*LAUNCH, "2", str(script)],
+        cwd=tmp_path,
+        env=_env(tmp_path, **extra),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1, done.stderr[-3000:]
     lines = _summary(done.stderr)
-    assert lines[0].startswith("torchspan launch: rank 1 (local rank 1, pid ") and lines[0].endswith("of raising.py failed with exit code 1")
+    assert lines[0].startswith("torchspan launch: rank 1 (local rank 1, pid ") and lines[0].endswith(
+        "of raising.py failed with exit code 1"
+    )
     summary = "\n".join(lines)
-    assert f'"{script}", line 8, in check' in summary and f'"{script}", line 12, in <module>' in summary, summary
+    assert f'"{script}", line 8, in check' in summary and f'"{script}", line 12, in <module>' in summary, (
+        summary
+    )
     assert "ValueError: rank one fails on purpose" in summary
     for wrapper in ("<frozen runpy>", "torch/distributed/elastic", "launch.py", "[rank1]", "[rank0]"):
         assert wrapper not in summary, summary
     assert lines[-1].startswith("full traceback"), lines
     full = Path(lines[-1].split(": ", 1)[1].split(" (")[0]).parent / "rank1.traceback.txt"
     text = full.read_text()
-    assert "<frozen runpy>" in text and "ValueError: rank one fails on purpose" in text  # the full traceback is kept
+    assert (
+        "<frozen runpy>" in text and "ValueError: rank one fails on purpose" in text
+    )  # the full traceback is kept
     if verbose:  # as before: every worker's traceback and torchrun's log as they happen, then the summary
         assert "[rank1]: Traceback" in done.stderr and "<frozen runpy>" in done.stderr
     else:
@@ -231,8 +273,18 @@ def test_a_clean_exit_waits_for_gloo_threads(tmp_path: Path) -> None:
     script = tmp_path / "exit_race.py"
     script.write_text(EXIT_RACE)
     for _ in range(3):
-        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0 and "terminate called" not in done.stderr, (done.returncode, done.stderr[-2000:])
+        done = subprocess.run(
+            [sys.executable, str(script)],
+            cwd=tmp_path,
+            env=_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0 and "terminate called" not in done.stderr, (
+            done.returncode,
+            done.stderr[-2000:],
+        )
         assert "script done" in done.stdout
 
 
@@ -241,18 +293,48 @@ def test_the_restart_job_exits_cleanly_again_and_again(tmp_path: Path) -> None:
     """test_launch's restart job five times in a row, both ranks on one core where taskset exists (the
     crowded machine on which rank 1 of the restarted attempt used to abort at exit)."""
     root = Path(__file__).resolve().parents[1]
-    pin = ["taskset", "-c", str(min(os.sched_getaffinity(0)))] if hasattr(os, "sched_getaffinity") and _has("taskset") else []
-    cmd = [*pin, sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]
+    pin = (
+        ["taskset", "-c", str(min(os.sched_getaffinity(0)))]
+        if hasattr(os, "sched_getaffinity") and _has("taskset")
+        else []
+    )
+    cmd = [
+        *pin,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+    ]
     for attempt in range(5):
         ckpt = tmp_path / f"ckpt{attempt}.pt"
-        args = [str(root / "examples" / "train_dp.py"), "--dtype", "float64", "--steps", "6", "--checkpoint", str(ckpt), "--crash-after", "3"]
-        done = subprocess.run([*cmd, *args], cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=180)
-        assert done.returncode == 0 and "terminate called" not in done.stderr, f"run {attempt + 1}: {done.stderr[-3000:]}"
+        args = [
+            str(root / "examples" / "train_dp.py"),
+            "--dtype",
+            "float64",
+            "--steps",
+            "6",
+            "--checkpoint",
+            str(ckpt),
+            "--crash-after",
+            "3",
+        ]
+        done = subprocess.run(
+            [*cmd, *args], cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=180
+        )
+        assert done.returncode == 0 and "terminate called" not in done.stderr, (
+            f"run {attempt + 1}: {done.stderr[-3000:]}"
+        )
         assert "resumed from" in done.stdout
 
 
 def _has(program: str) -> bool:
-    return any(os.access(os.path.join(d, program), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep))
+    return any(
+        os.access(os.path.join(d, program), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep)
+    )
 
 
 # ---------------------------------------------------------------------------------- in process
@@ -271,7 +353,11 @@ def test_a_beat_says_where_the_script_is() -> None:
     finally:
         stop.set()
         thread.join()
-    assert text.startswith("at test_faults.py:") and "in _sleeper: stop.wait(30)" in text and "inside Condition.wait (threading.py:" in text, text
+    assert (
+        text.startswith("at test_faults.py:")
+        and "in _sleeper: stop.wait(30)" in text
+        and "inside Condition.wait (threading.py:" in text
+    ), text
     assert not waiting
 
 
@@ -290,14 +376,23 @@ def test_heartbeats_are_written_and_read_back(tmp_path: Path) -> None:
 
 def _failure(rank: int, exitcode: int, message: str = "") -> SimpleNamespace:
     name = {-9: "SIGKILL", -15: "SIGTERM"}.get(exitcode, "")
-    return SimpleNamespace(local_rank=rank, pid=1000 + rank, exitcode=exitcode, message=message, timestamp=100, signal_name=lambda: name)
+    return SimpleNamespace(
+        local_rank=rank,
+        pid=1000 + rank,
+        exitcode=exitcode,
+        message=message,
+        timestamp=100,
+        signal_name=lambda: name,
+    )
 
 
 def _job(tmp_path: Path, beats: dict[int, dict], errors: dict[int, dict]) -> Path:
     folder = tmp_path / "attempt0"
     folder.mkdir(parents=True)
     for rank, beat in beats.items():
-        (folder / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "pid": 1000 + rank, "seq": 5, "waiting": False, **beat}))
+        (folder / f"rank{rank}.json").write_text(
+            json.dumps({"rank": rank, "pid": 1000 + rank, "seq": 5, "waiting": False, **beat})
+        )
     for rank, error in errors.items():
         (folder / f"rank{rank}.error.json").write_text(json.dumps({"rank": rank, "time": 100.0, **error}))
     return tmp_path
@@ -307,36 +402,74 @@ def test_the_rank_the_others_waited_for_is_named_frozen_or_not(tmp_path: Path) -
     waited = {"type": "RuntimeError", "message": "Timed out waiting 10000ms", "waited": True}
     beats = {
         0: {"time": 99.5, "since": 90.0, "doing": "in torchspan's Spanned.train_step, backward", "seq": 9},
-        1: {"time": 80.0, "since": 70.0, "doing": "at train.py:12 in loss_fn: compute()", "seq": 8},  # frozen at 80
-        2: {"time": 99.8, "since": 89.0, "doing": "waiting in torch.distributed all_reduce()", "waiting": True, "seq": 9},
+        1: {
+            "time": 80.0,
+            "since": 70.0,
+            "doing": "at train.py:12 in loss_fn: compute()",
+            "seq": 8,
+        },  # frozen at 80
+        2: {
+            "time": 99.8,
+            "since": 89.0,
+            "doing": "waiting in torch.distributed all_reduce()",
+            "waiting": True,
+            "seq": 9,
+        },
     }
     failures = {0: _failure(0, 1), 1: _failure(1, -15), 2: _failure(2, -15)}
     lines = failure_report(failures, _job(tmp_path, beats, {0: waited}), "train.py").splitlines()
-    assert lines[0] == "torchspan launch: rank 1 (local rank 1, pid 1001) of train.py stopped answering: rank 0 gave up waiting for it and the job was stopped"
+    assert (
+        lines[0]
+        == "torchspan launch: rank 1 (local rank 1, pid 1001) of train.py stopped answering: rank 0 gave "
+        "up waiting for it and the job was stopped"
+    )
     assert "its last heartbeat was 20 s before the job ended: the process was frozen" in lines[1]
     assert "at train.py:12 in loss_fn: compute() (for 10 s)" in lines[1]
-    assert lines[2] == "  rank 0 (waiting): RuntimeError: Timed out waiting 10000ms" and lines[-1] == "rank 2 was stopped by the launcher after rank 1 stopped answering"
+    assert (
+        lines[2] == "  rank 0 (waiting): RuntimeError: Timed out waiting 10000ms"
+        and lines[-1] == "rank 2 was stopped by the launcher after rank 1 stopped answering"
+    )
 
 
 def test_an_error_of_its_own_comes_before_a_peer_s_timeout(tmp_path: Path) -> None:
-    own = {"type": "ValueError", "message": "bad", "waited": False, "script_frames": "Traceback ...\nValueError: bad", "time": 101.0}
+    own = {
+        "type": "ValueError",
+        "message": "bad",
+        "waited": False,
+        "script_frames": "Traceback ...\nValueError: bad",
+        "time": 101.0,
+    }
     lost = {"type": "RuntimeError", "message": "Connection closed by peer", "waited": True}
     failures = {0: _failure(0, 1), 1: _failure(1, 1)}
     report = failure_report(failures, _job(tmp_path, {}, {0: lost, 1: own}), "train.py")
-    assert report.startswith("torchspan launch: rank 1 (local rank 1, pid 1001) of train.py failed with exit code 1\nTraceback ...\nValueError: bad")
-    killed = failure_report({0: _failure(0, 1), 1: _failure(1, -9, "Signal 9 (SIGKILL) received by PID 1001")}, _job(tmp_path / "k", {}, {0: lost}), "t.py")
+    assert report.startswith(
+        "torchspan launch: rank 1 (local rank 1, pid 1001) of train.py failed with exit code 1\nTraceback "
+        "...\nValueError: bad"
+    )
+    killed = failure_report(
+        {0: _failure(0, 1), 1: _failure(1, -9, "Signal 9 (SIGKILL) received by PID 1001")},
+        _job(tmp_path / "k", {}, {0: lost}),
+        "t.py",
+    )
     assert killed.startswith("torchspan launch: rank 1 (local rank 1, pid 1001) of t.py failed with SIGKILL")
 
 
 def test_a_rank_that_finished_while_another_waited_is_named(tmp_path: Path) -> None:
     lost = {"type": "RuntimeError", "message": "Connection closed by peer [127.0.0.1]:4242", "waited": True}
-    beats = {0: {"time": 90.0, "since": 90.0, "doing": "finished its script", "finished": True, "local_rank": 0}, 1: {"time": 99.0, "since": 95.0, "doing": "x"}}
+    beats = {
+        0: {"time": 90.0, "since": 90.0, "doing": "finished its script", "finished": True, "local_rank": 0},
+        1: {"time": 99.0, "since": 95.0, "doing": "x"},
+    }
     report = failure_report({1: _failure(1, 1)}, _job(tmp_path, beats, {1: lost}), "train.py")
     assert report.splitlines()[0] == (
-        "torchspan launch: rank 0 (local rank 0, pid 1000) of train.py finished its script while rank 1 still waited for it: "
-        "the ranks ran different collectives (a step, barrier or checkpoint that only some ranks run)"
+        "torchspan launch: rank 0 (local rank 0, pid 1000) of train.py finished its script while rank 1 "
+        "still waited for it: the ranks ran different collectives (a step, barrier or checkpoint that only "
+        "some ranks run)"
     )
-    assert report.splitlines()[1] == "  rank 1 (waiting): RuntimeError: Connection closed by peer [127.0.0.1]:4242"
+    assert (
+        report.splitlines()[1]
+        == "  rank 1 (waiting): RuntimeError: Connection closed by peer [127.0.0.1]:4242"
+    )
 
 
 def test_the_agent_s_late_sigkill_is_not_a_root_cause(tmp_path: Path) -> None:
@@ -347,4 +480,6 @@ def test_the_agent_s_late_sigkill_is_not_a_root_cause(tmp_path: Path) -> None:
     late.timestamp = 131
     beats = {1: {"time": 99.0, "since": 90.0, "doing": "at train.py:12 in loss_fn: spin()"}}
     report = failure_report({0: _failure(0, 1), 1: late}, _job(tmp_path, beats, {0: waited}), "train.py")
-    assert report.startswith("torchspan launch: rank 1 (local rank 1, pid 1001) of train.py stopped answering: rank 0 gave up"), report
+    assert report.startswith(
+        "torchspan launch: rank 1 (local rank 1, pid 1001) of train.py stopped answering: rank 0 gave up"
+    ), report

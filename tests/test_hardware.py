@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import warnings
 import time
+import warnings
 from typing import NamedTuple
 
 import pytest
@@ -13,7 +13,15 @@ import torch
 from torch import nn
 
 import torchspan
-from torchspan.hardware import Device, devices, format_bytes, parse_memory, physical_index, resolve_device, to_device
+from torchspan.hardware import (
+    Device,
+    devices,
+    format_bytes,
+    parse_memory,
+    physical_index,
+    resolve_device,
+    to_device,
+)
 
 CUDA = torch.cuda.is_available()
 needs_no_gpu = pytest.mark.skipif(CUDA, reason="checks the error for a machine without CUDA")
@@ -104,7 +112,9 @@ def test_bad_specs_are_value_errors(bad: object) -> None:
 
 
 @needs_no_gpu
-@pytest.mark.parametrize("spec", ["cuda", "cuda:0", "cuda:0,1", "cuda:0,cpu", 0, [0, 1], torch.device("cuda", 3)])
+@pytest.mark.parametrize(
+    "spec", ["cuda", "cuda:0", "cuda:0,1", "cuda:0,cpu", 0, [0, 1], torch.device("cuda", 3)]
+)
 def test_missing_cuda_says_what_is_visible(spec: object) -> None:
     with pytest.raises(ValueError) as exc:
         devices(spec)  # type: ignore[arg-type]
@@ -273,7 +283,9 @@ def test_to_device_missing_gpu_is_value_error() -> None:
 
 
 def test_described_device_cannot_be_moved_to() -> None:
-    ghost = Device(torch.device("cuda", 0), "A100-40GB", total_memory=40 * 2**30, source="catalog: NVIDIA datasheet")
+    ghost = Device(
+        torch.device("cuda", 0), "A100-40GB", total_memory=40 * 2**30, source="catalog: NVIDIA datasheet"
+    )
     with pytest.raises(ValueError, match="described, not present"):
         to_device(torch.ones(1), ghost)
 
@@ -310,7 +322,13 @@ def test_budget_keys_name_devices_as_the_device_list_prints_them() -> None:
 
 @pytest.mark.parametrize(
     ("bad", "needle"),
-    [("1e999GiB", "is infinite"), (float("inf"), "is infinite"), (float("nan"), "is not a number"), ("1e25GiB", "over 1 EiB"), (2**70, "over 1 EiB")],
+    [
+        ("1e999GiB", "is infinite"),
+        (float("inf"), "is infinite"),
+        (float("nan"), "is not a number"),
+        ("1e25GiB", "over 1 EiB"),
+        (2**70, "over 1 EiB"),
+    ],
 )
 def test_non_finite_and_absurd_budgets_are_value_errors(bad: object, needle: str) -> None:
     # issue 10: these were OverflowError / "cannot convert float NaN to integer" tracebacks
@@ -333,6 +351,9 @@ def test_device_count_is_bounded_before_expanding(spec: str) -> None:
 def test_to_device_refuses_to_pretend_it_moved_a_generator() -> None:
     # issue 10: the generator came back unmoved without a word
     gen = torch.Generator().manual_seed(0)
-    with pytest.raises(ValueError, match=r"torch.Generator on cpu, which cannot move to meta.*torch.Generator\(device='meta'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"torch.Generator on cpu, which cannot move to meta.*torch.Generator\(device='meta'\)",
+    ):
         to_device({"x": torch.ones(2), "gen": gen}, "meta")
     assert to_device({"gen": gen}, "cpu")["gen"] is gen  # already there: kept

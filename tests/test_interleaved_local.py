@@ -1,5 +1,6 @@
-"""``schedule="interleaved-1f1b"`` in one process: stages looped over devices (``runtime.local.looped``), exact
-against one device, run in Megatron's order per worker, drawn in the timeline; refused where it cannot run."""
+"""``schedule="interleaved-1f1b"`` in one process: stages looped over devices (``runtime.local.looped``),
+exact against one device, run in Megatron's order per worker, drawn in the timeline; refused where it cannot
+run."""
 
 from __future__ import annotations
 

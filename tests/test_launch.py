@@ -44,7 +44,11 @@ def _env() -> dict[str, str]:
 
 
 def _run(cmd: list[str], cwd: Path, timeout: float = 120, **extra: str) -> subprocess.CompletedProcess[str]:
-    env = {**_env(), "TMPDIR": str(cwd), **extra}  # a failed launch keeps its job folder (tracebacks): under cwd
+    env = {
+        **_env(),
+        "TMPDIR": str(cwd),
+        **extra,
+    }  # a failed launch keeps its job folder (tracebacks): under cwd
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -52,8 +56,12 @@ def _same_weights(a: Path, b: Path) -> None:
     one, other = torch.load(a), torch.load(b)
     assert list(one["model"]) == ["0.weight", "0.bias", "2.weight", "2.bias"]  # no "module." prefix
     for key, value in one["model"].items():
-        torch.testing.assert_close(other["model"][key], value, rtol=1e-9, atol=1e-12, msg=lambda m: f"{key}: {m}")
-    torch.testing.assert_close(torch.tensor(other["losses"]), torch.tensor(one["losses"]), rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(
+            other["model"][key], value, rtol=1e-9, atol=1e-12, msg=lambda m: f"{key}: {m}"
+        )
+    torch.testing.assert_close(
+        torch.tensor(other["losses"]), torch.tensor(one["losses"]), rtol=1e-9, atol=1e-12
+    )
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +81,18 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (["--nproc-per-node", "0"], "--nproc-per-node '0' must be 'auto' or an integer >= 1"),
         (["--nproc-per-node", "two"], "--nproc-per-node 'two' must be 'auto' or an integer >= 1"),
         (["--nnodes", "2"], "--nnodes 2 needs --master-addr and --master-port"),
-        (["--nnodes", "2", "--node-rank", "2", "--master-addr", "h", "--master-port", "1"], "--node-rank 2 must be in [0, --nnodes 2)"),
+        (
+            ["--nnodes", "2", "--node-rank", "2", "--master-addr", "h", "--master-port", "1"],
+            "--node-rank 2 must be in [0, --nnodes 2)",
+        ),
         (["--master-port", "70000"], "--master-port 70000 is not a TCP port"),
         (["--rdzv-endpoint", "h:1", "--master-port", "5"], "either --rdzv-endpoint"),
         (["--max-restarts", "-1"], "--max-restarts '-1' must be an integer >= 0"),
     ],
 )
-def test_bad_arguments_are_one_line_errors(argv: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_arguments_are_one_line_errors(
+    argv: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["launch", *argv, str(SCRIPT)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("torchspan launch: error: ") and words in err and "\n" not in err, err
@@ -102,17 +115,32 @@ def test_torchrun_arguments() -> None:
     one = torchrun_argv(LaunchConfig(str(SCRIPT), ("--steps", "2"), nproc_per_node=2), 2)
     assert one[one.index("--rdzv-endpoint") + 1] == "localhost:0"  # a port the OS picks: jobs never collide
     assert one[-4:] == ["torchspan.launch", str(SCRIPT), "--steps", "2"]
-    two = torchrun_argv(LaunchConfig(str(SCRIPT), nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29400), 1)
+    two = torchrun_argv(
+        LaunchConfig(str(SCRIPT), nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29400), 1
+    )
     assert two[two.index("--node-rank") + 1] == "1" and two[two.index("--master-port") + 1] == "29400"
 
 
 # ---------------------------------------------------------------------------------- real jobs
 @pytest.mark.slow
 def test_plain_torchrun_restarts_and_resumes_from_the_checkpoint(reference: Path, tmp_path: Path) -> None:
-    """The same script under plain torchrun; its c10d store outlives the restart (init_distributed keys it by attempt)."""
+    """The same script under plain torchrun; its c10d store outlives the restart (init_distributed keys it by
+    attempt)."""
     out, ckpt = tmp_path / "dp.pt", tmp_path / "ckpt.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]
-    done = _run([*cmd, str(SCRIPT), *TRAIN, "--checkpoint", str(ckpt), "--crash-after", "3", "--out", str(out)], tmp_path)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+    ]
+    done = _run(
+        [*cmd, str(SCRIPT), *TRAIN, "--checkpoint", str(ckpt), "--crash-after", "3", "--out", str(out)],
+        tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "simulated failure on rank 1 after step 3" in done.stderr
     assert "resumed from" in done.stdout and "at step 3" in done.stdout
@@ -123,14 +151,34 @@ def test_plain_torchrun_restarts_and_resumes_from_the_checkpoint(reference: Path
 
 @pytest.mark.slow
 def test_two_node_job_on_loopback(reference: Path, tmp_path: Path) -> None:
-    """Two `torchspan launch --nnodes 2` invocations on 127.0.0.1 train one replica each: one process's result."""
+    """Two `torchspan launch --nnodes 2` invocations on 127.0.0.1 train one replica each: one process's
+    result."""
     port = str(free_port())
     out = tmp_path / "two_nodes.pt"
     nodes = [
         subprocess.Popen(
-            [*LAUNCH, "--nnodes", "2", "--node-rank", str(i), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-             "--master-port", port, str(SCRIPT), *TRAIN, "--out", str(out)],
-            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                *LAUNCH,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(i),
+                "--nproc-per-node",
+                "1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                str(SCRIPT),
+                *TRAIN,
+                "--out",
+                str(out),
+            ],
+            cwd=tmp_path,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for i in range(2)
     ]
@@ -141,7 +189,9 @@ def test_two_node_job_on_loopback(reference: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how, shown", [("raise", "ValueError: rank one fails on purpose"), ("kill", "SIGKILL")])
+@pytest.mark.parametrize(
+    "how, shown", [("raise", "ValueError: rank one fails on purpose"), ("kill", "SIGKILL")]
+)
 def test_a_failed_rank_ends_the_job(how: str, shown: str, tmp_path: Path) -> None:
     script = tmp_path / "failing.py"
     script.write_text(FAILING)
@@ -151,7 +201,9 @@ def test_a_failed_rank_ends_the_job(how: str, shown: str, tmp_path: Path) -> Non
     assert done.returncode == 1, done.stderr[-3000:]
     assert took < 60, f"the job took {took:.0f} s to end after a rank failed"
     report = done.stderr[done.stderr.index("torchspan launch: rank 1 (local rank 1") :]
-    assert f"of failing.py failed with {'SIGKILL' if how == 'kill' else 'exit code 1'}" in report.splitlines()[0]
+    assert (
+        f"of failing.py failed with {'SIGKILL' if how == 'kill' else 'exit code 1'}" in report.splitlines()[0]
+    )
     assert shown in report
     if how == "raise":  # the script's own frames, not the launcher's wrapper
         assert 'failing.py", line 9, in <module>' in report and "<frozen runpy>" not in report, report
@@ -163,17 +215,30 @@ def test_a_launched_transformers_pipeline_trains_like_one_process(tmp_path: Path
     three padded batches, ends with plain PyTorch's weights on every rank (the tied embedding on both)."""
     script = ROOT / "examples" / "train_pipeline_hf.py"
     common = ["--dtype", "float64", "--steps", "3"]
-    done = _run([sys.executable, str(script), *common, "--reference", "--out", str(tmp_path / "one")], tmp_path)
+    done = _run(
+        [sys.executable, str(script), *common, "--reference", "--out", str(tmp_path / "one")], tmp_path
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    done = _run([*LAUNCH, "--nproc-per-node", "2", str(script), *common, "--out", str(tmp_path / "pp")], tmp_path, timeout=150)
+    done = _run(
+        [*LAUNCH, "--nproc-per-node", "2", str(script), *common, "--out", str(tmp_path / "pp")],
+        tmp_path,
+        timeout=150,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     one = torch.load(tmp_path / "one.rank0")
     stages = [torch.load(tmp_path / f"pp.rank{r}") for r in range(2)]
-    assert "model.embed_tokens.weight" in stages[0]["params"] and "model.embed_tokens.weight" in stages[1]["params"]
+    assert (
+        "model.embed_tokens.weight" in stages[0]["params"]
+        and "model.embed_tokens.weight" in stages[1]["params"]
+    )
     seen = set()
     for r, stage in enumerate(stages):
-        torch.testing.assert_close(torch.tensor(stage["losses"]), torch.tensor(one["losses"]), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(
+            torch.tensor(stage["losses"]), torch.tensor(one["losses"]), rtol=1e-6, atol=1e-7
+        )
         for name, value in stage["params"].items():
-            torch.testing.assert_close(value, one["params"][name], rtol=1e-7, atol=1e-9, msg=lambda m: f"rank {r}: {name}: {m}")
+            torch.testing.assert_close(
+                value, one["params"][name], rtol=1e-7, atol=1e-9, msg=lambda m: f"rank {r}: {name}: {m}"
+            )
             seen.add(name)
     assert seen == set(one["params"])  # between them the two ranks hold every parameter

@@ -48,7 +48,11 @@ EXEMPT = {"torchspan"}
 # importer prefix -> (the only modules it may take from the restricted package, modules excused)
 ONLY_FROM: dict[str, tuple[str, frozenset[str], frozenset[str]]] = {
     # the planner is pure data: profile *data* types only, except plan() which measures
-    "torchspan.planner": ("torchspan.profiler", frozenset({"torchspan.profiler.costs"}), frozenset({"torchspan.planner.api"})),
+    "torchspan.planner": (
+        "torchspan.profiler",
+        frozenset({"torchspan.profiler.costs"}),
+        frozenset({"torchspan.planner.api"}),
+    ),
 }
 MAX_LINES = 500
 MAX_FUNCTION_LINES = 80  # from the ``def`` line to the last line: docstring and nested functions included
@@ -123,7 +127,9 @@ def _raw_imports(tree: ast.Module) -> Found:
     return found
 
 
-def _targets(node: ast.Import | ast.ImportFrom | str, importer: str, is_package: bool, known: set[str]) -> list[str]:
+def _targets(
+    node: ast.Import | ast.ImportFrom | str, importer: str, is_package: bool, known: set[str]
+) -> list[str]:
     """The torchspan modules one import loads (``from a import b`` names ``a.b`` when it is a module)."""
     if isinstance(node, str):  # import_module(...): a name, or every module under a prefix
         if node.split(".")[0] != "torchspan":
@@ -233,7 +239,9 @@ def _cycle_path(graph: Mapping[str, list[str]], group: set[str]) -> list[str]:
                     previous[w] = v
                     nxt.append(w)
         frontier = nxt
-    raise AssertionError(f"no cycle through {start} in {sorted(group)}")  # pragma: no cover - Tarjan guarantees one
+    raise AssertionError(
+        f"no cycle through {start} in {sorted(group)}"
+    )  # pragma: no cover - Tarjan guarantees one
 
 
 def upward_imports(modules: Mapping[str, Module], floors: Mapping[str, int] = FLOORS) -> list[str]:
@@ -258,7 +266,9 @@ def upward_imports(modules: Mapping[str, Module], floors: Mapping[str, int] = FL
     return problems
 
 
-def restricted_imports(modules: Mapping[str, Module], rules: Mapping[str, tuple[str, frozenset[str], frozenset[str]]] = ONLY_FROM) -> list[str]:
+def restricted_imports(
+    modules: Mapping[str, Module], rules: Mapping[str, tuple[str, frozenset[str], frozenset[str]]] = ONLY_FROM
+) -> list[str]:
     problems = []
     for name, mod in sorted(modules.items()):
         for prefix, (package, allowed, excused) in rules.items():
@@ -266,24 +276,34 @@ def restricted_imports(modules: Mapping[str, Module], rules: Mapping[str, tuple[
                 continue
             for target in sorted(mod.imports):
                 if (target == package or target.startswith(package + ".")) and target not in allowed:
-                    problems.append(f"{name} imports {target}; {prefix} may take only {sorted(allowed)} from {package}")
+                    problems.append(
+                        f"{name} imports {target}; {prefix} may take only {sorted(allowed)} from {package}"
+                    )
     return problems
 
 
 def long_functions(root: Path = SRC, limit: int = MAX_FUNCTION_LINES) -> list[str]:
-    """``path:line name has N lines`` for every function (methods and nested ones too) longer than ``limit``."""
+    """``path:line name has N lines`` for every function (methods and nested ones too) longer than
+    ``limit``."""
     problems = []
     for path in sorted(root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lines = (node.end_lineno or node.lineno) - node.lineno + 1
                 if lines > limit:
-                    problems.append(f"{path.relative_to(root)}:{node.lineno} {node.name} has {lines} lines (limit {limit}); cut it into named steps")
+                    problems.append(
+                        f"{path.relative_to(root)}:{node.lineno} {node.name} has {lines} lines (limit "
+                        f"{limit}); cut it into named steps"
+                    )
     return problems
 
 
 def long_modules(modules: Mapping[str, Module], limit: int = MAX_LINES) -> list[str]:
-    return [f"{name} has {mod.lines} lines (limit {limit}); cut it by concept" for name, mod in sorted(modules.items()) if mod.lines > limit]
+    return [
+        f"{name} has {mod.lines} lines (limit {limit}); cut it by concept"
+        for name, mod in sorted(modules.items())
+        if mod.lines > limit
+    ]
 
 
 # ------------------------------------------------------------------------------------------ the package
@@ -331,31 +351,41 @@ def _synthetic(tmp_path: Path, files: Mapping[str, str]) -> dict[str, Module]:
 
 
 def test_checker_finds_a_cycle_through_function_level_and_relative_imports(tmp_path: Path) -> None:
-    modules = _synthetic(tmp_path, {
-        "__init__.py": "",
-        "planner/__init__.py": "",
-        "planner/a.py": "from .b import x\n",
-        "planner/b.py": "def f():\n    from . import c\n",
-        "planner/c.py": "import torchspan.planner.a\n",
-        "planner/d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import y\n",
-        "cli.py": "import importlib\ndef f(n):\n    importlib.import_module(f'torchspan.planner.{n}')\n",
-    })
-    assert find_cycles(modules) == [["torchspan.planner.a", "torchspan.planner.b", "torchspan.planner.c", "torchspan.planner.a"]]
+    modules = _synthetic(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "planner/__init__.py": "",
+            "planner/a.py": "from .b import x\n",
+            "planner/b.py": "def f():\n    from . import c\n",
+            "planner/c.py": "import torchspan.planner.a\n",
+            "planner/d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import y\n",
+            "cli.py": "import importlib\ndef f(n):\n    importlib.import_module(f'torchspan.planner.{n}')\n",
+        },
+    )
+    assert find_cycles(modules) == [
+        ["torchspan.planner.a", "torchspan.planner.b", "torchspan.planner.c", "torchspan.planner.a"]
+    ]
     assert "torchspan.planner.a" in modules["torchspan.planner.d"].imports
     assert "torchspan.planner.a" not in modules["torchspan.planner.d"].runtime_imports
     assert modules["torchspan.cli"].runtime_imports == {f"torchspan.planner.{m}" for m in "abcd"}
 
 
 def test_checker_finds_an_upward_import_and_a_missing_floor(tmp_path: Path) -> None:
-    modules = _synthetic(tmp_path, {
-        "__init__.py": "",
-        "planner/__init__.py": "",
-        "planner/solver.py": "def go():\n    from ..runtime.spanned import span\n",
-        "runtime/__init__.py": "",
-        "runtime/spanned.py": "from ..planner import solver\nfrom .. import __version__\n",
-        "newthing.py": "",
-    })
-    assert find_cycles(modules) == [["torchspan.planner.solver", "torchspan.runtime.spanned", "torchspan.planner.solver"]]
+    modules = _synthetic(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "planner/__init__.py": "",
+            "planner/solver.py": "def go():\n    from ..runtime.spanned import span\n",
+            "runtime/__init__.py": "",
+            "runtime/spanned.py": "from ..planner import solver\nfrom .. import __version__\n",
+            "newthing.py": "",
+        },
+    )
+    assert find_cycles(modules) == [
+        ["torchspan.planner.solver", "torchspan.runtime.spanned", "torchspan.planner.solver"]
+    ]
     assert upward_imports(modules) == [
         "torchspan.newthing has no floor; add its package to FLOORS in tests/test_layering.py",
         "torchspan.planner.solver (floor 3) imports torchspan.runtime.spanned (floor 5)",
@@ -364,21 +394,29 @@ def test_checker_finds_an_upward_import_and_a_missing_floor(tmp_path: Path) -> N
 
 def test_checker_finds_a_long_function_and_counts_nested_ones_in_it(tmp_path: Path) -> None:
     body = "".join(f"    x{i} = {i}\n" for i in range(75))
-    (tmp_path / "a.py").write_text("def short():\n    return 1\n\n\ndef outer():\n    def inner():\n        pass\n" + body)
-    assert long_functions(tmp_path, limit=77) == ["a.py:5 outer has 78 lines (limit 77); cut it into named steps"]
+    (tmp_path / "a.py").write_text(
+        "def short():\n    return 1\n\n\ndef outer():\n    def inner():\n        pass\n" + body
+    )
+    assert long_functions(tmp_path, limit=77) == [
+        "a.py:5 outer has 78 lines (limit 77); cut it into named steps"
+    ]
     assert long_functions(tmp_path, limit=78) == []
 
 
 def test_checker_finds_the_planner_taking_measuring_code_and_long_modules(tmp_path: Path) -> None:
-    modules = _synthetic(tmp_path, {
-        "__init__.py": "",
-        "profiler/__init__.py": "",
-        "profiler/costs.py": "",
-        "profiler/measure.py": "",
-        "planner/__init__.py": "",
-        "planner/cost.py": "from ..profiler.costs import Profile\nfrom ..profiler.measure import profile\n",
-        "planner/api.py": "from ..profiler.measure import profile\n" + "\n" * 501,
-    })
+    modules = _synthetic(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "profiler/__init__.py": "",
+            "profiler/costs.py": "",
+            "profiler/measure.py": "",
+            "planner/__init__.py": "",
+            "planner/cost.py": "from ..profiler.costs import Profile\nfrom ..profiler.measure import "
+            "profile\n",
+            "planner/api.py": "from ..profiler.measure import profile\n" + "\n" * 501,
+        },
+    )
     assert restricted_imports(modules) == [
         "torchspan.planner.cost imports torchspan.profiler.measure; torchspan.planner may take only "
         "['torchspan.profiler.costs'] from torchspan.profiler"

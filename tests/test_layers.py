@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from runtime_models import residual, sequential, untraceable
 from torch import nn
 
 from torchspan import layers as split
-from runtime_models import residual, sequential, untraceable
 
 
 def test_layer_names_and_execution_order() -> None:
@@ -57,7 +57,9 @@ def test_split_graph_carries_live_values_and_matches_model() -> None:
 def test_split_graph_rejects_out_of_order_stages() -> None:
     m = residual()
     graph = split.trace(m, split.default_concrete_args(m))
-    with pytest.raises(ValueError, match="layer 'block1' \\(stage 0\\) runs after layer 'embed' \\(stage 1\\)"):
+    with pytest.raises(
+        ValueError, match="layer 'block1' \\(stage 0\\) runs after layer 'embed' \\(stage 1\\)"
+    ):
         split.split_graph(m, graph, {"embed": 1, "block1": 0, "block2": 1, "head": 1}, 2)
 
 

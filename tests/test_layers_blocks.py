@@ -138,7 +138,14 @@ def test_nested_containers_and_split_points_and_no_split() -> None:
     m, x = Model(), torch.randn(2, 5)
     assert find_layers(m, x).names() == ["body.inp", "body.layers.0", "body.layers.1", "body.layers.2", "out"]
     split = find_layers(m, x, split_points=["body.layers.1.fc2"])
-    assert split.names() == ["body.inp", "body.layers.0", "body.layers.1.fc1", "body.layers.1.fc2", "body.layers.2", "out"]
+    assert split.names() == [
+        "body.inp",
+        "body.layers.0",
+        "body.layers.1.fc1",
+        "body.layers.1.fc2",
+        "body.layers.2",
+        "out",
+    ]
     _covers_once(m, split)
     assert find_layers(m, x, no_split=[Body]).names() == ["body", "out"]
     assert find_layers(m, x, no_split=["Body"]).names() == ["body", "out"]
@@ -200,7 +207,8 @@ def test_module_run_twice_is_merged_into_its_enclosing_module_or_refused() -> No
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.blocks[0](self.blocks[1](self.blocks[0](x)))
 
-    # no module short of the whole model encloses both calls: a layer called twice (its stages keep the calls together)
+    # no module short of the whole model encloses both calls: a layer called twice (its stages keep the calls
+    # together)
     layers = find_layers(TopLevelReuse(), torch.randn(2, 8))
     assert layers.names() == ["blocks.0", "blocks.1"] and layers.by_name("blocks.0").calls == 2
     assert layers.calls == ("blocks.0", "blocks.1", "blocks.0")
@@ -238,7 +246,9 @@ def test_sub_module_called_outside_its_layer_is_merged_or_refused() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.blocks[1](self.blocks[0](x)) + self.blocks[0].fc2(torch.cat([x, x], dim=-1))
 
-    with pytest.raises(ValueError, match="'blocks.0.fc2' \\(part of 'blocks.0'\\) is called outside every layer"):
+    with pytest.raises(
+        ValueError, match="'blocks.0.fc2' \\(part of 'blocks.0'\\) is called outside every layer"
+    ):
         find_layers(Top(), torch.randn(2, 8))
 
 
@@ -281,7 +291,15 @@ def test_meta_model_and_call_trace() -> None:
     with torch.device("meta"):
         m = Wrapper()
         x = torch.randn(2, 5)
-    assert find_layers(m, x).names() == ["embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "norm", "head"]
+    assert find_layers(m, x).names() == [
+        "embed",
+        "blocks.0",
+        "blocks.1",
+        "blocks.2",
+        "blocks.3",
+        "norm",
+        "head",
+    ]
     trace = record_calls(m, (x,), {})
     assert len(trace.outer_calls(m.drop)) == 2 and trace.outer_calls(m.blocks) == []
     (head_call,) = trace.calls_of(m.head)

@@ -1,4 +1,5 @@
-"""Tied parameters across layers: structural (one Parameter, several names) and functional (read by another layer)."""
+"""Tied parameters across layers: structural (one Parameter, several names) and functional (read by another
+layer)."""
 
 from __future__ import annotations
 

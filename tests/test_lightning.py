@@ -1,4 +1,5 @@
-"""Lightning on torchspan (``torchspan.lightning``): after a few epochs the weights are plain Lightning's on one device.
+"""Lightning on torchspan (``torchspan.lightning``): after a few epochs the weights are plain Lightning's on
+one device.
 
 A plain ``L.Trainer`` (one process, ``float64``) trains each model on the same global batches (23 samples in
 batches of 8: the last one short, 4 + 3 rows over two ranks); ``SpanStrategy`` trains a copy from the same
@@ -7,7 +8,8 @@ weights in one process as a local pipeline, and in two gloo ranks on 127.0.0.1 (
 loop on two ranks. Two losses: class-weighted cross-entropy, and a padded token mean (``ignore_index=-100``,
 a different number of tokens in every row). Also: ``gradient_clip_val``, ``accumulate_grad_batches``,
 ``sync_dist`` logging, validation/predict on whole batches, ``ModelCheckpoint`` + ``ckpt_path=`` resume, and
-the refusals (fp16, unknown keys, a sharded pipeline across ranks, ``Trainer(devices=)`` against the job's size).
+the refusals (fp16, unknown keys, a sharded pipeline across ranks, ``Trainer(devices=)`` against the job's
+size).
 A pipeline across ranks: ``tests/test_lightning_pipeline.py``.
 
 Skipped when ``lightning`` is not installed (``pip install -e '.[lightning]'``).
@@ -26,12 +28,12 @@ import torch.nn.functional as F
 from torch import nn
 
 L = pytest.importorskip("lightning", reason="Lightning is not installed: pip install -e '.[lightning]'")
+from ranks_spawn import spawn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import torchspan  # noqa: E402
 from torchspan.lightning import SpanFabricStrategy, SpanStrategy  # noqa: E402
 from torchspan.runtime.ranks import free_port  # noqa: E402
-from ranks_spawn import spawn  # noqa: E402
 
 TOL = dict(rtol=1e-9, atol=1e-11)
 QUIET = dict(accelerator="cpu", enable_progress_bar=False, logger=False, enable_model_summary=False)
@@ -78,7 +80,9 @@ class Tagger(Classifier):
 def _data(tokens: bool = False) -> TensorDataset:
     g = torch.Generator().manual_seed(7)
     if not tokens:
-        return TensorDataset(torch.randn(23, 5, generator=g, dtype=torch.float64), torch.randint(0, 4, (23,), generator=g))
+        return TensorDataset(
+            torch.randn(23, 5, generator=g, dtype=torch.float64), torch.randint(0, 4, (23,), generator=g)
+        )
     x = torch.randn(23, 6, 5, generator=g, dtype=torch.float64)
     y = torch.randint(0, 4, (23, 6), generator=g)
     lengths = torch.randint(1, 7, (23,), generator=g)
@@ -141,7 +145,9 @@ def test_refusals_before_training() -> None:
     with pytest.raises(ValueError, match="'micro_batches' is not an argument of torchspan.span"):
         SpanStrategy(micro_batches=4)
     with pytest.raises(ValueError, match="bf16-mixed"):
-        _fit(Classifier(), SpanStrategy(), precision="16-true")  # CPU: Lightning itself turns 16-mixed into bf16-mixed
+        _fit(
+            Classifier(), SpanStrategy(), precision="16-true"
+        )  # CPU: Lightning itself turns 16-mixed into bf16-mixed
     with pytest.raises(ValueError, match="module='model'"):
         _fit(_TwoModules(), SpanStrategy())
     with pytest.raises(ValueError, match="has no module 'net'"):
@@ -161,7 +167,13 @@ class _TwoModules(Classifier):
 
 
 def _worker(rank: int, world: int, port: int, folder: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     torchspan.init_distributed(timeout=60)
     refs = {name: torch.load(Path(folder) / f"{name}.pt") for name, _, _ in _CASES}
@@ -181,15 +193,26 @@ def _worker(rank: int, world: int, port: int, folder: str) -> None:
 
 
 def _resume(rank: int, folder: Path, want: dict) -> None:
-    """Two epochs with ModelCheckpoint, then a new Trainer resumes from its file to four: plain Lightning's four."""
+    """Two epochs with ModelCheckpoint, then a new Trainer resumes from its file to four: plain Lightning's
+    four."""
     for shard in (False, True):
         where = folder / f"ckpt-{shard}"
         save = L.pytorch.callbacks.ModelCheckpoint(dirpath=where, save_last=True)
         _fit(Classifier(), SpanStrategy(shard=shard), epochs=2, enable_checkpointing=True, callbacks=[save])
         saved = torch.load(where / "last.ckpt", weights_only=False)
-        assert "model.0.weight" in saved["state_dict"] and saved["state_dict"]["model.0.weight"].shape == (8, 5)
+        assert "model.0.weight" in saved["state_dict"] and saved["state_dict"]["model.0.weight"].shape == (
+            8,
+            5,
+        )
         lit = Classifier(seed=5)  # other weights: the checkpoint must replace them
-        trainer = L.Trainer(strategy=SpanStrategy(shard=shard), **QUIET, max_epochs=4, enable_checkpointing=False, gradient_clip_val=0.3, devices=1)
+        trainer = L.Trainer(
+            strategy=SpanStrategy(shard=shard),
+            **QUIET,
+            max_epochs=4,
+            enable_checkpointing=False,
+            gradient_clip_val=0.3,
+            devices=1,
+        )
         trainer.fit(lit, _loader(), ckpt_path=str(where / "last.ckpt"))
         reference = Classifier()
         reference.load_state_dict(want)
@@ -208,7 +231,8 @@ def _evaluate(rank: int) -> None:
 
 
 def _fabric(rank: int, want: dict) -> None:
-    """Fabric's own loop on replicas: the same weights as the Trainer's plain reference, save/load round trip."""
+    """Fabric's own loop on replicas: the same weights as the Trainer's plain reference, save/load round
+    trip."""
     fabric = L.Fabric(strategy=SpanFabricStrategy(), accelerator="cpu", devices=1)
     fabric.launch()
     lit = Classifier()
@@ -224,7 +248,9 @@ def _fabric(rank: int, want: dict) -> None:
     got = {f"model.{k}": v for k, v in model.state_dict().items()}
     for key, value in want.items():
         if key.startswith("model."):
-            torch.testing.assert_close(got[key], value, **TOL, msg=lambda m: f"rank {rank}, fabric: {key}: {m}")
+            torch.testing.assert_close(
+                got[key], value, **TOL, msg=lambda m: f"rank {rank}, fabric: {key}: {m}"
+            )
     path = Path(os.environ.get("TMPDIR", "/tmp")) / f"torchspan-fabric-{os.environ['MASTER_PORT']}.ckpt"
     fabric.save(path, {"model": model, "optimizer": optimizer, "step": 6})
     other = Classifier(seed=3)
@@ -239,7 +265,9 @@ def _fabric(rank: int, want: dict) -> None:
 
 
 def _refusals(rank: int) -> None:
-    fabric = L.Fabric(strategy=SpanFabricStrategy(devices=["cpu", "cpu"], shard=True), accelerator="cpu", devices=1)
+    fabric = L.Fabric(
+        strategy=SpanFabricStrategy(devices=["cpu", "cpu"], shard=True), accelerator="cpu", devices=1
+    )
     fabric.launch()
     lit = Classifier()
     with pytest.raises(ValueError, match="sharded pipeline across ranks.*drop shard=True"):

@@ -1,4 +1,5 @@
-"""Lightning's own loop on a pipeline across ranks: after a few epochs the weights are plain Lightning's on one device.
+"""Lightning's own loop on a pipeline across ranks: after a few epochs the weights are plain Lightning's on
+one device.
 
 ``SpanStrategy(devices=["cpu", "cpu"], microbatches=3)`` in two gloo ranks is a 2-stage pipeline across the
 ranks (each holds one stage): ``training_step``'s ``criterion(self(x), y)`` runs the pipeline's schedule
@@ -75,7 +76,9 @@ class Mixed(Tagger):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return F.cross_entropy(self(x).transpose(0, 1).flatten(0, 1), y.transpose(0, 1).flatten(), ignore_index=-100)
+        return F.cross_entropy(
+            self(x).transpose(0, 1).flatten(0, 1), y.transpose(0, 1).flatten(), ignore_index=-100
+        )
 
 
 def _references(folder: Path) -> None:
@@ -83,13 +86,20 @@ def _references(folder: Path) -> None:
     for name, kind, kwargs in [*_CASES, ("logged", Logged, {})]:
         lit = kind()
         trainer = _fit(lit, tokens=kind is Tagger, **kwargs) if kind is not Logged else _validated(lit)
-        torch.save({"state": lit.state_dict(), "metrics": dict(trainer.callback_metrics)}, folder / f"{name}.pt")
+        torch.save(
+            {"state": lit.state_dict(), "metrics": dict(trainer.callback_metrics)}, folder / f"{name}.pt"
+        )
 
 
 def _validated(lit: L.LightningModule, strategy=None) -> L.Trainer:
     """Two epochs with a validation loader (sanity check and each epoch's validation run the eval forward)."""
     trainer = L.Trainer(
-        strategy=strategy or "auto", **QUIET, max_epochs=2, enable_checkpointing=False, gradient_clip_val=0.3, devices=1
+        strategy=strategy or "auto",
+        **QUIET,
+        max_epochs=2,
+        enable_checkpointing=False,
+        gradient_clip_val=0.3,
+        devices=1,
     )
     trainer.fit(lit, _loader(), _loader())
     return trainer
@@ -102,7 +112,9 @@ def _load(folder: Path, name: str) -> dict:
 def _whole(trainer: L.Trainer, kind: type) -> L.LightningModule:
     """A plain copy of the trained module with every stage's weights (each rank holds its own stage's)."""
     plain = kind()
-    plain.load_state_dict(trainer.strategy.lightning_module_state_dict())  # a collective: every stage's entries
+    plain.load_state_dict(
+        trainer.strategy.lightning_module_state_dict()
+    )  # a collective: every stage's entries
     return plain
 
 
@@ -123,7 +135,11 @@ def _worker(rank: int, world: int, port: int, folder: str) -> None:
     reference = Logged()
     reference.load_state_dict(want["state"])
     _same(_whole(trainer, Logged), reference, f"rank {rank}, pipeline across ranks, validated")
-    for key in ("loss_value", "train_loss", "val_loss"):  # train_step sums the micro-batches' losses in float32
+    for key in (
+        "loss_value",
+        "train_loss",
+        "val_loss",
+    ):  # train_step sums the micro-batches' losses in float32
         got, wanted = float(trainer.callback_metrics[key]), float(want["metrics"][key])
         assert abs(got - wanted) < 1e-6 * abs(wanted), (rank, key, got, wanted)
     _resume(rank, where, _load(where, "four-epochs")["state"])
@@ -133,8 +149,9 @@ def _worker(rank: int, world: int, port: int, folder: str) -> None:
 
 
 def _fabric(rank: int, folder: Path, want: dict) -> None:
-    """Fabric's own loop on the pipeline (the loss runs the step, fabric.backward adds its gradients): the Trainer's
-    plain reference weights; fabric.save writes every stage's weights and Adam state, fabric.load puts them back."""
+    """Fabric's own loop on the pipeline (the loss runs the step, fabric.backward adds its gradients): the
+    Trainer's plain reference weights; fabric.save writes every stage's weights and Adam state, fabric.load
+    puts them back."""
     fabric = L.Fabric(strategy=SpanFabricStrategy(**PIPE), accelerator="cpu", devices=1)
     fabric.launch()
     lit = Classifier()
@@ -152,20 +169,26 @@ def _fabric(rank: int, folder: Path, want: dict) -> None:
     got = {f"model.{k}": v for k, v in saved["model"].items()}
     for key, value in want.items():
         if key.startswith("model."):
-            torch.testing.assert_close(got[key], value, **TOL, msg=lambda m, key=key: f"rank {rank}, fabric: {key}: {m}")
+            torch.testing.assert_close(
+                got[key], value, **TOL, msg=lambda m, key=key: f"rank {rank}, fabric: {key}: {m}"
+            )
     assert len(saved["optimizer"]["state"]) == 4, "every stage's Adam state is saved"
     other = Classifier(seed=3)
     model2, optimizer2 = fabric.setup(other.model, torch.optim.Adam(other.model.parameters(), lr=0.05))
     assert fabric.load(path, {"model": model2, "optimizer": optimizer2}) == {"step": 6}
     mine = {k: v for k, v in model2.state_dict().items() if v.device.type != "meta"}
-    assert mine and all(torch.equal(v, saved["model"][k]) for k, v in mine.items()), "this rank's stage is loaded"
+    assert mine and all(torch.equal(v, saved["model"][k]) for k, v in mine.items()), (
+        "this rank's stage is loaded"
+    )
     opt_state = optimizer2.state_dict()["state"]
-    assert opt_state and all(torch.equal(s["exp_avg"], saved["optimizer"]["state"][i]["exp_avg"]) for i, s in opt_state.items())
+    assert opt_state and all(
+        torch.equal(s["exp_avg"], saved["optimizer"]["state"][i]["exp_avg"]) for i, s in opt_state.items()
+    )
 
 
 def _resume(rank: int, folder: Path, want: dict) -> None:
-    """Two epochs with ModelCheckpoint (every stage's weights and optimizer state in one file), then a new Trainer
-    resumes from it to four: plain Lightning's four."""
+    """Two epochs with ModelCheckpoint (every stage's weights and optimizer state in one file), then a new
+    Trainer resumes from it to four: plain Lightning's four."""
     ckpt = folder / "ckpt-pipeline"
     save = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt, save_last=True)
     _fit(Classifier(), SpanStrategy(**PIPE), epochs=2, enable_checkpointing=True, callbacks=[save])
@@ -173,7 +196,14 @@ def _resume(rank: int, folder: Path, want: dict) -> None:
     assert all(v.device.type != "meta" for v in saved["state_dict"].values()), "a stage's weights are missing"
     assert len(saved["optimizer_states"][0]["state"]) == 4, "every stage's Adam state is saved"
     lit = Classifier(seed=5)  # other weights: the checkpoint must replace them
-    trainer = L.Trainer(strategy=SpanStrategy(**PIPE), **QUIET, max_epochs=4, enable_checkpointing=False, gradient_clip_val=0.3, devices=1)
+    trainer = L.Trainer(
+        strategy=SpanStrategy(**PIPE),
+        **QUIET,
+        max_epochs=4,
+        enable_checkpointing=False,
+        gradient_clip_val=0.3,
+        devices=1,
+    )
     trainer.fit(lit, _loader(), ckpt_path=str(ckpt / "last.ckpt"))
     reference = Classifier()
     reference.load_state_dict(want)

@@ -1,4 +1,5 @@
-"""The loss contract: every loss_fn gives the single-device gradient exactly, or is refused before any backward.
+"""The loss contract: every loss_fn gives the single-device gradient exactly, or is refused before any
+backward.
 
 The four cases of issue 10 run through ``span(..., balance=[2, 1], microbatches=3)`` on 7 samples
 (chunks of 3, 2, 2) and compare every parameter's ``.grad`` with a plain full-batch backward;
@@ -19,7 +20,13 @@ from torch import nn
 
 import torchspan
 from torchspan.runtime.losscheck import LossChecks, batch_structure, calibrate
-from torchspan.runtime.lossweights import describe_loss, loss_spec, microbatch_weights, resolve_reduction, weighted_loss
+from torchspan.runtime.lossweights import (
+    describe_loss,
+    loss_spec,
+    microbatch_weights,
+    resolve_reduction,
+    weighted_loss,
+)
 
 C = 5
 GEN = torch.Generator().manual_seed(10)
@@ -40,13 +47,17 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, C))
 
 
-def _reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable[..., Any]) -> list[torch.Tensor]:
+def _reference(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable[..., Any]
+) -> list[torch.Tensor]:
     ref = copy.deepcopy(model)
     loss_fn(ref(x), y).backward()
     return [p.grad.clone() for p in ref.parameters()]
 
 
-def _spanned_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable[..., Any], **kw: Any) -> list[torch.Tensor]:
+def _spanned_grads(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable[..., Any], **kw: Any
+) -> list[torch.Tensor]:
     spanned = torchspan.span(model, devices=["cpu", "cpu"], balance=[2, 1], microbatches=3)
     spanned.train_step(x, y, loss_fn, **kw)
     return [p.grad for p in model.parameters()]
@@ -66,7 +77,9 @@ def _token_ce(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 
 def _token_mean(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    per_token = F.cross_entropy(o.reshape(-1, C), t.clamp(min=0).reshape(-1), reduction="none").reshape(t.shape)
+    per_token = F.cross_entropy(o.reshape(-1, C), t.clamp(min=0).reshape(-1), reduction="none").reshape(
+        t.shape
+    )
     mask = (t != -100).float()
     return (per_token * mask).sum() / mask.sum()
 
@@ -93,13 +106,22 @@ def test_reshaping_cross_entropy_lambda_with_padding_is_refused_before_backward(
     assert "loss_fn=<lambda> at test_loss_contract.py:" in msg
     full = _token_ce(model(X_SEQ), Y_SEQ).item()
     assert f"{full:.5g}"[:6] in msg  # the full-batch value is named
-    for way_out in ("loss_reduction='sum'", "loss_reduction='mean'", "loss_normalizer=lambda y: (y != -100).sum()"):
+    for way_out in (
+        "loss_reduction='sum'",
+        "loss_reduction='mean'",
+        "loss_normalizer=lambda y: (y != -100).sum()",
+    ):
         assert way_out in msg
     assert all(p.grad is None for p in model.parameters())  # refused before any backward
 
 
 def test_reshaping_cross_entropy_lambda_is_exact_with_a_normalizer() -> None:
-    _assert_exact(lambda o, t: F.cross_entropy(o.reshape(-1, C), t.reshape(-1)), X_SEQ, Y_SEQ, loss_normalizer=lambda y: (y != -100).sum())
+    _assert_exact(
+        lambda o, t: F.cross_entropy(o.reshape(-1, C), t.reshape(-1)),
+        X_SEQ,
+        Y_SEQ,
+        loss_normalizer=lambda y: (y != -100).sum(),
+    )
 
 
 def test_token_mean_with_an_all_padding_microbatch_is_exact_and_finite_with_a_normalizer() -> None:
@@ -108,7 +130,10 @@ def test_token_mean_with_an_all_padding_microbatch_is_exact_and_finite_with_a_no
 
 def test_token_mean_with_an_all_padding_microbatch_is_refused_without_one() -> None:
     model = _model()
-    with pytest.raises(ValueError, match=r"loss_fn=_token_mean is not a per-sample mean or a sum: .* nan weighted by sample share"):
+    with pytest.raises(
+        ValueError,
+        match=r"loss_fn=_token_mean is not a per-sample mean or a sum: .* nan weighted by sample share",
+    ):
         _spanned_grads(model, X_SEQ, Y_ALL_PAD, _token_mean)
     assert all(p.grad is None for p in model.parameters())
 
@@ -142,7 +167,9 @@ def test_calibration_leaves_no_trace_in_random_state_or_buffers() -> None:
         torch.manual_seed(1)
         with pytest.warns(UserWarning, match="BatchNorm"):
             spanned.train_step(X, y, lambda o, t: F.mse_loss(o, t), **kw)
-        runs.append(([p.grad.clone() for p in model.parameters()], model[2].running_mean.clone(), torch.rand(3)))
+        runs.append(
+            ([p.grad.clone() for p in model.parameters()], model[2].running_mean.clone(), torch.rand(3))
+        )
     (g0, bn0, r0), (g1, bn1, r1) = runs
     for a, b in zip(g0, g1):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -164,7 +191,10 @@ def test_calibration_leaves_no_trace_in_random_state_or_buffers() -> None:
         (F.binary_cross_entropy_with_logits, "samples"),
         (functools.partial(F.mse_loss, reduction="sum"), "sum"),
         (functools.partial(F.l1_loss, size_average=False), "sum"),
-        (functools.partial(functools.partial(F.cross_entropy, weight=torch.ones(3)), ignore_index=2), "class_weights"),
+        (
+            functools.partial(functools.partial(F.cross_entropy, weight=torch.ones(3)), ignore_index=2),
+            "class_weights",
+        ),
         (functools.partial(nn.CrossEntropyLoss()), "class_weights"),
         (functools.partial(F.mse_loss, torch.zeros(3)), "opaque"),  # input bound positionally
         (lambda o, t: F.mse_loss(o, t), "opaque"),
@@ -195,11 +225,17 @@ def test_partial_keywords_are_read() -> None:
 
 
 def test_contradictions_and_bad_arguments_are_refused() -> None:
-    with pytest.raises(ValueError, match=r"loss_reduction='mean' contradicts loss_fn=partial\(mse_loss, reduction='sum'\)"):
+    with pytest.raises(
+        ValueError, match=r"loss_reduction='mean' contradicts loss_fn=partial\(mse_loss, reduction='sum'\)"
+    ):
         loss_spec(functools.partial(F.mse_loss, reduction="sum"), loss_reduction="mean")
-    with pytest.raises(ValueError, match=r"loss_fn=partial\(nll_loss, reduction='none'\) returns one loss per element"):
+    with pytest.raises(
+        ValueError, match=r"loss_fn=partial\(nll_loss, reduction='none'\) returns one loss per element"
+    ):
         loss_spec(functools.partial(F.nll_loss, reduction="none"))
-    with pytest.raises(ValueError, match="loss_normalizer= given for loss_fn=MSELoss\\(reduction='sum'\\), which sums"):
+    with pytest.raises(
+        ValueError, match="loss_normalizer= given for loss_fn=MSELoss\\(reduction='sum'\\), which sums"
+    ):
         loss_spec(nn.MSELoss(reduction="sum"), loss_normalizer=lambda y: 1)
     with pytest.raises(ValueError, match="loss_reduction='sum' with loss_normalizer="):
         loss_spec(lambda o, t: o.sum(), loss_reduction="sum", loss_normalizer=lambda y: 1)
@@ -219,7 +255,9 @@ LABELS[0, 0] = -100
     "loss_fn",
     [
         nn.CrossEntropyLoss(weight=torch.tensor([0.2, 1.0, 3.0, 0.5, 2.0])),
-        functools.partial(F.cross_entropy, weight=torch.tensor([0.2, 1.0, 3.0, 0.5, 2.0]), label_smoothing=0.1),
+        functools.partial(
+            F.cross_entropy, weight=torch.tensor([0.2, 1.0, 3.0, 0.5, 2.0]), label_smoothing=0.1
+        ),
         functools.partial(F.nll_loss, weight=torch.tensor([0.2, 1.0, 3.0, 0.5, 2.0])),
         nn.CrossEntropyLoss(reduction="sum"),
     ],
@@ -235,7 +273,8 @@ def test_weighted_chunks_add_up_to_the_full_loss_for_spatial_targets(loss_fn: Ca
 
 
 def test_weights_with_a_global_total_split_over_ranks() -> None:
-    """Data parallel: each rank weighs its chunks by the all-reduced normalizer; the sum over ranks is exact."""
+    """Data parallel: each rank weighs its chunks by the all-reduced normalizer; the sum over ranks is
+    exact."""
     spec = loss_spec(nn.CrossEntropyLoss(weight=torch.tensor([0.2, 1.0, 3.0, 0.5, 2.0])))
     outs, tgts = list(LOGITS.split(SIZES)), list(LABELS.split(SIZES))
     total = sum(spec.normalizer(t, n) for t, n in zip(tgts, SIZES))
@@ -250,20 +289,31 @@ def test_weights_with_a_global_total_split_over_ranks() -> None:
 def test_user_normalizer_values_are_checked() -> None:
     spec = loss_spec(_token_mean, loss_normalizer=lambda y: (y != -100).sum())
     assert spec.kind == "user" and spec.normalizer(Y_SEQ[:3], 3) == float((Y_SEQ[:3] != -100).sum())
-    for bad, shown in ((lambda y: y, "a tensor of shape (3, 6)"), (lambda y: -1.0, "-1.0"), (lambda y: "n", "'n'")):
-        with pytest.raises(ValueError, match="loss_normalizer returned " + shown.replace("(", r"\(").replace(")", r"\)")):
+    for bad, shown in (
+        (lambda y: y, "a tensor of shape (3, 6)"),
+        (lambda y: -1.0, "-1.0"),
+        (lambda y: "n", "'n'"),
+    ):
+        with pytest.raises(
+            ValueError, match="loss_normalizer returned " + shown.replace("(", r"\(").replace(")", r"\)")
+        ):
             loss_spec(_token_mean, loss_normalizer=bad).normalizer(Y_SEQ[:3], 3)
 
 
 def test_earlier_helpers_keep_working() -> None:
     assert resolve_reduction(lambda o, t: o.sum(), None) == "mean"
     assert resolve_reduction(nn.L1Loss(reduction="sum"), None) == "sum"
-    assert microbatch_weights(F.cross_entropy, [torch.tensor([1, -100]), torch.tensor([2, 3])], [2, 2], "mean") == [1 / 3, 2 / 3]
+    assert microbatch_weights(
+        F.cross_entropy, [torch.tensor([1, -100]), torch.tensor([2, 3])], [2, 2], "mean"
+    ) == [1 / 3, 2 / 3]
     assert microbatch_weights(lambda o, t: o.sum(), [None, None], [3, 1], "sum") == [1.0, 1.0]
 
 
 def test_describe_loss() -> None:
-    assert describe_loss(functools.partial(F.cross_entropy, weight=torch.ones(3))) == "partial(cross_entropy, weight=<tensor (3,)>)"
+    assert (
+        describe_loss(functools.partial(F.cross_entropy, weight=torch.ones(3)))
+        == "partial(cross_entropy, weight=<tensor (3,)>)"
+    )
     assert describe_loss(nn.NLLLoss()) == "NLLLoss(reduction='mean')"
     assert describe_loss(_token_mean) == "_token_mean"
 
@@ -271,7 +321,9 @@ def test_describe_loss() -> None:
 # ------------------------------------------------------------------ calibration as a pure function
 
 
-def _chunks(out: torch.Tensor, y: torch.Tensor, sizes: list[int] = SIZES) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _chunks(
+    out: torch.Tensor, y: torch.Tensor, sizes: list[int] = SIZES
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return list(out.split(sizes)), list(y.split(sizes))
 
 
@@ -290,7 +342,10 @@ def test_calibrate_refuses_a_token_mean_naming_the_values() -> None:
     with pytest.raises(ValueError) as err:
         calibrate(spec, *_chunks(out, Y_SEQ), SIZES)
     msg = str(err.value)
-    assert msg.startswith(f"loss_fn=_token_ce is not a per-sample mean or a sum: the full-batch loss is {full:.8g}, but its 3 micro-batches of 3, 2, 2 samples give ")
+    assert msg.startswith(
+        f"loss_fn=_token_ce is not a per-sample mean or a sum: the full-batch loss is {full:.8g}, but its "
+        "3 micro-batches of 3, 2, 2 samples give "
+    )
     assert "refuses before any backward" in msg
     user = loss_spec(_token_ce, loss_normalizer=lambda y: (y != -100).sum())
     assert calibrate(user, *_chunks(out, Y_SEQ), SIZES) is user
@@ -301,7 +356,9 @@ def test_calibrate_refuses_a_token_mean_naming_the_values() -> None:
 
 def test_calibrate_refuses_when_the_batch_cannot_tell() -> None:
     out, y = torch.randn(7, C, generator=GEN), torch.zeros(7, C)
-    with pytest.raises(ValueError, match=r"cannot tell from this batch whether loss_fn=<lambda> .* is a mean or a sum"):
+    with pytest.raises(
+        ValueError, match=r"cannot tell from this batch whether loss_fn=<lambda> .* is a mean or a sum"
+    ):
         calibrate(loss_spec(lambda o, t: (o * t).sum()), *_chunks(out, y), SIZES)
 
 
@@ -325,12 +382,17 @@ def test_loss_checks_remember_per_loss_and_structure() -> None:
     outs, tgts = _chunks(out, y)
     scale = 2.0
     for _ in range(2):
-        assert checks.resolve(loss_spec(lambda o, t: _token_ce(o, t) * scale), tgts, SIZES, lambda: outs).kind == "samples"
+        assert (
+            checks.resolve(loss_spec(lambda o, t: _token_ce(o, t) * scale), tgts, SIZES, lambda: outs).kind
+            == "samples"
+        )
     assert checks.calibrations == 1
     scale = 3.0  # the lambda now captures another object: checked again
     checks.resolve(loss_spec(lambda o, t: _token_ce(o, t) * scale), tgts, SIZES, lambda: outs)
     assert checks.calibrations == 2
     # padding appears in the same shapes: the structure differs, and the refusal comes then
     with pytest.raises(ValueError, match="is not a per-sample mean or a sum"):
-        checks.resolve(loss_spec(lambda o, t: _token_ce(o, t) * scale), list(Y_SEQ.split(SIZES)), SIZES, lambda: outs)
+        checks.resolve(
+            loss_spec(lambda o, t: _token_ce(o, t) * scale), list(Y_SEQ.split(SIZES)), SIZES, lambda: outs
+        )
     assert batch_structure(tgts, SIZES) != batch_structure(list(Y_SEQ.split(SIZES)), SIZES)

@@ -16,16 +16,17 @@ from typing import Any
 
 import pytest
 import torch
+from test_ranks_pipeline import _join, _leave, _spawn
 from torch import nn
 
 import torchspan
 from torchspan.runtime.ranks import free_port
 
-from test_ranks_pipeline import _join, _leave, _spawn
-
 transformers = pytest.importorskip("transformers")
 
-TOL = dict(rtol=1e-5, atol=1e-7)  # transformers computes a causal LM's loss in float32 (logits.float()), even in a float64 model
+TOL = dict(
+    rtol=1e-5, atol=1e-7
+)  # transformers computes a causal LM's loss in float32 (logits.float()), even in a float64 model
 
 
 def _ids(rows: int = 5, seq: int = 7, vocab: int = 40, seed: int = 0) -> torch.Tensor:
@@ -45,32 +46,67 @@ def _batch(rows: int = 5, seq: int = 7, seed: int = 0) -> dict[str, torch.Tensor
 def _llama(tied: bool = True) -> nn.Module:
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
-        num_key_value_heads=2, tie_word_embeddings=tied, max_position_embeddings=32,
-    )  # fmt: skip
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+        max_position_embeddings=32,
+    )
     return transformers.LlamaForCausalLM(cfg).double()
 
 
 def _t5() -> nn.Module:
     torch.manual_seed(0)
-    cfg = transformers.T5Config(vocab_size=40, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=2, dropout_rate=0.0,
-                                decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
+    cfg = transformers.T5Config(
+        vocab_size=40,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=2,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
     return transformers.T5ForConditionalGeneration(cfg).double()
 
 
 def _bert(**kw: Any) -> nn.Module:
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                  intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **kw)  # fmt: skip
-    return (transformers.BertForSequenceClassification(cfg) if "num_labels" in kw else transformers.BertForMaskedLM(cfg)).double()
+    cfg = transformers.BertConfig(
+        vocab_size=40,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        **kw,
+    )
+    return (
+        transformers.BertForSequenceClassification(cfg)
+        if "num_labels" in kw
+        else transformers.BertForMaskedLM(cfg)
+    ).double()
 
 
 def _mixtral(aux: bool) -> nn.Module:
     torch.manual_seed(0)
     cfg = transformers.MixtralConfig(
-        vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, output_router_logits=aux, router_aux_loss_coef=0.02,
-    )  # fmt: skip
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=aux,
+        router_aux_loss_coef=0.02,
+    )
     return transformers.MixtralForCausalLM(cfg)  # float32: the grouped expert matmul has no float64 kernel
 
 
@@ -92,9 +128,18 @@ def _same_grads(model: nn.Module, ref: nn.Module, tol: dict[str, float] = TOL) -
 CASES = {
     "tied llama (causal LM, shifted labels)": (_llama, _batch),
     "t5 (encoder-decoder, labels unshifted)": (_t5, _batch),
-    "bert masked LM (labels mostly -100)": (_bert, lambda: {**_batch(), "labels": _batch()["labels"].masked_fill(_ids(seed=3) % 3 != 0, -100)}),
-    "bert sequence classification": (functools.partial(_bert, num_labels=3), lambda: {**_batch(), "labels": torch.tensor([0, 2, 1, 1, 0])}),
-    "bert regression": (functools.partial(_bert, num_labels=1), lambda: {**_batch(), "labels": torch.linspace(-1, 1, 5, dtype=torch.float64)}),
+    "bert masked LM (labels mostly -100)": (
+        _bert,
+        lambda: {**_batch(), "labels": _batch()["labels"].masked_fill(_ids(seed=3) % 3 != 0, -100)},
+    ),
+    "bert sequence classification": (
+        functools.partial(_bert, num_labels=3),
+        lambda: {**_batch(), "labels": torch.tensor([0, 2, 1, 1, 0])},
+    ),
+    "bert regression": (
+        functools.partial(_bert, num_labels=1),
+        lambda: {**_batch(), "labels": torch.linspace(-1, 1, 5, dtype=torch.float64)},
+    ),
 }
 
 
@@ -176,7 +221,9 @@ def test_your_own_loss_on_a_batch_that_still_holds_labels() -> None:
         return nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), y[:, 1:].flatten())
 
     spanned = _span(model, devices=["cpu", "cpu"], microbatches=3)
-    loss = spanned.train_step(batch, batch["labels"], shifted_mean, loss_normalizer=lambda y: (y[..., 1:] != -100).sum())
+    loss = spanned.train_step(
+        batch, batch["labels"], shifted_mean, loss_normalizer=lambda y: (y[..., 1:] != -100).sum()
+    )
     want = shifted_mean(ref(**batch), batch["labels"])
     want.backward()
     torch.testing.assert_close(loss.double(), want.detach().double(), rtol=1e-6, atol=1e-7)
@@ -204,7 +251,11 @@ def test_a_declared_reduction_is_verified_not_trusted() -> None:
     x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
     mean = lambda out, t: ((out - t) ** 2).mean()  # noqa: E731
     spanned = _span(_mlp(), devices=["cpu", "cpu"], microbatches=3)
-    with pytest.raises(ValueError, match=r"loss_reduction='sum' is declared.*full-batch loss is [0-9.]+, while .* give [0-9.]+ weighted as declared"):
+    with pytest.raises(
+        ValueError,
+        match=r"loss_reduction='sum' is declared.*full-batch loss is [0-9.]+, while .* give [0-9.]+ weighted "
+        r"as declared",
+    ):
         spanned.train_step(x, y, mean, loss_reduction="sum")
     assert all(p.grad is None for p in spanned.parameters())
     model = _mlp()
@@ -231,7 +282,9 @@ def test_the_shifted_token_mean_refusal_suggests_the_normalizer_that_works() -> 
     assert "(y[..., 1:] != -100).sum()" in str(wrong.value)
     model = _llama()
     ref = copy.deepcopy(model)
-    _span(model, devices=["cpu", "cpu"], microbatches=3).train_step(batch, labels, shifted_mean, loss_normalizer=lambda y: (y[..., 1:] != -100).sum())
+    _span(model, devices=["cpu", "cpu"], microbatches=3).train_step(
+        batch, labels, shifted_mean, loss_normalizer=lambda y: (y[..., 1:] != -100).sum()
+    )
     shifted_mean(ref(**batch), labels).backward()
     _same_grads(model, ref)
 
@@ -240,7 +293,11 @@ def test_the_shifted_token_mean_refusal_suggests_the_normalizer_that_works() -> 
 def _dp_worker(rank: int, world: int, port: int, out: str) -> None:
     try:
         _join(rank, world, port)
-        for name in ("tied llama (causal LM, shifted labels)", "t5 (encoder-decoder, labels unshifted)", "bert sequence classification"):
+        for name in (
+            "tied llama (causal LM, shifted labels)",
+            "t5 (encoder-decoder, labels unshifted)",
+            "bert sequence classification",
+        ):
             make, data = CASES[name]
             batch = data()
             ref = make()
@@ -250,10 +307,14 @@ def _dp_worker(rank: int, world: int, port: int, out: str) -> None:
             for _ in range(2):  # the second step reuses the verified loss (no collective for it)
                 spanned.module.zero_grad()
                 loss = spanned.train_step(shard)
-                torch.testing.assert_close(loss.double(), ref(**batch).loss.detach().double(), rtol=1e-6, atol=1e-7)
+                torch.testing.assert_close(
+                    loss.double(), ref(**batch).loss.detach().double(), rtol=1e-6, atol=1e-7
+                )
                 _same_grads(spanned.module, ref)
-        # an MoE decoder without its router loss, over shards of 2 and 1 rows, then an epoch end: rank 1's shard is
-        # empty (rank_batches), and a transformers model cannot run zero rows: it runs one stand-in row at weight 0
+        # an MoE decoder without its router loss, over shards of 2 and 1 rows, then an epoch end: rank 1's
+        # shard is empty (rank_batches), and a transformers model cannot run zero rows: it runs one stand-in
+        # row at
+        # weight 0
         spanned = torchspan.span(_mixtral(aux=False))
         for rows in (3, 1):
             batch = _batch(rows=rows, seed=rows)
@@ -280,7 +341,9 @@ def _pipe_worker(rank: int, world: int, port: int, out: str) -> None:
         ref = _llama()
         want = ref(**batch).loss
         want.backward()
-        spanned = _span(_llama(), devices=["cpu", "cpu"], microbatches=3, schedule="1f1b")  # one stage per rank
+        spanned = _span(
+            _llama(), devices=["cpu", "cpu"], microbatches=3, schedule="1f1b"
+        )  # one stage per rank
         loss = spanned.train_step(batch)
         torch.testing.assert_close(loss.double(), want.detach().double(), rtol=1e-6, atol=1e-7)
         held = {n for n, p in spanned.module.named_parameters() if p.device.type != "meta"}
@@ -298,7 +361,8 @@ def test_own_loss_pipeline_across_two_ranks(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("rank*.txt"))
 
 
-# ---------------------------------------------------------------------- bad input gets one line (issue 19 item 3)
+# ---------------------------------------------------------------------- bad input gets one line (issue 19
+# item 3)
 class _Returns(nn.Module):
     def __init__(self, what: str) -> None:
         super().__init__()
@@ -314,10 +378,14 @@ def test_train_step_bad_input_is_named() -> None:
     spanned = _span(_mlp().float(), devices=["cpu", "cpu"], microbatches=2)
     with pytest.raises(ValueError, match=r"target=None, loss_fn=MSELoss.*pass the target"):
         spanned.train_step(x, None, nn.MSELoss())
-    spanned.train_step(x, None, lambda out, _: out.pow(2).mean(), loss_reduction="mean")  # a loss that needs no target
+    spanned.train_step(
+        x, None, lambda out, _: out.pow(2).mean(), loss_reduction="mean"
+    )  # a loss that needs no target
     with pytest.raises(ValueError, match="forward returned None, which holds no tensor"):
         torchspan.span(_Returns("none")).train_step(x, y, nn.MSELoss())
     with pytest.raises(ValueError, match=r"forward returned a float \(.*\), which holds no tensor"):
         _span(_Returns("float"), microbatches=2).train_step(x, y, nn.MSELoss())
     with pytest.raises(ValueError, match="stage.s. on meta: meta tensors hold shapes, not values"):
-        _span(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), devices=["cpu", "meta"]).train_step(x, y, nn.MSELoss())
+        _span(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), devices=["cpu", "meta"]).train_step(
+            x, y, nn.MSELoss()
+        )

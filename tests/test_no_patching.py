@@ -7,8 +7,9 @@ attribute must still be the very object torch had (a submodule that the import l
 addition allowed). One process (stages on two CPU "devices"), a 2-stage pipeline across two gloo
 ranks and that pipeline with each stage sharded over 2 replicas (4 ranks), where torch's own
 ``clip_grad_norm_`` over a stage's gradients is still refused (it would clip each stage by its own
-norm) through those gradients alone: another model's clip in the same process runs untouched, with plain ``torch.Tensor`` gradients, and gives torch's norm. In this process: a stage's
-marked gradients behave as plain tensors for everything but torch's total norm (optimizers, copies, saves).
+norm) through those gradients alone: another model's clip in the same process runs untouched, with plain
+``torch.Tensor`` gradients, and gives torch's norm. In this process: a stage's marked gradients behave as
+plain tensors for everything but torch's total norm (optimizers, copies, saves).
 """
 
 from __future__ import annotations
@@ -102,7 +103,11 @@ print("RESULT " + json.dumps(result))
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.update(OMP_NUM_THREADS="1", **extra)
     return env
 
@@ -121,7 +126,9 @@ def _result(proc: subprocess.Popen, label: str) -> dict:
 
 def _start(mode: str, **env: str) -> subprocess.Popen:
     cmd = [sys.executable, "-c", SCRIPT, mode]
-    return subprocess.Popen(cmd, cwd=ROOT, env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def test_one_process_leaves_torch_as_it_was() -> None:
@@ -129,18 +136,30 @@ def test_one_process_leaves_torch_as_it_was() -> None:
     assert r["mode"] != "data-parallel" and r["norm"] > 0
     assert r["changed"] == [], f"torchspan replaced torch's own objects: {r['changed']}"
     assert r["grads_plain"], "in one process the gradients are plain tensors"
-    assert r["torch_clip"] == "ran", "in one process torch's clip sees every gradient and is right: not refused"
+    assert r["torch_clip"] == "ran", (
+        "in one process torch's clip sees every gradient and is right: not refused"
+    )
     assert r["other_clip_right"] and r["other_grads_plain"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,world", [("pipeline", 2), ("sharded", 4)])
-def test_pipeline_ranks_leave_torch_as_it_was_and_still_refuse_torch_clip_on_a_stage(mode: str, world: int) -> None:
-    """2 stages on 2 ranks, or 2 stages x 2 replicas each sharding its stage (gradients are DTensor shards) on 4."""
+def test_pipeline_ranks_leave_torch_as_it_was_and_still_refuse_torch_clip_on_a_stage(
+    mode: str, world: int
+) -> None:
+    """2 stages on 2 ranks, or 2 stages x 2 replicas each sharding its stage (gradients are DTensor shards) on
+    4."""
     port = str(free_port())
     procs = []
     for rank in range(world):
-        env = dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        env = dict(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
         procs.append(_start(mode, **env))
     try:
         results = [_result(p, f"rank {rank}") for rank, p in enumerate(procs)]
@@ -152,27 +171,39 @@ def test_pipeline_ranks_leave_torch_as_it_was_and_still_refuse_torch_clip_on_a_s
         stage = rank % 2  # rank = replica * stages + stage
         assert r["changed"] == [], f"rank {rank}: torchspan replaced torch's own objects: {r['changed']}"
         assert r["sharded_grads"] == (mode == "sharded"), f"rank {rank}: {r}"
-        assert r["grads_are_tensors"] and not r["grads_plain"], f"rank {rank}: a stage's gradients carry the refusal themselves"
-        assert f"rank {rank} sees only the gradients of stage {stage} of a 2-stage pipeline" in r["torch_clip"], r["torch_clip"]
+        assert r["grads_are_tensors"] and not r["grads_plain"], (
+            f"rank {rank}: a stage's gradients carry the refusal themselves"
+        )
+        assert (
+            f"rank {rank} sees only the gradients of stage {stage} of a 2-stage pipeline" in r["torch_clip"]
+        ), r["torch_clip"]
         assert "spanned.clip_grad_norm_(max_norm, norm_type)" in r["torch_clip"]
-        assert r["other_clip_right"] and r["other_grads_plain"], f"rank {rank}: another model's clip was touched"
+        assert r["other_clip_right"] and r["other_grads_plain"], (
+            f"rank {rank}: another model's clip was touched"
+        )
     assert len({r["norm"] for r in results}) == 1, "every rank returns the whole model's norm"
 
 
 class _FakeStage:
-    """What ``guard_plain_clip`` reads of a ``RankStage``: this rank's parameters, its rank, stage and the stage count."""
+    """What ``guard_plain_clip`` reads of a ``RankStage``: this rank's parameters, its rank, stage and the
+    stage count."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.model, self.info, self.stage, self.mesh = model, SimpleNamespace(rank=1), 1, SimpleNamespace(stages=2)
+        self.model, self.info, self.stage, self.mesh = (
+            model,
+            SimpleNamespace(rank=1),
+            1,
+            SimpleNamespace(stages=2),
+        )
 
     def local_parameters(self) -> list[nn.Parameter]:
         return list(self.model.parameters())
 
 
 def test_a_stage_gradient_behaves_as_a_plain_tensor_except_for_torch_total_norm() -> None:
-    """The refusal lives in the gradients alone: accumulation keeps it; optimizers, ``clip_grad_value_``, copies,
-    pickles and ``torch.save`` see plain tensors (optimizer state stays plain, a saved gradient loads with
-    ``weights_only``); torch's ``clip_grad_norm_`` / ``get_total_norm`` raise before scaling anything."""
+    """The refusal lives in the gradients alone: accumulation keeps it; optimizers, ``clip_grad_value_``,
+    copies, pickles and ``torch.save`` see plain tensors (optimizer state stays plain, a saved gradient loads
+    with ``weights_only``); torch's ``clip_grad_norm_`` / ``get_total_norm`` raise before scaling anything."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
     model(torch.randn(5, 4)).sum().backward()
@@ -180,26 +211,41 @@ def test_a_stage_gradient_behaves_as_a_plain_tensor_except_for_torch_total_norm(
     guard_plain_clip(stage)
     before = [p.grad.clone() for p in model.parameters()]
     assert all(type(b) is torch.Tensor for b in before)
-    with pytest.raises(RuntimeError, match=r"on rank 1 sees only the gradients of stage 1 of a 2-stage pipeline"):
+    with pytest.raises(
+        RuntimeError, match=r"on rank 1 sees only the gradients of stage 1 of a 2-stage pipeline"
+    ):
         nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
     if hasattr(nn.utils, "get_total_norm"):
         with pytest.raises(RuntimeError, match=r"spanned\.clip_grad_norm_"):
             nn.utils.get_total_norm([p.grad for p in model.parameters()])
-    assert all(torch.equal(b, p.grad) for b, p in zip(before, model.parameters())), "a refused clip scaled nothing"
-    assert torch.equal(model[0].weight.grad.norm(), before[0].norm()), "a gradient's own norm is not torch's clip"
+    assert all(torch.equal(b, p.grad) for b, p in zip(before, model.parameters())), (
+        "a refused clip scaled nothing"
+    )
+    assert torch.equal(model[0].weight.grad.norm(), before[0].norm()), (
+        "a gradient's own norm is not torch's clip"
+    )
     model(torch.randn(5, 4)).sum().backward()  # accumulates into the same tensors: still refused
     with pytest.raises(RuntimeError, match="spanned"):
         nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
     nn.utils.clip_grad_value_(model.parameters(), 1e-2)  # elementwise: right on one stage
     assert max(p.grad.abs().max().item() for p in model.parameters()) <= 1e-2
-    for opt in (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), torch.optim.Adam(model.parameters(), foreach=True)):
+    for opt in (
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        torch.optim.Adam(model.parameters(), foreach=True),
+    ):
         opt.step()
-        assert {type(v) for state in opt.state.values() for v in state.values()} == {torch.Tensor}, type(opt).__name__
+        assert {type(v) for state in opt.state.values() for v in state.values()} == {torch.Tensor}, type(
+            opt
+        ).__name__
     grad = model[0].weight.grad
     buf = io.BytesIO()
     torch.save({"grad": grad}, buf)
     buf.seek(0)
-    for copied in (torch.load(buf, weights_only=True)["grad"], pickle.loads(pickle.dumps(grad)), copy.deepcopy(grad)):
+    for copied in (
+        torch.load(buf, weights_only=True)["grad"],
+        pickle.loads(pickle.dumps(grad)),
+        copy.deepcopy(grad),
+    ):
         assert type(copied) is torch.Tensor and torch.equal(copied, grad)
     assert repr(grad).startswith("tensor(")
     assert type(grad * 2) is torch.Tensor

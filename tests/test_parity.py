@@ -59,7 +59,9 @@ def test_a_wrong_gradient_is_caught_with_its_size() -> None:
     assert bad.max_rel == pytest.approx(0.5 / reference[2].weight.grad.abs().max().item())
     assert all(d.within for n, d in diffs.items() if n != "2.weight")
     model[4].bias.grad = None  # a gradient on one side only is never within
-    assert grad_differences(model, reference, names={"4.bias"}) == [GradDiff("4.bias", math.inf, math.inf, False)]
+    assert grad_differences(model, reference, names={"4.bias"}) == [
+        GradDiff("4.bias", math.inf, math.inf, False)
+    ]
 
 
 def test_bad_arguments_say_what_to_pass() -> None:

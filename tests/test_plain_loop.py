@@ -15,12 +15,12 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from ranks_spawn import join_job, spawn
 from torch import nn
 
 import torchspan
 from torchspan.runtime.ranks import free_port, shard_batch
 from torchspan.runtime.ranks.plainloop import PlainLoopError
-from ranks_spawn import join_job, spawn
 
 TOL = dict(rtol=1e-9, atol=1e-11)
 HF_TOL = dict(rtol=1e-5, atol=1e-8)  # transformers computes its own loss in float32 (logits.float())
@@ -39,11 +39,16 @@ def _grads_match(spanned: torchspan.Spanned, reference: nn.Module, label: str, t
     ref = dict(reference.named_parameters())
     for name, p in spanned.module.named_parameters():
         assert p.grad is not None, f"{label}: {name} has no gradient"
-        torch.testing.assert_close(_full(p.grad), ref[name].grad, **tol, msg=lambda m: f"{label}: {name}: {m}")
+        torch.testing.assert_close(
+            _full(p.grad), ref[name].grad, **tol, msg=lambda m: f"{label}: {name}: {m}"
+        )
 
 
-def _case(rank: int, world: int, x, y, loss, label: str, *, shard: bool = False, backwards: int = 1, rows=None):
-    """``backwards`` plain-loop backwards of ``loss(model_out, y)`` on this rank's rows, checked against one device."""
+def _case(
+    rank: int, world: int, x, y, loss, label: str, *, shard: bool = False, backwards: int = 1, rows=None
+):
+    """``backwards`` plain-loop backwards of ``loss(model_out, y)`` on this rank's rows, checked against one
+    device."""
     model = _model()
     reference = copy.deepcopy(model)
     spanned = torchspan.span(model, shard=shard)
@@ -55,7 +60,9 @@ def _case(rank: int, world: int, x, y, loss, label: str, *, shard: bool = False,
     for _ in range(backwards):
         want = loss(reference(x), y, reference)
         want.backward()
-    torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-9, atol=1e-11, msg=lambda m: f"{label}: loss: {m}")
+    torch.testing.assert_close(
+        got.detach(), want.detach(), rtol=1e-9, atol=1e-11, msg=lambda m: f"{label}: loss: {m}"
+    )
     _grads_match(spanned, reference, label)
     return spanned, reference
 
@@ -66,15 +73,21 @@ def _losses(weights: torch.Tensor):
         "cross-entropy mean": lambda out, y, m: ce(out, y),
         "class-weighted cross-entropy": lambda out, y, m: nn.CrossEntropyLoss(weight=weights)(out, y),
         "cross-entropy sum": lambda out, y, m: nn.CrossEntropyLoss(reduction="sum")(out, y),
-        "padded token mean (ignore_index)": lambda out, y, m: F.cross_entropy(out, y.masked_fill(y == 3, -100)),
+        "padded token mean (ignore_index)": lambda out, y, m: F.cross_entropy(
+            out, y.masked_fill(y == 3, -100)
+        ),
         "partial of F.cross_entropy, weighted + ignored": lambda out, y, m: functools.partial(
             F.cross_entropy, weight=weights, ignore_index=1
         )(out, y),
         "log_softmax(-1) then nll_loss": lambda out, y, m: F.nll_loss(out.log_softmax(-1), y),
-        "mse on a slice, view and float": lambda out, y, m: F.mse_loss(out[:, :2].reshape(-1).float(), y.double().repeat_interleave(2) / 3),
-        "two losses and an L2 penalty on the weights": lambda out, y, m: ce(out, y) * 0.5
-        + F.l1_loss(out, F.one_hot(y, 4).double(), reduction="sum") * 0.1
-        + 1e-2 * sum(p.pow(2).sum() for p in m.parameters()),
+        "mse on a slice, view and float": lambda out, y, m: F.mse_loss(
+            out[:, :2].reshape(-1).float(), y.double().repeat_interleave(2) / 3
+        ),
+        "two losses and an L2 penalty on the weights": lambda out, y, m: (
+            ce(out, y) * 0.5
+            + F.l1_loss(out, F.one_hot(y, 4).double(), reduction="sum") * 0.1
+            + 1e-2 * sum(p.pow(2).sum() for p in m.parameters())
+        ),
     }
 
 
@@ -105,16 +118,23 @@ def _precisions(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> None
     spanned = torchspan.span(model, precision="bf16")
     xs, ys = x.float(), y
     F.cross_entropy(spanned(shard_batch(xs, rank, world)), shard_batch(ys, rank, world)).backward()
-    for r in range(world):  # the same rows through the same autocast, each weighed by its share of the 11 labels
+    for r in range(
+        world
+    ):  # the same rows through the same autocast, each weighed by its share of the 11 labels
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = reference(shard_batch(xs, r, world))
         (F.cross_entropy(out, shard_batch(ys, r, world), reduction="sum") / len(ys)).backward()
     for (name, p), q in zip(spanned.module.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-9, msg=lambda m: f"bf16 plain loop: {name}: {m}")
+        torch.testing.assert_close(
+            p.grad, q.grad, rtol=1e-6, atol=1e-9, msg=lambda m: f"bf16 plain loop: {name}: {m}"
+        )
     with pytest.raises(ValueError, match="spanned.train_step"):
         torchspan.span(_model(), precision="fp16")(shard_batch(x, rank, world))
     with pytest.raises(FloatingPointError, match="the loss is nan"):
-        F.mse_loss(torchspan.span(_model())(shard_batch(x, rank, world)), torch.full((len(shard_batch(x, rank, world)), 4), float("nan"), dtype=torch.float64))
+        F.mse_loss(
+            torchspan.span(_model())(shard_batch(x, rank, world)),
+            torch.full((len(shard_batch(x, rank, world)), 4), float("nan"), dtype=torch.float64),
+        )
 
 
 def _refusals(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -122,10 +142,14 @@ def _refusals(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> None:
     mine_x, mine_y = shard_batch((x, y), rank, world)
     opaque = {
         "a lambda on the outputs": lambda out: ((out - 1) ** 2).mean(),
-        "reduction='none' then a mask": lambda out: (F.cross_entropy(out, mine_y, reduction="none") * 2).sum(),
+        "reduction='none' then a mask": lambda out: (
+            F.cross_entropy(out, mine_y, reduction="none") * 2
+        ).sum(),
         "a mean over rows first": lambda out: F.cross_entropy(out - out.mean(0), mine_y),
         "the outputs' own sum": lambda out: out.sum(),
-        "a torch loss plus a term through torch.cat": lambda out: F.cross_entropy(out, mine_y) + torch.cat([out, out]).pow(2).mean(),
+        "a torch loss plus a term through torch.cat": lambda out: (
+            F.cross_entropy(out, mine_y) + torch.cat([out, out]).pow(2).mean()
+        ),
     }
     for label, loss in opaque.items():
         spanned = torchspan.span(_model())
@@ -133,7 +157,10 @@ def _refusals(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> None:
             loss(spanned(mine_x)).backward()
         assert "loss_normalizer" in str(err.value), label
         assert all(p.grad is None for p in spanned.module.parameters()), f"{label}: a gradient reached .grad"
-    for reduction, loss in (("sum", lambda out: ((out - 1) ** 2).sum()), ("mean", lambda out: ((out - 1) ** 2).sum(1).mean())):
+    for reduction, loss in (
+        ("sum", lambda out: ((out - 1) ** 2).sum()),
+        ("mean", lambda out: ((out - 1) ** 2).sum(1).mean()),
+    ):
         spanned, reference = torchspan.span(_model(), loss_reduction=reduction), _model()
         loss(spanned(mine_x)).backward()
         loss(reference(x)).backward()
@@ -171,7 +198,9 @@ def _training(rank: int, world: int, x: torch.Tensor, y: torch.Tensor, weights: 
         torch.testing.assert_close(norm, want, **TOL)
     ref = dict(reference.named_parameters())
     for name, p in spanned.module.named_parameters():
-        torch.testing.assert_close(p.detach(), ref[name].detach(), rtol=1e-8, atol=1e-10, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            p.detach(), ref[name].detach(), rtol=1e-8, atol=1e-10, msg=lambda m: f"{name}: {m}"
+        )
 
 
 def _spawn(fn, world: int, *args, deadline: float = 180.0) -> None:
@@ -187,9 +216,15 @@ def _llama():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=True, use_cache=False,
-    )  # fmt: skip
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        use_cache=False,
+    )
     return transformers.LlamaForCausalLM(config).double()
 
 

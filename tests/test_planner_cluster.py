@@ -1,4 +1,5 @@
-"""Cluster plans (issue 13 item 4): links catalog, comm formulas, the data x pipeline search, Plan fields, CLI."""
+"""Cluster plans (issue 13 item 4): links catalog, comm formulas, the data x pipeline search, Plan fields,
+CLI."""
 
 from __future__ import annotations
 
@@ -7,19 +8,33 @@ from pathlib import Path
 
 import pytest
 import torch
+from planner_synth import device, layer
 
 import torchspan
 from torchspan.cli import main
 from torchspan.hardware import catalog, links
 from torchspan.hardware.links import Link
 from torchspan.planner import Plan, StagePlan
-from torchspan.planner.cluster import ClusterCandidate, cluster_search, evaluate_cluster, even_cut, stage_reductions, world_splits
-from torchspan.planner.comm import BUCKET_BYTES, allreduce_time, buckets, finish_time, p2p_time, ring_bytes, slowest
+from torchspan.planner.cluster import (
+    ClusterCandidate,
+    cluster_search,
+    evaluate_cluster,
+    even_cut,
+    stage_reductions,
+    world_splits,
+)
+from torchspan.planner.comm import (
+    BUCKET_BYTES,
+    allreduce_time,
+    buckets,
+    finish_time,
+    p2p_time,
+    ring_bytes,
+    slowest,
+)
 from torchspan.planner.cost import CostModel
 from torchspan.planner.topology import Cluster, layouts, replica_profile
 from torchspan.profiler.costs import Profile
-
-from planner_synth import device, layer
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "models.py"
 MiB = 2**20
@@ -29,10 +44,15 @@ def _link(bw: float = 1e9, lat: float = 1e-5, eff: float = 1.0) -> Link:
     return Link("test", "test link", bw, lat, eff, "test figures")
 
 
-def _profile(per_node: int, capacity: int | None, params: int, out: float, batch: int = 64, layers: int = 8) -> Profile:
+def _profile(
+    per_node: int, capacity: int | None, params: int, out: float, batch: int = 64, layers: int = 8
+) -> Profile:
     """``layers`` equal layers on ``per_node`` equal GPUs; time is all per-sample (1e-4 s fwd, 2e-4 s bwd)."""
     devs = [device("cuda", "gpu", capacity, bandwidth=16e9, index=k) for k in range(per_node)]
-    lays = [layer(f"l{k}", params=params, act=64.0, out=out, speeds=[1.0] * per_node, fixed=0.0) for k in range(layers)]
+    lays = [
+        layer(f"l{k}", params=params, act=64.0, out=out, speeds=[1.0] * per_node, fixed=0.0)
+        for k in range(layers)
+    ]
     return Profile(layers=lays, devices=devs, batch_size=batch, input_bytes=out, optimizer="adam")
 
 
@@ -62,7 +82,17 @@ def test_p2p_and_slowest() -> None:
 
 # ---------------------------------------------------------------- links catalog
 def test_links_catalog_figures_and_nvlink_generations() -> None:
-    for key in ("nvlink3", "nvlink4", "pcie4", "pcie5", "ib-200g", "ib-400g", "eth-25g", "eth-100g", "loopback"):
+    for key in (
+        "nvlink3",
+        "nvlink4",
+        "pcie4",
+        "pcie5",
+        "ib-200g",
+        "ib-400g",
+        "eth-25g",
+        "eth-100g",
+        "loopback",
+    ):
         link = links.lookup(key)
         assert link.source and link.bandwidth > 0 and link.latency >= 0
     assert links.lookup("ib-400g").bandwidth == 50e9  # 400 Gb/s per direction
@@ -96,17 +126,33 @@ def test_world_equation_errors() -> None:
 def test_plan_json_round_trip_with_and_without_cluster_fields(tmp_path: Path) -> None:
     stages = [StagePlan("cuda:0", ["a"]), StagePlan("cuda:1", ["b"])]
     cluster = Plan(
-        stages, microbatches=2, data_parallel=2, nodes=2, devices_per_node=2, stage_ranks=[[0, 1], [2, 3]],
-        interconnect="ib-400g", intra_link="nvlink4", predicted_times={"compute": 1e-3, "allreduce": 2e-4, "p2p": 0.0},
-    )  # fmt: skip
+        stages,
+        microbatches=2,
+        data_parallel=2,
+        nodes=2,
+        devices_per_node=2,
+        stage_ranks=[[0, 1], [2, 3]],
+        interconnect="ib-400g",
+        intra_link="nvlink4",
+        predicted_times={"compute": 1e-3, "allreduce": 2e-4, "p2p": 0.0},
+    )
     assert Plan.from_json(cluster.to_json()) == cluster
     assert cluster.world_size == 4 and cluster.rank_role(2) == (1, 0) and cluster.rank_role(1) == (0, 1)
     single = Plan(stages, microbatches=2)
     assert "data_parallel" not in single.to_dict() and "stage_ranks" not in single.to_dict()
     # a plan file written before the cluster fields existed still loads
-    old = {"format": "torchspan.plan/1", "stages": [{"device": "cpu", "layers": ["a"]}], "microbatches": 1,
-           "schedule": "gpipe", "recompute": "never", "batch_size": 8, "predicted_step_time": None,
-           "peak_memory": {}, "strategy": "torchspan", "notes": []}  # fmt: skip
+    old = {
+        "format": "torchspan.plan/1",
+        "stages": [{"device": "cpu", "layers": ["a"]}],
+        "microbatches": 1,
+        "schedule": "gpipe",
+        "recompute": "never",
+        "batch_size": 8,
+        "predicted_step_time": None,
+        "peak_memory": {},
+        "strategy": "torchspan",
+        "notes": [],
+    }
     path = tmp_path / "old.json"
     path.write_text(json.dumps(old))
     loaded = Plan.load(path)
@@ -137,7 +183,9 @@ def test_evaluate_cluster_exact_for_data_parallel() -> None:
     cand = evaluate_cluster(cm, ev, mesh, [[0, 1]], "pipelines-in-node")
     ib = links.lookup("ib-400g")
     host = 16e9
-    assert cand.compute == pytest.approx(ev.step_time + 4 * 10.0 / host, rel=1e-12)  # + the input from the host
+    assert cand.compute == pytest.approx(
+        ev.step_time + 4 * 10.0 / host, rel=1e-12
+    )  # + the input from the host
     assert cand.allreduce == pytest.approx(8000 / ib.effective_bandwidth + 2 * ib.latency, rel=1e-12)
     assert cand.p2p == 0.0
     assert cand.step == pytest.approx(cand.compute + cand.allreduce, rel=1e-12)
@@ -149,33 +197,43 @@ def test_picks_data_parallel_when_the_model_fits_and_the_link_is_fast() -> None:
     assert plan.data_parallel == 8 and len(plan.stages) == 1 and plan.world_size == 8
     assert sorted(r for row in plan.stage_ranks for r in row) == list(range(8))
     t = plan.predicted_times
-    assert plan.predicted_step_time == pytest.approx(t["compute"] + t["allreduce"] + t["p2p"] + t["ties"], rel=1e-12)
+    assert plan.predicted_step_time == pytest.approx(
+        t["compute"] + t["allreduce"] + t["p2p"] + t["ties"], rel=1e-12
+    )
     assert t["allreduce"] > 0
 
 
 def test_picks_a_pipeline_when_the_model_does_not_fit_one_device() -> None:
-    """32 MB of states, 12 MB per device: replicas do not fit; over a slow interconnect (sharding's all-gathers cross
-    it every step) a 4-stage pipeline is the fastest that fits without tensor parallelism (tp 2 x dp 2 is predicted
-    3% faster: test_planner_tp), and with one replica fixed it is the plan."""
+    """32 MB of states, 12 MB per device: replicas do not fit; over a slow interconnect (sharding's
+    all-gathers cross it every step) a 4-stage pipeline is the fastest that fits without tensor parallelism
+    (tp 2 x dp 2 is predicted 3% faster: test_planner_tp), and with one replica fixed it is the plan."""
     state = 4 * 1_000_000  # params + grads + adam state per layer
     prof = _profile(2, capacity=3 * state, params=1_000_000, out=10.0)  # 8 layers: 32 MB, 12 MB per device
-    plan = cluster_search(prof, Cluster.describe(prof.devices, 2, intra="nvlink4", interconnect="eth-25g"), tp=1)
+    plan = cluster_search(
+        prof, Cluster.describe(prof.devices, 2, intra="nvlink4", interconnect="eth-25g"), tp=1
+    )
     assert len(plan.stages) == 4 and plan.data_parallel == 1 and not plan.shard
     assert all(s.total_bytes <= 3 * state for s in plan.stages)
     rows = {r["strategy"]: r for r in plan.comparison}
     assert not rows["replicas"]["fits"] and rows["pipeline"]["chosen"]
-    fixed = cluster_search(prof, Cluster.describe(prof.devices, 2, intra="nvlink4", interconnect="ib-400g"), data_parallel=1)
+    fixed = cluster_search(
+        prof, Cluster.describe(prof.devices, 2, intra="nvlink4", interconnect="ib-400g"), data_parallel=1
+    )
     assert len(fixed.stages) == 4 and fixed.data_parallel == 1
     with pytest.raises(torchspan.PlanError, match="no strategy fits"):
-        cluster_search(_profile(1, capacity=state // 2, params=1_000_000, out=10.0), Cluster.describe(
-            _profile(1, capacity=state // 2, params=1_000_000, out=10.0).devices, 2))
+        cluster_search(
+            _profile(1, capacity=state // 2, params=1_000_000, out=10.0),
+            Cluster.describe(_profile(1, capacity=state // 2, params=1_000_000, out=10.0).devices, 2),
+        )
 
 
 def test_slow_interconnect_keeps_each_stages_replicas_on_one_node() -> None:
     """Big gradients, small activations, 25 Gb/s between nodes: all-reduce inside a node, hand over across."""
     state = 4 * 1_000_000
     prof = _profile(2, capacity=5 * state, params=1_000_000, out=10.0)  # needs 2 stages
-    plan = cluster_search(prof, Cluster.describe(prof.devices, 2, intra="nvlink4", interconnect="eth-25g"), data_parallel=2)
+    plan = cluster_search(
+        prof, Cluster.describe(prof.devices, 2, intra="nvlink4", interconnect="eth-25g"), data_parallel=2
+    )
     assert plan.data_parallel == 2 and len(plan.stages) == 2
     for row in plan.stage_ranks:
         assert len({r // 2 for r in row}) == 1  # one node per stage
@@ -192,27 +250,34 @@ def test_one_node_without_cluster_options_is_the_old_plan() -> None:
 
 # ---------------------------------------------------------------- all-reduce overlapping backward
 def test_buckets_and_finish_time_exact() -> None:
-    assert BUCKET_BYTES == 25 * MiB  # DataParallelReplica(bucket_cap_mb=25.0): every bucket, the first one too
+    assert (
+        BUCKET_BYTES == 25 * MiB
+    )  # DataParallelReplica(bucket_cap_mb=25.0): every bucket, the first one too
     assert buckets([4e6, 30e6, 4e6], BUCKET_BYTES) == [(1, 34e6), (2, 4e6)]  # closes once it reaches the cap
     assert buckets([1.0, 0.0, 1.0], 1.0) == [(0, 1.0), (2, 1.0)]  # 0 bytes join the open bucket
     assert buckets([0.0, 0.0], 1.0) == [(1, 0.0)] and buckets([], 1.0) == []
     # each all-reduce starts when ready and when the one before it ended
     assert finish_time([-3e-3, 0.0], [2e-3, 1e-3]) == pytest.approx(1e-3, rel=1e-12)
-    assert finish_time([-3e-3, -2.5e-3], [2e-3, 1e-3]) == pytest.approx(0.0, abs=1e-15)  # queued behind the first
+    assert finish_time([-3e-3, -2.5e-3], [2e-3, 1e-3]) == pytest.approx(
+        0.0, abs=1e-15
+    )  # queued behind the first
     assert finish_time([], []) == float("-inf")
     with pytest.raises(ValueError, match="cap=0"):
         buckets([1.0], 0)
 
 
 def _dp_candidate(backward: bool, bucket: float, link: str = "eth-25g") -> tuple[ClusterCandidate, Link]:
-    """dp 2 x pp 1 of 4 layers of 1 MB of gradients, 4 samples per replica; ``backward=False``: free backward."""
+    """dp 2 x pp 1 of 4 layers of 1 MB of gradients, 4 samples per replica; ``backward=False``: free
+    backward."""
     prof = _profile(1, None, params=1_000_000, out=10.0, batch=8, layers=4)
     if not backward:
         for lay in prof.layers:
             lay.backward_per_sample = [0.0]
     mesh = Cluster.describe(prof.devices, 2, intra="nvlink4", interconnect=link)
     cm = CostModel(replica_profile(prof, 1, 4), 1, "1f1b", "never")
-    return evaluate_cluster(cm, even_cut(cm, 1), mesh, [[0, 1]], "pipelines-in-node", bucket_bytes=bucket), links.lookup(link)
+    return evaluate_cluster(
+        cm, even_cut(cm, 1), mesh, [[0, 1]], "pipelines-in-node", bucket_bytes=bucket
+    ), links.lookup(link)
 
 
 def test_data_parallel_buckets_hide_behind_a_long_backward() -> None:
@@ -226,7 +291,8 @@ def test_data_parallel_buckets_hide_behind_a_long_backward() -> None:
     assert cand.allreduce_total == pytest.approx(2 * one, rel=1e-12)
     assert cand.allreduce == pytest.approx(one, rel=1e-12)  # only the last bucket is exposed
     assert cand.step == pytest.approx(cand.compute + one, rel=1e-12)
-    # one bucket (the whole 4 MB, the runtime's 25 MiB cap): nothing to overlap, the whole all-reduce is exposed
+    # one bucket (the whole 4 MB, the runtime's 25 MiB cap): nothing to overlap, the whole all-reduce is
+    # exposed
     whole, _ = _dp_candidate(backward=True, bucket=BUCKET_BYTES)
     assert whole.allreduce == pytest.approx(allreduce_time(4e6, 2, eth), rel=1e-12) == whole.allreduce_total
 
@@ -268,14 +334,18 @@ def test_overlap_makes_data_parallel_the_choice() -> None:
     prof = _profile(2, None, params=100_000_000, out=1e4, batch=64)
     mesh = Cluster.describe(prof.devices, 1, intra="nvlink4")
     after = cluster_search(prof, mesh, bucket_bytes=float("inf"))
-    assert after.shard or after.data_parallel == 1  # not replicas: sharding or a 2-stage pipeline overlaps its traffic
+    assert (
+        after.shard or after.data_parallel == 1
+    )  # not replicas: sharding or a 2-stage pipeline overlaps its traffic
     rows = {r["strategy"]: r for r in after.comparison}
     assert rows["replicas"]["fits"] and rows["replicas"]["predicted_step_time"] > after.predicted_step_time
     plan = cluster_search(prof, mesh)
     assert plan.data_parallel == 2 and len(plan.stages) == 1
     t = plan.predicted_times
     assert 0 < t["allreduce"] < t["allreduce_total"]
-    assert plan.predicted_step_time == pytest.approx(t["compute"] + t["allreduce"] + t["p2p"] + t["ties"], rel=1e-12)
+    assert plan.predicted_step_time == pytest.approx(
+        t["compute"] + t["allreduce"] + t["p2p"] + t["ties"], rel=1e-12
+    )
     assert any("8 bucket(s)" in n for n in plan.notes) and any("exposed" in n for n in plan.notes)
     assert "allreduce_total" in str(plan)  # the printed step split: exposed and total
 
@@ -304,7 +374,9 @@ def test_cli_prints_a_two_node_plan(capsys: pytest.CaptureFixture[str]) -> None:
         (["--nodes", "2", "--data-parallel", "3"], "data_parallel=3 does not divide the world size"),
     ],
 )
-def test_cli_cluster_option_errors(extra: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_cluster_option_errors(
+    extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     argv = ["plan", f"{EXAMPLES}:mlp", "--input-shape", "8,1024", "--devices", "h100-80gb*2", *extra]
     assert main(argv) != 0
     assert message in capsys.readouterr().err
@@ -318,11 +390,18 @@ def test_data_parallel_plans_run_as_the_replica_runs_one_batch_per_shard() -> No
         (_profile(4, None, params=1000, out=10.0), None),
         (_profile(2, None, params=100_000_000, out=1e4, batch=64), "one-node"),
     ]:
-        m = Cluster.describe(prof.devices, 2 if mesh is None else 1, intra="nvlink4", interconnect="ib-400g" if mesh is None else None)
+        m = Cluster.describe(
+            prof.devices,
+            2 if mesh is None else 1,
+            intra="nvlink4",
+            interconnect="ib-400g" if mesh is None else None,
+        )
         plan = cluster_search(prof, m)
         assert len(plan.stages) == 1 and plan.data_parallel > 1
         assert plan.microbatches == 1 and plan.recompute == "never", (plan.microbatches, plan.recompute)
     prof = _profile(4, None, params=1000, out=10.0)
-    fixed = cluster_search(prof, Cluster.describe(prof.devices, 2, intra="nvlink4", interconnect="ib-400g"), microbatches=4)
+    fixed = cluster_search(
+        prof, Cluster.describe(prof.devices, 2, intra="nvlink4", interconnect="ib-400g"), microbatches=4
+    )
     assert len(fixed.stages) > 1
     assert any("a data-parallel replica runs its shard as one batch" in n for n in fixed.notes), fixed.notes

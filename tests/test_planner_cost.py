@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from planner_synth import device, layer
+
 from torchspan.planner.cost import CostModel
 from torchspan.planner.physical import link_bandwidth, physical_names
-from torchspan.planner.stages import Stage
 from torchspan.planner.plans import Plan, StagePlan
+from torchspan.planner.stages import Stage
 from torchspan.profiler.costs import Profile
 
 
@@ -169,7 +169,9 @@ def test_stages_sharing_a_device_run_one_after_another(recompute: str) -> None:
     # the first entry's times for both entries: one CPU, one speed
     f = sum(lay.forward_seconds(0, b) for lay in prof.layers)
     bw = sum(lay.backward_seconds(0, b) for lay in prof.layers)
-    serial = {"never": M * (f + bw), "except_last": M * (f + bw) + (M - 1) * f, "always": M * (2 * f + bw)}[recompute]
+    serial = {"never": M * (f + bw), "except_last": M * (f + bw) + (M - 1) * f, "always": M * (2 * f + bw)}[
+        recompute
+    ]
     assert split.step_time == pytest.approx(serial, rel=1e-12)
     assert whole.step_time == pytest.approx(serial, rel=1e-12)
     assert split.devices == ("cpu",) and split.device_busy[0] == pytest.approx(split.bottleneck)
@@ -235,18 +237,25 @@ def test_physical_names() -> None:
     found = device("cuda", "gpu", None, index=0, present=True)
     described = device("cuda", "gpu", None, index=0)
     assert physical_names([cpu, cpu, found, found]) == ["cpu", "cpu", "cuda:0", "cuda:0"]
-    assert physical_names([described, described]) == ["cuda:0", "cuda:0#1"]  # two described GPUs are two devices
+    assert physical_names([described, described]) == [
+        "cuda:0",
+        "cuda:0#1",
+    ]  # two described GPUs are two devices
 
 
 def test_gradient_accumulation_is_paid_by_every_micro_batch_after_the_first() -> None:
     prof = two_layer_profile()
     prof.devices[0].extra = {"memory_bandwidth": 2e9, "memory_efficiency": 0.5}  # 1e9 bytes/s effective
     stages = [Stage(0, 0, 2)]
-    plain = CostModel(two_layer_profile(), 4, "1f1b", "never").evaluate(stages)  # no bandwidth figure: no term
+    plain = CostModel(two_layer_profile(), 4, "1f1b", "never").evaluate(
+        stages
+    )  # no bandwidth figure: no term
     ev = CostModel(prof, 4, "1f1b", "never").evaluate(stages)
     g = 3 * (100 + 300) / 1e9  # read both gradients, write one, for both layers' 400 gradient bytes
     assert ev.latency_sum == pytest.approx(plain.latency_sum)  # the first micro-batch sets .grad
     assert ev.bottleneck == pytest.approx(plain.bottleneck + g)
     assert ev.step_time == pytest.approx(plain.step_time + 3 * g)
     one = CostModel(prof, 1, "1f1b", "never").evaluate(stages)
-    assert one.step_time == pytest.approx(CostModel(two_layer_profile(), 1, "1f1b", "never").evaluate(stages).step_time)
+    assert one.step_time == pytest.approx(
+        CostModel(two_layer_profile(), 1, "1f1b", "never").evaluate(stages).step_time
+    )

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from planner_synth import device, layer
+
 from torchspan.hardware import format_bytes, parse_memory
 from torchspan.planner import PlanError, search
 from torchspan.planner.cost import CostModel
@@ -79,7 +79,13 @@ def test_fixed_settings_point_at_the_setting_that_fits() -> None:
     # GPipe keeps all 8 micro-batches' activations on the first stage; 1F1B keeps 2.
     gpu = device("cuda", "gpu", None, bandwidth=1e9, index=0)
     layers = [layer(f"l{i}", params=0, act=1000.0, out=1.0, speeds=[1.0, 1.0]) for i in range(2)]
-    prof = Profile(layers=layers, devices=[gpu, device("cuda", "gpu", None, 1e9, 1)], batch_size=8, input_bytes=1.0, optimizer="sgd")
+    prof = Profile(
+        layers=layers,
+        devices=[gpu, device("cuda", "gpu", None, 1e9, 1)],
+        batch_size=8,
+        input_bytes=1.0,
+        optimizer="sgd",
+    )
     one_f = CostModel(prof, 8, "1f1b", "never").evaluate([Stage(0, 0, 1), Stage(1, 1, 2)])
     budget = max(m.total for m in one_f.memory)
     for d in prof.devices:
@@ -94,7 +100,10 @@ def test_fixed_settings_point_at_the_setting_that_fits() -> None:
 
 def test_a_layer_larger_than_every_device_is_named() -> None:
     gpu = device("cuda", "gpu", 3_000, bandwidth=1e9, index=0)
-    layers = [layer("huge", params=10_000, act=1.0, out=1.0, speeds=[1.0]), layer("small", 10, 1.0, 1.0, [1.0])]
+    layers = [
+        layer("huge", params=10_000, act=1.0, out=1.0, speeds=[1.0]),
+        layer("small", 10, 1.0, 1.0, [1.0]),
+    ]
     prof = Profile(layers=layers, devices=[gpu], batch_size=4, input_bytes=1.0, optimizer="adam")
     with pytest.raises(PlanError) as info:
         search(prof)
@@ -115,7 +124,9 @@ def test_a_device_listed_twice_has_one_budget_in_the_diagnosis() -> None:
     err = info.value
     assert err.available == {"cpu": 10_000}
     assert "listed 2 times: one device, one budget for all its entries" in str(err)
-    assert not any(t.startswith("another device") for t in err.suggestions)  # another 'cpu' entry is the same CPU
+    assert not any(
+        t.startswith("another device") for t in err.suggestions
+    )  # another 'cpu' entry is the same CPU
     tips = [t for t in err.suggestions if t.startswith("a larger budget on cpu: ")]
     assert len(tips) == 1, err.suggestions
     shown = re.search(r"cpu: ([0-9.]+) KiB", tips[0])

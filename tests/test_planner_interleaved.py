@@ -1,4 +1,5 @@
-"""The planner's price of interleaved-1f1b (``planner.interleaved``), checked by hand, and its choice by search."""
+"""The planner's price of interleaved-1f1b (``planner.interleaved``), checked by hand, and its choice by
+search."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def _profile(n: int = 8, batch: int = 8, capacity: int = 10**9, bandwidth: float
 
 def test_interleaved_bubble_is_divided_by_the_stages_per_device() -> None:
     """2 devices, 4 looped stages of 2 layers, 4 micro-batches of 2 samples, free links: a device's work per
-    micro-batch is R = 4 layers x 3e-4 s x 2 = 2.4 ms; 1F1B takes (M + P - 1) R, interleaved (M + (P - 1)/v) R."""
+    micro-batch is R = 4 layers x 3e-4 s x 2 = 2.4 ms; 1F1B takes (M + P - 1) R, interleaved (M + (P - 1)/v)
+    R."""
     prof = _profile()
     r = 4 * 3e-4 * 2
     one = CostModel(prof, 4, "1f1b", "never").evaluate([Stage(0, 0, 4), Stage(1, 4, 8)])
@@ -43,8 +45,8 @@ def test_interleaved_bubble_is_divided_by_the_stages_per_device() -> None:
 
 
 def test_interleaved_charges_every_boundary_as_a_transfer() -> None:
-    """With a finite link, the 3 boundaries of 4 looped stages are 3 transfers on the trip, and the link between the
-    two devices carries all of them per micro-batch (against one for 1F1B's 2 stages)."""
+    """With a finite link, the 3 boundaries of 4 looped stages are 3 transfers on the trip, and the link
+    between the two devices carries all of them per micro-batch (against one for 1F1B's 2 stages)."""
     prof = _profile(bandwidth=1e5)
     inter = CostModel(prof, 4, "interleaved-1f1b", "never")
     ev = inter.evaluate([Stage(0, 0, 2), Stage(1, 2, 4), Stage(0, 4, 6), Stage(1, 6, 8)])

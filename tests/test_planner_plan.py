@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from planner_synth import device, layer
+
 from torchspan.planner import Plan, search
 from torchspan.planner.baselines import STRATEGIES, baseline, greedy_split, parameter_split, uniform_split
 from torchspan.planner.cost import CostModel
@@ -62,11 +62,17 @@ def _edited(change) -> dict:  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        (lambda d: d["stages"][0].update(layers="l0l1"), r"layers='l0l1'\) on .* must be a list of layer names"),
+        (
+            lambda d: d["stages"][0].update(layers="l0l1"),
+            r"layers='l0l1'\) on .* must be a list of layer names",
+        ),
         (lambda d: d["stages"][0].update(device=0), r"device=0\) must be a device string"),
         (lambda d: d["stages"][0].pop("device"), "plan stage 0 lacks device"),
         (lambda d: d["stages"][0].update(colour="red"), r"plan stage 0 has unknown fields \['colour'\]"),
-        (lambda d: d["stages"][0].update(param_bytes="1 GiB"), r"param_bytes='1 GiB'\) on .* must be a number"),
+        (
+            lambda d: d["stages"][0].update(param_bytes="1 GiB"),
+            r"param_bytes='1 GiB'\) on .* must be a number",
+        ),
         (lambda d: d.update(stages={"0": []}), "'stages' must be a list"),
         (lambda d: d.update(peak_memory=[1]), "'peak_memory' must be a JSON object"),
     ],
@@ -108,7 +114,11 @@ def test_plan_figures_agree_with_the_cost_model() -> None:
 
 
 def test_split_rules() -> None:
-    assert [(s.device, s.start, s.end) for s in uniform_split(7, [0, 1, 2])] == [(0, 0, 3), (1, 3, 5), (2, 5, 7)]
+    assert [(s.device, s.start, s.end) for s in uniform_split(7, [0, 1, 2])] == [
+        (0, 0, 3),
+        (1, 3, 5),
+        (2, 5, 7),
+    ]
     assert [(s.start, s.end) for s in parameter_split([1, 1, 1, 9, 1, 1], [0, 1])] == [(0, 3), (3, 6)]
     assert [(s.start, s.end) for s in parameter_split([5, 5], [0, 1, 2])] == [(0, 1), (1, 2)]
     assert [(s.device, s.start, s.end) for s in greedy_split([4, 4, 4, 4], [8, 4, 100], [0, 1, 2])] == [
@@ -148,7 +158,8 @@ def test_save_is_atomic_and_leaves_an_ordinary_file(tmp_path) -> None:  # type: 
     import os
     import stat
 
-    from torchspan.planner.plans import Plan as _Plan, StagePlan as _StagePlan
+    from torchspan.planner.plans import Plan as _Plan
+    from torchspan.planner.plans import StagePlan as _StagePlan
 
     plan = _Plan([_StagePlan("cpu", ["a"])])
     target = tmp_path / "plan.json"
@@ -171,12 +182,18 @@ def test_compare_reports_every_memory_kind_from_its_stage_plan_field() -> None:
 
     assert tuple(PLAN_FIELDS) == MEMORY_KINDS
     assert set(PLAN_FIELDS.values()) <= {f.name for f in dataclasses.fields(StagePlan)}
-    stage = StagePlan("cpu", ["a"], param_bytes=10, grad_bytes=20, optimizer_bytes=30, activation_bytes=40, buffer_bytes=50)
+    stage = StagePlan(
+        "cpu", ["a"], param_bytes=10, grad_bytes=20, optimizer_bytes=30, activation_bytes=40, buffer_bytes=50
+    )
     plan = Plan(stages=[stage], microbatches=1, schedule="1f1b", predicted_step_time=0.5)
     measured = {"device": "cpu", "params": 10, "grads": 20, "optimizer": 60, "activations": 20, "buffers": 50}
     result = compare(plan, [measured], [0.9, 1.0])
     row = result["stages"][0]
     assert [k for k in row if k in MEMORY_KINDS] == list(MEMORY_KINDS)
-    assert row["optimizer"]["ratio"] == 2.0 and row["activations"]["ratio"] == 0.5 and row["buffers"]["ratio"] == 1.0
+    assert (
+        row["optimizer"]["ratio"] == 2.0
+        and row["activations"]["ratio"] == 0.5
+        and row["buffers"]["ratio"] == 1.0
+    )
     assert row["total"] == {"predicted": 150, "measured": 160, "ratio": 160 / 150}
     assert result["step_time"]["ratio"] == 2.0

@@ -9,15 +9,15 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from planner_synth import brute_force, close, device, layer, random_profile
+
 from torchspan.planner import PlanError, search
 from torchspan.planner.cost import CostModel
+from torchspan.planner.optimize import solve
 from torchspan.planner.plans import RECOMPUTE_MODES, SCHEDULES
 from torchspan.planner.settings import microbatch_candidates
 from torchspan.planner.solver import device_groups
 from torchspan.planner.stages import Stage
-from torchspan.planner.optimize import solve
 from torchspan.profiler.costs import Profile
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -41,7 +41,9 @@ def small_profiles(draw: st.DrawFn) -> Profile:
         cap = cpu_cap if kind == "cpu" else draw(st.one_of(st.none(), st.integers(3_000, 60_000)))
         bw = draw(st.sampled_from([None, 1e6, 1e8]))
         membw = draw(st.sampled_from([None, 1e7, 1e9]))  # gradient accumulation: 3 * grad bytes / membw
-        devs.append(device(kind, draw(st.sampled_from(["x", "y"])), cap, bw, index=k + 1, memory_bandwidth=membw))
+        devs.append(
+            device(kind, draw(st.sampled_from(["x", "y"])), cap, bw, index=k + 1, memory_bandwidth=membw)
+        )
     return random_profile(rng, draw(st.integers(1, 6)), devs, batch=draw(st.sampled_from([1, 2, 6, 8])))
 
 
@@ -55,9 +57,10 @@ def _assert_search_matches_brute_force(cm: CostModel) -> None:
         assert got.fits
 
 
-# the schedules the solver searches; interleaved-1f1b prices looped placements, made after the search from its best
-# one-stage-per-device placement (planner.interleaved, tests/test_planner_interleaved.py)
+# the schedules the solver searches; interleaved-1f1b prices looped placements, made after the search from its
+# best one-stage-per-device placement (planner.interleaved, tests/test_planner_interleaved.py)
 SOLVED = [s for s in SCHEDULES if s != "interleaved-1f1b"]
+
 
 @SETTINGS
 @given(small_profiles(), st.data())
@@ -70,13 +73,16 @@ def test_search_matches_brute_force(prof: Profile, data: st.DataObject) -> None:
 @SETTINGS
 @given(small_profiles())
 def test_auto_settings_match_brute_force_over_every_setting(prof: Profile) -> None:
-    """Skipping GPipe and 'always' under 'auto' loses nothing (they are dominated: 1F1B has GPipe's time with no more
-    memory, merged-weights its memory with no more time). Zero-bubble is not dominated but 'auto' does not try it
-    (settings.py: chosen only when asked for). Interleaved-1F1B prices looped placements (not the contiguous ones
-    brute_force tries): 'auto' takes the best one's looped form only when predicted faster, so never slower."""
+    """Skipping GPipe and 'always' under 'auto' loses nothing (they are dominated: 1F1B has GPipe's time with
+    no more memory, merged-weights its memory with no more time). Zero-bubble is not dominated but 'auto' does
+    not try it (settings.py: chosen only when asked for). Interleaved-1F1B prices looped placements (not the
+    contiguous ones brute_force tries): 'auto' takes the best one's looped form only when predicted faster, so
+    never slower."""
     best = None
     asked_only = ("zero-bubble", "interleaved-1f1b")
-    for m, s, c in itertools.product(microbatch_candidates(prof.batch_size), [s for s in SCHEDULES if s not in asked_only], RECOMPUTE_MODES):
+    for m, s, c in itertools.product(
+        microbatch_candidates(prof.batch_size), [s for s in SCHEDULES if s not in asked_only], RECOMPUTE_MODES
+    ):
         ev = brute_force(CostModel(prof, m, s, c))
         if ev is not None and (best is None or ev.step_time < best):
             best = ev.step_time
@@ -102,7 +108,9 @@ def test_returned_plans_never_exceed_a_budget(prof: Profile) -> None:
     capacity = {str(d.device): d.capacity for d in prof.devices}
     held: dict[str, int] = {}
     for stage in plan.stages:
-        held[stage.device] = held.get(stage.device, 0) + stage.total_bytes  # stages sharing a device share its budget
+        held[stage.device] = (
+            held.get(stage.device, 0) + stage.total_bytes
+        )  # stages sharing a device share its budget
     for dev, total in held.items():
         cap = capacity[dev]
         assert cap is None or total <= cap
@@ -135,7 +143,9 @@ def test_a_cpu_stage_is_chosen_when_pipelining_hides_its_time() -> None:
     layers.append(layer("tail", 0, 1.0, 1.0, [1.0, 0.5], fixed=0.0))
     prof = Profile(layers=layers, devices=[gpu, cpu], batch_size=64, input_bytes=1.0, optimizer="sgd")
     plan = search(prof, microbatches=16)
-    assert plan.devices == ["cuda:0", "cpu"] and plan.layers[-1] == "tail" and plan.stages[1].layers == ["tail"]
+    assert (
+        plan.devices == ["cuda:0", "cpu"] and plan.layers[-1] == "tail" and plan.stages[1].layers == ["tail"]
+    )
     alone = CostModel(prof, 16, plan.schedule, plan.recompute).evaluate([Stage(0, 0, 9)])
     assert plan.predicted_step_time < alone.step_time
 
@@ -174,52 +184,88 @@ def test_microbatch_candidates() -> None:
 
 
 def _cpu_seconds(fn) -> float:  # type: ignore[no-untyped-def]
-    """Process CPU time of ``fn()``: unlike the wall clock it does not grow when other jobs share the cores."""
+    """Process CPU time of ``fn()``: unlike the wall clock it does not grow when other jobs share the
+    cores."""
     start = time.process_time()
     fn()
     return time.process_time() - start
 
 
 def test_thousand_layers_on_eight_devices_is_fast() -> None:
-    """README: "plans 1,000 layers on 8 devices in well under a second" (benchmarks/plan_quality.py's search speed,
-    benchmarks/RESULTS.md). Bounds in CPU seconds, about 2.4x over what this 2-core VM measured at load 5, so that a 3x
-    slower search fails (checked by running each search three times); the wall-clock bound of 10 s let it through (the
-    wall time doubles at load 5 on 2 cores; CPU time grew ~1.35x at load 10)."""
+    """README: "plans 1,000 layers on 8 devices in well under a second" (benchmarks/plan_quality.py's search
+    speed, benchmarks/RESULTS.md). Bounds in CPU seconds, about 2.4x over what this 2-core VM measured at load
+    5, so that a 3x slower search fails (checked by running each search three times); the wall-clock bound of
+    10 s let it through (the wall time doubles at load 5 on 2 cores; CPU time grew ~1.35x at load 10)."""
     import torchspan
     from torchspan.profiler.costs import LayerCost
 
-    # the README's case, plan_quality.synthetic_profile: 4 x A100, 3 x V100, CPU (3 device types), settings on auto
+    # the README's case, plan_quality.synthetic_profile: 4 x A100, 3 x V100, CPU (3 device types), settings on
+    # auto
     rng = random.Random(0)
     speeds = [1.0] * 4 + [0.6] * 3 + [0.02]
     layers = []
     for k in range(1000):
         j, params = rng.uniform(0.5, 2.0), rng.randint(0, 8 * 2**20)
-        layers.append(LayerCost(
-            name=f"l{k}", kind="Linear", param_bytes=params, grad_bytes=params, optimizer_bytes=2 * params, buffer_bytes=0,
-            activation_bytes=rng.uniform(1e4, 1e5), output_bytes=rng.uniform(1e3, 5e4), flops=1e9,
-            forward_fixed=[2e-5] * 8, forward_per_sample=[1e-5 * j / s for s in speeds],
-            backward_fixed=[4e-5] * 8, backward_per_sample=[2e-5 * j / s for s in speeds], time_source=["synthetic"] * 8,
-        ))
-    prof = Profile(layers=layers, devices=torchspan.devices("a100-40gb*4,v100-16gb*3,cpu"), batch_size=64, input_bytes=1e4, optimizer="adam")
+        layers.append(
+            LayerCost(
+                name=f"l{k}",
+                kind="Linear",
+                param_bytes=params,
+                grad_bytes=params,
+                optimizer_bytes=2 * params,
+                buffer_bytes=0,
+                activation_bytes=rng.uniform(1e4, 1e5),
+                output_bytes=rng.uniform(1e3, 5e4),
+                flops=1e9,
+                forward_fixed=[2e-5] * 8,
+                forward_per_sample=[1e-5 * j / s for s in speeds],
+                backward_fixed=[4e-5] * 8,
+                backward_per_sample=[2e-5 * j / s for s in speeds],
+                time_source=["synthetic"] * 8,
+            )
+        )
+    prof = Profile(
+        layers=layers,
+        devices=torchspan.devices("a100-40gb*4,v100-16gb*3,cpu"),
+        batch_size=64,
+        input_bytes=1e4,
+        optimizer="adam",
+    )
     plans = []
     took = min(_cpu_seconds(lambda: plans.append(search(prof))) for _ in range(2))
     assert len(plans[0].layers) == 1000
-    assert took < 0.75, f"search on auto took {took:.2f} CPU s for 1,000 layers on 8 devices of 3 types (measured 0.29-0.32 s; 0.31-0.45 at load 10)"
+    assert took < 0.75, (
+        f"search on auto took {took:.2f} CPU s for 1,000 layers on 8 devices of 3 types (measured "
+        "0.29-0.32 s; 0.31-0.45 at load 10)"
+    )
 
     # the hardest case: every layer's speed jittered on every device (8 device types), settings fixed
     rng = random.Random(0)
     devs = [device("cuda", "a100", 40 * 2**30, 25e9, i) for i in range(4)]
-    devs += [device("cuda", "v100", 16 * 2**30, 12e9, i + 4) for i in range(3)] + [device("cpu", "cpu", 64 * 2**30)]
+    devs += [device("cuda", "v100", 16 * 2**30, 12e9, i + 4) for i in range(3)] + [
+        device("cpu", "cpu", 64 * 2**30)
+    ]
     speeds = [1.0] * 4 + [0.4] * 3 + [0.05]
     layers = [
-        layer(f"l{k}", rng.randint(0, 2 * 10**6), 5e4, rng.uniform(1e3, 5e4), [s * rng.uniform(0.5, 2) for s in speeds])
+        layer(
+            f"l{k}",
+            rng.randint(0, 2 * 10**6),
+            5e4,
+            rng.uniform(1e3, 5e4),
+            [s * rng.uniform(0.5, 2) for s in speeds],
+        )
         for k in range(1000)
     ]
     prof = Profile(layers=layers, devices=devs, batch_size=64, input_bytes=1e4, optimizer="adam")
     plans = []
-    took = _cpu_seconds(lambda: plans.append(search(prof, microbatches=8, schedule="1f1b", recompute="never")))
+    took = _cpu_seconds(
+        lambda: plans.append(search(prof, microbatches=8, schedule="1f1b", recompute="never"))
+    )
     assert len(plans[0].layers) == 1000
-    assert took < 4.5, f"search took {took:.2f} CPU s for 1,000 layers on 8 devices of 8 types (measured 1.77-1.94 s; 2.2-2.6 at load 10)"
+    assert took < 4.5, (
+        f"search took {took:.2f} CPU s for 1,000 layers on 8 devices of 8 types (measured 1.77-1.94 s; "
+        "2.2-2.6 at load 10)"
+    )
 
 
 # ---------------------------------------------------------------- one physical device listed twice
@@ -260,7 +306,11 @@ def test_splitting_over_entries_of_one_device_never_helps() -> None:
 def test_device_groups_hold_each_physical_device_once() -> None:
     found = [device("cuda", "gpu", None, 1e9, index=0, present=True) for _ in range(2)]
     other = device("cuda", "gpu", None, 1e9, index=1)
-    prof = random_profile(random.Random(0), 3, [found[0], device("cpu", "cpu", None), found[1], other, device("cpu", "cpu", None)])
+    prof = random_profile(
+        random.Random(0),
+        3,
+        [found[0], device("cpu", "cpu", None), found[1], other, device("cpu", "cpu", None)],
+    )
     cm = CostModel(prof, 1, "1f1b", "never")
     groups = device_groups(cm)
     assert sorted(d for g in groups for d in g) == [0, 1, 3]
@@ -277,7 +327,13 @@ def distinct_devices(draw: st.DrawFn) -> Profile:
     n_dev = draw(st.integers(2, 4))
     same_speed = draw(st.booleans())
     devs = [
-        device("cuda", f"g{k}", draw(st.one_of(st.integers(3_000, 40_000), st.integers(10**6, 10**7))), 1e7, index=k)
+        device(
+            "cuda",
+            f"g{k}",
+            draw(st.one_of(st.integers(3_000, 40_000), st.integers(10**6, 10**7))),
+            1e7,
+            index=k,
+        )
         for k in range(n_dev)
     ]
     if draw(st.booleans()):
@@ -287,7 +343,9 @@ def distinct_devices(draw: st.DrawFn) -> Profile:
     layers = []
     for k in range(n_layers):
         speeds = base if same_speed else [s * rng.uniform(0.5, 2.0) for s in base]
-        lay = layer(f"l{k}", rng.randint(0, 4000), rng.uniform(0, 400), rng.uniform(1, 200), speeds, fixed=1e-5)
+        lay = layer(
+            f"l{k}", rng.randint(0, 4000), rng.uniform(0, 400), rng.uniform(1, 200), speeds, fixed=1e-5
+        )
         layers.append(lay)
     return Profile(layers=layers, devices=devs, batch_size=8, input_bytes=10.0, optimizer="adam")
 

@@ -16,7 +16,15 @@ from torchspan.planner.stages import Stage
 
 def model() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+    return nn.Sequential(
+        nn.Linear(16, 64),
+        nn.Tanh(),
+        nn.Linear(64, 64),
+        nn.Tanh(),
+        nn.Linear(64, 64),
+        nn.Tanh(),
+        nn.Linear(64, 4),
+    )
 
 
 def test_cpu_listed_twice_is_planned_as_one_stage_with_one_budget() -> None:
@@ -34,10 +42,17 @@ def test_cpu_listed_twice_is_planned_as_one_stage_with_one_budget() -> None:
 def test_plan_takes_the_old_checkpoint_keyword_with_a_future_warning() -> None:
     net, x = model(), torch.randn(8, 16)
     with pytest.warns(FutureWarning, match="checkpoint= is now recompute="):
-        old = torchspan.plan(net, x, devices="a100-40gb*2", microbatches=2, schedule="1f1b", checkpoint="always")
+        old = torchspan.plan(
+            net, x, devices="a100-40gb*2", microbatches=2, schedule="1f1b", checkpoint="always"
+        )
     assert old.recompute == "always"
-    assert old == torchspan.plan(net, x, devices="a100-40gb*2", microbatches=2, schedule="1f1b", recompute="always")
-    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="recompute='never' and checkpoint='always' disagree"):
+    assert old == torchspan.plan(
+        net, x, devices="a100-40gb*2", microbatches=2, schedule="1f1b", recompute="always"
+    )
+    with (
+        pytest.warns(FutureWarning),
+        pytest.raises(ValueError, match="recompute='never' and checkpoint='always' disagree"),
+    ):
         torchspan.plan(net, x, devices="a100-40gb*2", recompute="never", checkpoint="always")
 
 
@@ -55,7 +70,11 @@ def test_a_two_stage_plan_on_one_cpu_is_predicted_serial_and_placed_exactly() ->
     reference = copy.deepcopy(net)
     spanned = torchspan.span(net, plan)
     assert spanned.stages == [(s.device, s.layers) for s in plan.stages]
-    assert (spanned.microbatches, spanned.schedule, spanned.recompute) == (plan.microbatches, plan.schedule, plan.recompute)
+    assert (spanned.microbatches, spanned.schedule, spanned.recompute) == (
+        plan.microbatches,
+        plan.schedule,
+        plan.recompute,
+    )
     loss = spanned.train_step(x, y, nn.functional.mse_loss)
     ref_loss = nn.functional.mse_loss(reference(x), y)
     ref_loss.backward()
@@ -69,10 +88,16 @@ def test_predicted_stage_memory_matches_the_runtime_on_a_convnet_split_after_a_r
     """A stage starting at a Conv after a ReLU holds its own copy of the input the ReLU also saved."""
     torch.manual_seed(0)
     net = nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-        nn.Conv2d(8, 16, 3, padding=1, stride=2), nn.BatchNorm2d(16), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4),
-    )  # fmt: skip
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 16, 3, padding=1, stride=2),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 4),
+    )
     x, y = torch.randn(8, 3, 16, 16), torch.randn(8, 4)
     prof = torchspan.profile(net, x, torchspan.devices(["cpu", "cpu"]), optimizer="adam", measure=False)
     assert prof.layers[3].shared_activation_bytes > 0  # the Conv's saved input is the ReLU's saved output
@@ -88,7 +113,10 @@ def test_predicted_stage_memory_matches_the_runtime_on_a_convnet_split_after_a_r
     b = 4  # samples per micro-batch
     for i, (sp, got) in enumerate(zip(plan.stages, measured)):
         assert (sp.param_bytes, sp.grad_bytes, sp.buffer_bytes, sp.optimizer_bytes) == (
-            got["params"], got["grads"], got["buffers"], got["optimizer"]
+            got["params"],
+            got["grads"],
+            got["buffers"],
+            got["optimizer"],
         ), i
     assert plan.stages[0].activation_bytes == measured[0]["activations"]  # two micro-batches in flight, exact
     # the last stage also holds the loss's few saved bytes, which the profile (model only) does not see
@@ -103,7 +131,9 @@ def test_predicted_stage_memory_matches_the_runtime_on_a_convnet_split_after_a_r
 def test_gpu_budget_too_small_spills_to_the_cpu_and_trains() -> None:
     torch.manual_seed(0)
     # wide layers, so that the GPU is clearly faster and the planner uses it as far as the budget allows
-    net = nn.Sequential(*[nn.Sequential(nn.Linear(2048, 2048), nn.Tanh()) for _ in range(4)], nn.Linear(2048, 4))
+    net = nn.Sequential(
+        *[nn.Sequential(nn.Linear(2048, 2048), nn.Tanh()) for _ in range(4)], nn.Linear(2048, 4)
+    )
     reference = copy.deepcopy(net)
     x, y = torch.randn(64, 2048), torch.randn(64, 4)
     roomy = torchspan.plan(net, x, devices="cuda:0,cpu")

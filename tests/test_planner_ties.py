@@ -5,18 +5,17 @@ ranks (``cluster``); keeping a tie on one stage costs nothing, and the search we
 from __future__ import annotations
 
 import pytest
+from planner_synth import brute_force, device, layer
 
 from torchspan.hardware.links import Link
 from torchspan.planner.cluster import evaluate_cluster
 from torchspan.planner.comm import allreduce_time
 from torchspan.planner.cost import CostModel
-from torchspan.planner.topology import Cluster
 from torchspan.planner.optimize import search
 from torchspan.planner.stages import Stage
 from torchspan.planner.ties import TieCost
+from torchspan.planner.topology import Cluster
 from torchspan.profiler.costs import Profile
-
-from planner_synth import brute_force, device, layer
 
 BW = 1e9  # host link of each GPU, bytes/s
 TIE = TieCost("embed.weight", (0, 3), 1_000_000)  # 1 ms each way at BW
@@ -24,7 +23,9 @@ TIE = TieCost("embed.weight", (0, 3), 1_000_000)  # 1 ms each way at BW
 
 def _profile(layers: int = 4, batch: int = 8, params: int = 2_000_000) -> Profile:
     devs = [device("cuda", "gpu", None, bandwidth=BW, index=k) for k in range(2)]
-    lays = [layer(f"l{k}", params=params, act=0.0, out=0.0, speeds=[1.0, 1.0], fixed=0.0) for k in range(layers)]
+    lays = [
+        layer(f"l{k}", params=params, act=0.0, out=0.0, speeds=[1.0, 1.0], fixed=0.0) for k in range(layers)
+    ]
     return Profile(layers=lays, devices=devs, batch_size=batch, input_bytes=0.0, optimizer="sgd")
 
 
@@ -39,7 +40,9 @@ def test_split_tie_charges_a_copy_each_way_per_microbatch_on_the_remote_stage() 
         assert tied.latency_sum == pytest.approx(plain.latency_sum + lat_copies * t, rel=1e-12)
         # equal stages: the remote one becomes the bottleneck by its copies
         assert tied.bottleneck == pytest.approx(plain.bottleneck + steady_copies * t, rel=1e-12)
-        assert tied.step_time == pytest.approx(plain.step_time + lat_copies * t + 3 * steady_copies * t, rel=1e-12)
+        assert tied.step_time == pytest.approx(
+            plain.step_time + lat_copies * t + 3 * steady_copies * t, rel=1e-12
+        )
 
 
 def test_plan_states_the_charge_per_step() -> None:
@@ -49,7 +52,11 @@ def test_plan_states_the_charge_per_step() -> None:
     plan = cm.to_plan(ev, "test")
     (tie,) = plan.ties
     charged = 4 * 2 * TIE.nbytes / BW  # 4 micro-batches, 2 ms each on the bottleneck stage
-    assert tie["stages"] == [0, 1] and tie["layers"] == ["l0", "l3"] and tie["seconds"] == pytest.approx(charged, rel=1e-9)
+    assert (
+        tie["stages"] == [0, 1]
+        and tie["layers"] == ["l0", "l3"]
+        and tie["seconds"] == pytest.approx(charged, rel=1e-9)
+    )
     assert "tie: embed.weight (976.56 KiB) shared by l0 (stage 0), l3 (stage 1): split, copied" in str(plan)
     assert "+8.000 ms per step" in str(plan)
     assert any("+8.000 ms per step" in n and n.startswith("tied parameter embed.weight") for n in plan.notes)
@@ -68,7 +75,10 @@ def test_tie_on_one_stage_or_one_device_costs_nothing() -> None:
     # a tie inside one stage of a two-stage cut
     inner = TieCost("w", (0, 1), TIE.nbytes)
     stages = [Stage(0, 0, 2), Stage(1, 2, 4)]
-    assert CostModel(prof, 4, "gpipe", "never", ties=[inner]).evaluate(stages).step_time == plain.evaluate(stages).step_time
+    assert (
+        CostModel(prof, 4, "gpipe", "never", ties=[inner]).evaluate(stages).step_time
+        == plain.evaluate(stages).step_time
+    )
 
 
 def test_charging_the_tie_changes_the_cut() -> None:
@@ -78,7 +88,9 @@ def test_charging_the_tie_changes_the_cut() -> None:
     assert [len(s.layers) for s in blind.stages] == [2, 2]  # balanced: between l1 and l2, splitting the tie
     charged = search(prof, microbatches=2, schedule="gpipe", recompute="never", ties=[tie])
     assert charged.stage_of("l1") == charged.stage_of("l2")
-    assert [t["stages"] for t in charged.ties] == [[charged.stage_of("l1")]] and "seconds" not in charged.ties[0]
+    assert [t["stages"] for t in charged.ties] == [
+        [charged.stage_of("l1")]
+    ] and "seconds" not in charged.ties[0]
     cm = CostModel(prof, 2, "gpipe", "never", ties=[tie])
     split = cm.evaluate(cm.stages_for(blind)).step_time
     assert charged.predicted_step_time < split
@@ -139,9 +151,17 @@ def test_cluster_tie_leaves_the_home_stage_allreduce_and_spans_every_replica() -
 def test_cluster_plan_splits_its_step_with_ties() -> None:
     from torchspan.planner.cluster import cluster_search
 
-    plan = cluster_search(_profile(), _mesh(2), data_parallel=1, microbatches=2, schedule="gpipe", recompute="never", ties=[TIE])
+    plan = cluster_search(
+        _profile(), _mesh(2), data_parallel=1, microbatches=2, schedule="gpipe", recompute="never", ties=[TIE]
+    )
     t = plan.predicted_times
-    assert plan.predicted_step_time == pytest.approx(t["compute"] + t["allreduce"] + t["p2p"] + t["ties"], rel=1e-12)
+    assert plan.predicted_step_time == pytest.approx(
+        t["compute"] + t["allreduce"] + t["p2p"] + t["ties"], rel=1e-12
+    )
     (entry,) = plan.ties
-    assert entry["stages"] == [0, 1] and entry["seconds"] == pytest.approx(1e-3 + 2e-5, rel=1e-12) and t["ties"] > 0
+    assert (
+        entry["stages"] == [0, 1]
+        and entry["seconds"] == pytest.approx(1e-3 + 2e-5, rel=1e-12)
+        and t["ties"] > 0
+    )
     assert "all-reduced every step over 2 ranks" in str(plan) and "ties 1.02 ms" in str(plan)

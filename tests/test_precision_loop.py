@@ -30,7 +30,8 @@ def _model() -> nn.Module:
 
 
 def _batches(n: int, big: tuple[int, ...] = ()) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``n`` batches of 8 rows; those in ``big`` have targets so large that fp16 gradients overflow at 65536."""
+    """``n`` batches of 8 rows; those in ``big`` have targets so large that fp16 gradients overflow at
+    65536."""
     g = torch.Generator().manual_seed(1)
     out = []
     for i in range(n):
@@ -40,7 +41,8 @@ def _batches(n: int, big: tuple[int, ...] = ()) -> list[tuple[torch.Tensor, torc
 
 
 class Reference:
-    """One device: the autocast + GradScaler loop from PyTorch's AMP recipe, micro-batches as torchspan splits them."""
+    """One device: the autocast + GradScaler loop from PyTorch's AMP recipe, micro-batches as torchspan splits
+    them."""
 
     def __init__(self, model: nn.Module, microbatches: int, opt=torch.optim.SGD, **opt_args) -> None:
         self.model, self.microbatches = model, microbatches
@@ -65,20 +67,26 @@ def _same(model: nn.Module, reference: nn.Module, label: str, grads: bool = Fals
 
 
 @pytest.mark.parametrize("microbatches", [1, 2])
-@pytest.mark.parametrize("stepper", ["optimizer.step()", "spanned.step(opt)", "scaler.step(opt); scaler.update()"])
+@pytest.mark.parametrize(
+    "stepper", ["optimizer.step()", "spanned.step(opt)", "scaler.step(opt); scaler.update()"]
+)
 def test_fp16_plain_loop_matches_autocast_with_grad_scaler(microbatches: int, stepper: str) -> None:
     model = _model()
     ref = Reference(copy.deepcopy(model), microbatches, lr=0.05)
     spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=microbatches, precision="fp16")
     assert isinstance(spanned.scaler, SpanScaler)
     opt = torch.optim.SGD(spanned.parameters(), lr=0.05)
-    for i, (x, y) in enumerate(_batches(6, big=(2, 3))):  # two overflows in a row: skipped, scale halved twice
+    for i, (x, y) in enumerate(
+        _batches(6, big=(2, 3))
+    ):  # two overflows in a row: skipped, scale halved twice
         opt.zero_grad()
         ref.opt.zero_grad()
         spanned.train_step(x, y, nn.functional.mse_loss)
         ref.backward(x, y)
         if i in (2, 3):
-            assert all(p.grad is None for p in model.parameters()), "an overflowed step leaves no gradient to apply"
+            assert all(p.grad is None for p in model.parameters()), (
+                "an overflowed step leaves no gradient to apply"
+            )
         else:
             ref.scaler.unscale_(ref.opt)
             _same(model, ref.model, f"step {i}: .grad after train_step (unscaled)", grads=True)
@@ -148,7 +156,9 @@ def test_fp16_accumulation_over_train_steps_and_an_overflow_inside_it() -> None:
         assert spanned.scaler.get_scale() == ref.scaler.get_scale(), f"window {window}: scale"
         _same(model, ref.model, f"window {window}: weights")
         steps = {int(s["step"]) for s in opt.state.values()}
-        assert steps == {int(s["step"]) for s in ref.opt.state.values()}, f"window {window}: Adam's step count"
+        assert steps == {int(s["step"]) for s in ref.opt.state.values()}, (
+            f"window {window}: Adam's step count"
+        )
     assert ref.scaler.get_scale() == 32768.0  # one skipped window
 
 
@@ -191,7 +201,11 @@ def test_fp16_scale_updates_once_per_step_and_only_for_its_optimizer() -> None:
 def test_fp16_parameters_are_refused_before_any_backward() -> None:
     spanned = torchspan.span(_model().half(), devices=["cpu", "cpu"], precision="fp16")
     with pytest.raises(ValueError, match=r"float32 master weights.*model\.float\(\)"):
-        spanned.train_step(torch.randn(4, 6, dtype=torch.float16), torch.randn(4, 3, dtype=torch.float16), nn.functional.mse_loss)
+        spanned.train_step(
+            torch.randn(4, 6, dtype=torch.float16),
+            torch.randn(4, 3, dtype=torch.float16),
+            nn.functional.mse_loss,
+        )
 
 
 # ---------------------------------------------------------------------- non-finite losses
@@ -201,10 +215,15 @@ def test_a_nan_loss_raises_naming_the_call_and_micro_batch() -> None:
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
     spanned.train_step(x, y, nn.functional.mse_loss)
     x[6, 2] = math.nan  # rows 6-7 are micro-batch 2 of 3 (3 + 3 + 2)
-    with pytest.raises(FloatingPointError, match=r"train_step call 2: the loss is nan in micro-batch 2 \(rows 6-7\) of 3"):
+    with pytest.raises(
+        FloatingPointError, match=r"train_step call 2: the loss is nan in micro-batch 2 \(rows 6-7\) of 3"
+    ):
         spanned.train_step(x, y, nn.functional.mse_loss)
     y[0, 0] = math.inf
-    with pytest.raises(FloatingPointError, match=r"train_step call 3: the loss is .*micro-batches 0 \(rows 0-2\), 2 \(rows 6-7\)"):
+    with pytest.raises(
+        FloatingPointError,
+        match=r"train_step call 3: the loss is .*micro-batches 0 \(rows 0-2\), 2 \(rows 6-7\)",
+    ):
         spanned.train_step(x, y, nn.functional.mse_loss)
 
 
@@ -213,7 +232,9 @@ def test_nonfinite_warn_returns_the_loss_and_bad_values_are_refused() -> None:
     assert spanned.nonfinite == "warn"
     x, y = torch.randn(4, 6), torch.randn(4, 3)
     x[0, 0] = math.nan
-    with pytest.warns(RuntimeWarning, match=r"train_step call 1: the loss is nan in micro-batch 0 \(rows 0-3\) of 1"):
+    with pytest.warns(
+        RuntimeWarning, match=r"train_step call 1: the loss is nan in micro-batch 0 \(rows 0-3\) of 1"
+    ):
         loss = spanned.train_step(x, y, nn.functional.mse_loss)
     assert math.isnan(loss.item())
     spanned.nonfinite = "raise"
@@ -232,7 +253,9 @@ def test_an_fp16_overflow_the_scaler_skips_is_not_an_error() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         spanned.train_step(x, y, nn.functional.mse_loss)  # finite loss, overflowed gradients: skipped
-        spanned.train_step(x * math.inf, y, nn.functional.mse_loss)  # an inf loss too: the scaler skips the window
+        spanned.train_step(
+            x * math.inf, y, nn.functional.mse_loss
+        )  # an inf loss too: the scaler skips the window
     opt.step()
     assert spanned.scaler.get_scale() == 32768.0
 
@@ -243,17 +266,26 @@ def _ranks_worker(rank: int, world: int, port: int) -> None:
 
     _join(rank, world, port)
     g = torch.Generator().manual_seed(5)
-    x, y = torch.randn(6, 5, generator=g, dtype=torch.float64), torch.randn(6, 4, generator=g, dtype=torch.float64)
+    x, y = (
+        torch.randn(6, 5, generator=g, dtype=torch.float64),
+        torch.randn(6, 4, generator=g, dtype=torch.float64),
+    )
     x[4, 1] = math.nan  # the same batch on both ranks (a NaN at row 4)
     spanned = torchspan.span(_seq(), balance=[2, 2], microbatches=2)
-    with pytest.raises(FloatingPointError, match=r"train_step call 1: the loss is nan\. "):  # every rank, together
+    with pytest.raises(
+        FloatingPointError, match=r"train_step call 1: the loss is nan\. "
+    ):  # every rank, together
         spanned.train_step(x, y, nn.MSELoss())
-    spanned = torchspan.span(_seq())  # data parallel: rank 1's shard holds the NaN; the global loss is NaN on both
+    spanned = torchspan.span(
+        _seq()
+    )  # data parallel: rank 1's shard holds the NaN; the global loss is NaN on both
     rows = slice(0, 3) if rank == 0 else slice(3, 6)
     where = r" in micro-batch 0 \(rows 0-2\) of 1 of rank 1's shard, counted from 0" if rank == 1 else ""
     with pytest.raises(FloatingPointError, match=rf"train_step call 1: the loss is nan{where}\. "):
         spanned.train_step(x[rows], y[rows], nn.MSELoss())
-    with pytest.raises(ValueError, match=r"precision='fp16' across ranks is not supported"):  # ranks would skip alone
+    with pytest.raises(
+        ValueError, match=r"precision='fp16' across ranks is not supported"
+    ):  # ranks would skip alone
         torchspan.span(_seq().float(), balance=[2, 2], precision="fp16")
     _leave()
 
@@ -261,6 +293,7 @@ def _ranks_worker(rank: int, world: int, port: int) -> None:
 @pytest.mark.slow
 def test_nonfinite_losses_raise_on_every_rank() -> None:
     from test_ranks_pipeline import _spawn
+
     from torchspan.runtime.ranks import free_port
 
     _spawn(_ranks_worker, 2, free_port(), deadline=120.0)

@@ -7,9 +7,8 @@ import torch
 from torch import nn
 
 import torchspan
-from torchspan.profiler import measure, timing
-from torchspan.profiler import LayerCost, Profile, optimizer_state_bytes
 from torchspan.layers import execution_order
+from torchspan.profiler import LayerCost, Profile, measure, optimizer_state_bytes, timing
 
 FAST = {"warmup": 1, "repeats": 2}
 F32 = 4
@@ -20,14 +19,21 @@ def real_state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()
-    return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    return sum(
+        v.numel() * v.element_size()
+        for s in opt.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    )
 
 
 # ----------------------------------------------------------------------------- bytes
 
 
 def test_linear_layernorm_conv_bytes_with_adam_are_exact() -> None:
-    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Flatten(), nn.Linear(4 * 5 * 5, 6), nn.LayerNorm(6))
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.Flatten(), nn.Linear(4 * 5 * 5, 6), nn.LayerNorm(6)
+    )
     prof = torchspan.profile(model, torch.randn(2, 3, 5, 5), "a100-40gb", optimizer="adam")
     conv, flat, lin, norm = prof.layers
     assert conv.param_bytes == (4 * 3 * 3 * 3 + 4) * F32
@@ -65,7 +71,11 @@ def test_optimizer_instance_uses_its_groups_and_skips_foreign_or_frozen_params()
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(2, 2))
     model[2].weight.requires_grad_(False)
     opt = torch.optim.SGD(
-        [{"params": model[0].parameters(), "momentum": 0.9}, {"params": model[2].parameters(), "momentum": 0.0}], lr=0.1
+        [
+            {"params": model[0].parameters(), "momentum": 0.9},
+            {"params": model[2].parameters(), "momentum": 0.0},
+        ],
+        lr=0.1,
     )
     prof = torchspan.profile(model, torch.randn(3, 4), "t4", optimizer=opt)
     assert prof.layers[0].optimizer_bytes == model[0].weight.numel() * 4 + 4 * 4  # momentum buffers
@@ -263,7 +273,9 @@ def test_measure_false_estimates_the_cpu_from_its_measured_speed() -> None:
 
 
 def test_profiling_leaves_the_model_as_it_was() -> None:
-    model = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Dropout(0.5), nn.ReLU(inplace=True), nn.Linear(6, 2))
+    model = nn.Sequential(
+        nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Dropout(0.5), nn.ReLU(inplace=True), nn.Linear(6, 2)
+    )
     model[0].weight.grad = torch.full_like(model[0].weight, 3.0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x = torch.randn(8, 6)
@@ -368,12 +380,17 @@ def test_present_gpu_without_measurement_is_estimated_from_its_catalog_match() -
         torchspan.profile(nn.Sequential(nn.Linear(4, 4)), torch.randn(2, 4), [unknown], measure=False)
 
 
-def test_profiling_restores_buffers_the_move_to_another_device_swapped(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Moving a layer in place (``.to(dev)`` and back) gives it new buffer tensors; their stats are restored too."""
+def test_profiling_restores_buffers_the_move_to_another_device_swapped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Moving a layer in place (``.to(dev)`` and back) gives it new buffer tensors; their stats are restored
+    too."""
     real = measure.on_device
 
     def swapping(layer: nn.Module, dev: torch.device, dtype: torch.dtype | None):  # type: ignore[no-untyped-def]
-        layer.to(torch.float64).to(torch.float32)  # Module._apply puts new tensors in _buffers, as a device move does
+        layer.to(torch.float64).to(
+            torch.float32
+        )  # Module._apply puts new tensors in _buffers, as a device move does
         return real(layer, dev, dtype)
 
     monkeypatch.setattr(measure, "on_device", swapping)
@@ -400,7 +417,18 @@ def test_calibration_scales_layer_times_to_the_whole_model(monkeypatch) -> None:
     fwd = {"a": {8: 1.0}, "b": {8: 1.0}}
     bwd = {"a": {8: 2.0}, "b": {8: 1.0}}
     scales: list = []
-    measure._calibrate(torch.nn.Linear(1, 1), (torch.zeros(8, 1),), ["a", "b"], fwd, bwd, 8, torch.device("cpu"), 0, 1, scales)
+    measure._calibrate(
+        torch.nn.Linear(1, 1),
+        (torch.zeros(8, 1),),
+        ["a", "b"],
+        fwd,
+        bwd,
+        8,
+        torch.device("cpu"),
+        0,
+        1,
+        scales,
+    )
     assert fwd == {"a": {8: 1.5}, "b": {8: 1.5}}
     assert bwd == {"a": {8: 4.0}, "b": {8: 2.0}}
     assert scales == [(8, 1.5, 2.0)]
@@ -413,7 +441,8 @@ def test_profile_notes_the_calibration_on_a_present_cpu() -> None:
 
 
 def test_the_layer_list_is_computed_once_and_passed_down() -> None:
-    """profile() walks the model's children once; sizing (three batch sizes) and timing (two) receive that list."""
+    """profile() walks the model's children once; sizing (three batch sizes) and timing (two) receive that
+    list."""
     import sys
 
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))

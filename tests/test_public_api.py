@@ -9,7 +9,9 @@ import torchspan
 
 
 def _packages() -> list[str]:
-    return ["torchspan"] + [m.name for m in pkgutil.walk_packages(torchspan.__path__, "torchspan.") if m.ispkg]
+    return ["torchspan"] + [
+        m.name for m in pkgutil.walk_packages(torchspan.__path__, "torchspan.") if m.ispkg
+    ]
 
 
 def test_no_submodule_is_named_like_an_exported_name() -> None:
@@ -26,11 +28,32 @@ def test_public_functions_stay_functions_after_every_submodule_is_imported() -> 
         if not info.name.endswith("__main__"):  # that one runs the CLI
             importlib.import_module(info.name)
     for name in (
-        "devices", "to_device", "doctor", "watch", "span", "profile", "plan",
-        "init_distributed", "shard_batch", "rank_batches", "save_checkpoint", "load_checkpoint",
-    ):  # fmt: skip
-        assert callable(getattr(torchspan, name)) and not isinstance(getattr(torchspan, name), type(torchspan)), name
-    for name in ("Device", "Report", "DeviceMismatchError", "Spanned", "NoSplit", "Profile", "Plan", "PlanError"):
+        "devices",
+        "to_device",
+        "doctor",
+        "watch",
+        "span",
+        "profile",
+        "plan",
+        "init_distributed",
+        "shard_batch",
+        "rank_batches",
+        "save_checkpoint",
+        "load_checkpoint",
+    ):
+        assert callable(getattr(torchspan, name)) and not isinstance(
+            getattr(torchspan, name), type(torchspan)
+        ), name
+    for name in (
+        "Device",
+        "Report",
+        "DeviceMismatchError",
+        "Spanned",
+        "NoSplit",
+        "Profile",
+        "Plan",
+        "PlanError",
+    ):
         assert isinstance(getattr(torchspan, name), type), name
     assert issubclass(torchspan.DeviceMismatchError, RuntimeError)
     assert issubclass(torchspan.PlanError, ValueError)

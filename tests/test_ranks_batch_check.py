@@ -18,14 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from test_ranks_hooks import Wrapped, _token_ce
+from test_ranks_pipeline import TOL, _check, _join, _leave, _spawn
 from torch import nn
 
 import torchspan
 from torchspan.runtime.ranks import free_port
 from torchspan.runtime.ranks.fingerprint import batch_fingerprint
-
-from test_ranks_hooks import Wrapped, _token_ce
-from test_ranks_pipeline import TOL, _check, _join, _leave, _spawn
 
 
 # ---------------------------------------------------------------------- in process: the fingerprint
@@ -81,9 +80,12 @@ def test_any_difference_changes_the_fingerprint() -> None:
     assert _fp(([x], [torch.tensor([5, 5, 5])])) != _fp(([x], [torch.tensor([6, 3, 6])]))
 
 
-def test_a_batch_over_the_crc_size_is_told_apart_by_the_sums_of_its_bits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Over 16 MiB of tensors (an image batch) the values are summed on their own device instead (only two int64s
-    leave it); the same batch still agrees whatever the layout and threads, and a changed value or order shows."""
+def test_a_batch_over_the_crc_size_is_told_apart_by_the_sums_of_its_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Over 16 MiB of tensors (an image batch) the values are summed on their own device instead (only two
+    int64s leave it); the same batch still agrees whatever the layout and threads, and a changed value or
+    order shows."""
     from torchspan.runtime.ranks import fingerprint
 
     g = torch.Generator().manual_seed(2)
@@ -100,7 +102,9 @@ def test_a_batch_over_the_crc_size_is_told_apart_by_the_sums_of_its_bits(monkeyp
         torch.set_num_threads(threads)
     nudged = x.clone()
     nudged[3, 1] = torch.nextafter(nudged[3, 1], torch.tensor(10.0, dtype=torch.float64))
-    assert all(_fp(b) != base for b in (([nudged], [y]), ([x[[1, 0, *range(2, 12)]]], [y]), ([x], [y.flip(0)])))
+    assert all(
+        _fp(b) != base for b in (([nudged], [y]), ([x[[1, 0, *range(2, 12)]]], [y]), ([x], [y.flip(0)]))
+    )
 
 
 def test_plain_values_and_containers_count_by_type_and_a_known_structure_is_not_reused_for_another() -> None:
@@ -109,7 +113,11 @@ def test_plain_values_and_containers_count_by_type_and_a_known_structure_is_not_
     prints = [_fp(([x], [y, v])) for v in variants]
     assert len({tuple(p) for p in prints}) == len(variants), prints
     assert _fp(((x,), [y])) != _fp(([x], [y])) and _fp({"a": x, "b": y}) != _fp({"b": y, "a": x})
-    for first in ([x], [y, 1]), ([x], [y, True]), ([x, x], [y]):  # the previous batch's (structure, hash) given
+    for first in (
+        ([x], [y, 1]),
+        ([x], [y, True]),
+        ([x, x], [y]),
+    ):  # the previous batch's (structure, hash) given
         for batch in ([x], [y, 1.0]), ([x], [y, True]), ([x], [y, 1]):
             assert batch_fingerprint(batch, batch_fingerprint(first)[1])[0].tolist() == _fp(batch)
     from collections import namedtuple  # a pytree node other than tuple, list, dict: the pytree walk
@@ -119,7 +127,9 @@ def test_plain_values_and_containers_count_by_type_and_a_known_structure_is_not_
 
 
 # ---------------------------------------------------------------------- 2 ranks
-def _refused(spanned: torchspan.Spanned, inputs: object, target: torch.Tensor, loss_fn, label: str, **kw) -> str:  # type: ignore[no-untyped-def]
+def _refused(
+    spanned: torchspan.Spanned, inputs: object, target: torch.Tensor, loss_fn, label: str, **kw
+) -> str:  # type: ignore[no-untyped-def]
     """One train_step that must be refused before any gradient reaches .grad on this rank."""
     spanned.zero_grad(set_to_none=True)
     before = {n: p.detach().clone() for n, p in spanned.module.named_parameters() if p.device.type != "meta"}
@@ -142,7 +152,10 @@ def _sequential_case(rank: int, texts: list[str]) -> None:
     reference = copy.deepcopy(model)
     spanned = torchspan.span(model, balance=[2, 2], microbatches=2, schedule="1f1b")
     g = torch.Generator().manual_seed(3)
-    x, y = torch.randn(6, 5, generator=g, dtype=torch.float64), torch.randn(6, 4, generator=g, dtype=torch.float64)
+    x, y = (
+        torch.randn(6, 5, generator=g, dtype=torch.float64),
+        torch.randn(6, 4, generator=g, dtype=torch.float64),
+    )
     loss_fn = nn.MSELoss()
     spanned.train_step(x, y, loss_fn)  # the first step: the same batch everywhere
     other = x.clone()
@@ -173,12 +186,19 @@ def _own_forward_case(rank: int, texts: list[str]) -> None:
     other = mask.clone()
     if rank == 0:
         other[2, 4] = 0.0  # rank 0 pads one more token: the same shapes
-    texts.append(_refused(spanned, {"ids": ids, "mask": other}, labels, _token_ce, "own-forward mask", loss_reduction="mean"))
+    texts.append(
+        _refused(
+            spanned, {"ids": ids, "mask": other}, labels, _token_ce, "own-forward mask", loss_reduction="mean"
+        )
+    )
     spanned.zero_grad(set_to_none=True)
     seen: list[str] = []
     broadcast, all_gather = dist.broadcast, dist.all_gather
     dist.broadcast = lambda *a, **k: (seen.append("broadcast"), broadcast(*a, **k))[1]  # type: ignore[assignment]
-    dist.all_gather = lambda *a, **k: (seen.append(f"all_gather async={k.get('async_op')}"), all_gather(*a, **k))[1]  # type: ignore[assignment]
+    dist.all_gather = lambda *a, **k: (
+        seen.append(f"all_gather async={k.get('async_op')}"),
+        all_gather(*a, **k),
+    )[1]  # type: ignore[assignment]
     try:
         loss = spanned.train_step({"ids": ids, "mask": mask}, labels, _token_ce, loss_reduction="mean")
     finally:
@@ -206,10 +226,14 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_pipeline_ranks_given_another_batch_on_a_later_step_refuse_before_any_gradient(tmp_path: Path) -> None:
+def test_pipeline_ranks_given_another_batch_on_a_later_step_refuse_before_any_gradient(
+    tmp_path: Path,
+) -> None:
     _spawn(_worker, 2, free_port(), str(tmp_path), deadline=150.0)
     for rank in range(2):
         text = (tmp_path / f"rank{rank}.txt").read_text()
         assert "FAILED" not in text, text
         for label in ("sequential values", "sequential rows", "sequential targets", "own-forward mask"):
-            assert f"{label}: rank(s) [1] of pipeline replica 0 were given another batch than rank 0" in text, f"rank {rank}: {text}"
+            assert (
+                f"{label}: rank(s) [1] of pipeline replica 0 were given another batch than rank 0" in text
+            ), f"rank {rank}: {text}"

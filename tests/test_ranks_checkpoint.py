@@ -23,7 +23,9 @@ def test_round_trip_with_the_models_own_keys(tmp_path: Path) -> None:
     torch.testing.assert_close(fresh[0].weight, model[0].weight)
 
 
-def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_save_leaves_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "ckpt.pt"
     save_checkpoint(path, {"step": 1})
 
@@ -55,7 +57,9 @@ def test_save_errors(tmp_path: Path) -> None:
 def test_a_pipeline_checkpoint_is_refused_by_a_job_of_another_size(tmp_path: Path) -> None:
     path = tmp_path / "pp.pt"
     torch.save({"torchspan_ranks": [{"step": 3}, {"step": 3}], "world_size": 2}, path)
-    with pytest.raises(ValueError, match="written by a pipeline job of 2 ranks .* this job has 1; resume it with 2 processes"):
+    with pytest.raises(
+        ValueError, match="written by a pipeline job of 2 ranks .* this job has 1; resume it with 2 processes"
+    ):
         load_checkpoint(path)
 
 
@@ -67,7 +71,13 @@ def _pipeline_checkpoint_worker(rank: int, world: int, port: int, path: str) -> 
     import torchspan
     from torchspan.runtime.ranks import init_distributed
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     init_distributed(timeout=30)
 
@@ -101,9 +111,9 @@ def _pipeline_checkpoint_worker(rank: int, world: int, port: int, path: str) -> 
 
 @pytest.mark.slow
 def test_a_pipeline_job_checkpoints_every_stage_in_one_file(tmp_path: Path) -> None:
-    from torchspan.runtime.ranks import free_port
-
     from test_ranks_pipeline import _spawn
+
+    from torchspan.runtime.ranks import free_port
 
     path = tmp_path / "pp.pt"
     _spawn(_pipeline_checkpoint_worker, 2, free_port(), str(path))

@@ -4,7 +4,8 @@ Two gloo ranks train a sharded, tied Llama (float64) one AdamW step and save ``{
 opt, "step": 1, ...}`` as a folder, each rank writing its shards; they record the full weights and optimizer
 state (rank 0, a reference file) after that step and after an uninterrupted second step. Then:
 
-- a fresh job of 2 ranks and one of 4 (DCP reshards) load it into a differently-initialised model, find the saved
+- a fresh job of 2 ranks and one of 4 (DCP reshards) load it into a differently-initialised model, find the
+saved
   weights and optimizer state, and take the second step: the uninterrupted run's weights;
 - one plain process (no process group) reads it as full tensors with the model's own keys, equal to the saved
   weights, and loads it into a plain Llama + AdamW that takes the same second step;
@@ -33,26 +34,39 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_ranks_pipeline import _leave, _spawn
 from torch import nn
 from torch.utils._pytree import tree_map
 
 import torchspan
 from torchspan import files
-from torchspan.runtime.ranks import export_safetensors, free_port, load_checkpoint, save_checkpoint, shard_batch
-
-from test_ranks_pipeline import _leave, _spawn
+from torchspan.runtime.ranks import (
+    export_safetensors,
+    free_port,
+    load_checkpoint,
+    save_checkpoint,
+    shard_batch,
+)
 
 transformers = pytest.importorskip("transformers")
 
 EXACT = dict(rtol=0, atol=0)
-CLOSE = dict(rtol=1e-6, atol=1e-9)  # another world size sums the gradients in another order; the own loss is float32
+CLOSE = dict(
+    rtol=1e-6, atol=1e-9
+)  # another world size sums the gradients in another order; the own loss is float32
 
 
 def _llama(seed: int = 0) -> nn.Module:
     cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=32,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(cfg).double()
 
@@ -69,8 +83,13 @@ def _full_state(spanned: torchspan.Spanned, opt: torch.optim.Optimizer) -> dict[
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     full = StateDictOptions(full_state_dict=True)
-    state = {"model": spanned.state_dict(), "optimizer": get_optimizer_state_dict(spanned.module, opt, options=full)}
-    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)  # a step counter is shared
+    state = {
+        "model": spanned.state_dict(),
+        "optimizer": get_optimizer_state_dict(spanned.module, opt, options=full),
+    }
+    return tree_map(
+        lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state
+    )  # a step counter is shared
 
 
 def _same(got: dict, want: dict, label: str, **tol: float) -> None:
@@ -80,7 +99,12 @@ def _same(got: dict, want: dict, label: str, **tol: float) -> None:
     assert set(got["optimizer"]["state"]) == set(want["optimizer"]["state"]), label
     for name, moments in want["optimizer"]["state"].items():
         for slot, value in moments.items():
-            torch.testing.assert_close(got["optimizer"]["state"][name][slot], value, **tol, msg=lambda m: f"{label}: {name}.{slot}: {m}")
+            torch.testing.assert_close(
+                got["optimizer"]["state"][name][slot],
+                value,
+                **tol,
+                msg=lambda m: f"{label}: {name}.{slot}: {m}",
+            )
 
 
 def _step(spanned: torchspan.Spanned, opt: torch.optim.Optimizer, step: int, rank: int, world: int) -> float:
@@ -107,7 +131,13 @@ def _verdicts(folder: Path, name: str, world: int) -> None:
 
 
 def _join(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     torchspan.init_distributed(timeout=60)
 
@@ -123,10 +153,20 @@ def _save_job(rank: int, world: int, port: int, folder: str) -> None:
     loss = _step(spanned, opt, 0, rank, world)
 
     def save() -> None:
-        assert load_checkpoint(ckpt, {"model": spanned, "optimizer": opt}) is None  # a first start: nothing yet
-        wrote = save_checkpoint(ckpt, {"model": spanned, "optimizer": opt, "step": 1, "losses": [loss], "note": "run-1"})
+        assert (
+            load_checkpoint(ckpt, {"model": spanned, "optimizer": opt}) is None
+        )  # a first start: nothing yet
+        wrote = save_checkpoint(
+            ckpt, {"model": spanned, "optimizer": opt, "step": 1, "losses": [loss], "note": "run-1"}
+        )
         assert wrote is (rank == 0)
-        assert sorted(p.name for p in ckpt.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "torchspan.json", "values.pt"]
+        assert sorted(p.name for p in ckpt.iterdir()) == [
+            ".metadata",
+            "__0_0.distcp",
+            "__1_0.distcp",
+            "torchspan.json",
+            "values.pt",
+        ]
 
     _verdict(folder, "save", rank, save)
     after1 = _full_state(spanned, opt)
@@ -147,17 +187,24 @@ def _save_job(rank: int, world: int, port: int, folder: str) -> None:
         if rank == 1:
             FileSystemWriter.write_data = half_written  # type: ignore[method-assign]
         try:
-            with pytest.raises(RuntimeError, match=r"failed on rank 1 \(OSError: .*No space left on device\); nothing was replaced"):
+            with pytest.raises(
+                RuntimeError,
+                match=r"failed on rank 1 \(OSError: .*No space left on device\); nothing was replaced",
+            ):
                 save_checkpoint(ckpt, {"model": spanned, "optimizer": opt, "step": 2})
         finally:
             FileSystemWriter.write_data = real  # type: ignore[method-assign]
         dist.barrier()
-        assert sorted(p.name for p in Path(folder).iterdir() if p.name.startswith(".ckpt")) == []  # no temporary left
+        assert (
+            sorted(p.name for p in Path(folder).iterdir() if p.name.startswith(".ckpt")) == []
+        )  # no temporary left
         assert load_checkpoint(ckpt)["step"] == 1  # type: ignore[index]
 
     _verdict(folder, "failed_save", rank, failed_save)
 
-    def replica() -> None:  # a data-parallel replica's state: every rank holds all of it, DCP writes each tensor once
+    def replica() -> (
+        None
+    ):  # a data-parallel replica's state: every rank holds all of it, DCP writes each tensor once
         torch.manual_seed(0)
         dp = torchspan.span(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)))
         dp_opt = torch.optim.Adam(dp.parameters(), lr=0.1)
@@ -185,15 +232,28 @@ def _resume_job(rank: int, world: int, port: int, folder: str) -> None:
     reference = torch.load(Path(folder, "reference.pt"), weights_only=True)
 
     def resume() -> None:
-        spanned = torchspan.span(_llama(1), shard=True)  # other weights: the checkpoint must bring the saved ones
-        opt = torch.optim.AdamW(spanned.parameters(), lr=0.5)  # another lr: the saved param_groups come back too
+        spanned = torchspan.span(
+            _llama(1), shard=True
+        )  # other weights: the checkpoint must bring the saved ones
+        opt = torch.optim.AdamW(
+            spanned.parameters(), lr=0.5
+        )  # another lr: the saved param_groups come back too
         state = load_checkpoint(Path(folder, "ckpt"), {"model": spanned, "optimizer": opt})
         assert state is not None and state["model"] is spanned and state["optimizer"] is opt
-        assert (state["step"], state["note"], list(state)) == (1, "run-1", ["model", "optimizer", "step", "losses", "note"])
+        assert (state["step"], state["note"], list(state)) == (
+            1,
+            "run-1",
+            ["model", "optimizer", "step", "losses", "note"],
+        )
         assert opt.param_groups[0]["lr"] == 0.01
         _same(_full_state(spanned, opt), reference["after1"], f"loaded by {world} ranks", **EXACT)
         _step(spanned, opt, 1, rank, world)
-        _same(_full_state(spanned, opt), reference["after2"], f"second step on {world} ranks", **(EXACT if world == 2 else CLOSE))
+        _same(
+            _full_state(spanned, opt),
+            reference["after2"],
+            f"second step on {world} ranks",
+            **(EXACT if world == 2 else CLOSE),
+        )
 
     _verdict(folder, f"resume{world}", rank, resume)
     _leave()
@@ -250,7 +310,9 @@ def test_one_plain_process_reads_full_tensors_and_continues(saved: Path) -> None
     model(**_batch(1)).loss.backward()
     opt.step()
     for key, value in reference["after2"]["model"].items():
-        torch.testing.assert_close(model.state_dict()[key], value, **CLOSE, msg=lambda m: f"one process, second step: {key}: {m}")
+        torch.testing.assert_close(
+            model.state_dict()[key], value, **CLOSE, msg=lambda m: f"one process, second step: {key}: {m}"
+        )
 
 
 @pytest.mark.slow
@@ -304,7 +366,9 @@ def _killed_job(rank: int, world: int, port: int, folder: str) -> None:
 
 @pytest.mark.slow
 def test_a_job_killed_mid_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
-    ctx = mp.start_processes(_killed_job, args=(2, free_port(), str(tmp_path)), nprocs=2, join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _killed_job, args=(2, free_port(), str(tmp_path)), nprocs=2, join=False, start_method="spawn"
+    )
     start = time.monotonic()
     while not (tmp_path / "writing").exists():
         assert time.monotonic() - start < 180, "rank 1 never reached the second save"
@@ -315,7 +379,9 @@ def test_a_job_killed_mid_save_keeps_the_previous_checkpoint(tmp_path: Path) -> 
     for p in ctx.processes:
         p.join(30)
     temporary = Path((tmp_path / "writing").read_text())
-    assert temporary.is_dir() and temporary.name.startswith(".ckpt.torchspan.") and temporary.parent == tmp_path
+    assert (
+        temporary.is_dir() and temporary.name.startswith(".ckpt.torchspan.") and temporary.parent == tmp_path
+    )
     state = load_checkpoint(tmp_path / "ckpt")
     assert state is not None and state["step"] == 1
     for key, value in torch.load(tmp_path / "first.pt", weights_only=True).items():
@@ -338,15 +404,24 @@ def _plain(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
 def test_one_process_saves_and_loads_objects_in_place(tmp_path: Path) -> None:
     model, opt = _plain(0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3)
-    assert save_checkpoint(tmp_path / "ckpt", {"model": model, "optimizer": opt, "sched": sched, "step": 4}) is True
+    assert (
+        save_checkpoint(tmp_path / "ckpt", {"model": model, "optimizer": opt, "sched": sched, "step": 4})
+        is True
+    )
     other, other_opt = _plain(1)
     other_sched = torch.optim.lr_scheduler.StepLR(other_opt, step_size=9)
     state = load_checkpoint(tmp_path / "ckpt", {"model": other, "optimizer": other_opt, "sched": other_sched})
     assert state == {"model": other, "optimizer": other_opt, "sched": other_sched, "step": 4}
     assert other_sched.step_size == 3 and torch.equal(other[0].weight, model[0].weight)
-    torch.testing.assert_close(other_opt.state[other[2].bias]["exp_avg"], opt.state[model[2].bias]["exp_avg"], **EXACT)
+    torch.testing.assert_close(
+        other_opt.state[other[2].bias]["exp_avg"], opt.state[model[2].bias]["exp_avg"], **EXACT
+    )
     full = load_checkpoint(tmp_path / "ckpt", "cpu")  # the older positional map_location still works
-    assert full is not None and full["sched"]["step_size"] == 3 and list(full["model"]) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert (
+        full is not None
+        and full["sched"]["step_size"] == 3
+        and list(full["model"]) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    )
 
 
 def test_a_save_that_fails_keeps_the_previous_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -367,12 +442,19 @@ def test_a_save_that_fails_keeps_the_previous_folder(tmp_path: Path, monkeypatch
     assert load_checkpoint(tmp_path / "ckpt")["step"] == 1  # type: ignore[index]
 
 
-def test_the_swap_without_an_exchange_and_its_recovery(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_swap_without_an_exchange_and_its_recovery(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model, opt = _plain(0)
     save_checkpoint(tmp_path / "ckpt", {"model": model, "step": 1})
-    monkeypatch.setattr(files, "_exchange", lambda a, b: False)  # a filesystem without renameat2(RENAME_EXCHANGE)
+    monkeypatch.setattr(
+        files, "_exchange", lambda a, b: False
+    )  # a filesystem without renameat2(RENAME_EXCHANGE)
     save_checkpoint(tmp_path / "ckpt", {"model": model, "step": 2})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"] and load_checkpoint(tmp_path / "ckpt")["step"] == 2  # type: ignore[index]
+    assert (
+        sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+        and load_checkpoint(tmp_path / "ckpt")["step"] == 2
+    )  # type: ignore[index]
 
     real_rename = os.rename
 
@@ -387,9 +469,12 @@ def test_the_swap_without_an_exchange_and_its_recovery(tmp_path: Path, monkeypat
     monkeypatch.undo()
     aside = [p for p in tmp_path.iterdir() if p.name.endswith(".old")]
     assert not (tmp_path / "ckpt").exists() and len(aside) == 1
-    dead = aside[0].with_name(aside[0].name.replace(f".{os.getpid()}.", ".999999999.", 1))  # as a dead writer left it
+    dead = aside[0].with_name(
+        aside[0].name.replace(f".{os.getpid()}.", ".999999999.", 1)
+    )  # as a dead writer left it
     aside[0].rename(dead)
-    assert load_checkpoint(tmp_path / "ckpt")["step"] == 2  # type: ignore[index]  # the previous folder renamed back
+    # the previous folder renamed back
+    assert load_checkpoint(tmp_path / "ckpt")["step"] == 2  # type: ignore[index]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
@@ -404,7 +489,9 @@ class Custom:
 
 def test_the_safe_loader_refuses_objects_unless_trusted(tmp_path: Path) -> None:
     model, opt = _plain(0)
-    with pytest.warns(UserWarning, match="holds .*Custom: load_checkpoint refuses such objects unless trusted=True"):
+    with pytest.warns(
+        UserWarning, match="holds .*Custom: load_checkpoint refuses such objects unless trusted=True"
+    ):
         save_checkpoint(tmp_path / "values", {"model": model, "custom": Custom()})
     with pytest.raises(ValueError, match=r"needs .*Custom.*load_checkpoint\(.*values', trusted=True\)"):
         load_checkpoint(tmp_path / "values")
@@ -412,7 +499,9 @@ def test_the_safe_loader_refuses_objects_unless_trusted(tmp_path: Path) -> None:
 
     opt.param_groups[0]["note"] = Custom()  # an optimizer value is read through DCP's bytes
     save_checkpoint(tmp_path / "group", {"model": model, "optimizer": opt})
-    with pytest.raises(ValueError, match=r"needs .*Custom \(in optimizer.param_groups.0.note\).*trusted=True"):
+    with pytest.raises(
+        ValueError, match=r"needs .*Custom \(in optimizer.param_groups.0.note\).*trusted=True"
+    ):
         load_checkpoint(tmp_path / "group")
     fresh, fresh_opt = _plain(1)
     fresh_opt.param_groups[0]["note"] = Custom()  # loaded into only where the optimizer has that key
@@ -450,7 +539,10 @@ def test_refusals(tmp_path: Path) -> None:
         save_checkpoint(tmp_path / "ckpt", {"model": stage})
     with pytest.raises(ValueError, match="writer=1: a sharded checkpoint is written by every rank"):
         save_checkpoint(tmp_path / "ckpt", {"model": model}, writer=1)  # type: ignore[arg-type]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.pt", "photos"]  # nothing written, no temporary
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "file.pt",
+        "photos",
+    ]  # nothing written, no temporary
     save_checkpoint(tmp_path / "ckpt", {"model": model})
     with pytest.raises(ValueError, match=r"the checkpoint has no 'optimizer' \(it holds 'model'\)"):
         load_checkpoint(tmp_path / "ckpt", {"model": model, "optimizer": opt})
@@ -471,9 +563,18 @@ def test_a_folder_written_by_dcp_itself_loads(tmp_path: Path) -> None:
     assert torch.equal(other[0].weight, model[0].weight)
 
 
-def test_export_refuses_without_safetensors_and_exports_a_file_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_export_refuses_without_safetensors_and_exports_a_file_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, tie_word_embeddings=True)
+        transformers.LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            tie_word_embeddings=True,
+        )
     )
     save_checkpoint(tmp_path / "ckpt.pt", {"model": model.state_dict(), "step": 1})
     monkeypatch.setitem(__import__("sys").modules, "safetensors.torch", None)

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from ranks_spawn import spawn
 from torch import nn
 
 from torchspan.runtime.ranks import DataParallelReplica, free_port, init_distributed, shard_batch, shard_sizes
-from ranks_spawn import spawn
 
 TOL = dict(rtol=1e-10, atol=1e-12)
 
@@ -32,7 +32,16 @@ def _check_grads(replica: DataParallelReplica, reference: nn.Module, label: str)
         torch.testing.assert_close(p.grad, ref[name].grad, **TOL, msg=lambda m: f"{label}: {name}: {m}")
 
 
-def _case(replica: DataParallelReplica, rank: int, world: int, x: torch.Tensor, y: torch.Tensor, loss_fn, label: str, **declared) -> None:
+def _case(
+    replica: DataParallelReplica,
+    rank: int,
+    world: int,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_fn,
+    label: str,
+    **declared,
+) -> None:
     """One train_step on this rank's shard, checked against the whole batch on one device."""
     reference = _model()
     reference.load_state_dict(replica.state_dict())
@@ -45,7 +54,13 @@ def _case(replica: DataParallelReplica, rank: int, world: int, x: torch.Tensor, 
 
 
 def _parity_worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     info = init_distributed(timeout=60)
     assert (info.rank, info.world_size, info.backend) == (rank, world, "gloo")
@@ -60,13 +75,34 @@ def _parity_worker(rank: int, world: int, port: int, out: str) -> None:
     weights = torch.tensor([0.5, 2.0, 1.0, 3.0], dtype=torch.float64)
     _case(replica, rank, world, x, y, nn.MSELoss(), "mse mean, uneven")
     _case(replica, rank, world, x, y, nn.MSELoss(reduction="sum"), "mse sum, uneven")
-    _case(replica, rank, world, x, labels, nn.CrossEntropyLoss(weight=weights), "class-weighted cross-entropy")
+    _case(
+        replica, rank, world, x, labels, nn.CrossEntropyLoss(weight=weights), "class-weighted cross-entropy"
+    )
     _case(replica, rank, world, x, padded, nn.CrossEntropyLoss(ignore_index=-1), "padded cross-entropy")
-    _case(replica, rank, world, x, padded, nn.CrossEntropyLoss(weight=weights, ignore_index=-1), "weighted + padded")
+    _case(
+        replica,
+        rank,
+        world,
+        x,
+        padded,
+        nn.CrossEntropyLoss(weight=weights, ignore_index=-1),
+        "weighted + padded",
+    )
     _case(replica, rank, world, x[:1], y[:1], nn.MSELoss(), "empty shard on rank 1")
     _case(replica, rank, world, x, labels, torch.nn.functional.cross_entropy, "functional cross-entropy")
-    token_mean = lambda out, t: torch.nn.functional.cross_entropy(out, t, ignore_index=-1, reduction="sum") / (t != -1).sum()  # noqa: E731
-    _case(replica, rank, world, x[:5], padded[:5], token_mean, "lambda with loss_normalizer", loss_normalizer=lambda t: (t != -1).sum())
+    token_mean = lambda out, t: (
+        torch.nn.functional.cross_entropy(out, t, ignore_index=-1, reduction="sum") / (t != -1).sum()
+    )  # noqa: E731
+    _case(
+        replica,
+        rank,
+        world,
+        x[:5],
+        padded[:5],
+        token_mean,
+        "lambda with loss_normalizer",
+        loss_normalizer=lambda t: (t != -1).sum(),
+    )
     summed = lambda out, t: ((out - t) ** 2).sum()  # noqa: E731
     _case(replica, rank, world, x, y, summed, "lambda declared as a sum", loss_reduction="sum")
 
@@ -85,7 +121,9 @@ def _parity_worker(rank: int, world: int, port: int, out: str) -> None:
         loss_fn(reference(x[:n]), labels[:n]).backward()
         ref_opt.step()
     for name, p in replica.named_parameters():
-        torch.testing.assert_close(p.detach(), dict(reference.named_parameters())[name].detach(), rtol=1e-9, atol=1e-11)
+        torch.testing.assert_close(
+            p.detach(), dict(reference.named_parameters())[name].detach(), rtol=1e-9, atol=1e-11
+        )
 
     # gradients accumulate over two train_steps without zero_grad, as on one device
     replica.module.zero_grad()
@@ -98,7 +136,10 @@ def _parity_worker(rank: int, world: int, port: int, out: str) -> None:
     # uneven epoch ends: rank 0 has three batches, the others two; join(optimizer) shadows the third
     opt = torch.optim.SGD(replica.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    mine = [(x[2 * step + rank : 2 * step + rank + 1], y[2 * step + rank : 2 * step + rank + 1]) for step in range(2)]
+    mine = [
+        (x[2 * step + rank : 2 * step + rank + 1], y[2 * step + rank : 2 * step + rank + 1])
+        for step in range(2)
+    ]
     if rank == 0:
         mine.append((x[4:7], y[4:7]))
     for rows, targets in mine:
@@ -106,7 +147,9 @@ def _parity_worker(rank: int, world: int, port: int, out: str) -> None:
         loss = replica.train_step(rows, targets, nn.MSELoss())
         last_grads = {name: p.grad.clone() for name, p in replica.named_parameters()}
         opt.step()
-    for step, rows in enumerate([torch.arange(2 * s, 2 * s + world) for s in range(2)] + [torch.arange(4, 7)]):
+    for step, rows in enumerate(
+        [torch.arange(2 * s, 2 * s + world) for s in range(2)] + [torch.arange(4, 7)]
+    ):
         ref_opt.zero_grad()
         want = nn.MSELoss()(reference(x[rows]), y[rows])
         want.backward()
@@ -118,7 +161,9 @@ def _parity_worker(rank: int, world: int, port: int, out: str) -> None:
     shadowed = replica.join(opt)
     assert shadowed == (0 if rank == 0 else 1), shadowed
     for name, p in replica.named_parameters():
-        torch.testing.assert_close(p.detach(), dict(reference.named_parameters())[name].detach(), rtol=1e-9, atol=1e-11)
+        torch.testing.assert_close(
+            p.detach(), dict(reference.named_parameters())[name].detach(), rtol=1e-9, atol=1e-11
+        )
     torch.save(replica.state_dict(), Path(out) / f"rank{rank}.pt")
 
 

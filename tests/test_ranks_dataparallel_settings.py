@@ -25,13 +25,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_ranks_pipeline import _leave, _spawn
 from torch import nn
 
 import torchspan
 from torchspan.runtime.fp16 import SpanScaler
 from torchspan.runtime.ranks import free_port, shard_batch
-
-from test_ranks_pipeline import _leave, _spawn
 
 TOL = dict(rtol=1e-10, atol=1e-12)
 LOSS_TOL = dict(rtol=1e-6, atol=1e-7)
@@ -56,7 +55,9 @@ def _grads(spanned: torchspan.Spanned, reference: nn.Module, label: str, **tol: 
     ref = dict(reference.named_parameters())
     for name, p in spanned.module.named_parameters():
         assert p.grad is not None, f"{label}: {name} has no gradient"
-        torch.testing.assert_close(p.grad, ref[name].grad, **(tol or TOL), msg=lambda m: f"{label}: {name}: {m}")
+        torch.testing.assert_close(
+            p.grad, ref[name].grad, **(tol or TOL), msg=lambda m: f"{label}: {name}: {m}"
+        )
 
 
 def _step(rank: int, x, y, loss_fn, label: str, model=None, reference=None, **options):  # type: ignore[no-untyped-def]
@@ -69,25 +70,43 @@ def _step(rank: int, x, y, loss_fn, label: str, model=None, reference=None, **op
     got = spanned.train_step(*shard_batch((x, y), rank, 2), loss_fn, **declared)
     want = loss_fn(reference(x), y)
     want.backward()
-    torch.testing.assert_close(got.double(), want.detach().double(), **LOSS_TOL, msg=lambda m: f"{label}: loss: {m}")
+    torch.testing.assert_close(
+        got.double(), want.detach().double(), **LOSS_TOL, msg=lambda m: f"{label}: loss: {m}"
+    )
     _grads(spanned, reference, label)
     return spanned
 
 
 def _microbatch_cases(rank: int) -> None:
     g = torch.Generator().manual_seed(7)
-    x, y = torch.randn(7, 5, generator=g, dtype=torch.float64), torch.randn(7, 4, generator=g, dtype=torch.float64)
+    x, y = (
+        torch.randn(7, 5, generator=g, dtype=torch.float64),
+        torch.randn(7, 4, generator=g, dtype=torch.float64),
+    )
     labels = torch.tensor([0, 3, 3, 1, 2, 3, 0])
     padded = torch.tensor([0, 1, 3, 2, -1, -1, -1])  # rank 1's rows are all padding
     weights = torch.tensor([0.5, 2.0, 1.0, 3.0], dtype=torch.float64)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:  # DDP's own all-reduces too
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU]
+    ) as prof:  # DDP's own all-reduces too
         spanned = _step(rank, x, y, nn.MSELoss(), "mse mean, 3 micro-batches", microbatches=3)
     reduces = [e.name for e in prof.events() if e.name == "gloo:all_reduce"]
-    assert len(reduces) == 2, f"normalizers and ONE gradient bucket (the loss rides in it) expected, got {len(reduces)} all-reduces"
+    assert len(reduces) == 2, (
+        f"normalizers and ONE gradient bucket (the loss rides in it) expected, got {len(reduces)} all-reduces"
+    )
     assert spanned.microbatches == 3 and [e.kind for e in spanned.timeline()] == ["forward", "backward"] * 3
     _step(rank, x, y, nn.MSELoss(reduction="sum"), "mse sum, 2 micro-batches", microbatches=2)
-    _step(rank, x, labels, nn.CrossEntropyLoss(weight=weights), "class-weighted cross-entropy", microbatches=2)
-    _step(rank, x, padded, nn.CrossEntropyLoss(weight=weights, ignore_index=-1), "weighted + padded", microbatches=3)
+    _step(
+        rank, x, labels, nn.CrossEntropyLoss(weight=weights), "class-weighted cross-entropy", microbatches=2
+    )
+    _step(
+        rank,
+        x,
+        padded,
+        nn.CrossEntropyLoss(weight=weights, ignore_index=-1),
+        "weighted + padded",
+        microbatches=3,
+    )
     _step(rank, x[:3], y[:3], nn.MSELoss(), "shards of 2 and 1 rows, 4 micro-batches", microbatches=4)
     _step(rank, x[:1], y[:1], nn.MSELoss(), "an empty shard on rank 1", microbatches=2)
 
@@ -95,7 +114,10 @@ def _microbatch_cases(rank: int) -> None:
     model = _mlp()
     reference = copy.deepcopy(model)
     spanned = torchspan.span(model, microbatches=2)
-    opt, ref_opt = torch.optim.Adam(spanned.parameters(), lr=0.05), torch.optim.Adam(reference.parameters(), lr=0.05)
+    opt, ref_opt = (
+        torch.optim.Adam(spanned.parameters(), lr=0.05),
+        torch.optim.Adam(reference.parameters(), lr=0.05),
+    )
     for n in (7, 6, 5):
         opt.zero_grad()
         ref_opt.zero_grad()
@@ -105,41 +127,89 @@ def _microbatch_cases(rank: int) -> None:
         opt.step()
         ref_opt.step()
     for name, p in reference.named_parameters():
-        torch.testing.assert_close(dict(spanned.module.named_parameters())[name].detach(), p.detach(), rtol=1e-9, atol=1e-11)
+        torch.testing.assert_close(
+            dict(spanned.module.named_parameters())[name].detach(), p.detach(), rtol=1e-9, atol=1e-11
+        )
 
 
 def _opaque_cases(rank: int) -> None:
-    """Losses torchspan calibrates or verifies (a lambda, a declared normalizer or reduction) with micro-batches."""
+    """Losses torchspan calibrates or verifies (a lambda, a declared normalizer or reduction) with
+    micro-batches."""
     g = torch.Generator().manual_seed(11)
-    x, y = torch.randn(7, 5, generator=g, dtype=torch.float64), torch.randn(7, 4, generator=g, dtype=torch.float64)
+    x, y = (
+        torch.randn(7, 5, generator=g, dtype=torch.float64),
+        torch.randn(7, 4, generator=g, dtype=torch.float64),
+    )
     padded = torch.tensor([0, 1, 3, 2, -1, 2, -1])
-    token_mean = lambda out, t: nn.functional.cross_entropy(out, t, ignore_index=-1, reduction="sum") / (t != -1).sum()  # noqa: E731
-    _step(rank, x, padded, token_mean, "lambda + loss_normalizer", microbatches=2, loss_normalizer=lambda t: (t != -1).sum())
+    token_mean = lambda out, t: (
+        nn.functional.cross_entropy(out, t, ignore_index=-1, reduction="sum") / (t != -1).sum()
+    )  # noqa: E731
+    _step(
+        rank,
+        x,
+        padded,
+        token_mean,
+        "lambda + loss_normalizer",
+        microbatches=2,
+        loss_normalizer=lambda t: (t != -1).sum(),
+    )
     _step(rank, x, y, lambda out, t: ((out - t) ** 2).mean(), "lambda mean, calibrated", microbatches=2)
-    _step(rank, x, y, lambda out, t: ((out - t) ** 2).sum(), "lambda sum, declared", microbatches=3, loss_reduction="sum")
+    _step(
+        rank,
+        x,
+        y,
+        lambda out, t: ((out - t) ** 2).sum(),
+        "lambda sum, declared",
+        microbatches=3,
+        loss_reduction="sum",
+    )
 
 
 def _recompute_cases(rank: int) -> None:
     g = torch.Generator().manual_seed(8)
-    x, y = torch.randn(7, 5, generator=g, dtype=torch.float64), torch.randn(7, 4, generator=g, dtype=torch.float64)
+    x, y = (
+        torch.randn(7, 5, generator=g, dtype=torch.float64),
+        torch.randn(7, 4, generator=g, dtype=torch.float64),
+    )
     rows = 4 if rank == 0 else 3
     for mode, m in (("always", 1), ("always", 2), ("except_last", 3)):
         model = _mlp()
         reference = copy.deepcopy(model)
         Count.calls = 0
-        spanned = _step(rank, x, y, nn.MSELoss(), f"recompute={mode}, {m} micro-batches", model, reference, microbatches=m, recompute=mode)
+        spanned = _step(
+            rank,
+            x,
+            y,
+            nn.MSELoss(),
+            f"recompute={mode}, {m} micro-batches",
+            model,
+            reference,
+            microbatches=m,
+            recompute=mode,
+        )
         assert spanned.recompute == mode
         chunks = min(m, rows)
         again = chunks if mode == "always" else chunks - 1  # forwards recomputed in backward
-        assert Count.calls == chunks + again + 1, f"recompute={mode}: {Count.calls} tanh calls"  # + the reference's one
-
+        assert Count.calls == chunks + again + 1, (
+            f"recompute={mode}: {Count.calls} tanh calls"
+        )  # + the reference's one
 
 
 def _gpt2_case(rank: int) -> None:
-    """A small GPT-2 trained on its own loss (labels in the batch) with micro-batches and every block recomputed."""
+    """A small GPT-2 trained on its own loss (labels in the batch) with micro-batches and every block
+    recomputed."""
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=3, n_head=2, resid_pdrop=0.0,
-                                  embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)  # fmt: skip
+    cfg = transformers.GPT2Config(
+        vocab_size=40,
+        n_positions=16,
+        n_embd=16,
+        n_layer=3,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+    )
     torch.manual_seed(1)
     model = transformers.GPT2LMHeadModel(cfg).double()
     reference = copy.deepcopy(model)
@@ -157,11 +227,16 @@ def _gpt2_case(rank: int) -> None:
     want.backward()
     torch.testing.assert_close(got.double(), want.detach().double(), **LOSS_TOL)
     _grads(spanned, reference, "GPT-2, own loss, 2 micro-batches, blocks recomputed")
-    assert calls["mlp"] - calls["block"] == 2, calls  # each chunk's block forward ran again inside its backward
+    assert calls["mlp"] - calls["block"] == 2, (
+        calls
+    )  # each chunk's block forward ran again inside its backward
 
 
-def _chunk_reference(model: nn.Module, x, y, rank_chunks: list[list[slice]], dtype: torch.dtype, scaler=None) -> None:  # type: ignore[no-untyped-def]
-    """One process, the ranks' chunks one after another, each autocast with its loss weighed by its rows / all rows."""
+def _chunk_reference(
+    model: nn.Module, x, y, rank_chunks: list[list[slice]], dtype: torch.dtype, scaler=None
+) -> None:  # type: ignore[no-untyped-def]
+    """One process, the ranks' chunks one after another, each autocast with its loss weighed by its rows / all
+    rows."""
     for chunks in rank_chunks:
         for rows in chunks:
             with torch.autocast("cpu", dtype=dtype):
@@ -169,7 +244,10 @@ def _chunk_reference(model: nn.Module, x, y, rank_chunks: list[list[slice]], dty
             (scaler.scale(loss) if scaler is not None else loss).backward()
 
 
-CHUNKS = [[slice(0, 2), slice(2, 4)], [slice(4, 6), slice(6, 7)]]  # 7 rows: rank 0's 4 in 2 + 2, rank 1's 3 in 2 + 1
+CHUNKS = [
+    [slice(0, 2), slice(2, 4)],
+    [slice(4, 6), slice(6, 7)],
+]  # 7 rows: rank 0's 4 in 2 + 2, rank 1's 3 in 2 + 1
 
 
 def _bf16_case(rank: int) -> None:
@@ -181,7 +259,13 @@ def _bf16_case(rank: int) -> None:
         spanned = torchspan.span(model, microbatches=2, precision="bf16", recompute=recompute)
         spanned.train_step(*shard_batch((x, y), rank, 2), nn.functional.mse_loss)
         _chunk_reference(same, x, y, CHUNKS, torch.bfloat16)
-        _grads(spanned, same, f"bf16 recompute={recompute}: the same autocast on the same chunks", rtol=1e-5, atol=1e-6)
+        _grads(
+            spanned,
+            same,
+            f"bf16 recompute={recompute}: the same autocast on the same chunks",
+            rtol=1e-5,
+            atol=1e-6,
+        )
         with torch.autocast("cpu", dtype=torch.bfloat16):
             nn.functional.mse_loss(whole(x), y).backward()
         _grads(spanned, whole, f"bf16 recompute={recompute}: the whole batch in bf16", rtol=5e-2, atol=5e-3)
@@ -219,7 +303,9 @@ def _fp16_case(rank: int) -> None:
             spanned.train_step(x, y, nn.functional.mse_loss)
             opt.step()
         ref_opt.zero_grad()
-        _chunk_reference(reference, torch.cat([x, x[:0]]), y, [[slice(0, 2), slice(2, 3)]], torch.float16, ref_scaler)
+        _chunk_reference(
+            reference, torch.cat([x, x[:0]]), y, [[slice(0, 2), slice(2, 3)]], torch.float16, ref_scaler
+        )
         ref_scaler.step(ref_opt)
         ref_scaler.update()
     assert spanned.join(opt) == (0 if rank == 0 else 2)
@@ -230,14 +316,22 @@ def _same_weights(spanned: torchspan.Spanned, reference: nn.Module, ref_scaler, 
     assert spanned.scaler.get_scale() == ref_scaler.get_scale(), f"{label}: scale"
     for name, p in reference.named_parameters():
         mine = dict(spanned.module.named_parameters())[name].detach()
-        torch.testing.assert_close(mine, p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{label}: {name}: {m}")
+        torch.testing.assert_close(
+            mine, p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{label}: {name}: {m}"
+        )
 
 
 CASES = (_microbatch_cases, _recompute_cases, _gpt2_case, _bf16_case, _fp16_case)
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     torchspan.init_distributed(timeout=60)
     done = []
@@ -287,6 +381,8 @@ def test_a_bare_replica_refuses_unknown_settings_and_fp16_without_a_scaler() -> 
         _check_policy("fp8", "never", None)
     with pytest.raises(ValueError, match="recompute='sometimes' is not one of"):
         _check_policy("32", "sometimes", None)
-    with pytest.raises(ValueError, match=r"precision='fp16' needs a gradient scaler: pass scaler=torch.amp.GradScaler"):
+    with pytest.raises(
+        ValueError, match=r"precision='fp16' needs a gradient scaler: pass scaler=torch.amp.GradScaler"
+    ):
         _check_policy("fp16", "never", None)
     _check_policy("fp16", "always", torch.amp.GradScaler("cpu"))

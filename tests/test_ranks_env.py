@@ -6,7 +6,14 @@ import pytest
 
 from torchspan.runtime.ranks import init_distributed, is_launched, launch_env
 
-TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}
+TORCHRUN = {
+    "RANK": "1",
+    "WORLD_SIZE": "2",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29511",
+}
 SLURM = {
     "SLURM_PROCID": "3",
     "SLURM_NTASKS": "4",
@@ -63,7 +70,9 @@ def test_inconsistent_environment_names_the_variables(env: dict[str, str], words
     assert words in str(info.value)
 
 
-@pytest.mark.parametrize("timeout, error", [(0, ValueError), (-5.0, ValueError), ("60", TypeError), (True, TypeError)])
+@pytest.mark.parametrize(
+    "timeout, error", [(0, ValueError), (-5.0, ValueError), ("60", TypeError), (True, TypeError)]
+)
 def test_bad_timeout_is_refused_before_anything_starts(timeout: object, error: type[Exception]) -> None:
     with pytest.raises(error, match="timeout="):
         init_distributed(timeout=timeout)  # type: ignore[arg-type]
@@ -85,16 +94,22 @@ def test_init_distributed_closes_its_gloo_group_at_exit(tmp_path) -> None:
         "import atexit, torch.distributed as dist\n"
         "from torchspan.runtime.ranks import init_distributed\n"
         "init_distributed(timeout=30)\n"
-        "atexit.register(lambda: print('initialized at exit:', dist.is_initialized()))\n"  # runs before ours (LIFO)
+        # runs before ours (LIFO)
+        "atexit.register(lambda: print('initialized at exit:', dist.is_initialized()))\n"
     )
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in __import__("os").environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     assert "initialized at exit: True" in done.stdout
     probe = tmp_path / "probe.py"
     probe.write_text(
         "import atexit, torch.distributed as dist\n"
-        "atexit.register(lambda: print('initialized after ours:', dist.is_initialized()))\n"  # runs after ours (LIFO)
+        # runs after ours (LIFO)
+        "atexit.register(lambda: print('initialized after ours:', dist.is_initialized()))\n"
         "from torchspan.runtime.ranks import init_distributed\n"
         "init_distributed(timeout=30)\n"
     )

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import copy
 import os
-import types
 import traceback
+import types
 from pathlib import Path
 
 import pytest
 import torch
+from test_ranks_pipeline import TOL, _check, _spawn
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
@@ -25,8 +26,6 @@ import torchspan
 from torchspan.runtime.ranks import free_port, init_distributed
 from torchspan.runtime.ranks.routes import GRAD, META, REAL, DivergedError, Reuse, Seen, Transfer, route_call
 from torchspan.runtime.ranks.taint import MetaTaint
-
-from test_ranks_pipeline import TOL, _check, _spawn
 
 transformers = pytest.importorskip("transformers")
 
@@ -50,7 +49,10 @@ def test_route_takes_each_meta_argument_from_the_latest_earlier_stage_holding_it
 
 def test_route_refuses_what_no_earlier_stage_computes_and_diverged_ranks() -> None:
     seen = [Seen("head", (META,), (None,)), Seen("head", (REAL,), (None,))]
-    with pytest.raises(ValueError, match=r"layer 'head' \(stage 0\) reads tensor argument 0, which only later stage\(s\) \[1\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"layer 'head' \(stage 0\) reads tensor argument 0, which only later stage\(s\) \[1\]",
+    ):
         route_call(0, "head", 0, seen)
     mixed = [Seen("head", (META,), (None,)), Seen("head", (META,), (None,))]
     with pytest.raises(ValueError, match="no single stage computes: the model's own code combined values"):
@@ -78,10 +80,12 @@ def test_meta_taint_glue_rules() -> None:
     assert torch.equal(here, torch.arange(6.0).reshape(2, 3))
 
 
-def test_the_last_stage_runs_torchs_own_losses_without_the_taint_mode_and_keeps_it_for_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Torch's losses read only their arguments: with real outputs they skip ``MetaTaint`` (the same value, ~50 us
-    less per micro-batch on the critical path); a user's callable keeps it (it may read another stage's parameter,
-    ``model.device``), and a meta output is still refused."""
+def test_the_last_stage_runs_torchs_own_losses_without_the_taint_mode_and_keeps_it_for_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Torch's losses read only their arguments: with real outputs they skip ``MetaTaint`` (the same value,
+    ~50 us less per micro-batch on the critical path); a user's callable keeps it (it may read another stage's
+    parameter, ``model.device``), and a meta output is still refused."""
     import functools
 
     import torch.nn.functional as F
@@ -91,7 +95,7 @@ def test_the_last_stage_runs_torchs_own_losses_without_the_taint_mode_and_keeps_
     entered: list[int] = []
 
     class Counted(MetaTaint):
-        def __enter__(self) -> "Counted":
+        def __enter__(self) -> Counted:
             entered.append(1)
             return super().__enter__()
 
@@ -104,7 +108,11 @@ def test_the_last_stage_runs_torchs_own_losses_without_the_taint_mode_and_keeps_
         (F.mse_loss, y, False),
         (functools.partial(F.cross_entropy, ignore_index=-1), labels, False),
         (nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 0.5])), labels.clamp(min=0), False),
-        (lambda o, t: F.mse_loss(o, t.to(other_stage.device)), y, True),  # reads another stage's device: this rank's
+        (
+            lambda o, t: F.mse_loss(o, t.to(other_stage.device)),
+            y,
+            True,
+        ),  # reads another stage's device: this rank's
     ]
     for loss_fn, target, taint in losses:
         entered.clear()
@@ -161,24 +169,39 @@ def test_a_layer_growing_a_container_it_was_given_is_refused() -> None:
 # ---------------------------------------------------------------------- models
 def _llama(tied: bool = True) -> nn.Module:
     cfg = transformers.LlamaConfig(
-        vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=4, num_attention_heads=2,
-        num_key_value_heads=1, tie_word_embeddings=tied, use_cache=False, attn_implementation="sdpa",
-    )  # fmt: skip
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=tied,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg).double()
 
 
 def _gpt2() -> nn.Module:
     cfg = transformers.GPT2Config(
-        vocab_size=40, n_positions=16, n_embd=16, n_layer=3, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        vocab_size=40,
+        n_positions=16,
+        n_embd=16,
+        n_layer=3,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
         use_cache=False,
-    )  # fmt: skip
+    )
     torch.manual_seed(1)
     return transformers.GPT2LMHeadModel(cfg).double()
 
 
 class Wrapped(nn.Module):
-    """What users write: blocks in a ModuleList, a parameter of the model's own read by the glue, a keyword input."""
+    """What users write: blocks in a ModuleList, a parameter of the model's own read by the glue, a keyword
+    input."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -209,13 +232,20 @@ def _tokens(labels: torch.Tensor) -> torch.Tensor:
 
 
 def _join(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     init_distributed(timeout=30)
 
 
 def _leave() -> None:
-    """Leave the job together: a rank exiting with its gloo groups alive can abort in their threads' teardown."""
+    """Leave the job together: a rank exiting with its gloo groups alive can abort in their threads'
+    teardown."""
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
@@ -230,7 +260,9 @@ def _batch(seed: int, rows: int, length: int, vocab: int) -> tuple[torch.Tensor,
     return ids, labels, mask
 
 
-def _train_and_compare(make, label: str, rank: int, world: int, vocab: int, with_mask: bool, **span_args) -> None:
+def _train_and_compare(
+    make, label: str, rank: int, world: int, vocab: int, with_mask: bool, **span_args
+) -> None:
     model = make()
     reference = copy.deepcopy(model)
     spanned = torchspan.span(model, **span_args)
@@ -267,9 +299,18 @@ def _t5_across_ranks(rank: int) -> None:
     """Encoder-decoder: the encoder's output feeds every decoder block on the other rank (cross-attention),
     and the shared embedding is tied across the ranks."""
     cfg = transformers.T5Config(
-        vocab_size=40, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2,
-        dropout_rate=0.0, use_cache=False, decoder_start_token_id=0, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=40,
+        d_model=16,
+        d_kv=8,
+        d_ff=32,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=2,
+        dropout_rate=0.0,
+        use_cache=False,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
     torch.manual_seed(3)
     model = transformers.T5ForConditionalGeneration(cfg).double()
     reference = copy.deepcopy(model)
@@ -288,11 +329,32 @@ def _t5_across_ranks(rank: int) -> None:
 def _hf_worker(rank: int, world: int, port: int, plan: torchspan.Plan) -> None:
     _join(rank, world, port)
     for schedule in ("gpipe", "1f1b"):
-        _train_and_compare(_llama, f"llama tied {schedule}", rank, world, 40, True,
-                           devices=["cpu", "cpu"], microbatches=3, schedule=schedule)  # fmt: skip
-    _train_and_compare(_gpt2, "gpt2 balance [5, 3] checkpointed", rank, world, 40, True,
-                       balance=[5, 3], microbatches=3, schedule="1f1b", recompute="except_last")  # fmt: skip
-    _train_and_compare(Wrapped, "wrapper", rank, world, 30, False, balance=[3, 3], microbatches=3, schedule="1f1b")
+        _train_and_compare(
+            _llama,
+            f"llama tied {schedule}",
+            rank,
+            world,
+            40,
+            True,
+            devices=["cpu", "cpu"],
+            microbatches=3,
+            schedule=schedule,
+        )
+    _train_and_compare(
+        _gpt2,
+        "gpt2 balance [5, 3] checkpointed",
+        rank,
+        world,
+        40,
+        True,
+        balance=[5, 3],
+        microbatches=3,
+        schedule="1f1b",
+        recompute="except_last",
+    )
+    _train_and_compare(
+        Wrapped, "wrapper", rank, world, 30, False, balance=[3, 3], microbatches=3, schedule="1f1b"
+    )
     _t5_across_ranks(rank)
     # A plan made for a described cluster (two H100s) runs on whatever device each launched rank has.
     assert [st.device for st in plan.stages] == ["cuda:0", "cuda:1"]
@@ -301,7 +363,8 @@ def _hf_worker(rank: int, world: int, port: int, plan: torchspan.Plan) -> None:
 
 
 def _bf16_worker(rank: int, world: int, port: int) -> None:
-    """bf16 autocast across ranks gives what the same autocast gives in one process (threads over two CPU stages)."""
+    """bf16 autocast across ranks gives what the same autocast gives in one process (threads over two CPU
+    stages)."""
     torch.set_num_threads(1)
     make = lambda: _llama().float()  # noqa: E731
     ids, labels, mask = _batch(40, 5, 7, 40)
@@ -318,7 +381,9 @@ def _bf16_worker(rank: int, world: int, port: int) -> None:
     ref = dict(local.module.named_parameters())
     for name, p in spanned.module.named_parameters():
         if not p.is_meta:
-            torch.testing.assert_close(p.grad, ref[name].grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}: {name}: {m}")
+            torch.testing.assert_close(
+                p.grad, ref[name].grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}: {name}: {m}"
+            )
     _leave()
 
 
@@ -330,7 +395,9 @@ def test_bf16_across_ranks_matches_bf16_in_one_process() -> None:
 @pytest.mark.slow
 def test_transformers_decoders_and_wrappers_across_two_ranks_match_one_device() -> None:
     ids, _, _ = _batch(1, 6, 7, 40)
-    plan = torchspan.plan(_llama(), (ids,), devices="h100-80gb*2", memory={"cuda:0": "250KB", "cuda:1": "250KB"}, microbatches=3)
+    plan = torchspan.plan(
+        _llama(), (ids,), devices="h100-80gb*2", memory={"cuda:0": "250KB", "cuda:1": "250KB"}, microbatches=3
+    )
     _spawn(_hf_worker, 2, free_port(), plan, deadline=240.0)
 
 
@@ -400,7 +467,7 @@ def test_a_layer_writing_into_an_input_other_ranks_hold_is_refused(tmp_path: Pat
     assert took < 60
 
 
-VERIFY_MODELS = '''
+VERIFY_MODELS = """
 import torch, transformers
 
 def llama():
@@ -409,18 +476,34 @@ def llama():
                                    use_cache=False)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg)
-'''
+"""
 
 
 @pytest.mark.slow
-def test_verify_runs_a_tied_transformers_decoder_as_a_rank_pipeline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_runs_a_tied_transformers_decoder_as_a_rank_pipeline(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from torchspan.cli import main
 
     (tmp_path / "hf_models.py").write_text(VERIFY_MODELS)
-    code = main([
-        "verify", f"{tmp_path / 'hf_models.py'}:llama", "--input", "input_ids=7,6:int64", "--vocab", "40",
-        "--devices", "cpu,cpu", "--microbatches", "3", "--strategies", "single,rank-pipeline", "--nproc", "2",
-    ])  # fmt: skip
+    code = main(
+        [
+            "verify",
+            f"{tmp_path / 'hf_models.py'}:llama",
+            "--input",
+            "input_ids=7,6:int64",
+            "--vocab",
+            "40",
+            "--devices",
+            "cpu,cpu",
+            "--microbatches",
+            "3",
+            "--strategies",
+            "single,rank-pipeline",
+            "--nproc",
+            "2",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "rank-pipeline (2 processes): PASS" in out and "model.layers.3.mlp.down_proj.weight" in out
@@ -435,7 +518,10 @@ def _other_batch_worker(rank: int, world: int, port: int, out: str) -> None:
             texts.append("fp16: no error")
         except ValueError as exc:
             texts.append(f"fp16: {exc}")
-    for label, model in (("sequential", nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))), ("wrapper", Wrapped())):
+    for label, model in (
+        ("sequential", nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))),
+        ("wrapper", Wrapped()),
+    ):
         torch.manual_seed(rank)  # the mistake: each rank draws its own batch
         x = torch.randn(6, 4) if label == "sequential" else torch.randint(0, 30, (6, 5))
         y = torch.randn(6, 2) if label == "sequential" else torch.randint(0, 30, (6, 5))
@@ -457,5 +543,7 @@ def test_pipeline_ranks_refuse_different_batches_and_fp16_before_any_compute(tmp
     for rank in range(2):
         text = (tmp_path / f"rank{rank}.txt").read_text()
         for label in ("sequential", "wrapper"):
-            assert f"{label}: rank(s) [1] of pipeline replica 0 were given another batch than rank 0" in text, text
+            assert (
+                f"{label}: rank(s) [1] of pipeline replica 0 were given another batch than rank 0" in text
+            ), text
         assert text.count("fp16: precision='fp16' across ranks is not supported") == 2, text

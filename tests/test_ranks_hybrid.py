@@ -13,11 +13,11 @@ import copy
 
 import pytest
 import torch
+from test_ranks_pipeline import LOSS_TOL, TiedLM, _check, _join, _leave, _seq, _spawn
 from torch import nn
 
 import torchspan
 from torchspan.runtime.ranks import free_port, shard_batch
-from test_ranks_pipeline import LOSS_TOL, TiedLM, _check, _join, _leave, _seq, _spawn
 
 
 def _hybrid_worker(rank: int, world: int, port: int) -> None:
@@ -44,7 +44,9 @@ def _hybrid_worker(rank: int, world: int, port: int) -> None:
         got = spanned.train_step(xs, ts, loss_fn)
         want = loss_fn(reference(x), target)
         want.backward()
-        torch.testing.assert_close(got.double(), want.detach(), **LOSS_TOL, msg=lambda m: f"{label}: loss on rank {rank}: {m}")
+        torch.testing.assert_close(
+            got.double(), want.detach(), **LOSS_TOL, msg=lambda m: f"{label}: loss on rank {rank}: {m}"
+        )
         _check(spanned, reference, label, rank)
 
     # optimizer steps: both replicas of each stage stay identical and equal to one device's training
@@ -63,7 +65,13 @@ def _hybrid_worker(rank: int, world: int, port: int) -> None:
     ref = dict(reference.named_parameters())
     for name, p in spanned.module.named_parameters():
         if p.device.type != "meta":
-            torch.testing.assert_close(p.detach(), ref[name].detach(), rtol=1e-9, atol=1e-11, msg=lambda m: f"rank {rank}: {name}: {m}")
+            torch.testing.assert_close(
+                p.detach(),
+                ref[name].detach(),
+                rtol=1e-9,
+                atol=1e-11,
+                msg=lambda m: f"rank {rank}: {name}: {m}",
+            )
 
     # tied embedding/head across the stages of both replicas: one group of all four ranks
     ids = torch.randint(0, 11, (7, 3), generator=g)

@@ -1,8 +1,10 @@
-"""Several pipeline stages per rank (looped: stage s on rank s % P) and Megatron's interleaved 1F1B, across 2 gloo ranks.
+"""Several pipeline stages per rank (looped: stage s on rank s % P) and Megatron's interleaved 1F1B, across 2
+gloo ranks.
 
-``span(model, balance=[1, 1, 1, 1], schedule="interleaved-1f1b")`` in a 2-rank job puts stages 0 and 2 on rank 0,
-1 and 3 on rank 1. Each spawned rank checks the gradients of every parameter it holds against one device's
-on the whole batch (float64), for uneven micro-batches, a tie between two ranks (embedding and head, stages 0 and
+``span(model, balance=[1, 1, 1, 1], schedule="interleaved-1f1b")`` in a 2-rank job puts stages 0 and 2 on rank
+0, 1 and 3 on rank 1. Each spawned rank checks the gradients of every parameter it holds against one device's
+on the whole batch (float64), for uneven micro-batches, a tie between two ranks (embedding and head, stages 0
+and
 3) and a tie inside one rank (stages 0 and 2), after several optimizer steps, and its no-grad forward.
 """
 
@@ -23,8 +25,8 @@ from torchspan.runtime.ranks.mesh import Mesh
 
 
 class Tied4(nn.Module):
-    """embed+a | b | c | head: ``c`` shares ``a``'s weight (stages 0 and 2: one rank), ``head`` the embedding's
-    (stages 0 and 3: two ranks)."""
+    """embed+a | b | c | head: ``c`` shares ``a``'s weight (stages 0 and 2: one rank), ``head`` the
+    embedding's (stages 0 and 3: two ranks)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -44,7 +46,8 @@ class Tied4(nn.Module):
 
 
 def _steps(rank: int, x: torch.Tensor, y: torch.Tensor) -> None:
-    """Gradients of 4 stages on 2 ranks equal one device's: schedules, losses, uneven micro-batches, accumulation."""
+    """Gradients of 4 stages on 2 ranks equal one device's: schedules, losses, uneven micro-batches,
+    accumulation."""
     labels = torch.tensor([0, 3, 3, 1, 2, 3, 0])
     schedules = (
         ("interleaved-1f1b", 4),
@@ -113,7 +116,8 @@ def _optimizer_and_ties(rank: int, g: torch.Generator) -> None:
     want = loss_fn(reference(ids), tokens)
     want.backward()
     torch.testing.assert_close(got.double(), want.detach(), **LOSS_TOL)
-    # rank 0 holds embed, a and c (c.weight is a.weight): 4 parameters; rank 1 b and head (head.weight is embed's): 3
+    # rank 0 holds embed, a and c (c.weight is a.weight): 4 parameters; rank 1 b and head (head.weight is
+    # embed's): 3
     assert _check(spanned, reference, "ties inside and across ranks", rank) == (4 if rank == 0 else 3)
     torch.optim.SGD(spanned.parameters(), lr=0.5).step()
     copies = [torch.zeros(11, 6, dtype=torch.float64) for _ in range(2)]
@@ -122,8 +126,9 @@ def _optimizer_and_ties(rank: int, g: torch.Generator) -> None:
 
 
 def _messages(rank: int, x: torch.Tensor, y: torch.Tensor) -> None:
-    """Once the headers are known, a step of 4 micro-batches sends one message per stage boundary that crosses ranks
-    and micro-batch: rank 0 the forwards of stages 0 and 2 and the backward of stage 2 (12), rank 1 likewise."""
+    """Once the headers are known, a step of 4 micro-batches sends one message per stage boundary that crosses
+    ranks and micro-batch: rank 0 the forwards of stages 0 and 2 and the backward of stage 2 (12), rank 1
+    likewise."""
     from torchspan.runtime.ranks import p2p
 
     sent: list[int] = []
@@ -159,7 +164,8 @@ def _worker(rank: int, world: int, port: int) -> None:
 
 
 def test_looped_placement_and_its_transport() -> None:
-    """Stage s on rank s % P; a stage of this rank is local (a hand-off), each remote stage pair on its own slot."""
+    """Stage s on rank s % P; a stage of this rank is local (a hand-off), each remote stage pair on its own
+    slot."""
     assert position_groups([["a"], ["b"], ["c"], ["d"]], 2) == [["a", "c"], ["b", "d"]]
     assert looped_mesh(2, 4) == Mesh(2, 1) and looped_mesh(4, 4) is None
     with pytest.raises(

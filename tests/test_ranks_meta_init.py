@@ -1,22 +1,28 @@
-"""A model built on ``meta``, spanned with ``weights=``: each rank materializes and fills only what it holds (issue 20 item 6).
+"""A model built on ``meta``, spanned with ``weights=``: each rank materializes and fills only what it holds
+(issue 20 item 6).
 
-Two gloo ranks of a normal run save a sharded, tied Llama (float64) with ``save_checkpoint``; the parent exports it
-to one safetensors file and takes one device's gradients on the whole batch. Then a fresh 2-rank job builds the
-same Llama under ``torch.device("meta")`` and spans it ``shard=True`` three ways:
+Two gloo ranks of a normal run save a sharded, tied Llama (float64) with ``save_checkpoint``; the parent
+exports it to one safetensors file and takes one device's gradients on the whole batch. Then a fresh 2-rank
+job builds the same Llama under ``torch.device("meta")`` and spans it ``shard=True`` three ways:
 
-- ``weights=<the DCP folder>`` and ``weights=<the safetensors folder>``: every parameter a ``DTensor`` whose local
-  shard is this rank's rows, the rank's parameter bytes exactly half the model's, and no op on the rank ever saw a
-  tensor of a parameter's full shape (the shard shapes differ from every full shape in this config): nothing was
-  materialized whole, only the rank's chunks read;
-- ``weights="init"``: the model's own initialisation replayed, bit-equal to the normal build after the same seed
-  (the generator ends where that build leaves it), one parameter's temporary at a time (the largest one's bytes);
+- ``weights=<the DCP folder>`` and ``weights=<the safetensors folder>``: every parameter a ``DTensor`` whose
+local
+  shard is this rank's rows, the rank's parameter bytes exactly half the model's, and no op on the rank ever
+  saw a tensor of a parameter's full shape (the shard shapes differ from every full shape in this config):
+  nothing was materialized whole, only the rank's chunks read;
+- ``weights="init"``: the model's own initialisation replayed, bit-equal to the normal build after the same
+seed
+  (the generator ends where that build leaves it), one parameter's temporary at a time (the largest one's
+  bytes);
 
 and in each case the weights are the reference's bit for bit and the first ``train_step``'s gradients (uneven
-shards) are one device's. A meta model without weights is refused on every rank before any work. A pipeline job (2
-stages of an ``nn.Sequential``; and a transformers Llama through its own forward) materializes only its stage: the
-other stage's parameters stay ``meta`` and, from a checkpoint, no tensor of their shapes is ever seen on the rank.
-One process: the initialisation is bit-equal for transformers and ``torch.nn`` layers, stages on their devices,
-transformers' sharded safetensors layout, a tensor no initialisation writes refused by name, the refusals.
+shards) are one device's. A meta model without weights is refused on every rank before any work. A pipeline
+job (2 stages of an ``nn.Sequential``; and a transformers Llama through its own forward) materializes only its
+stage: the other stage's parameters stay ``meta`` and, from a checkpoint, no tensor of their shapes is ever
+seen on the rank.
+One process: the initialisation is bit-equal for transformers and ``torch.nn`` layers, stages on their
+devices, transformers' sharded safetensors layout, a tensor no initialisation writes refused by name, the
+refusals.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_ranks_pipeline import _leave, _spawn
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -38,8 +45,6 @@ from torch.utils._pytree import tree_leaves
 import torchspan
 from torchspan.runtime.ranks import export_safetensors, free_port, save_checkpoint, shard_batch
 from torchspan.runtime.ranks.sharded import local_bytes
-
-from test_ranks_pipeline import _leave, _spawn
 
 transformers = pytest.importorskip("transformers")
 
@@ -50,9 +55,15 @@ GRAD = dict(rtol=1e-10, atol=1e-12)  # float64: ranks sum their shards' gradient
 def _config(tie: bool = True) -> Any:
     # shapes chosen so that no shard shape (2 ranks) equals any parameter's full shape
     return transformers.LlamaConfig(
-        vocab_size=50, hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, tie_word_embeddings=tie, max_position_embeddings=32,
-    )  # fmt: skip
+        vocab_size=50,
+        hidden_size=24,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        tie_word_embeddings=tie,
+        max_position_embeddings=32,
+    )
 
 
 @contextlib.contextmanager
@@ -87,7 +98,9 @@ def _batch() -> dict[str, torch.Tensor]:
 
 def _xy() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(6)
-    return torch.randn(7, 6, generator=g, dtype=torch.float64), torch.randn(7, 4, generator=g, dtype=torch.float64)
+    return torch.randn(7, 6, generator=g, dtype=torch.float64), torch.randn(
+        7, 4, generator=g, dtype=torch.float64
+    )
 
 
 class _Shapes(TorchDispatchMode):
@@ -142,7 +155,13 @@ def _verdicts(folder: Path, name: str, world: int = 2) -> None:
 
 
 def _join(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float64)
     torchspan.init_distributed(timeout=60)
@@ -166,16 +185,25 @@ def _sharded_case(folder: str, rank: int, world: int, weights: str, reference: d
         spanned = torchspan.span(_llama(meta=True), shard=True, weights=weights)
     assert spanned.mode == "sharded"
     if weights == "init":
-        assert torch.equal(torch.get_rng_state(), reference["rng_after"]), "the generator is not where a normal build leaves it"
+        assert torch.equal(torch.get_rng_state(), reference["rng_after"]), (
+            "the generator is not where a normal build leaves it"
+        )
         largest = max(t.numel() * t.element_size() for t in state.values())
-        assert 0 < temps.peak <= largest, f"init held {temps.peak} bytes of temporaries at once (largest parameter: {largest})"
+        assert 0 < temps.peak <= largest, (
+            f"init held {temps.peak} bytes of temporaries at once (largest parameter: {largest})"
+        )
     else:
-        assert temps.peak <= 24 * 8, temps.peak  # only the rotary buffers, which no checkpoint holds, are initialised
+        assert temps.peak <= 24 * 8, (
+            temps.peak
+        )  # only the rotary buffers, which no checkpoint holds, are initialised
         assert not seen.shapes & full_shapes, f"rank {rank} saw full-size tensors {seen.shapes & full_shapes}"
     whole = sum(t.numel() * t.element_size() for n, t in state.items() if n != "lm_head.weight")
     for name, p in spanned.module.named_parameters():
         rows = state[name].shape[0] // world
-        assert type(p).__name__ == "DTensor" and tuple(p.to_local().shape) == (rows, *state[name].shape[1:]), name
+        assert type(p).__name__ == "DTensor" and tuple(p.to_local().shape) == (
+            rows,
+            *state[name].shape[1:],
+        ), name
     held = local_bytes(spanned.module)["params"]
     assert held * world == whole, f"rank {rank} holds {held} bytes of a {whole}-byte model"
     for key, value in spanned.state_dict().items():  # gathered, only to compare
@@ -184,17 +212,28 @@ def _sharded_case(folder: str, rank: int, world: int, weights: str, reference: d
     loss = spanned.train_step(shard_batch(_batch(), rank, world))
     assert float(loss) == pytest.approx(float(reference["loss"]), rel=1e-6)
     for name, p in spanned.module.named_parameters():
-        torch.testing.assert_close(p.grad.full_tensor(), grads[name], **GRAD, msg=lambda m: f"{weights}: grad {name}: {m}")
+        torch.testing.assert_close(
+            p.grad.full_tensor(), grads[name], **GRAD, msg=lambda m: f"{weights}: grad {name}: {m}"
+        )
 
 
 def _sharded_job(rank: int, world: int, port: int, folder: str) -> None:
     _join(rank, world, port)
     reference = torch.load(Path(folder, "reference.pt"), weights_only=True)
-    for name, weights in (("dcp", str(Path(folder, "ckpt"))), ("safetensors", str(Path(folder, "hf"))), ("init", "init")):
-        _verdict(folder, f"sharded_{name}", rank, lambda: _sharded_case(folder, rank, world, weights, reference))
+    for name, weights in (
+        ("dcp", str(Path(folder, "ckpt"))),
+        ("safetensors", str(Path(folder, "hf"))),
+        ("init", "init"),
+    ):
+        _verdict(
+            folder, f"sharded_{name}", rank, lambda: _sharded_case(folder, rank, world, weights, reference)
+        )
 
     def refused() -> None:
-        with pytest.raises(ValueError, match=r"the model is on the meta device .*weights='init'.*weights='path/to/checkpoint'"):
+        with pytest.raises(
+            ValueError,
+            match=r"the model is on the meta device .*weights='init'.*weights='path/to/checkpoint'",
+        ):
             torchspan.span(_llama(meta=True), shard=True)
 
     _verdict(folder, "sharded_refused", rank, refused)
@@ -220,26 +259,42 @@ def _stage_case(folder: str, rank: int, world: int, weights: str, reference: dic
     params = dict(spanned.module.named_parameters())
     assert sorted(n for n, p in params.items() if not p.is_meta) == sorted(mine)
     for name in mine:
-        torch.testing.assert_close(params[name], state[name], **EXACT, msg=lambda m: f"{weights}: {name}: {m}")
+        torch.testing.assert_close(
+            params[name], state[name], **EXACT, msg=lambda m: f"{weights}: {name}: {m}"
+        )
     spanned.train_step(*_xy(), nn.MSELoss())
     for name in mine:
-        torch.testing.assert_close(params[name].grad, grads[name], **GRAD, msg=lambda m: f"{weights}: grad {name}: {m}")
+        torch.testing.assert_close(
+            params[name].grad, grads[name], **GRAD, msg=lambda m: f"{weights}: grad {name}: {m}"
+        )
 
 
 def _pipeline_job(rank: int, world: int, port: int, folder: str) -> None:
     _join(rank, world, port)
     reference = torch.load(Path(folder, "reference.pt"), weights_only=True)
-    for name, weights in (("dcp", str(Path(folder, "seq"))), ("safetensors", str(Path(folder, "seq.safetensors"))), ("init", "init")):
+    for name, weights in (
+        ("dcp", str(Path(folder, "seq"))),
+        ("safetensors", str(Path(folder, "seq.safetensors"))),
+        ("init", "init"),
+    ):
         _verdict(folder, f"stage_{name}", rank, lambda: _stage_case(folder, rank, world, weights, reference))
 
-    def own_forward() -> None:  # a transformers model across ranks: its own forward, this rank's blocks for real
+    def own_forward() -> (
+        None
+    ):  # a transformers model across ranks: its own forward, this rank's blocks for real
         spanned = torchspan.span(_llama(meta=True), balance=[3, 3], weights="init")
         spanned.train_step(_batch())  # the first call records the order and places (and fills) this stage
         held = {n: p for n, p in spanned.module.named_parameters() if not p.is_meta}
-        assert ("model.layers.0.mlp.up_proj.weight" in held) == (rank == 0) and ("model.norm.weight" in held) == (rank == 1)
+        assert ("model.layers.0.mlp.up_proj.weight" in held) == (rank == 0) and (
+            "model.norm.weight" in held
+        ) == (rank == 1)
         for name, p in held.items():
-            torch.testing.assert_close(p.detach(), reference["state"][name], **EXACT, msg=lambda m: f"{name}: {m}")
-            torch.testing.assert_close(p.grad, reference["grads"][name], **GRAD, msg=lambda m: f"grad {name}: {m}")
+            torch.testing.assert_close(
+                p.detach(), reference["state"][name], **EXACT, msg=lambda m: f"{name}: {m}"
+            )
+            torch.testing.assert_close(
+                p.grad, reference["grads"][name], **GRAD, msg=lambda m: f"grad {name}: {m}"
+            )
 
     _verdict(folder, "own_forward", rank, own_forward)
     _leave()
@@ -264,12 +319,16 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
         nn.MSELoss()(seq(_xy()[0]), _xy()[1]).backward()
     torch.save(
         {
-            "state": reference.state_dict(), "grads": {n: p.grad for n, p in reference.named_parameters()},
-            "loss": out.loss.detach().float(), "inv_freq": reference.model.rotary_emb.inv_freq, "rng_after": rng_after,
-            "seq": seq.state_dict(), "seq_grads": {n: p.grad for n, p in seq.named_parameters()},
+            "state": reference.state_dict(),
+            "grads": {n: p.grad for n, p in reference.named_parameters()},
+            "loss": out.loss.detach().float(),
+            "inv_freq": reference.model.rotary_emb.inv_freq,
+            "rng_after": rng_after,
+            "seq": seq.state_dict(),
+            "seq_grads": {n: p.grad for n, p in seq.named_parameters()},
         },
         folder / "reference.pt",
-    )  # fmt: skip
+    )
     return folder
 
 
@@ -324,8 +383,13 @@ class _Layers(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.net = nn.Sequential(
-            nn.Linear(5, 7), nn.LayerNorm(7), nn.Conv1d(2, 3, 3), nn.BatchNorm1d(3), nn.MultiheadAttention(8, 2), nn.LSTM(3, 4),
-        )  # fmt: skip
+            nn.Linear(5, 7),
+            nn.LayerNorm(7),
+            nn.Conv1d(2, 3, 3),
+            nn.BatchNorm1d(3),
+            nn.MultiheadAttention(8, 2),
+            nn.LSTM(3, 4),
+        )
         self.embed = nn.Embedding(6, 3, padding_idx=1)
         self.head = nn.Linear(3, 6, bias=False)
         self.head.weight = self.embed.weight  # tied after both were initialised: the embedding's values
@@ -362,7 +426,9 @@ def test_init_is_bit_equal_to_a_normal_build(build: str) -> None:
 def test_one_process_stages_on_their_devices_train_as_one_device() -> None:
     with _float64():
         reference = _llama(seed=4)
-        spanned = torchspan.span(_llama(meta=True, seed=4), devices=["cpu", "cpu"], balance=[3, 3], weights="init")
+        spanned = torchspan.span(
+            _llama(meta=True, seed=4), devices=["cpu", "cpu"], balance=[3, 3], weights="init"
+        )
         reference(**_batch()).loss.backward()
         spanned.train_step(_batch())
     for (name, p), q in zip(spanned.module.named_parameters(), reference.parameters()):
@@ -393,7 +459,9 @@ class _Scaled(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(3, 3)
-        self.scale = nn.Parameter(torch.ones(3))  # made in __init__: no reset_parameters gives it a value on meta
+        self.scale = nn.Parameter(
+            torch.ones(3)
+        )  # made in __init__: no reset_parameters gives it a value on meta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(x) * self.scale
@@ -402,7 +470,9 @@ class _Scaled(nn.Module):
 def test_a_tensor_no_initialisation_writes_is_refused_by_name() -> None:
     with torch.device("meta"):
         model = _Scaled()
-    with pytest.raises(ValueError, match=r"no initialisation writes 'scale' whole .*reset_parameters\(\).*weights=callable"):
+    with pytest.raises(
+        ValueError, match=r"no initialisation writes 'scale' whole .*reset_parameters\(\).*weights=callable"
+    ):
         torchspan.span(model, weights="init")
     with torch.device("meta"):
         model = _Scaled()
@@ -419,7 +489,9 @@ def test_refusals(tmp_path: Path) -> None:
 
     with torch.device("meta"):
         meta = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
-    with pytest.raises(ValueError, match=r"span\(model\): the model is on the meta device \('0.weight' has a shape"):
+    with pytest.raises(
+        ValueError, match=r"span\(model\): the model is on the meta device \('0.weight' has a shape"
+    ):
         torchspan.span(meta)
     with pytest.raises(ValueError, match=r"weights='init' is for a model built on the meta device"):
         torchspan.span(nn.Linear(2, 2), weights="init")
@@ -427,17 +499,26 @@ def test_refusals(tmp_path: Path) -> None:
         torchspan.span(meta, weights=3)
     with pytest.raises(ValueError, match=r"weights='.*nowhere' does not exist"):
         torchspan.span(meta, weights=str(tmp_path / "nowhere"))
-    with pytest.raises(ValueError, match=r"is not a checkpoint folder \(no .metadata\) nor a .safetensors file"):
+    with pytest.raises(
+        ValueError, match=r"is not a checkpoint folder \(no .metadata\) nor a .safetensors file"
+    ):
         torchspan.span(meta, weights=tmp_path)
     mixed = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     mixed[1].to("meta")
-    with pytest.raises(ValueError, match=r"2 parameter\(s\) of the model are on meta and 2 are not \(e.g. '0.weight'\)"):
+    with pytest.raises(
+        ValueError, match=r"2 parameter\(s\) of the model are on meta and 2 are not \(e.g. '0.weight'\)"
+    ):
         torchspan.span(mixed, weights="init")
-    save_file({"0.weight": torch.zeros(4, 3), "0.bias": torch.zeros(4), "1.weight": torch.zeros(2, 4)}, str(tmp_path / "part.safetensors"))
+    save_file(
+        {"0.weight": torch.zeros(4, 3), "0.bias": torch.zeros(4), "1.weight": torch.zeros(2, 4)},
+        str(tmp_path / "part.safetensors"),
+    )
     with pytest.raises(ValueError, match=r"the checkpoint has no '1.bias'"):
         torchspan.span(meta, weights=tmp_path / "part.safetensors")
     save_file({"0.weight": torch.zeros(3, 3)}, str(tmp_path / "shape.safetensors"))
-    with pytest.raises(ValueError, match=r"'0.weight' has shape \[3, 3\] in the file and \[4, 3\] in the model"):
+    with pytest.raises(
+        ValueError, match=r"'0.weight' has shape \[3, 3\] in the file and \[4, 3\] in the model"
+    ):
         torchspan.span(meta, weights=tmp_path / "shape.safetensors")
     assert all(p.is_meta for p in meta.parameters())  # refused before anything was made real
     assert torchspan.span(meta, devices=["meta"]).devices == ["meta"]  # tracing shapes needs no weights

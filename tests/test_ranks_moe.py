@@ -21,12 +21,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_ranks_pipeline import TOL, _check, _spawn
 from torch import nn
 
 import torchspan
 from torchspan.runtime.ranks import free_port, init_distributed
-
-from test_ranks_pipeline import TOL, _check, _spawn
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,14 +33,21 @@ LOSS_TOL = dict(rtol=1e-6, atol=1e-7)
 
 
 def _join(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
     init_distributed(timeout=30)
 
 
 def _leave() -> None:
-    """Leave the job together: a rank exiting with its gloo groups alive can abort in their threads' teardown."""
+    """Leave the job together: a rank exiting with its gloo groups alive can abort in their threads'
+    teardown."""
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
@@ -59,10 +65,19 @@ def shifted_tokens(labels: torch.Tensor) -> torch.Tensor:
 def _mixtral(experts: str = "eager") -> nn.Module:
     """Router logits recorded (output_router_logits): by hooks inside the blocks, which other ranks replay."""
     cfg = transformers.MixtralConfig(
-        vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=4, num_attention_heads=2,
-        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, use_cache=False,
-        tie_word_embeddings=False, experts_implementation=experts, output_router_logits=True,
-    )  # fmt: skip
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        use_cache=False,
+        tie_word_embeddings=False,
+        experts_implementation=experts,
+        output_router_logits=True,
+    )
     torch.manual_seed(0)
     return transformers.MixtralForCausalLM(cfg).double()
 
@@ -70,10 +85,21 @@ def _mixtral(experts: str = "eager") -> nn.Module:
 def _qwen_moe() -> nn.Module:
     """Qwen2-MoE: top-k experts plus a gated shared expert in every block."""
     cfg = transformers.Qwen2MoeConfig(
-        vocab_size=40, hidden_size=16, intermediate_size=24, moe_intermediate_size=8, shared_expert_intermediate_size=12,
-        num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
-        decoder_sparse_step=1, mlp_only_layers=[], use_cache=False, experts_implementation="eager",
-    )  # fmt: skip
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=24,
+        moe_intermediate_size=8,
+        shared_expert_intermediate_size=12,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        use_cache=False,
+        experts_implementation="eager",
+    )
     torch.manual_seed(1)
     return transformers.Qwen2MoeForCausalLM(cfg).double()
 
@@ -102,7 +128,10 @@ def _train_and_compare(make, label: str, rank: int, **span_args) -> None:
         expected.backward()
         torch.testing.assert_close(loss.double(), expected.detach(), **LOSS_TOL)
         assert _check(spanned, reference, f"{label} step {step}", rank) > 0
-    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:  # a forward: the last stage's outputs on every rank
+    with (
+        torch.no_grad(),
+        warnings.catch_warnings(record=True) as caught,
+    ):  # a forward: the last stage's outputs on every rank
         warnings.simplefilter("always")
         ids, _, mask = _batch(30, 3, 6)
         got, want = spanned(input_ids=ids, attention_mask=mask), reference(input_ids=ids, attention_mask=mask)
@@ -112,12 +141,16 @@ def _train_and_compare(make, label: str, rank: int, **span_args) -> None:
         for mine, theirs in zip(got.router_logits, want.router_logits):
             torch.testing.assert_close(mine, theirs, **TOL)
         assert got.aux_loss is None  # combines every block's router logits: no rank holds it
-        assert any("output ['aux_loss'] combines values of several pipeline stages" in str(w.message) for w in caught)
+        assert any(
+            "output ['aux_loss'] combines values of several pipeline stages" in str(w.message) for w in caught
+        )
 
 
 def _moe_worker(rank: int, world: int, port: int) -> None:
     _join(rank, world, port)
-    _train_and_compare(_mixtral, "mixtral 1f1b", rank, devices=["cpu", "cpu"], microbatches=3, schedule="1f1b")
+    _train_and_compare(
+        _mixtral, "mixtral 1f1b", rank, devices=["cpu", "cpu"], microbatches=3, schedule="1f1b"
+    )
     _train_and_compare(_qwen_moe, "qwen2-moe gpipe", rank, balance=[3, 5], microbatches=3, schedule="gpipe")
     _leave()
 
@@ -169,7 +202,10 @@ def _refused_worker(rank: int, world: int, port: int, out: str) -> None:
             spanned.train_step(torch.randn(4, 4), torch.randn(4, 2), nn.MSELoss())
             texts.append(f"{label}: no error")
         except Exception as exc:  # noqa: BLE001 - what each rank raised, compared by the test
-            texts.append(f"{label}: {type(exc).__name__}: {exc}" + ("" if "torchspan" in str(exc) else traceback.format_exc()))
+            texts.append(
+                f"{label}: {type(exc).__name__}: {exc}"
+                + ("" if "torchspan" in str(exc) else traceback.format_exc())
+            )
     Path(out, f"rank{rank}.txt").write_text("\n".join(texts))
     _leave()  # every rank raised in the same step: the group is intact
 
@@ -178,9 +214,15 @@ def _refused_worker(rank: int, world: int, port: int, out: str) -> None:
 def test_a_layer_meta_cannot_run_is_refused_or_stops_on_every_rank(tmp_path: Path) -> None:
     took = _spawn(_refused_worker, 2, free_port(), str(tmp_path), deadline=120.0)
     owner, other = ((tmp_path / f"rank{r}.txt").read_text() for r in (1, 0))
-    refusal = "layer 'blocks.2' (stage 1) cannot run on meta on the other ranks of the pipeline (stage 0: NotImplementedError"
+    refusal = (
+        "layer 'blocks.2' (stage 1) cannot run on meta on the other ranks of the pipeline (stage 0: "
+        "NotImplementedError"
+    )
     for text in (owner, other):
-        assert refusal in text and "its outputs cannot be described to them by their shapes: it returns PosixPath" in text, text
+        assert (
+            refusal in text
+            and "its outputs cannot be described to them by their shapes: it returns PosixPath" in text
+        ), text
     assert "fails: RuntimeError: boom in a routed block" in owner, owner
     assert "fails: RuntimeError: torchspan: stage 1 (rank 1) failed running layer 'blocks.2'" in other, other
     assert "boom in a routed block" in other

@@ -15,15 +15,14 @@ import copy
 
 import pytest
 import torch
+from test_ranks_hooks import _join, _leave
+from test_ranks_pipeline import TOL, _check, _spawn
 from torch import nn
 
 import torchspan
 from torchspan.runtime.ranks import free_port, p2p
 from torchspan.runtime.ranks.forwardstate import Shortcut
 from torchspan.runtime.ranks.mesh import Mesh
-
-from test_ranks_hooks import _join, _leave
-from test_ranks_pipeline import TOL, _check, _spawn
 
 
 class Mix(nn.Module):
@@ -65,7 +64,8 @@ def _kind(tag: int) -> str:
 
 
 def _counting() -> tuple[list[int], object]:
-    """``dist.irecv`` counting the early receives of forward values (the tags of each step's loss in ``_LOSS_TAGS``)."""
+    """``dist.irecv`` counting the early receives of forward values (the tags of each step's loss in
+    ``_LOSS_TAGS``)."""
     posted: list[int] = []
     irecv = p2p.dist.irecv
 
@@ -90,7 +90,10 @@ def _worker(rank: int, world: int, port: int) -> None:
     for schedule in ("merged-weights", "1f1b"):
         model = Skips()
         reference = copy.deepcopy(model)
-        for m in (model, reference):  # a forward patched on the instance (as hooks libraries do) stays the model's
+        for m in (
+            model,
+            reference,
+        ):  # a forward patched on the instance (as hooks libraries do) stays the model's
             _double(m.blocks[3])
         spanned = torchspan.span(model, balance=[2, 2], microbatches=3, schedule=schedule)
         transport = spanned._executor._transport
@@ -113,18 +116,28 @@ def _worker(rank: int, world: int, port: int) -> None:
             expected = nn.MSELoss()(reference(x, skip=skip), y)
             expected.backward()
             label = f"{schedule} step {step} (skip={skip}, {rows} rows)"
-            torch.testing.assert_close(loss.double(), expected.detach(), rtol=1e-6, atol=1e-7, msg=lambda m: f"{label}: {m}")
+            torch.testing.assert_close(
+                loss.double(), expected.detach(), rtol=1e-6, atol=1e-7, msg=lambda m: f"{label}: {m}"
+            )
             _check(spanned, reference, label, rank)
             assert not transport._early, f"{label}: receives left posted"
-            assert model.blocks[3].__dict__.get("forward") is not None, f"{label}: the patched forward was dropped"
+            assert model.blocks[3].__dict__.get("forward") is not None, (
+                f"{label}: the patched forward was dropped"
+            )
             with torch.no_grad():  # a no-grad forward between steps keeps its own slots ("own-eval")
-                torch.testing.assert_close(spanned(x[:4], skip=not skip), reference(x[:4], skip=not skip), **TOL)
+                torch.testing.assert_close(
+                    spanned(x[:4], skip=not skip), reference(x[:4], skip=not skip), **TOL
+                )
         if schedule == "merged-weights" and rank == 1:  # 3 micro-batches x the slots the step before used
             assert early_counts == [0, 6, 6, 3, 6], early_counts
         else:  # stage 0 receives no forward values; under 1F1B nothing is posted ahead
             assert early_counts == [0, 0, 0, 0, 0], (schedule, rank, early_counts)
         # stage 0 posts the receive of each step's loss early, on a tag of its own for every step
-        assert len(_LOSS_TAGS) == (len(steps) if rank == 0 else 0) == len(set(_LOSS_TAGS)), (schedule, rank, _LOSS_TAGS)
+        assert len(_LOSS_TAGS) == (len(steps) if rank == 0 else 0) == len(set(_LOSS_TAGS)), (
+            schedule,
+            rank,
+            _LOSS_TAGS,
+        )
         _LOSS_TAGS.clear()
         _eval_mode_step(spanned, model, reference, rank, schedule)
         _loss_received_early(spanned, reference, rank, schedule)
@@ -134,8 +147,8 @@ def _worker(rank: int, world: int, port: int) -> None:
 
 def _loss_received_early(spanned: torchspan.Spanned, reference: nn.Module, rank: int, schedule: str) -> None:
     """Stage 0 posts the receive of the step's loss at its first backward, before it takes the last stage's
-    gradients: the loss, sent after the last backward, lands while stage 0 still computes (a receive posted after
-    the send waits a round trip of gloo's threads at the end of the step)."""
+    gradients: the loss, sent after the last backward, lands while stage 0 still computes (a receive posted
+    after the send waits a round trip of gloo's threads at the end of the step)."""
     seen: list[tuple[str, str]] = []
     irecv, recv = p2p.dist.irecv, p2p.dist.recv
 
@@ -167,9 +180,12 @@ def _loss_received_early(spanned: torchspan.Spanned, reference: nn.Module, rank:
         assert not any(kind == "own-loss" for _, kind in seen), seen
 
 
-def _eval_mode_step(spanned: torchspan.Spanned, model: nn.Module, reference: nn.Module, rank: int, schedule: str) -> None:
-    """On a known path the last stage replays stage 0's blocks by their shortcuts (``forwardstate.Shortcut``); in
-    eval mode (another training flag) the first micro-batch takes the long way again, and every step stays exact."""
+def _eval_mode_step(
+    spanned: torchspan.Spanned, model: nn.Module, reference: nn.Module, rank: int, schedule: str
+) -> None:
+    """On a known path the last stage replays stage 0's blocks by their shortcuts (``forwardstate.Shortcut``);
+    in eval mode (another training flag) the first micro-batch takes the long way again, and every step stays
+    exact."""
     taken: list[bool] = []
     take = Shortcut.take
 
@@ -197,15 +213,18 @@ def _eval_mode_step(spanned: torchspan.Spanned, model: nn.Module, reference: nn.
         _check(spanned, reference, f"{schedule}, {mode} mode", rank)
     for m in (model, reference):
         m.train()
-    if rank == 1:  # blocks 0 and 1 of 3 micro-batches: all by shortcut once warm, but the first eval micro-batch's
+    if (
+        rank == 1
+    ):  # blocks 0 and 1 of 3 micro-batches: all by shortcut once warm, but the first eval micro-batch's
         assert hits[1:] == [6, 4, 6], hits
     else:  # stage 0 sends at its first call of stage 1's blocks, and the last one takes None: no shortcut
         assert hits == [0, 0, 0, 0], hits
 
 
 def _three_stages(rank: int, world: int, port: int) -> None:
-    """Three ranks: with ``skip`` stage 0's value crosses two cuts to stage 2, which posts the receives of both
-    earlier stages (both run their forwards first under merged-weights) and stays exact as the path changes."""
+    """Three ranks: with ``skip`` stage 0's value crosses two cuts to stage 2, which posts the receives of
+    both earlier stages (both run their forwards first under merged-weights) and stays exact as the path
+    changes."""
     _join(rank, world, port)
     posted, counted = _counting()
     irecv = p2p.dist.irecv
@@ -227,7 +246,8 @@ def _three_stages(rank: int, world: int, port: int) -> None:
         early_counts.append(len(posted))
         nn.MSELoss()(reference(x, skip=skip), y).backward()
         _check(spanned, reference, f"3 stages, step {step} (skip={skip})", rank)
-    # stage 1 takes one value per micro-batch from stage 0; stage 2 one from stage 1, and with skip one from stage 0
+    # stage 1 takes one value per micro-batch from stage 0; stage 2 one from stage 1, and with skip one from
+    # stage 0
     want = {0: [0, 0, 0, 0], 1: [0, 3, 3, 3], 2: [0, 6, 6, 3]}[rank]
     assert early_counts == want, (rank, early_counts)
     _leave()

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from ranks_spawn import spawn
 from torch import nn
 
 import torchspan
-from ranks_spawn import spawn
 from torchspan.runtime.ranks import free_port, init_distributed
 from torchspan.runtime.ranks.mesh import Mesh, launched_stages
 
@@ -60,12 +60,20 @@ def _check(spanned: torchspan.Spanned, reference: nn.Module, label: str, rank: i
             continue
         held += 1
         assert p.grad is not None, f"{label}: rank {rank}: {name} has no gradient"
-        torch.testing.assert_close(p.grad, ref[name].grad, **TOL, msg=lambda m: f"{label}: rank {rank}: {name}: {m}")
+        torch.testing.assert_close(
+            p.grad, ref[name].grad, **TOL, msg=lambda m: f"{label}: rank {rank}: {name}: {m}"
+        )
     return held
 
 
 def _join(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     init_distributed(timeout=30)
 
@@ -85,7 +93,10 @@ def _pipeline_worker(rank: int, world: int, port: int) -> None:
     labels = torch.tensor([0, 3, 3, 1, 2, 3, 0])
     weights = torch.tensor([0.5, 2.0, 1.0, 3.0], dtype=torch.float64)
     for schedule in ("gpipe", "1f1b"):
-        for loss_fn, target in ((nn.MSELoss(), y), (nn.CrossEntropyLoss(weight=weights, ignore_index=1), labels)):
+        for loss_fn, target in (
+            (nn.MSELoss(), y),
+            (nn.CrossEntropyLoss(weight=weights, ignore_index=1), labels),
+        ):
             label = f"{schedule}, {type(loss_fn).__name__}"
             model = _seq()
             reference = copy.deepcopy(model)
@@ -93,7 +104,9 @@ def _pipeline_worker(rank: int, world: int, port: int) -> None:
             got = spanned.train_step(x, target, loss_fn)
             want = loss_fn(reference(x), target)
             want.backward()
-            torch.testing.assert_close(got.double(), want.detach(), **LOSS_TOL, msg=lambda m: f"{label}: loss on rank {rank}: {m}")
+            torch.testing.assert_close(
+                got.double(), want.detach(), **LOSS_TOL, msg=lambda m: f"{label}: loss on rank {rank}: {m}"
+            )
             assert _check(spanned, reference, label, rank) == (2 if rank == 0 else 4)  # its own Linears only
             # accumulation over a second step without zero_grad, as on one device
             spanned.train_step(x[:5], target[:5], loss_fn)
@@ -129,7 +142,9 @@ def _pipeline_worker(rank: int, world: int, port: int) -> None:
     spanned = torchspan.span(model, balance=[2, 1], microbatches=3, schedule="1f1b")
     assert spanned.mode == "fx"
     loss_fn = nn.CrossEntropyLoss()
-    got = spanned.train_step(ids, tokens.view(7, 3), lambda out, t: loss_fn(out, t.flatten()), loss_reduction="mean")
+    got = spanned.train_step(
+        ids, tokens.view(7, 3), lambda out, t: loss_fn(out, t.flatten()), loss_reduction="mean"
+    )
     want = loss_fn(reference(ids), tokens)
     want.backward()
     torch.testing.assert_close(got.double(), want.detach(), **LOSS_TOL)
@@ -155,7 +170,9 @@ def _pipeline_worker(rank: int, world: int, port: int) -> None:
             want = nn.MSELoss()(reference(xs), ys)
             want.backward()
             label = f"{schedule}, {rows} rows of length {length}"
-            torch.testing.assert_close(got.double(), want.detach(), **LOSS_TOL, msg=lambda m: f"{label}: loss: {m}")
+            torch.testing.assert_close(
+                got.double(), want.detach(), **LOSS_TOL, msg=lambda m: f"{label}: loss: {m}"
+            )
             _check(spanned, reference, label, rank)
             if length == 5:
                 with torch.no_grad():  # evaluation: in training a pipeline's spanned(x) refuses (train_step)
@@ -165,8 +182,9 @@ def _pipeline_worker(rank: int, world: int, port: int) -> None:
 
 
 def _early_receives(rank: int, x: torch.Tensor, y: torch.Tensor) -> None:
-    """Once a step announced the message sizes, the last stage posts every forward receive at its first one when
-    the stage before runs its forwards first (merged-weights, gpipe), never under 1F1B; stage 0 posts none."""
+    """Once a step announced the message sizes, the last stage posts every forward receive at its first one
+    when the stage before runs its forwards first (merged-weights, gpipe), never under 1F1B; stage 0 posts
+    none."""
     from torchspan.runtime.ranks import p2p
 
     posted: list[int] = []
@@ -185,7 +203,9 @@ def _early_receives(rank: int, x: torch.Tensor, y: torch.Tensor) -> None:
             spanned.train_step(x, y, nn.MSELoss())
         finally:
             p2p.dist.irecv = irecv
-        assert len(posted) == (early if rank == 1 else 0), f"{schedule}: rank {rank} posted {len(posted)} early receive(s)"
+        assert len(posted) == (early if rank == 1 else 0), (
+            f"{schedule}: rank {rank} posted {len(posted)} early receive(s)"
+        )
 
 
 def _failing_worker(rank: int, world: int, port: int, out: str) -> None:
@@ -208,7 +228,8 @@ def _failing_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def _spawn(fn, world: int, *args, deadline: float = 90.0) -> float:
-    """Run ``fn`` on ``world`` processes; fail the test (never hang) past ``deadline``; return the seconds taken."""
+    """Run ``fn`` on ``world`` processes; fail the test (never hang) past ``deadline``; return the seconds
+    taken."""
     return spawn(fn, world, *args, deadline=deadline)
 
 
@@ -229,7 +250,9 @@ def test_two_rank_pipeline_matches_one_device() -> None:
 
 @pytest.mark.slow
 def test_failing_stage_ends_every_rank_naming_it(tmp_path: Path) -> None:
-    ctx = mp.start_processes(_failing_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _failing_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=False, start_method="spawn"
+    )
     start = time.monotonic()
     # Every rank must stop on its own (not only because a launcher kills it): poll the processes, kill none.
     while any(p.is_alive() for p in ctx.processes) and time.monotonic() - start < 60:

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import pytest
-from torch import nn
-
 import torch
+from torch import nn
 
 from torchspan.runtime.ranks import DataParallelReplica, shard_loss
 
 
 def test_batchnorm_is_refused_with_the_layer_named() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.BatchNorm1d(4)), nn.Linear(4, 2))
-    with pytest.raises(ValueError, match=r"layer '1.0' is BatchNorm1d: .*convert_sync_batchnorm.*per_shard_batchnorm=True"):
+    with pytest.raises(
+        ValueError, match=r"layer '1.0' is BatchNorm1d: .*convert_sync_batchnorm.*per_shard_batchnorm=True"
+    ):
         DataParallelReplica(model)
 
 
@@ -20,7 +21,9 @@ def test_needs_a_process_group_and_a_module() -> None:
     with pytest.raises(ValueError, match=r"call torchspan.init_distributed\(\) before"):
         DataParallelReplica(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="no process group"):
-        DataParallelReplica(nn.BatchNorm1d(3), per_shard_batchnorm=True)  # allowed past the check, then needs a group
+        DataParallelReplica(
+            nn.BatchNorm1d(3), per_shard_batchnorm=True
+        )  # allowed past the check, then needs a group
     with pytest.raises(TypeError, match="module=function is not a torch.nn.Module"):
         DataParallelReplica(lambda x: x)  # type: ignore[arg-type]
 

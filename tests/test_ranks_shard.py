@@ -1,4 +1,5 @@
-"""Shards over ranks: contiguous, uneven allowed, every sample exactly once (unlike DistributedSampler's padding)."""
+"""Shards over ranks: contiguous, uneven allowed, every sample exactly once (unlike DistributedSampler's
+padding)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,9 @@ def test_rank_batches_same_step_count_every_sample_once() -> None:
     assert {len(b) for b in per_rank} == {5}  # 23 samples, global batch 5: 5 steps on every rank
     seen = [i for batches in per_rank for batch in batches for i in batch]
     assert sorted(seen) == list(range(23))  # nothing repeated, nothing dropped
-    assert [len(b) for b in per_rank[2]][-1] == 1 and [len(b) for b in per_rank[0]][-1] == 1  # last batch 3 rows: 1+1+1
+    assert [len(b) for b in per_rank[2]][-1] == 1 and [len(b) for b in per_rank[0]][
+        -1
+    ] == 1  # last batch 3 rows: 1+1+1
     assert rank_batches(23, 5, 0, world, seed=4) == per_rank[0]  # same seed, same order on every rank
     assert rank_batches(23, 5, 0, world, seed=5) != per_rank[0]
     assert len(rank_batches(23, 5, 0, world, drop_last=True)) == 4
@@ -55,8 +58,11 @@ def test_rank_batches_errors() -> None:
 
 
 def test_rank_batches_refuses_a_negative_dataset_length() -> None:
-    # issue 19: rank_batches(-5, 2) returned [] (no batch, no error): a training loop that silently does nothing
+    # issue 19: rank_batches(-5, 2) returned [] (no batch, no error): a training loop that silently does
+    # nothing
     for bad in (-5, True):
-        with pytest.raises(ValueError, match=rf"samples={bad!r} must be the dataset length \(an integer >= 0\)"):
+        with pytest.raises(
+            ValueError, match=rf"samples={bad!r} must be the dataset length \(an integer >= 0\)"
+        ):
             rank_batches(bad, 2, 0, 1)
     assert rank_batches(0, 2, 0, 1) == []  # an empty dataset is no error

@@ -1,4 +1,5 @@
-"""``torchspan verify --strategies single,fsdp --nproc-per-node 2``: sharded data parallel against one device (issue 20, item 7).
+"""``torchspan verify --strategies single,fsdp --nproc-per-node 2``: sharded data parallel against one device
+(issue 20, item 7).
 
 ``fsdp`` runs ``span(model, shard=True)`` in gloo processes on 127.0.0.1 and every rank writes the full
 gradients (``.grad.full_tensor()``); ``fsdp-offload`` needs a GPU per process and is refused before
@@ -39,7 +40,19 @@ def models(tmp_path: Path) -> str:
 @pytest.mark.slow
 def test_verify_fsdp_passes_against_one_device(models: str, capsys: pytest.CaptureFixture[str]) -> None:
     # 7 rows over 2 processes (4 + 3); Linear(16, 5): 5 rows of weights sharded 3 + 2
-    code = main(["verify", f"{models}:mlp", "--input-shape", "7,16", "--strategies", "single,fsdp", "--nproc-per-node", "2", "--json"])
+    code = main(
+        [
+            "verify",
+            f"{models}:mlp",
+            "--input-shape",
+            "7,16",
+            "--strategies",
+            "single,fsdp",
+            "--nproc-per-node",
+            "2",
+            "--json",
+        ]
+    )
     report = json.loads(capsys.readouterr().out)
     assert code == 0, report
     fsdp = next(s for s in report["strategies"] if s["name"] == "fsdp")
@@ -48,14 +61,41 @@ def test_verify_fsdp_passes_against_one_device(models: str, capsys: pytest.Captu
 
 
 def test_verify_fsdp_needs_two_processes(models: str, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["verify", f"{models}:mlp", "--input-shape", "7,16", "--strategies", "single,fsdp", "--nproc-per-node", "1"])
+    code = main(
+        [
+            "verify",
+            f"{models}:mlp",
+            "--input-shape",
+            "7,16",
+            "--strategies",
+            "single,fsdp",
+            "--nproc-per-node",
+            "1",
+        ]
+    )
     assert code == 2
-    assert "sharded data parallel (parameters, gradients and optimizer state split over the processes) needs at least 2" in capsys.readouterr().err
+    assert (
+        "sharded data parallel (parameters, gradients and optimizer state split over the processes) needs "
+        "at least 2" in capsys.readouterr().err
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: fsdp-offload runs there")
-def test_verify_fsdp_offload_is_refused_without_a_gpu(models: str, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["verify", f"{models}:mlp", "--input-shape", "7,16", "--strategies", "single,fsdp-offload", "--nproc-per-node", "2"])
+def test_verify_fsdp_offload_is_refused_without_a_gpu(
+    models: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(
+        [
+            "verify",
+            f"{models}:mlp",
+            "--input-shape",
+            "7,16",
+            "--strategies",
+            "single,fsdp-offload",
+            "--nproc-per-node",
+            "2",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2, err
     assert "fsdp-offload needs a GPU" in err and "compare fsdp instead" in err
@@ -65,8 +105,23 @@ def test_verify_fsdp_offload_is_refused_without_a_gpu(models: str, capsys: pytes
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="fsdp-offload computes on a GPU (one per process); this machine has none")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="fsdp-offload computes on a GPU (one per process); this machine has none",
+)
 def test_verify_fsdp_offload_on_a_gpu(models: str, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["verify", f"{models}:mlp", "--input-shape", "7,16", "--strategies", "single,fsdp-offload", "--nproc-per-node", "1", "--json"])
+    code = main(
+        [
+            "verify",
+            f"{models}:mlp",
+            "--input-shape",
+            "7,16",
+            "--strategies",
+            "single,fsdp-offload",
+            "--nproc-per-node",
+            "1",
+            "--json",
+        ]
+    )
     report = json.loads(capsys.readouterr().out)
     assert code == 0, report

@@ -1,4 +1,5 @@
-"""``torchspan.span(model)`` in a launched job is an exact data-parallel replica (issue 12's three-line script).
+"""``torchspan.span(model)`` in a launched job is an exact data-parallel replica (issue 12's three-line
+script).
 
 Two gloo ranks on 127.0.0.1 run ``init_distributed(); spanned = span(model); spanned.train_step(shard...)``
 and check their gradients by parameter name against one device on the whole batch (7 rows = 4 + 3,
@@ -12,11 +13,11 @@ import os
 
 import pytest
 import torch
+from ranks_spawn import spawn
 from torch import nn
 
 import torchspan
 from torchspan.runtime.ranks import free_port, shard_batch
-from ranks_spawn import spawn
 
 TOL = dict(rtol=1e-10, atol=1e-12)
 LOSS_TOL = dict(rtol=1e-6, atol=1e-7)  # the returned loss may be float32
@@ -34,7 +35,9 @@ def _grads_match(spanned: torchspan.Spanned, reference: nn.Module, label: str) -
         torch.testing.assert_close(p.grad, ref[name].grad, **TOL, msg=lambda m: f"{label}: {name}: {m}")
 
 
-def _case(rank: int, world: int, x: torch.Tensor, y: torch.Tensor, loss_fn, label: str, **declared) -> torchspan.Spanned:
+def _case(
+    rank: int, world: int, x: torch.Tensor, y: torch.Tensor, loss_fn, label: str, **declared
+) -> torchspan.Spanned:
     model = _model()
     reference = copy.deepcopy(model)
     spanned = torchspan.span(model)
@@ -48,7 +51,13 @@ def _case(rank: int, world: int, x: torch.Tensor, y: torch.Tensor, loss_fn, labe
 
 
 def _worker(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     torchspan.init_distributed(timeout=30)
     g = torch.Generator().manual_seed(7)
@@ -67,20 +76,41 @@ def _worker(rank: int, world: int, port: int) -> None:
     spanned._meter.hold = lambda stage, t: held.append(t) or t  # type: ignore[method-assign]
     spanned.train_step(*shard_batch((x, y), rank, world), nn.MSELoss())
     assert held == [] and not spanned._executor.meters(), "the meter still counts after the first step"
-    assert spanned.memory()[0]["activations"] == first and [e.kind for e in spanned.timeline()] == ["forward", "backward"]
+    assert spanned.memory()[0]["activations"] == first and [e.kind for e in spanned.timeline()] == [
+        "forward",
+        "backward",
+    ]
     empty = _case(rank, world, x[:1], y[:1], nn.MSELoss(), "empty shard on rank 1, first step")
     assert empty._executor.meters() == (rank == 1)  # nothing saved yet on rank 1: its next step is metered
-    _case(rank, world, x, labels, nn.CrossEntropyLoss(weight=weights, ignore_index=1), "class-weighted cross-entropy")
+    _case(
+        rank,
+        world,
+        x,
+        labels,
+        nn.CrossEntropyLoss(weight=weights, ignore_index=1),
+        "class-weighted cross-entropy",
+    )
     _case(rank, world, x[:1], y[:1], nn.MSELoss(), "empty shard on rank 1")
-    # opaque lambdas: calibrated on each shard's halves and agreed by the ranks, as a local span calibrates them
+    # opaque lambdas: calibrated on each shard's halves and agreed by the ranks, as a local span calibrates
+    # them
     _case(rank, world, x, y, lambda out, t: ((out - t) ** 2).mean(), "lambda mean, calibrated")
     _case(rank, world, x, y, lambda out, t: ((out - t) ** 2).sum(), "lambda sum, calibrated")
     with pytest.raises(ValueError, match="is not a per-sample mean or a sum"):
         _case(rank, world, x, y, lambda out, t: ((out - t) ** 2).mean().sqrt(), "lambda neither")
     with pytest.raises(ValueError, match="no rank's shard has 2 samples or more"):
         _case(rank, world, x[:2], y[:2], lambda out, t: (out - t).abs().max(), "one row per rank")
-    _case(rank, world, x[:2], y[:2], lambda out, t: (out - t).abs().sum(), "one row per rank, declared", loss_reduction="sum")
-    assert torchspan.span(_model(), microbatches=2).microbatches == 2  # taken as locally (test_ranks_dataparallel_settings)
+    _case(
+        rank,
+        world,
+        x[:2],
+        y[:2],
+        lambda out, t: (out - t).abs().sum(),
+        "one row per rank, declared",
+        loss_reduction="sum",
+    )
+    assert (
+        torchspan.span(_model(), microbatches=2).microbatches == 2
+    )  # taken as locally (test_ranks_dataparallel_settings)
     with pytest.raises(ValueError, match="join.. is not supported by a 'sequential' executor across ranks"):
         torchspan.span(_model(), balance=[2, 1]).join()  # a pipeline across the ranks has no join
 
@@ -106,7 +136,9 @@ def _worker(rank: int, world: int, port: int) -> None:
     assert spanned.join(opt) == (0 if rank == 0 else 1)
     ref = dict(reference.named_parameters())
     for name, p in spanned.module.named_parameters():
-        torch.testing.assert_close(p.detach(), ref[name].detach(), rtol=1e-9, atol=1e-11, msg=lambda m: f"after join: {name}: {m}")
+        torch.testing.assert_close(
+            p.detach(), ref[name].detach(), rtol=1e-9, atol=1e-11, msg=lambda m: f"after join: {name}: {m}"
+        )
 
 
 def _spawn(fn, world: int, *args, deadline: float = 90.0) -> None:

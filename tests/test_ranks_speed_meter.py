@@ -40,7 +40,13 @@ def _counting(spanned: torchspan.Spanned) -> list[int]:
 
 
 def _worker(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     init_distributed(timeout=30)
     g = torch.Generator().manual_seed(3)
@@ -59,7 +65,9 @@ def _worker(rank: int, world: int, port: int) -> None:
         spanned.train_step(x, y, nn.MSELoss())
         assert calls == [], f"rank {rank}: a repeated shape was metered again ({len(calls)} saved tensors)"
         assert spanned.memory()[rank]["activations"] == first
-    assert [e.kind for e in spanned.timeline() if e.kind != "transfer"].count("backward") == 2  # the timeline still records
+    assert [e.kind for e in spanned.timeline() if e.kind != "transfer"].count(
+        "backward"
+    ) == 2  # the timeline still records
 
     spanned.train_step(x[:4], y[:4], nn.MSELoss())  # fewer rows: metered again, its own (smaller) peak
     assert calls, f"rank {rank}: a new micro-batch shape was not metered"
@@ -84,7 +92,9 @@ def test_rank_pipeline_meters_once_per_shape() -> None:
 
 
 def test_local_pipeline_meters_a_repeated_step_once() -> None:
-    spanned = torchspan.span(_model(), balance=[3, 2], devices=["cpu", "cpu"], microbatches=2, schedule="1f1b")
+    spanned = torchspan.span(
+        _model(), balance=[3, 2], devices=["cpu", "cpu"], microbatches=2, schedule="1f1b"
+    )
     calls = _counting(spanned)
     x, y = torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
     spanned.train_step(x, y, nn.MSELoss())

@@ -7,28 +7,31 @@ block's id names its file and the line of its opening fence: ``python@docs/proce
 Every ```python block is written to a file in a fresh temporary folder and run in a subprocess with a timeout:
 
 - as ``python block.py`` by default;
-- a block with a comment ``# NAME.py: run with: CMD, or CMD`` runs each CMD, each in a fresh folder, saved as the
+- a block with a comment ``# NAME.py: run with: CMD, or CMD`` runs each CMD, each in a fresh folder, saved as
+the
   file the command names: ``python NAME.py`` or ``torchspan launch --nproc-per-node N NAME.py``;
-- a block with a comment ``# needs a GPU`` / ``# needs N GPUs`` is skipped, with that reason, where fewer are present;
+- a block with a comment ``# needs a GPU`` / ``# needs N GPUs`` is skipped, with that reason, where fewer are
+present;
 - a block that imports transformers (or Lightning) is skipped where it is not installed (the ``hf`` or
   ``lightning`` extra);
 - a line ``print(...)`` followed by a comment line ``# TEXT`` says what it prints: TEXT must be in the output.
 
-Every ``$ torchspan ...`` line of the other blocks (and ``torchspan ...`` lines of ``bash`` blocks other than the
-set-up commands) must parse with torchspan's own command-line parser: the command and its options exist and their
-values parse. Nothing of it runs.
+Every ``$ torchspan ...`` line of the other blocks (and ``torchspan ...`` lines of ``bash`` blocks other than
+the set-up commands) must parse with torchspan's own command-line parser: the command and its options exist
+and their values parse. Nothing of it runs.
 
 Every relative link of those files (``[text](path#anchor)``) names a file that exists, and an anchor names a
 heading of that file.
 
-Usage: ``python -m pytest -q tests/test_readme_blocks.py`` (a few minutes; the launched blocks are marked slow).
+Usage: ``python -m pytest -q tests/test_readme_blocks.py`` (a few minutes; the launched blocks are marked
+slow).
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import importlib.util
+import io
 import os
 import re
 import shlex
@@ -46,7 +49,10 @@ from torchspan.commands._common import join_negative_values
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 NOT_RUN = {"docs/ARCHITECTURE.md"}  # diagrams and layout, no runnable blocks
-DOCS = [README, *(p for p in sorted((ROOT / "docs").glob("*.md")) if p.relative_to(ROOT).as_posix() not in NOT_RUN)]
+DOCS = [
+    README,
+    *(p for p in sorted((ROOT / "docs").glob("*.md")) if p.relative_to(ROOT).as_posix() not in NOT_RUN),
+]
 TIMEOUT = 240  # seconds per command; a hang fails the test instead of blocking CI
 
 
@@ -67,7 +73,8 @@ class Block:
 
 
 def readme_blocks(text: str, file: str = "README.md") -> list[Block]:
-    """Every fenced block of ``text`` (indented ones inside list items too), dedented; ``file`` names where it is."""
+    """Every fenced block of ``text`` (indented ones inside list items too), dedented; ``file`` names where it
+    is."""
     blocks, lines, i = [], text.splitlines(), 0
     while i < len(lines):
         m = re.match(r"^(\s*)```(\w*)\s*$", lines[i])
@@ -84,18 +91,25 @@ def readme_blocks(text: str, file: str = "README.md") -> list[Block]:
     return blocks
 
 
-BLOCKS = [b for path in DOCS for b in readme_blocks(path.read_text(encoding="utf-8"), path.relative_to(ROOT).as_posix())]
+BLOCKS = [
+    b
+    for path in DOCS
+    for b in readme_blocks(path.read_text(encoding="utf-8"), path.relative_to(ROOT).as_posix())
+]
 PYTHON = [b for b in BLOCKS if b.lang == "python"]
 
 
 def commands(block: Block) -> list[list[str]]:
-    """How the block says it runs: ``[["python", "train.py"], ["torchspan", "launch", ...]]``; default ``python block.py``."""
+    """How the block says it runs: ``[["python", "train.py"], ["torchspan", "launch", ...]]``; default
+    ``python block.py``."""
     for line in block.text.splitlines():
         m = re.match(r"^#.*\brun with:\s*(.+)$", line.strip())
         if m:
             forms = [shlex.split(c) for c in re.split(r",?\s+or\s+", m.group(1).strip().rstrip("."))]
             for argv in forms:
-                assert argv[-1].endswith(".py") and (argv[0] == "python" or argv[:2] == ["torchspan", "launch"]), (
+                assert argv[-1].endswith(".py") and (
+                    argv[0] == "python" or argv[:2] == ["torchspan", "launch"]
+                ), (
                     f"{block.where}: `run with:` names {' '.join(argv)!r}; use `python NAME.py` or "
                     "`torchspan launch --nproc-per-node N NAME.py`"
                 )
@@ -111,7 +125,11 @@ def gpus_needed(block: Block) -> int:
 def expected_prints(block: Block) -> list[str]:
     """The text a ``# ...`` comment line right after a top-level ``print(...)`` line says it prints."""
     lines = block.text.splitlines()
-    return [nxt[1:].strip() for line, nxt in zip(lines, lines[1:]) if line.startswith("print(") and nxt.startswith("# ")]
+    return [
+        nxt[1:].strip()
+        for line, nxt in zip(lines, lines[1:])
+        if line.startswith("print(") and nxt.startswith("# ")
+    ]
 
 
 def _argv(command: list[str], file: Path) -> list[str]:
@@ -126,7 +144,9 @@ def run_block(block: Block, command: list[str], folder: Path) -> subprocess.Comp
     file = folder / command[-1]
     file.write_text(block.text, encoding="utf-8")
     env = {**os.environ, "TORCHSPAN_TIMEOUT": "120", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(_argv(command, file), cwd=folder, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    proc = subprocess.run(
+        _argv(command, file), cwd=folder, env=env, capture_output=True, text=True, timeout=TIMEOUT
+    )
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, f"{block.where} `{' '.join(command)}` exited {proc.returncode}:\n{tail}"
     return proc
@@ -145,21 +165,33 @@ def test_readme_python_block_runs(block: Block, command: list[str], tmp_path: Pa
     need = gpus_needed(block)
     if need > torch.cuda.device_count():
         pytest.skip(f"{block.where} needs {need} GPU(s); {torch.cuda.device_count()} here")
-    if re.search(r"^\s*import .*\btransformers\b", block.text, re.M) and importlib.util.find_spec("transformers") is None:
+    if (
+        re.search(r"^\s*import .*\btransformers\b", block.text, re.M)
+        and importlib.util.find_spec("transformers") is None
+    ):
         pytest.skip(f"{block.where} needs transformers: pip install -c constraints.txt -e '.[hf]'")
-    if re.search(r"^\s*(import|from) lightning\b", block.text, re.M) and importlib.util.find_spec("lightning") is None:
+    if (
+        re.search(r"^\s*(import|from) lightning\b", block.text, re.M)
+        and importlib.util.find_spec("lightning") is None
+    ):
         pytest.skip(f"{block.where} needs Lightning: pip install -c constraints.txt -e '.[lightning]'")
     proc = run_block(block, command, tmp_path)
     for text in expected_prints(block):
-        assert text in proc.stdout, f"{block.where} says it prints {text!r}; it printed:\n{proc.stdout[-2000:]}"
+        assert text in proc.stdout, (
+            f"{block.where} says it prints {text!r}; it printed:\n{proc.stdout[-2000:]}"
+        )
 
 
 def test_every_python_block_is_checked() -> None:
-    """The blocks this file runs are README's and the guides' python blocks, and there are some in each file that
-    teaches code (the extraction did not go blind)."""
-    assert len(PYTHON) >= 8 and all("import" in b.text for b in PYTHON), [b.id for b in PYTHON if "import" not in b.text]
+    """The blocks this file runs are README's and the guides' python blocks, and there are some in each file
+    that teaches code (the extraction did not go blind)."""
+    assert len(PYTHON) >= 8 and all("import" in b.text for b in PYTHON), [
+        b.id for b in PYTHON if "import" not in b.text
+    ]
     files = {b.file for b in PYTHON}
-    assert {"README.md", "docs/one-process.md", "docs/processes.md", "docs/trainers.md"} <= files, sorted(files)
+    assert {"README.md", "docs/one-process.md", "docs/processes.md", "docs/trainers.md"} <= files, sorted(
+        files
+    )
     assert not NOT_RUN & files and "docs/cli.md" in {b.file for b in BLOCKS}, sorted(files)
 
 
@@ -193,7 +225,9 @@ def shell_commands() -> list[tuple[Block, str]]:
 SHELL = shell_commands()
 
 
-@pytest.mark.parametrize(("block", "line"), [pytest.param(b, s, id=f"{b.id}:{s.split()[1]}") for b, s in SHELL])
+@pytest.mark.parametrize(
+    ("block", "line"), [pytest.param(b, s, id=f"{b.id}:{s.split()[1]}") for b, s in SHELL]
+)
 def test_readme_shell_command_parses(block: Block, line: str) -> None:
     argv = shlex.split(line, comments=True)[1:]
     parser = build_parser()
@@ -257,9 +291,14 @@ LINKS = links()
 def test_relative_link_resolves(file: str, target: str) -> None:
     name, _, anchor = target.partition("#")
     path = (ROOT / file).parent / name if name else ROOT / file
-    assert path.exists(), f"{file} links to {target}: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path} does not exist"
+    assert path.exists(), (
+        f"{file} links to {target}: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path} does "
+        "not exist"
+    )
     if anchor and path.suffix == ".md":
-        assert anchor in anchors(path), f"{file} links to {target}: no heading of {name or file} has the anchor #{anchor}"
+        assert anchor in anchors(path), (
+            f"{file} links to {target}: no heading of {name or file} has the anchor #{anchor}"
+        )
 
 
 def test_links_are_found() -> None:

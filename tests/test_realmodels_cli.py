@@ -52,20 +52,37 @@ def models(tmp_path: Path) -> str:
 
 
 def test_verify_named_integer_inputs_and_block_rows(models: str, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main([
-        "verify", f"{models}:blocks", "--input", "input_ids=8,5:int64", "--input", "attention_mask=8,5:int64",
-        "--vocab", "2", "--devices", "cpu,cpu,cpu", "--microbatches", "2",
-    ])  # fmt: skip
+    code = main(
+        [
+            "verify",
+            f"{models}:blocks",
+            "--input",
+            "input_ids=8,5:int64",
+            "--input",
+            "attention_mask=8,5:int64",
+            "--vocab",
+            "2",
+            "--devices",
+            "cpu,cpu,cpu",
+            "--microbatches",
+            "2",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "blocks.1" in out and "PASS" in out
 
 
 def test_verify_flags_gradients_zero_on_both_sides(models: str, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["verify", f"{models}:zero_head", "--input-shape", "8,5", "--input-dtype", "int64", "--vocab", "10"])
+    code = main(
+        ["verify", f"{models}:zero_head", "--input-shape", "8,5", "--input-dtype", "int64", "--vocab", "10"]
+    )
     out = capsys.readouterr().out
     assert code == 0  # equal gradients, but the upstream ones are all zero: said, not passed silently
-    assert "7 of 9 parameter(s) got gradients that are exactly zero on both sides (embed.weight, blocks.0.weight" in out
+    assert (
+        "7 of 9 parameter(s) got gradients that are exactly zero on both sides (embed.weight, blocks.0.weight"
+        in out
+    )
     assert "zero grads" in out
 
 

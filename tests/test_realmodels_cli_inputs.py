@@ -54,16 +54,42 @@ def models(tmp_path: Path) -> str:
 
 
 def test_plan_takes_named_integer_inputs(models: str, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["plan", f"{models}:keyword_only", "--input", "input_ids=8,5", "--input", "attention_mask=8,5",
-            "--input-dtype", "int64", "--vocab", "10", "--devices", "cpu,cpu", "--json"]  # fmt: skip
+    argv = [
+        "plan",
+        f"{models}:keyword_only",
+        "--input",
+        "input_ids=8,5",
+        "--input",
+        "attention_mask=8,5",
+        "--input-dtype",
+        "int64",
+        "--vocab",
+        "10",
+        "--devices",
+        "cpu,cpu",
+        "--json",
+    ]
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)
     assert "blocks.1" in [name for st in data["stages"] for name in st["layers"]] and data["batch_size"] == 8
 
 
 def test_run_takes_named_inputs_and_reports_them(models: str, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["run", f"{models}:keyword_only", "--input", "input_ids=8,5:int64", "--input", "attention_mask=8,5:bool",
-            "--vocab", "10", "--devices", "cpu", "--steps", "2", "--json"]  # fmt: skip
+    argv = [
+        "run",
+        f"{models}:keyword_only",
+        "--input",
+        "input_ids=8,5:int64",
+        "--input",
+        "attention_mask=8,5:bool",
+        "--vocab",
+        "10",
+        "--devices",
+        "cpu",
+        "--steps",
+        "2",
+        "--json",
+    ]
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["inputs"] == {"input_ids": [8, 5, "int64"], "attention_mask": [8, 5, "bool"]}
@@ -77,7 +103,10 @@ def test_input_errors_are_one_line(command: str, models: str, capsys: pytest.Cap
     assert "NAME=SHAPE" in capsys.readouterr().err
     assert main([command, target, "--devices", "cpu"]) == 2
     assert "give the input" in capsys.readouterr().err
-    assert main([command, target, "--input-shape", "8,5", "--input", "input_ids=8,5:int64", "--devices", "cpu"]) == 2
+    assert (
+        main([command, target, "--input-shape", "8,5", "--input", "input_ids=8,5:int64", "--devices", "cpu"])
+        == 2
+    )
     assert "not both" in capsys.readouterr().err
     assert main([command, target, "--input", "input_ids=8,5:int64", "--devices", "cpu"]) == 2
     err = capsys.readouterr().err
@@ -85,13 +114,17 @@ def test_input_errors_are_one_line(command: str, models: str, capsys: pytest.Cap
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
-def test_plan_and_run_a_gpt2_with_named_inputs(models: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_and_run_a_gpt2_with_named_inputs(
+    models: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     pytest.importorskip("transformers")
     out = tmp_path / "plan.json"
     named = ["--input", "input_ids=4,8:int64", "--input", "attention_mask=4,8:int64", "--vocab", "50"]
     assert main(["plan", f"{models}:gpt2", *named, "--devices", "cpu,cpu", "--out", str(out), "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)
-    assert "transformer.h.0" in [name for st in planned["stages"] for name in st["layers"]]  # blocks as layers
+    assert "transformer.h.0" in [
+        name for st in planned["stages"] for name in st["layers"]
+    ]  # blocks as layers
     assert main(["run", f"{models}:gpt2", *named, "--plan", str(out), "--steps", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["inputs"]["input_ids"] == [4, 8, "int64"] and all(map(lambda v: v == v, data["losses"]))

@@ -35,15 +35,24 @@ def _model() -> TiedLM:
 def test_split_tie_is_recorded_named_and_noted() -> None:
     model = _model()
     plan = torchspan.plan(  # 60 KiB each: no device holds the whole model (~85 KiB with its working memory)
-        model, IDS, devices="a100-40gb*4", memory={f"cuda:{i}": "60KiB" for i in range(4)},
-        optimizer="sgd", microbatches=2, schedule="gpipe", recompute="never",
-    )  # fmt: skip
+        model,
+        IDS,
+        devices="a100-40gb*4",
+        memory={f"cuda:{i}": "60KiB" for i in range(4)},
+        optimizer="sgd",
+        microbatches=2,
+        schedule="gpipe",
+        recompute="never",
+    )
     assert len(plan.stages) >= 2
     (tie,) = plan.ties
     assert tie["name"] == "embed.weight" and tie["layers"] == ["embed", "head"]
     assert tie["stages"] == [0, len(plan.stages) - 1] and tie["bytes"] == 64 * 32 * 4
     text = str(plan)
-    assert f"tie: embed.weight (8.00 KiB) shared by embed (stage 0), head (stage {len(plan.stages) - 1}): split" in text
+    assert (
+        f"tie: embed.weight (8.00 KiB) shared by embed (stage 0), head (stage {len(plan.stages) - 1}): split"
+        in text
+    )
     assert any("tied parameter embed.weight is used on stages" in n for n in plan.notes)
     again = torchspan.Plan.from_json(plan.to_json())
     assert again.ties == plan.ties
@@ -52,7 +61,9 @@ def test_split_tie_is_recorded_named_and_noted() -> None:
 
 
 def test_tie_on_one_stage_is_recorded_without_a_note() -> None:
-    plan = torchspan.plan(_model(), IDS, devices="cpu", optimizer="sgd", microbatches=1, schedule="gpipe", recompute="never")
+    plan = torchspan.plan(
+        _model(), IDS, devices="cpu", optimizer="sgd", microbatches=1, schedule="gpipe", recompute="never"
+    )
     assert plan.ties == [{"name": "embed.weight", "layers": ["embed", "head"], "stages": [0], "bytes": 8192}]
     assert "split" not in str(plan) and not any("tied parameter" in n for n in plan.notes)
 

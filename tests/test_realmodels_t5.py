@@ -1,5 +1,6 @@
 """T5 (encoder-decoder, ``shared`` tied to both embeddings and the head) spanned over 4 stages on
-``["cpu"]*4``: a dict batch with ``decoder_input_ids``, gradients and an optimizer step equal to one device."""
+``["cpu"]*4``: a dict batch with ``decoder_input_ids``, gradients and an optimizer step equal to one
+device."""
 
 from __future__ import annotations
 
@@ -22,9 +23,17 @@ def _lm_loss(out: object, y: torch.Tensor) -> torch.Tensor:
 def test_t5_four_stages_tied_shared_gradients_and_step_equal_one_device() -> None:
     torch.manual_seed(0)
     cfg = transformers.T5Config(
-        vocab_size=50, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2,
-        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=50,
+        d_model=16,
+        d_kv=8,
+        d_ff=32,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=2,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
     model = transformers.T5ForConditionalGeneration(cfg)
     ref = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(0)
@@ -46,7 +55,9 @@ def test_t5_four_stages_tied_shared_gradients_and_step_equal_one_device() -> Non
         torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-4, rtol=1e-5)
         for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
             assert p.grad is not None and q.grad is not None, name
-            torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)  # shared.weight: every use summed
+            torch.testing.assert_close(
+                p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name
+            )  # shared.weight: every use summed
         opt.step()
         ref_opt.step()
     assert model.encoder.embed_tokens.weight is model.shared.weight is model.decoder.embed_tokens.weight
@@ -58,8 +69,17 @@ def test_an_explicit_balance_counts_the_layers_the_first_call_records() -> None:
     """T5's static layers (12: each stack's dropout too) are not its recorded ones (10): a balance over the
     recorded layers works, one over 12 is refused naming the 10."""
     torch.manual_seed(0)
-    cfg = transformers.T5Config(vocab_size=40, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=2, dropout_rate=0.0,
-                                decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
+    cfg = transformers.T5Config(
+        vocab_size=40,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=2,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
     model = transformers.T5ForConditionalGeneration(cfg).double()
     ref = copy.deepcopy(model)
     ids = torch.randint(1, 40, (4, 6), generator=torch.Generator().manual_seed(0))

@@ -22,9 +22,17 @@ MASK = torch.ones_like(IDS).index_fill_(1, torch.tensor([7]), 0)
 def _gpt2() -> nn.Module:
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(
-        n_layer=4, n_embd=32, n_head=2, vocab_size=50, n_positions=16, bos_token_id=0, eos_token_id=0,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
+        n_layer=4,
+        n_embd=32,
+        n_head=2,
+        vocab_size=50,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
@@ -69,7 +77,9 @@ def test_gpt2_blocks_on_four_stages_dict_batch_tied_gradient_and_steps() -> None
     ]
     assert model.lm_head.weight is model.transformer.wte.weight  # still one parameter after the steps
     torch.testing.assert_close(model.lm_head.weight, ref.lm_head.weight)
-    assert sum(1 for _ in spanned.parameters()) == sum(1 for _ in ref.parameters())  # the optimizer sees it once
+    assert sum(1 for _ in spanned.parameters()) == sum(
+        1 for _ in ref.parameters()
+    )  # the optimizer sees it once
     assert set(spanned.state_dict()) == set(ref.state_dict())  # tied keys kept
     assert "transformer.h.0" in str(spanned)
 
@@ -88,7 +98,12 @@ def test_gpt2_forward_returns_its_model_output_class() -> None:
 def test_llama_rotary_gqa_keyword_inputs_parity() -> None:
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=50
+        num_hidden_layers=4,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
     )
     model = transformers.LlamaForCausalLM(cfg)
     ref = copy.deepcopy(model)
@@ -97,15 +112,25 @@ def test_llama_rotary_gqa_keyword_inputs_parity() -> None:
     spanned.train_step(batch, IDS, _lm_loss)
     _lm_loss(ref(**batch), IDS).backward()
     _assert_same_grads(model, ref)
-    assert [g for _, g in spanned.stages][1:3] == [["model.layers.0", "model.layers.1"], ["model.layers.2", "model.layers.3"]]
+    assert [g for _, g in spanned.stages][1:3] == [
+        ["model.layers.0", "model.layers.1"],
+        ["model.layers.2", "model.layers.3"],
+    ]
 
 
 def test_bert_classifier_dict_batch_parity() -> None:
     torch.manual_seed(0)
     cfg = transformers.BertConfig(
-        num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4, vocab_size=50,
-        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3,
-    )  # fmt: skip
+        num_hidden_layers=4,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        vocab_size=50,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=3,
+    )
     model = transformers.BertForSequenceClassification(cfg)
     ref = copy.deepcopy(model)
     spanned = _span(model, devices=["cpu"] * 4, microbatches=2)
@@ -128,9 +153,15 @@ def test_plan_places_a_gpt2_no_single_device_holds_and_span_runs_it() -> None:
     budget = int(total * 1.6)  # params + grads of the whole model need 2x: no device holds it alone
     batch = {"input_ids": IDS, "use_cache": False}
     plan = torchspan.plan(
-        model, batch, devices="a100-40gb*4", memory={f"cuda:{i}": budget for i in range(4)},
-        optimizer="sgd", microbatches=2, schedule="gpipe", recompute="never",
-    )  # fmt: skip
+        model,
+        batch,
+        devices="a100-40gb*4",
+        memory={f"cuda:{i}": budget for i in range(4)},
+        optimizer="sgd",
+        microbatches=2,
+        schedule="gpipe",
+        recompute="never",
+    )
     assert len(plan.stages) >= 2 and any(name.startswith("transformer.h.") for name in plan.layers)
     assert plan.layers == torchspan.layers.model_layers(model, (), batch).names()
     here = plan.to_dict()  # the same placement on this machine's CPU
@@ -145,10 +176,27 @@ def test_plan_places_a_gpt2_no_single_device_holds_and_span_runs_it() -> None:
 
 def test_a_plan_for_other_layers_is_refused_at_the_first_call() -> None:
     model = _gpt2()
-    spanned = _span(model, plan=torchspan.Plan.from_dict({"stages": [
-        {"device": "cpu", "layers": ["transformer.wte", "transformer.wpe"]},
-        {"device": "cpu", "layers": ["transformer.h.0", "transformer.h.1", "transformer.h.2", "transformer.h.3", "transformer.ln_f", "lm_head"]},
-    ]}))  # fmt: skip
+    spanned = _span(
+        model,
+        plan=torchspan.Plan.from_dict(
+            {
+                "stages": [
+                    {"device": "cpu", "layers": ["transformer.wte", "transformer.wpe"]},
+                    {
+                        "device": "cpu",
+                        "layers": [
+                            "transformer.h.0",
+                            "transformer.h.1",
+                            "transformer.h.2",
+                            "transformer.h.3",
+                            "transformer.ln_f",
+                            "lm_head",
+                        ],
+                    },
+                ]
+            }
+        ),
+    )
     with pytest.raises(ValueError, match="transformer.drop"):
         spanned(input_ids=IDS, use_cache=False)
 
@@ -164,7 +212,12 @@ def test_doctor_names_a_misplaced_block() -> None:
 def test_doctor_reports_a_tie_a_users_move_broke() -> None:
     model = _gpt2()
     assert not [f for f in torchspan.doctor(model).findings if f.code == "tie-broken"]
-    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())  # what a new-Parameter .to() leaves
+    model.lm_head.weight = nn.Parameter(
+        model.lm_head.weight.detach().clone()
+    )  # what a new-Parameter .to() leaves
     found = [f for f in torchspan.doctor(model).findings if f.code == "tie-broken"]
     assert len(found) == 1 and found[0].severity == "error"
-    assert "model.transformer.wte.weight and model.lm_head.weight" in found[0].title and "tie_weights" in found[0].fix
+    assert (
+        "model.transformer.wte.weight and model.lm_head.weight" in found[0].title
+        and "tie_weights" in found[0].fix
+    )

@@ -73,7 +73,12 @@ def test_wrapper_blocks_are_layers_and_gradients_match_one_device() -> None:
     torch.testing.assert_close(loss, ref_loss.detach())
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
-    assert [g for _, g in spanned.stages] == [["embed", "blocks.0"], ["blocks.1", "blocks.2"], ["blocks.3"], ["head"]]
+    assert [g for _, g in spanned.stages] == [
+        ["embed", "blocks.0"],
+        ["blocks.1", "blocks.2"],
+        ["blocks.3"],
+        ["head"],
+    ]
     with torch.no_grad():
         out = spanned(IDS, scale)
     assert isinstance(out, Out) and out.logits.shape == (6, 5, 20) and out.note == "ok"
@@ -119,7 +124,10 @@ def test_split_batch_passes_batchless_tensors_whole_and_refuses_odd_sizes() -> N
     x, pos, const = torch.randn(4, 3), torch.arange(3).unsqueeze(0), torch.tensor(2.0)
     chunks = split_batch((x,), {"pos": pos, "c": const, "use_cache": False, "none": None}, 2)
     assert [a[0].shape[0] for a, _ in chunks] == [2, 2]
-    assert all(k["pos"] is pos and k["c"] is const and k["use_cache"] is False and k["none"] is None for _, k in chunks)
+    assert all(
+        k["pos"] is pos and k["c"] is const and k["use_cache"] is False and k["none"] is None
+        for _, k in chunks
+    )
     with pytest.raises(ValueError, match="NoSplit"):
         split_batch((x,), {"odd": torch.ones(3, 2)}, 2)
 

@@ -22,7 +22,9 @@ def png_size(path: Path) -> tuple[int, int]:
     return width, height
 
 
-def simulate(schedule: str, stages: int = 2, mbs: int = 4, step: int = 0, fwd: float = 1.0, bwd: float = 2.0) -> list[Event]:
+def simulate(
+    schedule: str, stages: int = 2, mbs: int = 4, step: int = 0, fwd: float = 1.0, bwd: float = 2.0
+) -> list[Event]:
     """Events of an ideal pipeline: each stage runs its action list as soon as inputs are ready."""
     order: list[list[tuple[str, int]]] = []
     for s in range(stages):
@@ -72,7 +74,11 @@ def test_simulated_schedules_are_consistent_and_differ():
     g, f = simulate("gpipe"), simulate("1f1b")
     assert pictures.timeline_problems(g) == []
     assert pictures.timeline_problems(f) == []
-    order = lambda evs: [(e.kind, e.microbatch) for e in sorted(evs, key=lambda e: e.start) if e.stage == 0 and e.kind != "transfer"]
+    order = lambda evs: [
+        (e.kind, e.microbatch)
+        for e in sorted(evs, key=lambda e: e.start)
+        if e.stage == 0 and e.kind != "transfer"
+    ]
     assert order(g) != order(f)
 
 
@@ -115,7 +121,9 @@ def test_gpipe_and_1f1b_pictures_differ(tmp_path):
 
 def test_normalize_memory_accepts_runtime_shapes():
     per_device = {"cpu": {"param_bytes": 10, "grad_bytes": 10, "optimizer_bytes": 20, "peak_activations": 5}}
-    assert pictures.normalize_memory(per_device) == {"cpu": {"params": 10, "grads": 10, "optimizer": 20, "activations": 5, "buffers": 0}}
+    assert pictures.normalize_memory(per_device) == {
+        "cpu": {"params": 10, "grads": 10, "optimizer": 20, "activations": 5, "buffers": 0}
+    }
     per_stage = [{"stage": 0, "device": "cpu", "params": 1}, {"stage": 1, "device": "meta", "activations": 7}]
     rows = pictures.normalize_memory(per_stage)
     assert rows == {
@@ -142,7 +150,10 @@ def test_memory_kinds_are_the_profiles_and_buffers_count():
 
 
 def test_memory_png_with_budget(tmp_path):
-    mem = {"cpu": {"params": 3 << 20, "grads": 3 << 20, "optimizer": 6 << 20, "activations": 2 << 20}, "meta": {"params": 1 << 20}}
+    mem = {
+        "cpu": {"params": 3 << 20, "grads": 3 << 20, "optimizer": 6 << 20, "activations": 2 << 20},
+        "meta": {"params": 1 << 20},
+    }
     out = pictures.memory_png(mem, tmp_path / "m.png", budgets={"cpu": 16 << 20, "meta": None})
     assert png_size(out)[0] > 200
 
@@ -159,7 +170,11 @@ def test_loss_png_rejects_bad_input(tmp_path):
 
 
 def test_write_report_links_every_picture(tmp_path):
-    plan = Plan(stages=[StagePlan("cpu", ["embed", "block0"], param_bytes=100), StagePlan("cpu", ["head"])], microbatches=4, schedule="1f1b")
+    plan = Plan(
+        stages=[StagePlan("cpu", ["embed", "block0"], param_bytes=100), StagePlan("cpu", ["head"])],
+        microbatches=4,
+        schedule="1f1b",
+    )
     files = pictures.write_report(
         tmp_path / "r",
         title="demo",
@@ -195,4 +210,8 @@ def test_training_progress_keeps_the_last_memory_when_none_is_given():
         bar.step(loss=2.0, speed=10.0, memory=memory)
         assert fields["mem"] == memory_text(memory) == "mem cpu 4.0M"
         bar.step(loss=1.5, speed=12.0)
-        assert (fields["mem"], fields["loss"], bar._progress.tasks[0].completed) == ("mem cpu 4.0M", "1.500", 2)
+        assert (fields["mem"], fields["loss"], bar._progress.tasks[0].completed) == (
+            "mem cpu 4.0M",
+            "1.500",
+            2,
+        )

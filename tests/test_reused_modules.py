@@ -143,7 +143,9 @@ class SharedIndex(Albert):
 
 def _batch(rows: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(5)
-    return torch.randn(rows, 4, generator=g, dtype=torch.float64), torch.randn(rows, 3, generator=g, dtype=torch.float64)
+    return torch.randn(rows, 4, generator=g, dtype=torch.float64), torch.randn(
+        rows, 3, generator=g, dtype=torch.float64
+    )
 
 
 def _span(model: nn.Module, **kw: Any) -> torchspan.Spanned:
@@ -166,21 +168,28 @@ def _assert_parity(make: Any, label: str, steps: int = 1, **kw: Any) -> torchspa
         got = spanned.train_step(x, y, nn.MSELoss())
         want = nn.MSELoss()(reference(x), y)
         want.backward()
-        torch.testing.assert_close(got.double(), want.detach(), **LOSS_TOL, msg=lambda m: f"{label}, step {step}: loss: {m}")
+        torch.testing.assert_close(
+            got.double(), want.detach(), **LOSS_TOL, msg=lambda m: f"{label}, step {step}: loss: {m}"
+        )
         ref = dict(reference.named_parameters())
         for name, p in spanned.module.named_parameters():
             assert p.grad is not None, f"{label}: {name} has no gradient"
-            torch.testing.assert_close(p.grad, ref[name].grad, **TOL, msg=lambda m: f"{label}, step {step}: {name}: {m}")
+            torch.testing.assert_close(
+                p.grad, ref[name].grad, **TOL, msg=lambda m: f"{label}, step {step}: {name}: {m}"
+            )
         opt.step()
         ref_opt.step()
     ref = dict(reference.named_parameters())
     for name, p in spanned.module.named_parameters():
-        torch.testing.assert_close(p.detach(), ref[name].detach(), **TOL, msg=lambda m: f"{label}: {name} after {steps} steps: {m}")
+        torch.testing.assert_close(
+            p.detach(), ref[name].detach(), **TOL, msg=lambda m: f"{label}: {name} after {steps} steps: {m}"
+        )
     return spanned
 
 
 def _assert_refused(make: Any, match: str, **kw: Any) -> str:
-    """``span`` + ``train_step`` raise ``ValueError`` matching ``match`` before any backward (no gradient anywhere)."""
+    """``span`` + ``train_step`` raise ``ValueError`` matching ``match`` before any backward (no gradient
+    anywhere)."""
     model = make()
     x, y = _batch()
     with pytest.raises(ValueError, match=match) as info:
@@ -199,7 +208,9 @@ def test_sequential_lists_every_entry_as_a_layer_tied_to_the_first() -> None:
     assert layers.by_name("4").module is layers.by_name("0").module
     assert layers.calls == ("0", "1", "2", "3", "4", "5")
     ties = find_ties(model, layers)
-    assert sorted(t.name for t in ties) == ["0.bias", "0.weight"] and all(t.layers == ("0", "4") for t in ties)
+    assert sorted(t.name for t in ties) == ["0.bias", "0.weight"] and all(
+        t.layers == ("0", "4") for t in ties
+    )
     assert torchspan.layers.execution_order(model) == ["0", "1", "2", "3", "4", "5"]
 
 
@@ -210,11 +221,23 @@ def test_sequential_entry_twice_trains_exactly(microbatches: int, schedule: str)
     assert spanned.mode == "sequential"
     # the entries' calls on two stages of one device (the module lives there), and both in one stage
     for balance in ([2, 4], [3, 3], [5, 1]):
-        _assert_parity(_sequential, f"balance {balance}", steps=2, devices=["cpu", "cpu"], balance=balance, **common)
-    _assert_parity(_sequential, "workers per stage", devices=["cpu", "cpu"], balance=[3, 3], workers="stage", **common)
-    _assert_parity(_sequential, "recompute", devices=["cpu", "cpu"], balance=[2, 4], recompute="always", **common)
+        _assert_parity(
+            _sequential, f"balance {balance}", steps=2, devices=["cpu", "cpu"], balance=balance, **common
+        )
+    _assert_parity(
+        _sequential, "workers per stage", devices=["cpu", "cpu"], balance=[3, 3], workers="stage", **common
+    )
+    _assert_parity(
+        _sequential, "recompute", devices=["cpu", "cpu"], balance=[2, 4], recompute="always", **common
+    )
     _assert_parity(_sequential_stateless, "an activation at two entries", devices=["cpu"], **common)
-    _assert_parity(_sequential_stateless, "an activation at two entries, two stages", devices=["cpu", "cpu"], balance=[2, 3], **common)
+    _assert_parity(
+        _sequential_stateless,
+        "an activation at two entries, two stages",
+        devices=["cpu", "cpu"],
+        balance=[2, 3],
+        **common,
+    )
 
 
 def test_sequential_entry_with_buffers_trains_in_one_stage_and_is_refused_across() -> None:
@@ -228,7 +251,10 @@ def test_sequential_entry_with_buffers_trains_in_one_stage_and_is_refused_across
     ref(_batch()[0])  # one device: both calls update the running statistics
     torch.testing.assert_close(model[0].running_mean, ref[0].running_mean, **TOL)
     text = _assert_refused(make, "are one module", devices=["cpu", "cpu"], balance=[2, 2])
-    assert "layers '0' (stage 0) and '2' (stage 1) are one module (BatchNorm1d)" in text and "buffer 'running_mean'" in text
+    assert (
+        "layers '0' (stage 0) and '2' (stage 1) are one module (BatchNorm1d)" in text
+        and "buffer 'running_mean'" in text
+    )
     assert "pass balance=[3, 1] with the same devices" in text, text
     _assert_parity(make, "the advice", devices=["cpu", "cpu"], balance=[3, 1])
 
@@ -240,23 +266,40 @@ def test_sequential_entries_on_two_devices_of_one_process_are_refused() -> None:
     modules = torchspan.layers.top_level_modules(model)
     cpu, gpu = torch.device("cpu"), torch.device("cuda:0")  # devices as data: no GPU needed
     stage_of = {"0": 0, "1": 0, "2": 0, "3": 1, "4": 1, "5": 1}
-    with pytest.raises(ValueError, match=r"entries '0' \(stage 0, cpu\), '4' \(stage 1, cuda:0\) are one module \(Linear\)") as info:
+    with pytest.raises(
+        ValueError, match=r"entries '0' \(stage 0, cpu\), '4' \(stage 1, cuda:0\) are one module \(Linear\)"
+    ) as info:
         check_entries(modules, stage_of, [cpu, gpu])
     assert "pass balance=[5, 1] with the same devices" in str(info.value)  # entries 0 to 4 in one stage
     check_entries(modules, stage_of, [cpu, cpu])  # one device: nothing to copy
-    check_entries(modules, {n: 0 if n in "01234" else 1 for n in modules}, [cpu, gpu])  # both entries in stage 0
+    check_entries(
+        modules, {n: 0 if n in "01234" else 1 for n in modules}, [cpu, gpu]
+    )  # both entries in stage 0
 
 
-# ------------------------------------------------------------------ a model's own forward calling one child twice
+# ------------------------------------------------------------------ a model's own forward calling one child
+# twice
 
 
 def test_fx_child_called_twice_exact_in_one_stage_refused_across_with_a_balance_that_works() -> None:
     for make in (Twice, TwoNames):
         _assert_parity(make, f"{make.__name__}, one stage", steps=2, devices=["cpu"])
         for balance in ([1, 3], [3, 1]):
-            spanned = _assert_parity(make, f"{make.__name__}, {balance}", steps=2, devices=["cpu", "cpu"], balance=balance, microbatches=2)
+            spanned = _assert_parity(
+                make,
+                f"{make.__name__}, {balance}",
+                steps=2,
+                devices=["cpu", "cpu"],
+                balance=balance,
+                microbatches=2,
+            )
             assert spanned.mode == "fx"
-        text = _assert_refused(make, "torchspan: module 'block' \\(Linear\\) is called 2 times", devices=["cpu", "cpu"], balance=[2, 2])
+        text = _assert_refused(
+            make,
+            "torchspan: module 'block' \\(Linear\\) is called 2 times",
+            devices=["cpu", "cpu"],
+            balance=[2, 2],
+        )
         assert f"in one forward of {make.__name__} (after 'a', after 'b')" in text, text
         assert "pass balance=[1, 3] with the same devices" in text, text
 
@@ -267,16 +310,32 @@ def test_own_forward_child_called_twice_exact_in_one_stage_refused_across(microb
         kw = dict(microbatches=microbatches)
         _assert_parity(make, "one stage", steps=2, devices=["cpu"], **kw)
         for balance in ([1, 3], [3, 1]):
-            spanned = _assert_parity(make, f"{balance}", steps=2, devices=["cpu", "cpu"], balance=balance, **kw)
+            spanned = _assert_parity(
+                make, f"{balance}", steps=2, devices=["cpu", "cpu"], balance=balance, **kw
+            )
             assert spanned.mode.startswith("own-forward")
-        text = _assert_refused(make, "torchspan: module 'block' \\(Linear\\) is called 2 times", devices=["cpu", "cpu"], balance=[2, 2], **kw)
+        text = _assert_refused(
+            make,
+            "torchspan: module 'block' \\(Linear\\) is called 2 times",
+            devices=["cpu", "cpu"],
+            balance=[2, 2],
+            **kw,
+        )
         assert "(after 'a', after 'b')" in text and "('block', 'b') lie in stages [0, 1]" in text, text
         assert "pass balance=[1, 3] with the same devices" in text, text
     # the other fix the refusal names: each call its own module, the parameters tied
-    _assert_parity(TiedTwice, "tied copies across stages", steps=2, devices=["cpu", "cpu"], balance=[2, 3], microbatches=microbatches)
+    _assert_parity(
+        TiedTwice,
+        "tied copies across stages",
+        steps=2,
+        devices=["cpu", "cpu"],
+        balance=[2, 3],
+        microbatches=microbatches,
+    )
 
 
-# ------------------------------------------------------------------ blocks of a ModuleList reused (ALBERT-style)
+# ------------------------------------------------------------------ blocks of a ModuleList reused
+# (ALBERT-style)
 
 
 def test_find_layers_keeps_blocks_called_twice_with_their_calls() -> None:
@@ -296,24 +355,49 @@ def test_find_layers_keeps_blocks_called_twice_with_their_calls() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.blocks[0][2](super().forward(x)[:, :1].expand(-1, 4))
 
-    with pytest.raises(ValueError, match="'blocks.0.2' \\(part of 'blocks.0'\\) is called outside every layer"):
+    with pytest.raises(
+        ValueError, match="'blocks.0.2' \\(part of 'blocks.0'\\) is called outside every layer"
+    ):
         find_layers(PieceOutside(), _batch()[0])
 
 
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_blocks_reused_exact_in_one_stage_refused_across(microbatches: int) -> None:
     for make in (Albert, SharedIndex):
-        _assert_parity(make, f"{make.__name__}, one stage", steps=2, devices=["cpu"], microbatches=microbatches)
+        _assert_parity(
+            make, f"{make.__name__}, one stage", steps=2, devices=["cpu"], microbatches=microbatches
+        )
         for balance in ([1, 3], [3, 1]):
-            _assert_parity(make, f"{make.__name__}, {balance}", steps=2, devices=["cpu", "cpu"], balance=balance, microbatches=microbatches)
-        text = _assert_refused(make, "torchspan: module 'blocks.0' \\(Linear", devices=["cpu", "cpu"], balance=[2, 2], microbatches=microbatches)
-        assert "after 'embed', after 'blocks.1'" in text and "pass balance=[1, 3] with the same devices" in text, text
+            _assert_parity(
+                make,
+                f"{make.__name__}, {balance}",
+                steps=2,
+                devices=["cpu", "cpu"],
+                balance=balance,
+                microbatches=microbatches,
+            )
+        text = _assert_refused(
+            make,
+            "torchspan: module 'blocks.0' \\(Linear",
+            devices=["cpu", "cpu"],
+            balance=[2, 2],
+            microbatches=microbatches,
+        )
+        assert (
+            "after 'embed', after 'blocks.1'" in text and "pass balance=[1, 3] with the same devices" in text
+        ), text
         if make is SharedIndex:
             assert "(Linear, also 'blocks.2')" in text, text
     # three stages: the closest balance that keeps blocks.0 and blocks.1 together
     text = _assert_refused(Albert, "'blocks.0'", devices=["cpu"] * 3, balance=[1, 1, 2])
     assert "pass balance=[1, 2, 1] with the same devices" in text, text
-    _assert_parity(Albert, "the advice on three stages", devices=["cpu"] * 3, balance=[1, 2, 1], microbatches=microbatches)
+    _assert_parity(
+        Albert,
+        "the advice on three stages",
+        devices=["cpu"] * 3,
+        balance=[1, 2, 1],
+        microbatches=microbatches,
+    )
 
 
 def test_reuse_spanning_every_block_leaves_one_cut_and_fewer_stages_when_none_fits() -> None:
@@ -341,13 +425,20 @@ def test_reuse_spanning_every_block_leaves_one_cut_and_fewer_stages_when_none_fi
 
 
 def _join(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     init_distributed(timeout=60)
 
 
 def _rank_parity(make: Any, label: str, rank: int, **kw: Any) -> torchspan.Spanned:
-    """Two SGD steps across the ranks: every parameter this rank holds equals one device's, gradients and weights."""
+    """Two SGD steps across the ranks: every parameter this rank holds equals one device's, gradients and
+    weights."""
     model = make()
     reference = copy.deepcopy(model)
     spanned = _span(model, **kw)
@@ -360,12 +451,16 @@ def _rank_parity(make: Any, label: str, rank: int, **kw: Any) -> torchspan.Spann
         got = spanned.train_step(x, y, nn.MSELoss())
         want = nn.MSELoss()(reference(x), y)
         want.backward()
-        torch.testing.assert_close(got.double(), want.detach(), **LOSS_TOL, msg=lambda m: f"{label}: rank {rank}: loss: {m}")
+        torch.testing.assert_close(
+            got.double(), want.detach(), **LOSS_TOL, msg=lambda m: f"{label}: rank {rank}: loss: {m}"
+        )
         ref = dict(reference.named_parameters())
         for name, p in spanned.module.named_parameters():
             if p.device.type != "meta":
                 assert p.grad is not None, f"{label}: rank {rank}: {name} has no gradient"
-                torch.testing.assert_close(p.grad, ref[name].grad, **TOL, msg=lambda m: f"{label}: rank {rank}: {name}: {m}")
+                torch.testing.assert_close(
+                    p.grad, ref[name].grad, **TOL, msg=lambda m: f"{label}: rank {rank}: {name}: {m}"
+                )
         opt.step()
         ref_opt.step()
     return spanned
@@ -374,7 +469,9 @@ def _rank_parity(make: Any, label: str, rank: int, **kw: Any) -> torchspan.Spann
 def _ranks_worker(rank: int, world: int, port: int, out: str) -> None:
     _join(rank, world, port)
     # Sequential entries 0 and 4 (one module) on the two ranks: a tie, gradients summed, copies kept equal
-    spanned = _rank_parity(_sequential, "Sequential entries on two ranks", rank, balance=[3, 3], microbatches=3, schedule="1f1b")
+    spanned = _rank_parity(
+        _sequential, "Sequential entries on two ranks", rank, balance=[3, 3], microbatches=3, schedule="1f1b"
+    )
     weight = spanned.module[0].weight.detach()
     copies = [torch.zeros_like(weight) for _ in range(world)]
     torch.distributed.all_gather(copies, weight)
@@ -399,7 +496,9 @@ def _ranks_worker(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_reused_modules_across_two_ranks(tmp_path: Path) -> None:
-    ctx = mp.start_processes(_ranks_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _ranks_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=False, start_method="spawn"
+    )
     start = time.monotonic()
     while not ctx.join(timeout=0.5):
         if time.monotonic() - start > 240:

@@ -8,12 +8,12 @@ import warnings
 
 import pytest
 import torch
+from runtime_models import dict_loss, residual, sequential, untraceable
 from torch import nn
 
 import torchspan
 from torchspan.planner.plans import Plan, StagePlan
 from torchspan.runtime import NoSplit
-from runtime_models import dict_loss, residual, sequential, untraceable
 
 
 class Boom(nn.Module):
@@ -50,7 +50,14 @@ def _boom_model(when: str) -> nn.Sequential:
 @pytest.mark.parametrize("workers", ["device", "stage"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_exception_in_stage_is_reraised_with_traceback(workers: str, schedule: str) -> None:
-    spanned = torchspan.span(_boom_model("forward"), devices=["cpu"] * 3, balance=[1, 2, 1], microbatches=4, schedule=schedule, workers=workers)
+    spanned = torchspan.span(
+        _boom_model("forward"),
+        devices=["cpu"] * 3,
+        balance=[1, 2, 1],
+        microbatches=4,
+        schedule=schedule,
+        workers=workers,
+    )
     with pytest.raises(KeyError, match="boom in stage") as info:
         spanned.train_step(torch.randn(8, 6), torch.randn(8, 3), nn.functional.mse_loss)
     frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
@@ -61,7 +68,9 @@ def test_exception_in_stage_is_reraised_with_traceback(workers: str, schedule: s
 @pytest.mark.parametrize("workers", ["device", "stage"])
 def test_exception_in_backward_stops_step_and_next_step_works(workers: str) -> None:
     model = _boom_model("backward")
-    spanned = torchspan.span(model, devices=["cpu"] * 3, balance=[1, 2, 1], microbatches=3, schedule="1f1b", workers=workers)
+    spanned = torchspan.span(
+        model, devices=["cpu"] * 3, balance=[1, 2, 1], microbatches=3, schedule="1f1b", workers=workers
+    )
     x, y = torch.randn(6, 6), torch.randn(6, 3)
     with pytest.raises(FloatingPointError, match="boom in backward"):
         spanned.train_step(x, y, nn.functional.mse_loss)
@@ -80,7 +89,9 @@ def test_state_dict_round_trips() -> None:
     spanned.load_state_dict(other.state_dict())
     for k, v in other.state_dict().items():
         torch.testing.assert_close(spanned.state_dict()[k], v)
-    ddp_style = {f"module.{k}": v * 2 for k, v in other.state_dict().items()}  # DataParallel/DDP checkpoint keys
+    ddp_style = {
+        f"module.{k}": v * 2 for k, v in other.state_dict().items()
+    }  # DataParallel/DDP checkpoint keys
     spanned.load_state_dict(ddp_style)
     torch.testing.assert_close(model.head.weight, other.head.weight * 2)
     fresh = residual(seed=3)
@@ -96,7 +107,9 @@ def test_spanned_refuses_to_move_and_exposes_module() -> None:
     model = sequential()
     spanned = torchspan.span(model, devices=["cpu", "cpu"])
     assert spanned.module is model
-    assert spanned.to("cpu") is spanned and spanned.cpu() is spanned  # where it runs: a no-op (what trainers ask)
+    assert (
+        spanned.to("cpu") is spanned and spanned.cpu() is spanned
+    )  # where it runs: a no-op (what trainers ask)
     with pytest.raises(TypeError, match="torchspan owns the placement"):
         spanned.cuda()
     across = torchspan.span(sequential(), devices=["cpu", "meta"])
@@ -108,7 +121,11 @@ def test_spanned_refuses_to_move_and_exposes_module() -> None:
 
 def test_plan_places_each_layer_on_its_device() -> None:
     model = sequential()
-    plan = Plan(stages=[StagePlan("cpu", ["0", "1", "2"]), StagePlan("meta", ["3", "4", "5", "6"])], microbatches=2, schedule="1f1b")
+    plan = Plan(
+        stages=[StagePlan("cpu", ["0", "1", "2"]), StagePlan("meta", ["3", "4", "5", "6"])],
+        microbatches=2,
+        schedule="1f1b",
+    )
     spanned = torchspan.span(model, plan)
     assert spanned.microbatches == 2 and spanned.schedule == "1f1b" and spanned.devices == ["cpu", "meta"]
     for name, child in model.named_children():
@@ -132,10 +149,20 @@ def test_explicit_arguments_win_over_the_plan_even_when_they_equal_the_defaults(
     assert not any(e.kind == "recompute" for e in spanned.timeline())
     # left out (None): the plan's values
     spanned = torchspan.span(sequential(), plan())
-    assert (spanned.microbatches, spanned.schedule, spanned.recompute, spanned.precision) == (4, "1f1b", "always", "32")
+    assert (spanned.microbatches, spanned.schedule, spanned.recompute, spanned.precision) == (
+        4,
+        "1f1b",
+        "always",
+        "32",
+    )
     # no plan: the defaults
     spanned = torchspan.span(sequential(), devices=["cpu", "cpu"])
-    assert (spanned.microbatches, spanned.schedule, spanned.recompute, spanned.precision) == (1, "gpipe", "never", "32")
+    assert (spanned.microbatches, spanned.schedule, spanned.recompute, spanned.precision) == (
+        1,
+        "gpipe",
+        "never",
+        "32",
+    )
 
 
 def test_plan_for_fx_model_puts_model_owned_parameter_where_first_read() -> None:
@@ -147,15 +174,25 @@ def test_plan_for_fx_model_puts_model_owned_parameter_where_first_read() -> None
 
 def test_plan_mismatch_errors_name_the_layer() -> None:
     with pytest.raises(ValueError, match="layer 'decoder'"):
-        torchspan.span(sequential(), Plan(stages=[StagePlan("cpu", ["0", "1", "2"]), StagePlan("cpu", ["decoder"])]))
+        torchspan.span(
+            sequential(), Plan(stages=[StagePlan("cpu", ["0", "1", "2"]), StagePlan("cpu", ["decoder"])])
+        )
     with pytest.raises(ValueError, match="does not place layer.*'6'"):
         torchspan.span(sequential(), Plan(stages=[StagePlan("cpu", ["0", "1", "2", "3", "4", "5"])]))
     with pytest.raises(ValueError, match="puts layer '1' at position 0.*runs '0' there"):
-        torchspan.span(sequential(), Plan(stages=[StagePlan("cpu", ["1", "0"]), StagePlan("cpu", ["2", "3", "4", "5", "6"])]))
+        torchspan.span(
+            sequential(),
+            Plan(stages=[StagePlan("cpu", ["1", "0"]), StagePlan("cpu", ["2", "3", "4", "5", "6"])]),
+        )
     with pytest.raises(ValueError, match="plan stage 1 device='cuda:7'"):
-        torchspan.span(sequential(), Plan(stages=[StagePlan("cpu", ["0", "1", "2"]), StagePlan("cuda:7", ["3", "4", "5", "6"])]))
+        torchspan.span(
+            sequential(),
+            Plan(stages=[StagePlan("cpu", ["0", "1", "2"]), StagePlan("cuda:7", ["3", "4", "5", "6"])]),
+        )
     with pytest.raises(ValueError, match="either plan or devices"):
-        torchspan.span(sequential(), Plan(stages=[StagePlan("cpu", [str(i) for i in range(7)])]), devices=["cpu"])
+        torchspan.span(
+            sequential(), Plan(stages=[StagePlan("cpu", [str(i) for i in range(7)])]), devices=["cpu"]
+        )
 
 
 def test_argument_errors() -> None:
@@ -216,7 +253,9 @@ def test_hook_mode_balance_follows_execution_order_and_trains_everything() -> No
 def test_hook_mode_plan_in_wrong_order_is_reported() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        spanned = torchspan.span(untraceable(), Plan(stages=[StagePlan("cpu", ["b"]), StagePlan("cpu", ["a", "c"])]))
+        spanned = torchspan.span(
+            untraceable(), Plan(stages=[StagePlan("cpu", ["b"]), StagePlan("cpu", ["a", "c"])])
+        )
     with pytest.raises(ValueError, match="puts layer 'b' at position 0, but the model runs 'a' there"):
         spanned.train_step(torch.randn(4, 5), torch.randn(4, 2), dict_loss)
 
@@ -260,21 +299,27 @@ def _check_timeline(events: list, stages: int, microbatches: int) -> None:
             bwd = [e for e in lane if e.microbatch == mb and e.kind == "backward"]
             assert len(fwd) >= 1 and len(bwd) >= 1, f"stage {s}, micro-batch {mb}"
             assert fwd[0].end <= bwd[0].start
-    assert all(e.kind in ("forward", "backward", "transfer", "recompute") and 0 <= e.start <= e.end for e in events)
+    assert all(
+        e.kind in ("forward", "backward", "transfer", "recompute") and 0 <= e.start <= e.end for e in events
+    )
 
 
 @pytest.mark.parametrize("workers", ["device", "stage"])
 def test_timeline_is_consistent_and_1f1b_differs_from_gpipe(workers: str) -> None:
     orders = {}
     for schedule in ("gpipe", "1f1b"):
-        spanned = torchspan.span(sequential(), devices=["cpu", "cpu"], microbatches=4, schedule=schedule, workers=workers)
+        spanned = torchspan.span(
+            sequential(), devices=["cpu", "cpu"], microbatches=4, schedule=schedule, workers=workers
+        )
         x, y = torch.randn(8, 6), torch.randn(8, 3)
         spanned.train_step(x, y, nn.functional.mse_loss)
         spanned.train_step(x, y, nn.functional.mse_loss)
         events = spanned.timeline()
         assert {e.step for e in events} == {2}  # only the most recent step
         _check_timeline(events, 2, 4)
-        orders[schedule] = [(e.kind, e.microbatch) for e in sorted(events, key=lambda e: e.start) if e.stage == 0]
+        orders[schedule] = [
+            (e.kind, e.microbatch) for e in sorted(events, key=lambda e: e.start) if e.stage == 0
+        ]
     assert orders["gpipe"][:4] == [("forward", i) for i in range(4)]
     assert orders["1f1b"][:3] == [("forward", 0), ("forward", 1), ("backward", 0)]
 

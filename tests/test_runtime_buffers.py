@@ -74,7 +74,9 @@ def test_checkpoint_recompute_leaves_buffers_as_one_forward(kind: str, path: str
 def test_counter_counts_each_sample_once_with_microbatches() -> None:
     model = _net("fx")
     model.bn.eval()  # keep BatchNorm out of it: per-micro-batch statistics are expected to differ
-    spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=3, recompute="except_last", schedule="1f1b")
+    spanned = torchspan.span(
+        model, devices=["cpu", "cpu"], microbatches=3, recompute="except_last", schedule="1f1b"
+    )
     spanned.train_step(torch.randn(7, 4), torch.randn(7, 2), nn.functional.mse_loss)
     assert float(model.count.seen) == 7.0
 

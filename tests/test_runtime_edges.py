@@ -1,4 +1,5 @@
-"""span at the edges (issue 10): a bare module is one layer; a model with nothing to train is refused in train_step."""
+"""span at the edges (issue 10): a bare module is one layer; a model with nothing to train is refused in
+train_step."""
 
 from __future__ import annotations
 
@@ -38,7 +39,10 @@ def test_bare_module_plans_and_runs_its_plan() -> None:
     assert torch.isfinite(loss)
 
 
-@pytest.mark.parametrize("model", [nn.Sequential(nn.ReLU(), nn.Tanh()), nn.Sequential(nn.Linear(3, 3).requires_grad_(False), nn.ReLU())])
+@pytest.mark.parametrize(
+    "model",
+    [nn.Sequential(nn.ReLU(), nn.Tanh()), nn.Sequential(nn.Linear(3, 3).requires_grad_(False), nn.ReLU())],
+)
 def test_train_step_refuses_a_model_with_nothing_to_train(model: nn.Module) -> None:
     spanned = torchspan.span(model, devices=["cpu", "cpu"])
     with pytest.raises(ValueError, match="no parameter that requires grad"):

@@ -7,22 +7,22 @@ placed, without knowing which executor it holds.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 import torch
+from runtime_models import residual, sequential, untraceable
 from torch import nn
 
 import torchspan
 from torchspan.runtime.executor import Executor, Settings, Work
-from torchspan.runtime.local.serial import SerialExecutor
 from torchspan.runtime.local.pipelined import PipelinedExecutor
+from torchspan.runtime.local.serial import SerialExecutor
 from torchspan.runtime.memory import ActivationMeter
 from torchspan.runtime.record import Recorder
 from torchspan.runtime.spanned import Spanned
-from runtime_models import residual, sequential, untraceable
 
 
 class Recording(Executor):
@@ -49,7 +49,11 @@ class Recording(Executor):
         return [self.model(*c) for c in work.chunks]
 
     def train(
-        self, work: Work, targets: Sequence[Any], loss_fn: Callable[[Any, Any], torch.Tensor], weights: Sequence[float],
+        self,
+        work: Work,
+        targets: Sequence[Any],
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        weights: Sequence[float],
         spec: Any = None,
     ) -> torch.Tensor:
         self.calls.append(f"train in step {self.recorder.step}")
@@ -114,8 +118,25 @@ def test_a_pipelined_executor_refuses_the_hooks_mode_and_foreign_work() -> None:
     settings = Settings(1, "gpipe", "never", "32")
     dev = [torch.device("cpu")]
     with pytest.raises(ValueError, match="mode='own-forward' is not a pipelined mode"):
-        PipelinedExecutor(sequential(), "own-forward", None, dev, [[str(i) for i in range(7)]], settings, Recorder(), ActivationMeter(1))
-    ex = PipelinedExecutor(sequential(), "sequential", None, dev, [[str(i) for i in range(7)]], settings, Recorder(), ActivationMeter(1))
+        PipelinedExecutor(
+            sequential(),
+            "own-forward",
+            None,
+            dev,
+            [[str(i) for i in range(7)]],
+            settings,
+            Recorder(),
+            ActivationMeter(1),
+        )
+    ex = PipelinedExecutor(
+        sequential(),
+        "sequential",
+        None,
+        dev,
+        [[str(i) for i in range(7)]],
+        settings,
+        Recorder(),
+        ActivationMeter(1),
+    )
     with pytest.raises(ValueError, match="work.fns is None"):
         ex.forward(Work([[torch.randn(2, 6)]]))
-

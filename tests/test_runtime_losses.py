@@ -13,13 +13,15 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from runtime_models import sequential
 from torch import nn
 
 import torchspan
-from runtime_models import sequential
 
 
-def _reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable[..., Any]) -> tuple[float, list[torch.Tensor]]:
+def _reference(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable[..., Any]
+) -> tuple[float, list[torch.Tensor]]:
     ref = copy.deepcopy(model)
     loss = loss_fn(ref(x), y)
     loss.backward()
@@ -43,8 +45,14 @@ Y_PAD = torch.tensor([0, 2, 2, 7, 7, 7, 1, 2, 0, 1, 1])
 LOSSES: dict[str, tuple[Callable[..., Any], torch.Tensor]] = {
     "ce-class-weights": (nn.CrossEntropyLoss(weight=torch.tensor([0.2, 1.0, 3.0])), Y.clamp(min=0)),
     "ce-ignore-index": (nn.CrossEntropyLoss(), Y),
-    "ce-weights-and-ignore": (nn.CrossEntropyLoss(weight=torch.tensor([0.2, 1.0, 3.0]), ignore_index=7), Y_PAD),
-    "ce-label-smoothing": (nn.CrossEntropyLoss(weight=torch.tensor([0.2, 1.0, 3.0]), label_smoothing=0.1), Y.clamp(min=0)),
+    "ce-weights-and-ignore": (
+        nn.CrossEntropyLoss(weight=torch.tensor([0.2, 1.0, 3.0]), ignore_index=7),
+        Y_PAD,
+    ),
+    "ce-label-smoothing": (
+        nn.CrossEntropyLoss(weight=torch.tensor([0.2, 1.0, 3.0]), label_smoothing=0.1),
+        Y.clamp(min=0),
+    ),
     "functional-ce-ignore": (F.cross_entropy, Y),
     "ce-sum": (nn.CrossEntropyLoss(reduction="sum", weight=torch.tensor([0.2, 1.0, 3.0])), Y.clamp(min=0)),
 }
@@ -56,7 +64,9 @@ def test_loss_parity_uneven_three_stages(name: str, schedule: str) -> None:
     loss_fn, y = LOSSES[name]
     model = sequential()
     ref = _reference(model, X, y, loss_fn)
-    spanned = torchspan.span(model, devices=["cpu", "cpu", "cpu"], balance=[3, 2, 2], microbatches=4, schedule=schedule)
+    spanned = torchspan.span(
+        model, devices=["cpu", "cpu", "cpu"], balance=[3, 2, 2], microbatches=4, schedule=schedule
+    )
     _check(spanned, model, ref, spanned.train_step(X, y, loss_fn))
 
 
@@ -118,7 +128,9 @@ def test_plain_function_sum_needs_loss_reduction() -> None:
 
 def test_contradicting_reduction_is_an_error() -> None:
     spanned = torchspan.span(sequential(), devices=["cpu", "cpu"], balance=[4, 3], microbatches=2)
-    with pytest.raises(ValueError, match=r"loss_reduction='mean' contradicts loss_fn=MSELoss\(reduction='sum'\)"):
+    with pytest.raises(
+        ValueError, match=r"loss_reduction='mean' contradicts loss_fn=MSELoss\(reduction='sum'\)"
+    ):
         spanned.train_step(X, torch.randn(11, 3), nn.MSELoss(reduction="sum"), loss_reduction="mean")
     with pytest.raises(ValueError, match="reduction='none'"):
         spanned.train_step(X, torch.randn(11, 3), nn.MSELoss(reduction="none"))
@@ -147,8 +159,12 @@ def test_batchnorm_with_microbatches_warns_once_and_names_the_layer() -> None:
         warnings.simplefilter("error")
         spanned.train_step(torch.randn(8, 4), torch.randn(8, 2), nn.MSELoss())  # only once
         model[1].eval()
-        one = torchspan.span(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)), devices=["cpu"], microbatches=1)
-        one.train_step(torch.randn(8, 4), torch.randn(8, 8), nn.MSELoss())  # one micro-batch: exact, no warning
+        one = torchspan.span(
+            nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)), devices=["cpu"], microbatches=1
+        )
+        one.train_step(
+            torch.randn(8, 4), torch.randn(8, 8), nn.MSELoss()
+        )  # one micro-batch: exact, no warning
 
 
 def test_a_loss_that_is_not_a_scalar_is_an_error_in_every_mode() -> None:
@@ -157,5 +173,7 @@ def test_a_loss_that_is_not_a_scalar_is_an_error_in_every_mode() -> None:
 
     hooked = torchspan.span(Branchy(), devices=["cpu", "cpu"], balance=[1, 1], microbatches=2)  # threads
     for spanned in (torchspan.span(sequential(), devices=["cpu", "cpu"], microbatches=2), hooked):
-        with pytest.raises(ValueError, match=r"shape \(4,\); it must return a scalar \(use reduction='mean' or 'sum'\)"):
+        with pytest.raises(
+            ValueError, match=r"shape \(4,\); it must return a scalar \(use reduction='mean' or 'sum'\)"
+        ):
             spanned.train_step(X[:8], Y[:8], per_sample)

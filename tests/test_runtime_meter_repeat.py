@@ -1,4 +1,5 @@
-"""A local pipeline counts saved activations once per kind of step, not every step (issue 21, less per-step work).
+"""A local pipeline counts saved activations once per kind of step, not every step (issue 21, less per-step
+work).
 
 The saved-tensor hooks behind ``Spanned.memory()`` cost ~10% of a small local pipeline's step. A step that
 looks like the last metered one (micro-batch shapes, the loss, which parameters train, train/eval modes, which
@@ -14,17 +15,18 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from test_ranks_speed_meter import _counting  # counts the tensors the meter is asked to hold
 from torch import nn
 
 import torchspan
 from torchspan.runtime.memory import behaviour_key
 
-from test_ranks_speed_meter import _counting  # counts the tensors the meter is asked to hold
-
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Dropout(0.5), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+    return nn.Sequential(
+        nn.Linear(5, 16), nn.Tanh(), nn.Dropout(0.5), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)
+    ).double()
 
 
 class _Twins:
@@ -32,8 +34,22 @@ class _Twins:
 
     def __init__(self, schedule: str = "1f1b", recompute: str = "never") -> None:
         model = _model()
-        self.a = torchspan.span(model, balance=[3, 3], devices=["cpu", "cpu"], microbatches=2, schedule=schedule, recompute=recompute)
-        self.b = torchspan.span(copy.deepcopy(model), balance=[3, 3], devices=["cpu", "cpu"], microbatches=2, schedule=schedule, recompute=recompute)
+        self.a = torchspan.span(
+            model,
+            balance=[3, 3],
+            devices=["cpu", "cpu"],
+            microbatches=2,
+            schedule=schedule,
+            recompute=recompute,
+        )
+        self.b = torchspan.span(
+            copy.deepcopy(model),
+            balance=[3, 3],
+            devices=["cpu", "cpu"],
+            microbatches=2,
+            schedule=schedule,
+            recompute=recompute,
+        )
         self.b._executor._pipeline._steps.wants = lambda signature: True  # type: ignore[method-assign]
         self.calls = _counting(self.a)
 
@@ -42,7 +58,9 @@ class _Twins:
         for s in (self.a, self.b):
             torch.manual_seed(1)  # the same dropout masks
             s.train_step(x, y, loss_fn)
-        assert bool(self.calls) == metered, f"metered {len(self.calls)} saved tensors, expected metered={metered}"
+        assert bool(self.calls) == metered, (
+            f"metered {len(self.calls)} saved tensors, expected metered={metered}"
+        )
         got = [m["activations"] for m in self.a.memory()]
         want = [m["activations"] for m in self.b.memory()]
         assert got == want and min(want) > 0, (got, want)
@@ -54,7 +72,9 @@ class _Twins:
 
 def _data(rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(rows)
-    return torch.randn(rows, 5, generator=g, dtype=torch.float64), torch.randn(rows, 4, generator=g, dtype=torch.float64)
+    return torch.randn(rows, 5, generator=g, dtype=torch.float64), torch.randn(
+        rows, 4, generator=g, dtype=torch.float64
+    )
 
 
 def test_a_repeated_step_reports_the_metered_peak_and_a_new_shape_is_metered() -> None:
@@ -92,9 +112,13 @@ def test_loss_options_and_zero_weight_chunks_are_part_of_the_step() -> None:
     x = _data()[0]
     labels = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
     t.step(x, labels, functools.partial(F.cross_entropy, ignore_index=-1), metered=True)
-    t.step(x, labels, functools.partial(F.cross_entropy, ignore_index=-1), metered=False)  # made anew: the same loss
+    t.step(
+        x, labels, functools.partial(F.cross_entropy, ignore_index=-1), metered=False
+    )  # made anew: the same loss
     t.step(x, labels, functools.partial(F.cross_entropy, label_smoothing=0.1), metered=True)
-    ignored = torch.tensor([-100, -100, -100, -100, 0, 1, 2, 3])  # the first chunk weighs 0: a different graph
+    ignored = torch.tensor(
+        [-100, -100, -100, -100, 0, 1, 2, 3]
+    )  # the first chunk weighs 0: a different graph
     t.step(x, ignored, nn.CrossEntropyLoss(), metered=True)
     t.step(x, ignored, nn.CrossEntropyLoss(), metered=False)
     t.step(x, labels, nn.CrossEntropyLoss(), metered=True)
@@ -104,8 +128,12 @@ def test_loss_options_and_zero_weight_chunks_are_part_of_the_step() -> None:
 def test_behaviour_key_compares_loss_options_not_identity() -> None:
     assert behaviour_key(nn.MSELoss()) == behaviour_key(nn.MSELoss())
     assert behaviour_key(nn.MSELoss()) != behaviour_key(nn.MSELoss(reduction="sum"))
-    assert behaviour_key(nn.CrossEntropyLoss(weight=torch.ones(3))) != behaviour_key(nn.CrossEntropyLoss(weight=torch.ones(4)))
+    assert behaviour_key(nn.CrossEntropyLoss(weight=torch.ones(3))) != behaviour_key(
+        nn.CrossEntropyLoss(weight=torch.ones(4))
+    )
     assert behaviour_key(F.mse_loss) == behaviour_key(F.mse_loss) != behaviour_key(F.l1_loss)
     assert behaviour_key(lambda a, b: a) != behaviour_key(lambda a, b: a)
     weights = torch.ones(3)
-    assert behaviour_key(functools.partial(F.cross_entropy, weight=weights)) == behaviour_key(functools.partial(F.cross_entropy, weight=weights))
+    assert behaviour_key(functools.partial(F.cross_entropy, weight=weights)) == behaviour_key(
+        functools.partial(F.cross_entropy, weight=weights)
+    )

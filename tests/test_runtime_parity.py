@@ -9,15 +9,21 @@ from typing import Any
 
 import pytest
 import torch
+from runtime_models import dict_loss, residual, residual_loss, sequential, untraceable
 from torch import nn
 
 import torchspan
 from torchspan.parity import grad_differences
 from torchspan.runtime import NoSplit
-from runtime_models import dict_loss, residual, residual_loss, sequential, untraceable
 
 
-def _reference(model: nn.Module, loss_fn: Callable[..., torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, Any], y: torch.Tensor) -> tuple[nn.Module, torch.Tensor]:
+def _reference(
+    model: nn.Module,
+    loss_fn: Callable[..., torch.Tensor],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    y: torch.Tensor,
+) -> tuple[nn.Module, torch.Tensor]:
     ref = copy.deepcopy(model)
     loss = loss_fn(ref(*args, **kwargs), y)
     loss.backward()
@@ -27,12 +33,15 @@ def _reference(model: nn.Module, loss_fn: Callable[..., torch.Tensor], args: tup
 def _assert_same_grads(model: nn.Module, ref: nn.Module, atol: float = 1e-6, rtol: float = 1e-5) -> None:
     assert not [n for n, p in model.named_parameters() if p.grad is None], "parameters without a gradient"
     bad = [d for d in grad_differences(model, ref, atol=atol, rtol=rtol) if not d.within]
-    assert not bad, "\n".join(f"{d.name}: max abs diff {d.max_abs:.3e}, max rel diff {d.max_rel:.3e}" for d in bad)
+    assert not bad, "\n".join(
+        f"{d.name}: max abs diff {d.max_abs:.3e}, max rel diff {d.max_rel:.3e}" for d in bad
+    )
 
 
 def assert_catches_wrong_grads(model: nn.Module, check: Callable[[], None]) -> None:
-    """``check()`` passes now and fails (``AssertionError``) once any one parameter's ``.grad`` is zeroed or scaled
-    by 0.8 (each mutation undone after): a tolerance that lets a dropped or mis-weighted gradient through is no check."""
+    """``check()`` passes now and fails (``AssertionError``) once any one parameter's ``.grad`` is zeroed or
+    scaled by 0.8 (each mutation undone after): a tolerance that lets a dropped or mis-weighted gradient
+    through is no check."""
     check()
     for name, p in model.named_parameters():
         kept = p.grad
@@ -53,7 +62,9 @@ def test_sequential_parity(schedule: str, recompute: str, devices: list[str], ba
     model = sequential()
     x, y = torch.randn(10, 6), torch.randn(10, 3)  # 10 samples in 4 micro-batches: 3, 3, 2, 2
     ref, ref_loss = _reference(model, nn.functional.mse_loss, (x,), {}, y)
-    spanned = torchspan.span(model, devices=devices, balance=balance, microbatches=4, schedule=schedule, recompute=recompute)
+    spanned = torchspan.span(
+        model, devices=devices, balance=balance, microbatches=4, schedule=schedule, recompute=recompute
+    )
     assert spanned.mode == "sequential"
     loss = spanned.train_step(x, y, nn.functional.mse_loss)
     assert not loss.requires_grad
@@ -67,17 +78,28 @@ def test_threads_per_stage_parity(schedule: str) -> None:
     model = sequential()
     x, y = torch.randn(9, 6), torch.randn(9, 3)
     ref, _ = _reference(model, nn.functional.mse_loss, (x,), {}, y)
-    spanned = torchspan.span(model, devices=["cpu"] * 3, balance=[3, 2, 2], microbatches=4, schedule=schedule, workers="stage")
+    spanned = torchspan.span(
+        model, devices=["cpu"] * 3, balance=[3, 2, 2], microbatches=4, schedule=schedule, workers="stage"
+    )
     spanned.train_step(x, y, nn.functional.mse_loss)
     _assert_same_grads(model, ref)
 
 
-@pytest.mark.parametrize("schedule,recompute", [("gpipe", "never"), ("1f1b", "except_last"), ("gpipe", "always")])
+@pytest.mark.parametrize(
+    "schedule,recompute", [("gpipe", "never"), ("1f1b", "except_last"), ("gpipe", "always")]
+)
 def test_fx_residual_parity(schedule: str, recompute: str) -> None:
     model = residual()
     x, extra, y, mask = torch.randn(7, 6), torch.randn(7, 16), torch.randn(7, 3), torch.rand(16)
     ref, ref_loss = _reference(model, residual_loss, (x, extra), {"mask": mask, "gain": 2.0}, y)
-    spanned = torchspan.span(model, devices="cpu,cpu,cpu", balance=[1, 2, 1], microbatches=3, schedule=schedule, recompute=recompute)
+    spanned = torchspan.span(
+        model,
+        devices="cpu,cpu,cpu",
+        balance=[1, 2, 1],
+        microbatches=3,
+        schedule=schedule,
+        recompute=recompute,
+    )
     assert spanned.mode == "fx"
     loss = spanned.train_step({"x": x, "extra": extra, "mask": NoSplit(mask), "gain": 2.0}, y, residual_loss)
     torch.testing.assert_close(loss, ref_loss)
@@ -103,8 +125,12 @@ def test_hook_mode_parity_trains_every_parameter(recompute: str, microbatches: i
     ref, ref_loss = _reference(model, dict_loss, (x,), {}, y)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=microbatches, recompute=recompute)
-    assert spanned.mode == mode and len([w for w in caught if "no pipelining" in str(w.message)]) == (mode == "own-forward-serial")
+        spanned = torchspan.span(
+            model, devices=["cpu", "cpu"], microbatches=microbatches, recompute=recompute
+        )
+    assert spanned.mode == mode and len([w for w in caught if "no pipelining" in str(w.message)]) == (
+        mode == "own-forward-serial"
+    )
     loss = spanned.train_step(x, y, dict_loss)
     torch.testing.assert_close(loss, ref_loss)
     _assert_same_grads(model, ref)
@@ -147,7 +173,9 @@ def test_fp16_with_grad_scaler_trains() -> None:
     spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=2, precision="fp16")
     assert spanned.scaler is not None
     scale = spanned.scaler.get_scale()
-    for xm, ym in zip(x.tensor_split(2), y.tensor_split(2)):  # same micro-batches, one device, fp16 autocast, scaled
+    for xm, ym in zip(
+        x.tensor_split(2), y.tensor_split(2)
+    ):  # same micro-batches, one device, fp16 autocast, scaled
         with torch.autocast("cpu", dtype=torch.float16):
             loss = nn.functional.mse_loss(ref(xm), ym) * 0.5
         (loss * scale).backward()
@@ -156,14 +184,20 @@ def test_fp16_with_grad_scaler_trains() -> None:
     opt = torch.optim.SGD(spanned.parameters(), lr=0.0)
     spanned.train_step(x, y, nn.functional.mse_loss)
     spanned.scaler.unscale_(opt)  # grads come back unscaled
-    # exact against the same autocast and loss scale (measured: max |diff| 0 over 400 batches). The float32 reference
-    # differs by fp16's rounding: per parameter, |grad - grad32| / |grad32| is 9.0e-4 at most on this batch (the data
-    # is fixed: sequential() seeds), so <= 4e-3 (over other batches it is heavy-tailed, up to 0.66 in 400: fp16, not
-    # torchspan). Before, atol=2e-2, rtol=5e-2 against float32, which passed with stage 0's gradients all scaled by 0.8.
+    # exact against the same autocast and loss scale (measured: max |diff| 0 over 400 batches). The float32
+    # reference differs by fp16's rounding: per parameter, |grad - grad32| / |grad32| is 9.0e-4 at most on
+    # this batch
+    # (the data is fixed: sequential() seeds), so <= 4e-3 (over other batches it is heavy-tailed, up to 0.66
+    # in 400: fp16, not
+    # torchspan). Before, atol=2e-2, rtol=5e-2 against float32, which passed with stage 0's gradients all
+    # scaled by 0.8.
     assert_catches_wrong_grads(model, lambda: _assert_same_grads(model, ref, atol=0.0, rtol=0.0))
 
     def near_float32() -> None:
-        far = {n: (p.grad - r.grad).norm().item() / r.grad.norm().item() for (n, p), r in zip(model.named_parameters(), ref32.parameters())}
+        far = {
+            n: (p.grad - r.grad).norm().item() / r.grad.norm().item()
+            for (n, p), r in zip(model.named_parameters(), ref32.parameters())
+        }
         assert max(far.values()) <= 4e-3, far
 
     assert_catches_wrong_grads(model, near_float32)

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_runtime_parity import assert_catches_wrong_grads
 from torch import nn
 
 import torchspan
@@ -25,7 +26,6 @@ from torchspan.runtime.local.turns import Flow, OrderError, Turns, orders
 from torchspan.runtime.local.worker import Aborted, Mailbox
 from torchspan.runtime.memory import ActivationMeter
 from torchspan.runtime.record import Recorder
-from test_runtime_parity import assert_catches_wrong_grads
 
 CPU4 = ["cpu"] * 4
 
@@ -63,7 +63,10 @@ def _same_grads(model: nn.Module, ref: nn.Module) -> None:
 
 
 def _stage_orders(events: list[Any], stages: int) -> list[list[tuple[str, int]]]:
-    return [[(e.kind, e.microbatch) for e in sorted(events, key=lambda e: e.start) if e.stage == s] for s in range(stages)]
+    return [
+        [(e.kind, e.microbatch) for e in sorted(events, key=lambda e: e.start) if e.stage == s]
+        for s in range(stages)
+    ]
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -91,15 +94,25 @@ def test_workers_per_stage_overlap_and_keep_exact_gradients() -> None:
     spanned = torchspan.span(model, devices=CPU4, microbatches=3, schedule="1f1b", workers="stage")
     spanned.train_step(x, y, nn.functional.mse_loss)
     _same_grads(model, ref)
-    assert _stage_orders(spanned.timeline(), 4) == [[(a.kind, a.microbatch) for a in st] for st in sched.one_f_one_b(3, 4)]
+    assert _stage_orders(spanned.timeline(), 4) == [
+        [(a.kind, a.microbatch) for a in st] for st in sched.one_f_one_b(3, 4)
+    ]
 
 
 def test_gpt2_blocks_tied_embedding_exact_and_micro_batch_1_enters_before_0_reaches_the_end() -> None:
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(
-        n_layer=4, n_embd=32, n_head=2, vocab_size=50, n_positions=16, bos_token_id=0, eos_token_id=0,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
+        n_layer=4,
+        n_embd=32,
+        n_head=2,
+        vocab_size=50,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(cfg)
     ref = copy.deepcopy(model)
@@ -114,13 +127,17 @@ def test_gpt2_blocks_tied_embedding_exact_and_micro_batch_1_enters_before_0_reac
     assert spanned.mode == "own-forward"
     loss = spanned.train_step({"input_ids": ids}, ids, lm_loss)
     torch.testing.assert_close(loss, ref_loss.detach())
-    assert model.lm_head.weight is model.transformer.wte.weight  # still one tied parameter, its gradient from both uses
+    assert (
+        model.lm_head.weight is model.transformer.wte.weight
+    )  # still one tied parameter, its gradient from both uses
     _same_grads(model, ref)
     stages = [g for _, g in spanned.stages]
     assert stages[1][0].startswith("transformer.h.") and stages[-1][-1] == "lm_head"
     fwd = {(e.stage, e.microbatch): e for e in spanned.timeline() if e.kind == "forward"}
     assert len(fwd) == 4 * 3
-    assert fwd[(0, 1)].start < fwd[(3, 0)].start  # micro-batch 1 runs stage 0 before micro-batch 0 reaches the last stage
+    assert (
+        fwd[(0, 1)].start < fwd[(3, 0)].start
+    )  # micro-batch 1 runs stage 0 before micro-batch 0 reaches the last stage
     assert all(p > 0 for p in [r["activations"] for r in spanned.memory()])  # the meter saw every stage
 
 
@@ -151,7 +168,9 @@ def test_unordered_backward_path_as_on_gpus_stays_exact() -> None:
     events = spanned.timeline()
     starts = sorted((e.start, e.microbatch) for e in events if e.kind == "backward" and e.stage == 3)
     last_forward = max(e.end for e in events if e.kind == "forward" and e.stage == 3)
-    assert [mb for _, mb in starts] == [0, 1, 2] and starts[0][0] >= last_forward  # gpipe: backwards after all forwards
+    assert [mb for _, mb in starts] == [0, 1, 2] and starts[0][
+        0
+    ] >= last_forward  # gpipe: backwards after all forwards
 
 
 def test_bf16_autocast_per_stage_inside_each_thread() -> None:
@@ -164,15 +183,19 @@ def test_bf16_autocast_per_stage_inside_each_thread() -> None:
     nn.functional.mse_loss(ref32(x), y).backward()
     spanned = torchspan.span(model, devices=CPU4, microbatches=2, precision="bf16")
     spanned.train_step(x, y, nn.functional.mse_loss)
-    # exact: each thread autocasts the same micro-batch's ops as one device does (measured: max |diff| 0 over 20
-    # seeds; atol=1e-2, rtol=2e-2 before, which passed with a.bias's gradient zeroed, or a.*, b.*, c.weight's times 0.8)
+    # exact: each thread autocasts the same micro-batch's ops as one device does (measured: max |diff| 0 over
+    # 20 seeds; atol=1e-2, rtol=2e-2 before, which passed with a.bias's gradient zeroed, or a.*, b.*,
+    # c.weight's
+    # times 0.8)
 
     def exact() -> None:
         bad = [d for d in grad_differences(model, ref, atol=0.0, rtol=0.0) if not d.within]
         assert not bad, "\n".join(f"{d.name}: {d.max_abs:.3e}" for d in bad)
 
     assert_catches_wrong_grads(model, exact)
-    assert not all(d.within for d in grad_differences(model, ref32, atol=1e-5, rtol=1e-4))  # autocast ran in the threads
+    assert not all(
+        d.within for d in grad_differences(model, ref32, atol=1e-5, rtol=1e-4)
+    )  # autocast ran in the threads
 
 
 def test_an_error_in_one_micro_batch_is_raised_here_with_where_and_never_hangs() -> None:
@@ -212,7 +235,15 @@ def test_an_error_in_backward_releases_the_other_threads() -> None:
 def test_stages_against_execution_order_are_refused_by_name() -> None:
     model = _chain()
     st = Settings(2, "gpipe", "never", "32")
-    ex = OwnForwardExecutor(model, [torch.device("cpu")] * 2, [["c", "d"], ["a", "b"]], st, Recorder(), ActivationMeter(2), balance_given=False)
+    ex = OwnForwardExecutor(
+        model,
+        [torch.device("cpu")] * 2,
+        [["c", "d"], ["a", "b"]],
+        st,
+        Recorder(),
+        ActivationMeter(2),
+        balance_given=False,
+    )
     work = ex.prepare((torch.randn(4, 5),), {})
     ex.place(work)
     with pytest.raises(OrderError, match="layer 'c' of stage 0 after stage 1"):
@@ -236,10 +267,19 @@ def test_orders_merge_stages_sharing_a_worker_by_clock() -> None:
     plan = sched.gpipe(2, 2)
     (merged,) = orders(plan, [[0, 1]])
     assert [(a.kind[0], a.stage, a.microbatch) for a in merged] == [
-        ("f", 0, 0), ("f", 0, 1), ("f", 1, 0), ("f", 1, 1), ("b", 1, 0), ("b", 0, 0), ("b", 1, 1), ("b", 0, 1)
-    ]  # fmt: skip
+        ("f", 0, 0),
+        ("f", 0, 1),
+        ("f", 1, 0),
+        ("f", 1, 1),
+        ("b", 1, 0),
+        ("b", 0, 0),
+        ("b", 1, 1),
+        ("b", 0, 1),
+    ]
     start = orders(plan, [[0], [1]], backward="start")
-    assert [a.kind for a in start[0]] == ["forward", "forward"] and [a.kind for a in start[1]][-2:] == ["backward"] * 2
+    assert [a.kind for a in start[0]] == ["forward", "forward"] and [a.kind for a in start[1]][-2:] == [
+        "backward"
+    ] * 2
     with pytest.raises(ValueError, match="backward='some'"):
         orders(plan, [[0]], backward="some")
 

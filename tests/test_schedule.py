@@ -30,20 +30,44 @@ def _check_valid(plan: list[list[sched.Action]], m: int, n: int) -> None:
 def test_gpipe_shape_two_stages() -> None:
     plan = sched.gpipe(3, 2)
     assert [(a.kind[0], a.microbatch, a.clock) for a in plan[0]] == [
-        ("f", 0, 0), ("f", 1, 1), ("f", 2, 2), ("b", 0, 5), ("b", 1, 6), ("b", 2, 7)
+        ("f", 0, 0),
+        ("f", 1, 1),
+        ("f", 2, 2),
+        ("b", 0, 5),
+        ("b", 1, 6),
+        ("b", 2, 7),
     ]
     assert [(a.kind[0], a.microbatch, a.clock) for a in plan[1]] == [
-        ("f", 0, 1), ("f", 1, 2), ("f", 2, 3), ("b", 0, 4), ("b", 1, 5), ("b", 2, 6)
+        ("f", 0, 1),
+        ("f", 1, 2),
+        ("f", 2, 3),
+        ("b", 0, 4),
+        ("b", 1, 5),
+        ("b", 2, 6),
     ]
 
 
 def test_1f1b_order_two_stages() -> None:
     plan = sched.one_f_one_b(4, 2)
     assert [(a.kind[0], a.microbatch) for a in plan[0]] == [
-        ("f", 0), ("f", 1), ("b", 0), ("f", 2), ("b", 1), ("f", 3), ("b", 2), ("b", 3)
+        ("f", 0),
+        ("f", 1),
+        ("b", 0),
+        ("f", 2),
+        ("b", 1),
+        ("f", 3),
+        ("b", 2),
+        ("b", 3),
     ]
     assert [(a.kind[0], a.microbatch) for a in plan[1]] == [
-        ("f", 0), ("b", 0), ("f", 1), ("b", 1), ("f", 2), ("b", 2), ("f", 3), ("b", 3)
+        ("f", 0),
+        ("b", 0),
+        ("f", 1),
+        ("b", 1),
+        ("f", 2),
+        ("b", 2),
+        ("f", 3),
+        ("b", 3),
     ]
 
 
@@ -100,13 +124,33 @@ def _timed_length(plan: list[list[sched.Action]], units: dict[str, int]) -> int:
 def test_zero_bubble_two_stages() -> None:
     plan = sched.zero_bubble(4, 2)
     assert [(a.kind[:10], a.microbatch) for a in plan[0]] == [
-        ("forward", 0), ("forward", 1), ("backward_i", 0), ("backward_w", 0), ("forward", 2), ("backward_i", 1),
-        ("backward_w", 1), ("forward", 3), ("backward_i", 2), ("backward_w", 2), ("backward_i", 3), ("backward_w", 3),
-    ]  # fmt: skip
+        ("forward", 0),
+        ("forward", 1),
+        ("backward_i", 0),
+        ("backward_w", 0),
+        ("forward", 2),
+        ("backward_i", 1),
+        ("backward_w", 1),
+        ("forward", 3),
+        ("backward_i", 2),
+        ("backward_w", 2),
+        ("backward_i", 3),
+        ("backward_w", 3),
+    ]
     assert [(a.kind[:10], a.microbatch) for a in plan[1]] == [
-        ("forward", 0), ("backward_i", 0), ("forward", 1), ("backward_i", 1), ("backward_w", 0), ("forward", 2),
-        ("backward_i", 2), ("backward_w", 1), ("forward", 3), ("backward_i", 3), ("backward_w", 2), ("backward_w", 3),
-    ]  # fmt: skip
+        ("forward", 0),
+        ("backward_i", 0),
+        ("forward", 1),
+        ("backward_i", 1),
+        ("backward_w", 0),
+        ("forward", 2),
+        ("backward_i", 2),
+        ("backward_w", 1),
+        ("forward", 3),
+        ("backward_i", 3),
+        ("backward_w", 2),
+        ("backward_w", 3),
+    ]
     assert sched.build("zero-bubble", 4, 2) == plan
 
 
@@ -116,7 +160,9 @@ def test_zero_bubble_valid_smaller_bubble_same_live_bound(m: int, n: int) -> Non
     plan, base = sched.zero_bubble(m, n), sched.one_f_one_b(m, n)
     assert len(plan) == n
     seen = [(a.kind, a.stage, a.microbatch) for s in plan for a in s]
-    assert sorted(seen) == sorted((k, s, i) for k in (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT) for s in range(n) for i in range(m))
+    assert sorted(seen) == sorted(
+        (k, s, i) for k in (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT) for s in range(n) for i in range(m)
+    )
     for s, actions in enumerate(plan):
         clocks = [a.clock for a in actions]
         assert clocks == sorted(clocks) and len(set(clocks)) == len(clocks)
@@ -133,15 +179,22 @@ def test_zero_bubble_valid_smaller_bubble_same_live_bound(m: int, n: int) -> Non
         # a micro-batch is live until its weight backward: never more than 1F1B's largest (stage 0's)
         assert sched.max_live(actions) <= max(sched.max_live(b) for b in base) == min(n, m)
         assert actions[-1] == sched.Action(actions[-1].clock, s, m - 1, BACKWARD_WEIGHT)
-    # forward, input and weight backward of one unit each (a whole backward two): the bubble shrinks from 3(n-1) to n-1
+    # forward, input and weight backward of one unit each (a whole backward two): the bubble shrinks from
+    # 3(n-1) to n-1
     assert _timed_length(base, {FORWARD: 1, BACKWARD: 2}) == 3 * m + 3 * (n - 1)
     length = _timed_length(plan, {FORWARD: 1, BACKWARD_INPUT: 1, BACKWARD_WEIGHT: 1})
     assert length == 3 * m + (n - 1) if m >= n else length < 3 * m + 3 * (n - 1)
 
 
 def test_max_live_counts_until_the_weight_backward() -> None:
-    a = [sched.Action(0, 0, 0, FORWARD), sched.Action(1, 0, 1, FORWARD), sched.Action(2, 0, 0, BACKWARD_INPUT),
-         sched.Action(3, 0, 2, FORWARD), sched.Action(4, 0, 0, BACKWARD_WEIGHT), sched.Action(5, 0, 3, FORWARD)]  # fmt: skip
+    a = [
+        sched.Action(0, 0, 0, FORWARD),
+        sched.Action(1, 0, 1, FORWARD),
+        sched.Action(2, 0, 0, BACKWARD_INPUT),
+        sched.Action(3, 0, 2, FORWARD),
+        sched.Action(4, 0, 0, BACKWARD_WEIGHT),
+        sched.Action(5, 0, 3, FORWARD),
+    ]
     assert sched.max_live(a) == 3
 
 
@@ -157,35 +210,69 @@ def test_forward_only_and_errors() -> None:
 
 
 def test_the_plan_and_run_vocabulary_has_one_definition() -> None:
-    """Planner and runtime check names against schedule.py's tuples themselves, not copies that could drift."""
+    """Planner and runtime check names against schedule.py's tuples themselves, not copies that could
+    drift."""
     from torchspan import planner
     from torchspan.planner import plans
     from torchspan.runtime import build as spanned
 
     # the runtime validates span()'s settings in build (the pipeline no longer re-exports them)
     assert plans.SCHEDULES is planner.SCHEDULES is spanned.SCHEDULES is sched.SCHEDULES
-    assert plans.RECOMPUTE_MODES is planner.RECOMPUTE_MODES is spanned.RECOMPUTE_MODES is sched.RECOMPUTE_MODES
+    assert (
+        plans.RECOMPUTE_MODES is planner.RECOMPUTE_MODES is spanned.RECOMPUTE_MODES is sched.RECOMPUTE_MODES
+    )
     assert spanned.PRECISIONS is sched.PRECISIONS
-    assert sched.SCHEDULES == ("gpipe", "1f1b", "zero-bubble", "merged-weights", "interleaved-1f1b") and sched.RECOMPUTE_MODES == ("never", "except_last", "always")
+    assert sched.SCHEDULES == (
+        "gpipe",
+        "1f1b",
+        "zero-bubble",
+        "merged-weights",
+        "interleaved-1f1b",
+    ) and sched.RECOMPUTE_MODES == ("never", "except_last", "always")
 
 
 def _rank_order(plan: list[list[sched.Action]], rank: int, ranks: int) -> list[tuple[str, int, int]]:
-    return [(a.kind[0], a.stage, a.microbatch) for a in sched.merged_order(plan, list(range(rank, len(plan), ranks)))]
+    return [
+        (a.kind[0], a.stage, a.microbatch)
+        for a in sched.merged_order(plan, list(range(rank, len(plan), ranks)))
+    ]
 
 
 def test_interleaved_1f1b_is_megatrons_order_per_rank() -> None:
-    """4 stages looped on 2 ranks, 4 micro-batches: each rank runs Megatron's order (warm-up 2 (p - r - 1) + (v - 1) p
-    forwards in rounds of p micro-batches per chunk, then one forward / one backward), every action once."""
+    """4 stages looped on 2 ranks, 4 micro-batches: each rank runs Megatron's order (warm-up 2 (p - r - 1) +
+    (v - 1) p forwards in rounds of p micro-batches per chunk, then one forward / one backward), every action
+    once."""
     plan = sched.build("interleaved-1f1b", 4, 4, ranks=2)
     assert _rank_order(plan, 0, 2) == [
-        ("f", 0, 0), ("f", 0, 1), ("f", 2, 0), ("f", 2, 1),  # warm-up: 2 * (2 - 0 - 1) + (2 - 1) * 2 = 4
-        ("f", 0, 2), ("b", 2, 0), ("f", 0, 3), ("b", 2, 1), ("f", 2, 2), ("b", 0, 0), ("f", 2, 3), ("b", 0, 1),
-        ("b", 2, 2), ("b", 2, 3), ("b", 0, 2), ("b", 0, 3),
+        ("f", 0, 0),
+        ("f", 0, 1),
+        ("f", 2, 0),
+        ("f", 2, 1),  # warm-up: 2 * (2 - 0 - 1) + (2 - 1) * 2 = 4
+        ("f", 0, 2),
+        ("b", 2, 0),
+        ("f", 0, 3),
+        ("b", 2, 1),
+        ("f", 2, 2),
+        ("b", 0, 0),
+        ("f", 2, 3),
+        ("b", 0, 1),
+        ("b", 2, 2),
+        ("b", 2, 3),
+        ("b", 0, 2),
+        ("b", 0, 3),
     ]
-    assert _rank_order(plan, 1, 2)[:3] == [("f", 1, 0), ("f", 1, 1), ("f", 3, 0)]  # warm-up (2 - 1) * 2 = 2, then 1F1B
-    for s, actions in enumerate(plan):  # every stage: each micro-batch's forward, then its backward, in micro-batch order
+    assert _rank_order(plan, 1, 2)[:3] == [
+        ("f", 1, 0),
+        ("f", 1, 1),
+        ("f", 3, 0),
+    ]  # warm-up (2 - 1) * 2 = 2, then 1F1B
+    for s, actions in enumerate(
+        plan
+    ):  # every stage: each micro-batch's forward, then its backward, in micro-batch order
         assert [a.stage for a in actions] == [s] * 8
-        assert [(a.kind, a.microbatch) for a in actions if a.kind == sched.BACKWARD] == [(sched.BACKWARD, i) for i in range(4)]
+        assert [(a.kind, a.microbatch) for a in actions if a.kind == sched.BACKWARD] == [
+            (sched.BACKWARD, i) for i in range(4)
+        ]
     # a rank's clocks are distinct: merged_order of its stages is exactly the order above
     for r in range(2):
         clocks = [a.clock for a in sched.merged_order(plan, [r, r + 2])]
@@ -193,12 +280,15 @@ def test_interleaved_1f1b_is_megatrons_order_per_rank() -> None:
 
 
 def test_interleaved_1f1b_shrinks_the_bubble() -> None:
-    """Counted in 1F1B stage actions (an interleaved stage action is half of one, v = 2): 2 ranks, 8 micro-batches
-    take 17 against 1F1B's 2 (m + p - 1) = 18: the bubble is (p - 1) / (v m) of the step, not (p - 1) / m."""
+    """Counted in 1F1B stage actions (an interleaved stage action is half of one, v = 2): 2 ranks, 8
+    micro-batches take 17 against 1F1B's 2 (m + p - 1) = 18: the bubble is (p - 1) / (v m) of the step, not (p
+    - 1) / m."""
     span = lambda plan: max(a.clock for actions in plan for a in actions) + 1  # noqa: E731
     inter = span(sched.build("interleaved-1f1b", 8, 4, ranks=2)) / 2  # stages half the size
     assert inter == 17 < span(sched.one_f_one_b(8, 2)) == 2 * (8 + 2 - 1)
-    assert sched.build("interleaved-1f1b", 4, 2, ranks=2) == sched.one_f_one_b(4, 2)  # one stage per rank: 1F1B
+    assert sched.build("interleaved-1f1b", 4, 2, ranks=2) == sched.one_f_one_b(
+        4, 2
+    )  # one stage per rank: 1F1B
 
 
 def test_interleaved_1f1b_refuses_counts_it_cannot_run() -> None:

@@ -1,10 +1,10 @@
 """``span(model, tp=2)``: every layer split over 2 gloo ranks by DTensor, gradients one device's.
 
-Each rank runs the same batch; the full gradient of every parameter (``.grad.full_tensor()`` where it is split)
-must equal one device's on that batch, for a tied Llama-style decoder with grouped-query attention (its own
-``base_model_tp_plan``) through ``train_step`` with micro-batches and through the plain ``loss.backward()``,
-and an MLP by a ``tp_plan`` the user passes; clipping by the whole model's norm (also with sharded replicas on 4
-ranks: 2-D shards beside 1-D ones); ``state_dict()`` full tensors.
+Each rank runs the same batch; the full gradient of every parameter (``.grad.full_tensor()`` where it is
+split) must equal one device's on that batch, for a tied Llama-style decoder with grouped-query attention (its
+own ``base_model_tp_plan``) through ``train_step`` with micro-batches and through the plain
+``loss.backward()``, and an MLP by a ``tp_plan`` the user passes; clipping by the whole model's norm (also
+with sharded replicas on 4 ranks: 2-D shards beside 1-D ones); ``state_dict()`` full tensors.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from ranks_spawn import join_job, spawn
 from torch import nn
 
 import torchspan
-from ranks_spawn import join_job, spawn
 from torchspan.runtime.ranks import free_port
 
 transformers = pytest.importorskip("transformers", reason="the Llama case needs the hf extra")
@@ -33,15 +33,23 @@ def _same_grads(spanned, reference, label: str, tol=TOL) -> None:
     ref = dict(reference.named_parameters())
     for name, p in spanned.module.named_parameters():
         assert p.grad is not None, f"{label}: {name} has no gradient"
-        torch.testing.assert_close(_full(p.grad), ref[name].grad, **tol, msg=lambda m: f"{label}: {name}: {m}")
+        torch.testing.assert_close(
+            _full(p.grad), ref[name].grad, **tol, msg=lambda m: f"{label}: {name}: {m}"
+        )
 
 
 def _llama():
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=True, use_cache=False,
-    )  # fmt: skip
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        use_cache=False,
+    )
     return transformers.LlamaForCausalLM(config).double()
 
 
@@ -66,11 +74,17 @@ def _worker(rank: int, world: int, port: int) -> None:
     want = reference(**batch).loss
     want.backward()
     torch.testing.assert_close(loss.double(), want.detach().double(), rtol=1e-6, atol=1e-8)
-    _same_grads(spanned, reference, "Llama tp=2, train_step", dict(rtol=1e-5, atol=1e-8))  # its loss in float32
+    _same_grads(
+        spanned, reference, "Llama tp=2, train_step", dict(rtol=1e-5, atol=1e-8)
+    )  # its loss in float32
     norm = spanned.clip_grad_norm_(0.1)
-    torch.testing.assert_close(norm.double(), torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1), rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(
+        norm.double(), torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1), rtol=1e-5, atol=1e-8
+    )
     state = spanned.state_dict()
-    assert all(type(v) is torch.Tensor for v in state.values()) and state["model.layers.0.mlp.up_proj.weight"].shape == (64, 32)
+    assert all(type(v) is torch.Tensor for v in state.values()) and state[
+        "model.layers.0.mlp.up_proj.weight"
+    ].shape == (64, 32)
     # the plain loop on the model's own loss
     model = _llama()
     reference = copy.deepcopy(model)
@@ -95,7 +109,9 @@ def _refusals() -> None:
         torchspan.span(nn.Sequential(nn.Linear(4, 4)), tp=2)
     with pytest.raises(ValueError, match=r"dp_shard\(1\) \* tp\(4\) != WORLD_SIZE\(2\)"):
         torchspan.span(nn.Sequential(nn.Linear(4, 4)), tp=4, tp_plan={"0": "colwise"})
-    with pytest.raises(ValueError, match=r"WORLD_SIZE\(2\): a pipeline of tensor-parallel stages takes pp x tp"):
+    with pytest.raises(
+        ValueError, match=r"WORLD_SIZE\(2\): a pipeline of tensor-parallel stages takes pp x tp"
+    ):
         torchspan.span(_llama(), tp=2, balance=[4, 4])
     with pytest.raises(ValueError, match=r"tp_plan\['1'\] names no module"):
         torchspan.span(nn.Sequential(nn.Linear(4, 4)), tp=2, tp_plan={"1": "colwise"})
@@ -123,12 +139,18 @@ def _worker_2d(rank: int, world: int, port: int) -> None:
     want.backward()
     torch.testing.assert_close(loss.double(), want.detach().double(), rtol=1e-6, atol=1e-8)
     _same_grads(spanned, reference, "Llama tp=2 x dp_shard=2, train_step", dict(rtol=1e-5, atol=1e-8))
-    # the whole model's norm: 2-D DTensor shards beside the tied embedding's 1-D ones (FSDP2 over dp_shard alone)
+    # the whole model's norm: 2-D DTensor shards beside the tied embedding's 1-D ones (FSDP2 over dp_shard
+    # alone)
     norm = spanned.clip_grad_norm_(0.1)
-    torch.testing.assert_close(norm.double(), torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1), rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(
+        norm.double(), torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1), rtol=1e-5, atol=1e-8
+    )
     _same_grads(spanned, reference, "Llama tp=2 x dp_shard=2, clipped", dict(rtol=1e-5, atol=1e-8))
     state = spanned.state_dict()
-    torch.testing.assert_close(state["model.layers.1.self_attn.o_proj.weight"], reference.state_dict()["model.layers.1.self_attn.o_proj.weight"])
+    torch.testing.assert_close(
+        state["model.layers.1.self_attn.o_proj.weight"],
+        reference.state_dict()["model.layers.1.self_attn.o_proj.weight"],
+    )
     model = _llama()  # the plain loop
     reference = copy.deepcopy(model)
     spanned = torchspan.span(model, tp=2, shard=True)

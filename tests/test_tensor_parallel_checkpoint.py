@@ -1,14 +1,16 @@
-"""Checkpoints of a tensor-parallel span (issue 33 item 3): DCP folders of ``DTensor`` shards over a 1-D or 2-D mesh.
+"""Checkpoints of a tensor-parallel span (issue 33 item 3): DCP folders of ``DTensor`` shards over a 1-D or
+2-D mesh.
 
-A tied GQA Llama (float64) trained one Adam step by ``span(model, tp=2)`` on 2 gloo ranks, and by ``span(model,
-tp=2, shard=True)`` on 4 (mesh ``("dp_shard", "tp")``), is saved with ``save_checkpoint(folder, {"model": spanned,
-"optimizer": opt, "step": 3})``, each rank writing its shards. Its full weights and Adam moments (gathered before
-the save) are the one-device reference's after one Adam step (to float32 loss rounding), and every load finds them
-exactly:
+A tied GQA Llama (float64) trained one Adam step by ``span(model, tp=2)`` on 2 gloo ranks, and by
+``span(model, tp=2, shard=True)`` on 4 (mesh ``("dp_shard", "tp")``), is saved with ``save_checkpoint(folder,
+{"model": spanned, "optimizer": opt, "step": 3})``, each rank writing its shards. Its full weights and Adam
+moments (gathered before the save) are the one-device reference's after one Adam step (to float32 loss
+rounding), and every load finds them exactly:
 
 - (a) the same layout, loaded into a differently initialised span and optimizer; its next step is the
   uninterrupted run's (bit for bit) and the one-device reference's second step;
-- (b) another layout: the tp=2 folder on tp=2 x dp_shard=2 (4 ranks) and into a plain data-parallel replica, the
+- (b) another layout: the tp=2 folder on tp=2 x dp_shard=2 (4 ranks) and into a plain data-parallel replica,
+the
   tp=2 x dp_shard=2 folder on tp=2 (2 ranks);
 - (c) one plain process without a process group: full tensors with the model's own keys, loaded into a plain
   ``LlamaForCausalLM`` + Adam; ``export_safetensors`` writes one file of the full weights (the tie once) that
@@ -25,11 +27,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from ranks_spawn import join_job, spawn
+from test_ranks_checkpoint_dcp import _same  # model keys in order, then every optimizer moment
 from torch.utils._pytree import tree_map
 
 import torchspan
-from ranks_spawn import join_job, spawn
-from test_ranks_checkpoint_dcp import _same  # model keys in order, then every optimizer moment
 from torchspan.runtime.ranks import free_port
 
 transformers = pytest.importorskip("transformers", reason="the Llama case needs the hf extra")
@@ -42,9 +44,15 @@ LR = 0.01
 def _llama(seed: int = 0):
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
-        vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=True, use_cache=False,
-    )  # fmt: skip
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        use_cache=False,
+    )
     return transformers.LlamaForCausalLM(config).double()
 
 
@@ -79,47 +87,66 @@ def _full_state(module, opt) -> dict[str, dict]:
 
 
 def _span(seed: int, layout: str):
-    """A span in ``layout`` ("tp": 2 ranks; "tp_shard": tp=2 x dp_shard=2; "replica": data parallel) + Adam."""
+    """A span in ``layout`` ("tp": 2 ranks; "tp_shard": tp=2 x dp_shard=2; "replica": data parallel) +
+    Adam."""
     options = {"tp": dict(tp=2), "tp_shard": dict(tp=2, shard=True), "replica": {}}[layout]
     spanned = torchspan.span(_llama(seed), **options)
-    return spanned, torch.optim.Adam(spanned.parameters(), lr=0.5 if seed else LR)  # another lr: the saved one comes back
+    return spanned, torch.optim.Adam(
+        spanned.parameters(), lr=0.5 if seed else LR
+    )  # another lr: the saved one comes back
 
 
 def _step(spanned, opt, step: int) -> None:
     opt.zero_grad()
     replica, replicas = spanned.data_parallel
-    spanned.train_step(torchspan.shard_batch(_batch(step), replica, replicas) if replicas > 1 else _batch(step))
+    spanned.train_step(
+        torchspan.shard_batch(_batch(step), replica, replicas) if replicas > 1 else _batch(step)
+    )
     opt.step()
 
 
 def _save_job(rank: int, world: int, port: int, folder: str, layout: str) -> None:
-    """Train one step in ``layout``, save, reload in the same layout (a), resume one step: the uninterrupted run."""
+    """Train one step in ``layout``, save, reload in the same layout (a), resume one step: the uninterrupted
+    run."""
     join_job(rank, world, port)
     spanned, opt = _span(0, layout)
-    assert spanned.mesh is not None and type(spanned.module.model.layers[0].mlp.up_proj.weight).__name__ == "DTensor"
+    assert (
+        spanned.mesh is not None
+        and type(spanned.module.model.layers[0].mlp.up_proj.weight).__name__ == "DTensor"
+    )
     _step(spanned, opt, 0)
     saved = _full_state(spanned, opt)
     _same(saved, _reference(1), f"{layout}: one step against one device", **NEAR)
     ckpt = Path(folder, layout)
     assert torchspan.save_checkpoint(ckpt, {"model": spanned, "optimizer": opt, "step": 3}) is (rank == 0)
-    assert sorted(p.name for p in ckpt.iterdir()) == sorted([".metadata", "torchspan.json", "values.pt", *(f"__{r}_0.distcp" for r in range(world))])
+    assert sorted(p.name for p in ckpt.iterdir()) == sorted(
+        [".metadata", "torchspan.json", "values.pt", *(f"__{r}_0.distcp" for r in range(world))]
+    )
     if rank == 0:
         torch.save(saved, Path(folder, f"{layout}.saved.pt"))
     fresh, fresh_opt = _span(1, layout)
     state = torchspan.load_checkpoint(ckpt, {"model": fresh, "optimizer": fresh_opt})
-    assert state is not None and state["step"] == 3 and state["model"] is fresh and fresh_opt.param_groups[0]["lr"] == LR
+    assert (
+        state is not None
+        and state["step"] == 3
+        and state["model"] is fresh
+        and fresh_opt.param_groups[0]["lr"] == LR
+    )
     _same(_full_state(fresh, fresh_opt), saved, f"{layout}: loaded in the same layout", **EXACT)
     _step(spanned, opt, 1)
     _step(fresh, fresh_opt, 1)
     after = _full_state(spanned, opt)
-    _same(_full_state(fresh, fresh_opt), after, f"{layout}: resumed step against the uninterrupted run", **EXACT)
+    _same(
+        _full_state(fresh, fresh_opt), after, f"{layout}: resumed step against the uninterrupted run", **EXACT
+    )
     _same(after, _reference(2), f"{layout}: two steps against one device", **NEAR)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def _other_layout_job(rank: int, world: int, port: int, folder: str, pairs: list[tuple[str, str]]) -> None:
-    """Load each saved ``(folder layout, into layout)`` pair (b): the saved full state exactly, then a step."""
+    """Load each saved ``(folder layout, into layout)`` pair (b): the saved full state exactly, then a
+    step."""
     join_job(rank, world, port)
     for saved_as, layout in pairs:
         saved = torch.load(Path(folder, f"{saved_as}.saved.pt"), weights_only=True)
@@ -150,8 +177,17 @@ def test_a_tensor_parallel_span_saves_and_loads_in_its_own_layout(saved: Path) -
 
 @pytest.mark.slow
 def test_a_tensor_parallel_checkpoint_loads_in_another_layout(saved: Path) -> None:
-    spawn(_other_layout_job, 4, free_port(), str(saved), [("tp", "tp_shard"), ("tp", "replica")], deadline=300)
-    spawn(_other_layout_job, 2, free_port(), str(saved), [("tp_shard", "tp"), ("tp_shard", "replica")], deadline=300)
+    spawn(
+        _other_layout_job, 4, free_port(), str(saved), [("tp", "tp_shard"), ("tp", "replica")], deadline=300
+    )
+    spawn(
+        _other_layout_job,
+        2,
+        free_port(),
+        str(saved),
+        [("tp_shard", "tp"), ("tp_shard", "replica")],
+        deadline=300,
+    )
 
 
 @pytest.mark.slow
@@ -189,7 +225,9 @@ def test_a_tensor_parallel_checkpoint_exports_full_weights(saved: Path, layout: 
     model = transformers.LlamaForCausalLM.from_pretrained(out.parent, dtype=torch.float64)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     for key, value in want.items():
-        torch.testing.assert_close(model.state_dict()[key], value, **EXACT, msg=lambda m: f"{layout}: from_pretrained: {key}: {m}")
+        torch.testing.assert_close(
+            model.state_dict()[key], value, **EXACT, msg=lambda m: f"{layout}: from_pretrained: {key}: {m}"
+        )
 
 
 def _meter_job(rank: int, world: int, port: int) -> None:
@@ -200,7 +238,9 @@ def _meter_job(rank: int, world: int, port: int) -> None:
     meter = ActivationMeter(1)
     meter.reset(spanned.module.parameters())
     shards = [p for p in spanned.module.parameters() if type(p).__name__ == "DTensor"]
-    assert shards and all(meter.hold(0, p) is p for p in shards) and meter.live == [0], "a weight shard counted as an activation"
+    assert shards and all(meter.hold(0, p) is p for p in shards) and meter.live == [0], (
+        "a weight shard counted as an activation"
+    )
     spanned.train_step(_batch(0))
     activations = spanned.memory()[0]["activations"]
     meter.reset(spanned.module.parameters())  # the same step by hand, parameters left out: the same bytes

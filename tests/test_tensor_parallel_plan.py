@@ -1,11 +1,12 @@
 """``span(model, plan)`` runs the planner's tensor parallel x sharded plan (issue 33 item 4's last part).
 
-The plans are the planner's own choices for a Llama-2-70B-shaped decoder of 2 blocks (built on meta, bfloat16, FLOP
-estimates on described H100s): ``tp 2 x dp 2`` on one node of 4 (a batch of 2 x 2048 tokens), and ``tp 8 x dp 4`` on
-4 nodes of 8 (a batch of 8). Their layers are named as any ``LlamaForCausalLM`` of 2 blocks names them, so a tiny tied
-GQA Llama (float64, 8 heads, 4 KV heads) runs them on 2 and 4 gloo ranks: the 4-rank plan exactly on 4 ranks, the others
-shrunk (``tp = gcd(plan.tp, WORLD_SIZE)``, sharded replicas over the rest, a warning saying so). Every layout's full
-gradients are one device's on the whole batch. A plan that cannot run is refused, naming why, before any work.
+The plans are the planner's own choices for a Llama-2-70B-shaped decoder of 2 blocks (built on meta, bfloat16,
+FLOP estimates on described H100s): ``tp 2 x dp 2`` on one node of 4 (a batch of 2 x 2048 tokens), and ``tp 8
+x dp 4`` on 4 nodes of 8 (a batch of 8). Their layers are named as any ``LlamaForCausalLM`` of 2 blocks names
+them, so a tiny tied GQA Llama (float64, 8 heads, 4 KV heads) runs them on 2 and 4 gloo ranks: the 4-rank plan
+exactly on 4 ranks, the others shrunk (``tp = gcd(plan.tp, WORLD_SIZE)``, sharded replicas over the rest, a
+warning saying so). Every layout's full gradients are one device's on the whole batch. A plan that cannot run
+is refused, naming why, before any work.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from functools import cache
 
 import pytest
 import torch
+from ranks_spawn import join_job, spawn
+from test_tensor_parallel import _batch, _same_grads
 from torch import nn
 
 import torchspan
-from ranks_spawn import join_job, spawn
-from test_tensor_parallel import _batch, _same_grads
 from torchspan.planner import Plan, StagePlan
 from torchspan.runtime.ranks import free_port
 
@@ -32,9 +33,16 @@ TOL = dict(rtol=1e-5, atol=1e-8)  # the model's own loss is float32
 
 def _config(**shape) -> object:
     return transformers.LlamaConfig(
-        vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=4, tie_word_embeddings=True, use_cache=False, **shape,
-    )  # fmt: skip
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        tie_word_embeddings=True,
+        use_cache=False,
+        **shape,
+    )
 
 
 def _tiny() -> nn.Module:
@@ -45,20 +53,32 @@ def _tiny() -> nn.Module:
 @cache
 def _plans() -> dict[str, str]:
     """The planner's choices for a 70B-shaped 2-block Llama (JSON): ``{"4 ranks": ..., "32 ranks": ...}``."""
-    shape = dict(vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8)
+    shape = dict(
+        vocab_size=32000,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+    )
     config = transformers.LlamaConfig(num_hidden_layers=2, tie_word_embeddings=True, use_cache=False, **shape)
     with torch.device("meta"):
         wide = transformers.LlamaForCausalLM(config)
     out = {}
-    for name, batch, devices, nodes in (("4 ranks", 2, "h100-80gb*4", None), ("32 ranks", 8, "h100-80gb*8", 4)):
+    for name, batch, devices, nodes in (
+        ("4 ranks", 2, "h100-80gb*4", None),
+        ("32 ranks", 8, "h100-80gb*8", 4),
+    ):
         ids = torch.randint(0, 32000, (batch, 2048))
-        plan = torchspan.plan(wide, {"input_ids": ids}, devices=devices, nodes=nodes, intra_link="nvlink", dtype=torch.bfloat16)
+        plan = torchspan.plan(
+            wide, {"input_ids": ids}, devices=devices, nodes=nodes, intra_link="nvlink", dtype=torch.bfloat16
+        )
         out[name] = plan.to_json()
     return out
 
 
 def _run(rank: int, world: int, text: str) -> None:
-    """One plan through ``train_step`` on this rank's rows; the full gradients one device's; the warning iff shrunk."""
+    """One plan through ``train_step`` on this rank's rows; the full gradients one device's; the warning iff
+    shrunk."""
     plan = Plan.from_json(text)
     model = _tiny()
     reference = copy.deepcopy(model)
@@ -69,7 +89,9 @@ def _run(rank: int, world: int, text: str) -> None:
     tp = math.gcd(plan.tp, world) if shrunk else plan.tp
     said = [str(w.message) for w in caught if "runs shrunk" in str(w.message)]
     assert len(said) == int(shrunk), said
-    assert all(w.filename == __file__ for w in caught if "runs shrunk" in str(w.message))  # at the span() call
+    assert all(
+        w.filename == __file__ for w in caught if "runs shrunk" in str(w.message)
+    )  # at the span() call
     if shrunk:
         assert f"tp {tp} x dp_shard {world // tp}" in said[0] and f"for {plan.world_size} ranks" in said[0]
     replica, replicas = spanned.data_parallel
@@ -77,7 +99,9 @@ def _run(rank: int, world: int, text: str) -> None:
     names = spanned.mesh.mesh_dim_names
     assert names == (("dp_shard", "tp") if replicas > 1 else ("tp",)) and spanned.mesh["tp"].size() == tp
     local = spanned.module.model.layers[0].mlp.up_proj.weight.to_local()
-    assert local.shape == (64 // tp // replicas, 32), local.shape  # split over tp, then FSDP2's rows over dp_shard
+    assert local.shape == (64 // tp // replicas, 32), (
+        local.shape
+    )  # split over tp, then FSDP2's rows over dp_shard
     batch = _batch()
     loss = spanned.train_step(torchspan.shard_batch(batch, replica, replicas))
     want = reference(**batch).loss
@@ -110,14 +134,29 @@ def test_a_plan_that_cannot_run_is_refused_before_any_work() -> None:
     """One process, several stages, layers the model lacks, another tp: each refused naming the fix."""
     text = _plans()["4 ranks"]
     plan = Plan.from_json(text)
-    with pytest.raises(ValueError, match=r"WORLD_SIZE is 1: run span\(model, plan\) in a launched job of 4 processes"):
+    with pytest.raises(
+        ValueError, match=r"WORLD_SIZE is 1: run span\(model, plan\) in a launched job of 4 processes"
+    ):
         torchspan.span(_tiny(), plan)
     with pytest.raises(ValueError, match=r"span\(model, plan, tp=4\): plan.tp=2: .*drop tp="):
         torchspan.span(_tiny(), plan, tp=4)
-    two = Plan([StagePlan("cpu", ["0"]), StagePlan("cpu", ["1"])], data_parallel=1, nodes=1, devices_per_node=4,
-               stage_ranks=[[0, 1], [2, 3]], tp=2)  # fmt: skip
+    two = Plan(
+        [StagePlan("cpu", ["0"]), StagePlan("cpu", ["1"])],
+        data_parallel=1,
+        nodes=1,
+        devices_per_node=4,
+        stage_ranks=[[0, 1], [2, 3]],
+        tp=2,
+    )
     with pytest.raises(ValueError, match="on 2 stage.*tensor parallel x pipeline is not built yet"):
         torchspan.span(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), two)
-    other = Plan([StagePlan("cpu", ["blocks.0"])], data_parallel=1, nodes=1, devices_per_node=2, stage_ranks=[[0, 1]], tp=2)
+    other = Plan(
+        [StagePlan("cpu", ["blocks.0"])],
+        data_parallel=1,
+        nodes=1,
+        devices_per_node=2,
+        stage_ranks=[[0, 1]],
+        tp=2,
+    )
     with pytest.raises(ValueError, match=r"of layers \['blocks.0'\] that Sequential does not have: re-plan"):
         torchspan.span(nn.Sequential(nn.Linear(4, 4)), other)

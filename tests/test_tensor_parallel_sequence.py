@@ -1,12 +1,13 @@
-"""Sequence parallel (issue 33 item 1): a ``tp_plan`` naming ``"sequence_parallel"`` norms, 2 gloo ranks, one device's
-gradients.
+"""Sequence parallel (issue 33 item 1): a ``tp_plan`` naming ``"sequence_parallel"`` norms, 2 gloo ranks, one
+device's gradients.
 
-The norms run on sequence shards (each rank's ``LayerNorm`` / ``LlamaRMSNorm`` sees ``DTensor`` ``Shard(1)`` of 4 or 3
-of 7 tokens, checked by a hook), the row-wise projections reduce-scatter into them and the column-wise ones gather
-from them (``runtime.ranks.sequenceparallel``). ``.grad`` as full tensors equals one device's on the same batch for
-an MLP with ``LayerNorm``s (``train_step`` with 2 micro-batches, and the plain loop) and a tied Llama-style decoder
-with grouped-query attention whose own plan gains sequence-parallel norms (its own loss through ``train_step`` and
-the plain loop, clipping by the whole model's norm), also sharded by FSDP2 over 2 replicas (4 ranks).
+The norms run on sequence shards (each rank's ``LayerNorm`` / ``LlamaRMSNorm`` sees ``DTensor`` ``Shard(1)``
+of 4 or 3 of 7 tokens, checked by a hook), the row-wise projections reduce-scatter into them and the
+column-wise ones gather from them (``runtime.ranks.sequenceparallel``). ``.grad`` as full tensors equals one
+device's on the same batch for an MLP with ``LayerNorm``s (``train_step`` with 2 micro-batches, and the plain
+loop) and a tied Llama-style decoder with grouped-query attention whose own plan gains sequence-parallel norms
+(its own loss through ``train_step`` and the plain loop, clipping by the whole model's norm), also sharded by
+FSDP2 over 2 replicas (4 ranks).
 """
 
 from __future__ import annotations
@@ -16,17 +17,24 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from ranks_spawn import join_job, spawn
+from test_tensor_parallel import _batch, _llama, _same_grads
 from torch import nn
 
 import torchspan
-from ranks_spawn import join_job, spawn
-from test_tensor_parallel import _batch, _llama, _same_grads
 from torchspan.runtime.ranks import free_port
 from torchspan.runtime.ranks.sequenceparallel import sequence_blocks
 
 transformers = pytest.importorskip("transformers", reason="the Llama case needs the hf extra")
 
-MLP_PLAN = {"0": "colwise", "2": "rowwise", "3": "sequence_parallel", "4": "colwise", "6": "rowwise", "7": "sequence_parallel"}
+MLP_PLAN = {
+    "0": "colwise",
+    "2": "rowwise",
+    "3": "sequence_parallel",
+    "4": "colwise",
+    "6": "rowwise",
+    "7": "sequence_parallel",
+}
 LLAMA_SP = {
     "model.layers.*.input_layernorm": "sequence_parallel",
     "model.layers.*.post_attention_layernorm": "sequence_parallel",
@@ -36,7 +44,15 @@ LLAMA_SP = {
 
 def _mlp() -> nn.Module:
     torch.manual_seed(2)
-    layers = [nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8), nn.LayerNorm(8), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8)]
+    layers = [
+        nn.Linear(8, 16),
+        nn.GELU(),
+        nn.Linear(16, 8),
+        nn.LayerNorm(8),
+        nn.Linear(8, 16),
+        nn.Tanh(),
+        nn.Linear(16, 8),
+    ]
     model = nn.Sequential(*layers, nn.LayerNorm(8), nn.Linear(8, 5)).double()
     with torch.no_grad():  # norms away from their ones/zeros init, so their gradients and weights both matter
         for norm in (model[3], model[7]):
@@ -50,7 +66,13 @@ def _watch_shards(modules: list[nn.Module], seen: list[tuple]) -> None:
 
     def hook(module: nn.Module, args: tuple) -> None:
         x = args[0]
-        seen.append((type(x).__name__, tuple(getattr(x, "placements", ())), x.to_local().shape[1] if hasattr(x, "to_local") else None))
+        seen.append(
+            (
+                type(x).__name__,
+                tuple(getattr(x, "placements", ())),
+                x.to_local().shape[1] if hasattr(x, "to_local") else None,
+            )
+        )
 
     for m in modules:
         m.register_forward_pre_hook(hook)
@@ -60,7 +82,9 @@ def _check_sharded(seen: list[tuple], rank: int, label: str) -> None:
     from torch.distributed.tensor import Shard
 
     assert seen, f"{label}: no norm ran"
-    assert all(s == ("DTensor", (Shard(1),), 4 - rank) for s in seen), f"{label}: {seen[:4]}"  # 7 tokens: 4 + 3
+    assert all(s == ("DTensor", (Shard(1),), 4 - rank) for s in seen), (
+        f"{label}: {seen[:4]}"
+    )  # 7 tokens: 4 + 3
 
 
 def _mlp_case(rank: int) -> None:
@@ -73,7 +97,9 @@ def _mlp_case(rank: int) -> None:
     for loop in ("train_step", "plain"):
         model = _mlp()
         reference = copy.deepcopy(model)
-        spanned = torchspan.span(model, tp=2, tp_plan=MLP_PLAN, microbatches=2 if loop == "train_step" else None)
+        spanned = torchspan.span(
+            model, tp=2, tp_plan=MLP_PLAN, microbatches=2 if loop == "train_step" else None
+        )
         seen: list[tuple] = []
         _watch_shards([spanned.module[3], spanned.module[7]], seen)
         if loop == "train_step":
@@ -85,7 +111,9 @@ def _mlp_case(rank: int) -> None:
             loss.backward()
         want = loss_fn(reference(x), y)
         want.backward()
-        torch.testing.assert_close(loss.double(), want.detach(), rtol=1e-6, atol=1e-8)  # train_step's loss: float32
+        torch.testing.assert_close(
+            loss.double(), want.detach(), rtol=1e-6, atol=1e-8
+        )  # train_step's loss: float32
         _check_sharded(seen, rank, f"MLP {loop}")
         _same_grads(spanned, reference, f"MLP + LayerNorm, sequence parallel, {loop}")
 
@@ -96,11 +124,15 @@ def _llama_case(rank: int) -> None:
     for loop in ("train_step", "plain"):
         model = _llama()
         reference = copy.deepcopy(model)
-        spanned = torchspan.span(model, tp=2, tp_plan={**own, **LLAMA_SP}, microbatches=2 if loop == "train_step" else None)
+        spanned = torchspan.span(
+            model, tp=2, tp_plan={**own, **LLAMA_SP}, microbatches=2 if loop == "train_step" else None
+        )
         layers = spanned.module.model.layers
         assert type(layers[0].input_layernorm.weight).__name__ == "DTensor"  # replicated by SequenceParallel
         seen: list[tuple] = []
-        _watch_shards([m for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm)], seen)
+        _watch_shards(
+            [m for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm)], seen
+        )
         if loop == "train_step":
             loss = spanned.train_step(batch)
         else:
@@ -132,7 +164,8 @@ def test_sequence_parallel_norms_have_one_devices_gradients() -> None:
 
 
 def _worker_2d(rank: int, world: int, port: int) -> None:
-    """tp(2) x dp_shard(2): the sequence-parallel Llama sharded by FSDP2 over the tp pairs, rows 3 + 2; clipped."""
+    """tp(2) x dp_shard(2): the sequence-parallel Llama sharded by FSDP2 over the tp pairs, rows 3 + 2;
+    clipped."""
     join_job(rank, world, port)
     batch = _batch()
     own = {f"model.{k}": v for k, v in _llama().config.base_model_tp_plan.items()}
@@ -149,8 +182,12 @@ def _worker_2d(rank: int, world: int, port: int) -> None:
     _check_sharded(seen, rank % 2, "Llama tp=2 x dp_shard=2")
     _same_grads(spanned, reference, "Llama tp=2 x dp_shard=2, sequence parallel", dict(rtol=1e-5, atol=1e-8))
     norm = spanned.clip_grad_norm_(0.1)
-    torch.testing.assert_close(norm.double(), torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1), rtol=1e-5, atol=1e-8)
-    _same_grads(spanned, reference, "Llama tp=2 x dp_shard=2, sequence parallel, clipped", dict(rtol=1e-5, atol=1e-8))
+    torch.testing.assert_close(
+        norm.double(), torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1), rtol=1e-5, atol=1e-8
+    )
+    _same_grads(
+        spanned, reference, "Llama tp=2 x dp_shard=2, sequence parallel, clipped", dict(rtol=1e-5, atol=1e-8)
+    )
 
 
 @pytest.mark.slow
@@ -159,7 +196,12 @@ def test_sequence_parallel_with_sharded_replicas_has_one_devices_gradients() -> 
 
 
 def test_the_stream_splits_at_the_deepest_parent_of_the_norms() -> None:
-    names = ["model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm", "model.layers.1.input_layernorm", "model.norm"]
+    names = [
+        "model.layers.0.input_layernorm",
+        "model.layers.0.post_attention_layernorm",
+        "model.layers.1.input_layernorm",
+        "model.norm",
+    ]
     assert sequence_blocks(names) == ["model.layers.0", "model.layers.1"]
     assert sequence_blocks(["3", "7"]) == [""]  # an nn.Sequential: the model's own input
     assert sequence_blocks(["model.norm"]) == ["model"]

@@ -1,4 +1,5 @@
-"""``torchspan verify --strategies ... --nproc N`` and ``torchspan demo --nproc 2``: gloo processes on 127.0.0.1.
+"""``torchspan verify --strategies ... --nproc N`` and ``torchspan demo --nproc 2``: gloo processes on
+127.0.0.1.
 
 The strategies sharing a process count share one forkserver spawn, and the forkserver outlives a
 test, so only the first spawn pays for importing torch. Test-only strategies (a wrong loss weight,
@@ -58,20 +59,27 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
 
 
-# ---------------------------------------------------------------------------------------- test-only strategies
-def _sum_weighted_dp(model: nn.Module, inputs: Any, target: Any, loss_fn: Any, opts: StepOptions, rank: int, world: int) -> torch.Tensor:
+# ---------------------------------------------------------------------------------------- test-only
+# strategies
+def _sum_weighted_dp(
+    model: nn.Module, inputs: Any, target: Any, loss_fn: Any, opts: StepOptions, rank: int, world: int
+) -> torch.Tensor:
     """Broken on purpose: each rank's *mean* loss declared a sum, so shards are not weighed by their rows."""
     xs, ts = shard_batch((inputs, target), rank, world)
     return DataParallelReplica(model).train_step(xs, ts, loss_fn, loss_reduction="sum")
 
 
-def _raises_on_rank_1(model: nn.Module, inputs: Any, target: Any, loss_fn: Any, opts: StepOptions, rank: int, world: int) -> torch.Tensor:
+def _raises_on_rank_1(
+    model: nn.Module, inputs: Any, target: Any, loss_fn: Any, opts: StepOptions, rank: int, world: int
+) -> torch.Tensor:
     if rank == 1:
         raise RuntimeError("deliberate failure in the test strategy")
     return torch.zeros(())
 
 
-def _hangs_on_rank_1(model: nn.Module, inputs: Any, target: Any, loss_fn: Any, opts: StepOptions, rank: int, world: int) -> torch.Tensor:
+def _hangs_on_rank_1(
+    model: nn.Module, inputs: Any, target: Any, loss_fn: Any, opts: StepOptions, rank: int, world: int
+) -> torch.Tensor:
     if rank == 1:
         time.sleep(120)
     loss = loss_fn(model(inputs), target)
@@ -84,7 +92,9 @@ def _every(nproc: int, opts: StepOptions) -> int:
 
 
 # ---------------------------------------------------------------------------------------- verify
-def test_verify_strategies_on_two_processes_pass_and_print_each(models: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_strategies_on_two_processes_pass_and_print_each(
+    models: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     code = main(_verify(models, "--strategies", ",".join(STRATEGIES), "--nproc", "2"))
     out = capsys.readouterr().out
     assert code == 0, out
@@ -92,7 +102,9 @@ def test_verify_strategies_on_two_processes_pass_and_print_each(models: str, cap
         assert f"{name}: gradient difference vs one device" in " ".join(out.split()), name
         line = _summary(out, name)
         assert "PASS" in line and "0 of 6 parameter(s) out of tolerance" in line, line
-    assert "dp (2 processes)" in _summary(out, "dp") and "rank-pipeline (2 processes)" in _summary(out, "rank-pipeline")
+    assert "dp (2 processes)" in _summary(out, "dp") and "rank-pipeline (2 processes)" in _summary(
+        out, "rank-pipeline"
+    )
     assert "4.weight" in out and "max rel diff" in out
     assert "PASS: 4 of 4 strategies match one device" in " ".join(out.split())
 
@@ -106,7 +118,9 @@ def test_verify_hybrid_on_four_processes(models: str, capsys: pytest.CaptureFixt
     assert "hybrid (4 processes): PASS" in line, line
 
 
-def test_hybrid_on_two_processes_is_a_one_line_usage_error(models: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_hybrid_on_two_processes_is_a_one_line_usage_error(
+    models: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(_verify(models, "--strategies", "single,hybrid", "--nproc-per-node", "2")) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "dp(2) * pp(2) != nproc(2)" in err and "--nproc-per-node 4" in err, err
@@ -136,9 +150,15 @@ def test_a_hanging_rank_ends_at_the_timeout_naming_the_ranks(monkeypatch: pytest
     monkeypatch.setitem(parity_ranks.RANKED, "hangs", RankStrategy(_every, _hangs_on_rank_1))
     x, y = torch.randn(7, 16), torch.randn(7, 4)
     start = time.monotonic()
-    [result] = compare_strategies(_mlp(), x, y, nn.functional.mse_loss, ["hangs"], build=_mlp, nproc=2, timeout=6)
+    [result] = compare_strategies(
+        _mlp(), x, y, nn.functional.mse_loss, ["hangs"], build=_mlp, nproc=2, timeout=6
+    )
     assert time.monotonic() - start < 30
-    assert result.error is not None and "still running after 6 s (killed)" in result.error and "1" in result.error, result.error
+    assert (
+        result.error is not None
+        and "still running after 6 s (killed)" in result.error
+        and "1" in result.error
+    ), result.error
     assert not result.ok
 
 
@@ -156,7 +176,9 @@ def test_compare_strategies_refuses_before_running() -> None:
 
 
 # ---------------------------------------------------------------------------------------- demo
-def test_demo_data_parallel_over_two_processes_reports_per_rank_throughput(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_data_parallel_over_two_processes_reports_per_rank_throughput(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out_dir = tmp_path / "demo"
     assert main(["demo", "--nproc", "2", "--steps", "2", "--out", str(out_dir)]) == 0
     printed = capsys.readouterr().out
@@ -174,7 +196,9 @@ def test_demo_data_parallel_over_two_processes_reports_per_rank_throughput(tmp_p
 
 @pytest.mark.slow
 def test_verify_tensor_parallel_by_a_plan(models: str, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(_verify(models, "--strategies", "single,tp", "--nproc", "2", "--tp-plan", "0=colwise,2=rowwise"))
+    code = main(
+        _verify(models, "--strategies", "single,tp", "--nproc", "2", "--tp-plan", "0=colwise,2=rowwise")
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "tp (2 processes): PASS" in _summary(out, "tp"), out

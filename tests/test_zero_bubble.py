@@ -13,14 +13,13 @@ from typing import Any
 
 import pytest
 import torch
+from runtime_models import residual, residual_loss, sequential
+from test_ranks_pipeline import LOSS_TOL, TiedLM, _check, _join, _leave, _seq, _spawn
 from torch import nn
 
 import torchspan
 from torchspan.runtime.ranks import free_port
 from torchspan.runtime.splitgrad import input_backward
-from runtime_models import residual, residual_loss, sequential
-from test_ranks_pipeline import LOSS_TOL, TiedLM, _check, _join, _leave, _seq, _spawn
-
 
 
 @pytest.fixture(autouse=True)
@@ -73,7 +72,9 @@ def _split_matches_whole(make: Callable[[], nn.Module], inputs: int, grads_befor
     found, pending = input_backward([split(*b)], [g], b)
     assert pending, "nothing was left for the weight pass"
     assert all(torch.equal(f, x.grad) for f, x in zip(found, a))
-    assert all(q.grad is None or torch.equal(q.grad, torch.ones_like(q)) for q in split.parameters())  # weights untouched yet
+    assert all(
+        q.grad is None or torch.equal(q.grad, torch.ones_like(q)) for q in split.parameters()
+    )  # weights untouched yet
     pending.weights()
     for (name, p), q in zip(whole.named_parameters(), split.parameters()):
         assert (p.grad is None) == (q.grad is None), name
@@ -82,7 +83,11 @@ def _split_matches_whole(make: Callable[[], nn.Module], inputs: int, grads_befor
 
 @pytest.mark.parametrize("grads_before", [False, True])
 def test_split_backward_is_bit_equal_to_backward(grads_before: bool) -> None:
-    _split_matches_whole(lambda: nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)), 1, grads_before)
+    _split_matches_whole(
+        lambda: nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)),
+        1,
+        grads_before,
+    )
     _split_matches_whole(Twice, 1, grads_before)
     _split_matches_whole(Mixed, 2, grads_before)
 
@@ -99,12 +104,18 @@ def test_split_of_a_loss_hooks_and_fallbacks() -> None:
     found, pending = input_backward([split(b).pow(2).sum()], [None], [b])  # a scalar loss: no gradient given
     assert fired == [] and torch.equal(found[0], a.grad)
     pending.weights()
-    assert fired == ["post"] and all(torch.equal(p.grad, q.grad) for p, q in zip(whole.parameters(), split.parameters()))
+    assert fired == ["post"] and all(
+        torch.equal(p.grad, q.grad) for p, q in zip(whole.parameters(), split.parameters())
+    )
     # no input needing a gradient (a first stage): one whole backward now, nothing later
     for p in split.parameters():
         p.grad = None
     found, pending = input_backward([split(x).pow(2).sum()], [None], [x])
-    assert found == [None] and not pending and all(torch.equal(p.grad, q.grad) for p, q in zip(whole.parameters(), split.parameters()))
+    assert (
+        found == [None]
+        and not pending
+        and all(torch.equal(p.grad, q.grad) for p, q in zip(whole.parameters(), split.parameters()))
+    )
 
 
 def test_split_through_activation_checkpointing_is_exact() -> None:
@@ -114,25 +125,39 @@ def test_split_through_activation_checkpointing_is_exact() -> None:
     x, g = torch.randn(4, 8), torch.randn(4, 8)
     a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
     torch.utils.checkpoint.checkpoint(whole, a, use_reentrant=False).backward(g)
-    found, pending = input_backward([torch.utils.checkpoint.checkpoint(split, b, use_reentrant=False)], [g], [b])
+    found, pending = input_backward(
+        [torch.utils.checkpoint.checkpoint(split, b, use_reentrant=False)], [g], [b]
+    )
     pending.weights()
-    assert torch.equal(found[0], a.grad) and all(torch.equal(p.grad, q.grad) for p, q in zip(whole.parameters(), split.parameters()))
+    assert torch.equal(found[0], a.grad) and all(
+        torch.equal(p.grad, q.grad) for p, q in zip(whole.parameters(), split.parameters())
+    )
 
 
 # ---------------------------------------------------------------------- one process
 def _train(model: nn.Module, schedule: str, **options) -> tuple[torchspan.Spanned, torch.Tensor]:
-    x, y = torch.randn(10, 6, generator=torch.Generator().manual_seed(3)), torch.randn(10, 3, generator=torch.Generator().manual_seed(4))
+    x, y = (
+        torch.randn(10, 6, generator=torch.Generator().manual_seed(3)),
+        torch.randn(10, 3, generator=torch.Generator().manual_seed(4)),
+    )
     spanned = torchspan.span(model, schedule=schedule, **options)
     return spanned, spanned.train_step(x, y, nn.functional.mse_loss)
 
 
 @pytest.mark.parametrize("recompute", ["never", "except_last", "always"])
 @pytest.mark.parametrize("devices,balance", [(["cpu", "cpu"], [3, 4]), (["cpu", "cpu", "cpu"], [2, 2, 3])])
-def test_one_process_zero_bubble_is_1f1b_bit_for_bit_and_one_device(recompute: str, devices: list[str], balance: list[int]) -> None:
-    x, y = torch.randn(10, 6, generator=torch.Generator().manual_seed(3)), torch.randn(10, 3, generator=torch.Generator().manual_seed(4))
+def test_one_process_zero_bubble_is_1f1b_bit_for_bit_and_one_device(
+    recompute: str, devices: list[str], balance: list[int]
+) -> None:
+    x, y = (
+        torch.randn(10, 6, generator=torch.Generator().manual_seed(3)),
+        torch.randn(10, 3, generator=torch.Generator().manual_seed(4)),
+    )
     ref = sequential()
     nn.functional.mse_loss(ref(x), y).backward()
-    options = dict(devices=devices, balance=balance, microbatches=4, recompute=recompute)  # 10 rows: 3, 3, 2, 2
+    options = dict(
+        devices=devices, balance=balance, microbatches=4, recompute=recompute
+    )  # 10 rows: 3, 3, 2, 2
     zb, zb_loss = _train(sequential(), "zero-bubble", **options)
     base, base_loss = _train(sequential(), "1f1b", **options)
     assert torch.equal(zb_loss, base_loss)
@@ -147,10 +172,16 @@ def test_one_process_zero_bubble_fx_residual_and_accumulation() -> None:
     model = residual()
     ref = copy.deepcopy(model)
     x, extra, y, mask = torch.randn(7, 6), torch.randn(7, 16), torch.randn(7, 3), torch.rand(16)
-    spanned = torchspan.span(model, devices="cpu,cpu,cpu", balance=[1, 2, 1], microbatches=3, schedule="zero-bubble")
+    spanned = torchspan.span(
+        model, devices="cpu,cpu,cpu", balance=[1, 2, 1], microbatches=3, schedule="zero-bubble"
+    )
     assert spanned.mode == "fx"
     for rows in (7, 5):  # a second step accumulates into .grad, as on one device
-        spanned.train_step({"x": x[:rows], "extra": extra[:rows], "mask": torchspan.runtime.NoSplit(mask), "gain": 2.0}, y[:rows], residual_loss)
+        spanned.train_step(
+            {"x": x[:rows], "extra": extra[:rows], "mask": torchspan.runtime.NoSplit(mask), "gain": 2.0},
+            y[:rows],
+            residual_loss,
+        )
         residual_loss(ref(x[:rows], extra[:rows], mask=mask, gain=2.0), y[:rows]).backward()
     for (name, p), r in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
@@ -163,7 +194,14 @@ def test_one_process_zero_bubble_under_bf16_autocast_equals_1f1b() -> None:
     x, y = torch.randn(9, 6, dtype=torch.float32), torch.randn(9, 3, dtype=torch.float32)
     got = []
     for schedule in ("1f1b", "zero-bubble"):
-        spanned = torchspan.span(make(), devices=["cpu", "cpu"], balance=[3, 4], microbatches=3, schedule=schedule, precision="bf16")
+        spanned = torchspan.span(
+            make(),
+            devices=["cpu", "cpu"],
+            balance=[3, 4],
+            microbatches=3,
+            schedule=schedule,
+            precision="bf16",
+        )
         spanned.train_step(x, y, nn.functional.mse_loss)
         got.append([p.grad for p in spanned.module.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*got))
@@ -173,7 +211,9 @@ def test_one_process_zero_bubble_under_fp16_and_its_scaler_equals_1f1b() -> None
     x, y = torch.randn(8, 6, dtype=torch.float32), torch.randn(8, 3, dtype=torch.float32)
     got = []
     for schedule in ("1f1b", "zero-bubble"):
-        spanned = torchspan.span(sequential().float(), devices=["cpu", "cpu"], microbatches=2, schedule=schedule, precision="fp16")
+        spanned = torchspan.span(
+            sequential().float(), devices=["cpu", "cpu"], microbatches=2, schedule=schedule, precision="fp16"
+        )
         assert spanned.scaler is not None
         spanned.train_step(x, y, nn.functional.mse_loss)
         got.append([p.grad for p in spanned.module.parameters()])
@@ -195,9 +235,13 @@ def _ranks_worker(rank: int, world: int, port: int) -> None:
             want = loss_fn(reference(x[:rows]), y[:rows])
             want.backward()
             torch.testing.assert_close(got["zero-bubble"].double(), want.detach(), **LOSS_TOL)
-            assert _check(spans["zero-bubble"], reference, f"zero-bubble {rows} rows", rank) == (2 if rank == 0 else 4)
+            assert _check(spans["zero-bubble"], reference, f"zero-bubble {rows} rows", rank) == (
+                2 if rank == 0 else 4
+            )
             for (name, p), q in zip(models["zero-bubble"].named_parameters(), models["1f1b"].parameters()):
-                assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), f"rank {rank}: {name}"
+                assert (p.grad is None) == (q.grad is None) and (
+                    p.grad is None or torch.equal(p.grad, q.grad)
+                ), f"rank {rank}: {name}"
     tied_across_ranks(rank, g, "zero-bubble")
     _leave()
 
@@ -224,16 +268,30 @@ def _own_forward_worker(rank: int, world: int, port: int) -> None:
     from test_ranks_hooks import _llama, _train_and_compare
 
     _join(rank, world, port)
-    _train_and_compare(_llama, "llama tied zero-bubble", rank, world, 40, True, devices=["cpu", "cpu"], microbatches=3, schedule="zero-bubble")
+    _train_and_compare(
+        _llama,
+        "llama tied zero-bubble",
+        rank,
+        world,
+        40,
+        True,
+        devices=["cpu", "cpu"],
+        microbatches=3,
+        schedule="zero-bubble",
+    )
     grads = {}
     for schedule in ("1f1b", "zero-bubble"):
         from test_ranks_hooks import _batch, _token_ce, _tokens
 
         ids, labels, mask = _batch(5, 5, 7, 40)
         spanned = torchspan.span(_llama(), devices=["cpu", "cpu"], microbatches=3, schedule=schedule)
-        spanned.train_step({"input_ids": ids, "attention_mask": mask}, labels, _token_ce, loss_normalizer=_tokens)
+        spanned.train_step(
+            {"input_ids": ids, "attention_mask": mask}, labels, _token_ce, loss_normalizer=_tokens
+        )
         grads[schedule] = {n: p.grad for n, p in spanned.module.named_parameters() if not p.is_meta}
-        if schedule == "zero-bubble":  # stage 0 received nothing needing a gradient: its whole backward is its B
+        if (
+            schedule == "zero-bubble"
+        ):  # stage 0 received nothing needing a gradient: its whole backward is its B
             assert ("backward_weight" in {e.kind for e in spanned.timeline()}) == (rank == 1)
     for name, gz in grads["zero-bubble"].items():
         assert torch.equal(gz, grads["1f1b"][name]), f"rank {rank}: {name}"
@@ -256,19 +314,27 @@ def test_own_forward_in_one_process_runs_split_schedules_as_1f1b(schedule: str) 
     for name in ("1f1b", schedule):
         spanned = torchspan.span(_llama(), devices=["cpu", "cpu"], microbatches=3, schedule=name)
         assert spanned.mode == "own-forward"
-        spanned.train_step({"input_ids": ids, "attention_mask": mask}, labels, _token_ce, loss_normalizer=_tokens)
+        spanned.train_step(
+            {"input_ids": ids, "attention_mask": mask}, labels, _token_ce, loss_normalizer=_tokens
+        )
         grads.append([p.grad for p in spanned.module.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
-def hybrid_runs(rank: int, schedule: str, llama: bool = True, after: Callable[[str, Any], None] | None = None) -> None:
-    """2 replicas x 2 stages with ``schedule`` (a joined 4-rank job): a Sequential and, with ``llama``, a tied Llama on
-    uneven shards against one device on the whole batch; ``after(name, spanned)`` checks more after each."""
+def hybrid_runs(
+    rank: int, schedule: str, llama: bool = True, after: Callable[[str, Any], None] | None = None
+) -> None:
+    """2 replicas x 2 stages with ``schedule`` (a joined 4-rank job): a Sequential and, with ``llama``, a tied
+    Llama on uneven shards against one device on the whole batch; ``after(name, spanned)`` checks more after
+    each."""
     from test_ranks_hooks import _batch, _llama, _token_ce, _tokens
 
     replica = rank // 2  # rank = replica * stages + stage
     g = torch.Generator().manual_seed(9)
-    x, y = torch.randn(7, 5, generator=g, dtype=torch.float64), torch.randn(7, 4, generator=g, dtype=torch.float64)
+    x, y = (
+        torch.randn(7, 5, generator=g, dtype=torch.float64),
+        torch.randn(7, 4, generator=g, dtype=torch.float64),
+    )
     rows = slice(0, 4) if replica == 0 else slice(4, 7)  # uneven shards: 4 + 3 rows
     model, reference = _seq(), _seq()
     if after is not None:
@@ -288,7 +354,12 @@ def hybrid_runs(rank: int, schedule: str, llama: bool = True, after: Callable[[s
     spanned = torchspan.span(model, devices=["cpu", "cpu"], microbatches=2, schedule=schedule)
     ids, labels, mask = _batch(5, 6, 6, 40)
     rows = slice(0, 4) if replica == 0 else slice(4, 6)
-    loss = spanned.train_step({"input_ids": ids[rows], "attention_mask": mask[rows]}, labels[rows], _token_ce, loss_normalizer=_tokens)
+    loss = spanned.train_step(
+        {"input_ids": ids[rows], "attention_mask": mask[rows]},
+        labels[rows],
+        _token_ce,
+        loss_normalizer=_tokens,
+    )
     expected = _token_ce(reference(ids, attention_mask=mask), labels)
     expected.backward()
     torch.testing.assert_close(loss.double(), expected.detach(), **LOSS_TOL)
@@ -315,6 +386,7 @@ def test_cost_model_prices_the_smaller_bubble_and_the_larger_memory() -> None:
     import random
 
     from planner_synth import device, random_profile
+
     from torchspan.planner import search
     from torchspan.planner.cost import CostModel
     from torchspan.planner.stages import Stage
@@ -327,12 +399,16 @@ def test_cost_model_prices_the_smaller_bubble_and_the_larger_memory() -> None:
     # the first stage's trip waits for its input backward only (half its backward); the last stage's whole
     assert a.step_time == pytest.approx(b.step_time - 0.5 * b.backward[0])
     assert a.memory[0].activations == b.memory[0].activations  # stage 0: min(M, S) in flight, as 1F1B
-    assert a.memory[1].activations == pytest.approx(2 * b.memory[1].activations, abs=1)  # the last stage: 2 held until their W, not 1
+    assert a.memory[1].activations == pytest.approx(
+        2 * b.memory[1].activations, abs=1
+    )  # the last stage: 2 held until their W, not 1
     one = [Stage(0, 0, 4)]
     assert zb.evaluate(one).step_time == base.evaluate(one).step_time  # one stage: no bubble to fill
     cpu = [device("cpu", "cpu", None), device("cpu", "cpu", None)]
     shared = CostModel(random_profile(random.Random(4), 4, cpu), 4, "zero-bubble", "never")
     same = CostModel(shared.profile, 4, "1f1b", "never")
-    assert shared.evaluate(two).step_time == same.evaluate(two).step_time  # one physical device: nothing gained
+    assert (
+        shared.evaluate(two).step_time == same.evaluate(two).step_time
+    )  # one physical device: nothing gained
     plan = search(prof, microbatches=4, schedule="zero-bubble")
     assert plan.schedule == "zero-bubble" and plan.predicted_step_time is not None

@@ -52,7 +52,9 @@ __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "hf":  # integrations, imported on first use: torchspan.hf.Trainer, torchspan.lightning.SpanStrategy
+    if (
+        name == "hf"
+    ):  # integrations, imported on first use: torchspan.hf.Trainer, torchspan.lightning.SpanStrategy
         return importlib.import_module("torchspan.hf")
     if name == "lightning":
         return importlib.import_module("torchspan.lightning")

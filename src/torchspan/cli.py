@@ -1,7 +1,8 @@
 """The ``torchspan`` command line: ``torchspan devices|doctor|plan|run|verify|demo|bench|launch``.
 
 Each subcommand lives in ``torchspan.commands.<name>`` and
-exposes ``register(subparsers)``, which adds its parser and sets ``func(args) -> int``. Tests call ``main([...])`` directly.
+exposes ``register(subparsers)``, which adds its parser and sets ``func(args) -> int``. Tests call
+``main([...])`` directly.
 
 Usage: ``torchspan devices --json``; in Python, ``main(["devices", "cpu"])``.
 """
@@ -45,10 +46,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI with ``argv`` (default: ``sys.argv[1:]``) and return the exit status."""
     parser = build_parser()
-    argv = join_negative_values(parser, sys.argv[1:] if argv is None else argv)  # `--input-shape -8,16` reaches its check
+    argv = join_negative_values(
+        parser, sys.argv[1:] if argv is None else argv
+    )  # `--input-shape -8,16` reaches its check
     args, extra = parser.parse_known_args(argv)
     if extra:  # name the subcommand, as its own errors do (argparse would say `torchspan: error:`)
-        print(f"torchspan {args.command or ''}".rstrip() + f": error: unrecognized arguments: {' '.join(extra)}; see torchspan {args.command or ''} --help".rstrip(), file=sys.stderr)
+        print(
+            f"torchspan {args.command or ''}".rstrip()
+            + f": error: unrecognized arguments: {' '.join(extra)}; see torchspan {args.command or ''} "
+            "--help".rstrip(),
+            file=sys.stderr,
+        )
         return 2
     if not getattr(args, "func", None):
         parser.print_help()
@@ -68,7 +76,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.showwarning = previous
 
 
-def _show_warning(message: Any, category: type[Warning], filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+def _show_warning(
+    message: Any, category: type[Warning], filename: str, lineno: int, file: Any = None, line: Any = None
+) -> None:
     print(f"torchspan: warning: {message}", file=sys.stderr)
 
 

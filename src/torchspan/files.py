@@ -1,4 +1,5 @@
-"""Writing files safely: every file torchspan writes (plans, reports, pictures, JSON, checkpoints) goes through here.
+"""Writing files safely: every file torchspan writes (plans, reports, pictures, JSON, checkpoints) goes
+through here.
 
 - **Atomic**: the bytes go to a temporary file beside the target, then ``os.replace`` puts it in place,
   so a reader sees the old file or the new one, never half of one; ``durable=True`` (checkpoints) also
@@ -19,8 +20,9 @@
   ``renameat2(RENAME_EXCHANGE)`` where the filesystem has it (a reader sees the old folder or the new
   one, never neither), else the old folder is renamed aside (``.NAME.torchspan.PID.TOKEN.HOST.old``)
   and the new one renamed in; a writer killed between those two renames leaves no target, and
-  :func:`clean_temporaries` renames that ``.old`` folder back. Stale temporary folders are removed. What is not
-  the writer's (``keep``: a user's notes in a checkpoint folder) is linked into the new folder before the swap.
+  :func:`clean_temporaries` renames that ``.old`` folder back. Stale temporary folders are removed. What is
+  not the writer's (``keep``: a user's notes in a checkpoint folder) is linked into the new folder before the
+  swap.
 
 Usage::
 
@@ -35,10 +37,10 @@ Usage::
 from __future__ import annotations
 
 import contextlib
-import os
-import re
 import ctypes
 import errno
+import os
+import re
 import shutil
 import stat
 from collections.abc import Callable, Iterable, Iterator
@@ -66,6 +68,7 @@ __all__ = [
     "write_text",
 ]
 
+
 def _shown(name: str, value: Any) -> str:
     """``--out 'x'`` for a command-line option, ``path='x'`` for an API argument."""
     text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else value
@@ -74,7 +77,8 @@ def _shown(name: str, value: Any) -> str:
 
 def describe(path: str | os.PathLike[str]) -> str:
     """What is at ``path`` in a few words: ``"a regular file"``, ``"a folder"``, ``"a character device"``,
-    ``"a FIFO (named pipe)"``, ``"a socket"``, ``"a block device"``, ``"missing"`` (symbolic links followed)."""
+    ``"a FIFO (named pipe)"``, ``"a socket"``, ``"a block device"``, ``"missing"`` (symbolic links
+    followed)."""
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
@@ -96,9 +100,12 @@ def describe(path: str | os.PathLike[str]) -> str:
     return "not a regular file"  # pragma: no cover - doors, whiteouts
 
 
-def require_regular_file(path: str | os.PathLike[str], *, name: str = "path", what: str = "a file", fix: str = "") -> Path:
+def require_regular_file(
+    path: str | os.PathLike[str], *, name: str = "path", what: str = "a file", fix: str = ""
+) -> Path:
     """``path`` when a regular file is there (a link to one counts); else a one-line ``ValueError`` that names
-    ``name``, the value, what is there instead and ``fix`` (e.g. ``"give the path of a Python file, e.g. train.py"``)."""
+    ``name``, the value, what is there instead and ``fix`` (e.g. ``"give the path of a Python file, e.g.
+    train.py"``)."""
     found = describe(path)
     if found == "a regular file":
         return Path(path)
@@ -112,7 +119,9 @@ def real_target(path: str | os.PathLike[str]) -> Path:
     return Path(os.path.realpath(os.fspath(path)))
 
 
-def output_file(path: str | os.PathLike[str], *, name: str = "path", make_parent: bool = False, example: str = "out.json") -> Path:
+def output_file(
+    path: str | os.PathLike[str], *, name: str = "path", make_parent: bool = False, example: str = "out.json"
+) -> Path:
     """Check that a file can be written at ``path`` before any work; returns its real target.
 
     Refused with a one-line ``ValueError`` naming ``name`` and ``path`` (``example``: a file name for the
@@ -128,13 +137,19 @@ def output_file(path: str | os.PathLike[str], *, name: str = "path", make_parent
     if found != "a regular file" and not found.startswith("missing"):
         if found == "a folder":
             fix = f"name a file inside it, e.g. {_shown(name, os.path.join(os.fspath(path), example))}"
-        via = f" (where its link points: {str(target)!r})" if str(target) != os.path.abspath(os.fspath(path)) else ""
+        via = (
+            f" (where its link points: {str(target)!r})"
+            if str(target) != os.path.abspath(os.fspath(path))
+            else ""
+        )
         raise ValueError(f"{shown} is {found}{via}; torchspan writes only regular files: {fix}")
     _writable_folder(target.parent, shown, make_parent, fix)
     return target
 
 
-def output_folder(path: str | os.PathLike[str], *, name: str = "out", files: Iterable[str] = (), example: str = "run-out") -> Path:
+def output_folder(
+    path: str | os.PathLike[str], *, name: str = "out", files: Iterable[str] = (), example: str = "run-out"
+) -> Path:
     """Check that the folder ``path`` exists or can be created, is writable, and that each of ``files`` in it
     could be written; nothing is created. Returns ``Path(path)``. A one-line ``ValueError`` otherwise
     (``example``: a folder name for the advice)."""
@@ -152,12 +167,16 @@ def output_folder(path: str | os.PathLike[str], *, name: str = "out", files: Ite
     for file in files:
         there = describe(folder / file)
         if there != "a regular file" and not there.startswith("missing"):
-            raise ValueError(f"{shown}: {str(folder / file)!r} is {there}, where torchspan writes {file}; move it away or {fix}")
+            raise ValueError(
+                f"{shown}: {str(folder / file)!r} is {there}, where torchspan writes {file}; move it away "
+                f"or {fix}"
+            )
     return folder
 
 
 def _creatable(folder: Path, shown: str, fix: str) -> None:
-    """The nearest existing folder above ``folder`` is a writable folder (so ``mkdir(parents=True)`` works)."""
+    """The nearest existing folder above ``folder`` is a writable folder (so ``mkdir(parents=True)``
+    works)."""
     above = folder.absolute().parent
     while describe(above).startswith("missing") and above.parent != above:
         above = above.parent
@@ -176,12 +195,18 @@ def _writable_folder(folder: Path, shown: str, make: bool, fix: str) -> None:
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise ValueError(f"{shown}: cannot create its folder {str(folder)!r} ({exc.strerror or exc}); {fix} in a folder you can write to") from None
+            raise ValueError(
+                f"{shown}: cannot create its folder {str(folder)!r} ({exc.strerror or exc}); {fix} in a "
+                "folder you can write to"
+            ) from None
         return
     if found != "a folder":
         raise ValueError(f"{shown}: {str(folder)!r} is {found}, so nothing can be created under it; {fix}")
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise ValueError(f"{shown}: cannot write in folder {str(folder)!r} (permission denied or read-only); {fix} in a folder you can write to")
+        raise ValueError(
+            f"{shown}: cannot write in folder {str(folder)!r} (permission denied or read-only); {fix} in a "
+            "folder you can write to"
+        )
 
 
 # --------------------------------------------------------------------------- atomic writes
@@ -189,7 +214,12 @@ def _writable_folder(folder: Path, shown: str, make: bool, fix: str) -> None:
 
 @contextlib.contextmanager
 def atomic_open(
-    path: str | os.PathLike[str], mode: str = "wb", *, name: str = "path", durable: bool = False, make_parent: bool = False
+    path: str | os.PathLike[str],
+    mode: str = "wb",
+    *,
+    name: str = "path",
+    durable: bool = False,
+    make_parent: bool = False,
 ) -> Iterator[IO[Any]]:
     """A file object whose contents replace ``path``'s real target when the block ends without an exception
     (and are discarded when it raises). ``mode`` is ``"wb"`` or ``"w"`` (UTF-8). ``durable=True`` fsyncs the
@@ -208,8 +238,13 @@ def atomic_open(
             if durable:
                 os.fsync(fh.fileno())
         _keep_mode(target, tmp)
-        if describe(target) not in ("a regular file", "missing"):  # something else appeared meanwhile (a folder, a device)
-            raise ValueError(f"{_shown(name, path)} became {describe(target)} while it was written; nothing was replaced")
+        if describe(target) not in (
+            "a regular file",
+            "missing",
+        ):  # something else appeared meanwhile (a folder, a device)
+            raise ValueError(
+                f"{_shown(name, path)} became {describe(target)} while it was written; nothing was replaced"
+            )
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -256,14 +291,28 @@ def _fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def write_text(path: str | os.PathLike[str], text: str, *, name: str = "path", durable: bool = False, make_parent: bool = False) -> Path:
+def write_text(
+    path: str | os.PathLike[str],
+    text: str,
+    *,
+    name: str = "path",
+    durable: bool = False,
+    make_parent: bool = False,
+) -> Path:
     """Write ``text`` (UTF-8) to ``path`` atomically; returns ``Path(path)``."""
     with atomic_open(path, "w", name=name, durable=durable, make_parent=make_parent) as fh:
         fh.write(text)
     return Path(path)
 
 
-def write_bytes(path: str | os.PathLike[str], data: bytes, *, name: str = "path", durable: bool = False, make_parent: bool = False) -> Path:
+def write_bytes(
+    path: str | os.PathLike[str],
+    data: bytes,
+    *,
+    name: str = "path",
+    durable: bool = False,
+    make_parent: bool = False,
+) -> Path:
     """Write ``data`` to ``path`` atomically; returns ``Path(path)``."""
     with atomic_open(path, "wb", name=name, durable=durable, make_parent=make_parent) as fh:
         fh.write(data)
@@ -299,7 +348,11 @@ def clean_temporaries(path: str | os.PathLike[str]) -> list[Path]:
             continue
         if not stale:
             continue
-        if entry.name.endswith(".old") and entry.is_dir(follow_symlinks=False) and describe(target) == "missing":
+        if (
+            entry.name.endswith(".old")
+            and entry.is_dir(follow_symlinks=False)
+            and describe(target) == "missing"
+        ):
             with contextlib.suppress(OSError):
                 os.rename(entry.path, target)  # the previous folder back: its replacement never arrived
             continue
@@ -318,8 +371,9 @@ def clean_temporaries(path: str | os.PathLike[str]) -> list[Path]:
 
 
 def temporary_folder(path: str | os.PathLike[str]) -> Path:
-    """A new empty folder beside ``path``'s real target, named as a temporary of it and marked as this process's
-    (so :func:`clean_temporaries` leaves it while this process lives); fill it, then :func:`replace_folder`."""
+    """A new empty folder beside ``path``'s real target, named as a temporary of it and marked as this
+    process's (so :func:`clean_temporaries` leaves it while this process lives); fill it, then
+    :func:`replace_folder`."""
     target = real_target(path)
     for _ in range(16):
         tmp = _temporary(target)
@@ -334,19 +388,24 @@ def temporary_folder(path: str | os.PathLike[str]) -> Path:
 
 
 def replace_folder(
-    tmp: str | os.PathLike[str], path: str | os.PathLike[str], *, durable: bool = True, keep: Callable[[str], bool] | None = None
+    tmp: str | os.PathLike[str],
+    path: str | os.PathLike[str],
+    *,
+    durable: bool = True,
+    keep: Callable[[str], bool] | None = None,
 ) -> None:
     """Put the folder ``tmp`` (from :func:`temporary_folder`, complete) in place of ``path``'s real target and
     remove what was there: a reader sees the previous folder or ``tmp``'s contents, never a mixture.
 
-    Missing target: one ``rename``. A folder there: exchanged with ``tmp`` in one ``renameat2(RENAME_EXCHANGE)``
-    (Linux), then removed; where the filesystem cannot exchange (``EINVAL``, ``ENOSYS``, another system), renamed
-    aside to ``.NAME.torchspan.PID.TOKEN.HOST.old``, ``tmp`` renamed in, the aside folder removed (a crash between
-    the renames is undone by :func:`clean_temporaries`). ``durable=True`` fsyncs ``tmp`` and the parent folder.
+    Missing target: one ``rename``. A folder there: exchanged with ``tmp`` in one
+    ``renameat2(RENAME_EXCHANGE)`` (Linux), then removed; where the filesystem cannot exchange (``EINVAL``,
+    ``ENOSYS``, another system), renamed aside to ``.NAME.torchspan.PID.TOKEN.HOST.old``, ``tmp`` renamed in,
+    the aside folder removed (a crash between the renames is undone by :func:`clean_temporaries`).
+    ``durable=True`` fsyncs ``tmp`` and the parent folder.
 
-    ``keep(name)``: whether the previous folder's entry ``name`` (not the writer's: a user's file) lives on in the
-    new one. Each kept entry ``tmp`` lacks is hard-linked into ``tmp`` before the swap (copied where links are
-    refused; a folder as a tree of links), so it is there in both and a crash at any point loses it from
+    ``keep(name)``: whether the previous folder's entry ``name`` (not the writer's: a user's file) lives on in
+    the new one. Each kept entry ``tmp`` lacks is hard-linked into ``tmp`` before the swap (copied where links
+    are refused; a folder as a tree of links), so it is there in both and a crash at any point loses it from
     neither; one that appears in the previous folder during the swap is moved over after it.
     """
     tmp, target = Path(tmp), real_target(path)
@@ -377,7 +436,8 @@ def _kept(folder: Path, into: Path, keep: Callable[[str], bool]) -> list[os.DirE
 
 
 def _carry(previous: Path, tmp: Path, keep: Callable[[str], bool]) -> None:
-    """Link (or copy) the kept entries of the previous folder into ``tmp``; fifos and sockets move after the swap."""
+    """Link (or copy) the kept entries of the previous folder into ``tmp``; fifos and sockets move after the
+    swap."""
     for entry in _kept(previous, tmp, keep):
         if entry.is_symlink():
             os.symlink(os.readlink(entry.path), tmp / entry.name)
@@ -397,8 +457,9 @@ def _link_or_copy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> N
 
 
 def _remove_previous(previous: Path, target: Path, keep: Callable[[str], bool] | None) -> None:
-    """Move what ``keep`` keeps and the new folder lacks (it appeared during the swap) into ``target``, then remove
-    the previous folder; a move that fails raises, and the previous folder stays, its entries with it."""
+    """Move what ``keep`` keeps and the new folder lacks (it appeared during the swap) into ``target``, then
+    remove the previous folder; a move that fails raises, and the previous folder stays, its entries with
+    it."""
     for entry in _kept(previous, target, keep) if keep is not None else ():
         os.rename(entry.path, target / entry.name)
     shutil.rmtree(previous, ignore_errors=True)

@@ -36,7 +36,8 @@ import transformers
 from torch.utils._pytree import tree_map
 
 from .planner.plans import Plan
-from .runtime import Spanned, span as span_model
+from .runtime import Spanned
+from .runtime import span as span_model
 from .runtime.modelloss import shifted_tokens, tokens
 from .runtime.ranks import load_checkpoint, save_checkpoint, shard_batch
 
@@ -46,21 +47,22 @@ _SPAN_KEYS = frozenset(inspect.signature(span_model).parameters) - {"model", "pl
 
 
 def span_options(span: Any) -> tuple[Plan | None, dict[str, Any]]:
-    """``(plan, keyword arguments)`` for ``torchspan.span`` from ``Trainer(span=...)``; ``ValueError`` naming a bad one."""
+    """``(plan, keyword arguments)`` for ``torchspan.span`` from ``Trainer(span=...)``; ``ValueError`` naming
+    a bad one."""
     if isinstance(span, Plan):
         return span, {}
     if span is None or span == "auto":
         return None, {}
     if not isinstance(span, Mapping):
         raise TypeError(
-            f"span={span!r} is not a dict of torchspan.span keyword arguments, a torchspan.Plan or 'auto'; pass "
-            "e.g. span={'devices': ['cpu', 'cpu'], 'microbatches': 2}"
+            f"span={span!r} is not a dict of torchspan.span keyword arguments, a torchspan.Plan or 'auto'; "
+            "pass e.g. span={'devices': ['cpu', 'cpu'], 'microbatches': 2}"
         )
     unknown = sorted(set(span) - _SPAN_KEYS)
     if unknown:
         raise ValueError(
-            f"span={{{', '.join(repr(k) + ': ...' for k in unknown)}}}: torchspan.span takes no {', '.join(unknown)}; "
-            f"it takes {', '.join(sorted(_SPAN_KEYS))}"
+            f"span={{{', '.join(repr(k) + ': ...' for k in unknown)}}}: torchspan.span takes no "
+            f"{', '.join(unknown)}; it takes {', '.join(sorted(_SPAN_KEYS))}"
         )
     options = dict(span)
     plan = options.pop("plan", None)
@@ -71,25 +73,27 @@ def _check_args(args: Any, options: dict[str, Any]) -> None:
     """Trainer's own engines and torchspan's do not stack: ``ValueError`` before any work."""
     if getattr(args, "fsdp", None):
         raise ValueError(
-            f"TrainingArguments(fsdp={args.fsdp!r}) with torchspan.hf.Trainer(span=...): both would shard the model. "
-            "Drop fsdp= and pass span={'shard': True} (FSDP2 through torchspan), or use transformers.Trainer"
+            f"TrainingArguments(fsdp={args.fsdp!r}) with torchspan.hf.Trainer(span=...): both would shard "
+            "the model. Drop fsdp= and pass span={'shard': True} (FSDP2 through torchspan), or use "
+            "transformers.Trainer"
         )
     if getattr(args, "deepspeed", None):
         raise ValueError(
-            "TrainingArguments(deepspeed=...) with torchspan.hf.Trainer(span=...): both would own the step. Drop "
-            "deepspeed= (span={'shard': True} shards like ZeRO-3), or use transformers.Trainer"
+            "TrainingArguments(deepspeed=...) with torchspan.hf.Trainer(span=...): both would own the "
+            "step. Drop deepspeed= (span={'shard': True} shards like ZeRO-3), or use transformers.Trainer"
         )
     micro = options.get("microbatches") or 1
     if isinstance(micro, int) and args.per_device_train_batch_size < micro:
         raise ValueError(
-            f"per_device_train_batch_size={args.per_device_train_batch_size} < span microbatches={micro}: each "
-            f"replica's batch is cut into {micro} micro-batches of one row or more. Raise the batch size or lower "
-            "microbatches"
+            f"per_device_train_batch_size={args.per_device_train_batch_size} < span microbatches={micro}: "
+            f"each replica's batch is cut into {micro} micro-batches of one row or more. Raise the batch "
+            "size or lower microbatches"
         )
 
 
 def _precision(args: Any, options: dict[str, Any]) -> None:
-    """``TrainingArguments(bf16=/fp16=)`` as the span's precision (its autocast and, for fp16, its own scaler)."""
+    """``TrainingArguments(bf16=/fp16=)`` as the span's precision (its autocast and, for fp16, its own
+    scaler)."""
     wanted = "bf16" if args.bf16 else "fp16" if args.fp16 else None
     given = options.get("precision")
     if wanted and given not in (None, wanted):
@@ -106,12 +110,14 @@ class Trainer(transformers.Trainer):
     Usage: ``Trainer(model=model, args=args, train_dataset=ds, span={"shard": True}).train()``
     """
 
-    def __init__(self, model: Any = None, args: Any = None, *positional: Any, span: Any = None, **kwargs: Any) -> None:
+    def __init__(
+        self, model: Any = None, args: Any = None, *positional: Any, span: Any = None, **kwargs: Any
+    ) -> None:
         if model is None or isinstance(model, Spanned):
             got = "no model" if model is None else "a Spanned model"
             raise ValueError(
-                f"torchspan.hf.Trainer got {got}: pass the plain model (model=...), and span= says how to span it; "
-                "model_init is not supported"
+                f"torchspan.hf.Trainer got {got}: pass the plain model (model=...), and span= says how to "
+                "span it; model_init is not supported"
             )
         plan, options = span_options(span)
         args = args if args is not None else transformers.TrainingArguments("tmp_trainer")
@@ -123,10 +129,13 @@ class Trainer(transformers.Trainer):
         self.spanned = span_model(self.model, plan, **options)
         self.model_wrapped = self.spanned
         self.gather_function = self._metrics_of  # every process evaluates every batch: nothing to gather
-        if self.accelerator.scaler is not None:  # fp16: the span's own scaler unscales and skips (runtime.fp16)
+        if (
+            self.accelerator.scaler is not None
+        ):  # fp16: the span's own scaler unscales and skips (runtime.fp16)
             self.accelerator.scaler = None
 
-    # ------------------------------------------------------------------ data: the global batch on every process
+    # ------------------------------------------------------------------ data: the global batch on every
+    # process
     def get_train_dataloader(self) -> Any:
         keep = self._train_batch_size
         self._train_batch_size = keep * self.spanned.data_parallel[1]
@@ -142,20 +151,24 @@ class Trainer(transformers.Trainer):
         return _whole(super().get_test_dataloader(test_dataset))
 
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
-        """Trainer's loop, each batch's values kept as this process holds them (Trainer resets ``gather_function``
-        to accelerate's cross-process gather at the end of every loop)."""
+        """Trainer's loop, each batch's values kept as this process holds them (Trainer resets
+        ``gather_function`` to accelerate's cross-process gather at the end of every loop)."""
         self.gather_function = self._metrics_of
         return super().evaluation_loop(*args, **kwargs)
 
     def _metrics_of(self, value: Any) -> Any:
-        """What accelerate's ``gather_for_metrics`` leaves of one process's values: the last batch's repeats cut."""
+        """What accelerate's ``gather_for_metrics`` leaves of one process's values: the last batch's repeats
+        cut."""
         state = self.accelerator.gradient_state
         if state.end_of_dataloader and state.remainder > 0:
-            return tree_map(lambda t: t[: state.remainder] if isinstance(t, torch.Tensor) and t.dim() else t, value)
+            return tree_map(
+                lambda t: t[: state.remainder] if isinstance(t, torch.Tensor) and t.dim() else t, value
+            )
         return value
 
     def _get_num_items_in_batch(self, batch_samples: list[Any], device: torch.device) -> Any:
-        """The labels Trainer would count over the window: every process holds the global batches, so no gather."""
+        """The labels Trainer would count over the window: every process holds the global batches, so no
+        gather."""
         counts = [_count(b["labels"], self._loss_shifts_labels) for b in batch_samples if "labels" in b]
         return sum(counts) if counts else None
 
@@ -163,8 +176,11 @@ class Trainer(transformers.Trainer):
     def _wrap_model(self, model: Any, training: bool = True, dataloader: Any = None) -> Any:
         return self.spanned
 
-    def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
-        """One micro-step of the window: this replica's rows through ``spanned.train_step``, its exact share."""
+    def training_step(
+        self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        """One micro-step of the window: this replica's rows through ``spanned.train_step``, its exact
+        share."""
         self.spanned.train()
         inputs = self._prepare_inputs(inputs)
         replica, replicas = self.spanned.data_parallel
@@ -175,20 +191,26 @@ class Trainer(transformers.Trainer):
                 "torchspan.hf.Trainer trains on the model's own loss: each batch needs 'labels' (what a data "
                 "collator such as DataCollatorForLanguageModeling adds)"
             )
-        if self.model_accepts_loss_kwargs and num_items_in_batch is not None:  # the model divides by the window's count
+        if (
+            self.model_accepts_loss_kwargs and num_items_in_batch is not None
+        ):  # the model divides by the window's count
             loss = self.spanned.train_step({**mine, "num_items_in_batch": int(num_items_in_batch)})
         elif self.current_gradient_accumulation_steps == 1:  # the step's mean is the window's
             loss = self.spanned.train_step(mine)
         else:
             raise ValueError(
-                f"gradient_accumulation_steps={self.args.gradient_accumulation_steps} with a model whose forward takes "
-                "no num_items_in_batch: torchspan.hf.Trainer cannot weigh its micro-steps exactly. Give the model's "
-                "forward **kwargs (transformers models have them), or accumulate with span microbatches= instead"
+                f"gradient_accumulation_steps={self.args.gradient_accumulation_steps} with a model whose "
+                "forward takes no num_items_in_batch: torchspan.hf.Trainer cannot weigh its micro-steps "
+                "exactly. Give the model's forward **kwargs (transformers models have them), or accumulate "
+                "with span microbatches= instead"
             )
         return loss.detach().to(self.args.device)
 
-    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
-        """Evaluation's loss: the batch's own mean (every process holds the whole batch; nothing to rescale)."""
+    def compute_loss(
+        self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        """Evaluation's loss: the batch's own mean (every process holds the whole batch; nothing to
+        rescale)."""
         return super().compute_loss(model, inputs, return_outputs=return_outputs)
 
     def _clip_grad_norm(self, model: Any) -> Any:
@@ -201,7 +223,8 @@ class Trainer(transformers.Trainer):
 
     # ------------------------------------------------------------------ saving and resuming
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """One ``from_pretrained`` folder with the whole model's weights (a collective: call it on every process)."""
+        """One ``from_pretrained`` folder with the whole model's weights (a collective: call it on every
+        process)."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         full = full_state_dict(self.spanned)
         if self.args.should_save:
@@ -215,7 +238,10 @@ class Trainer(transformers.Trainer):
         if not _staged(self.spanned):
             return super()._save_optimizer_and_scheduler(output_dir)
         if self.spanned.mode == "sharded":  # a folder of shards (torch.distributed.checkpoint)
-            save_checkpoint(os.path.join(output_dir, "torchspan"), {"model": self.spanned, "optimizer": _bare(self.optimizer)})
+            save_checkpoint(
+                os.path.join(output_dir, "torchspan"),
+                {"model": self.spanned, "optimizer": _bare(self.optimizer)},
+            )
         else:  # a pipeline: every stage's state, one file
             state = {"model": self.spanned.state_dict(), "optimizer": _bare(self.optimizer).state_dict()}
             save_checkpoint(os.path.join(output_dir, "torchspan.pt"), state)
@@ -226,7 +252,10 @@ class Trainer(transformers.Trainer):
         if checkpoint is None or not _staged(self.spanned):
             return super()._load_optimizer_and_scheduler(checkpoint)
         if self.spanned.mode == "sharded":
-            load_checkpoint(os.path.join(checkpoint, "torchspan"), {"model": self.spanned, "optimizer": _bare(self.optimizer)})
+            load_checkpoint(
+                os.path.join(checkpoint, "torchspan"),
+                {"model": self.spanned, "optimizer": _bare(self.optimizer)},
+            )
         else:
             state = load_checkpoint(os.path.join(checkpoint, "torchspan.pt"))
             mine = {k: v for k, v in state["model"].items() if v.device.type != "meta"}  # this stage's
@@ -243,8 +272,8 @@ class Trainer(transformers.Trainer):
         path = os.path.join(resume_from_checkpoint, "model.safetensors")
         if not os.path.isfile(path):
             raise ValueError(
-                f"resume_from_checkpoint={resume_from_checkpoint!r} has no model.safetensors: torchspan.hf.Trainer "
-                "resumes from the folders its own save_strategy wrote"
+                f"resume_from_checkpoint={resume_from_checkpoint!r} has no model.safetensors: "
+                "torchspan.hf.Trainer resumes from the folders its own save_strategy wrote"
             )
         self.spanned.load_state_dict(_with_ties(self.spanned.module, load_file(path)))
 
@@ -278,8 +307,8 @@ def _count(labels: torch.Tensor, shifted: bool) -> int:
 
 
 def _whole(loader: Any) -> Any:
-    """``loader`` as accelerate prepared it, but every process reading every batch (no sharding by process, and no
-    samples repeated to even out the last batch: as one process reads them)."""
+    """``loader`` as accelerate prepared it, but every process reading every batch (no sharding by process,
+    and no samples repeated to even out the last batch: as one process reads them)."""
     sampler = getattr(loader, "batch_sampler", None)
     if sampler is not None and hasattr(sampler, "num_processes"):
         sampler.num_processes, sampler.process_index, sampler.even_batches = 1, 0, False
@@ -288,11 +317,14 @@ def _whole(loader: Any) -> Any:
 
 def _staged(spanned: Spanned) -> bool:
     """Whether processes hold different optimizer state (sharded, or stages across ranks)."""
-    return spanned.mode == "sharded" or (dist.is_initialized() and spanned.mode != "data-parallel" and dist.get_world_size() > 1)
+    return spanned.mode == "sharded" or (
+        dist.is_initialized() and spanned.mode != "data-parallel" and dist.get_world_size() > 1
+    )
 
 
 def full_state_dict(spanned: Spanned) -> dict[str, torch.Tensor]:
-    """The whole model's weights by its own keys, on every process (sharded: gathered; a pipeline: every stage's)."""
+    """The whole model's weights by its own keys, on every process (sharded: gathered; a pipeline: every
+    stage's)."""
     state = {k: v.detach().cpu() for k, v in spanned.state_dict().items() if v.device.type != "meta"}
     if not _staged(spanned) or spanned.mode == "sharded":
         return state

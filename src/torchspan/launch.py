@@ -64,7 +64,12 @@ class LaunchConfig:
     max_restarts: int = 0
 
     def __post_init__(self) -> None:
-        require_regular_file(self.script, name="SCRIPT", what="a Python file", fix="give the path of a Python training script, e.g. train.py")
+        require_regular_file(
+            self.script,
+            name="SCRIPT",
+            what="a Python file",
+            fix="give the path of a Python training script, e.g. train.py",
+        )
         n = self.nproc_per_node
         if not (n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= 1)):
             raise ValueError(f"--nproc-per-node {n!r} must be 'auto' or an integer >= 1")
@@ -78,13 +83,17 @@ class LaunchConfig:
             raise ValueError(f"--master-port {self.master_port} is not a TCP port (1..65535)")
         if self.rdzv_endpoint is not None:
             if self.master_addr is not None or self.master_port is not None:
-                raise ValueError("give either --rdzv-endpoint HOST:PORT or --master-addr/--master-port, not both")
+                raise ValueError(
+                    "give either --rdzv-endpoint HOST:PORT or --master-addr/--master-port, not both"
+                )
             if ":" not in self.rdzv_endpoint:
-                raise ValueError(f"--rdzv-endpoint {self.rdzv_endpoint!r} must be HOST:PORT, e.g. node0:29400")
+                raise ValueError(
+                    f"--rdzv-endpoint {self.rdzv_endpoint!r} must be HOST:PORT, e.g. node0:29400"
+                )
         elif self.nnodes > 1 and (self.master_addr is None or self.master_port is None):
             raise ValueError(
-                f"--nnodes {self.nnodes} needs --master-addr and --master-port (node 0's address and a port, the same on every "
-                "node), or --rdzv-endpoint HOST:PORT"
+                f"--nnodes {self.nnodes} needs --master-addr and --master-port (node 0's address and a "
+                "port, the same on every node), or --rdzv-endpoint HOST:PORT"
             )
 
 
@@ -101,7 +110,9 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def cpu_layout(nproc_per_node: int | str, cores: int | None = None, gpus: int | None = None) -> tuple[int, int]:
+def cpu_layout(
+    nproc_per_node: int | str, cores: int | None = None, gpus: int | None = None
+) -> tuple[int, int]:
     """(processes on this node, threads per process) for ``nproc_per_node`` (``"auto"`` or a count).
 
     ``auto``: one process per GPU when there are GPUs, else ``min(cores, 8)`` processes; threads
@@ -118,15 +129,30 @@ def cpu_layout(nproc_per_node: int | str, cores: int | None = None, gpus: int | 
 
 def torchrun_argv(config: LaunchConfig, nproc: int) -> list[str]:
     """The ``torch.distributed.run`` argument list for ``config`` with ``nproc`` processes on this node."""
-    argv = ["--nproc-per-node", str(nproc), "--nnodes", str(config.nnodes), "--max-restarts", str(config.max_restarts)]
+    argv = [
+        "--nproc-per-node",
+        str(nproc),
+        "--nnodes",
+        str(config.nnodes),
+        "--max-restarts",
+        str(config.max_restarts),
+    ]
     if config.rdzv_endpoint is not None:
-        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", config.rdzv_endpoint, "--rdzv-id", config.rdzv_id]
+        argv += [
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            config.rdzv_endpoint,
+            "--rdzv-id",
+            config.rdzv_id,
+        ]
     elif config.master_port is None:  # one node: the OS picks a free port for the store
         argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", config.rdzv_id]
     else:
         argv += ["--node-rank", str(config.node_rank), "--master-addr", config.master_addr or "127.0.0.1"]
         argv += ["--master-port", str(config.master_port)]
-    # each worker runs the script under @record (see _run_worker), as `python -u -m torchspan.launch SCRIPT ...`
+    # each worker runs the script under @record (see _run_worker), as `python -u -m torchspan.launch SCRIPT
+    # ...`
     return [*argv, "--module", __name__, config.script, *config.script_args]
 
 
@@ -160,7 +186,12 @@ def launch(script: str, script_args: Sequence[str] = (), **options: Any) -> int:
     config = LaunchConfig(script, tuple(script_args), **options)
     nproc, threads = cpu_layout(config.nproc_per_node)
     job = Path(tempfile.mkdtemp(prefix="torchspan-launch-"))
-    env = {"PYTHONUNBUFFERED": "1", "TORCHSPAN_LAUNCHED": "1", "TORCHSPAN_JOB_DIR": str(job), "TORCHSPAN_LAUNCHER_PID": str(os.getpid())}
+    env = {
+        "PYTHONUNBUFFERED": "1",
+        "TORCHSPAN_LAUNCHED": "1",
+        "TORCHSPAN_JOB_DIR": str(job),
+        "TORCHSPAN_LAUNCHER_PID": str(os.getpid()),
+    }
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(threads)
     args = torchrun.parse_args(torchrun_argv(config, nproc))
@@ -169,7 +200,10 @@ def launch(script: str, script_args: Sequence[str] = (), **options: Any) -> int:
         try:
             torchrun.run(args)
         except ChildFailedError as exc:
-            print(failure_report(exc.failures, job, Path(config.script).name, config.max_restarts), file=sys.stderr)
+            print(
+                failure_report(exc.failures, job, Path(config.script).name, config.max_restarts),
+                file=sys.stderr,
+            )
             keep = True
             return 1
         finally:
@@ -224,7 +258,9 @@ def _thawing(job: Path, every: float = 0.5) -> Iterator[None]:
 def _stopped_with_sigterm(pid: int) -> bool:
     """Linux: ``pid`` is stopped and has SIGTERM pending (elsewhere, or for a pid gone: False)."""
     try:
-        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+        fields = dict(
+            line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
+        )
         pending = int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
         return fields["State"].strip()[:1] in ("T", "t") and bool(pending & (1 << (int(signal.SIGTERM) - 1)))
     except (OSError, KeyError, ValueError):
@@ -242,7 +278,9 @@ def _run_worker(argv: Sequence[str]) -> None:
     from .runtime.ranks import heartbeat
 
     if not argv:
-        raise SystemExit("usage: python -m torchspan.launch SCRIPT [args]  (run by torchspan launch on each rank)")
+        raise SystemExit(
+            "usage: python -m torchspan.launch SCRIPT [args]  (run by torchspan launch on each rank)"
+        )
     script = os.path.abspath(argv[0])
     sys.argv = list(argv)
     sys.path.insert(0, os.path.dirname(script))
@@ -276,7 +314,8 @@ def _run_worker(argv: Sequence[str]) -> None:
 
 
 def _record(folder: Path | None, rank: int, exc: BaseException) -> bool:
-    """Record what ended this worker in the job's folder for the launcher's summary; False where it could not."""
+    """Record what ended this worker in the job's folder for the launcher's summary; False where it could
+    not."""
     from .runtime.ranks import heartbeat
 
     if folder is None:

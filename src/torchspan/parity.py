@@ -79,7 +79,8 @@ class Parity:
     def failures(self) -> list[str]:
         """One line per parameter out of tolerance, and one for a different loss."""
         lines = [
-            f"{g.name}: max abs diff {g.max_abs:.3e}, max rel diff {g.max_rel:.3e} (atol={self.atol:g}, rtol={self.rtol:g})"
+            f"{g.name}: max abs diff {g.max_abs:.3e}, max rel diff {g.max_rel:.3e} (atol={self.atol:g}, "
+            f"rtol={self.rtol:g})"
             for g in self.grads
             if not g.within
         ]
@@ -88,7 +89,9 @@ class Parity:
         return lines
 
 
-def _pairs(model: nn.Module, reference: nn.Module, names: Collection[str] | None) -> Iterator[tuple[str, nn.Parameter, nn.Parameter]]:
+def _pairs(
+    model: nn.Module, reference: nn.Module, names: Collection[str] | None
+) -> Iterator[tuple[str, nn.Parameter, nn.Parameter]]:
     ref = dict(reference.named_parameters(remove_duplicate=False))
     for name, p in model.named_parameters(remove_duplicate=False):
         if names is not None and name not in names:
@@ -116,11 +119,19 @@ def grad_differences(
     """
     if atol < 0 or rtol < 0:
         raise ValueError(f"atol={atol!r}, rtol={rtol!r}: tolerances must be >= 0, e.g. atol=1e-5, rtol=1e-4")
-    return [grad_difference(name, p.grad, ref_p.grad, atol=atol, rtol=rtol) for name, p, ref_p in _pairs(model, reference, names)]
+    return [
+        grad_difference(name, p.grad, ref_p.grad, atol=atol, rtol=rtol)
+        for name, p, ref_p in _pairs(model, reference, names)
+    ]
 
 
 def grad_difference(
-    name: str, grad: torch.Tensor | None, reference_grad: torch.Tensor | None, *, atol: float = 1e-5, rtol: float = 1e-4
+    name: str,
+    grad: torch.Tensor | None,
+    reference_grad: torch.Tensor | None,
+    *,
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
 ) -> GradDiff:
     """How far one gradient is from the reference's (``None`` = no gradient; on one side only: never within).
 
@@ -141,11 +152,14 @@ def grad_difference(
     diff = (g - rg).abs()
     worst = diff.max().item() if diff.numel() else 0.0
     scale = rg.abs().max().item() if rg.numel() else 0.0
-    return GradDiff(name, worst, worst / scale if scale > 0 else 0.0, bool(torch.all(diff <= atol + rtol * rg.abs())))
+    return GradDiff(
+        name, worst, worst / scale if scale > 0 else 0.0, bool(torch.all(diff <= atol + rtol * rg.abs()))
+    )
 
 
 def _call(model: nn.Module, inputs: Any, device: torch.device) -> Any:
-    """``model(inputs)`` the way ``train_step`` reads inputs: a tensor, a tuple of arguments, or keyword arguments."""
+    """``model(inputs)`` the way ``train_step`` reads inputs: a tensor, a tuple of arguments, or keyword
+    arguments."""
 
     def to(v: Any) -> Any:
         return v.to(device) if isinstance(v, torch.Tensor) else v
@@ -167,7 +181,8 @@ def check_parity(
     atol: float = 1e-5,
     rtol: float = 1e-4,
 ) -> Parity:
-    """One ``spanned.train_step(inputs, target, loss_fn)`` against ``loss_fn(reference(inputs), target).backward()``.
+    """One ``spanned.train_step(inputs, target, loss_fn)`` against ``loss_fn(reference(inputs),
+    target).backward()``.
 
     ``reference`` is a plain copy of the spanned model made before spanning, on one device (its
     first parameter's, inputs are moved there). ``target`` may be a function of the reference's

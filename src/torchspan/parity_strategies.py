@@ -1,8 +1,9 @@
 """The strategies ``torchspan.parity_ranks.compare_strategies`` can run: one training step each, as data.
 
 ``LOCAL`` holds the ones that run in the calling process (``single``, ``local-pipeline``); ``RANKED`` the
-multi-process ones, each a :class:`RankStrategy` (its process count for an ``nproc``, and the step every rank runs,
-module-level so that it pickles). A new strategy is one more entry (tests add theirs with ``monkeypatch.setitem``).
+multi-process ones, each a :class:`RankStrategy` (its process count for an ``nproc``, and the step every rank
+runs, module-level so that it pickles). A new strategy is one more entry (tests add theirs with
+``monkeypatch.setitem``).
 
 Usage::
 
@@ -34,7 +35,9 @@ class StepOptions:
     balance: tuple[int, ...] | None = None
     devices: tuple[str, ...] = ("cpu", "cpu")
     loss_reduction: str | None = None
-    tp_plan: tuple[tuple[str, str], ...] | None = None  # tensor parallel: (module pattern, style) pairs, else the model's
+    tp_plan: tuple[tuple[str, str], ...] | None = (
+        None  # tensor parallel: (module pattern, style) pairs, else the model's
+    )
 
 
 # A step on one rank: (model with the initial weights, global inputs, global target, loss_fn, options,
@@ -45,7 +48,8 @@ RankStep = Callable[[nn.Module, Any, Any, Callable[..., Any], StepOptions, int, 
 @dataclass(frozen=True)
 class RankStrategy:
     """A multi-process strategy: ``processes(nproc, options)`` is its process count (a ``ValueError`` stating
-    the equation when ``nproc`` cannot host it) and ``step`` runs on every rank (module-level: it is pickled)."""
+    the equation when ``nproc`` cannot host it) and ``step`` runs on every rank (module-level: it is
+    pickled)."""
 
     processes: Callable[[int, StepOptions], int]
     step: RankStep
@@ -62,13 +66,17 @@ def forward(model: nn.Module, inputs: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------- strategies
-def _single(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions) -> torch.Tensor:
+def _single(
+    model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions
+) -> torch.Tensor:
     loss = loss_fn(forward(model, inputs), target)
     loss.backward()
     return loss.detach()
 
 
-def _local_pipeline(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions) -> torch.Tensor:
+def _local_pipeline(
+    model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions
+) -> torch.Tensor:
     from .runtime.build import span
 
     spanned = span(
@@ -85,12 +93,21 @@ def _local_pipeline(model: nn.Module, inputs: Any, target: Any, loss_fn: Callabl
 def _dp_processes(nproc: int, opts: StepOptions) -> int:
     if nproc < 2:
         raise ValueError(
-            f"dp and fsdp split the batch over processes: nproc={nproc} runs nothing data-parallel; pass --nproc-per-node 2 or more"
+            f"dp and fsdp split the batch over processes: nproc={nproc} runs nothing data-parallel; pass "
+            "--nproc-per-node 2 or more"
         )
     return nproc
 
 
-def _dp_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions, rank: int, world: int) -> torch.Tensor:
+def _dp_step(
+    model: nn.Module,
+    inputs: Any,
+    target: Any,
+    loss_fn: Callable[..., Any],
+    opts: StepOptions,
+    rank: int,
+    world: int,
+) -> torch.Tensor:
     from .runtime.build import span
 
     spanned = span(model)  # launched, one stage: an exact data-parallel replica
@@ -98,7 +115,15 @@ def _dp_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., 
     return spanned.train_step(xs, ts, loss_fn, loss_reduction=opts.loss_reduction)
 
 
-def _fsdp_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions, rank: int, world: int) -> torch.Tensor:
+def _fsdp_step(
+    model: nn.Module,
+    inputs: Any,
+    target: Any,
+    loss_fn: Callable[..., Any],
+    opts: StepOptions,
+    rank: int,
+    world: int,
+) -> torch.Tensor:
     from .runtime.build import span
 
     spanned = span(model, shard=True)  # launched, one stage: the replica sharded by FSDP2
@@ -110,15 +135,26 @@ def _offload_processes(nproc: int, opts: StepOptions) -> int:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus == 0:
         raise ValueError(
-            "fsdp-offload needs a GPU: FSDP2's CPU offload keeps parameters, gradients and optimizer state in CPU memory "
-            "and computes on the GPU, and this machine has none; compare fsdp instead"
+            "fsdp-offload needs a GPU: FSDP2's CPU offload keeps parameters, gradients and optimizer state "
+            "in CPU memory and computes on the GPU, and this machine has none; compare fsdp instead"
         )
     if nproc > gpus:
-        raise ValueError(f"fsdp-offload runs one process per GPU: --nproc-per-node {nproc} > {gpus} GPU(s); pass --nproc-per-node {gpus}")
+        raise ValueError(
+            f"fsdp-offload runs one process per GPU: --nproc-per-node {nproc} > {gpus} GPU(s); pass "
+            f"--nproc-per-node {gpus}"
+        )
     return nproc
 
 
-def _offload_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions, rank: int, world: int) -> torch.Tensor:
+def _offload_step(
+    model: nn.Module,
+    inputs: Any,
+    target: Any,
+    loss_fn: Callable[..., Any],
+    opts: StepOptions,
+    rank: int,
+    world: int,
+) -> torch.Tensor:
     from .runtime.build import span
 
     spanned = span(model, shard=True, offload="cpu")  # pragma: no cover - needs a GPU
@@ -129,7 +165,10 @@ def _offload_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[
 def _pipeline_processes(nproc: int, opts: StepOptions) -> int:
     stages = len(opts.balance) if opts.balance else nproc
     if nproc < 2:
-        raise ValueError(f"rank-pipeline needs a stage per process: nproc={nproc} pipelines nothing; pass --nproc-per-node 2 or more")
+        raise ValueError(
+            f"rank-pipeline needs a stage per process: nproc={nproc} pipelines nothing; pass "
+            "--nproc-per-node 2 or more"
+        )
     if stages != nproc:
         raise ValueError(
             f"rank-pipeline runs one stage per process: pp({stages}) != nproc({nproc}); "
@@ -139,12 +178,14 @@ def _pipeline_processes(nproc: int, opts: StepOptions) -> int:
 
 
 def _hybrid_shape(nproc: int, opts: StepOptions) -> tuple[int, int]:
-    """``(dp, pp)`` of the hybrid mesh: ``pp = len(balance)`` (default 2), ``dp = nproc // pp`` (at least 2)."""
+    """``(dp, pp)`` of the hybrid mesh: ``pp = len(balance)`` (default 2), ``dp = nproc // pp`` (at least
+    2)."""
     pp = len(opts.balance) if opts.balance else 2
     dp = max(2, nproc // pp)
     if dp * pp != nproc:
         raise ValueError(
-            f"hybrid needs {dp * pp} processes ({pp} stages x {dp} replicas): dp({dp}) * pp({pp}) != nproc({nproc}); pass --nproc-per-node {dp * pp}"
+            f"hybrid needs {dp * pp} processes ({pp} stages x {dp} replicas): dp({dp}) * pp({pp}) != "
+            f"nproc({nproc}); pass --nproc-per-node {dp * pp}"
         )
     return dp, pp
 
@@ -167,12 +208,28 @@ def _span_ranked(model: nn.Module, stages: int, opts: StepOptions) -> Any:
     )
 
 
-def _pipeline_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions, rank: int, world: int) -> torch.Tensor:
+def _pipeline_step(
+    model: nn.Module,
+    inputs: Any,
+    target: Any,
+    loss_fn: Callable[..., Any],
+    opts: StepOptions,
+    rank: int,
+    world: int,
+) -> torch.Tensor:
     spanned = _span_ranked(model, world, opts)
     return spanned.train_step(inputs, target, loss_fn, loss_reduction=opts.loss_reduction)
 
 
-def _hybrid_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions, rank: int, world: int) -> torch.Tensor:
+def _hybrid_step(
+    model: nn.Module,
+    inputs: Any,
+    target: Any,
+    loss_fn: Callable[..., Any],
+    opts: StepOptions,
+    rank: int,
+    world: int,
+) -> torch.Tensor:
     dp, pp = _hybrid_shape(world, opts)
     spanned = _span_ranked(model, pp, opts)
     xs, ts = shard_batch((inputs, target), rank // pp, dp)  # rank = replica * pp + stage (Mesh)
@@ -181,24 +238,47 @@ def _hybrid_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[.
 
 def _tp_processes(nproc: int, opts: StepOptions) -> int:
     if nproc < 2:
-        raise ValueError(f"tp splits each layer over processes: nproc={nproc} splits nothing; pass --nproc-per-node 2 or more")
+        raise ValueError(
+            f"tp splits each layer over processes: nproc={nproc} splits nothing; pass --nproc-per-node 2 "
+            "or more"
+        )
     return nproc
 
 
 def _tp_fsdp_processes(nproc: int, opts: StepOptions) -> int:
     if nproc < 4 or nproc % 2:
-        raise ValueError(f"tp-fsdp is dp_shard(nproc / 2) x tp(2): nproc={nproc} must be 4 or another even count >= 4")
+        raise ValueError(
+            f"tp-fsdp is dp_shard(nproc / 2) x tp(2): nproc={nproc} must be 4 or another even count >= 4"
+        )
     return nproc
 
 
-def _tp_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions, rank: int, world: int) -> torch.Tensor:
+def _tp_step(
+    model: nn.Module,
+    inputs: Any,
+    target: Any,
+    loss_fn: Callable[..., Any],
+    opts: StepOptions,
+    rank: int,
+    world: int,
+) -> torch.Tensor:
     from .runtime.build import span
 
-    spanned = span(model, tp=world, tp_plan=dict(opts.tp_plan) if opts.tp_plan else None)  # every rank the whole batch
+    spanned = span(
+        model, tp=world, tp_plan=dict(opts.tp_plan) if opts.tp_plan else None
+    )  # every rank the whole batch
     return spanned.train_step(inputs, target, loss_fn, loss_reduction=opts.loss_reduction)
 
 
-def _tp_fsdp_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any], opts: StepOptions, rank: int, world: int) -> torch.Tensor:
+def _tp_fsdp_step(
+    model: nn.Module,
+    inputs: Any,
+    target: Any,
+    loss_fn: Callable[..., Any],
+    opts: StepOptions,
+    rank: int,
+    world: int,
+) -> torch.Tensor:
     from .runtime.build import span
 
     spanned = span(model, tp=2, shard=True, tp_plan=dict(opts.tp_plan) if opts.tp_plan else None)

@@ -16,7 +16,14 @@ from types import TracebackType
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from . import pictures
 
@@ -55,13 +62,19 @@ class TrainingProgress:
     advances the bar by one; the memory column keeps its last value when ``memory`` is ``None``.
     """
 
-    def __init__(self, console: Console, total: int, *, speed_unit: str = "samples/s", label: str = "training") -> None:
+    def __init__(
+        self, console: Console, total: int, *, speed_unit: str = "samples/s", label: str = "training"
+    ) -> None:
         self._progress = Progress(
-            TextColumn("{task.description}", style="bold", markup=False),  # the label as given, brackets and braces too
+            TextColumn(
+                "{task.description}", style="bold", markup=False
+            ),  # the label as given, brackets and braces too
             BarColumn(bar_width=24),
             MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}", markup=False),
-            TextColumn("{task.fields[speed]} " + speed_unit.replace("{", "{{").replace("}", "}}"), markup=False),
+            TextColumn(
+                "{task.fields[speed]} " + speed_unit.replace("{", "{{").replace("}", "}}"), markup=False
+            ),
             TextColumn("{task.fields[mem]}", markup=False),
             TimeElapsedColumn(),
             TimeRemainingColumn(),
@@ -74,7 +87,9 @@ class TrainingProgress:
         self._progress.start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self._progress.stop()
 
     def step(self, *, loss: float, speed: float, memory: Any = None) -> None:

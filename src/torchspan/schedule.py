@@ -25,18 +25,20 @@ action took the same time; the runtime uses it to interleave stages that share o
   micro-batch on and never waits for a forward that 1F1B's order would hold back behind an input
   backward on the way up (a round trip between ranks per micro-batch), and nothing waits for an
   earlier stage's input backwards but its own weight pass at the end.
-- ``interleaved_one_f_one_b(m, n, ranks)`` (Megatron's interleaved 1F1B): ``n = v * ranks`` stages placed looped,
+- ``interleaved_one_f_one_b(m, n, ranks)`` (Megatron's interleaved 1F1B): ``n = v * ranks`` stages placed
+looped,
   stage ``s`` on rank ``s % ranks``, each rank holding ``v`` of them. Each rank runs forwards of its stages in
   rounds of ``ranks`` micro-batches (a round through chunk 0, then chunk 1, ...), a warm-up of
   ``2 (ranks - r - 1) + (v - 1) ranks`` forwards, then one forward / one backward: the bubble shrinks to
   ``(ranks - 1) / (v m)`` of the step, at ``v`` times the point-to-point messages. Its clocks count one unit
-  per action *per rank* (the ranks are the workers), so ``merged_order`` of a rank's stages is Megatron's order.
-  ``microbatches`` must be a multiple of ``ranks`` (refused otherwise); with one stage per rank it is 1F1B.
+  per action *per rank* (the ranks are the workers), so ``merged_order`` of a rank's stages is Megatron's
+  order. ``microbatches`` must be a multiple of ``ranks`` (refused otherwise); with one stage per rank it is
+  1F1B.
 
 The vocabulary a plan and a run are written in lives here too, once: ``SCHEDULES`` (the schedule
-names ``build`` knows), ``RECOMPUTE_MODES`` (activation recompute, "activation checkpointing": ``never``; ``except_last``,
-every micro-batch but a stage's last in flight recomputes its forward in backward; ``always``) and
-``PRECISIONS`` (``"32"``, ``"bf16"``, ``"fp16"``: the autocast precision of a run).
+names ``build`` knows), ``RECOMPUTE_MODES`` (activation recompute, "activation checkpointing": ``never``;
+``except_last``, every micro-batch but a stage's last in flight recomputes its forward in backward;
+``always``) and ``PRECISIONS`` (``"32"``, ``"bf16"``, ``"fp16"``: the autocast precision of a run).
 
 Usage: ``for a in gpipe(4, 2)[0]: print(a.clock, a.kind, a.microbatch)``.
 """
@@ -74,7 +76,9 @@ __all__ = [
 FORWARD = "forward"
 BACKWARD = "backward"
 BACKWARD_INPUT = "backward_input"  # gradient w.r.t. the stage's inputs only (zero-bubble's B)
-BACKWARD_WEIGHT = "backward_weight"  # the parameters' gradients of that micro-batch, run later (zero-bubble's W)
+BACKWARD_WEIGHT = (
+    "backward_weight"  # the parameters' gradients of that micro-batch, run later (zero-bubble's W)
+)
 SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "merged-weights", "interleaved-1f1b")
 RECOMPUTE_MODES = ("never", "except_last", "always")
 PRECISIONS = ("32", "bf16", "fp16")
@@ -197,7 +201,8 @@ def zero_bubble(microbatches: int, stages: int) -> list[list[Action]]:
 
 def merged_weights(microbatches: int, stages: int) -> list[list[Action]]:
     """Split backwards, every stage's weight backwards last, in micro-batch order (run as one): every stage
-    but the last runs all its forwards, then its input backwards; the last alternates forward and input backward.
+    but the last runs all its forwards, then its input backwards; the last alternates forward and input
+    backward.
 
     Usage: ``[a.kind for a in merged_weights(4, 2)[0]]``.
     """
@@ -210,9 +215,9 @@ def merged_weights(microbatches: int, stages: int) -> list[list[Action]]:
 
 
 def looped_ranks(microbatches: int, stages: int, ranks: int) -> int:
-    """``v``, the stages each of ``ranks`` holds when ``stages`` are placed looped (stage ``s`` on rank ``s % ranks``),
-    checked for Megatron's interleaved 1F1B: ``stages`` a multiple of ``ranks``, and ``microbatches`` too when ``v > 1``.
-    Raises ``ValueError`` naming the fix.
+    """``v``, the stages each of ``ranks`` holds when ``stages`` are placed looped (stage ``s`` on rank ``s %
+    ranks``), checked for Megatron's interleaved 1F1B: ``stages`` a multiple of ``ranks``, and
+    ``microbatches`` too when ``v > 1``. Raises ``ValueError`` naming the fix.
 
     Usage: ``looped_ranks(4, 4, 2) == 2``.
     """
@@ -220,8 +225,8 @@ def looped_ranks(microbatches: int, stages: int, ranks: int) -> int:
     _check(1, ranks)
     if stages % ranks:
         raise ValueError(
-            f"schedule='interleaved-1f1b' places stage s on rank s % {ranks}: {stages} stages on {ranks} pipeline "
-            f"ranks is not a whole number of stages per rank; pass balance= (or devices=) with "
+            f"schedule='interleaved-1f1b' places stage s on rank s % {ranks}: {stages} stages on {ranks} "
+            f"pipeline ranks is not a whole number of stages per rank; pass balance= (or devices=) with "
             f"{stages // ranks * ranks or ranks} or {(stages // ranks + 1) * ranks} stages"
         )
     v = stages // ranks
@@ -275,12 +280,17 @@ def weight_run_ends(actions: list[Action]) -> set[int]:
     Usage: ``weight_run_ends(merged_weights(4, 2)[0]) == {3}``.
     """
     nexts = [*actions[1:], None]
-    return {a.microbatch for a, b in zip(actions, nexts) if a.kind == BACKWARD_WEIGHT and (b is None or b.kind != BACKWARD_WEIGHT)}
+    return {
+        a.microbatch
+        for a, b in zip(actions, nexts)
+        if a.kind == BACKWARD_WEIGHT and (b is None or b.kind != BACKWARD_WEIGHT)
+    }
 
 
 def forwards_first(actions: Sequence[Action]) -> bool:
     """Whether one stage's ``actions`` run every forward before anything else (GPipe; merged-weights but on
-    the last stage): the stage sends all its forwards at once, so the next stage can take them in as they come.
+    the last stage): the stage sends all its forwards at once, so the next stage can take them in as they
+    come.
 
     Usage: ``forwards_first(merged_weights(4, 2)[0]) is True``.
     """
@@ -288,9 +298,11 @@ def forwards_first(actions: Sequence[Action]) -> bool:
     return kinds == sorted(kinds, reverse=True)
 
 
-def early_receives(plan: Sequence[Sequence[Action]], stage: int, senders: Iterable[int]) -> list[tuple[int, list[int]]]:
-    """``(sender, micro-batches)`` for each of ``senders`` that runs its forwards first: ``stage`` may post the
-    receives of its forwards from it at once (they come as the sender runs them, nothing held back).
+def early_receives(
+    plan: Sequence[Sequence[Action]], stage: int, senders: Iterable[int]
+) -> list[tuple[int, list[int]]]:
+    """``(sender, micro-batches)`` for each of ``senders`` that runs its forwards first: ``stage`` may post
+    the receives of its forwards from it at once (they come as the sender runs them, nothing held back).
 
     Usage: ``early_receives(merged_weights(4, 2), 1, [0]) == [(0, [0, 1, 2, 3])]``.
     """
@@ -305,8 +317,8 @@ def forward_only(microbatches: int, stages: int) -> list[list[Action]]:
 
 
 def build(name: str, microbatches: int, stages: int, ranks: int | None = None) -> list[list[Action]]:
-    """The schedule called ``name`` (one of ``SCHEDULES``). ``ranks``: the workers (pipeline ranks) the stages are
-    placed on, looped (``interleaved-1f1b`` only; default one per stage, where it is 1F1B)."""
+    """The schedule called ``name`` (one of ``SCHEDULES``). ``ranks``: the workers (pipeline ranks) the stages
+    are placed on, looped (``interleaved-1f1b`` only; default one per stage, where it is 1F1B)."""
     if name == "gpipe":
         return gpipe(microbatches, stages)
     if name == "1f1b":

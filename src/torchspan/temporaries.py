@@ -1,9 +1,9 @@
 """The names torchspan gives its temporary files and folders, and whether a temporary's writer is gone.
 
-A temporary of ``NAME`` is ``.NAME.torchspan.PID.TOKEN.HOST.tmp`` (``.old`` for a folder renamed aside): the pid
-and host say whose it is, so :func:`torchspan.files.clean_temporaries` removes only those whose writer on this
-machine is dead (or, another machine's, older than this process). Temporaries this process is writing now are in
-``ACTIVE`` (under ``ACTIVE_LOCK``) and are never stale.
+A temporary of ``NAME`` is ``.NAME.torchspan.PID.TOKEN.HOST.tmp`` (``.old`` for a folder renamed aside): the
+pid and host say whose it is, so :func:`torchspan.files.clean_temporaries` removes only those whose writer on
+this machine is dead (or, another machine's, older than this process). Temporaries this process is writing now
+are in ``ACTIVE`` (under ``ACTIVE_LOCK``) and are never stale.
 
 Usage::
 

@@ -1,4 +1,5 @@
-"""A small measured training loop over a ``Spanned`` model, shared by ``torchspan demo`` and ``torchspan run``.
+"""A small measured training loop over a ``Spanned`` model, shared by ``torchspan demo`` and ``torchspan
+run``.
 
 Each step: ``zero_grad``, ``train_step`` (timed between device synchronisations), the optimizer
 step (timed apart: the plan does not model it), a finite-loss check, and the progress bar with
@@ -40,11 +41,14 @@ class LossNotFinite(FloatingPointError):
 
 
 class OutOfMemoryAtStep(RuntimeError):
-    """A device ran out of memory during ``train_step`` number ``step`` (from 0); the cause is PyTorch's error."""
+    """A device ran out of memory during ``train_step`` number ``step`` (from 0); the cause is PyTorch's
+    error."""
 
     def __init__(self, step: int, error: BaseException) -> None:
         text = str(error).strip()
-        super().__init__(f"out of device memory at step {step}: {text.splitlines()[0] if text else type(error).__name__}")
+        super().__init__(
+            f"out of device memory at step {step}: {text.splitlines()[0] if text else type(error).__name__}"
+        )
         self.step = step
 
 
@@ -53,7 +57,9 @@ class Trained:
     """What :func:`train` measured: one loss and two times (seconds) per step, and the whole run."""
 
     losses: list[float] = field(default_factory=list)
-    step_times: list[float] = field(default_factory=list)  # train_step: forward + backward of every micro-batch
+    step_times: list[float] = field(
+        default_factory=list
+    )  # train_step: forward + backward of every micro-batch
     optimizer_times: list[float] = field(default_factory=list)
     seconds: float = 0.0
     items_per_second: float = 0.0  # samples or tokens, as items_per_step counts them
@@ -113,7 +119,11 @@ def train(
             out.losses.append(value)
             elapsed = time.perf_counter() - t_start
             show_memory = step == 0 or step % memory_every == memory_every - 1 or step == steps - 1
-            bar.step(loss=value, speed=items_per_step * (step + 1) / elapsed, memory=spanned.memory(optimizer) if show_memory else None)
+            bar.step(
+                loss=value,
+                speed=items_per_step * (step + 1) / elapsed,
+                memory=spanned.memory(optimizer) if show_memory else None,
+            )
     out.seconds = time.perf_counter() - t_start
     out.items_per_second = items_per_step * steps / out.seconds
     return out
@@ -125,7 +135,14 @@ def mse_loss(out: Any, target: Any) -> torch.Tensor:
     The loss ``torchspan run`` and ``torchspan verify`` train synthetic models with (outputs may be
     tuples or dicts of tensors). Raises ``ValueError`` when the output holds no floating tensor.
     """
-    pairs = [(o, t) for o, t in zip(tree_leaves(out), tree_leaves(target)) if isinstance(o, torch.Tensor) and o.is_floating_point()]
+    pairs = [
+        (o, t)
+        for o, t in zip(tree_leaves(out), tree_leaves(target))
+        if isinstance(o, torch.Tensor) and o.is_floating_point()
+    ]
     if not pairs:
         raise ValueError("the model's output has no floating-point tensor to put an MSE loss on")
-    return sum((torch.nn.functional.mse_loss(o.float(), t.float()) for o, t in pairs), torch.zeros((), device=pairs[0][0].device))
+    return sum(
+        (torch.nn.functional.mse_loss(o.float(), t.float()) for o, t in pairs),
+        torch.zeros((), device=pairs[0][0].device),
+    )

@@ -1,4 +1,5 @@
-"""``torchspan plan``'s cluster options: ``--nodes``, ``--interconnect``, ``--intra-link``, ``--data-parallel``, ``--tp``.
+"""``torchspan plan``'s cluster options: ``--nodes``, ``--interconnect``, ``--intra-link``,
+``--data-parallel``, ``--tp``.
 
 Usage::
 
@@ -27,15 +28,31 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="plan for N machines, each with --devices (a data x pipeline plan over nodes x devices ranks)",
     )
-    p.add_argument("--interconnect", default=None, metavar="LINK", help=f"link between nodes: {known} (default ib-400g for GPUs)")
     p.add_argument(
-        "--intra-link", default=None, metavar="LINK", help="link between a node's devices (default: NVLink for SXM GPUs, else PCIe)"
+        "--interconnect",
+        default=None,
+        metavar="LINK",
+        help=f"link between nodes: {known} (default ib-400g for GPUs)",
     )
-    p.add_argument("--data-parallel", default="auto", metavar="N", help="data-parallel degree (default: search; must divide the ranks)")
     p.add_argument(
-        "--tp", default="auto", metavar="N",
-        help="tensor-parallel degree within a node (default: price 2, 4 and 8 where they divide --devices; 1: none)",
-    )  # fmt: skip
+        "--intra-link",
+        default=None,
+        metavar="LINK",
+        help="link between a node's devices (default: NVLink for SXM GPUs, else PCIe)",
+    )
+    p.add_argument(
+        "--data-parallel",
+        default="auto",
+        metavar="N",
+        help="data-parallel degree (default: search; must divide the ranks)",
+    )
+    p.add_argument(
+        "--tp",
+        default="auto",
+        metavar="N",
+        help="tensor-parallel degree within a node (default: price 2, 4 and 8 where they divide --devices; "
+        "1: none)",
+    )
 
 
 def cluster_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -47,7 +64,9 @@ def cluster_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         except ValueError:
             nodes = 0
         if nodes < 1:
-            raise UsageError(f"--nodes {args.nodes!r} must be an integer >= 1 (machines, each with --devices)")
+            raise UsageError(
+                f"--nodes {args.nodes!r} must be an integer >= 1 (machines, each with --devices)"
+            )
         out["nodes"] = nodes
     for option, key in (("--interconnect", "interconnect"), ("--intra-link", "intra_link")):
         value = getattr(args, key)

@@ -1,4 +1,5 @@
-"""Helpers shared by subcommands: ``UsageError``, parsing ``DEV=SIZE``, shapes, dtypes and micro-batches, targets, batches, the rich console.
+"""Helpers shared by subcommands: ``UsageError``, parsing ``DEV=SIZE``, shapes, dtypes and micro-batches,
+targets, batches, the rich console.
 
 The options themselves are defined in ``_options``.
 
@@ -30,7 +31,9 @@ def parse_memory_options(items: Sequence[str] | None) -> dict[str, str] | None:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip() or not value.strip():
-            raise UsageError(f"--memory {item!r} is not DEV=SIZE; write e.g. --memory cuda:0=10GiB --memory cpu=32GB")
+            raise UsageError(
+                f"--memory {item!r} is not DEV=SIZE; write e.g. --memory cuda:0=10GiB --memory cpu=32GB"
+            )
         out[key.strip()] = value.strip()
     return out
 
@@ -68,7 +71,8 @@ def console(file: Any = None) -> Console:
 
     ``markup=False``: strings print as they are. Model output, paths, hints such as
     ``pip install 'torchspan[bench]'`` and type names such as ``dict[str, Any]`` keep their square
-    brackets (rich markup would take ``[bench]`` for a style and drop it); styled text is a ``rich.text.Text``.
+    brackets (rich markup would take ``[bench]`` for a style and drop it); styled text is a
+    ``rich.text.Text``.
     """
     file = sys.stdout if file is None else file
     tty = file.isatty() if hasattr(file, "isatty") else False
@@ -110,20 +114,27 @@ def load_target(target: str) -> Any:
         module = importlib.util.module_from_spec(spec)
         try:
             spec.loader.exec_module(module)
-        except Exception as exc:  # a syntax error or a failing import in the user's file: one line, not a traceback
+        except (
+            Exception
+        ) as exc:  # a syntax error or a failing import in the user's file: one line, not a traceback
             raise UsageError(f"TARGET {target!r}: running {where!r} failed with {_one_line(exc)}") from exc
     else:
         try:
             module = importlib.import_module(where)
         except ImportError as exc:
-            raise UsageError(f"TARGET {target!r}: cannot import module {where!r} ({exc}); check PYTHONPATH") from exc
+            raise UsageError(
+                f"TARGET {target!r}: cannot import module {where!r} ({exc}); check PYTHONPATH"
+            ) from exc
         except Exception as exc:
             raise UsageError(f"TARGET {target!r}: importing {where!r} failed with {_one_line(exc)}") from exc
     if not hasattr(module, attr):
         raise UsageError(f"TARGET {target!r}: {where!r} has no attribute {attr!r}")
     obj = getattr(module, attr)
     if not isinstance(obj, nn.Module) and not callable(obj):
-        raise UsageError(f"TARGET {target!r}: {attr} is a {type(obj).__name__}; name a function returning the model, or an nn.Module")
+        raise UsageError(
+            f"TARGET {target!r}: {attr} is a {type(obj).__name__}; name a function returning the model, or "
+            "an nn.Module"
+        )
     try:
         model = obj if isinstance(obj, nn.Module) else obj()
     except Exception as exc:
@@ -145,7 +156,10 @@ def parse_shape(text: str, option: str = "--input-shape") -> tuple[int, ...]:
     except ValueError:
         dims = ()
     if not dims or any(d < 1 for d in dims):
-        raise UsageError(f"{option} {text!r} is not a shape; write positive sizes separated by commas, batch first, e.g. 32,512")
+        raise UsageError(
+            f"{option} {text!r} is not a shape; write positive sizes separated by commas, batch first, "
+            "e.g. 32,512"
+        )
     return dims
 
 
@@ -155,7 +169,9 @@ def parse_dtype(text: str, option: str = "--dtype") -> Any:
 
     value = getattr(torch, text.strip().removeprefix("torch."), None)
     if not isinstance(value, torch.dtype):
-        raise UsageError(f"{option} {text!r} is not a torch dtype; use e.g. float32, bfloat16, float16 or int64")
+        raise UsageError(
+            f"{option} {text!r} is not a torch dtype; use e.g. float32, bfloat16, float16 or int64"
+        )
     return value
 
 
@@ -187,7 +203,8 @@ def synthetic_batch(shape: tuple[int, ...], dtype: Any, vocab: int) -> Any:
 
 
 def named_inputs(items: Sequence[str] | None, vocab: int, default_dtype: Any = None) -> dict[str, Any] | None:
-    """``["input_ids=8,128:int64", "mask=8,128:bool"]`` → ``{"input_ids": tensor, "mask": tensor}`` (random; None without items).
+    """``["input_ids=8,128:int64", "mask=8,128:bool"]`` → ``{"input_ids": tensor, "mask": tensor}`` (random;
+    None without items).
 
     Usage: ``named_inputs(args.input, args.vocab)``.
     """
@@ -197,14 +214,23 @@ def named_inputs(items: Sequence[str] | None, vocab: int, default_dtype: Any = N
     for item in items:
         name, sep, rest = item.partition("=")
         if not sep or not name.strip().isidentifier() or not rest.strip():
-            raise UsageError(f"--input {item!r} is not NAME=SHAPE[:DTYPE]; write e.g. --input input_ids=8,128:int64")
+            raise UsageError(
+                f"--input {item!r} is not NAME=SHAPE[:DTYPE]; write e.g. --input input_ids=8,128:int64"
+            )
         shape_text, _, dtype_text = rest.partition(":")
         shape = parse_shape(shape_text, f"--input {name}")
-        dtype = parse_dtype(dtype_text, f"--input {name}") if dtype_text else (default_dtype or parse_dtype("float32"))
+        dtype = (
+            parse_dtype(dtype_text, f"--input {name}")
+            if dtype_text
+            else (default_dtype or parse_dtype("float32"))
+        )
         if name.strip() in out:
             raise UsageError(f"--input {name.strip()} is given twice; give each keyword input once")
         out[name.strip()] = synthetic_batch(shape, dtype, vocab)
     batches = {k: tuple(v.shape)[0] for k, v in out.items()}
     if len(set(batches.values())) > 1:
-        raise UsageError(f"--input batch sizes differ ({', '.join(f'{k}: {b}' for k, b in batches.items())}); dim 0 is the batch, give all inputs the same")
+        raise UsageError(
+            f"--input batch sizes differ ({', '.join(f'{k}: {b}' for k, b in batches.items())}); dim 0 is "
+            "the batch, give all inputs the same"
+        )
     return out

@@ -46,7 +46,11 @@ def add_target_arguments(p: argparse.ArgumentParser, dtype_effect: str) -> None:
 
     Usage: ``add_target_arguments(p, "a floating dtype also casts the model to it")``.
     """
-    p.add_argument("target", metavar="TARGET", help="package.module:factory or path/to/file.py:factory returning the model")
+    p.add_argument(
+        "target",
+        metavar="TARGET",
+        help="package.module:factory or path/to/file.py:factory returning the model",
+    )
     p.add_argument(
         "--input-shape",
         metavar="B,D...",
@@ -57,7 +61,8 @@ def add_target_arguments(p: argparse.ArgumentParser, dtype_effect: str) -> None:
         action="append",
         metavar="NAME=SHAPE[:DTYPE]",
         help="a keyword input of the forward, batch first (repeatable), e.g. --input input_ids=8,128:int64 "
-        "--input attention_mask=8,128:int64; integer inputs are drawn from [0, --vocab) (masks: --vocab 2 or a bool dtype)",
+        "--input attention_mask=8,128:int64; integer inputs are drawn from [0, --vocab) (masks: --vocab 2 "
+        "or a bool dtype)",
     )
     p.add_argument(
         "--input-dtype",
@@ -83,12 +88,16 @@ def add_memory_option(p: argparse.ArgumentParser) -> None:
         "--memory",
         action="append",
         metavar="DEV=SIZE",
-        help="memory budget for a device, e.g. cuda:0=10GiB or cpu=32GB (repeatable; default: what the device has free)",
+        help="memory budget for a device, e.g. cuda:0=10GiB or cpu=32GB (repeatable; default: what the "
+        "device has free)",
     )
 
 
-def add_devices_option(p: argparse.ArgumentParser, what: str, *, default: str | None, default_text: str | None = None) -> None:
-    """``--devices SPEC``: ``what`` the devices are for; ``default_text`` shows a ``None`` default (e.g. ``"auto"``)."""
+def add_devices_option(
+    p: argparse.ArgumentParser, what: str, *, default: str | None, default_text: str | None = None
+) -> None:
+    """``--devices SPEC``: ``what`` the devices are for; ``default_text`` shows a ``None`` default (e.g.
+    ``"auto"``)."""
     shown = default_text if default_text is not None else default
     p.add_argument(
         "--devices",
@@ -127,13 +136,16 @@ def _default_text(default: str | None) -> str:
 
 
 def add_schedule_option(p: argparse.ArgumentParser, *, default: str | None) -> None:
-    """``--schedule``: ``torchspan.schedule.SCHEDULES``, plus ``auto`` (the planner chooses) unless the default is a schedule."""
+    """``--schedule``: ``torchspan.schedule.SCHEDULES``, plus ``auto`` (the planner chooses) unless the
+    default is a schedule."""
     auto = default in (None, AUTO)
     p.add_argument(
         "--schedule",
         choices=_choices(auto, SCHEDULES),
         default=default,
-        help="pipeline schedule" + ("; auto: the planner's choice" if auto else "") + f" ({_default_text(default)})",
+        help="pipeline schedule"
+        + ("; auto: the planner's choice" if auto else "")
+        + f" ({_default_text(default)})",
     )
 
 
@@ -146,12 +158,14 @@ def add_recompute_option(p: argparse.ArgumentParser, *, default: str | None) -> 
         "--recompute",
         choices=choices,
         default=default,
-        help="activation recompute (activation checkpointing): never keeps each micro-batch's activations, always "
-        "recomputes the forward in backward, except_last does so for all but a stage's last micro-batch in flight"
-        + ("; auto: the planner's choice" if auto else "")
-        + f" ({_default_text(default)})",
+        help="activation recompute (activation checkpointing): never keeps each micro-batch's activations, "
+        "always "
+        "recomputes the forward in backward, except_last does so for all but a stage's last micro-batch in "
+        "flight" + ("; auto: the planner's choice" if auto else "") + f" ({_default_text(default)})",
     )
-    p.add_argument("--checkpoint", dest="recompute", choices=choices, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--checkpoint", dest="recompute", choices=choices, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
 
 
 def add_precision_option(p: argparse.ArgumentParser, note: str = "") -> None:
@@ -160,7 +174,8 @@ def add_precision_option(p: argparse.ArgumentParser, note: str = "") -> None:
         "--precision",
         choices=PRECISIONS,
         default=PRECISIONS[0],
-        help=f"autocast with fp32 master weights: bf16, or fp16 with a gradient scaler (default {PRECISIONS[0]}){note}",
+        help="autocast with fp32 master weights: bf16, or fp16 with a gradient scaler (default "
+        f"{PRECISIONS[0]}){note}",
     )
 
 
@@ -183,14 +198,20 @@ def add_seed_option(p: argparse.ArgumentParser) -> None:
 
 
 def add_json_option(p: argparse.ArgumentParser, what: str, note: str = "") -> None:
-    """``--json``: print ``what`` as JSON on stdout instead of tables; ``note`` says where other output goes."""
+    """``--json``: print ``what`` as JSON on stdout instead of tables; ``note`` says where other output
+    goes."""
     p.add_argument("--json", action="store_true", help=f"print {what} as JSON instead of tables{note}")
 
 
 def add_out_option(p: argparse.ArgumentParser, kind: str, what: str, *, default: str | None = None) -> None:
-    """``--out FILE`` (``kind="FILE"``: one file) or ``--out DIR`` (``kind="DIR"``: a folder, created if missing)."""
+    """``--out FILE`` (``kind="FILE"``: one file) or ``--out DIR`` (``kind="DIR"``: a folder, created if
+    missing)."""
     if kind not in ("FILE", "DIR"):
         raise ValueError(f"kind={kind!r} is not 'FILE' or 'DIR'")
     tail = f"; default {default}" if default is not None else ""
-    where = "to the file FILE (its folder is created if missing" if kind == "FILE" else "into the folder DIR (created if missing"
+    where = (
+        "to the file FILE (its folder is created if missing"
+        if kind == "FILE"
+        else "into the folder DIR (created if missing"
+    )
     p.add_argument("--out", metavar=kind, default=default, help=f"write {what} {where}{tail})")

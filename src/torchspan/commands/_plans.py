@@ -17,7 +17,14 @@ from ..files import describe
 from ..layers import model_layers
 from ._common import UsageError
 
-__all__ = ["load_plan", "check_plan_devices", "check_plan_layers", "make_plan", "device_entries", "first_line"]
+__all__ = [
+    "load_plan",
+    "check_plan_devices",
+    "check_plan_layers",
+    "make_plan",
+    "device_entries",
+    "first_line",
+]
 
 
 def first_line(exc: BaseException) -> str:
@@ -34,9 +41,14 @@ def load_plan(path: str, target: str, argv_hint: str) -> Any:
     replan = f"re-create it: torchspan plan {target} {argv_hint} --out {out}"
     found = describe(path)
     if found.startswith("missing"):
-        raise UsageError(f"--plan {path!r} does not exist; write one with torchspan plan {target} {argv_hint} --out {path}")
+        raise UsageError(
+            f"--plan {path!r} does not exist; write one with torchspan plan {target} {argv_hint} --out {path}"
+        )
     if found != "a regular file":
-        raise UsageError(f"--plan {path!r} is {found}, not a plan file; name the JSON file `torchspan plan --out` wrote, or {replan}")
+        raise UsageError(
+            f"--plan {path!r} is {found}, not a plan file; name the JSON file `torchspan plan --out` "
+            f"wrote, or {replan}"
+        )
     try:
         return Plan.load(path)
     except (ValueError, TypeError, KeyError) as exc:
@@ -44,7 +56,8 @@ def load_plan(path: str, target: str, argv_hint: str) -> Any:
 
 
 def check_plan_devices(plan: Any, path: str, target: str, argv_hint: str) -> list[str]:
-    """Raise if a stage's device is absent here; return notes for described (catalog) devices that map to local ones."""
+    """Raise if a stage's device is absent here; return notes for described (catalog) devices that map to
+    local ones."""
     from ..hardware import devices as find_devices
     from ..hardware import resolve_device
 
@@ -56,12 +69,15 @@ def check_plan_devices(plan: Any, path: str, target: str, argv_hint: str) -> lis
             visible = ", ".join(dict.fromkeys(str(d.device) for d in find_devices("auto")))
             made_for = f"{st.device} ({st.device_name})" if st.device_name else st.device
             raise UsageError(
-                f"--plan {path} puts stage {i} on {made_for}, which this machine does not have (visible: {visible}); "
-                f"re-plan for this machine: torchspan plan {target} {argv_hint} --devices auto --out {path}, "
-                f"or run without --plan and pass --devices"
+                f"--plan {path} puts stage {i} on {made_for}, which this machine does not have (visible: "
+                f"{visible}); re-plan for this machine: torchspan plan {target} {argv_hint} --devices auto "
+                f"--out {path}, or run without --plan and pass --devices"
             ) from None
         if "(described)" in st.device_name:
-            notes.append(f"stage {i} was planned for a described {st.device_name}; it runs on this machine's {st.device}")
+            notes.append(
+                f"stage {i} was planned for a described {st.device_name}; it runs on this machine's "
+                f"{st.device}"
+            )
     return notes
 
 
@@ -78,8 +94,8 @@ def check_plan_layers(plan: Any, model: torch.nn.Module, path: str, target: str,
         if missing:
             parts.append(f"does not place its layer(s) {', '.join(missing[:5])}")
         raise UsageError(
-            f"--plan {path} was made for another model: it {' and '.join(parts)} ({target} has {len(names)} layers); "
-            f"re-create it: torchspan plan {target} {argv_hint} --out {path}"
+            f"--plan {path} was made for another model: it {' and '.join(parts)} ({target} has "
+            f"{len(names)} layers); re-create it: torchspan plan {target} {argv_hint} --out {path}"
         )
 
 
@@ -88,8 +104,11 @@ def device_entries(spec: str | None) -> list[str]:
     return [d for d in (spec or "").split(",") if d.strip()]
 
 
-def make_plan(model: torch.nn.Module, x: Any, args: argparse.Namespace, memory: Any, microbatches: int | str, dtype: Any) -> Any:
-    """``torchspan.plan`` for the device options; with ``--spread``, the fastest plan using every listed device."""
+def make_plan(
+    model: torch.nn.Module, x: Any, args: argparse.Namespace, memory: Any, microbatches: int | str, dtype: Any
+) -> Any:
+    """``torchspan.plan`` for the device options; with ``--spread``, the fastest plan using every listed
+    device."""
     from ..hardware import devices as find_devices
     from ..planner import plan as plan_now
     from ..planner.spread import spread_plan
@@ -99,17 +118,28 @@ def make_plan(model: torch.nn.Module, x: Any, args: argparse.Namespace, memory: 
     schedule, recompute = args.schedule or "auto", args.recompute or "auto"
     if not args.spread:
         return plan_now(
-            model, x, devices=devices, memory=memory, microbatches=microbatches, schedule=schedule, recompute=recompute,
-            optimizer=args.optimizer, dtype=dtype,
-        )  # fmt: skip
+            model,
+            x,
+            devices=devices,
+            memory=memory,
+            microbatches=microbatches,
+            schedule=schedule,
+            recompute=recompute,
+            optimizer=args.optimizer,
+            dtype=dtype,
+        )
     devs = find_devices(devices, memory)
     if len(devs) < 2:
-        raise UsageError(f"--spread needs at least two devices; --devices {devices!r} gives {len(devs)}. Try --devices cpu,cpu")
+        raise UsageError(
+            f"--spread needs at least two devices; --devices {devices!r} gives {len(devs)}. Try --devices "
+            "cpu,cpu"
+        )
     prof = profile(model, x, devs, optimizer=args.optimizer, dtype=dtype)
     wide = spread_plan(prof, microbatches=microbatches, schedule=schedule, recompute=recompute)
     if wide is None:
         raise UsageError(
             f"--spread: no placement with one stage on each of the {len(devs)} devices fits "
-            f"(the model has {len(prof.layers)} layers; budgets: --memory); raise the budgets, list fewer devices, or drop --spread"
+            f"(the model has {len(prof.layers)} layers; budgets: --memory); raise the budgets, list fewer "
+            "devices, or drop --spread"
         )
     return wide

@@ -23,7 +23,16 @@ from torch import nn
 
 from ._common import UsageError, load_target, synthetic_batch
 
-__all__ = ["require_inputs", "build_model", "build_without_cache", "caches_off", "make_batch", "example_inputs", "first_call", "require_data_devices"]
+__all__ = [
+    "require_inputs",
+    "build_model",
+    "build_without_cache",
+    "caches_off",
+    "make_batch",
+    "example_inputs",
+    "first_call",
+    "require_data_devices",
+]
 
 
 def _first_line(exc: BaseException) -> str:
@@ -32,10 +41,12 @@ def _first_line(exc: BaseException) -> str:
 
 
 def build_model(target: str, *, meta: bool = False) -> nn.Module:
-    """The model TARGET builds (see ``load_target``); one without parameters is refused: nothing to place or train.
+    """The model TARGET builds (see ``load_target``); one without parameters is refused: nothing to place or
+    train.
 
     ``meta``: build it under ``torch.device("meta")`` (parameters hold shapes, no memory, no initialisation
-    compute), for planning on described devices only: a model larger than this machine's memory plans in seconds.
+    compute), for planning on described devices only: a model larger than this machine's memory plans in
+    seconds.
     """
     if meta:
         with torch.device("meta"):
@@ -44,15 +55,17 @@ def build_model(target: str, *, meta: bool = False) -> nn.Module:
         model = load_target(target)
     if next(iter(model.parameters()), None) is None:
         raise UsageError(
-            f"TARGET {target!r} builds a {type(model).__name__} without parameters: there is nothing to place or train; "
-            "return the model with its weights (e.g. nn.Sequential(nn.Linear(16, 4), nn.ReLU()))"
+            f"TARGET {target!r} builds a {type(model).__name__} without parameters: there is nothing to "
+            "place or train; return the model with its weights (e.g. nn.Sequential(nn.Linear(16, 4), "
+            "nn.ReLU()))"
         )
     return model
 
 
 def caches_off(model: nn.Module) -> nn.Module:
-    """``model`` with every config's ``use_cache`` set False (transformers models default to True): a training step
-    needs no generation cache, and its tensors (with autograd history) cannot be sent to spawned ranks."""
+    """``model`` with every config's ``use_cache`` set False (transformers models default to True): a training
+    step needs no generation cache, and its tensors (with autograd history) cannot be sent to spawned
+    ranks."""
     for module in model.modules():
         config = getattr(module, "config", None)
         if getattr(config, "use_cache", None) is True:
@@ -61,8 +74,8 @@ def caches_off(model: nn.Module) -> nn.Module:
 
 
 def build_without_cache(target: str) -> nn.Module:
-    """``load_target(target)`` with its caches off (``caches_off``): what each rank of ``verify --strategies`` builds
-    (module-level, so ``functools.partial(build_without_cache, target)`` pickles)."""
+    """``load_target(target)`` with its caches off (``caches_off``): what each rank of ``verify --strategies``
+    builds (module-level, so ``functools.partial(build_without_cache, target)`` pickles)."""
     return caches_off(load_target(target))
 
 
@@ -73,7 +86,8 @@ def _free_cpu_bytes() -> int | None:
 
 
 def make_batch(shape: Sequence[int], dtype: torch.dtype, vocab: int, *, option: str) -> torch.Tensor:
-    """``synthetic_batch`` in CPU memory, or a ``UsageError`` saying the batch does not fit and which batch would.
+    """``synthetic_batch`` in CPU memory, or a ``UsageError`` saying the batch does not fit and which batch
+    would.
 
     ``option`` is the option as the user wrote it (``"--input-shape 100000000000,16"``).
     """
@@ -91,32 +105,47 @@ def make_batch(shape: Sequence[int], dtype: torch.dtype, vocab: int, *, option: 
         raise
 
 
-def _too_big(shape: Sequence[int], dtype: torch.dtype, need: int, free: int | None, per_sample: int, option: str) -> str:
+def _too_big(
+    shape: Sequence[int], dtype: torch.dtype, need: int, free: int | None, per_sample: int, option: str
+) -> str:
     from ..hardware import format_bytes
 
     room = free if free is not None else need // 2
     batch = max(1, (room // 4) // max(1, per_sample))  # a quarter of free memory leaves room for the model
     smaller = ",".join(str(d) for d in (min(batch, shape[0] - 1 or 1), *shape[1:]))
-    where = f"this machine's free memory ({format_bytes(free)})" if free is not None else "what this machine could allocate"
+    where = (
+        f"this machine's free memory ({format_bytes(free)})"
+        if free is not None
+        else "what this machine could allocate"
+    )
     return (
-        f"{option}: one {str(dtype).replace('torch.', '')} batch of this shape is {format_bytes(need)}, more than {where}; "
-        f"torchspan builds the example batch in CPU memory. Plan a smaller batch: --input-shape {smaller} "
-        "takes a quarter of that memory at most"
+        f"{option}: one {str(dtype).replace('torch.', '')} batch of this shape is {format_bytes(need)}, "
+        f"more than {where}; torchspan builds the example batch in CPU memory. Plan a smaller batch: "
+        f"--input-shape {smaller} takes a quarter of that memory at most"
     )
 
 
 def require_inputs(input_shape: str | None, named: Sequence[str] | None, dtype_option: str) -> None:
-    """Exactly one of ``--input-shape`` and ``--input``, else a ``UsageError`` (checked before the model is built).
+    """Exactly one of ``--input-shape`` and ``--input``, else a ``UsageError`` (checked before the model is
+    built).
 
     Usage: ``require_inputs(args.input_shape, args.input, "--dtype")``.
     """
     if not input_shape and not named:
-        raise UsageError(f"give the input: --input-shape 32,512 [{dtype_option} int64], or named inputs --input input_ids=8,128:int64")
+        raise UsageError(
+            f"give the input: --input-shape 32,512 [{dtype_option} int64], or named inputs --input "
+            "input_ids=8,128:int64"
+        )
     if input_shape and named:
-        raise UsageError("give either --input-shape (one positional input) or --input NAME=SHAPE (keyword inputs), not both")
+        raise UsageError(
+            "give either --input-shape (one positional input) or --input NAME=SHAPE (keyword inputs), not "
+            "both"
+        )
 
 
-def example_inputs(input_shape: str | None, named: Sequence[str] | None, dtype: torch.dtype, vocab: int, dtype_option: str) -> tuple[Any, int, str]:
+def example_inputs(
+    input_shape: str | None, named: Sequence[str] | None, dtype: torch.dtype, vocab: int, dtype_option: str
+) -> tuple[Any, int, str]:
     """The example batch from ``--input-shape`` or ``--input NAME=SHAPE[:DTYPE]`` (exactly one of them).
 
     Returns ``(inputs, batch_size, options)``: a tensor or a dict of keyword tensors, dim 0 of it, and
@@ -129,10 +158,18 @@ def example_inputs(input_shape: str | None, named: Sequence[str] | None, dtype: 
     if named:
         inputs = named_inputs(named, vocab, dtype)
         assert inputs is not None
-        return inputs, int(next(iter(inputs.values())).shape[0]), " ".join(f"--input {item}" for item in named)
+        return (
+            inputs,
+            int(next(iter(inputs.values())).shape[0]),
+            " ".join(f"--input {item}" for item in named),
+        )
     assert input_shape is not None
     shape = parse_shape(input_shape)
-    return make_batch(shape, dtype, vocab, option=f"--input-shape {input_shape}"), shape[0], f"--input-shape {input_shape}"
+    return (
+        make_batch(shape, dtype, vocab, option=f"--input-shape {input_shape}"),
+        shape[0],
+        f"--input-shape {input_shape}",
+    )
 
 
 def first_call(model: nn.Module, x: Any, options: str, *, vocab: int | None = None) -> Any:
@@ -148,7 +185,10 @@ def first_call(model: nn.Module, x: Any, options: str, *, vocab: int | None = No
     from ..profiler.sizing import meta_forward
 
     try:
-        with torch.no_grad(), meta_forward(model):  # a meta model: shapes only, under FakeTensorMode as the profiler does
+        with (
+            torch.no_grad(),
+            meta_forward(model),
+        ):  # a meta model: shapes only, under FakeTensorMode as the profiler does
             if isinstance(x, dict):  # named inputs are keyword arguments
                 return model(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in x.items()})
             return model(x.to(device) if isinstance(x, torch.Tensor) else x)
@@ -156,15 +196,23 @@ def first_call(model: nn.Module, x: Any, options: str, *, vocab: int | None = No
         what = _describe(x, vocab)
         fix = f"{options}/--vocab" if "token ids" in what else options
         rows = _embedding_rows(model) if "token ids" in what else None
-        hint = f" (its input embedding has {rows} rows: --vocab {rows} or less)" if rows is not None and vocab is not None and vocab > rows else ""
-        raise UsageError(f"the model rejects {what}: {_first_line(exc)}; set {fix} to what its forward expects{hint}") from exc
+        hint = (
+            f" (its input embedding has {rows} rows: --vocab {rows} or less)"
+            if rows is not None and vocab is not None and vocab > rows
+            else ""
+        )
+        raise UsageError(
+            f"the model rejects {what}: {_first_line(exc)}; set {fix} to what its forward expects{hint}"
+        ) from exc
     finally:
         for m, training in modes.items():
             m.training = training
 
 
 def _integers(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
+    return isinstance(x, torch.Tensor) and not (
+        x.is_floating_point() or x.is_complex() or x.dtype == torch.bool
+    )
 
 
 def _embedding_rows(model: nn.Module) -> int | None:
@@ -180,10 +228,16 @@ def _embedding_rows(model: nn.Module) -> int | None:
 def _describe(x: Any, vocab: int | None) -> str:
     if isinstance(x, dict):
         shown = ", ".join(
-            f"{k}={','.join(map(str, v.shape))}:{str(v.dtype).replace('torch.', '')}" if isinstance(v, torch.Tensor) else k
+            f"{k}={','.join(map(str, v.shape))}:{str(v.dtype).replace('torch.', '')}"
+            if isinstance(v, torch.Tensor)
+            else k
             for k, v in x.items()
         )
-        ids = f" (integer inputs are token ids in [0, {vocab}))" if vocab is not None and any(_integers(v) for v in x.values()) else ""
+        ids = (
+            f" (integer inputs are token ids in [0, {vocab}))"
+            if vocab is not None and any(_integers(v) for v in x.values())
+            else ""
+        )
         return f"the keyword inputs {shown}{ids}"
     if not isinstance(x, torch.Tensor):
         return f"the example inputs ({type(x).__name__})"
@@ -203,5 +257,9 @@ def require_data_devices(entries: Sequence[str], option: str, *, fix: str | None
         others = ",".join(str(e).strip() for e in entries if e not in meta) or "cpu"
         raise UsageError(
             f"{option} {listed!r}: meta holds shapes, not data, so no step can run on it; "
-            + (fix or f"train on devices with memory, e.g. {option} {others}, and plan for meta with `torchspan plan` only")
+            + (
+                fix
+                or f"train on devices with memory, e.g. {option} {others}, and plan for meta with "
+                "`torchspan plan` only"
+            )
         )

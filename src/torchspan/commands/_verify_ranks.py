@@ -1,11 +1,13 @@
-"""``torchspan verify ... --strategies single,local-pipeline,dp,rank-pipeline,hybrid,fsdp --nproc-per-node 2|4``: the printing half.
+"""``torchspan verify ... --strategies single,local-pipeline,dp,rank-pipeline,hybrid,fsdp --nproc-per-node
+2|4``: the printing half.
 
 ``torchspan.parity_ranks.compare_strategies`` runs the steps (multi-process ones in gloo processes);
 this prints one table per strategy (per-parameter max abs / rel difference against one device), a
 summary line per strategy and PASS/FAIL (``--json``: the same as JSON), and returns the exit status
 (1 when any strategy is out of tolerance or failed to run).
 
-Usage: ``torchspan verify models.py:mlp --input-shape 7,16 --strategies single,dp,rank-pipeline --nproc-per-node 2``.
+Usage: ``torchspan verify models.py:mlp --input-shape 7,16 --strategies single,dp,rank-pipeline
+--nproc-per-node 2``.
 """
 
 from __future__ import annotations
@@ -27,10 +29,14 @@ __all__ = ["run_strategies"]
 
 
 # strategies that run nothing of their kind in one process, and what each would need the others for
-_NEEDS_TWO = {"dp": "data parallel (gradients averaged across replicas)", "rank-pipeline": "a pipeline across ranks (one stage per process)",
-              "hybrid": "the hybrid (2 stages x 2 replicas)",
-              "fsdp": "sharded data parallel (parameters, gradients and optimizer state split over the processes)",
-              "tp": "tensor parallel (each layer split over the processes)", "tp-fsdp": "tensor parallel x sharded"}  # fmt: skip
+_NEEDS_TWO = {
+    "dp": "data parallel (gradients averaged across replicas)",
+    "rank-pipeline": "a pipeline across ranks (one stage per process)",
+    "hybrid": "the hybrid (2 stages x 2 replicas)",
+    "fsdp": "sharded data parallel (parameters, gradients and optimizer state split over the processes)",
+    "tp": "tensor parallel (each layer split over the processes)",
+    "tp-fsdp": "tensor parallel x sharded",
+}
 
 
 def tp_plan(text: str | None) -> tuple[tuple[str, str], ...] | None:
@@ -40,14 +46,18 @@ def tp_plan(text: str | None) -> tuple[tuple[str, str], ...] | None:
     pairs = [item.partition("=") for item in text.split(",") if item.strip()]
     bad = [f"{k}{eq}{v}" for k, eq, v in pairs if not eq or not k.strip() or not v.strip()]
     if bad:
-        raise UsageError(f"--tp-plan {text!r}: {bad[0]!r} is not MODULE=STYLE; e.g. --tp-plan 0=colwise,2=rowwise")
+        raise UsageError(
+            f"--tp-plan {text!r}: {bad[0]!r} is not MODULE=STYLE; e.g. --tp-plan 0=colwise,2=rowwise"
+        )
     return tuple((k.strip(), v.strip()) for k, _, v in pairs)
 
 
 def _names(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
-        raise UsageError(f"--strategies {text!r} names no strategy; e.g. --strategies single,local-pipeline,dp")
+        raise UsageError(
+            f"--strategies {text!r} names no strategy; e.g. --strategies single,local-pipeline,dp"
+        )
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise UsageError(f"--strategies {text!r} names {', '.join(twice)} twice; list each strategy once")
@@ -67,7 +77,11 @@ def _summary(r: StrategyResult) -> str:
     return (
         f"{r.name} ({where}): {verdict}, max abs diff {worst_abs:.3e}, max rel diff {worst_rel:.3e}, "
         f"{bad} of {len(p.grads)} parameter(s) out of tolerance, {loss}, "
-        + (f"{r.seconds:.1f} s" if r.processes == 0 else f"{r.seconds:.1f} s for the whole {r.processes}-process run")
+        + (
+            f"{r.seconds:.1f} s"
+            if r.processes == 0
+            else f"{r.seconds:.1f} s for the whole {r.processes}-process run"
+        )
     )
 
 
@@ -82,18 +96,27 @@ def _table(r: StrategyResult) -> Table:
 
 
 def run_strategies(
-    args: argparse.Namespace, model: torch.nn.Module, x: Any, balance: list[int] | None, target: Callable[[Any], Any]
+    args: argparse.Namespace,
+    model: torch.nn.Module,
+    x: Any,
+    balance: list[int] | None,
+    target: Callable[[Any], Any],
 ) -> int:
-    """Compare ``args.strategies`` with one device and print them (``target(output)``: the step's target); 0 when all pass, 1 otherwise."""
+    """Compare ``args.strategies`` with one device and print them (``target(output)``: the step's target); 0
+    when all pass, 1 otherwise."""
     names = _names(args.strategies)
     nproc = args.nproc_per_node
     if nproc < 1:
         raise UsageError(f"--nproc-per-node {nproc} must be >= 1, e.g. --nproc-per-node 2")
     alone = [n for n in names if n in _NEEDS_TWO]
-    if alone and nproc < 2:  # one process: no replica to average with, no stage to hand over to; a PASS would prove nothing
+    if (
+        alone and nproc < 2
+    ):  # one process: no replica to average with, no stage to hand over to; a PASS would prove nothing
         raise UsageError(
-            f"--strategies {','.join(alone)} with --nproc-per-node {nproc}: {_NEEDS_TWO[alone[0]]} needs at least 2 processes; "
-            f"pass --nproc-per-node {4 if 'hybrid' in alone or 'tp-fsdp' in alone else 2}, or compare single and local-pipeline alone"
+            f"--strategies {','.join(alone)} with --nproc-per-node {nproc}: {_NEEDS_TWO[alone[0]]} needs "
+            "at least 2 processes; pass --nproc-per-node "
+            f"{4 if 'hybrid' in alone or 'tp-fsdp' in alone else 2}, or compare single and local-pipeline "
+            "alone"
         )
     if not args.timeout > 0:
         raise UsageError(f"--timeout {args.timeout:g} must be > 0 seconds, e.g. --timeout 180")
@@ -110,8 +133,10 @@ def run_strategies(
     con = console()
     if not args.json:
         con.print(
-            f"torchspan verify {args.target}: strategies {', '.join(f'{n} ({c} processes)' if c else n for n, c in counts.items())}; "
-            f"microbatches={args.microbatches}, schedule={args.schedule}, balance={list(balance) if balance else 'even'}, seed={args.seed}"
+            f"torchspan verify {args.target}: strategies "
+            f"{', '.join(f'{n} ({c} processes)' if c else n for n, c in counts.items())}; "
+            f"microbatches={args.microbatches}, schedule={args.schedule}, "
+            f"balance={list(balance) if balance else 'even'}, seed={args.seed}"
         )
     results = compare_strategies(
         model,
@@ -135,12 +160,16 @@ def run_strategies(
             con.print(_table(r))
     for r in results:
         con.print(_summary(r))
-    con.print(f"{'PASS' if ok else 'FAIL'}: {sum(r.ok for r in results)} of {len(results)} strategies match one device (atol={args.atol:g}, rtol={args.rtol:g})")
+    con.print(
+        f"{'PASS' if ok else 'FAIL'}: {sum(r.ok for r in results)} of {len(results)} strategies match one "
+        f"device (atol={args.atol:g}, rtol={args.rtol:g})"
+    )
     return 0 if ok else 1
 
 
 def _strategy_json(r: StrategyResult) -> dict[str, Any]:
-    """One strategy's result: processes (0: this process), verdict, the error that stopped it, losses and per-parameter differences."""
+    """One strategy's result: processes (0: this process), verdict, the error that stopped it, losses and
+    per-parameter differences."""
     p = r.parity
     return {
         "name": r.name,
@@ -155,7 +184,9 @@ def _strategy_json(r: StrategyResult) -> dict[str, Any]:
     }
 
 
-def _as_json(args: argparse.Namespace, options: StepOptions, results: list[StrategyResult], ok: bool) -> dict[str, Any]:
+def _as_json(
+    args: argparse.Namespace, options: StepOptions, results: list[StrategyResult], ok: bool
+) -> dict[str, Any]:
     return {
         "target": args.target,
         "microbatches": options.microbatches,

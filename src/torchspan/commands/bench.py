@@ -37,12 +37,26 @@ from rich.text import Text
 from ._common import UsageError, console, print_json
 from ._options import add_json_option
 
-__all__ = ["Ratio", "ScriptResult", "parse_ratios", "parse_skips", "goal_met", "find_scripts", "run_benchmarks", "machine_description"]
+__all__ = [
+    "Ratio",
+    "ScriptResult",
+    "parse_ratios",
+    "parse_skips",
+    "goal_met",
+    "find_scripts",
+    "run_benchmarks",
+    "machine_description",
+]
 
 _SKIP_RE = re.compile(r"^SKIP\s+(\S+)\s*(.*)$")
 _RATIO_RE = re.compile(r"^RATIO\s+(\S+)\s+(\S+)\s+(\S+)(?:\s+(.*))?$")
 _GOAL_RE = re.compile(r"^(<=|>=|<|>)\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)x?$")
-_OPS: dict[str, Callable[[float, float], bool]] = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt}
+_OPS: dict[str, Callable[[float, float], bool]] = {
+    "<=": operator.le,
+    ">=": operator.ge,
+    "<": operator.lt,
+    ">": operator.gt,
+}
 
 
 @dataclass
@@ -110,7 +124,8 @@ def parse_ratios(text: str) -> list[Ratio]:
 
 
 def parse_skips(text: str) -> dict[str, str]:
-    """``SKIP <name> <why...>`` lines: the comparisons a script skipped and why (``{"a/b": "b is not installed"}``)."""
+    """``SKIP <name> <why...>`` lines: the comparisons a script skipped and why (``{"a/b": "b is not
+    installed"}``)."""
     found = (_SKIP_RE.match(line.strip()) for line in text.splitlines())
     return {m.group(1): m.group(2).strip() or "skipped by the script" for m in found if m}
 
@@ -124,15 +139,21 @@ def default_benchmarks_dir() -> Path:
 
 
 def find_scripts(directory: Path, only: Sequence[str] | None = None) -> list[Path]:
-    """Benchmark scripts in ``directory`` (``*.py`` not starting with ``_``), sorted; ``only`` filters by stem."""
+    """Benchmark scripts in ``directory`` (``*.py`` not starting with ``_``), sorted; ``only`` filters by
+    stem."""
     if not directory.is_dir():
-        raise UsageError(f"--dir {str(directory)!r} is not a folder; point it at torchspan's benchmarks/ folder")
+        raise UsageError(
+            f"--dir {str(directory)!r} is not a folder; point it at torchspan's benchmarks/ folder"
+        )
     scripts = sorted(p for p in directory.glob("*.py") if not p.name.startswith("_"))
     if only:
         stems = {p.stem: p for p in scripts}
         unknown = [n for n in only if n.removesuffix(".py") not in stems]
         if unknown:
-            raise UsageError(f"--only {', '.join(unknown)}: no such benchmark in {directory}; choose from {', '.join(stems) or '(none)'}")
+            raise UsageError(
+                f"--only {', '.join(unknown)}: no such benchmark in {directory}; choose from "
+                f"{', '.join(stems) or '(none)'}"
+            )
         scripts = [stems[n.removesuffix(".py")] for n in only]
     return scripts
 
@@ -158,13 +179,19 @@ def run_benchmarks(
     for script in scripts:
         if on_start:
             on_start(script)
-        script = script.resolve()  # the script runs from the folder above benchmarks/: a relative --dir would not reach it
+        script = (
+            script.resolve()
+        )  # the script runs from the folder above benchmarks/: a relative --dir would not reach it
         cmd = [sys.executable, str(script)] + (["--quick"] if quick else [])
         t0 = time.perf_counter()
         try:
             proc = runner(cmd, script.parent.parent, timeout)
         except subprocess.TimeoutExpired:
-            results.append(ScriptResult(script.stem, 124, time.perf_counter() - t0, tail=f"timed out after {timeout:.0f} s"))
+            results.append(
+                ScriptResult(
+                    script.stem, 124, time.perf_counter() - t0, tail=f"timed out after {timeout:.0f} s"
+                )
+            )
             continue
         seconds = time.perf_counter() - t0
         output = (proc.stdout or "") + ("\n" + proc.stderr if proc.stderr else "")
@@ -174,7 +201,9 @@ def run_benchmarks(
         except ValueError as exc:
             results.append(ScriptResult(script.stem, proc.returncode or 1, seconds, tail=str(exc)))
             continue
-        results.append(ScriptResult(script.stem, proc.returncode, seconds, ratios, tail, parse_skips(proc.stdout or "")))
+        results.append(
+            ScriptResult(script.stem, proc.returncode, seconds, ratios, tail, parse_skips(proc.stdout or ""))
+        )
     return results
 
 
@@ -185,7 +214,10 @@ def machine_description() -> str:
     from ..hardware import devices
 
     parts = [d.name if d.kind == "cpu" else f"{d.device}: {d.name}" for d in devices("auto")]
-    return f"{'; '.join(parts)} | Python {platform.python_version()} | torch {torch.__version__} | {platform.system()} {platform.machine()}"
+    return (
+        f"{'; '.join(parts)} | Python {platform.python_version()} | torch {torch.__version__} | "
+        f"{platform.system()} {platform.machine()}"
+    )
 
 
 def _fmt_value(value: float) -> str:
@@ -196,29 +228,80 @@ def render(results: Sequence[ScriptResult], machine: str, quick: bool) -> Table:
     """The ratio table: one row per ratio, or per script that gave none."""
     caption = f"machine: {machine}"
     if quick:  # a new user must not read a smoke run's figures as the benchmarks' results
-        caption += "\n--quick: tiny sizes and the fewest steps, to show that every benchmark runs; its figures are not measurements (run without --quick for those)"
-    table = Table(title=f"torchspan bench{' --quick' if quick else ''}", caption=caption, caption_justify="left")
-    for col, justify in (("benchmark", "left"), ("ratio", "left"), ("value", "right"), ("goal", "right"), ("met", "center"), ("anchor", "left"), ("s", "right")):
+        caption += (
+            "\n--quick: tiny sizes and the fewest steps, to show that every benchmark runs; its figures "
+            "are not measurements (run without --quick for those)"
+        )
+    table = Table(
+        title=f"torchspan bench{' --quick' if quick else ''}", caption=caption, caption_justify="left"
+    )
+    for col, justify in (
+        ("benchmark", "left"),
+        ("ratio", "left"),
+        ("value", "right"),
+        ("goal", "right"),
+        ("met", "center"),
+        ("anchor", "left"),
+        ("s", "right"),
+    ):
         # Ratio names are identifiers people grep for: fold them rather than cut them short.
-        table.add_column(col, justify=justify, overflow="fold" if col == "ratio" else "ellipsis", no_wrap=col in ("value", "goal", "met", "s"))  # type: ignore[arg-type]
+        table.add_column(
+            col,
+            justify=justify,
+            overflow="fold" if col == "ratio" else "ellipsis",
+            no_wrap=col in ("value", "goal", "met", "s"),
+        )  # type: ignore[arg-type]
     for r in results:
         if not r.ratios:
             why = f"failed (exit {r.returncode})" if r.returncode else "printed no RATIO lines"
-            table.add_row(r.script, Text(why, style="red"), "-", "-", "-", Text(r.tail.splitlines()[-1] if r.tail else ""), f"{r.seconds:.0f}")
+            table.add_row(
+                r.script,
+                Text(why, style="red"),
+                "-",
+                "-",
+                "-",
+                Text(r.tail.splitlines()[-1] if r.tail else ""),
+                f"{r.seconds:.0f}",
+            )
             continue
         for i, q in enumerate(r.ratios):
             met = {True: Text("yes", style="green"), False: Text("no", style="red"), None: Text("-")}[q.met]
-            table.add_row(r.script if i == 0 else "", Text(q.name), _fmt_value(q.value), q.goal, met, Text(q.anchor), f"{r.seconds:.0f}" if i == 0 else "")
-        for name, why in r.skipped.items():  # the reason is the script's text (e.g. pip install 'torchspan[bench]'): never markup
+            table.add_row(
+                r.script if i == 0 else "",
+                Text(q.name),
+                _fmt_value(q.value),
+                q.goal,
+                met,
+                Text(q.anchor),
+                f"{r.seconds:.0f}" if i == 0 else "",
+            )
+        for (
+            name,
+            why,
+        ) in (
+            r.skipped.items()
+        ):  # the reason is the script's text (e.g. pip install 'torchspan[bench]'): never markup
             table.add_row("", Text(name), "-", "-", Text("skipped", style="yellow"), Text(why), "")
     return table
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="run the benchmarks and print their ratios against the anchors", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "bench",
+        help="run the benchmarks and print their ratios against the anchors",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--quick", action="store_true", help="short runs (each script's --quick)")
-    p.add_argument("--dir", type=Path, default=None, help="benchmarks folder (default: ./benchmarks, else the source checkout's)")
-    p.add_argument("--only", action="append", metavar="NAME", help="run only this benchmark (script stem; repeatable)")
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="benchmarks folder (default: ./benchmarks, else the source checkout's)",
+    )
+    p.add_argument(
+        "--only", action="append", metavar="NAME", help="run only this benchmark (script stem; repeatable)"
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per script (default 600)")
     add_json_option(p, "the ratios and each script's outcome")
     p.set_defaults(func=run)
@@ -240,7 +323,9 @@ def run(args: argparse.Namespace) -> int:
                 scripts,
                 quick=args.quick,
                 timeout=args.timeout,
-                on_start=lambda s: status.update(f"running {escape(s.name)}{' --quick' if args.quick else ''} ..."),  # status text is markup
+                on_start=lambda s: status.update(
+                    f"running {escape(s.name)}{' --quick' if args.quick else ''} ..."
+                ),  # status text is markup
             )
     machine = machine_description()
     if args.json:

@@ -1,4 +1,5 @@
-"""``torchspan demo [--devices SPEC] [--memory DEV=SIZE ...] [--steps N] [--out DIR] [--json]``: watch torchspan train across your devices.
+"""``torchspan demo [--devices SPEC] [--memory DEV=SIZE ...] [--steps N] [--out DIR] [--json]``: watch
+torchspan train across your devices.
 
 Also ``--schedule gpipe|1f1b`` and ``--microbatches N`` to override the planner's choice, and
 ``--nproc-per-node N`` to train data-parallel over N processes instead (report.md gives per-rank throughput),
@@ -40,19 +41,37 @@ from ._options import (
 def register(sub: argparse._SubParsersAction) -> None:
     from ..demo.run import DEFAULT_STEPS
 
-    p = sub.add_parser("demo", help="train a small language model across your devices and draw what happened", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_devices_option(p, "train on these devices ('cpu,cpu': a two-stage pipeline; auto: a span on any machine, cpu,cpu without a GPU)", default="auto")
+    p = sub.add_parser(
+        "demo",
+        help="train a small language model across your devices and draw what happened",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_devices_option(
+        p,
+        "train on these devices ('cpu,cpu': a two-stage pipeline; auto: a span on any machine, cpu,cpu "
+        "without a GPU)",
+        default="auto",
+    )
     add_memory_option(p)
-    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"training steps (default {DEFAULT_STEPS})")
+    p.add_argument(
+        "--steps", type=int, default=DEFAULT_STEPS, help=f"training steps (default {DEFAULT_STEPS})"
+    )
     add_out_option(p, "DIR", "plan.json, the pictures and report.md", default="torchspan-demo")
     add_schedule_option(p, default="auto")
     add_microbatches_option(p, auto=True, default="auto")
-    add_nproc_option(p, "train data-parallel over N >= 2 processes instead (gloo on this machine's CPU)", default=None)
+    add_nproc_option(
+        p, "train data-parallel over N >= 2 processes instead (gloo on this machine's CPU)", default=None
+    )
     p.add_argument(
-        "--tp", type=int, default=None, metavar="T",
-        help="with --nproc-per-node: split each block's MLP over T of the processes (tensor parallel; N / T sharded "
+        "--tp",
+        type=int,
+        default=None,
+        metavar="T",
+        help="with --nproc-per-node: split each block's MLP over T of the processes (tensor parallel; N / T "
+        "sharded "
         "replicas) and report parity with one device (default none: data parallel)",
-    )  # fmt: skip
+    )
     add_json_option(p, "the report's figures and the files written", " (the live output goes to stderr)")
     p.set_defaults(func=run)
 
@@ -69,7 +88,10 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc_per_node is not None:
         return _run_ranks(args, microbatches, con)
     if args.tp is not None:
-        raise UsageError(f"--tp {args.tp} splits layers over processes: pass --nproc-per-node N too (a multiple of {args.tp})")
+        raise UsageError(
+            f"--tp {args.tp} splits layers over processes: pass --nproc-per-node N too (a multiple of "
+            f"{args.tp})"
+        )
     result = run_demo(
         devices=args.devices,
         memory=parse_memory_options(args.memory),
@@ -85,12 +107,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_ranks(args: argparse.Namespace, microbatches: object, con: Console) -> int:
-    """``--nproc-per-node N``: data parallel over N processes (``demo.ranks``); pipeline options do not apply."""
+    """``--nproc-per-node N``: data parallel over N processes (``demo.ranks``); pipeline options do not
+    apply."""
     from ..demo.ranks import run_demo_ranks
 
     nproc = args.nproc_per_node
     if nproc < 2:
-        raise UsageError(f"--nproc-per-node {nproc} must be >= 2 (data parallel over N processes); drop --nproc-per-node to train in one process")
+        raise UsageError(
+            f"--nproc-per-node {nproc} must be >= 2 (data parallel over N processes); drop "
+            "--nproc-per-node to train in one process"
+        )
     given = [
         opt
         for opt, on in (
@@ -103,7 +129,8 @@ def _run_ranks(args: argparse.Namespace, microbatches: object, con: Console) -> 
     ]
     if given:
         raise UsageError(
-            f"--nproc-per-node {nproc} trains one replica per CPU process, so {', '.join(given)} do not apply; drop them or drop --nproc-per-node"
+            f"--nproc-per-node {nproc} trains one replica per CPU process, so {', '.join(given)} do not "
+            "apply; drop them or drop --nproc-per-node"
         )
     if args.tp is not None and (args.tp < 2 or nproc % args.tp):
         raise UsageError(f"--tp {args.tp} must be >= 2 and divide --nproc-per-node {nproc}")
@@ -115,11 +142,17 @@ def _run_ranks(args: argparse.Namespace, microbatches: object, con: Console) -> 
 
 def _losses(losses: list[float]) -> dict[str, Any]:
     tail = losses[-20:]
-    return {"first": losses[0], "last": losses[-1], "last_20_mean": sum(tail) / len(tail), "steps": len(losses)}
+    return {
+        "first": losses[0],
+        "last": losses[-1],
+        "last_20_mean": sum(tail) / len(tail),
+        "steps": len(losses),
+    }
 
 
 def _demo_json(result: Any) -> dict[str, Any]:
-    """The pipelined demo's figures (``demo.run.DemoResult``): plan, devices, loss, speed, sample and files."""
+    """The pipelined demo's figures (``demo.run.DemoResult``): plan, devices, loss, speed, sample and
+    files."""
     return {
         "strategy": "pipeline",
         "out": str(result.out),
@@ -145,7 +178,8 @@ def _demo_json(result: Any) -> dict[str, Any]:
 
 
 def _ranks_json(result: Any) -> dict[str, Any]:
-    """The data-parallel demo's figures (``demo.ranks.RanksDemoResult``): per-rank throughput, loss, sample and files."""
+    """The data-parallel demo's figures (``demo.ranks.RanksDemoResult``): per-rank throughput, loss, sample
+    and files."""
     return {
         "strategy": "data-parallel" if result.tp is None else "tensor-parallel",
         "out": str(result.out),

@@ -14,7 +14,12 @@ from ._options import add_json_option, add_memory_option
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("devices", help="list devices with memory and budgets", description=__doc__)
-    p.add_argument("spec", nargs="?", default="auto", help="device spec: auto (default), cpu, cuda, 'cuda:0,1', 'cuda:0,cpu', mps")
+    p.add_argument(
+        "spec",
+        nargs="?",
+        default="auto",
+        help="device spec: auto (default), cpu, cuda, 'cuda:0,1', 'cuda:0,cpu', mps",
+    )
     add_memory_option(p)
     add_json_option(p, "the devices")
     p.set_defaults(func=run)

@@ -49,7 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_json_option(p, "the report", " (the script's own output goes to stderr)")
     p.add_argument("script", help="the Python script to run, e.g. train.py")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script (after an optional --)")
+    p.add_argument(
+        "script_args", nargs=argparse.REMAINDER, help="arguments for the script (after an optional --)"
+    )
     p.set_defaults(func=run)
 
 
@@ -106,13 +108,16 @@ def _audit_objects(objects: dict[str, Any]) -> list[Finding]:
         mine = {id(p) for p in mod.parameters()}
         foreign = any(i in owned and i not in mine for i in ids)
         for f in audit_optimizer(opt, mod, names=(oname, mname)):
-            if f.code == "optimizer-state-device" or (f.code == "optimizer-stale-params" and f.severity == "error" and not foreign):
+            if f.code == "optimizer-state-device" or (
+                f.code == "optimizer-stale-params" and f.severity == "error" and not foreign
+            ):
                 findings.append(f)
     return findings
 
 
 def _load_state_dict_findings(exc: BaseException) -> list[Finding]:
-    """For a failed ``module.load_state_dict(sd)``: a ``module.`` / ``_orig_mod.`` prefix mismatch and its fix."""
+    """For a failed ``module.load_state_dict(sd)``: a ``module.`` / ``_orig_mod.`` prefix mismatch and its
+    fix."""
     for frame in tb_frames(exc.__traceback__):
         if frame.f_code is not nn.Module.load_state_dict.__code__:
             continue
@@ -122,17 +127,23 @@ def _load_state_dict_findings(exc: BaseException) -> list[Finding]:
         names = find_in_frames(traceback_frames(exc.__traceback__), (nn.Module, Mapping))
         name = next((k for k, v in names.items() if v is module), "model")
         keys = list(sd)  # load_state_dict works on a copy: find the user's dict by its keys
-        sd_name = next((k for k, v in names.items() if isinstance(v, Mapping) and v is not sd and list(v) == keys), "state_dict")
+        sd_name = next(
+            (k for k, v in names.items() if isinstance(v, Mapping) and v is not sd and list(v) == keys),
+            "state_dict",
+        )
         return audit_state_dict(module, sd, name=name, sd_name=sd_name)
     return []
 
 
 def _require_script(script: str) -> None:
-    """A regular file (a link to one counts): a folder, a device or a FIFO is named as what it is, before anything runs."""
+    """A regular file (a link to one counts): a folder, a device or a FIFO is named as what it is, before
+    anything runs."""
     from ..files import require_regular_file
 
     try:
-        require_regular_file(script, name="SCRIPT", what="a Python file", fix="give the path of a Python file, e.g. train.py")
+        require_regular_file(
+            script, name="SCRIPT", what="a Python file", fix="give the path of a Python file, e.g. train.py"
+        )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -143,9 +154,14 @@ def _check_compiles(script: str) -> None:
         with open(script, "rb") as fh:
             compile(fh.read(), script, "exec")
     except SyntaxError as exc:
-        raise UsageError(f"SCRIPT {script!r} is not valid Python: {exc.msg} at line {exc.lineno}; fix the script or name another") from None
+        raise UsageError(
+            f"SCRIPT {script!r} is not valid Python: {exc.msg} at line {exc.lineno}; fix the script or "
+            "name another"
+        ) from None
     except (OSError, ValueError) as exc:
-        raise UsageError(f"SCRIPT {script!r} cannot be read as Python ({exc}); give the path of a .py file") from None
+        raise UsageError(
+            f"SCRIPT {script!r} cannot be read as Python ({exc}); give the path of a .py file"
+        ) from None
 
 
 def run_script(script: str, script_args: list[str], *, quiet_stdout: bool = False) -> ScriptOutcome:
@@ -191,7 +207,8 @@ def run_script(script: str, script_args: list[str], *, quiet_stdout: bool = Fals
                 Finding(
                     code="device-error",
                     severity="error",
-                    title=f"PyTorch raised a device error outside any op the watcher sees: {str(exc).strip().splitlines()[0]}",
+                    title="PyTorch raised a device error outside any op the watcher sees: "
+                    f"{str(exc).strip().splitlines()[0]}",
                     details=[f"code: {where}"] if where else [],
                     fix="see the findings below for the module, parameter or buffer on the wrong device",
                 )
@@ -206,7 +223,11 @@ def run_script(script: str, script_args: list[str], *, quiet_stdout: bool = Fals
     report.ran = True
     report.ops_checked = w.ops
     outcome.modules_run = w.modules_run
-    objects = {k: v for k, v in leftovers.items() if isinstance(v, (nn.Module, torch.optim.Optimizer)) and not k.startswith("_")}
+    objects = {
+        k: v
+        for k, v in leftovers.items()
+        if isinstance(v, (nn.Module, torch.optim.Optimizer)) and not k.startswith("_")
+    }
     report.merge(list(w.findings) + _audit_objects(objects))
     if outcome.status == "ok" and report.errors:
         outcome.status, outcome.exit_code = "device-problem", EXIT_DEVICE_ERROR
@@ -221,9 +242,15 @@ def _headline(outcome: ScriptOutcome, script: str) -> str:
     if outcome.status == "device-error":
         return f"torchspan doctor: device error in {name} ({stats} before it)"
     if outcome.status == "device-problem":
-        return f"torchspan doctor: {name} ran to the end without a device error, but its objects have a problem ({stats})"
+        return (
+            f"torchspan doctor: {name} ran to the end without a device error, but its objects have a "
+            f"problem ({stats})"
+        )
     if outcome.status == "script-exit":
-        return f"torchspan doctor: {name} exited with status {outcome.exit_code}; no device problem seen before that ({stats})"
+        return (
+            f"torchspan doctor: {name} exited with status {outcome.exit_code}; no device problem seen "
+            f"before that ({stats})"
+        )
     err = outcome.error
     return (
         f"torchspan doctor: {name} failed with {type(err).__name__}, which is not a device error "
@@ -239,7 +266,8 @@ def _error_dict(err: BaseException | None) -> dict[str, Any] | None:
 
 
 def _own_options(args: argparse.Namespace) -> list[str]:
-    """Take torchspan's own options (``--json``) from the words after SCRIPT that come before ``--``; the rest is the script's.
+    """Take torchspan's own options (``--json``) from the words after SCRIPT that come before ``--``; the rest
+    is the script's.
 
     ``torchspan doctor train.py --json -- --epochs 1``: JSON report, the script gets ``--epochs 1``;
     after ``--`` every word is the script's, ``--json`` included.

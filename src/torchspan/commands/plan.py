@@ -25,10 +25,10 @@ import argparse
 
 import torch
 
+from ._cluster import add_cluster_options, cluster_kwargs
 from ._common import UsageError, parse_memory_options, print_json
 from ._common import parse_dtype as _dtype
 from ._common import parse_microbatches as _microbatches
-from ._cluster import add_cluster_options, cluster_kwargs
 from ._options import (
     add_devices_option,
     add_json_option,
@@ -50,18 +50,27 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_target_arguments(p, "a floating dtype also profiles the model cast to it")
-    add_devices_option(p, "plan for these devices, this machine's (auto) or described ('a100-40gb*2,cpu')", default="auto")
+    add_devices_option(
+        p, "plan for these devices, this machine's (auto) or described ('a100-40gb*2,cpu')", default="auto"
+    )
     add_memory_option(p)
-    p.add_argument("--optimizer", default="adam", help="optimizer whose state to budget: sgd, sgd-momentum, adam, adamw, ... (default adam)")
+    p.add_argument(
+        "--optimizer",
+        default="adam",
+        help="optimizer whose state to budget: sgd, sgd-momentum, adam, adamw, ... (default adam)",
+    )
     add_microbatches_option(p, auto=True, default="auto")
     add_schedule_option(p, default="auto")
     add_recompute_option(p, default="auto")
     add_cluster_options(p)
     p.add_argument(
-        "--host-memory", default=None, metavar="SIZE",
-        help="host memory of one node for offloaded states, e.g. 2TiB (default: this machine's free memory for present "
+        "--host-memory",
+        default=None,
+        metavar="SIZE",
+        help="host memory of one node for offloaded states, e.g. 2TiB (default: this machine's free memory "
+        "for present "
         "devices, 3 x a node's accelerator memory for described ones)",
-    )  # fmt: skip
+    )
     add_json_option(p, "the plan")
     add_out_option(p, "FILE", "the plan as JSON, atomically, as well as printing it,")
     p.set_defaults(func=run)
@@ -109,8 +118,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _all_described(devices: str, memory: dict[str, str] | None) -> bool:
-    """True when every device of ``--devices`` is described (a catalog device), none present: the model is then built
-    on ``meta``. A spec ``torchspan.devices`` refuses is left for the plan to name."""
+    """True when every device of ``--devices`` is described (a catalog device), none present: the model is
+    then built on ``meta``. A spec ``torchspan.devices`` refuses is left for the plan to name."""
     from ..hardware import devices as find_devices
 
     try:
@@ -133,8 +142,8 @@ def _host_memory(value: str | None) -> int | None:
 
 
 def _prepare_out(out: str) -> None:
-    """Check ``--out`` before the (slow) profiling: a regular file or nothing there (a link's target counts), in a
-    writable folder; create the folder if missing."""
+    """Check ``--out`` before the (slow) profiling: a regular file or nothing there (a link's target counts),
+    in a writable folder; create the folder if missing."""
     from ..files import output_file
 
     output_file(out, name="--out", make_parent=True, example="plan.json")

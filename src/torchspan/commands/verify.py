@@ -1,4 +1,5 @@
-"""``torchspan verify TARGET --input-shape 32,512 [--devices cpu,cpu] [--balance 2,2] ...``: gradient parity check.
+"""``torchspan verify TARGET --input-shape 32,512 [--devices cpu,cpu] [--balance 2,2] ...``: gradient parity
+check.
 
 Builds the model named by TARGET (``package.module:factory`` or ``file.py:factory``), trains one
 step on random data with an MSE loss to a random target twice: with ``torchspan.span`` on the
@@ -8,12 +9,13 @@ is turned off (``config.use_cache = False``, here and in every rank): a training
 
 ``--strategies single,local-pipeline,dp,rank-pipeline,hybrid,fsdp --nproc-per-node 2|4`` instead runs one
 step of each strategy from the same weights and global batch (multi-process ones in gloo processes on
-127.0.0.1; ``fsdp`` is sharded data parallel, ``fsdp-offload`` the same with CPU offload, one process per GPU) and prints each one's per-parameter differences from one device. ``--json`` prints the
-same results (per layer and parameter, or per strategy and parameter) and the verdict as JSON; the
-exit status is the same.
+127.0.0.1; ``fsdp`` is sharded data parallel, ``fsdp-offload`` the same with CPU offload, one process per GPU)
+and prints each one's per-parameter differences from one device. ``--json`` prints the same results (per layer
+and parameter, or per strategy and parameter) and the verdict as JSON; the exit status is the same.
 
 Usage: ``torchspan verify mymodels:build --input-shape 32,512 --devices cpu,cpu --microbatches 4``;
-``torchspan verify mymodels:build --input-shape 7,16 --strategies single,dp,rank-pipeline --nproc-per-node 2``.
+``torchspan verify mymodels:build --input-shape 7,16 --strategies single,dp,rank-pipeline --nproc-per-node
+2``.
 """
 
 from __future__ import annotations
@@ -45,10 +47,14 @@ from ._target import build_model, caches_off, example_inputs, first_call, requir
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("verify", help="check that span's gradients equal single-device gradients", description=__doc__)
+    p = sub.add_parser(
+        "verify", help="check that span's gradients equal single-device gradients", description=__doc__
+    )
     add_target_arguments(p, "the model keeps its own dtype")
     add_devices_option(p, "one pipeline stage on each of these devices", default="cpu,cpu")
-    p.add_argument("--balance", default=None, metavar="N,N...", help="layers per stage, e.g. 2,2 (default: even split)")
+    p.add_argument(
+        "--balance", default=None, metavar="N,N...", help="layers per stage, e.g. 2,2 (default: even split)"
+    )
     add_microbatches_option(p, auto=False, default=4)
     add_schedule_option(p, default="gpipe")
     add_recompute_option(p, default="never")
@@ -59,25 +65,34 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--strategies",
         default=None,
         metavar="LIST",
-        help="compare several strategies with one device instead: any of single,local-pipeline,dp,rank-pipeline,hybrid,"
-        "fsdp,fsdp-offload,tp,tp-fsdp (the multi-process ones run in --nproc-per-node gloo processes on 127.0.0.1; "
-        "fsdp-offload needs a GPU per process; tp-fsdp needs 4)",
+        help="compare several strategies with one device instead: any of "
+        "single,local-pipeline,dp,rank-pipeline,hybrid,"
+        "fsdp,fsdp-offload,tp,tp-fsdp (the multi-process ones run in --nproc-per-node gloo processes on "
+        "127.0.0.1; fsdp-offload needs a GPU per process; tp-fsdp needs 4)",
     )
     p.add_argument(
         "--tp-plan",
         default=None,
         metavar="PLAN",
-        help="tp and tp-fsdp: MODULE=STYLE pairs (colwise, rowwise, colwise_rep, rowwise_rep, sequence_parallel), "
+        help="tp and tp-fsdp: MODULE=STYLE pairs (colwise, rowwise, colwise_rep, rowwise_rep, "
+        "sequence_parallel), "
         "e.g. 0=colwise,2=rowwise; default: the model's own (a transformers config's base_model_tp_plan)",
     )
-    add_nproc_option(p, "processes for dp, fsdp and rank-pipeline with --strategies; hybrid needs 4 = 2 stages x 2 replicas", default=2)
+    add_nproc_option(
+        p,
+        "processes for dp, fsdp and rank-pipeline with --strategies; hybrid needs 4 = 2 stages x 2 replicas",
+        default=2,
+    )
     p.add_argument(
         "--timeout",
         type=float,
         default=180.0,
-        help="seconds the processes of one --nproc-per-node run may take before they are killed (default 180)",
+        help="seconds the processes of one --nproc-per-node run may take before they are killed (default "
+        "180)",
     )
-    add_json_option(p, "the per-layer and per-parameter results (per strategy with --strategies) and the verdict")
+    add_json_option(
+        p, "the per-layer and per-parameter results (per strategy with --strategies) and the verdict"
+    )
     p.set_defaults(func=run)
 
 
@@ -85,7 +100,9 @@ def _ints(text: str, name: str, example: str = "2,2") -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise UsageError(f"{name} {text!r} is not a comma-separated list of integers, e.g. {name} {example}") from None
+        raise UsageError(
+            f"{name} {text!r} is not a comma-separated list of integers, e.g. {name} {example}"
+        ) from None
     if not values or any(v < 1 for v in values):
         raise UsageError(f"{name} {text!r} needs positive integers, e.g. {name} {example}")
     return values
@@ -97,9 +114,12 @@ def _random_like(out: Any) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``torchspan verify``: one step with ``span`` against one device (or ``--strategies``); 0 on PASS, 1 otherwise."""
+    """``torchspan verify``: one step with ``span`` against one device (or ``--strategies``); 0 on PASS, 1
+    otherwise."""
     balance = _check_options(args)
-    model = caches_off(build_model(args.target))  # a transformers model's default use_cache=True: no cache in training
+    model = caches_off(
+        build_model(args.target)
+    )  # a transformers model's default use_cache=True: no cache in training
     reference = copy.deepcopy(model)
     x = _example(args, model)
     if args.strategies is not None:
@@ -140,23 +160,29 @@ def _check_options(args: argparse.Namespace) -> list[int] | None:
     if args.microbatches < 1:
         raise UsageError(f"--microbatches {args.microbatches} must be >= 1")
     for option, value, example in (("--atol", args.atol, "1e-5"), ("--rtol", args.rtol, "1e-4")):
-        if not math.isfinite(value) or value < 0:  # inf passes every difference, nan none: either verdict is wrong
+        if (
+            not math.isfinite(value) or value < 0
+        ):  # inf passes every difference, nan none: either verdict is wrong
             raise UsageError(f"{option} {value!r} must be a finite number >= 0, e.g. {option} {example}")
     require_data_devices([d for d in args.devices.split(",") if d.strip()], "--devices")
     return balance
 
 
 def _example(args: argparse.Namespace, model: torch.nn.Module) -> Any:
-    """The seeded example batch, tried on the model first (as ``plan`` and ``run`` do: a batch the forward rejects,
-    token ids past the embedding's rows, is one line naming the options)."""
+    """The seeded example batch, tried on the model first (as ``plan`` and ``run`` do: a batch the forward
+    rejects, token ids past the embedding's rows, is one line naming the options)."""
     dtype = parse_dtype(args.dtype, "--input-dtype")
     torch.manual_seed(args.seed)
     x, _, _ = example_inputs(args.input_shape, args.input, dtype, args.vocab, "--input-dtype")
-    first_call(model, x, "--input" if isinstance(x, dict) else "--input-shape/--input-dtype", vocab=args.vocab)
+    first_call(
+        model, x, "--input" if isinstance(x, dict) else "--input-shape/--input-dtype", vocab=args.vocab
+    )
     return x
 
 
-def _span(model: torch.nn.Module, args: argparse.Namespace, balance: list[int] | None) -> tuple[Any, list[str]]:
+def _span(
+    model: torch.nn.Module, args: argparse.Namespace, balance: list[int] | None
+) -> tuple[Any, list[str]]:
     """``span`` with the pipeline options, and the warnings it gave as notes."""
     import torchspan
 
@@ -181,7 +207,8 @@ def _verdict(result: Parity, zero: list[str], trained: list[str]) -> str:
 
 
 def _layer_rows(spanned: Any, result: Parity, zero: list[str]) -> list[dict[str, Any]]:
-    """Per layer in stage order: its device, parameter count, worst differences and ok / DIFFERENT / zero grads."""
+    """Per layer in stage order: its device, parameter count, worst differences and ok / DIFFERENT / zero
+    grads."""
     device_of = {name: dev for dev, group in spanned.stages for name in group}
     rows = []
     for layer in [name for _, group in spanned.stages for name in group]:
@@ -204,7 +231,14 @@ def _layer_rows(spanned: Any, result: Parity, zero: list[str]) -> list[dict[str,
 
 
 def _print(
-    args: argparse.Namespace, spanned: Any, result: Parity, rows: list[dict[str, Any]], zero: list[str], trained: list[str], notes: list[str], verdict: str
+    args: argparse.Namespace,
+    spanned: Any,
+    result: Parity,
+    rows: list[dict[str, Any]],
+    zero: list[str],
+    trained: list[str],
+    notes: list[str],
+    verdict: str,
 ) -> None:
     con = console()
     con.print(
@@ -218,23 +252,40 @@ def _print(
     for col in ("layer", "stage device", "params", "max abs diff", "max rel diff", "result"):
         table.add_column(col, justify="left" if col in ("layer", "stage device", "result") else "right")
     for r in rows:
-        table.add_row(r["layer"], r["device"], str(r["parameters"]), f"{r['max_abs']:.3e}", f"{r['max_rel']:.3e}", r["result"])
+        table.add_row(
+            r["layer"],
+            r["device"],
+            str(r["parameters"]),
+            f"{r['max_abs']:.3e}",
+            f"{r['max_rel']:.3e}",
+            r["result"],
+        )
     con.print(table)
     con.print(f"loss: torchspan {result.loss:.6g}, one device {result.reference_loss:.6g}")
     if zero:
         con.print(
-            f"warning: {len(zero)} of {len(trained)} parameter(s) got gradients that are exactly zero on both sides "
-            f"({', '.join(zero[:5])}{', ...' if len(zero) > 5 else ''}): equal, but that proves nothing for them "
-            "(a zero-initialised head, an unused branch, a detached path). Check the model, or verify after a training step"
+            f"warning: {len(zero)} of {len(trained)} parameter(s) got gradients that are exactly zero on "
+            f"both sides ({', '.join(zero[:5])}{', ...' if len(zero) > 5 else ''}): equal, but that proves "
+            "nothing for them (a zero-initialised head, an unused branch, a detached path). Check the "
+            "model, or verify after a training step"
         )
     if verdict == "INCONCLUSIVE":
-        con.print(f"INCONCLUSIVE: every gradient is exactly zero on both sides (atol={args.atol:g}, rtol={args.rtol:g})")
+        con.print(
+            f"INCONCLUSIVE: every gradient is exactly zero on both sides (atol={args.atol:g}, "
+            f"rtol={args.rtol:g})"
+        )
         return
     con.print(f"{verdict} (atol={args.atol:g}, rtol={args.rtol:g})")
 
 
 def _as_json(
-    args: argparse.Namespace, spanned: Any, result: Parity, rows: list[dict[str, Any]], zero: list[str], notes: list[str], verdict: str
+    args: argparse.Namespace,
+    spanned: Any,
+    result: Parity,
+    rows: list[dict[str, Any]],
+    zero: list[str],
+    notes: list[str],
+    verdict: str,
 ) -> dict[str, Any]:
     return {
         "target": args.target,
@@ -248,7 +299,9 @@ def _as_json(
         "rtol": args.rtol,
         "loss": result.loss,
         "reference_loss": result.reference_loss,
-        "layers": [{**r, "max_abs": json_float(r["max_abs"]), "max_rel": json_float(r["max_rel"])} for r in rows],
+        "layers": [
+            {**r, "max_abs": json_float(r["max_abs"]), "max_rel": json_float(r["max_rel"])} for r in rows
+        ],
         "parameters": [g.to_dict() for g in result.grads],
         "zero_on_both_sides": zero,
         "notes": notes,
@@ -257,7 +310,8 @@ def _as_json(
 
 
 def _zero_on_both_sides(model: torch.nn.Module, reference: torch.nn.Module) -> list[str]:
-    """Trainable parameters whose gradient is missing or exactly zero in both the spanned model and the reference."""
+    """Trainable parameters whose gradient is missing or exactly zero in both the spanned model and the
+    reference."""
     ref = dict(reference.named_parameters())
     out = []
     for name, p in model.named_parameters():

@@ -47,7 +47,9 @@ def package_text(package: str = "torchspan") -> str:
     try:
         root = resources.files(package)
     except ModuleNotFoundError as exc:
-        raise ValueError(f"package={package!r} is not installed; the demo corpus reads an installed package's files") from exc
+        raise ValueError(
+            f"package={package!r} is not installed; the demo corpus reads an installed package's files"
+        ) from exc
     parts = []
     for name, node in _walk(root):
         try:
@@ -56,7 +58,9 @@ def package_text(package: str = "torchspan") -> str:
             continue
         parts.append(f"# file: {package}/{name}\n{text.rstrip()}\n")
     if not parts:
-        raise ValueError(f"package={package!r} ships no {'/'.join(_SUFFIXES)} files to read; use source='grammar'")
+        raise ValueError(
+            f"package={package!r} ships no {'/'.join(_SUFFIXES)} files to read; use source='grammar'"
+        )
     return "\n".join(parts)
 
 
@@ -69,7 +73,13 @@ _GRAMMAR: dict[str, list[str]] = {
         "{DEV} computes the forward of micro-batch {N} while {DEV} runs the backward of micro-batch {M}.",
         "Gradients on {DEV} match a single-device run to the last bit for {LAYERS}.",
     ],
-    "LAYERS": ["the embedding", "blocks {N} to {M}", "the final norm and the head", "block {N}", "every layer"],
+    "LAYERS": [
+        "the embedding",
+        "blocks {N} to {M}",
+        "the final norm and the head",
+        "block {N}",
+        "every layer",
+    ],
     "DEV": ["cuda:0", "cuda:1", "the CPU", "cpu", "mps", "the second GPU"],
     "REASON": [
         "its memory is full",
@@ -82,7 +92,13 @@ _GRAMMAR: dict[str, list[str]] = {
     "SCHED": ["GPipe", "1F1B"],
     "SHARE": ["half", "most", "nine tenths", "all but the bubble"],
     "SIZE": ["{N} GiB", "{N}00 MiB", "{N}.{M} GB"],
-    "KIND": ["the parameters", "the gradients", "the Adam moments", "the saved activations", "the transfer buffers"],
+    "KIND": [
+        "the parameters",
+        "the gradients",
+        "the Adam moments",
+        "the saved activations",
+        "the transfer buffers",
+    ],
     "N": [str(i) for i in range(10)],
     "M": [str(i) for i in range(10)],
     "K": ["2", "4", "8", "16"],
@@ -145,10 +161,14 @@ class Corpus:
         values = ids.tolist() if isinstance(ids, torch.Tensor) else ids
         return "".join(ALPHABET[i] for i in values)
 
-    def batch(self, batch_size: int, seq_len: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, batch_size: int, seq_len: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Random windows: inputs ``(batch_size, seq_len)`` and the same windows shifted by one."""
         if seq_len + 2 > len(self.data):  # randint needs a non-empty range of window starts
-            raise ValueError(f"seq_len={seq_len} needs at least {seq_len + 2} characters; the corpus has {len(self.data)}")
+            raise ValueError(
+                f"seq_len={seq_len} needs at least {seq_len + 2} characters; the corpus has {len(self.data)}"
+            )
         starts = torch.randint(0, len(self.data) - seq_len - 1, (batch_size,), generator=generator)
         idx = starts[:, None] + torch.arange(seq_len + 1)[None, :]
         windows = self.data[idx]

@@ -65,8 +65,16 @@ class Block(nn.Module):
 class CharTransformer(nn.Sequential):
     """``embed``, ``block0`` … ``block{depth-1}``, ``norm``, ``head`` as an ``nn.Sequential``."""
 
-    def __init__(self, vocab_size: int, dim: int = 128, depth: int = 4, heads: int = 4, seq_len: int = 64) -> None:
-        for name, value in (("vocab_size", vocab_size), ("dim", dim), ("depth", depth), ("heads", heads), ("seq_len", seq_len)):
+    def __init__(
+        self, vocab_size: int, dim: int = 128, depth: int = 4, heads: int = 4, seq_len: int = 64
+    ) -> None:
+        for name, value in (
+            ("vocab_size", vocab_size),
+            ("dim", dim),
+            ("depth", depth),
+            ("heads", heads),
+            ("seq_len", seq_len),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"CharTransformer({name}={value!r}) must be an int >= 1")
         layers: OrderedDict[str, nn.Module] = OrderedDict(embed=Embedding(vocab_size, dim, seq_len))

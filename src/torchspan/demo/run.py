@@ -1,10 +1,12 @@
-"""The demo driver: plan a small language model for this machine's devices, span it, check it, train it, draw it.
+"""The demo driver: plan a small language model for this machine's devices, span it, check it, train it, draw
+it.
 
-On any machine the demo shows a span: without a GPU, ``torchspan.plan`` keeps the model on the CPU (one stage),
-so the demo runs it as two pipeline stages on the CPU instead and says so (``spanning.choose_devices``). Before
-training, one step's gradients are compared with the same model on one device (the exact-gradient check), and
-plain PyTorch on one device trains the first steps beside the span on the same batches. Where there is no GPU,
-the planner also says what a two-GPU machine would run (``placement.gpu_machine``).
+On any machine the demo shows a span: without a GPU, ``torchspan.plan`` keeps the model on the CPU (one
+stage), so the demo runs it as two pipeline stages on the CPU instead and says so
+(``spanning.choose_devices``). Before training, one step's gradients are compared with the same model on one
+device (the exact-gradient check), and plain PyTorch on one device trains the first steps beside the span on
+the same batches. Where there is no GPU, the planner also says what a two-GPU machine would run
+(``placement.gpu_machine``).
 
 Usage::
 
@@ -12,8 +14,8 @@ Usage::
     result = run_demo(steps=300, out="torchspan-demo")
     result.check.max_abs, result.losses[-1], result.files["timeline"]
 
-Writes ``plan.json``, ``loss.png``, ``timeline.png``, ``memory.png``, ``losses.json`` and ``report.md`` (what ran
-and why, the check, the pictures) into ``out``.
+Writes ``plan.json``, ``loss.png``, ``timeline.png``, ``memory.png``, ``losses.json`` and ``report.md`` (what
+ran and why, the check, the pictures) into ``out``.
 """
 
 from __future__ import annotations
@@ -33,22 +35,37 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import pictures
-from ..schedule import SCHEDULES
 from ..files import output_folder, write_text
 from ..hardware import Device
 from ..planner.plans import Plan
 from ..runtime.record import Event
+from ..schedule import SCHEDULES
 from ..training import train
 from .corpus import Corpus, build_corpus
 from .model import CharTransformer, generate, lm_loss
 from .placement import Placement, demo_plan, gpu_machine
-from .spanning import DemoDevices, GradientCheck, OneDevice, choose_devices, gradient_check, one_device_run, reference_copy
+from .spanning import (
+    DemoDevices,
+    GradientCheck,
+    OneDevice,
+    choose_devices,
+    gradient_check,
+    one_device_run,
+    reference_copy,
+)
 from .story import check_lines, describe, guide, guide_line, next_lines, spans, why_lines
 
 __all__ = ["run_demo", "DemoResult", "DemoConfig", "DEFAULT_STEPS"]
 
 DEFAULT_STEPS = 300
-DEMO_FILES = ("plan.json", "report.md", "losses.json", "loss.png", "timeline.png", "memory.png")  # what `out` receives
+DEMO_FILES = (
+    "plan.json",
+    "report.md",
+    "losses.json",
+    "loss.png",
+    "timeline.png",
+    "memory.png",
+)  # what `out` receives
 
 
 @dataclass
@@ -72,14 +89,20 @@ class DemoConfig:
     gpu_note: bool = True  # where no GPU is found, say what a two-GPU machine would run (from the planner)
 
     def __post_init__(self) -> None:
-        if isinstance(self.compare_steps, bool) or not isinstance(self.compare_steps, int) or self.compare_steps < 0:
+        if (
+            isinstance(self.compare_steps, bool)
+            or not isinstance(self.compare_steps, int)
+            or self.compare_steps < 0
+        ):
             raise ValueError(f"compare_steps={self.compare_steps!r} must be an int >= 0")
         for name in ("steps", "batch_size", "seq_len", "dim", "depth", "heads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
         if self.microbatches != "auto" and (
-            isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1
+            isinstance(self.microbatches, bool)
+            or not isinstance(self.microbatches, int)
+            or self.microbatches < 1
         ):
             raise ValueError(f"microbatches={self.microbatches!r} must be 'auto' or an int >= 1")
         if self.schedule != "auto" and self.schedule not in SCHEDULES:
@@ -92,8 +115,9 @@ class DemoConfig:
 
 @dataclass
 class DemoResult:
-    """What the demo did: the plan it ran (and ``torchspan.plan``'s own choice), the exact-gradient check, plain
-    PyTorch beside it, the losses, speed, the sample, what it ran and why (``story``) and the files it wrote."""
+    """What the demo did: the plan it ran (and ``torchspan.plan``'s own choice), the exact-gradient check,
+    plain PyTorch beside it, the losses, speed, the sample, what it ran and why (``story``) and the files it
+    wrote."""
 
     out: Path
     plan: Plan
@@ -155,16 +179,16 @@ def run_demo(
 ) -> DemoResult:
     """Plan the demo language model, span it, check its gradients, train it and write the report to ``out``.
 
-    ``devices="auto"`` shows a span on any machine (``spanning.choose_devices``: two CPU stages where there is no
-    GPU); with several devices listed explicitly (``"cpu,cpu"``) the model is spread over all of them, as
-    ``demo.placement`` explains. Whenever something is split (stages or micro-batches), one step is checked against
-    the same model on one device and plain PyTorch trains ``config.compare_steps`` steps beside it.
+    ``devices="auto"`` shows a span on any machine (``spanning.choose_devices``: two CPU stages where there is
+    no GPU); with several devices listed explicitly (``"cpu,cpu"``) the model is spread over all of them, as
+    ``demo.placement`` explains. Whenever something is split (stages or micro-batches), one step is checked
+    against the same model on one device and plain PyTorch trains ``config.compare_steps`` steps beside it.
 
     ``devices``/``memory`` are as for ``torchspan.devices``; a tight budget on the first device
     pushes layers to the next one. ``steps`` overrides ``config.steps`` (default ``DEFAULT_STEPS``);
     ``schedule``/``microbatches`` override the planner's choice
-    (``"gpipe"``/``"1f1b"``, an int); ``config`` sets sizes. Returns a :class:`DemoResult`; raises ``ValueError`` for bad
-    input and ``torchspan.PlanError`` when the model fits nowhere.
+    (``"gpipe"``/``"1f1b"``, an int); ``config`` sets sizes. Returns a :class:`DemoResult`; raises
+    ``ValueError`` for bad input and ``torchspan.PlanError`` when the model fits nowhere.
     """
     import torchspan
 
@@ -172,14 +196,18 @@ def run_demo(
     con = console or Console(markup=False)  # printed text keeps its square brackets
     out_dir = out_folder(out)
     setup = choose_devices(devices, memory)
-    con.print(_device_table(setup.found, f"devices ({devices if isinstance(devices, str) else ','.join(devices)})"))
+    con.print(
+        _device_table(setup.found, f"devices ({devices if isinstance(devices, str) else ','.join(devices)})")
+    )
 
     corpus, model, n_params = _model(cfg, con)
     batch = _batches(corpus, cfg)
     placement, gpu = _plan(model, corpus, cfg, setup, out_dir, con)
     story = why_lines(setup, placement)
     _say(con, *story)
-    reference = reference_copy(model, placement.plan.stages[0].device) if spans(placement.plan) else None  # before span moves it
+    reference = (
+        reference_copy(model, placement.plan.stages[0].device) if spans(placement.plan) else None
+    )  # before span moves it
 
     spanned = torchspan.span(model, placement.plan)
     optimizer = torch.optim.AdamW(spanned.parameters(), lr=cfg.lr)
@@ -212,7 +240,9 @@ def _model(cfg: DemoConfig, con: Console) -> tuple[Corpus, CharTransformer, int]
     """The corpus (torchspan's own text), the demo model on it (seeded) and its parameter count, said."""
     torch.manual_seed(cfg.seed)
     corpus: Corpus = build_corpus(cfg.corpus, seed=cfg.seed)
-    model = CharTransformer(corpus.vocab_size, dim=cfg.dim, depth=cfg.depth, heads=cfg.heads, seq_len=cfg.seq_len)
+    model = CharTransformer(
+        corpus.vocab_size, dim=cfg.dim, depth=cfg.depth, heads=cfg.heads, seq_len=cfg.seq_len
+    )
     n_params = sum(p.numel() for p in model.parameters())
     con.print(
         f"corpus: {len(corpus.text):,} characters of torchspan's own {cfg.corpus} text; "
@@ -222,12 +252,28 @@ def _model(cfg: DemoConfig, con: Console) -> tuple[Corpus, CharTransformer, int]
 
 
 def _train(
-    spanned: Any, optimizer: Any, batch: Callable[[int], Any], cfg: DemoConfig, con: Console, check: Any, one: Any
+    spanned: Any,
+    optimizer: Any,
+    batch: Callable[[int], Any],
+    cfg: DemoConfig,
+    con: Console,
+    check: Any,
+    one: Any,
 ) -> tuple[Any, float, list[str]]:
-    """The span trained ``cfg.steps`` steps (live figures), its median ms per step, and the lines comparing it with
-    the check and plain PyTorch (said, but the first)."""
+    """The span trained ``cfg.steps`` steps (live figures), its median ms per step, and the lines comparing it
+    with the check and plain PyTorch (said, but the first)."""
     items = cfg.batch_size * cfg.seq_len
-    trained = train(spanned, optimizer, batch, lm_loss, cfg.steps, console=con, items_per_step=items, speed_unit="tok/s", memory_every=10)
+    trained = train(
+        spanned,
+        optimizer,
+        batch,
+        lm_loss,
+        cfg.steps,
+        console=con,
+        items_per_step=items,
+        speed_unit="tok/s",
+        memory_every=10,
+    )
     span_ms = 1e3 * statistics.median(a + b for a, b in zip(trained.step_times, trained.optimizer_times))
     compared = check_lines(check, one, trained.losses, span_ms)
     _say(con, *compared[1:])
@@ -241,14 +287,22 @@ def _say(con: Console, *lines: str, style: str | None = None) -> None:
 
 
 def _batches(corpus: Corpus, cfg: DemoConfig) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
-    """``batch(step)``: the training batch of a step, the same whoever asks (the span, plain PyTorch, the check)."""
-    return lambda step: corpus.batch(cfg.batch_size, cfg.seq_len, torch.Generator().manual_seed(cfg.seed * 1_000_003 + step))
+    """``batch(step)``: the training batch of a step, the same whoever asks (the span, plain PyTorch, the
+    check)."""
+    return lambda step: corpus.batch(
+        cfg.batch_size, cfg.seq_len, torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    )
 
 
 def _check(
-    spanned: Any, reference: torch.nn.Module | None, batch: Callable[[int], Any], cfg: DemoConfig, con: Console
+    spanned: Any,
+    reference: torch.nn.Module | None,
+    batch: Callable[[int], Any],
+    cfg: DemoConfig,
+    con: Console,
 ) -> tuple[GradientCheck | None, OneDevice | None]:
-    """The exact-gradient check on the first batch, then plain PyTorch on one device for the first steps (timed)."""
+    """The exact-gradient check on the first batch, then plain PyTorch on one device for the first steps
+    (timed)."""
     if reference is None:
         return None, None
     with con.status(f"checking one step's gradients against {next(reference.parameters()).device} alone ..."):
@@ -259,7 +313,11 @@ def _check(
         return check, None
     with con.status(f"plain PyTorch on one device, {steps} steps ..."):
         one = one_device_run(reference, batch, lm_loss, steps=steps, lr=cfg.lr)
-    _say(con, f"plain PyTorch on {one.device}: {steps} steps at {one.ms_per_step:.1f} ms per step; now the span trains on the same batches:")
+    _say(
+        con,
+        f"plain PyTorch on {one.device}: {steps} steps at {one.ms_per_step:.1f} ms per step; now the span "
+        "trains on the same batches:",
+    )
     return check, one
 
 
@@ -277,37 +335,59 @@ def out_folder(out: str | Path) -> Path:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ValueError(f"out={str(out)!r}: cannot create the folder ({exc.strerror or exc}); name a folder you can write to") from exc
+        raise ValueError(
+            f"out={str(out)!r}: cannot create the folder ({exc.strerror or exc}); name a folder you can "
+            "write to"
+        ) from exc
     return out_dir
 
 
-def _plan(model: CharTransformer, corpus: Corpus, cfg: DemoConfig, setup: DemoDevices, out_dir: Path, con: Console) -> tuple[Placement, str]:
-    """Profile and plan on one example batch, save ``plan.json`` and print the plan; with no GPU found, also what a
-    two-GPU machine would run (``""`` otherwise)."""
+def _plan(
+    model: CharTransformer, corpus: Corpus, cfg: DemoConfig, setup: DemoDevices, out_dir: Path, con: Console
+) -> tuple[Placement, str]:
+    """Profile and plan on one example batch, save ``plan.json`` and print the plan; with no GPU found, also
+    what a two-GPU machine would run (``""`` otherwise)."""
     example, _ = corpus.batch(cfg.batch_size, cfg.seq_len, torch.Generator().manual_seed(cfg.seed + 1))
     with con.status("profiling the model and planning ..."):
-        placement = demo_plan(model, example, setup.used, spread=setup.spread, microbatches=cfg.microbatches, schedule=cfg.schedule)
-        gpu = "" if setup.has_accelerator or not cfg.gpu_note else gpu_machine(model, example, microbatches=cfg.microbatches, schedule=cfg.schedule)
+        placement = demo_plan(
+            model,
+            example,
+            setup.used,
+            spread=setup.spread,
+            microbatches=cfg.microbatches,
+            schedule=cfg.schedule,
+        )
+        gpu = (
+            ""
+            if setup.has_accelerator or not cfg.gpu_note
+            else gpu_machine(model, example, microbatches=cfg.microbatches, schedule=cfg.schedule)
+        )
     placement.plan.save(out_dir / "plan.json")
     con.print(_plan_table(placement.plan))
     for note in placement.plan.notes:
-        con.print(Text(f"note: {note}", style="dim"))  # a note may hold brackets (shapes, lists): never markup
+        con.print(
+            Text(f"note: {note}", style="dim")
+        )  # a note may hold brackets (shapes, lists): never markup
     return placement, gpu
 
 
-def _sample(model: torch.nn.Module, corpus: Corpus, cfg: DemoConfig, gen: torch.Generator, con: Console) -> str:
+def _sample(
+    model: torch.nn.Module, corpus: Corpus, cfg: DemoConfig, gen: torch.Generator, con: Console
+) -> str:
     """Text the trained model writes after ``cfg.prompt`` (empty when ``cfg.sample_chars`` is 0)."""
     if not cfg.sample_chars:
         return ""
     ids = generate(model, corpus.encode(cfg.prompt), cfg.sample_chars, generator=gen)
     sample = cfg.prompt + corpus.decode(ids)
-    con.print(Panel(Text(sample), title="sample from the trained model", expand=False))  # as written: `dict[str, Any]` stays
+    con.print(
+        Panel(Text(sample), title="sample from the trained model", expand=False)
+    )  # as written: `dict[str, Any]` stays
     return sample
 
 
 def _sections(result: DemoResult) -> list[tuple[str, list[str]]]:
-    """``report.md``'s sections after the summary: what ran and why (with the check), a GPU machine, what to run next,
-    and the guide that explains it."""
+    """``report.md``'s sections after the summary: what ran and why (with the check), a GPU machine, what to
+    run next, and the guide that explains it."""
     sections = [("What ran and why", [f"- {line}" for line in result.story])]
     if result.gpu_machine:
         sections.append(("On a GPU machine", [result.gpu_machine]))
@@ -320,16 +400,23 @@ def _write_report(result: DemoResult, cfg: DemoConfig, n_params: int, con: Conso
     """Draw the report and save the losses into ``result.out``; returns the files written by name."""
     out_dir, plan, losses, seconds = result.out, result.plan, result.losses, result.seconds
     summary = {
-        "ran": describe(plan) + ("" if result.chosen is None or result.chosen is plan else f"; torchspan.plan alone: {describe(result.chosen)}"),
+        "ran": describe(plan)
+        + (
+            ""
+            if result.chosen is None or result.chosen is plan
+            else f"; torchspan.plan alone: {describe(result.chosen)}"
+        ),
         "exact gradients": "not checked: nothing was split"
         if result.check is None
-        else f"{'PASS' if result.check.ok else 'FAIL'}: max abs diff {result.check.max_abs:.3e}, max rel diff {result.check.max_rel:.3e} "
+        else f"{'PASS' if result.check.ok else 'FAIL'}: max abs diff {result.check.max_abs:.3e}, max rel "
+        f"diff {result.check.max_rel:.3e} "
         f"against {result.check.device} alone",
         "devices": ", ".join(str(d.device) for d in result.devices),
         "steps": cfg.steps,
         "batch": f"{cfg.batch_size} x {cfg.seq_len} characters",
         "model": f"{n_params:,} parameters, {cfg.depth} blocks, dim {cfg.dim}",
-        "loss": f"{losses[0]:.3f} -> {losses[-1]:.3f} (mean of the last {min(20, len(losses))} steps: {_tail_mean(losses):.3f})",
+        "loss": f"{losses[0]:.3f} -> {losses[-1]:.3f} (mean of the last {min(20, len(losses))} steps: "
+        f"{_tail_mean(losses):.3f})",
         "training time": f"{seconds:.1f} s (median {result.ms_per_step:.1f} ms per step"
         + (f"; plan predicted {plan.predicted_step_time * 1e3:.1f} ms)" if plan.predicted_step_time else ")"),
         "tokens/s": f"{result.tokens_per_second:,.0f}",
@@ -361,8 +448,8 @@ def _write_report(result: DemoResult, cfg: DemoConfig, n_params: int, con: Conso
         _say(con, f"  {line}", style="dim" if line.startswith("#") else None)
     _say(
         con,
-        f"loss {losses[0]:.3f} -> {losses[-1]:.3f} (last-20 mean {_tail_mean(losses):.3f}) in {cfg.steps} steps, {seconds:.1f} s, "
-        f"{result.tokens_per_second:,.0f} tokens/s. Report: {files.report}",
+        f"loss {losses[0]:.3f} -> {losses[-1]:.3f} (last-20 mean {_tail_mean(losses):.3f}) in {cfg.steps} "
+        f"steps, {seconds:.1f} s, {result.tokens_per_second:,.0f} tokens/s. Report: {files.report}",
     )
     _say(con, guide_line())
     return written

@@ -1,10 +1,10 @@
 """What the demo shows besides training: where it spans the model and why, the exact-gradient check, and plain
 PyTorch on one device beside the span.
 
-On a machine without a GPU, ``torchspan.plan`` rightly keeps the demo's small model on the CPU, one stage: nothing
-to span. ``torchspan demo`` then splits it into two pipeline stages on the CPU (``cpu, cpu``: the same cores, taking
-turns), so that every machine shows a span: a timeline with two lanes, a memory picture with two stages, and one
-step's gradients compared with the same model on one device.
+On a machine without a GPU, ``torchspan.plan`` rightly keeps the demo's small model on the CPU, one stage:
+nothing to span. ``torchspan demo`` then splits it into two pipeline stages on the CPU (``cpu, cpu``: the same
+cores, taking turns), so that every machine shows a span: a timeline with two lanes, a memory picture with two
+stages, and one step's gradients compared with the same model on one device.
 
 Usage::
 
@@ -25,17 +25,27 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..hardware import Device, devices as find_devices
+from ..hardware import Device
+from ..hardware import devices as find_devices
 from ..parity import check_parity
 from ..profiler.timing import synchronize
 from ..runtime.spanned import Spanned
 
-__all__ = ["DemoDevices", "GradientCheck", "OneDevice", "choose_devices", "gradient_check", "one_device_run", "reference_copy"]
+__all__ = [
+    "DemoDevices",
+    "GradientCheck",
+    "OneDevice",
+    "choose_devices",
+    "gradient_check",
+    "one_device_run",
+    "reference_copy",
+]
 
 
 @dataclass
 class DemoDevices:
-    """The devices the spec found (``found``), the ones the demo plans over (``used``) and why, in one line."""
+    """The devices the spec found (``found``), the ones the demo plans over (``used``) and why, in one
+    line."""
 
     found: list[Device]
     used: list[Device]
@@ -44,7 +54,8 @@ class DemoDevices:
 
     @property
     def spread(self) -> bool:
-        """Whether the demo spreads the model over every used device when the planner alone keeps fewer stages."""
+        """Whether the demo spreads the model over every used device when the planner alone keeps fewer
+        stages."""
         return len(self.used) > 1
 
     @property
@@ -55,8 +66,9 @@ class DemoDevices:
 def choose_devices(spec: str | list[str], memory: Mapping[str, str | int] | None) -> DemoDevices:
     """The demo's devices: as listed, or for ``"auto"`` a span this machine can show.
 
-    ``"auto"`` without a GPU plans over ``cpu, cpu`` (two stages on the same cores); with one GPU over the GPU and the
-    CPU; with several over the GPUs. A ``ValueError`` for devices the machine lacks or budgets naming none of them.
+    ``"auto"`` without a GPU plans over ``cpu, cpu`` (two stages on the same cores); with one GPU over the GPU
+    and the CPU; with several over the GPUs. A ``ValueError`` for devices the machine lacks or budgets naming
+    none of them.
     """
     found = find_devices(spec, memory=memory)
     auto = isinstance(spec, str) and spec.strip().lower() == "auto"
@@ -76,7 +88,8 @@ def choose_devices(spec: str | list[str], memory: Mapping[str, str | int] | None
 
 @dataclass(frozen=True)
 class GradientCheck:
-    """One step of the spanned model against the same model on one device (``device``), the same batch and loss."""
+    """One step of the spanned model against the same model on one device (``device``), the same batch and
+    loss."""
 
     device: str
     parameters: int
@@ -92,9 +105,10 @@ class GradientCheck:
     def line(self) -> str:
         verdict = "PASS" if self.ok else "FAIL"
         return (
-            f"exact gradients: {verdict}: one step of the span against the same model on {self.device} alone, the same batch: "
-            f"max abs diff {self.max_abs:.3e}, max rel diff {self.max_rel:.3e} over {self.parameters} parameters "
-            f"(worst: {self.worst}); loss {self.loss:.6f} vs {self.reference_loss:.6f} (atol={self.atol:g}, rtol={self.rtol:g})"
+            f"exact gradients: {verdict}: one step of the span against the same model on {self.device} "
+            f"alone, the same batch: max abs diff {self.max_abs:.3e}, max rel diff {self.max_rel:.3e} over "
+            f"{self.parameters} parameters (worst: {self.worst}); loss {self.loss:.6f} vs "
+            f"{self.reference_loss:.6f} (atol={self.atol:g}, rtol={self.rtol:g})"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -102,14 +116,23 @@ class GradientCheck:
 
 
 def reference_copy(model: nn.Module, device: str) -> nn.Module:
-    """A plain copy of ``model`` on ``device``, made before ``span`` moves the model: the one-device reference."""
+    """A plain copy of ``model`` on ``device``, made before ``span`` moves the model: the one-device
+    reference."""
     return copy.deepcopy(model).to(device)
 
 
 def gradient_check(
-    spanned: Spanned, reference: nn.Module, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *, atol: float = 1e-5, rtol: float = 1e-4
+    spanned: Spanned,
+    reference: nn.Module,
+    inputs: Any,
+    target: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    *,
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
 ) -> GradientCheck:
-    """``check_parity`` on one batch, summed up; both models' gradients are cleared afterwards (no weight changes)."""
+    """``check_parity`` on one batch, summed up; both models' gradients are cleared afterwards (no weight
+    changes)."""
     spanned.zero_grad(set_to_none=True)
     reference.zero_grad(set_to_none=True)
     parity = check_parity(spanned, reference, inputs, target, loss_fn, atol=atol, rtol=rtol)
@@ -133,8 +156,9 @@ def gradient_check(
 
 @dataclass
 class OneDevice:
-    """Plain PyTorch on one device: the losses of the first steps and the seconds of each (step and optimizer);
-    ``ms_per_step`` is their median (the first steps' warm-up and a busy machine's spikes left out)."""
+    """Plain PyTorch on one device: the losses of the first steps and the seconds of each (step and
+    optimizer); ``ms_per_step`` is their median (the first steps' warm-up and a busy machine's spikes left
+    out)."""
 
     device: str
     losses: list[float] = field(default_factory=list)
@@ -149,13 +173,24 @@ class OneDevice:
         return max((abs(a - b) for a, b in zip(self.losses, losses)), default=0.0)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"device": self.device, "steps": len(self.losses), "losses": self.losses, "ms_per_step": self.ms_per_step}
+        return {
+            "device": self.device,
+            "steps": len(self.losses),
+            "losses": self.losses,
+            "ms_per_step": self.ms_per_step,
+        }
 
 
 def one_device_run(
-    model: nn.Module, batch: Callable[[int], tuple[Any, Any]], loss_fn: Callable[[Any, Any], torch.Tensor], *, steps: int, lr: float
+    model: nn.Module,
+    batch: Callable[[int], tuple[Any, Any]],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    *,
+    steps: int,
+    lr: float,
 ) -> OneDevice:
-    """``steps`` steps of ``loss_fn(model(x), y).backward(); AdamW.step()``: what the span must equal, timed."""
+    """``steps`` steps of ``loss_fn(model(x), y).backward(); AdamW.step()``: what the span must equal,
+    timed."""
     dev = next(model.parameters()).device
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     run = OneDevice(str(dev))

@@ -1,4 +1,5 @@
-"""``torchspan demo --nproc-per-node N --tp T``: the demo model tensor-parallel, and how close it is to one device.
+"""``torchspan demo --nproc-per-node N --tp T``: the demo model tensor-parallel, and how close it is to one
+device.
 
 Each block's MLP is split over ``T`` processes (``TP_PLAN``: its first ``Linear`` column-wise, its second
 row-wise, one all-reduce after it; DTensor over the mesh's ``tp`` dimension), the attention and the rest kept
@@ -12,8 +13,9 @@ cut wrongly); with ``N > T`` processes the ``N / T`` tensor-parallel replicas ar
 
 Usage (``demo.ranks`` does this on every rank)::
 
-    spanned = span_ranks(model, world, tp)          # span(model) for data parallel, tp=... for this
-    check = gradient_parity(spanned, reference, x, y)   # every rank calls it (gathers); rank 0 keeps the result
+    spanned = span_ranks(model, world, tp)   # span(model) for data parallel, tp=... for this
+    # every rank calls it (gathers); rank 0 keeps the result
+    check = gradient_parity(spanned, reference, x, y)
 """
 
 from __future__ import annotations
@@ -36,18 +38,28 @@ TP_PLAN = {"block*.mlp.0": "colwise", "block*.mlp.2": "rowwise"}  # each block's
 
 
 def span_ranks(model: nn.Module, world: int, tp: int | None) -> Any:
-    """This rank's span: a data-parallel replica (``tp`` None), else ``tp`` ranks per layer, FSDP2 over the rest."""
+    """This rank's span: a data-parallel replica (``tp`` None), else ``tp`` ranks per layer, FSDP2 over the
+    rest."""
     if tp is None:
         spanned = span(model)  # as in a user's script: a launched one-stage span is this rank's replica
         if spanned.mode != "data-parallel":
-            raise RuntimeError(f"span(model) in a {world}-process job gave mode {spanned.mode!r}, not 'data-parallel'")
+            raise RuntimeError(
+                f"span(model) in a {world}-process job gave mode {spanned.mode!r}, not 'data-parallel'"
+            )
         return spanned
     return span(model, tp=tp, tp_plan=TP_PLAN, shard=world > tp)
 
 
-def gradient_parity(spanned: Any, reference: nn.Module, x: torch.Tensor, y: torch.Tensor, atol: float = 1e-5, rtol: float = 1e-4) -> GradientCheck:
-    """One ``train_step`` on this replica's rows of ``(x, y)`` against ``reference`` on all of them; every rank
-    gathers the gradients (a collective) and compares; both sides' gradients are cleared afterwards."""
+def gradient_parity(
+    spanned: Any,
+    reference: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
+) -> GradientCheck:
+    """One ``train_step`` on this replica's rows of ``(x, y)`` against ``reference`` on all of them; every
+    rank gathers the gradients (a collective) and compares; both sides' gradients are cleared afterwards."""
     replica, replicas = spanned.data_parallel
     loss = spanned.train_step(*shard_batch((x, y), replica, replicas), lm_loss, loss_reduction="mean")
     want = lm_loss(reference(x), y)
@@ -61,12 +73,22 @@ def gradient_parity(spanned: Any, reference: nn.Module, x: torch.Tensor, y: torc
     reference.zero_grad(set_to_none=True)
     worst = max(diffs, key=lambda d: d.max_abs)
     return GradientCheck(
-        device="cpu", parameters=len(diffs), max_abs=worst.max_abs, max_rel=max(d.max_rel for d in diffs), loss=float(loss),
-        reference_loss=float(want.detach()), atol=atol, rtol=rtol, ok=all(d.within for d in diffs), worst=worst.name,
-    )  # fmt: skip
+        device="cpu",
+        parameters=len(diffs),
+        max_abs=worst.max_abs,
+        max_rel=max(d.max_rel for d in diffs),
+        loss=float(loss),
+        reference_loss=float(want.detach()),
+        atol=atol,
+        rtol=rtol,
+        ok=all(d.within for d in diffs),
+        worst=worst.name,
+    )
 
 
-def loss_parity(reference: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], losses: list[float], lr: float) -> dict[str, Any]:
+def loss_parity(
+    reference: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], losses: list[float], lr: float
+) -> dict[str, Any]:
     """Plain PyTorch (AdamW at ``lr``) on one device over ``batches`` (the run's first global batches) from
     ``reference``'s weights: ``{"steps", "losses", "largest_difference"}`` against the run's ``losses``."""
     model = copy.deepcopy(reference)

@@ -66,7 +66,11 @@ def _last_layer(model: nn.Module, prefix: str) -> tuple[str, nn.Module, str] | N
 
 
 def audit_modules(
-    model: nn.Module, loss_fn: Any = None, target_device: str | None = None, *, names: tuple[str, str] = ("model", "loss_fn")
+    model: nn.Module,
+    loss_fn: Any = None,
+    target_device: str | None = None,
+    *,
+    names: tuple[str, str] = ("model", "loss_fn"),
 ) -> list[Finding]:
     """Parameters/buffers of ``model`` split over devices; ``loss_fn`` tensors off the loss's device.
 
@@ -85,13 +89,16 @@ def audit_modules(
             Finding(
                 code="model-split",
                 severity="warning",
-                title=f"{mname} has parameters and buffers on {len(groups)} devices ({', '.join(sorted(groups))})",
+                title=f"{mname} has parameters and buffers on {len(groups)} devices "
+                f"({', '.join(sorted(groups))})",
                 where=mname,
-                details=[f"{dev}: {name_list(groups[dev])}" for dev in sorted(groups, key=lambda d: d != main)],
+                details=[
+                    f"{dev}: {name_list(groups[dev])}" for dev in sorted(groups, key=lambda d: d != main)
+                ],
                 fix=(
-                    f"if the split is deliberate (model parallel), move activations between the parts in forward "
-                    f"(`x = x.to('{odd[0]}')` before the first layer on {odd[0]}); otherwise move the whole model: "
-                    f"`{mname}.to('{main}')`"
+                    f"if the split is deliberate (model parallel), move activations between the parts in "
+                    f"forward (`x = x.to('{odd[0]}')` before the first layer on {odd[0]}); otherwise move "
+                    f"the whole model: `{mname}.to('{main}')`"
                 ),
             )
         )
@@ -115,8 +122,8 @@ def audit_modules(
                     where=f"{lname} ({type(loss_fn).__name__})",
                     details=[f"{t.device}: {name_list([q for _, q, _ in stray])}"],
                     fix=(
-                        f"call `{lname}.to('{ref}')`: a loss's buffers (e.g. CrossEntropyLoss(weight=...)) stay where "
-                        f"they were made until the loss module itself is moved"
+                        f"call `{lname}.to('{ref}')`: a loss's buffers (e.g. CrossEntropyLoss(weight=...)) "
+                        f"stay where they were made until the loss module itself is moved"
                     ),
                 )
             )
@@ -129,7 +136,8 @@ def _tensor_attributes(root: nn.Module, prefix: str) -> list[Finding]:
     out: list[Finding] = []
     for path, mod in root.named_modules():
         candidates = [
-            (attr, val) for attr, val in vars(mod).items()
+            (attr, val)
+            for attr, val in vars(mod).items()
             if isinstance(val, torch.Tensor) and not attr.startswith("_") and not is_cpu_scalar(val)
         ]
         if not candidates:  # the usual case: no need to look at the module's tensors at all
@@ -137,9 +145,21 @@ def _tensor_attributes(root: nn.Module, prefix: str) -> list[Finding]:
         for attr, val in candidates:  # self.w = nn.Parameter(t).cuda(1): wherever it is, nothing trains it
             if val.requires_grad and not isinstance(val, nn.Parameter):
                 qual = f"{prefix}.{path}.{attr}" if path else f"{prefix}.{attr}"
-                title = f"`{qual}` requires grad but is a plain tensor attribute on {val.device}, not a parameter"
-                out.append(Finding("unregistered-parameter", "warning", title, unregistered_parameter_fix(qual, attr), where=qual))
-        candidates = [(attr, val) for attr, val in candidates if not val.requires_grad or isinstance(val, nn.Parameter)]
+                title = (
+                    f"`{qual}` requires grad but is a plain tensor attribute on {val.device}, not a parameter"
+                )
+                out.append(
+                    Finding(
+                        "unregistered-parameter",
+                        "warning",
+                        title,
+                        unregistered_parameter_fix(qual, attr),
+                        where=qual,
+                    )
+                )
+        candidates = [
+            (attr, val) for attr, val in candidates if not val.requires_grad or isinstance(val, nn.Parameter)
+        ]
         home = _majority([str(t.device) for t in list(mod.parameters()) + list(mod.buffers())])
         if home is None:
             continue
@@ -150,7 +170,8 @@ def _tensor_attributes(root: nn.Module, prefix: str) -> list[Finding]:
                     Finding(
                         code="tensor-attribute",
                         severity="warning",
-                        title=f"`{qual}` is a plain tensor attribute on {val.device} while its module is on {home}",
+                        title=f"`{qual}` is a plain tensor attribute on {val.device} while its module is on "
+                        f"{home}",
                         where=qual,
                         fix=(
                             f"`.to()` moves parameters and buffers only: register it in __init__ with "
@@ -182,7 +203,12 @@ def _leaves(obj: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def audit_batch(
-    model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], target: Any = None, *, name: str = "model"
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    target: Any = None,
+    *,
+    name: str = "model",
 ) -> list[Finding]:
     """Batch tensors (any nesting) not on the device of the first layer; a target not on the last layer's.
 
@@ -222,7 +248,8 @@ def audit_batch(
                     Finding(
                         code="target-device",
                         severity="error",
-                        title=f"{path} {tuple(t.shape)} is on {t.device} but the model's output (last layer `{lpath}`) is on {ldev}",
+                        title=f"{path} {tuple(t.shape)} is on {t.device} but the model's output (last layer "
+                        f"`{lpath}`) is on {ldev}",
                         where=path,
                         fix=f"move the target with `target = target.to('{ldev}')` before computing the loss",
                     )
@@ -290,11 +317,13 @@ def _run(
             Finding(
                 code="run-device-error" if device else "run-failed",
                 severity="error",
-                title=f"the example {'forward/backward' if loss_fn is not None else 'forward'} failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
+                title=f"the example {'forward/backward' if loss_fn is not None else 'forward'} failed: "
+                f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
                 fix=(
                     "see the static findings above for the tensor on the wrong device"
                     if device
-                    else "check the example inputs match what the model's forward expects (shapes, dtypes, arguments)"
+                    else "check the example inputs match what the model's forward expects (shapes, dtypes, "
+                    "arguments)"
                 ),
             )
         )
@@ -340,18 +369,26 @@ def doctor(
     if not isinstance(model, nn.Module):
         raise ValueError(f"doctor(model=...) got a {type(model).__name__}; pass the nn.Module to check")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"doctor(optimizer=...) got a {type(optimizer).__name__}; pass a torch.optim.Optimizer or None")
+        raise ValueError(
+            f"doctor(optimizer=...) got a {type(optimizer).__name__}; pass a torch.optim.Optimizer or None"
+        )
     if loss_fn is not None and not callable(loss_fn):
-        raise ValueError(f"doctor(loss_fn=...) got a non-callable {type(loss_fn).__name__}; pass e.g. nn.CrossEntropyLoss()")
+        raise ValueError(
+            f"doctor(loss_fn=...) got a non-callable {type(loss_fn).__name__}; pass e.g. "
+            "nn.CrossEntropyLoss()"
+        )
     if run is None:
         run = bool(example_args or example_kwargs)
     if run and not (example_args or example_kwargs):
-        raise ValueError("doctor(run=True) needs example inputs to run the model with: doctor(model, x, run=True)")
+        raise ValueError(
+            "doctor(run=True) needs example inputs to run the model with: doctor(model, x, run=True)"
+        )
 
     if run and target is not None and loss_fn is None:
         warnings.warn(
-            "doctor(target=...) without loss_fn: the target's device is checked, but no loss and no backward run; "
-            "pass loss_fn= (e.g. loss_fn=nn.CrossEntropyLoss()) to check the loss and the backward too",
+            "doctor(target=...) without loss_fn: the target's device is checked, but no loss and no "
+            "backward run; pass loss_fn= (e.g. loss_fn=nn.CrossEntropyLoss()) to check the loss and the "
+            "backward too",
             UserWarning,
             stacklevel=2,
         )

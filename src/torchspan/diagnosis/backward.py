@@ -27,7 +27,9 @@ from .tracking import node_module
 
 __all__ = ["walk_graph", "node_module_in", "engine_error"]
 
-_ENGINE_GRAD = re.compile(r"Function (\w+) returned an invalid gradient at index (\d+) - expected device (\S+) but got (\S+)")
+_ENGINE_GRAD = re.compile(
+    r"Function (\w+) returned an invalid gradient at index (\d+) - expected device (\S+) but got (\S+)"
+)
 _ENGINE_HOOK = re.compile(r"hook '(.+?)' has changed the type of value \(was (\S+) got (\S+)\)")
 
 
@@ -48,7 +50,8 @@ def walk_graph(roots: Sequence[Any]) -> Iterator[tuple[Any, nn.Module | None]]:
 
 
 def node_module_in(node: Any, roots: Sequence[Any]) -> tuple[nn.Module | None, bool]:
-    """``(module, exact)`` for the backward node ``node``: its own module, else the enclosing one found from ``roots``."""
+    """``(module, exact)`` for the backward node ``node``: its own module, else the enclosing one found from
+    ``roots``."""
     mod = node_module(node)
     if mod is not None:
         return mod, True
@@ -77,7 +80,9 @@ def _source_of(func: Callable[..., Any] | None) -> str | None:
     return f"{(file or '?').rsplit('/', 1)[-1]}:{line}"
 
 
-def engine_error(text: str, roots: Sequence[Any], make_namer: Callable[[], Namer]) -> DeviceMismatchError | None:
+def engine_error(
+    text: str, roots: Sequence[Any], make_namer: Callable[[], Namer]
+) -> DeviceMismatchError | None:
     """The engine's error ``text`` as a :class:`DeviceMismatchError`, or None when it is not a device error.
 
     ``make_namer`` is called only for a device error (naming walks the user's frames).
@@ -93,7 +98,11 @@ def engine_error(text: str, roots: Sequence[Any], make_namer: Callable[[], Namer
             op=f"tensor hook {hook}",
             phase="backward",
             module=None,
-            tensors=[TensorArg("returned gradient", got, (), "?", "gradient", None, f"returned by hook {hook}", odd=True)],
+            tensors=[
+                TensorArg(
+                    "returned gradient", got, (), "?", "gradient", None, f"returned by hook {hook}", odd=True
+                )
+            ],
             expected=was,
             headline=f"the tensor hook {hook} returned a gradient on {got} for a tensor on {was}",
             fix=f"make {hook} return a tensor on the gradient's device: `return new_grad.to(grad.device)`",
@@ -122,12 +131,17 @@ def _gradient_error(text: str, m: re.Match[str], roots: Sequence[Any], namer: Na
         op=f"{fname} (backward)",
         phase="backward",
         module=f"backward of {fname}" + (f" in {namer.module_label(mod)}" if mod is not None else ""),
-        tensors=[TensorArg(f"grad_input[{index}]", got, (), "?", "gradient", target, f"returned by {fname}", odd=True)],
+        tensors=[
+            TensorArg(
+                f"grad_input[{index}]", got, (), "?", "gradient", target, f"returned by {fname}", odd=True
+            )
+        ],
         expected=expected,
         headline=f"{fname} returned gradient {index}{for_what} on {got}, but that input lives on {expected}",
         fix=(
-            f"in {fix_where}{' (' + where + ')' if where else ''} create every returned tensor on the input's "
-            f"device, e.g. `torch.ones(..., device=grad_output.device)` or `result.to(grad_output.device)`"
+            f"in {fix_where}{' (' + where + ')' if where else ''} create every returned tensor on the "
+            f"input's device, e.g. `torch.ones(..., device=grad_output.device)` or "
+            f"`result.to(grad_output.device)`"
         ),
         location=namer.location,
         original=text.splitlines()[0],

@@ -41,8 +41,8 @@ def dataparallel_inert_finding(path: str) -> Finding:
         title=f"nn.DataParallel at `{path}` does nothing here: no CUDA device is available",
         where=path,
         details=[
-            "Without CUDA, DataParallel just calls the wrapped module; on a machine with GPUs the same code copies "
-            "the inputs to cuda:0 and fails unless every parameter is already on cuda:0.",
+            "Without CUDA, DataParallel just calls the wrapped module; on a machine with GPUs the same "
+            "code copies the inputs to cuda:0 and fails unless every parameter is already on cuda:0.",
             "Its state_dict keys also gain a 'module.' prefix that a plain model does not have.",
         ],
         fix=(
@@ -55,11 +55,18 @@ def dataparallel_inert_finding(path: str) -> Finding:
 def stray_tensors(dp: nn.DataParallel) -> list[tuple[str, torch.Tensor]]:
     """Parameters and buffers of the wrapped module that are not on ``device_ids[0]``."""
     src = dp.src_device_obj
-    return [(n, t) for n, t in list(dp.module.named_parameters()) + list(dp.module.named_buffers()) if t.device != src]
+    return [
+        (n, t)
+        for n, t in list(dp.module.named_parameters()) + list(dp.module.named_buffers())
+        if t.device != src
+    ]
 
 
-def dataparallel_device_error(dp: nn.DataParallel, stray: list[tuple[str, torch.Tensor]], namer: Namer) -> DeviceMismatchError:
-    """The error for a ``DataParallel`` forward whose wrapped module has ``stray`` tensors off ``device_ids[0]``."""
+def dataparallel_device_error(
+    dp: nn.DataParallel, stray: list[tuple[str, torch.Tensor]], namer: Namer
+) -> DeviceMismatchError:
+    """The error for a ``DataParallel`` forward whose wrapped module has ``stray`` tensors off
+    ``device_ids[0]``."""
     src = dp.src_device_obj
     path = py_path(namer.module_path(dp))
     args: list[TensorArg] = []
@@ -111,14 +118,16 @@ def audit_dataparallel(model: nn.Module, *, name: str = "model") -> list[Finding
                     code="dataparallel-device",
                     severity="error",
                     title=(
-                        f"nn.DataParallel `{qual}` needs the wrapped module on {src} (device_ids[0]), but {kind} "
-                        f"`{first}` is on {t.device}" + (f" (and {len(stray) - 1} more)" if len(stray) > 1 else "")
+                        f"nn.DataParallel `{qual}` needs the wrapped module on {src} (device_ids[0]), but "
+                        f"{kind} `{first}` is on {t.device}"
+                        + (f" (and {len(stray) - 1} more)" if len(stray) > 1 else "")
                     ),
                     where=qual,
                     details=[name_list([f"{q} on {x.device}" for _, q, x in stray])],
                     fix=(
-                        f"call `{qual}.module.to('{src}')` before the first forward (or `model.to('{src}')` before "
-                        f"wrapping); in CPU mode remove the wrapper: `{qual} = {qual}.module`"
+                        f"call `{qual}.module.to('{src}')` before the first forward (or "
+                        f"`model.to('{src}')` before wrapping); in CPU mode remove the wrapper: `{qual} = "
+                        f"{qual}.module`"
                     ),
                 )
             )
@@ -146,7 +155,7 @@ def audit_state_dict(
         return findings
     for prefix in WRAPPER_PREFIXES:
         if all(k.startswith(prefix) for k in sd_keys) and not all(k.startswith(prefix) for k in model_keys):
-            stripped = {k[len(prefix):] for k in sd_keys}
+            stripped = {k[len(prefix) :] for k in sd_keys}
             if len(stripped & model_keys) >= max(1, len(stripped) // 2):
                 example = sorted(sd_keys)[0]
                 findings.append(
@@ -154,14 +163,23 @@ def audit_state_dict(
                         code="state-dict-prefix",
                         severity="error",
                         title=(
-                            f"state dict keys carry a '{prefix}' prefix (e.g. {example!r}) that {name}'s keys lack"
-                            + (" - it was saved from nn.DataParallel / DistributedDataParallel" if prefix == "module." else " - it was saved from a torch.compile'd model")
+                            f"state dict keys carry a '{prefix}' prefix (e.g. {example!r}) that {name}'s "
+                            "keys lack"
+                            + (
+                                " - it was saved from nn.DataParallel / DistributedDataParallel"
+                                if prefix == "module."
+                                else " - it was saved from a torch.compile'd model"
+                            )
                         ),
                         where="state_dict",
-                        details=[f"{len(stripped & model_keys)} of {len(sd_keys)} keys match once the prefix is removed"],
+                        details=[
+                            f"{len(stripped & model_keys)} of {len(sd_keys)} keys match once the prefix is "
+                            "removed"
+                        ],
                         fix=(
-                            f"strip it before loading: `torch.nn.modules.utils.consume_prefix_in_state_dict_if_present("
-                            f"{sd_name}, '{prefix}')`, then `{name}.load_state_dict({sd_name})`; next time save the "
+                            f"strip it before loading: "
+                            f"`torch.nn.modules.utils.consume_prefix_in_state_dict_if_present({sd_name}, "
+                            f"'{prefix}')`, then `{name}.load_state_dict({sd_name})`; next time save the "
                             f"unwrapped model: `.{prefix.rstrip('.')}.state_dict()` of the wrapper"
                         ),
                     )
@@ -174,10 +192,14 @@ def audit_state_dict(
                     Finding(
                         code="state-dict-prefix",
                         severity="error",
-                        title=f"{name} is wrapped (its keys start with '{prefix}') but the state dict's keys do not",
+                        title=f"{name} is wrapped (its keys start with '{prefix}') but the state dict's keys "
+                        "do not",
                         where="state_dict",
-                        details=[f"{len(added & model_keys)} of {len(sd_keys)} keys match once the prefix is added"],
-                        fix=f"load into the wrapped module: `{name}.{prefix.rstrip('.')}.load_state_dict({sd_name})`",
+                        details=[
+                            f"{len(added & model_keys)} of {len(sd_keys)} keys match once the prefix is added"
+                        ],
+                        fix="load into the wrapped module: "
+                        f"`{name}.{prefix.rstrip('.')}.load_state_dict({sd_name})`",
                     )
                 )
                 return findings

@@ -86,7 +86,9 @@ class DeviceMismatchError(RuntimeError):
         self.original = original
         self.code = code
         devs = sorted({t.device for t in self.tensors})
-        self.headline = headline or f"{op} got tensors on different devices ({', '.join(devs)}) during {phase}"
+        self.headline = (
+            headline or f"{op} got tensors on different devices ({', '.join(devs)}) during {phase}"
+        )
         super().__init__(self._message())
 
     def _message(self) -> str:
@@ -190,7 +192,12 @@ def expected_device(args: Sequence[TensorArg], module: nn.Module | None) -> str:
         if a.kind == "parameter" and a.device in top:
             return a.device
     # tensors that are easily left behind (state, buffers, plain attributes) lose ties
-    fresh = [a for a in counted if a.device in top and a.kind not in ("optimizer state", "buffer", "attribute", "unregistered parameter")]
+    fresh = [
+        a
+        for a in counted
+        if a.device in top
+        and a.kind not in ("optimizer state", "buffer", "attribute", "unregistered parameter")
+    ]
     if len({a.device for a in fresh}) == 1:
         return fresh[0].device
     if module is not None:
@@ -225,36 +232,42 @@ def _owner(name: str) -> tuple[str, str]:
 def unregistered_parameter_fix(name: str, leaf: str) -> str:
     """The fix for ``self.w = nn.Parameter(t).cuda(1)``: a plain tensor copy that no optimizer trains."""
     return (
-        f"`{name}` is not a parameter and will not be trained: `nn.Parameter(t).cuda()` / `.to()` returns a plain "
-        f"tensor copy, which `parameters()` (so the optimizer) never sees and `.to()` does not move; create it with "
-        f"`self.{leaf} = nn.Parameter(t.to(device))`"
+        f"`{name}` is not a parameter and will not be trained: `nn.Parameter(t).cuda()` / `.to()` returns "
+        f"a plain tensor copy, which `parameters()` (so the optimizer) never sees and `.to()` does not move; "
+        f"create it with `self.{leaf} = nn.Parameter(t.to(device))`"
     )
 
 
 def _owned_fix(a: TensorArg, expected: str) -> str | None:
-    """How to move a named tensor something owns (a module's buffer, parameter or attribute, an optimizer's state)
-    to ``expected``; ``None`` for other kinds."""
+    """How to move a named tensor something owns (a module's buffer, parameter or attribute, an optimizer's
+    state) to ``expected``; ``None`` for other kinds."""
     assert a.name is not None
     if a.kind == "buffer":
         owner, leaf = _owner(a.name)
-        return f"call `{owner}.to('{expected}')`: its buffer `{leaf}` stays on {a.device} until the module itself is moved"
+        return (
+            f"call `{owner}.to('{expected}')`: its buffer `{leaf}` stays on {a.device} until the module "
+            "itself is moved"
+        )
     if a.kind == "parameter":
         owner, _ = _owner(a.name)
-        return f"move the layer with `{owner}.to('{expected}')`, or move its input to {a.device} before calling it"
+        return (
+            f"move the layer with `{owner}.to('{expected}')`, or move its input to {a.device} before "
+            "calling it"
+        )
     if a.kind == "unregistered parameter":
         return unregistered_parameter_fix(a.name, _owner(a.name)[1])
     if a.kind == "attribute":
         owner, leaf = _owner(a.name)
         return (
-            f"`{a.name}` is a plain tensor attribute, which `.to()` does not move: register it in __init__ with "
-            f"`self.register_buffer('{leaf}', tensor)` so `{owner}.to('{expected}')` takes it along"
+            f"`{a.name}` is a plain tensor attribute, which `.to()` does not move: register it in __init__ "
+            f"with `self.register_buffer('{leaf}', tensor)` so `{owner}.to('{expected}')` takes it along"
         )
     if a.kind == "optimizer state":
         opt = py_path(a.name.split(".state[", 1)[0])
         return (
-            f"move the optimizer state next to its parameters with `torchspan.to_device({opt}, '{expected}')` after "
-            f"the model has moved, or move the model to '{expected}' before `{opt}.load_state_dict(...)` "
-            f"(it puts the state on each parameter's device at that moment)"
+            f"move the optimizer state next to its parameters with `torchspan.to_device({opt}, "
+            f"'{expected}')` after the model has moved, or move the model to '{expected}' before "
+            f"`{opt}.load_state_dict(...)` (it puts the state on each parameter's device at that moment)"
         )
     return None
 
@@ -272,7 +285,9 @@ def build_fix(
     ref = next((a.name for a in args if not a.odd and a.name and a.kind in ("activation", "variable")), None)
     ref_expr = f"{ref}.device" if ref else f"'{expected}'"
     module_path = py_path(module_path) if module_path else None
-    module_has_params_there = module is not None and any(str(p.device) == expected for p in module.parameters())
+    module_has_params_there = module is not None and any(
+        str(p.device) == expected for p in module.parameters()
+    )
     fixes: list[str] = []
     for i, a in enumerate(args):
         if not a.odd:
@@ -283,13 +298,20 @@ def build_fix(
         elif i in factories:
             made = f"`{a.name}` was" if a.name else "this tensor was"
             move = f"; or move it before use{at}: `{a.name} = {a.name}.to('{expected}')`" if a.name else ""
-            # a factory puts its result on the default device unless told otherwise: elsewhere, a device was given
-            why = f"on {a.device} because no device was given" if a.device == str(torch.get_default_device()) else f"with device='{a.device}'"
-            fixes.append(f"{made} made by {factory_name(factories[i])} {why}: create it with `device={ref_expr}`{move}")
+            # a factory puts its result on the default device unless told otherwise: elsewhere, a device was
+            # given
+            why = (
+                f"on {a.device} because no device was given"
+                if a.device == str(torch.get_default_device())
+                else f"with device='{a.device}'"
+            )
+            fixes.append(
+                f"{made} made by {factory_name(factories[i])} {why}: create it with `device={ref_expr}`{move}"
+            )
         elif a.kind == "gradient":
             fixes.append(
-                f"a gradient arrived on {a.device}: a tensor hook or custom autograd Function returned it there; "
-                f"return `grad.to('{expected}')` instead"
+                f"a gradient arrived on {a.device}: a tensor hook or custom autograd Function returned it "
+                f"there; return `grad.to('{expected}')` instead"
             )
         else:
             var = a.name or a.label
@@ -347,8 +369,8 @@ def mismatch_error(
     fix = build_fix(tensors, expected, module_path, module, location, factories)
     if original is None:
         fix += (
-            " (PyTorch did not refuse this op because one side is on 'meta', whose kernels skip device checks; "
-            "on real devices it raises)"
+            " (PyTorch did not refuse this op because one side is on 'meta', whose kernels skip device "
+            "checks; on real devices it raises)"
         )
     return DeviceMismatchError(
         op=op_name(func),
@@ -358,5 +380,7 @@ def mismatch_error(
         expected=expected,
         fix=fix,
         location=location,
-        original=str(original).strip().splitlines()[0] if original is not None and str(original).strip() else None,
+        original=str(original).strip().splitlines()[0]
+        if original is not None and str(original).strip()
+        else None,
     )

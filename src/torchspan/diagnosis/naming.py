@@ -27,7 +27,17 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Location", "Namer", "named_tensors", "user_frames", "location", "op_name", "is_internal_file", "tb_frames", "traceback_frames"]
+__all__ = [
+    "Location",
+    "Namer",
+    "named_tensors",
+    "user_frames",
+    "location",
+    "op_name",
+    "is_internal_file",
+    "tb_frames",
+    "traceback_frames",
+]
 
 _INTERNAL_DIRS = tuple(
     os.path.dirname(os.path.abspath(m.__file__)) + os.sep
@@ -189,7 +199,9 @@ class Namer:
                     pname = self._tensors.get(id(p), ("", f"param_groups[{g}]['params'][{i}]"))[1]
                     for key, val in opt.state.get(p, {}).items():
                         if isinstance(val, torch.Tensor):
-                            self._tensors.setdefault(id(val), ("optimizer state", f"{oname}.state[{pname}][{key!r}]"))
+                            self._tensors.setdefault(
+                                id(val), ("optimizer state", f"{oname}.state[{pname}][{key!r}]")
+                            )
 
     def module_path(self, module: nn.Module) -> str:
         """``model.net2``; a module nobody named gets its class name."""
@@ -263,4 +275,3 @@ def tb_frames(tb: Any) -> list[FrameType]:
 def traceback_frames(tb: Any) -> list[FrameType]:
     """User frames of an exception's traceback, innermost first."""
     return [f for f in reversed(tb_frames(tb)) if not is_internal_file(f.f_code.co_filename)]
-

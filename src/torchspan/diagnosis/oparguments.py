@@ -77,7 +77,9 @@ def real_mismatch(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> boo
     if base_name(func).startswith("_foreach"):
         lists = [a for a in list(args) + list(kwargs.values()) if type(a) in (list, tuple)]
         singles = {
-            t.device for t in list(args) + list(kwargs.values()) if isinstance(t, _Tensor) and not is_cpu_scalar(t)
+            t.device
+            for t in list(args) + list(kwargs.values())
+            if isinstance(t, _Tensor) and not is_cpu_scalar(t)
         }
         n = max((len(x) for x in lists), default=0)
         for i in range(n):
@@ -98,7 +100,9 @@ def arg_names(func: Any) -> list[str]:
         return [a.name for a in func._schema.arguments]
     try:
         params = inspect.signature(func).parameters.values()
-        return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+        return [
+            p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+        ]
     except (TypeError, ValueError):
         pass
     doc = (getattr(func, "__doc__", None) or "").strip()

@@ -1,5 +1,5 @@
-"""Auditing an optimizer against its model (``torchspan doctor``): param groups holding tensors the model no longer
-owns (an optimizer built before the parameters were replaced), and state off its parameter's device.
+"""Auditing an optimizer against its model (``torchspan doctor``): param groups holding tensors the model no
+longer owns (an optimizer built before the parameters were replaced), and state off its parameter's device.
 
 Usage: ``for f in audit_optimizer(opt, model): print(f.title)``.
 """
@@ -51,23 +51,32 @@ def _stale_params(
         listed = [f"params[{i}] {tuple(p.shape)} on {p.device}" for i, p in stale]
         details = [f"{len(stale)} of {len(group['params'])} tensors: {name_list(listed)}"]
         if orphans:
-            details.append(f"{len(orphans)} parameter(s) of {mname} are in no param group: {name_list([f'{mname}.{n}' for n, _ in orphans])}")
+            details.append(
+                f"{len(orphans)} parameter(s) of {mname} are in no param group: "
+                f"{name_list([f'{mname}.{n}' for n, _ in orphans])}"
+            )
         findings.append(
             Finding(
                 code="optimizer-stale-params",
                 severity="error" if matched else "warning",
                 title=(
-                    f"{oname}.param_groups[{g}] holds {len(stale)} tensor(s) that are not parameters of {mname}"
+                    f"{oname}.param_groups[{g}] holds {len(stale)} tensor(s) that are not parameters of "
+                    f"{mname}"
                     + (" - it was probably built before the parameters were replaced" if matched else "")
                 ),
                 where=f"{oname}.param_groups[{g}]",
                 details=details,
                 fix=(
                     f"build the optimizer after moving the model: `{mname}.to(device)` first, then "
-                    f"`{oname} = torch.optim.{type(optimizer).__name__}({mname}.parameters(), ...)` (moving to or from "
-                    f"'meta', `to_empty()`, `load_state_dict(assign=True)` and "
-                    f"`torch.__future__.set_overwrite_module_params_on_conversion(True)` create new Parameter objects)"
-                    + ("" if matched else "; ignore this if those tensors belong to another module on purpose")
+                    f"`{oname} = torch.optim.{type(optimizer).__name__}({mname}.parameters(), ...)` "
+                    f"(moving to or from 'meta', `to_empty()`, `load_state_dict(assign=True)` and "
+                    f"`torch.__future__.set_overwrite_module_params_on_conversion(True)` create new "
+                    f"Parameter objects)"
+                    + (
+                        ""
+                        if matched
+                        else "; ignore this if those tensors belong to another module on purpose"
+                    )
                 ),
             )
         )
@@ -98,9 +107,9 @@ def _stray_state(optimizer: torch.optim.Optimizer, model: nn.Module, names: tupl
                 where=oname,
                 details=[name_list(stray)],
                 fix=(
-                    f"move the state next to the parameters: `torchspan.to_device({oname}, '{dev}')`, or call "
-                    f"`{mname}.to('{dev}')` before `{oname}.load_state_dict(...)` (it puts the state on each "
-                    f"parameter's device at that moment)"
+                    f"move the state next to the parameters: `torchspan.to_device({oname}, '{dev}')`, or "
+                    f"call `{mname}.to('{dev}')` before `{oname}.load_state_dict(...)` (it puts the state "
+                    f"on each parameter's device at that moment)"
                 ),
             )
         )

@@ -49,7 +49,9 @@ class TensorArg:
     @property
     def what(self) -> str:
         """``"parameter model.net2.weight"``: kind, qualified name and origin when known."""
-        return self.kind + (f" {self.name}" if self.name else "") + (f", {self.origin}" if self.origin else "")
+        return (
+            self.kind + (f" {self.name}" if self.name else "") + (f", {self.origin}" if self.origin else "")
+        )
 
     def describe(self) -> str:
         """``"weight  meta (5, 10) float32  parameter model.net2.weight"``."""
@@ -209,8 +211,21 @@ class Report:
                 for t in f.tensors:
                     style = "bold red" if t.odd else ""
                     # Text, not str: a console with markup would read `x[0]` or `dict[str, Tensor]` as styles
-                    args.add_row(Text(t.label), Text(t.device, style=style), Text(str(tuple(t.shape))), Text(t.dtype), Text(t.what))
+                    args.add_row(
+                        Text(t.label),
+                        Text(t.device, style=style),
+                        Text(str(tuple(t.shape))),
+                        Text(t.dtype),
+                        Text(t.what),
+                    )
                 body.add_row("tensors", args)
             body.add_row("fix", Text(f.fix, style="green"))
             c = colour.get(f.severity, "white")
-            console.print(Panel(body, title=Text(f"{f.severity}: {f.title}", style=f"bold {c}"), border_style=c, title_align="left"))
+            console.print(
+                Panel(
+                    body,
+                    title=Text(f"{f.severity}: {f.title}", style=f"bold {c}"),
+                    border_style=c,
+                    title_align="left",
+                )
+            )

@@ -40,7 +40,13 @@ def audit_ties(model: nn.Module, prefix: str = "model") -> list[Finding]:
         except (NotImplementedError, AttributeError):
             inp = out = None
         a, b = getattr(inp, "weight", None), getattr(out, "weight", None)
-        if isinstance(a, nn.Parameter) and isinstance(b, nn.Parameter) and a is not b and id(a) in names and id(b) in names:
+        if (
+            isinstance(a, nn.Parameter)
+            and isinstance(b, nn.Parameter)
+            and a is not b
+            and id(a) in names
+            and id(b) in names
+        ):
             pairs.append((names[id(a)], names[id(b)], "config.tie_word_embeddings is set"))
     by_shape: dict[tuple[tuple[int, ...], torch.dtype], list[tuple[str, nn.Parameter]]] = {}
     for n, p in model.named_parameters():
@@ -63,7 +69,8 @@ def audit_ties(model: nn.Module, prefix: str = "model") -> list[Finding]:
             Finding(
                 code="tie-broken",
                 severity="error" if "config" in why else "warning",
-                title=f"{prefix}.{a} and {prefix}.{b} look like one tied parameter split in two{where}: {why}",
+                title=f"{prefix}.{a} and {prefix}.{b} look like one tied parameter split in two{where}: "
+                f"{why}",
                 where=f"{prefix}.{b}",
                 fix=_FIX.format(a=f"{prefix}.{a}", b=f"{prefix}.{b}"),
             )

@@ -97,7 +97,9 @@ class _FunctionWatcher(TorchFunctionMode):
         super().__init__()
         self.owner = owner
 
-    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         owner = self.owner
         owner.ops += 1
         if kwargs is None:
@@ -135,7 +137,9 @@ class _DispatchWatcher(TorchDispatchMode):
         super().__init__()
         self.owner = owner
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         owner = self.owner
         owner.ops += 1
         if kwargs is None:
@@ -166,8 +170,8 @@ class Watcher:
         for key, obj in (named or {}).items():
             if not isinstance(obj, (nn.Module, torch.optim.Optimizer, torch.Tensor)):
                 raise ValueError(
-                    f"watch({key}=...) got a {type(obj).__name__}; pass modules, optimizers or tensors to name, "
-                    f"e.g. watch(model=model, criterion=criterion, optimizer=optimizer)"
+                    f"watch({key}=...) got a {type(obj).__name__}; pass modules, optimizers or tensors to "
+                    f"name, e.g. watch(model=model, criterion=criterion, optimizer=optimizer)"
                 )
         self.named: dict[str, Any] = dict(named or {})
         self.ops = 0
@@ -257,7 +261,9 @@ class Watcher:
     # ------------------------------------------------------------------ backward
     def _run_backward(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         first = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
-        roots = [first] if isinstance(first, _Tensor) else [t for t in (first or ()) if isinstance(t, _Tensor)]
+        roots = (
+            [first] if isinstance(first, _Tensor) else [t for t in (first or ()) if isinstance(t, _Tensor)]
+        )
         self._bw_roots = [t.grad_fn for t in roots if t.grad_fn is not None]
         try:
             with self._dmode:
@@ -297,9 +303,15 @@ class Watcher:
         raise err from original
 
     def _build_error(
-        self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], phase: str, original: BaseException | None
+        self,
+        func: Any,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        phase: str,
+        original: BaseException | None,
     ) -> DeviceMismatchError:
-        """Gather what the watcher knows (names, running module or backward node, producers) into the error."""
+        """Gather what the watcher knows (names, running module or backward node, producers) into the
+        error."""
         namer = self._namer(sys._getframe())
         node = torch._C._current_autograd_node() if phase == "backward" else None
         if phase == "backward":

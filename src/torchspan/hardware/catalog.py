@@ -44,7 +44,18 @@ import torch
 
 from .device import Device
 
-__all__ = ["Entry", "ENTRIES", "names", "lookup", "entry", "match_name", "with_figures", "flops_for", "HostSpeed", "measure_host"]
+__all__ = [
+    "Entry",
+    "ENTRIES",
+    "names",
+    "lookup",
+    "entry",
+    "match_name",
+    "with_figures",
+    "flops_for",
+    "HostSpeed",
+    "measure_host",
+]
 
 GIB = 2**30
 TERA = 1e12
@@ -81,7 +92,9 @@ class Entry:
 
     @property
     def host_bandwidth(self) -> float:
-        return _PCIE[self.host_link] if self.host_link in _PCIE else float(self.extra.get("host_bandwidth", 0.0))
+        return (
+            _PCIE[self.host_link] if self.host_link in _PCIE else float(self.extra.get("host_bandwidth", 0.0))
+        )
 
     def device(self) -> Device:
         """A fresh described ``Device`` for this entry (CUDA index left for ``devices()`` to number)."""
@@ -119,67 +132,131 @@ def _t(fp32: float, tf32: float, bf16: float, fp16: float) -> dict[str, float]:
 
 ENTRIES: tuple[Entry, ...] = (
     Entry(
-        "h100-80gb", "NVIDIA H100 80GB SXM5", "cuda", 80, "HBM3", 3350 * GIGA,
-        _t(67, 494.7, 989.4, 989.4), "PCIe Gen5 x16",
-        "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column; tensor figures halved to remove 2:4 sparsity)",
+        "h100-80gb",
+        "NVIDIA H100 80GB SXM5",
+        "cuda",
+        80,
+        "HBM3",
+        3350 * GIGA,
+        _t(67, 494.7, 989.4, 989.4),
+        "PCIe Gen5 x16",
+        "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column; tensor figures halved to remove 2:4 "
+        "sparsity)",
         aliases=("h100", "h100-sxm", "h100-sxm5", "h100-80gb-sxm"),
         notes="NVLink 900 GB/s between GPUs is not modelled; transfers use the host link",
     ),
     Entry(
-        "h100-pcie", "NVIDIA H100 80GB PCIe", "cuda", 80, "HBM2e", 2000 * GIGA,
-        _t(51, 378, 756, 756), "PCIe Gen5 x16",
-        "NVIDIA H100 Tensor Core GPU datasheet (H100 PCIe column; tensor figures halved to remove 2:4 sparsity)",
+        "h100-pcie",
+        "NVIDIA H100 80GB PCIe",
+        "cuda",
+        80,
+        "HBM2e",
+        2000 * GIGA,
+        _t(51, 378, 756, 756),
+        "PCIe Gen5 x16",
+        "NVIDIA H100 Tensor Core GPU datasheet (H100 PCIe column; tensor figures halved to remove 2:4 "
+        "sparsity)",
         aliases=("h100-80gb-pcie",),
     ),
     Entry(
-        "a100-40gb", "NVIDIA A100 40GB SXM4", "cuda", 40, "HBM2", 1555 * GIGA,
-        _t(19.5, 156, 312, 312), "PCIe Gen4 x16",
+        "a100-40gb",
+        "NVIDIA A100 40GB SXM4",
+        "cuda",
+        40,
+        "HBM2",
+        1555 * GIGA,
+        _t(19.5, 156, 312, 312),
+        "PCIe Gen4 x16",
         "NVIDIA A100 Tensor Core GPU datasheet (A100 40GB column; dense figures)",
         aliases=("a100-40g", "a100-sxm4-40gb"),
     ),
     Entry(
-        "a100-80gb", "NVIDIA A100 80GB SXM4", "cuda", 80, "HBM2e", 2039 * GIGA,
-        _t(19.5, 156, 312, 312), "PCIe Gen4 x16",
+        "a100-80gb",
+        "NVIDIA A100 80GB SXM4",
+        "cuda",
+        80,
+        "HBM2e",
+        2039 * GIGA,
+        _t(19.5, 156, 312, 312),
+        "PCIe Gen4 x16",
         "NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM column; dense figures)",
         aliases=("a100-80g", "a100-sxm4-80gb"),
     ),
     Entry(
-        "v100-16gb", "NVIDIA V100 16GB SXM2", "cuda", 16, "HBM2", 900 * GIGA,
-        _t(15.7, 15.7, 15.7, 125), "PCIe Gen3 x16",
+        "v100-16gb",
+        "NVIDIA V100 16GB SXM2",
+        "cuda",
+        16,
+        "HBM2",
+        900 * GIGA,
+        _t(15.7, 15.7, 15.7, 125),
+        "PCIe Gen3 x16",
         "NVIDIA Tesla V100 datasheet (V100 SXM2 column)",
         aliases=("v100-16g", "v100-sxm2-16gb"),
         notes="no TF32 or BF16 tensor cores: those precisions run at the FP32 rate here (an assumption)",
     ),
     Entry(
-        "v100-32gb", "NVIDIA V100 32GB SXM2", "cuda", 32, "HBM2", 900 * GIGA,
-        _t(15.7, 15.7, 15.7, 125), "PCIe Gen3 x16",
+        "v100-32gb",
+        "NVIDIA V100 32GB SXM2",
+        "cuda",
+        32,
+        "HBM2",
+        900 * GIGA,
+        _t(15.7, 15.7, 15.7, 125),
+        "PCIe Gen3 x16",
         "NVIDIA Tesla V100 datasheet (V100 SXM2 column)",
         aliases=("v100-32g", "v100-sxm2-32gb"),
         notes="no TF32 or BF16 tensor cores: those precisions run at the FP32 rate here (an assumption)",
     ),
     Entry(
-        "l4", "NVIDIA L4 24GB", "cuda", 24, "GDDR6", 300 * GIGA,
-        _t(30.3, 60, 121, 121), "PCIe Gen4 x16",
+        "l4",
+        "NVIDIA L4 24GB",
+        "cuda",
+        24,
+        "GDDR6",
+        300 * GIGA,
+        _t(30.3, 60, 121, 121),
+        "PCIe Gen4 x16",
         "NVIDIA L4 Tensor Core GPU datasheet (tensor figures halved to remove 2:4 sparsity)",
         aliases=("l4-24gb", "nvidia-l4"),
     ),
     Entry(
-        "t4", "NVIDIA T4 16GB", "cuda", 16, "GDDR6", 320 * GIGA,
-        _t(8.1, 8.1, 8.1, 65), "PCIe Gen3 x16",
+        "t4",
+        "NVIDIA T4 16GB",
+        "cuda",
+        16,
+        "GDDR6",
+        320 * GIGA,
+        _t(8.1, 8.1, 8.1, 65),
+        "PCIe Gen3 x16",
         "NVIDIA T4 Tensor Core GPU datasheet (FP16 figure is mixed FP16/FP32 tensor)",
         aliases=("t4-16gb", "tesla-t4"),
         notes="no TF32 or BF16 tensor cores: those precisions run at the FP32 rate here (an assumption)",
     ),
     Entry(
-        "rtx-4090", "NVIDIA GeForce RTX 4090 24GB", "cuda", 24, "GDDR6X", 1008 * GIGA,
-        _t(82.6, 82.6, 165.2, 165.2), "PCIe Gen4 x16",
-        "NVIDIA Ada GPU Architecture whitepaper, appendix (GeForce RTX 4090; tensor FP16/BF16 with FP32 accumulate, dense)",
+        "rtx-4090",
+        "NVIDIA GeForce RTX 4090 24GB",
+        "cuda",
+        24,
+        "GDDR6X",
+        1008 * GIGA,
+        _t(82.6, 82.6, 165.2, 165.2),
+        "PCIe Gen4 x16",
+        "NVIDIA Ada GPU Architecture whitepaper, appendix (GeForce RTX 4090; tensor FP16/BF16 with FP32 "
+        "accumulate, dense)",
         aliases=("rtx4090", "4090", "geforce-rtx-4090"),
     ),
     Entry(
-        "generic-cpu", "generic 16-core AVX2 server CPU, 64 GiB", "cpu", 64, "DDR4-3200 (4 channels)", 102.4 * GIGA,
-        _t(1.28, 1.28, 1.28, 1.28), "PCIe Gen4 x16",
-        "torchspan nominal figures: 16 cores x 2.5 GHz x 2 FMA units x 8 FP32 lanes x 2 FLOP; 4 x 25.6 GB/s DDR4-3200",
+        "generic-cpu",
+        "generic 16-core AVX2 server CPU, 64 GiB",
+        "cpu",
+        64,
+        "DDR4-3200 (4 channels)",
+        102.4 * GIGA,
+        _t(1.28, 1.28, 1.28, 1.28),
+        "PCIe Gen4 x16",
+        "torchspan nominal figures: 16 cores x 2.5 GHz x 2 FMA units x 8 FP32 lanes x 2 FLOP; 4 x 25.6 "
+        "GB/s DDR4-3200",
         aliases=("cpu-generic", "server-cpu"),
         notes="a stand-in for a CPU you do not have; the CPU you do have is measured instead ('cpu')",
     ),
@@ -273,7 +350,12 @@ def with_figures(device: Device) -> Device:
         return device
     described = found.device()
     extra = {**described.extra, **device.extra}
-    return dataclasses.replace(device, peak_flops=described.peak_flops, host_bandwidth=device.host_bandwidth or described.host_bandwidth, extra=extra)
+    return dataclasses.replace(
+        device,
+        peak_flops=described.peak_flops,
+        host_bandwidth=device.host_bandwidth or described.host_bandwidth,
+        extra=extra,
+    )
 
 
 _DTYPE_PRECISION = {
@@ -324,7 +406,7 @@ class HostSpeed:
     method: str
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _measure_host(threads: int) -> HostSpeed:
     n = 512
     gen = torch.Generator().manual_seed(0)  # a private generator: the caller's random state stays as it was
@@ -357,7 +439,8 @@ def _measure_host(threads: int) -> HostSpeed:
         memory_bandwidth=2 * src.numel() * src.element_size() / t_copy,
         op_overhead=t_op,
         threads=threads,
-        method=f"measured: median of 7 float32 {n}x{n} matmuls, 7 copies of 32 MiB, 200 tiny adds; {threads} thread(s)",
+        method=f"measured: median of 7 float32 {n}x{n} matmuls, 7 copies of 32 MiB, 200 tiny adds; {threads} "
+        "thread(s)",
     )
 
 

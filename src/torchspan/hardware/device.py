@@ -40,12 +40,15 @@ def parse_memory(value: int | float | str, *, name: str = "memory") -> int:
     Raises ``ValueError`` naming ``name`` for negative or unparseable values.
     """
     if isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} is not a memory size; use bytes (e.g. 1073741824) or a string like '1GiB'")
+        raise ValueError(
+            f"{name}={value!r} is not a memory size; use bytes (e.g. 1073741824) or a string like '1GiB'"
+        )
     if isinstance(value, (int, float)):
         return _whole_bytes(value, value, name)
     if not isinstance(value, str):
         raise ValueError(
-            f"{name}={value!r} ({type(value).__name__}) is not a memory size; use an int of bytes or a string like '10GiB'"
+            f"{name}={value!r} ({type(value).__name__}) is not a memory size; use an int of bytes or a "
+            "string like '10GiB'"
         )
     text = value.strip()
     if text.startswith("-"):
@@ -65,15 +68,16 @@ _MAX_BYTES = 2**60
 
 
 def _whole_bytes(amount: int | float, value: int | float | str, name: str) -> int:
-    """``amount`` bytes as an int; NaN, infinities, negatives and sizes over 1 EiB raise ``ValueError`` naming ``name``."""
+    """``amount`` bytes as an int; NaN, infinities, negatives and sizes over 1 EiB raise ``ValueError`` naming
+    ``name``."""
     if isinstance(amount, float) and math.isnan(amount):
         raise ValueError(f"{name}={value!r} is not a number; give a size in bytes or a string like '80GiB'")
     if amount < 0:
         raise ValueError(f"{name}={value!r} is negative; a memory size must be >= 0 bytes")
     if amount > _MAX_BYTES:
         raise ValueError(
-            f"{name}={value!r} is {'infinite' if math.isinf(amount) else 'over 1 EiB'}; give a finite size such as '80GiB' "
-            "(leave the budget out to use the device's free memory)"
+            f"{name}={value!r} is {'infinite' if math.isinf(amount) else 'over 1 EiB'}; give a finite size "
+            "such as '80GiB' (leave the budget out to use the device's free memory)"
         )
     return int(amount)
 

@@ -93,7 +93,9 @@ def _cpu_memory() -> tuple[int | None, int | None]:
 def _describe_found(dev: torch.device) -> Device:
     if dev.type == "cpu":
         total, free = _cpu_memory()
-        return Device(torch.device("cpu"), f"{_cpu_name()} ({os.cpu_count()} cores)", total, free, physical="cpu")
+        return Device(
+            torch.device("cpu"), f"{_cpu_name()} ({os.cpu_count()} cores)", total, free, physical="cpu"
+        )
     if dev.type == "cuda":
         idx = dev.index or 0
         props = torch.cuda.get_device_properties(idx)
@@ -154,7 +156,9 @@ def resolve_device(device: str | int | torch.device | Device, *, name: str = "de
                 f"(visible here: {_visible_summary()})"
             ) from None
     else:
-        raise ValueError(f"{name}={device!r} ({type(device).__name__}) is not a device; use a string, int or torch.device")
+        raise ValueError(
+            f"{name}={device!r} ({type(device).__name__}) is not a device; use a string, int or torch.device"
+        )
 
     if dev.type in ("cpu", "meta"):
         return torch.device(dev.type)
@@ -163,7 +167,11 @@ def resolve_device(device: str | int | torch.device | Device, *, name: str = "de
         cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
         cvd_note = f" (CUDA_VISIBLE_DEVICES={cvd!r})" if cvd is not None else ""
         if n == 0:
-            why = "this PyTorch build has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
+            why = (
+                "this PyTorch build has no CUDA support"
+                if torch.version.cuda is None
+                else "no CUDA GPU is visible"
+            )
             raise ValueError(
                 f"{name}={str(device)!r}: {why}{cvd_note}. Visible devices: {_visible_summary()}. "
                 "Use 'cpu' (or 'auto' to take whatever is present), or run on a machine with a GPU."
@@ -172,14 +180,15 @@ def resolve_device(device: str | int | torch.device | Device, *, name: str = "de
         if idx >= n:
             listed = ", ".join(f"cuda:{i}" for i in range(n))
             raise ValueError(
-                f"{name}={str(device)!r} does not exist: {n} CUDA device(s) are visible ({listed}){cvd_note}. "
-                f"Pick one of them, or make the GPU visible with CUDA_VISIBLE_DEVICES."
+                f"{name}={str(device)!r} does not exist: {n} CUDA device(s) are visible "
+                f"({listed}){cvd_note}. Pick one of them, or make the GPU visible with CUDA_VISIBLE_DEVICES."
             )
         return torch.device("cuda", idx)
     if dev.type == "mps":
         if not _mps_available():
             raise ValueError(
-                f"{name}={str(device)!r}: MPS (Apple GPU) is not available here. Visible devices: {_visible_summary()}."
+                f"{name}={str(device)!r}: MPS (Apple GPU) is not available here. Visible devices: "
+                f"{_visible_summary()}."
             )
         return torch.device("mps")
     raise ValueError(
@@ -200,7 +209,9 @@ def _split_spec(spec: str) -> list[str]:
     for raw in spec.split(","):
         tok = raw.strip()
         if not tok:
-            raise ValueError(f"devices={spec!r} has an empty entry; separate devices with single commas, e.g. 'cuda:0,cpu'")
+            raise ValueError(
+                f"devices={spec!r} has an empty entry; separate devices with single commas, e.g. 'cuda:0,cpu'"
+            )
         count = 1
         m = _REPEAT_RE.match(tok)
         if m:
@@ -209,8 +220,9 @@ def _split_spec(spec: str) -> list[str]:
                 raise ValueError(f"devices={spec!r}: repeat count in {raw.strip()!r} must be >= 1")
         if len(tokens) + count > MAX_DEVICES:
             raise ValueError(
-                f"devices={spec!r} lists {len(tokens) + count} or more devices; at most {MAX_DEVICES} fit one spec "
-                f"(torch.device indices end at cuda:{MAX_DEVICES - 1}); lower the repeat count, e.g. '{tok}*8'"
+                f"devices={spec!r} lists {len(tokens) + count} or more devices; at most {MAX_DEVICES} fit "
+                f"one spec (torch.device indices end at cuda:{MAX_DEVICES - 1}); lower the repeat count, "
+                f"e.g. '{tok}*8'"
             )
         if tok.isdigit():
             if last_type != "cuda":
@@ -245,8 +257,9 @@ def _expand(item: str | int | torch.device | Device, spec_repr: str) -> list[Dev
             if described is not None:
                 return [described]
             raise ValueError(
-                f"devices={spec_repr}: unknown device {item!r}. Use 'auto', 'cpu', 'cuda', 'cuda:N', 'mps', 'meta', "
-                f"a catalog name ({', '.join(catalog.names())}), or a comma list; visible here: {_visible_summary()}"
+                f"devices={spec_repr}: unknown device {item!r}. Use 'auto', 'cpu', 'cuda', 'cuda:N', "
+                f"'mps', 'meta', a catalog name ({', '.join(catalog.names())}), or a comma list; visible "
+                f"here: {_visible_summary()}"
             )
     return [_describe_found(resolve_device(item, name="devices"))]
 
@@ -265,8 +278,8 @@ def _number_described(found: list[Device]) -> None:
                 nxt += 1
             if nxt >= MAX_DEVICES:
                 raise ValueError(
-                    f"devices: a described {d.name} would need index cuda:{nxt}, past cuda:{MAX_DEVICES - 1}, the last index "
-                    "torch.device can name; list fewer described GPUs"
+                    f"devices: a described {d.name} would need index cuda:{nxt}, past "
+                    f"cuda:{MAX_DEVICES - 1}, the last index torch.device can name; list fewer described GPUs"
                 )
             d.device = torch.device("cuda", nxt)
             used.add(nxt)
@@ -302,13 +315,18 @@ def devices(
         if not items:
             raise ValueError("devices=[] is empty; name at least one device, e.g. ['cpu']")
     else:
-        raise ValueError(f"devices={spec_repr} ({type(spec).__name__}) is not a device spec; use a string or a list")
+        raise ValueError(
+            f"devices={spec_repr} ({type(spec).__name__}) is not a device spec; use a string or a list"
+        )
 
     found: list[Device] = []
     for item in items:
         found.extend(_expand(item, spec_repr))
     if len(found) > MAX_DEVICES:
-        raise ValueError(f"devices={spec_repr} gives {len(found)} devices; at most {MAX_DEVICES} fit one list (torch.device indices end at cuda:{MAX_DEVICES - 1})")
+        raise ValueError(
+            f"devices={spec_repr} gives {len(found)} devices; at most {MAX_DEVICES} fit one list "
+            f"(torch.device indices end at cuda:{MAX_DEVICES - 1})"
+        )
     _number_described(found)
     if memory:
         _apply_budgets(found, memory)
@@ -316,7 +334,8 @@ def devices(
 
 
 def budget_key(key: str | torch.device | int) -> str:
-    """The device name a memory budget key stands for: ``0`` and ``"cuda"`` -> ``"cuda:0"``, ``" CPU "`` -> ``"cpu"``."""
+    """The device name a memory budget key stands for: ``0`` and ``"cuda"`` -> ``"cuda:0"``, ``" CPU "`` ->
+    ``"cpu"``."""
     if isinstance(key, int) and not isinstance(key, bool):
         return f"cuda:{key}"
     k = str(key).strip().lower()
@@ -334,7 +353,8 @@ def _apply_budgets(found: list[Device], memory: Mapping[str, int | float | str])
         if k not in names:
             raise ValueError(
                 f"memory[{key!r}]={value!r} names a device that is not in the device list "
-                f"({', '.join(sorted(names))}); give budgets only for listed devices, or add {key!r} to the devices"
+                f"({', '.join(sorted(names))}); give budgets only for listed devices, or add {key!r} to "
+                "the devices"
             )
         nbytes = parse_memory(value, name=f"memory[{key!r}]")
         for d in found:

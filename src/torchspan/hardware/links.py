@@ -28,7 +28,16 @@ from dataclasses import dataclass
 
 from .device import Device
 
-__all__ = ["Link", "LINKS", "NVLINK_BY_DEVICE", "names", "lookup", "default_intra", "default_interconnect", "calibrated"]
+__all__ = [
+    "Link",
+    "LINKS",
+    "NVLINK_BY_DEVICE",
+    "names",
+    "lookup",
+    "default_intra",
+    "default_interconnect",
+    "calibrated",
+]
 
 GIGA = 1e9
 MICRO = 1e-6
@@ -36,7 +45,8 @@ MICRO = 1e-6
 
 @dataclass(frozen=True)
 class Link:
-    """One kind of link: one-direction bytes/s per device, achievable fraction, per-message latency, sources."""
+    """One kind of link: one-direction bytes/s per device, achievable fraction, per-message latency,
+    sources."""
 
     key: str
     name: str
@@ -61,7 +71,9 @@ class Link:
 
     def short(self) -> str:
         """``'ib-400g (50 GB/s x 0.9, 3 us)'``: the figures without their sources."""
-        return f"{self.key} ({self.bandwidth / GIGA:g} GB/s x {self.efficiency:g}, {self.latency / MICRO:g} us)"
+        return (
+            f"{self.key} ({self.bandwidth / GIGA:g} GB/s x {self.efficiency:g}, {self.latency / MICRO:g} us)"
+        )
 
     def describe(self) -> str:
         return (
@@ -74,33 +86,94 @@ _NV_LATENCY = "latency: assumption, the order of NCCL's small-message step time 
 _NET_LATENCY = "latency: assumption, port latency plus NCCL/gloo software per message"
 
 LINKS: tuple[Link, ...] = (
-    Link("nvlink2", "NVLink 2 (V100 SXM2)", 150 * GIGA, 5 * MICRO, 0.8,
-         f"NVIDIA Tesla V100 datasheet: NVLink 300 GB/s (both directions); {_NV_LATENCY}"),
-    Link("nvlink3", "NVLink 3 (A100 SXM4)", 300 * GIGA, 5 * MICRO, 0.8,
-         f"NVIDIA A100 Tensor Core GPU datasheet: NVLink 600 GB/s (both directions); {_NV_LATENCY}"),
-    Link("nvlink4", "NVLink 4 (H100 SXM5)", 450 * GIGA, 5 * MICRO, 0.8,
-         f"NVIDIA H100 Tensor Core GPU datasheet: NVLink 900 GB/s (both directions); {_NV_LATENCY}"),
-    Link("pcie4", "PCIe Gen4 x16", 32 * GIGA, 10 * MICRO, 0.8,
-         "PCI-SIG PCIe 4.0: 16 GT/s x 16 lanes, 128b/130b = 31.5 GB/s per direction; latency: assumption "
-         "(GPU-to-GPU through the host bridge)"),
-    Link("pcie5", "PCIe Gen5 x16", 64 * GIGA, 10 * MICRO, 0.8,
-         "PCI-SIG PCIe 5.0: 32 GT/s x 16 lanes, 128b/130b = 63 GB/s per direction; latency: assumption "
-         "(GPU-to-GPU through the host bridge)"),
-    Link("ib-200g", "InfiniBand HDR 200 Gb/s", 25 * GIGA, 3 * MICRO, 0.9,
-         f"NVIDIA ConnectX-6 VPI product brief: 200 Gb/s per port, sub-600 ns port latency; {_NET_LATENCY}"),
-    Link("ib-400g", "InfiniBand NDR 400 Gb/s", 50 * GIGA, 3 * MICRO, 0.9,
-         f"NVIDIA ConnectX-7 product brief: 400 Gb/s per port (DGX H100: one per GPU); {_NET_LATENCY}"),
-    Link("eth-25g", "Ethernet 25 Gb/s (TCP)", 3.125 * GIGA, 30 * MICRO, 0.9,
-         f"IEEE 802.3by 25GBASE: 25 Gb/s per direction; {_NET_LATENCY} (TCP stack: tens of us)"),
-    Link("eth-100g", "Ethernet 100 Gb/s (TCP)", 12.5 * GIGA, 20 * MICRO, 0.9,
-         f"IEEE 802.3ba/bj 100GBASE: 100 Gb/s per direction; {_NET_LATENCY} (TCP stack: tens of us)"),
+    Link(
+        "nvlink2",
+        "NVLink 2 (V100 SXM2)",
+        150 * GIGA,
+        5 * MICRO,
+        0.8,
+        f"NVIDIA Tesla V100 datasheet: NVLink 300 GB/s (both directions); {_NV_LATENCY}",
+    ),
+    Link(
+        "nvlink3",
+        "NVLink 3 (A100 SXM4)",
+        300 * GIGA,
+        5 * MICRO,
+        0.8,
+        f"NVIDIA A100 Tensor Core GPU datasheet: NVLink 600 GB/s (both directions); {_NV_LATENCY}",
+    ),
+    Link(
+        "nvlink4",
+        "NVLink 4 (H100 SXM5)",
+        450 * GIGA,
+        5 * MICRO,
+        0.8,
+        f"NVIDIA H100 Tensor Core GPU datasheet: NVLink 900 GB/s (both directions); {_NV_LATENCY}",
+    ),
+    Link(
+        "pcie4",
+        "PCIe Gen4 x16",
+        32 * GIGA,
+        10 * MICRO,
+        0.8,
+        "PCI-SIG PCIe 4.0: 16 GT/s x 16 lanes, 128b/130b = 31.5 GB/s per direction; latency: assumption "
+        "(GPU-to-GPU through the host bridge)",
+    ),
+    Link(
+        "pcie5",
+        "PCIe Gen5 x16",
+        64 * GIGA,
+        10 * MICRO,
+        0.8,
+        "PCI-SIG PCIe 5.0: 32 GT/s x 16 lanes, 128b/130b = 63 GB/s per direction; latency: assumption "
+        "(GPU-to-GPU through the host bridge)",
+    ),
+    Link(
+        "ib-200g",
+        "InfiniBand HDR 200 Gb/s",
+        25 * GIGA,
+        3 * MICRO,
+        0.9,
+        f"NVIDIA ConnectX-6 VPI product brief: 200 Gb/s per port, sub-600 ns port latency; {_NET_LATENCY}",
+    ),
+    Link(
+        "ib-400g",
+        "InfiniBand NDR 400 Gb/s",
+        50 * GIGA,
+        3 * MICRO,
+        0.9,
+        f"NVIDIA ConnectX-7 product brief: 400 Gb/s per port (DGX H100: one per GPU); {_NET_LATENCY}",
+    ),
+    Link(
+        "eth-25g",
+        "Ethernet 25 Gb/s (TCP)",
+        3.125 * GIGA,
+        30 * MICRO,
+        0.9,
+        f"IEEE 802.3by 25GBASE: 25 Gb/s per direction; {_NET_LATENCY} (TCP stack: tens of us)",
+    ),
+    Link(
+        "eth-100g",
+        "Ethernet 100 Gb/s (TCP)",
+        12.5 * GIGA,
+        20 * MICRO,
+        0.9,
+        f"IEEE 802.3ba/bj 100GBASE: 100 Gb/s per direction; {_NET_LATENCY} (TCP stack: tens of us)",
+    ),
     # Calibrated, not quoted: benchmarks/plan_cluster.py fits latency and bandwidth to all-reduces of
     # 4 KiB .. 16 MiB over 2 gloo processes on 127.0.0.1 (relative least squares on the ring formula
     # of planner.comm), on the 2-core shared CPU of the machine that wrote benchmarks/RESULTS.md,
     # while other jobs loaded it (load average ~10): a pessimistic, noisy figure.
-    Link("loopback", "gloo over TCP on 127.0.0.1 (CPU processes on one machine)", 0.82 * GIGA, 275 * MICRO, 1.0,
-         "calibrated: benchmarks/plan_cluster.py, 2 gloo processes, 2-core shared CPU (see benchmarks/RESULTS.md)",
-         notes="a measurement of one busy machine; re-run the benchmark to calibrate yours"),
+    Link(
+        "loopback",
+        "gloo over TCP on 127.0.0.1 (CPU processes on one machine)",
+        0.82 * GIGA,
+        275 * MICRO,
+        1.0,
+        "calibrated: benchmarks/plan_cluster.py, 2 gloo processes, 2-core shared CPU (see "
+        "benchmarks/RESULTS.md)",
+        notes="a measurement of one busy machine; re-run the benchmark to calibrate yours",
+    ),
 )
 
 # the NVLink generation of each catalog GPU that has one (SXM parts); others have none
@@ -112,8 +185,15 @@ NVLINK_BY_DEVICE: dict[str, str] = {
     "v100-32gb": "nvlink2",
 }
 _HOST_LINK = {"PCIe Gen4 x16": "pcie4", "PCIe Gen5 x16": "pcie5"}
-_ALIASES = {"gloo-cpu": "loopback", "gloo": "loopback", "localhost": "loopback", "ib-hdr": "ib-200g",
-            "ib-ndr": "ib-400g", "pcie-gen4": "pcie4", "pcie-gen5": "pcie5"}  # fmt: skip
+_ALIASES = {
+    "gloo-cpu": "loopback",
+    "gloo": "loopback",
+    "localhost": "loopback",
+    "ib-hdr": "ib-200g",
+    "ib-ndr": "ib-400g",
+    "pcie-gen4": "pcie4",
+    "pcie-gen5": "pcie5",
+}
 
 
 def names() -> list[str]:
@@ -129,7 +209,8 @@ def _catalog_key(device: Device | None) -> str | None:
 
 
 def lookup(name: str, device: Device | None = None) -> Link:
-    """The link called ``name`` (``"nvlink"``: ``device``'s generation). Raises ``ValueError`` naming the choices."""
+    """The link called ``name`` (``"nvlink"``: ``device``'s generation). Raises ``ValueError`` naming the
+    choices."""
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"link {name!r} must be one of nvlink, {', '.join(names())}")
     key = name.strip().lower().replace("_", "-")
@@ -139,8 +220,9 @@ def lookup(name: str, device: Device | None = None) -> Link:
         if gen is None:
             what = "an unnamed device" if device is None else f"{device.name}"
             raise ValueError(
-                f"link 'nvlink' has no generation for {what}; name one ({', '.join(sorted(set(NVLINK_BY_DEVICE.values())))}) "
-                f"or use pcie4/pcie5 for GPUs without NVLink"
+                f"link 'nvlink' has no generation for {what}; name one "
+                f"({', '.join(sorted(set(NVLINK_BY_DEVICE.values())))}) or use pcie4/pcie5 for GPUs "
+                "without NVLink"
             )
         key = gen
     for link in LINKS:

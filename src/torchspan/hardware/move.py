@@ -98,8 +98,10 @@ def _to(obj: Any, dev: torch.device, non_blocking: bool) -> Any:
     if isinstance(obj, torch.Generator):
         if obj.device != dev:
             raise ValueError(
-                f"to_device got a torch.Generator on {obj.device}, which cannot move to {dev}: its state belongs to its device; "
-                f"make one there, e.g. torch.Generator(device={str(dev)!r}).manual_seed(seed), and leave the generator out of what you move"
+                f"to_device got a torch.Generator on {obj.device}, which cannot move to {dev}: its state "
+                "belongs to its device; make one there, e.g. "
+                f"torch.Generator(device={str(dev)!r}).manual_seed(seed), and leave the generator out of "
+                "what you move"
             )
         return obj
     if _is_namedtuple(obj):

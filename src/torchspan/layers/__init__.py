@@ -11,7 +11,15 @@ Usage: ``from torchspan.layers import model_layers, find_ties``.
 """
 
 from .blocks import Layer, LayerSet, RootTensor, find_layers, param_layers
-from .discovery import descends, execution_order, model_layers, module_entries, record_forward, top_level_layers, top_level_modules
+from .discovery import (
+    descends,
+    execution_order,
+    model_layers,
+    module_entries,
+    record_forward,
+    top_level_layers,
+    top_level_modules,
+)
 from .fxsplit import (
     MODES,
     LayerTracer,

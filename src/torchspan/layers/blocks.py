@@ -148,12 +148,16 @@ def _under(name: str, ancestor: str) -> bool:
 
 def _keep_whole(mod: nn.Module, no_split: tuple[Any, ...]) -> bool:
     for cls in no_split:
-        if (isinstance(cls, str) and type(mod).__name__ == cls) or (isinstance(cls, type) and isinstance(mod, cls)):
+        if (isinstance(cls, str) and type(mod).__name__ == cls) or (
+            isinstance(cls, type) and isinstance(mod, cls)
+        ):
             return True
     return False
 
 
-def _check_options(model: nn.Module, split_points: Iterable[str] | None, no_split: Iterable[Any] | None) -> tuple[list[str], tuple[Any, ...]]:
+def _check_options(
+    model: nn.Module, split_points: Iterable[str] | None, no_split: Iterable[Any] | None
+) -> tuple[list[str], tuple[Any, ...]]:
     names = [n for n, _ in model.named_modules(remove_duplicate=False)]
     points = [split_points] if isinstance(split_points, str) else list(split_points or [])
     for p in points:
@@ -161,12 +165,16 @@ def _check_options(model: nn.Module, split_points: Iterable[str] | None, no_spli
             close = difflib.get_close_matches(str(p), names, n=3)
             raise ValueError(
                 f"split_points entry {p!r} is not the qualified name of a module of {type(model).__name__}; "
-                f"use names from model.named_modules(){', e.g. ' + ', '.join(map(repr, close)) if close else ''}"
+                "use names from "
+                f"model.named_modules(){', e.g. ' + ', '.join(map(repr, close)) if close else ''}"
             )
     kinds = tuple([no_split] if isinstance(no_split, (str, type)) else (no_split or []))
     for cls in kinds:
         if not (isinstance(cls, str) or (isinstance(cls, type) and issubclass(cls, nn.Module))):
-            raise TypeError(f"no_split entries must be nn.Module subclasses or class names, got {cls!r}; e.g. no_split=[GPT2Block]")
+            raise TypeError(
+                f"no_split entries must be nn.Module subclasses or class names, got {cls!r}; e.g. "
+                "no_split=[GPT2Block]"
+            )
     return points, kinds
 
 
@@ -180,7 +188,9 @@ class _Picker:
         self.descended: dict[str, nn.Module] = {}
         self.merged: dict[int, str] = {}
         self.skipped: list[str] = []
-        self.reused: set[int] = set()  # layers called several times that no module short of the model encloses
+        self.reused: set[int] = (
+            set()
+        )  # layers called several times that no module short of the model encloses
         self.visit("", model, False)
 
     def visit(self, name: str, mod: nn.Module, in_container: bool) -> None:
@@ -190,14 +200,18 @@ class _Picker:
         if whole and split_inside:
             inner = [p for p in self.points if p.startswith(name + ".")]
             raise ValueError(
-                f"split_points {inner} lie inside {name!r} ({type(mod).__name__}), a class listed in no_split; "
-                "drop one of the two"
+                f"split_points {inner} lie inside {name!r} ({type(mod).__name__}), a class listed in "
+                "no_split; drop one of the two"
             )
         bypassed = not self.trace.ran(mod) and any(self.trace.ran(m) for m in mod.modules())
         descend = mod is self.model or (
             not whole
             and bool(children)
-            and (split_inside or bypassed or (not in_container and any(_is_block_container(m) for m in mod.modules())))
+            and (
+                split_inside
+                or bypassed
+                or (not in_container and any(_is_block_container(m) for m in mod.modules()))
+            )
         )
         if not descend:
             self.layers.setdefault(id(mod), []).append(name)
@@ -244,16 +258,27 @@ class _Picker:
             enc = self.layer_call(i, strict=True)
             enc_id = id(t.calls[enc].module) if enc >= 0 else None
             if mid in self.layers and enc_id is not None and enc_id != mid:
-                return [mid, enc_id], [i, enc], f"{self.layers[mid][0]!r} is called inside {self.layers[enc_id][0]!r}"
+                return (
+                    [mid, enc_id],
+                    [i, enc],
+                    f"{self.layers[mid][0]!r} is called inside {self.layers[enc_id][0]!r}",
+                )
             if mid not in self.layers and enc_id not in owners[mid]:
                 where = f"inside {self.layers[enc_id][0]!r}" if enc_id is not None else "outside every layer"
-                inner = next(n for n, m in self.model.named_modules(remove_duplicate=False) if m is call.module)
+                inner = next(
+                    n for n, m in self.model.named_modules(remove_duplicate=False) if m is call.module
+                )
                 lids = owners[mid] + ([enc_id] if enc_id is not None else [])
-                return lids, [i] + ([enc] if enc >= 0 else []), f"{inner!r} (part of {self.layers[owners[mid][0]][0]!r}) is called {where}"
+                return (
+                    lids,
+                    [i] + ([enc] if enc >= 0 else []),
+                    f"{inner!r} (part of {self.layers[owners[mid][0]][0]!r}) is called {where}",
+                )
         return None
 
     def resolve(self, lids: list[int], calls: list[int], why: str) -> None:
-        """Drop a stateless layer, or merge the layers into their innermost ancestor that runs once around it all."""
+        """Drop a stateless layer, or merge the layers into their innermost ancestor that runs once around it
+        all."""
         for lid in lids:
             if not _stateful(self.modules[lid]):
                 self.skipped.extend(self.layers.pop(lid))
@@ -284,7 +309,8 @@ class _Picker:
         raise ValueError(
             f"{why}, and no module short of the whole model runs once around it, so it cannot be one "
             "layer of a pipeline. Give each use its own module (share the nn.Parameter instead: torchspan "
-            "keeps tied parameters in step), or pass no_split=[<the enclosing class>] / split_points to choose the blocks"
+            "keeps tied parameters in step), or pass no_split=[<the enclosing class>] / split_points to "
+            "choose the blocks"
         )
 
     def absorb(self, path: str, mod: nn.Module, why: str) -> None:
@@ -295,7 +321,9 @@ class _Picker:
             del self.descended[name]
         lost = [p for p in self.points if _under(p, path) and p != path]
         if lost:
-            raise ValueError(f"split_points {lost} cannot hold: {why}, so all of {path!r} must be one layer; drop them")
+            raise ValueError(
+                f"split_points {lost} cannot hold: {why}, so all of {path!r} must be one layer; drop them"
+            )
         self.layers[id(mod)] = [path]
         self.modules[id(mod)] = mod
         self.merged[id(mod)] = why
@@ -322,8 +350,9 @@ def find_layers(
     for p in points:
         if not any(p == names[0] for names in picker.layers.values()) and p not in picker.descended:
             raise ValueError(
-                f"split point {p!r} is not a layer boundary: it names a module that is not a layer (an alias of one, "
-                f"or a stateless module skipped: {picker.skipped}); name the module's first path in named_modules()"
+                f"split point {p!r} is not a layer boundary: it names a module that is not a layer (an "
+                f"alias of one, or a stateless module skipped: {picker.skipped}); name the module's first "
+                "path in named_modules()"
             )
 
     def start(lid: int) -> float:
@@ -352,8 +381,11 @@ def find_layers(
     return _annotate(model, trace, picker, layers)
 
 
-def _reader(trace: Trace, by_id: dict[int, Layer], starts: list[tuple[int, str]], call: int, clock: int | None) -> str | None:
-    """The innermost layer whose call encloses ``call``; with ``clock``, else the layer last started before it."""
+def _reader(
+    trace: Trace, by_id: dict[int, Layer], starts: list[tuple[int, str]], call: int, clock: int | None
+) -> str | None:
+    """The innermost layer whose call encloses ``call``; with ``clock``, else the layer last started before
+    it."""
     for c in trace.chain(call):
         layer = by_id.get(id(trace.calls[c].module))
         if layer is not None:
@@ -366,10 +398,14 @@ def _reader(trace: Trace, by_id: dict[int, Layer], starts: list[tuple[int, str]]
 
 def _annotate(model: nn.Module, trace: Trace, picker: _Picker, layers: list[Layer]) -> LayerSet:
     by_id = {id(layer.module): layer for layer in layers}
-    starts = sorted((trace.calls[c].start, layer.name) for layer in layers for c in trace.outer_calls(layer.module))
+    starts = sorted(
+        (trace.calls[c].start, layer.name) for layer in layers for c in trace.outer_calls(layer.module)
+    )
     roots = []
     for owner, mod in picker.descended.items():
-        tensors = [("parameter", n, t) for n, t in mod._parameters.items()] + [("buffer", n, t) for n, t in mod._buffers.items()]
+        tensors = [("parameter", n, t) for n, t in mod._parameters.items()] + [
+            ("buffer", n, t) for n, t in mod._buffers.items()
+        ]
         for kind, n, t in tensors:
             if t is None:
                 continue
@@ -382,7 +418,9 @@ def _annotate(model: nn.Module, trace: Trace, picker: _Picker, layers: list[Laye
             owners.setdefault(id(t), set()).add(layer.name)
     foreign = []
     for layer in layers:
-        named = list(layer.module.named_parameters(remove_duplicate=False)) + list(layer.module.named_buffers(remove_duplicate=False))
+        named = list(layer.module.named_parameters(remove_duplicate=False)) + list(
+            layer.module.named_buffers(remove_duplicate=False)
+        )
         for n, t in named:
             for call in sorted(trace.reads.get(id(t), ())):
                 reader = _reader(trace, by_id, starts, call, None)
@@ -393,7 +431,8 @@ def _annotate(model: nn.Module, trace: Trace, picker: _Picker, layers: list[Laye
 
 
 def param_layers(model: nn.Module, layers: Sequence[Layer], buffers: bool = False) -> dict[str, str]:
-    """Every qualified parameter name (tied aliases included; buffers too with ``buffers``) -> its layer's name.
+    """Every qualified parameter name (tied aliases included; buffers too with ``buffers``) -> its layer's
+    name.
 
     A name inside a layer maps to that layer; a root tensor (``LayerSet.roots``) to the layer that
     first reads it, or to the first layer when nothing reads it before any layer runs.
@@ -401,7 +440,9 @@ def param_layers(model: nn.Module, layers: Sequence[Layer], buffers: bool = Fals
     """
     if not layers:
         raise ValueError("layers is empty; pass the result of find_layers(model, *example_inputs)")
-    prefixes = sorted(((n, layer.name) for layer in layers for n in (layer.name, *layer.aliases)), key=lambda p: -len(p[0]))
+    prefixes = sorted(
+        ((n, layer.name) for layer in layers for n in (layer.name, *layer.aliases)), key=lambda p: -len(p[0])
+    )
     roots = {r.name: r.reader for r in getattr(layers, "roots", ())}
     first = min(layers, key=lambda layer: layer.index).name
     named = list(model.named_parameters(remove_duplicate=False))
@@ -411,6 +452,9 @@ def param_layers(model: nn.Module, layers: Sequence[Layer], buffers: bool = Fals
     for qname, _ in named:
         hit = next((lname for prefix, lname in prefixes if qname.startswith(prefix + ".")), None)
         if hit is None and qname not in roots and getattr(layers, "roots", None) is not None:
-            raise ValueError(f"parameter {qname!r} is in no layer and not a root tensor: these layers are not from this model")
+            raise ValueError(
+                f"parameter {qname!r} is in no layer and not a root tensor: these layers are not from this "
+                "model"
+            )
         out[qname] = hit if hit is not None else (roots.get(qname) or first)
     return out

@@ -101,7 +101,9 @@ def record_calls(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     The model's random state and buffers are left as they were. Raises whatever the forward raises.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}; pass the model object itself")
+        raise TypeError(
+            f"model must be an nn.Module, got {type(model).__name__}; pass the model object itself"
+        )
     trace = Trace()
     stack: list[int] = []
     clock = [0]

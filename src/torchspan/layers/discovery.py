@@ -21,21 +21,41 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from .blocks import Layer, LayerSet, RootTensor, _check_options, _is_block_container, _join, _Picker, find_layers
+from .blocks import (
+    Layer,
+    LayerSet,
+    RootTensor,
+    _check_options,
+    _is_block_container,
+    _join,
+    _Picker,
+    find_layers,
+)
 from .calltrace import Call, Trace
 
-__all__ = ["top_level_layers", "top_level_modules", "module_entries", "execution_order", "record_forward", "descends", "model_layers"]
+__all__ = [
+    "top_level_layers",
+    "top_level_modules",
+    "module_entries",
+    "execution_order",
+    "record_forward",
+    "descends",
+    "model_layers",
+]
 
 
 def top_level_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's top-level children, in registration order; a model without children is one layer, named ``""``.
+    """The model's top-level children, in registration order; a model without children is one layer, named
+    ``""``.
 
     An ``nn.Sequential`` gives every entry, each one a layer: one module object at two indices
     (``nn.Sequential(a, b, a)``) is called at both, so both are layers (``"0"`` and ``"2"``) that
     share its parameters (a tie). Other models give each child once (``named_children``).
     """
     children = list(model.named_children())
-    if isinstance(model, nn.Sequential) and len(children) < sum(m is not None for m in model._modules.values()):
+    if isinstance(model, nn.Sequential) and len(children) < sum(
+        m is not None for m in model._modules.values()
+    ):
         children = [(n, m) for n, m in model._modules.items() if m is not None]  # an entry repeats a module
     return children or [("", model)]
 
@@ -75,7 +95,8 @@ def execution_order(model: nn.Module, *args: Any, **kwargs: Any) -> list[str]:
 
 
 class _RootUses(TorchFunctionMode):
-    """Notes, for each tensor the model owns directly, which child had last started when an op first read it."""
+    """Notes, for each tensor the model owns directly, which child had last started when an op first read
+    it."""
 
     def __init__(self, owned: dict[int, str], last: list[str | None]) -> None:
         super().__init__()
@@ -92,7 +113,9 @@ class _RootUses(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def record_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[str], dict[str, str | None]]:
+def record_forward(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[list[str], dict[str, str | None]]:
     """One no-grad forward: the children in execution order, and for each parameter or buffer the
     model owns directly, the child that ran last before it was first read (``None``: before any).
 
@@ -102,10 +125,14 @@ def record_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     return order, uses
 
 
-def _record_children(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[str], dict[str, str | None], list[str]]:
+def _record_children(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[list[str], dict[str, str | None], list[str]]:
     """``record_forward``'s order and uses, and the child of every call in order (a child called twice
     appears twice; one called inside another child's call too)."""
-    owned = {id(t): n for n, t in list(model._parameters.items()) + list(model._buffers.items()) if t is not None}
+    owned = {
+        id(t): n for n, t in list(model._parameters.items()) + list(model._buffers.items()) if t is not None
+    }
     order: list[str] = []
     calls: list[str] = []
     last: list[str | None] = [None]
@@ -158,8 +185,11 @@ def _flat_layers(model: nn.Module, order: list[str], calls: list[str] | None = N
     return LayerSet(tuple(out), calls=tuple(calls))
 
 
-def descends(model: nn.Module, split_points: Iterable[str] | None = None, no_split: Iterable[Any] | None = None) -> bool:
-    """Whether ``model``'s layers are blocks below its top level (``find_layers``), not its top-level children.
+def descends(
+    model: nn.Module, split_points: Iterable[str] | None = None, no_split: Iterable[Any] | None = None
+) -> bool:
+    """Whether ``model``'s layers are blocks below its top level (``find_layers``), not its top-level
+    children.
 
     ``nn.Sequential`` models and models without a block container (``nn.ModuleList``/``nn.Sequential``
     holding parameters) below the top keep their top-level children, unless ``split_points`` or
@@ -214,7 +244,9 @@ def model_layers(
     Usage: ``model_layers(gpt2, (ids,), {"attention_mask": mask}).names()`` → ``["transformer.wte", ...]``.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}; pass the model object itself")
+        raise TypeError(
+            f"model must be an nn.Module, got {type(model).__name__}; pass the model object itself"
+        )
     kwargs = dict(kwargs or {})
     if descends(model, split_points, no_split):
         if args is None:
@@ -225,22 +257,38 @@ def model_layers(
             names = {names[0]: lid for lid, names in picker.layers.items()}
             mods = [(n, picker.modules[lid]) for n, lid in names.items()]
             layers = [
-                Layer(n, m, i, sum(p.numel() for p in m.parameters()), sum(p.numel() * p.element_size() for p in m.parameters()),
-                      sum(b.numel() * b.element_size() for b in m.buffers()), aliases=tuple(picker.layers[id(m)][1:]))
+                Layer(
+                    n,
+                    m,
+                    i,
+                    sum(p.numel() for p in m.parameters()),
+                    sum(p.numel() * p.element_size() for p in m.parameters()),
+                    sum(b.numel() * b.element_size() for b in m.buffers()),
+                    aliases=tuple(picker.layers[id(m)][1:]),
+                )
                 for i, (n, m) in enumerate(mods)
-            ]  # fmt: skip
-            roots = [RootTensor(_join(owner, n), kind, owner, None) for owner, mod in picker.descended.items()
-                     for kind, items in (("parameter", mod._parameters), ("buffer", mod._buffers)) for n, t in items.items() if t is not None]  # fmt: skip
+            ]
+            roots = [
+                RootTensor(_join(owner, n), kind, owner, None)
+                for owner, mod in picker.descended.items()
+                for kind, items in (("parameter", mod._parameters), ("buffer", mod._buffers))
+                for n, t in items.items()
+                if t is not None
+            ]
             return LayerSet(tuple(layers), tuple(roots))
         return find_layers(model, *args, split_points=split_points, no_split=no_split, **kwargs)
     if args is None or isinstance(model, nn.Sequential):
         flat = _flat_layers(model, [n for n, _ in top_level_layers(model)])
         roots_named = [(n, "parameter") for n, t in model._parameters.items() if t is not None]
         roots_named += [(n, "buffer") for n, t in model._buffers.items() if t is not None]
-        calls = flat.calls if isinstance(model, nn.Sequential) else ()  # a Sequential calls each entry once, in order
+        calls = (
+            flat.calls if isinstance(model, nn.Sequential) else ()
+        )  # a Sequential calls each entry once, in order
         return LayerSet(flat.layers, tuple(RootTensor(n, k, "", None) for n, k in roots_named), calls=calls)
     order, uses, calls = _record_children(model, args, kwargs)
     flat = _flat_layers(model, order, calls)
-    roots = [RootTensor(n, "parameter", "", uses.get(n)) for n, t in model._parameters.items() if t is not None]
+    roots = [
+        RootTensor(n, "parameter", "", uses.get(n)) for n, t in model._parameters.items() if t is not None
+    ]
     roots += [RootTensor(n, "buffer", "", uses.get(n)) for n, t in model._buffers.items() if t is not None]
     return LayerSet(flat.layers, tuple(roots), calls=flat.calls)

@@ -8,7 +8,8 @@ How ``span`` turns a model into stages (``choose_mode``), in this order of prefe
 - ``"own-forward"``: anything else; the model's own forward runs, children stay whole and each
   runs on its stage's device (see ``torchspan.runtime``).
 
-Usage: ``mode, why, graph = choose_mode(model)``; ``mods, attrs = split_graph(model, graph, {"a": 0, "b": 1}, 2)``.
+Usage: ``mode, why, graph = choose_mode(model)``; ``mods, attrs = split_graph(model, graph, {"a": 0, "b": 1},
+2)``.
 """
 
 from __future__ import annotations
@@ -63,7 +64,9 @@ def concrete_key(
     sig = inspect.signature(model.forward)
     for p in sig.parameters.values():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            raise TypeError(f"{type(model).__name__}.forward takes *{p.name}; fx cannot trace variadic arguments")
+            raise TypeError(
+                f"{type(model).__name__}.forward takes *{p.name}; fx cannot trace variadic arguments"
+            )
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as exc:
@@ -118,7 +121,11 @@ def choose_mode(model: nn.Module) -> tuple[str, str, fx.Graph | None]:
         graph = trace(model, default_concrete_args(model))
     except Exception as exc:  # fx raises many kinds (TraceError, TypeError, NotImplementedError…)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return "own-forward", f"torch.fx cannot trace {type(model).__name__} ({type(exc).__name__}: {first})", None
+        return (
+            "own-forward",
+            f"torch.fx cannot trace {type(model).__name__} ({type(exc).__name__}: {first})",
+            None,
+        )
     return "fx", "torch.fx traced the forward; it is split at top-level child boundaries", graph
 
 
@@ -169,7 +176,12 @@ def split_graph(
     for name, s in stage_of.items():
         groups[s].append(name)
     calls = graph_calls(graph, list(stage_of))
-    check_stages(calls, groups, model=type(model).__name__, kinds={n: type(model.get_submodule(n)).__name__ for n in reused(calls)})
+    check_stages(
+        calls,
+        groups,
+        model=type(model).__name__,
+        kinds={n: type(model.get_submodule(n)).__name__ for n in reused(calls)},
+    )
     where = _node_stages(model, nodes, stage_of, stages)
     root_attrs = _attr_stages(model, nodes, where, stage_of, stages)
     if before_build is not None:
@@ -179,8 +191,11 @@ def split_graph(
     return modules, root_attrs
 
 
-def _node_stages(model: nn.Module, nodes: list[fx.Node], stage_of: dict[str, int], stages: int) -> dict[fx.Node, int]:
-    """The stage of every node but ``get_attr``: a layer call's stage, else the stage running at that point."""
+def _node_stages(
+    model: nn.Module, nodes: list[fx.Node], stage_of: dict[str, int], stages: int
+) -> dict[fx.Node, int]:
+    """The stage of every node but ``get_attr``: a layer call's stage, else the stage running at that
+    point."""
     where: dict[fx.Node, int] = {}
     current = 0
     last_layer: str | None = None
@@ -209,7 +224,8 @@ def _node_stages(model: nn.Module, nodes: list[fx.Node], stage_of: dict[str, int
 def _attr_stages(
     model: nn.Module, nodes: list[fx.Node], where: dict[fx.Node, int], stage_of: dict[str, int], stages: int
 ) -> dict[str, int]:
-    """Place ``get_attr`` nodes in ``where``: a layer's in its stage, the model's own in the first stage that reads it.
+    """Place ``get_attr`` nodes in ``where``: a layer's in its stage, the model's own in the first stage that
+    reads it.
 
     Returns the model's own attributes (not a layer's) with that stage.
     """
@@ -235,9 +251,15 @@ def _attr_stages(
 
 
 def _stage_module(
-    model: nn.Module, nodes: list[fx.Node], where: dict[fx.Node, int], last_use: dict[fx.Node, int], s: int, stages: int
+    model: nn.Module,
+    nodes: list[fx.Node],
+    where: dict[fx.Node, int],
+    last_use: dict[fx.Node, int],
+    s: int,
+    stages: int,
 ) -> fx.GraphModule:
-    """Stage ``s`` as a ``GraphModule``: carried values in (the model's arguments for stage 0), carried values or the output out."""
+    """Stage ``s`` as a ``GraphModule``: carried values in (the model's arguments for stage 0), carried values
+    or the output out."""
 
     def live_after(k: int) -> list[fx.Node]:
         return [n for n in nodes if n.op != "output" and where[n] <= k < last_use[n]]

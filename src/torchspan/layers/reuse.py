@@ -33,7 +33,8 @@ def reused(calls: Sequence[str]) -> dict[str, int]:
 
 
 def spans(calls: Sequence[str]) -> dict[str, list[str]]:
-    """For each reused layer, the layers called from its first call to its last (itself included), in call order."""
+    """For each reused layer, the layers called from its first call to its last (itself included), in call
+    order."""
     out: dict[str, list[str]] = {}
     for name in reused(calls):
         first = calls.index(name)
@@ -42,7 +43,9 @@ def spans(calls: Sequence[str]) -> dict[str, list[str]]:
     return out
 
 
-def keeping_balance(layers: int, together: Sequence[tuple[int, int]], wanted: Sequence[int]) -> list[int] | None:
+def keeping_balance(
+    layers: int, together: Sequence[tuple[int, int]], wanted: Sequence[int]
+) -> list[int] | None:
     """The balance of ``len(wanted)`` stages over ``layers`` positions, closest to ``wanted`` (cut by cut),
     that cuts none of the ``together`` ranges (inclusive positions); ``None`` when none exists."""
     stages = len(wanted)
@@ -79,7 +82,8 @@ def keeping_balance(layers: int, together: Sequence[tuple[int, int]], wanted: Se
 
 def balance_advice(layers: int, together: Sequence[tuple[int, int]], wanted: Sequence[int]) -> str:
     """What to pass to ``span`` instead: ``"balance=[1, 3] with the same devices"`` (the balance closest to
-    ``wanted`` keeping each range in one stage), else the most stages that can (``"2 devices and balance=[3, 2]"``)."""
+    ``wanted`` keeping each range in one stage), else the most stages that can (``"2 devices and balance=[3,
+    2]"``)."""
     for stages in range(len(wanted), 0, -1):
         counts = list(wanted[: stages - 1]) + [sum(wanted[stages - 1 :])]
         found = keeping_balance(layers, together, counts)
@@ -94,7 +98,11 @@ def balance_advice(layers: int, together: Sequence[tuple[int, int]], wanted: Seq
 
 
 def check_stages(
-    calls: Sequence[str], groups: Sequence[Sequence[str]], *, model: str = "the model", kinds: Mapping[str, str] | None = None
+    calls: Sequence[str],
+    groups: Sequence[Sequence[str]],
+    *,
+    model: str = "the model",
+    kinds: Mapping[str, str] | None = None,
 ) -> None:
     """Raise ``ValueError`` when a layer called several times in ``calls`` (every layer call of one forward,
     in order) has calls that ``groups`` (layer names per stage, in execution order) would run on another
@@ -113,12 +121,13 @@ def check_stages(
         where = ", ".join(f"after {a!r}" if a is not None else "first" for a in after)
         stages = sorted({stage_of[n] for n in span})
         raise ValueError(
-            f"torchspan: module {name!r}{f' ({kinds[name]})' if kinds and name in kinds else ''} is called {len(after)} "
-            f"times in one forward of {model} ({where}), and the layers between its first and last call "
-            f"({', '.join(map(repr, span))}) lie in stages {stages}: it is held in stage {home}, so a micro-batch "
-            f"would have to come back to stage {home} after "
-            f"{away[0]!r} (stage {stage_of[away[0]]}). Every call of a module runs in the stage holding it, so those "
-            f"layers must share one stage: pass {balance_advice(len(order), together, [len(g) for g in groups])} "
-            "(it keeps every reused module's calls in one stage), or give each call its own module "
-            "holding the same nn.Parameter objects (torchspan keeps tied parameters exact across stages)"
+            f"torchspan: module {name!r}{f' ({kinds[name]})' if kinds and name in kinds else ''} is called "
+            f"{len(after)} times in one forward of {model} ({where}), and the layers between its first and "
+            f"last call ({', '.join(map(repr, span))}) lie in stages {stages}: it is held in stage {home}, "
+            f"so a micro-batch would have to come back to stage {home} after "
+            f"{away[0]!r} (stage {stage_of[away[0]]}). Every call of a module runs in the stage holding "
+            "it, so those layers must share one stage: pass "
+            f"{balance_advice(len(order), together, [len(g) for g in groups])} (it keeps every reused "
+            "module's calls in one stage), or give each call its own module holding the same nn.Parameter "
+            "objects (torchspan keeps tied parameters exact across stages)"
         )

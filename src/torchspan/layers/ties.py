@@ -12,9 +12,9 @@ use into each and keeps the copies equal after each optimizer step; the planner 
 ``Tie.layers`` instead.
 
 A model may also *say* what is tied (``declared_ties``): transformers' ``_tied_weights_keys`` under a config's
-``tie_word_embeddings``. A model built on ``meta`` can have lost such a tie (``accelerate.init_empty_weights()``
-copies each parameter registered, ``lm_head.weight = embed_tokens.weight`` too); ``runtime.ranks.metaweights`` ties
-it again before the weights are made.
+``tie_word_embeddings``. A model built on ``meta`` can have lost such a tie
+(``accelerate.init_empty_weights()`` copies each parameter registered, ``lm_head.weight =
+embed_tokens.weight`` too); ``runtime.ranks.metaweights`` ties it again before the weights are made.
 
 Usage: ``[t.name for t in find_ties(model, find_layers(model, x))]`` → ``["transformer.wte.weight"]``.
 """
@@ -44,9 +44,9 @@ class Tie:
     """A parameter shared by several layers.
 
     ``name``: its canonical qualified name (the one ``model.named_parameters()`` gives, so the one an
-    optimizer built from it sees; ``state_dict`` keeps every alias as a key). ``aliases``: every qualified name (the canonical one first) with its
-    layer. ``readers``: layers that read it without holding it. ``layers``: every layer involved,
-    in execution order.
+    optimizer built from it sees; ``state_dict`` keeps every alias as a key). ``aliases``: every qualified
+    name (the canonical one first) with its layer. ``readers``: layers that read it without holding it.
+    ``layers``: every layer involved, in execution order.
     """
 
     name: str
@@ -97,10 +97,11 @@ def find_ties(model: nn.Module, layers: Sequence[Layer]) -> list[Tie]:
 
 
 def declared_ties(model: nn.Module) -> list[tuple[str, str]]:
-    """``(holder, source)`` qualified parameter names that ``model`` says are one tensor, whether they are now or not:
-    transformers' own mapping (``get_expanded_tied_weights_keys``, 5.x: ``_tied_weights_keys`` where the config ties),
-    else a config's ``tie_word_embeddings`` with ``get_output_embeddings().weight`` held by ``get_input_embeddings()``.
-    ``[]`` for a model that says nothing. Reads only; the model's own methods are asked, nothing is changed."""
+    """``(holder, source)`` qualified parameter names that ``model`` says are one tensor, whether they are now
+    or not: transformers' own mapping (``get_expanded_tied_weights_keys``, 5.x: ``_tied_weights_keys`` where
+    the config ties), else a config's ``tie_word_embeddings`` with ``get_output_embeddings().weight`` held by
+    ``get_input_embeddings()``. ``[]`` for a model that says nothing. Reads only; the model's own methods are
+    asked, nothing is changed."""
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     expand = getattr(model, "get_expanded_tied_weights_keys", None)
     if callable(expand):

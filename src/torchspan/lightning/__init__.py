@@ -1,10 +1,11 @@
 """Lightning on torchspan: strategies for ``lightning.pytorch.Trainer`` and ``lightning.fabric.Fabric``.
 
-``SpanStrategy(**span_kwargs)`` (Trainer) and ``SpanFabricStrategy(**span_kwargs)`` (Fabric) train the model with
-``torchspan.span(model, **span_kwargs)``: one process (a local pipeline with ``devices=["cpu", "cpu"]``), or
-launched (``torchspan launch``, torchrun, Lightning's own launcher) as exact data-parallel replicas, sharded
-replicas (``shard=True``) or a pipeline across ranks (``devices=["cpu", "cpu"]`` on 2 ranks: ``lightning.staged``). Lightning is imported here only (``import torchspan`` never imports it); without
-it installed, building a strategy raises ``ImportError`` naming the ``lightning`` extra.
+``SpanStrategy(**span_kwargs)`` (Trainer) and ``SpanFabricStrategy(**span_kwargs)`` (Fabric) train the model
+with ``torchspan.span(model, **span_kwargs)``: one process (a local pipeline with ``devices=["cpu", "cpu"]``),
+or launched (``torchspan launch``, torchrun, Lightning's own launcher) as exact data-parallel replicas,
+sharded replicas (``shard=True``) or a pipeline across ranks (``devices=["cpu", "cpu"]`` on 2 ranks:
+``lightning.staged``). Lightning is imported here only (``import torchspan`` never imports it); without it
+installed, building a strategy raises ``ImportError`` naming the ``lightning`` extra.
 
 Usage::
 

@@ -29,34 +29,50 @@ from ..runtime.ranks import init_distributed, shard_batch
 from ..runtime.ranks.mesh import launched_stages
 
 __all__ = [
-    "SPAN_KEYS", "check_span_kwargs", "check_precision", "join_job", "world", "rank", "span_module",
-    "refuse_rank_pipeline", "stages_asked", "rank_pipeline", "rows", "spanned_in", "swap_parameters", "full_optimizer_state",
-    "load_full_optimizer_state", "check_devices",
-]  # fmt: skip
+    "SPAN_KEYS",
+    "check_span_kwargs",
+    "check_precision",
+    "join_job",
+    "world",
+    "rank",
+    "span_module",
+    "refuse_rank_pipeline",
+    "stages_asked",
+    "rank_pipeline",
+    "rows",
+    "spanned_in",
+    "swap_parameters",
+    "full_optimizer_state",
+    "load_full_optimizer_state",
+    "check_devices",
+]
 
 SPAN_KEYS = tuple(k for k in inspect.signature(span).parameters if k != "model")
 _FP16 = ("16-mixed", "16", "16-true", "fp16", "half")
 
 
 def check_span_kwargs(owner: str, kwargs: dict[str, Any]) -> None:
-    """Every keyword is one of ``torchspan.span``'s, or one ``ValueError`` naming it and the ones there are."""
+    """Every keyword is one of ``torchspan.span``'s, or one ``ValueError`` naming it and the ones there
+    are."""
     unknown = [k for k in kwargs if k not in SPAN_KEYS]
     if unknown:
         raise ValueError(
-            f"{owner}({unknown[0]}=...): {unknown[0]!r} is not an argument of torchspan.span; the strategy passes its "
-            f"keywords to span(model, ...), which takes {', '.join(SPAN_KEYS)}"
+            f"{owner}({unknown[0]}=...): {unknown[0]!r} is not an argument of torchspan.span; the strategy "
+            f"passes its keywords to span(model, ...), which takes {', '.join(SPAN_KEYS)}"
         )
     if kwargs.get("precision") in _FP16:
         check_precision(owner, str(kwargs["precision"]), "span precision")
 
 
 def check_precision(owner: str, precision: str, what: str = "precision") -> None:
-    """fp16 is refused: its loss scaler cannot be shared exactly by the plain loop on replicas; bf16 needs none."""
+    """fp16 is refused: its loss scaler cannot be shared exactly by the plain loop on replicas; bf16 needs
+    none."""
     if str(precision) in _FP16:
         raise ValueError(
-            f"{owner} with {what}={precision!r}: fp16 trains with a gradient scaler, which the plain loop on torchspan's "
-            "replicas refuses (each rank would decide on skipped steps from its own gradients); use precision='bf16-mixed' "
-            "(no scaler, the same exponent range as float32) or '32-true'"
+            f"{owner} with {what}={precision!r}: fp16 trains with a gradient scaler, which the plain loop "
+            "on torchspan's replicas refuses (each rank would decide on skipped steps from its own "
+            "gradients); use precision='bf16-mixed' (no scaler, the same exponent range as float32) or "
+            "'32-true'"
         )
 
 
@@ -72,7 +88,9 @@ def join_job(global_rank: int, world_size: int, local_rank: int, timeout: Any = 
     """Open the job's process group with ``torchspan.init_distributed`` (kept if one is open): torchrun's and
     ``torchspan launch``'s variables as they are, Lightning's own launcher's (no ``RANK``) completed first."""
     if dist.is_available() and dist.is_initialized():
-        if "RANK" in os.environ:  # Lightning's environments unset WORLD_SIZE at teardown; torchspan reads both
+        if (
+            "RANK" in os.environ
+        ):  # Lightning's environments unset WORLD_SIZE at teardown; torchspan reads both
             os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
         return
     if world_size < 2 and "WORLD_SIZE" not in os.environ:
@@ -84,33 +102,38 @@ def join_job(global_rank: int, world_size: int, local_rank: int, timeout: Any = 
 
 
 def check_devices(owner: str, processes: int, where: str = "Trainer") -> None:
-    """The process count Lightning was given agrees with the job's (``devices=1``/``'auto'`` under a launcher too)."""
+    """The process count Lightning was given agrees with the job's (``devices=1``/``'auto'`` under a launcher
+    too)."""
     size = world()
     if processes not in (1, size):
         raise ValueError(
-            f"{where}(devices={processes}) with {owner}: this job has {size} process(es) (WORLD_SIZE={size}); "
-            f"Lightning's devices= is the number of processes: pass devices={size}, or devices='auto' and let "
-            "torchspan launch / torchrun set it (the model's devices go to the strategy: "
-            f"{owner}(devices=['cpu', 'cpu']))"
+            f"{where}(devices={processes}) with {owner}: this job has {size} process(es) "
+            f"(WORLD_SIZE={size}); Lightning's devices= is the number of processes: pass devices={size}, "
+            "or devices='auto' and let torchspan launch / torchrun set it (the model's devices go to the "
+            f"strategy: {owner}(devices=['cpu', 'cpu']))"
         )
 
 
 def refuse_rank_pipeline(owner: str, kwargs: dict[str, Any]) -> None:
-    """A sharded pipeline across ranks (``shard=True`` with stages, launched) is not run under Lightning's loops."""
+    """A sharded pipeline across ranks (``shard=True`` with stages, launched) is not run under Lightning's
+    loops."""
     stages = stages_asked(kwargs)
     if stages < 2 or world() < 2 or not kwargs.get("shard"):
         return
-    given = ", ".join(f"{k}=..." for k in ("plan", "devices", "balance", "shard") if kwargs.get(k) is not None)
+    given = ", ".join(
+        f"{k}=..." for k in ("plan", "devices", "balance", "shard") if kwargs.get(k) is not None
+    )
     raise ValueError(
-        f"{owner}({given}) in a job of {world()} processes is a sharded pipeline across ranks ({stages} stages), "
-        f"which {owner} does not run under Lightning's loop: drop shard=True ({owner}(devices=...) pipelines "
-        "across ranks, with replicas of the pipeline when the job has more ranks than stages), or write the loop "
-        "yourself with torchspan.span(..., shard=True).train_step"
+        f"{owner}({given}) in a job of {world()} processes is a sharded pipeline across ranks ({stages} "
+        f"stages), which {owner} does not run under Lightning's loop: drop shard=True "
+        f"({owner}(devices=...) pipelines across ranks, with replicas of the pipeline when the job has "
+        "more ranks than stages), or write the loop yourself with torchspan.span(..., shard=True).train_step"
     )
 
 
 def stages_asked(kwargs: dict[str, Any]) -> int:
-    """How many pipeline stages the span's keywords ask for (its plan's, ``balance``'s or ``devices``' length)."""
+    """How many pipeline stages the span's keywords ask for (its plan's, ``balance``'s or ``devices``'
+    length)."""
     return launched_stages(kwargs.get("plan"), kwargs.get("devices"), kwargs.get("balance"))
 
 
@@ -120,8 +143,8 @@ def rank_pipeline(spanned: Spanned | None) -> bool:
 
 
 def span_module(module: nn.Module, kwargs: dict[str, Any], owner: str) -> Spanned:
-    """``torchspan.span(module, **kwargs)`` once every check passed (a pipeline across ranks is the caller's to run:
-    ``staged.defer_training``)."""
+    """``torchspan.span(module, **kwargs)`` once every check passed (a pipeline across ranks is the caller's
+    to run: ``staged.defer_training``)."""
     refuse_rank_pipeline(owner, kwargs)
     return span(module, **kwargs)
 
@@ -146,7 +169,8 @@ def spanned_in(module: Any) -> Spanned | None:
 
 
 def swap_parameters(optimizer: torch.optim.Optimizer, names: dict[int, str], module: nn.Module) -> None:
-    """An optimizer built before spanning holds the parameters a sharded span replaced: put in the new ones by name."""
+    """An optimizer built before spanning holds the parameters a sharded span replaced: put in the new ones by
+    name."""
     now = dict(module.named_parameters())
     for group in optimizer.param_groups:
         group["params"] = [now.get(names.get(id(p), ""), p) for p in group["params"]]
@@ -157,7 +181,8 @@ def _sharded(spanned: Spanned | None) -> bool:
 
 
 def full_optimizer_state(spanned: Spanned | None, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state dict; sharded: full tensors keyed by parameter name on every rank (a collective)."""
+    """The optimizer's state dict; sharded: full tensors keyed by parameter name on every rank (a
+    collective)."""
     if not _sharded(spanned):
         return optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -166,7 +191,9 @@ def full_optimizer_state(spanned: Spanned | None, optimizer: torch.optim.Optimiz
     return get_optimizer_state_dict(spanned.module, optimizer, options=StateDictOptions(full_state_dict=True))
 
 
-def load_full_optimizer_state(spanned: Spanned | None, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+def load_full_optimizer_state(
+    spanned: Spanned | None, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
     """``optimizer.load_state_dict(state)``; sharded: each rank keeps its shard of the full state."""
     if not _sharded(spanned):
         optimizer.load_state_dict(state)

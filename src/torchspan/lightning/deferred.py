@@ -36,16 +36,17 @@ __all__ = ["Deferred", "Call", "deferred_outputs", "replay", "PipelineLoopError"
 
 
 class PipelineLoopError(PlainLoopError):
-    """``training_step`` did something with a pipeline's deferred outputs that torchspan cannot run exactly."""
+    """``training_step`` did something with a pipeline's deferred outputs that torchspan cannot run
+    exactly."""
 
 
 _WAY_OUT = (
     "On a pipeline across ranks the outputs of a training forward exist only as micro-batches on the last "
-    "stage, inside the pipeline's schedule; SpanStrategy runs it when a torch loss (torch.nn.functional's or a "
-    "loss module, reduction 'mean' or 'sum') is applied to the outputs, after shape and dtype changes only. "
-    "Return criterion(self(x), y) from training_step (compute metrics on the outputs in validation_step), or "
-    "train this model as replicas (SpanStrategy() or SpanStrategy(shard=True) under a launcher), or write the "
-    "loop yourself with torchspan.span(...).train_step(inputs, target, loss_fn)"
+    "stage, inside the pipeline's schedule; SpanStrategy runs it when a torch loss (torch.nn.functional's "
+    "or a loss module, reduction 'mean' or 'sum') is applied to the outputs, after shape and dtype changes "
+    "only. Return criterion(self(x), y) from training_step (compute metrics on the outputs in "
+    "validation_step), or train this model as replicas (SpanStrategy() or SpanStrategy(shard=True) under a "
+    "launcher), or write the loop yourself with torchspan.span(...).train_step(inputs, target, loss_fn)"
 )
 
 
@@ -84,17 +85,24 @@ class Deferred(torch.Tensor):
     @staticmethod
     def __new__(cls, meta: torch.Tensor, call: Call, leaf: int, chain: tuple[Any, ...] = ()) -> Deferred:
         grad = meta.is_floating_point() or meta.is_complex()
-        t = torch.Tensor._make_wrapper_subclass(cls, meta.shape, dtype=meta.dtype, device=call.device, requires_grad=grad)
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, meta.shape, dtype=meta.dtype, device=call.device, requires_grad=grad
+        )
         t._meta, t._call, t._leaf, t._chain = meta, call, leaf, chain
         return t
 
     def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
-        return f"Deferred(shape={tuple(self.shape)}, dtype={self.dtype}: an output of a pipeline across ranks)"
+        return (
+            f"Deferred(shape={tuple(self.shape)}, dtype={self.dtype}: an output of a pipeline across ranks)"
+        )
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        """Below ``__torch_function__`` (autograd's own use of the tensor): there are no values to compute with."""
-        raise refuse(f"{func} reached an output of the pipeline, which holds no values until its loss runs the step")
+        """Below ``__torch_function__`` (autograd's own use of the tensor): there are no values to compute
+        with."""
+        raise refuse(
+            f"{func} reached an output of the pipeline, which holds no values until its loss runs the step"
+        )
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -105,23 +113,36 @@ class Deferred(torch.Tensor):
                 return func(*args, **kwargs)
         if func in _LOSSES:
             return found._call.runner.loss(func, args, kwargs)
-        if func is torch.Tensor.register_hook and _lightnings(args[1] if len(args) > 1 else kwargs.get("hook")):
-            return torch.utils.hooks.RemovableHandle(OrderedDict())  # Fabric's check that fabric.backward runs: it does
+        if func is torch.Tensor.register_hook and _lightnings(
+            args[1] if len(args) > 1 else kwargs.get("hook")
+        ):
+            return torch.utils.hooks.RemovableHandle(
+                OrderedDict()
+            )  # Fabric's check that fabric.backward runs: it does
         metadata = _metadata(func, args, kwargs)
         if metadata is not _NONE:
             return metadata
         name = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
         if len([t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Deferred)]) > 1:
-            raise refuse(f"{name} takes more than one of the pipeline's deferred outputs, which torchspan cannot record")
+            raise refuse(
+                f"{name} takes more than one of the pipeline's deferred outputs, which torchspan cannot "
+                "record"
+            )
         on_meta = tree_map(lambda t: t._meta if isinstance(t, Deferred) else t, (args, kwargs))
         try:
             with torch._C.DisableTorchFunctionSubclass():
                 result = func(*on_meta[0], **on_meta[1])
-        except Exception as exc:  # values asked for (.item(), a comparison with data), or another device's tensor
-            raise refuse(f"training_step called {name} on an output of the pipeline, which needs its values ({exc})") from None
+        except (
+            Exception
+        ) as exc:  # values asked for (.item(), a comparison with data), or another device's tensor
+            raise refuse(
+                f"training_step called {name} on an output of the pipeline, which needs its values ({exc})"
+            ) from None
         keeps = func in _KEEP or (func in _PER_LAST_DIM and _last_dim(on_meta[0], on_meta[1]))
         if not keeps or not isinstance(result, torch.Tensor):
-            raise refuse(f"training_step applied {name} to an output of the pipeline, which torchspan cannot weigh")
+            raise refuse(
+                f"training_step applied {name} to an output of the pipeline, which torchspan cannot weigh"
+            )
         marked = tree_map(lambda t: _HERE if isinstance(t, Deferred) else t, (args, kwargs))
         return Deferred(result, found._call, found._leaf, (*found._chain, (func, *marked)))
 
@@ -129,15 +150,25 @@ class Deferred(torch.Tensor):
 _NONE = object()
 _METADATA = frozenset(
     {
-        torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.__len__, torch.Tensor.is_floating_point,
-        torch.Tensor.is_complex, torch.Tensor.element_size, torch.Tensor.nelement, torch.Tensor.ndimension,
-        torch.Tensor.stride, torch.Tensor.is_contiguous, torch.Tensor.get_device,
+        torch.Tensor.size,
+        torch.Tensor.dim,
+        torch.Tensor.numel,
+        torch.Tensor.__len__,
+        torch.Tensor.is_floating_point,
+        torch.Tensor.is_complex,
+        torch.Tensor.element_size,
+        torch.Tensor.nelement,
+        torch.Tensor.ndimension,
+        torch.Tensor.stride,
+        torch.Tensor.is_contiguous,
+        torch.Tensor.get_device,
     }
 )
 
 
 def _metadata(func: Any, args: Any, kwargs: Any) -> Any:
-    """``func``'s answer when it only reads metadata (a property's getter or ``size()``-like), else ``_NONE``."""
+    """``func``'s answer when it only reads metadata (a property's getter or ``size()``-like), else
+    ``_NONE``."""
     getter = getattr(func, "__self__", None)
     if func in _METADATA or isinstance(getter, property) or getattr(func, "__name__", "") == "__get__":
         with torch._C.DisableTorchFunctionSubclass():
@@ -146,8 +177,8 @@ def _metadata(func: Any, args: Any, kwargs: Any) -> Any:
 
 
 def _lightnings(hook: Any) -> bool:
-    """Whether ``hook`` is Lightning's own (Fabric hooks every output to check ``fabric.backward`` is used); the
-    outputs' gradients never exist on a pipeline rank, so a user's hook on them is refused."""
+    """Whether ``hook`` is Lightning's own (Fabric hooks every output to check ``fabric.backward`` is used);
+    the outputs' gradients never exist on a pipeline rank, so a user's hook on them is refused."""
     return str(getattr(getattr(hook, "func", hook), "__module__", "")).startswith("lightning.")
 
 
@@ -162,7 +193,8 @@ def _last_dim(args: Any, kwargs: Any) -> bool:
 
 
 def replay(chain: tuple[Any, ...], out: Any, shape_only: bool = False) -> Any:
-    """``out`` through the recorded operations (``shape_only``: those that move elements, not casts or softmax)."""
+    """``out`` through the recorded operations (``shape_only``: those that move elements, not casts or
+    softmax)."""
     for func, args, kwargs in chain:
         if shape_only and (func in _PER_LAST_DIM or func in _CASTS):
             continue
@@ -177,13 +209,19 @@ _CASTS = frozenset({_T.float, _T.double, _T.half, _T.bfloat16, _T.to, _T.type_as
 
 
 def meta_outputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The module's outputs on the meta device (shapes and dtypes, no compute): every parameter and buffer, this
-    stage's and the others' (already ``meta`` on a pipeline rank), as a meta tensor of its shape."""
-    tensors = {n: torch.empty_like(t, device="meta") for n, t in module.named_parameters(remove_duplicate=False)}
-    tensors.update({n: torch.empty_like(t, device="meta") for n, t in module.named_buffers(remove_duplicate=False)})
+    """The module's outputs on the meta device (shapes and dtypes, no compute): every parameter and buffer,
+    this stage's and the others' (already ``meta`` on a pipeline rank), as a meta tensor of its shape."""
+    tensors = {
+        n: torch.empty_like(t, device="meta") for n, t in module.named_parameters(remove_duplicate=False)
+    }
+    tensors.update(
+        {n: torch.empty_like(t, device="meta") for n, t in module.named_buffers(remove_duplicate=False)}
+    )
     on_meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
     with torch.no_grad():
-        return torch.func.functional_call(module, tensors, on_meta[0], on_meta[1], tie_weights=True, strict=False)
+        return torch.func.functional_call(
+            module, tensors, on_meta[0], on_meta[1], tie_weights=True, strict=False
+        )
 
 
 def deferred_outputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], runner: Any) -> Any:
@@ -192,8 +230,8 @@ def deferred_outputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         out = meta_outputs(module, args, kwargs)
     except Exception as exc:
         raise refuse(
-            f"SpanStrategy could not run {type(module).__name__}'s forward on the meta device to learn its outputs' "
-            f"shapes ({type(exc).__name__}: {exc})"
+            f"SpanStrategy could not run {type(module).__name__}'s forward on the meta device to learn its "
+            f"outputs' shapes ({type(exc).__name__}: {exc})"
         ) from None
     leaves, spec = tree_flatten(out)
     call = Call(runner, args, kwargs, batch_size(args, kwargs), leaves, runner.device)

@@ -36,22 +36,25 @@ def module_path(lm: nn.Module, owner: str, name: str | None) -> str:
         if len(holders) != 1 or _trainable(lm, recurse=False):
             where = ", ".join(holders + _trainable(lm, recurse=False)) or "none of its modules"
             raise ValueError(
-                f"{owner} spans the one module of the LightningModule that holds every trainable parameter; {kind} holds "
-                f"them in {where}: put them in one module (self.model = nn.Sequential(...)) and call it in forward, or "
-                f"name the module to span: {owner}(module='model')"
+                f"{owner} spans the one module of the LightningModule that holds every trainable "
+                f"parameter; {kind} holds them in {where}: put them in one module (self.model = "
+                "nn.Sequential(...)) and call it in forward, or name the module to span: "
+                f"{owner}(module='model')"
             )
         return holders[0]
     try:
         inner = lm.get_submodule(name)
     except AttributeError:
         children = ", ".join(n for n, _ in lm.named_children())
-        raise ValueError(f"{owner}(module={name!r}): {kind} has no module {name!r}; its modules: {children}") from None
+        raise ValueError(
+            f"{owner}(module={name!r}): {kind} has no module {name!r}; its modules: {children}"
+        ) from None
     inside = {id(p) for p in inner.parameters()}
     outside = [n for n, p in lm.named_parameters() if p.requires_grad and id(p) not in inside]
     if outside:
         raise ValueError(
-            f"{owner}(module={name!r}): {kind} trains parameters outside it ({', '.join(outside[:3])}), which would see "
-            "this rank's rows only; span the module that holds every trainable parameter"
+            f"{owner}(module={name!r}): {kind} trains parameters outside it ({', '.join(outside[:3])}), "
+            "which would see this rank's rows only; span the module that holds every trainable parameter"
         )
     return name
 
@@ -87,15 +90,17 @@ def move_around(module: nn.Module, spanned: nn.Module, device: torch.device) -> 
 
 
 def load_around(lm: nn.Module, path: str, spanned: Any, state: dict[str, Any], strict: bool) -> None:
-    """``lm.load_state_dict(state)`` with the span's keys loaded by ``spanned.load_state_dict`` (full tensors, each
-    rank keeping its shard when sharded) and the rest (a loss's class weights) by the LightningModule."""
+    """``lm.load_state_dict(state)`` with the span's keys loaded by ``spanned.load_state_dict`` (full tensors,
+    each rank keeping its shard when sharded) and the rest (a loss's class weights) by the LightningModule."""
     prefix = path + "."
-    spanned.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}, strict=strict)
+    spanned.load_state_dict(
+        {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}, strict=strict
+    )
     rest = {k: v for k, v in state.items() if not k.startswith(prefix)}
     missing, unexpected = lm.load_state_dict(rest, strict=False)
     missing = [k for k in missing if not k.startswith(prefix)]
     if strict and (missing or unexpected):
         raise RuntimeError(
-            f"loading {type(lm).__name__}'s state: missing keys {missing[:5]}, unexpected keys {unexpected[:5]} "
-            "(the checkpoint was written for another model)"
+            f"loading {type(lm).__name__}'s state: missing keys {missing[:5]}, unexpected keys "
+            f"{unexpected[:5]} (the checkpoint was written for another model)"
         )

@@ -1,4 +1,5 @@
-"""``SpanStrategy``: ``lightning.pytorch.Trainer(strategy=SpanStrategy(**span_kwargs))`` trains on ``torchspan.span``.
+"""``SpanStrategy``: ``lightning.pytorch.Trainer(strategy=SpanStrategy(**span_kwargs))`` trains on
+``torchspan.span``.
 
 The LightningModule's module that holds every trainable parameter (``self.model``) is replaced by
 ``torchspan.span(self.model, **span_kwargs)`` at setup, so ``self.criterion(self(x), y)`` in ``training_step``
@@ -9,8 +10,9 @@ one device on the whole global batch.
 - Launched (``torchspan launch --nproc-per-node 2 train.py``, torchrun, or Lightning's own launcher with
   ``Trainer(devices=2)``): ``SpanStrategy()`` is one exact data-parallel replica per process,
   ``SpanStrategy(shard=True)`` a sharded one (FSDP2), ``SpanStrategy(devices=["cpu", "cpu"], microbatches=4)``
-  a pipeline across ranks (with replicas when the job has more ranks than stages): ``training_step``'s loss runs
-  its schedule and ``loss.backward()`` adds the step's gradients (``lightning.staged``, ``lightning.deferred``).
+  a pipeline across ranks (with replicas when the job has more ranks than stages): ``training_step``'s loss
+  runs its schedule and ``loss.backward()`` adds the step's gradients (``lightning.staged``,
+  ``lightning.deferred``).
 - Data: the DataLoader's ``batch_size`` is the global batch, as on one device; each training batch is cut to
   this rank's rows (``shard_batch``: uneven, never padded; a pipeline's stages take their replica's rows);
   validation, test and predict run whole batches on every rank, so what they log and return is one device's.
@@ -49,7 +51,9 @@ try:
     from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
     _MISSING: ImportError | None = None
-except ImportError as exc:  # torchspan without the lightning extra: the class exists, building it says what to install
+except (
+    ImportError
+) as exc:  # torchspan without the lightning extra: the class exists, building it says what to install
     ParallelStrategy = object  # type: ignore[assignment,misc]
     _MISSING = exc
 
@@ -59,12 +63,14 @@ NEEDS_LIGHTNING = "torchspan.lightning needs Lightning: pip install 'torchspan[l
 
 
 class SpanStrategy(core.Placement, ParallelStrategy):  # type: ignore[misc,valid-type]
-    """A Lightning ``Strategy`` that trains the LightningModule's model with ``torchspan.span(model, **span_kwargs)``.
+    """A Lightning ``Strategy`` that trains the LightningModule's model with ``torchspan.span(model,
+    **span_kwargs)``.
 
-    ``module``: the LightningModule's attribute to span (dotted; default: the one child holding every trainable
-    parameter). ``timeout``: seconds a collective waits (``torchspan.init_distributed``). Every other keyword is
-    ``torchspan.span``'s (``devices=``, ``balance=``, ``microbatches=``, ``schedule=``, ``shard=``, ...); an unknown
-    one is a ``ValueError`` here. ``spanned`` is the ``Spanned`` once the Trainer has set up.
+    ``module``: the LightningModule's attribute to span (dotted; default: the one child holding every
+    trainable parameter). ``timeout``: seconds a collective waits (``torchspan.init_distributed``). Every
+    other keyword is ``torchspan.span``'s (``devices=``, ``balance=``, ``microbatches=``, ``schedule=``,
+    ``shard=``, ...); an unknown one is a ``ValueError`` here. ``spanned`` is the ``Spanned`` once the Trainer
+    has set up.
     """
 
     def __init__(
@@ -83,9 +89,12 @@ class SpanStrategy(core.Placement, ParallelStrategy):  # type: ignore[misc,valid
             raise ImportError(NEEDS_LIGHTNING) from _MISSING
         core.check_span_kwargs("SpanStrategy", span_kwargs)
         super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
-        )  # fmt: skip
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
         self.span_kwargs = dict(span_kwargs)
         self._module_name = module
         self._path: str | None = None
@@ -95,7 +104,8 @@ class SpanStrategy(core.Placement, ParallelStrategy):  # type: ignore[misc,valid
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Data-parallel replicas (a pipeline's stages read the same rows); the strategy itself cuts rows, unpadded."""
+        """Data-parallel replicas (a pipeline's stages read the same rows); the strategy itself cuts rows,
+        unpadded."""
         if core.rank_pipeline(self.spanned):
             replica, replicas = self.spanned.data_parallel
             return {"num_replicas": replicas, "rank": replica}
@@ -105,17 +115,27 @@ class SpanStrategy(core.Placement, ParallelStrategy):  # type: ignore[misc,valid
         env = self.cluster_environment
         if env is not None:
             launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-            env.set_global_rank(int(os.environ["RANK"]) if launched else self.node_rank * self.num_processes + self.local_rank)
-            env.set_world_size(int(os.environ["WORLD_SIZE"]) if launched else self.num_nodes * self.num_processes)
+            env.set_global_rank(
+                int(os.environ["RANK"]) if launched else self.node_rank * self.num_processes + self.local_rank
+            )
+            env.set_world_size(
+                int(os.environ["WORLD_SIZE"]) if launched else self.num_nodes * self.num_processes
+            )
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     def _configure_launcher(self) -> None:
         env = self.cluster_environment
-        if env is not None and not env.creates_processes_externally and self.num_processes * self.num_nodes > 1:
+        if (
+            env is not None
+            and not env.creates_processes_externally
+            and self.num_processes * self.num_nodes > 1
+        ):
             self._launcher = _SubprocessScriptLauncher(env, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
-        core.check_precision("SpanStrategy", getattr(self.precision_plugin, "precision", "32-true"), "Trainer precision")
+        core.check_precision(
+            "SpanStrategy", getattr(self.precision_plugin, "precision", "32-true"), "Trainer precision"
+        )
         core.join_job(self.global_rank, self.world_size, self.local_rank, self._timeout)
         core.check_devices("SpanStrategy", self.num_processes * self.num_nodes)
         super().setup_environment()
@@ -134,8 +154,15 @@ class SpanStrategy(core.Placement, ParallelStrategy):  # type: ignore[misc,valid
         self._clip_with_span()
         if fitting and len(set(self.spanned.devices)) == 1:
             _optimizers_to_device(self.optimizers, self.root_device)
-        if self.spanned.mode == "sharded":  # FSDP2 under inference_mode: pytorch/pytorch#95957, as Lightning's FSDP
-            for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+        if (
+            self.spanned.mode == "sharded"
+        ):  # FSDP2 under inference_mode: pytorch/pytorch#95957, as Lightning's FSDP
+            for loop in (
+                trainer.fit_loop.epoch_loop.val_loop,
+                trainer.validate_loop,
+                trainer.test_loop,
+                trainer.predict_loop,
+            ):
                 loop.inference_mode = False
 
     def _span(self) -> None:
@@ -145,12 +172,20 @@ class SpanStrategy(core.Placement, ParallelStrategy):  # type: ignore[misc,valid
             return
         self._path = module_path(lm, "SpanStrategy", self._module_name)
         kwargs = dict(self.span_kwargs)
-        staged_ = core.world() == 1 or core.stages_asked(kwargs) > 1  # stages in threads or other ranks' steps
-        if getattr(self.precision_plugin, "precision", "") == "bf16-mixed" and staged_ and not kwargs.get("shard"):
+        staged_ = (
+            core.world() == 1 or core.stages_asked(kwargs) > 1
+        )  # stages in threads or other ranks' steps
+        if (
+            getattr(self.precision_plugin, "precision", "") == "bf16-mixed"
+            and staged_
+            and not kwargs.get("shard")
+        ):
             kwargs.setdefault("precision", "bf16")  # each stage autocasts itself
         self.spanned = core.span_module(inner(lm, self._path), kwargs, "SpanStrategy")
         swap_in(lm, self._path, self.spanned)
-        if core.rank_pipeline(self.spanned):  # training_step's loss runs the pipeline's step (lightning.staged)
+        if core.rank_pipeline(
+            self.spanned
+        ):  # training_step's loss runs the pipeline's step (lightning.staged)
             staged.defer_training(self.spanned)
 
     def _clip_with_span(self) -> None:
@@ -173,14 +208,16 @@ class SpanStrategy(core.Placement, ParallelStrategy):  # type: ignore[misc,valid
             move_around(self.model, spanned, self.root_device)
 
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        """Training batches: this rank's rows of the global batch; evaluation batches: whole, on every rank."""
+        """Training batches: this rank's rows of the global batch; evaluation batches: whole, on every
+        rank."""
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is not None and trainer.training:
             batch = self._rows(batch)
         return super().batch_to_device(batch, device, dataloader_idx)
 
     def _rows(self, batch: Any) -> Any:
-        """This process's rows: its replica's (every stage of a pipeline across ranks the same), else its rank's."""
+        """This process's rows: its replica's (every stage of a pipeline across ranks the same), else its
+        rank's."""
         if not core.rank_pipeline(self.spanned):
             return core.rows(batch)
         replica, replicas = self.spanned.data_parallel
@@ -234,7 +271,9 @@ class SpanStrategy(core.Placement, ParallelStrategy):  # type: ignore[misc,valid
 
     def teardown(self) -> None:
         """As Lightning's, without moving the model to the CPU (torchspan owns the span's placement)."""
-        if self.cluster_environment is not None and not dist.is_initialized():  # it unsets WORLD_SIZE: the job goes on
+        if (
+            self.cluster_environment is not None and not dist.is_initialized()
+        ):  # it unsets WORLD_SIZE: the job goes on
             self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         if self.accelerator is not None:

@@ -28,14 +28,15 @@ def pyplot() -> Any:
 
 
 def check_path(path: str | os.PathLike[str]) -> None:
-    """Refuse ``path`` before drawing when a picture cannot be written there (``torchspan.files.output_file``);
-    a missing folder is created."""
+    """Refuse ``path`` before drawing when a picture cannot be written there
+    (``torchspan.files.output_file``); a missing folder is created."""
     output_file(path, name="path", make_parent=True, example="picture.png")
 
 
 def save(fig: Figure, path: str | os.PathLike[str], dpi: int) -> Path:
-    """Write ``fig`` to ``path`` atomically (``torchspan.files``: into a link's target; a folder or device there is
-    refused), creating its folder, and close it. The format follows the suffix (``.png`` when there is none)."""
+    """Write ``fig`` to ``path`` atomically (``torchspan.files``: into a link's target; a folder or device
+    there is refused), creating its folder, and close it. The format follows the suffix (``.png`` when there
+    is none)."""
     out = Path(path)
     try:
         with atomic_open(out, "wb", name="path", make_parent=True) as fh:

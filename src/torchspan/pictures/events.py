@@ -16,7 +16,8 @@ COMPUTE_KINDS = ("forward", "backward", "recompute", "backward_weight")
 
 
 def check_events(events: Iterable[Event], name: str = "events") -> list[Event]:
-    """``events`` as a list, each checked: an ``Event`` with a kind of ``KINDS`` and finite ``start <= end``."""
+    """``events`` as a list, each checked: an ``Event`` with a kind of ``KINDS`` and finite ``start <=
+    end``."""
     out = list(events)
     for i, e in enumerate(out):
         if not isinstance(e, Event):
@@ -27,7 +28,9 @@ def check_events(events: Iterable[Event], name: str = "events") -> list[Event]:
         if e.kind not in KINDS:
             raise ValueError(f"{name}[{i}].kind={e.kind!r} is not one of {', '.join(KINDS)}")
         if not (math.isfinite(e.start) and math.isfinite(e.end)) or e.end < e.start:
-            raise ValueError(f"{name}[{i}] has start={e.start!r}, end={e.end!r}; an event needs finite start <= end")
+            raise ValueError(
+                f"{name}[{i}] has start={e.start!r}, end={e.end!r}; an event needs finite start <= end"
+            )
     return out
 
 
@@ -64,7 +67,10 @@ def timeline_problems(events: Iterable[Event], *, tolerance: float = 1e-6) -> li
         by_step.setdefault(e.step, []).append(e)
     for step, step_events in sorted(by_step.items()):
         for lane in lanes(step_events):
-            blocks = sorted((e for e in step_events if (e.stage, e.device) == lane and e.kind in COMPUTE_KINDS), key=lambda e: e.start)
+            blocks = sorted(
+                (e for e in step_events if (e.stage, e.device) == lane and e.kind in COMPUTE_KINDS),
+                key=lambda e: e.start,
+            )
             for a, b in zip(blocks, blocks[1:]):
                 if b.start < a.end - tolerance:
                     problems.append(
@@ -79,7 +85,9 @@ def timeline_problems(events: Iterable[Event], *, tolerance: float = 1e-6) -> li
             if kind == "backward":
                 fwd = firsts.get((stage, mb, "forward"))
                 if fwd is None:
-                    problems.append(f"step {step}, stage {stage}: micro-batch {mb} has a backward but no forward")
+                    problems.append(
+                        f"step {step}, stage {stage}: micro-batch {mb} has a backward but no forward"
+                    )
                 elif e.start < fwd.end - tolerance:
                     problems.append(
                         f"step {step}, stage {stage}: backward of micro-batch {mb} starts at {e.start:.6f}s, "

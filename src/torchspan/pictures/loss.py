@@ -32,7 +32,9 @@ def loss_png(
         raise ValueError("losses is empty; record at least one loss value per training step")
     if any(not math.isfinite(v) for v in values):
         bad = next(i for i, v in enumerate(values) if not math.isfinite(v))
-        raise ValueError(f"losses[{bad}]={values[bad]!r} is not finite; training diverged, lower the learning rate")
+        raise ValueError(
+            f"losses[{bad}]={values[bad]!r} is not finite; training diverged, lower the learning rate"
+        )
     if not 0 <= smoothing < 1:
         raise ValueError(f"smoothing={smoothing!r} must be in [0, 1)")
     check_path(path)  # before drawing: a folder or device at path is refused

@@ -20,7 +20,13 @@ from .canvas import check_path, pyplot, save, unit_for
 
 __all__ = ["memory_png", "normalize_memory", "MEMORY_KINDS", "MEMORY_COLORS"]
 
-MEMORY_COLORS = {"params": "#4C78A8", "grads": "#F58518", "optimizer": "#54A24B", "activations": "#E45756", "buffers": "#72B7B2"}
+MEMORY_COLORS = {
+    "params": "#4C78A8",
+    "grads": "#F58518",
+    "optimizer": "#54A24B",
+    "activations": "#E45756",
+    "buffers": "#72B7B2",
+}
 # Accepted spellings of each memory kind (runtime, planner and user dicts differ slightly).
 _MEMORY_ALIASES = {
     "params": ("params", "param_bytes", "parameters", "param", "parameter_bytes", "weights"),
@@ -110,7 +116,9 @@ def normalize_memory(memory: Any) -> dict[str, dict[str, int]]:
             entry = _as_mapping(item)
             rows[_label(entry, f"#{i}")] = _kind_bytes(entry)
     else:
-        raise ValueError(f"memory={memory!r} ({type(memory).__name__}) is not a table of bytes; pass spanned.memory()")
+        raise ValueError(
+            f"memory={memory!r} ({type(memory).__name__}) is not a table of bytes; pass spanned.memory()"
+        )
     if not rows:
         raise ValueError("memory is empty; pass at least one device or stage")
     return rows
@@ -154,10 +162,25 @@ def memory_png(
         ax.bar(range(len(labels)), vals, bottom=bottom, color=MEMORY_COLORS[kind], label=kind, width=0.6)
         bottom = [b + v for b, v in zip(bottom, vals)]
     for i, (total, limit) in enumerate(zip(totals, limits)):
-        ax.text(i, total / scale, format_bytes(total), ha="center", va="top" if limit is not None and abs(limit - total) < top * 0.06 else "bottom", fontsize=8)
+        ax.text(
+            i,
+            total / scale,
+            format_bytes(total),
+            ha="center",
+            va="top" if limit is not None and abs(limit - total) < top * 0.06 else "bottom",
+            fontsize=8,
+        )
         if limit is not None:
             ax.hlines(limit / scale, i - 0.4, i + 0.4, colors="#D62728", linestyles="--", linewidth=1.5)
-            ax.text(i, limit / scale, f"budget {format_bytes(limit)}", color="#D62728", fontsize=7, ha="center", va="bottom")
+            ax.text(
+                i,
+                limit / scale,
+                f"budget {format_bytes(limit)}",
+                color="#D62728",
+                fontsize=7,
+                ha="center",
+                va="bottom",
+            )
     ax.set_xticks(range(len(labels)))
     ax.set_xticklabels(labels)
     ax.set_ylabel(f"memory ({unit})")

@@ -37,7 +37,9 @@ class ReportFiles:
 
 
 def _plan_section(plan: Plan) -> list[str]:
-    lines = ["## Plan", ""] + [part for line in plan_caption(plan).splitlines() for part in (line, "")]  # runner-up within noise too
+    lines = ["## Plan", ""] + [
+        part for line in plan_caption(plan).splitlines() for part in (line, "")
+    ]  # runner-up within noise too
     lines += md_table(PLAN_COLUMNS, plan_rows(plan))
     lines += [f"- note: {n}" for n in plan.notes]
     return lines + [""]
@@ -65,9 +67,15 @@ def write_report(
 
     Each picture is drawn when its input is given: ``events`` → ``timeline.png``, ``memory`` →
     ``memory.png``, ``losses`` → ``loss.png``. ``summary`` adds a key/value table; ``sections``
-    ``(title, markdown lines)`` pairs after it (what ran and why); ``sample`` a text block. Usage: ``write_report("torchspan-demo", plan=plan, events=spanned.timeline(), losses=losses)``.
+    ``(title, markdown lines)`` pairs after it (what ran and why); ``sample`` a text block. Usage:
+    ``write_report("torchspan-demo", plan=plan, events=spanned.timeline(), losses=losses)``.
     """
-    out = output_folder(out_dir, name="out_dir", files=("report.md", "loss.png", "timeline.png", "memory.png"), example="report")
+    out = output_folder(
+        out_dir,
+        name="out_dir",
+        files=("report.md", "loss.png", "timeline.png", "memory.png"),
+        example="report",
+    )
     out.mkdir(parents=True, exist_ok=True)
     files = ReportFiles(report=out / "report.md")
     if losses is not None:
@@ -88,8 +96,8 @@ def write_report(
         lines += [
             "## Pipeline timeline (last step)",
             "",
-            "One lane per stage and device; blue forward, orange backward, red weight gradients (zero-bubble, merged-weights), grey transfer, hatched recompute; "
-            "numbers are micro-batches.",
+            "One lane per stage and device; blue forward, orange backward, red weight gradients "
+            "(zero-bubble, merged-weights), grey transfer, hatched recompute; numbers are micro-batches.",
             "",
             f"![pipeline timeline]({files.timeline.name})",
             "",

@@ -14,7 +14,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..hardware import Device
     from ..planner.plans import Plan
 
-__all__ = ["PLAN_COLUMNS", "DEVICE_COLUMNS", "plan_summary", "plan_caption", "plan_rows", "device_rows", "md_table"]
+__all__ = [
+    "PLAN_COLUMNS",
+    "DEVICE_COLUMNS",
+    "plan_summary",
+    "plan_caption",
+    "plan_rows",
+    "device_rows",
+    "md_table",
+]
 
 
 def md_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
@@ -74,6 +82,12 @@ def plan_rows(plan: Plan) -> list[tuple[str, ...]]:
 def device_rows(devs: Sequence[Device]) -> list[tuple[str, ...]]:
     """One row of text per device, in ``DEVICE_COLUMNS`` order."""
     return [
-        (str(d.device), d.name, format_bytes(d.total_memory), format_bytes(d.free_memory), format_bytes(d.budget))
+        (
+            str(d.device),
+            d.name,
+            format_bytes(d.total_memory),
+            format_bytes(d.free_memory),
+            format_bytes(d.budget),
+        )
         for d in devs
     ]

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from ..runtime.record import KINDS, Event
 from .canvas import check_path, pyplot, save
-from .events import check_events, lanes as lanes_of, select_step
+from .events import check_events, select_step
+from .events import lanes as lanes_of
 
 __all__ = ["timeline_png", "COLORS"]
 
@@ -35,8 +36,8 @@ def timeline_png(
 ) -> Path:
     """Draw one step of a pipeline timeline: a lane per stage/device, a block per event.
 
-    Forward, backward, weight-gradient (zero-bubble) and recompute blocks fill the lane; transfers are thin grey bars at the
-    lane's foot (on GPUs they overlap compute). ``step=None`` draws the last recorded step.
+    Forward, backward, weight-gradient (zero-bubble) and recompute blocks fill the lane; transfers are thin
+    grey bars at the lane's foot (on GPUs they overlap compute). ``step=None`` draws the last recorded step.
     Usage: ``timeline_png(spanned.timeline(), "timeline.png", title="1F1B, 2 stages")``.
     """
     evs = select_step(check_events(events), step)
@@ -59,9 +60,18 @@ def timeline_png(
             ax.broken_barh([(x, w)], (y + 0.28, 0.14), facecolors=COLORS["transfer"], edgecolor="none")
             continue
         hatch = "//" if e.kind == "recompute" else None
-        ax.broken_barh([(x, w)], (y - 0.36, 0.64), facecolors=COLORS[e.kind], edgecolor="white", linewidth=0.6, hatch=hatch)
+        ax.broken_barh(
+            [(x, w)],
+            (y - 0.36, 0.64),
+            facecolors=COLORS[e.kind],
+            edgecolor="white",
+            linewidth=0.6,
+            hatch=hatch,
+        )
         if label_microbatches and w > span_ms * 0.018:
-            ax.text(x + w / 2, y - 0.04, str(e.microbatch), ha="center", va="center", fontsize=7, color="white")
+            ax.text(
+                x + w / 2, y - 0.04, str(e.microbatch), ha="center", va="center", fontsize=7, color="white"
+            )
     ax.set_yticks(range(len(lanes)))
     ax.set_yticklabels([f"stage {s}\n{d}" for s, d in lanes])
     ax.set_ylim(len(lanes) - 0.5, -0.5)  # stage 0 on top
@@ -70,7 +80,9 @@ def timeline_png(
     ax.grid(axis="x", alpha=0.25)
     kinds = [k for k in KINDS if any(e.kind == k for e in evs)]
     ax.legend(
-        handles=[Patch(facecolor=COLORS[k], label=k, hatch="//" if k == "recompute" else None) for k in kinds],
+        handles=[
+            Patch(facecolor=COLORS[k], label=k, hatch="//" if k == "recompute" else None) for k in kinds
+        ],
         loc="upper center",
         bbox_to_anchor=(0.5, -0.35 if len(lanes) < 3 else -0.2),
         ncol=len(kinds),
@@ -78,5 +90,10 @@ def timeline_png(
         fontsize=8,
     )
     mbs = len({e.microbatch for e in evs})
-    ax.set_title(title or f"pipeline timeline, step {evs[0].step} ({len(lanes)} lane(s), {mbs} micro-batch(es); numbers are micro-batches)", fontsize=10)
+    ax.set_title(
+        title
+        or f"pipeline timeline, step {evs[0].step} ({len(lanes)} lane(s), {mbs} micro-batch(es); numbers "
+        "are micro-batches)",
+        fontsize=10,
+    )
     return save(fig, path, dpi)

@@ -8,8 +8,9 @@ settings grid), ``solver`` (the exact dynamic programme), ``explain`` (why nothi
 ``PlanError``'s text), ``stable`` (measured predictions within noise are ties, broken the same way every
 run; ``Plan.runner_up``), ``optimize`` (``search``), ``baselines``, ``spread`` (one stage per
 device), ``measured`` (predicted vs measured), ``comm`` (all-reduce and point-to-point times over
-``hardware.links``), ``topology`` (``Cluster``: nodes you describe), ``sharded`` and ``strategies`` (FSDP2, offload, the
-comparison), ``tensorparallel`` (tensor parallel x sharded) and ``cluster`` (plans on it), ``api`` (``plan``).
+``hardware.links``), ``topology`` (``Cluster``: nodes you describe), ``sharded`` and ``strategies`` (FSDP2,
+offload, the comparison), ``tensorparallel`` (tensor parallel x sharded) and ``cluster`` (plans on it),
+``api`` (``plan``).
 
 Usage::
 
@@ -17,9 +18,9 @@ Usage::
     plan = search(profile)                                      # search only (pure data)
 """
 
-from .plans import RECOMPUTE_MODES, SCHEDULES, Plan, StagePlan
+from .api import plan  # bound last: the function, not the ``plan`` submodule
 from .errors import PlanError
 from .optimize import search
-from .api import plan  # bound last: the function, not the ``plan`` submodule
+from .plans import RECOMPUTE_MODES, SCHEDULES, Plan, StagePlan
 
 __all__ = ["plan", "search", "Plan", "StagePlan", "PlanError", "SCHEDULES", "RECOMPUTE_MODES"]

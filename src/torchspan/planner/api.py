@@ -6,17 +6,18 @@ Usage::
     print(plan)                     # one row per stage, predicted step time, peak memory per device
     spanned = torchspan.span(model, plan)
 
-**Strategies**: a cluster plan weighs replicas (DDP), sharded (FSDP2), sharded + offload (states in host memory,
-the optimizer step on the CPU), pipeline, hybrid, pipeline x sharded and tensor parallel x sharded with one cost model
-(``planner.strategies``, ``planner.sharded``); ``plan.comparison`` (printed as a table, in ``to_dict()``) has each
-one's predicted step, peak memory per device and whether it fits; the winner is the plan (``plan.shard``,
-``plan.offload``), which ``span(model, plan)`` runs on every rank of a job of ``plan.world_size`` processes.
-A one-process plan stays one; when nothing fits one process, sharded + offload on its first accelerator (run by
-``span(model, plan)`` in a process group of one) is planned when it fits. ``host_memory``: one node's host memory for offloaded
-states (default: this machine's free memory for present devices, 3 x the node's accelerator memory for
-described ones). ``tp``: tensor-parallel degrees a cluster plan prices (``planner.tensorparallel``: ``"auto"``, 2,
-4 and 8 dividing the devices per node; an int fixes one, 1 prices none); ``plan.tp`` is the chosen one, run by
-``span(model, plan)`` (``runtime.ranks.tensorparallel.planned``: on fewer ranks, shrunk).
+**Strategies**: a cluster plan weighs replicas (DDP), sharded (FSDP2), sharded + offload (states in host
+memory, the optimizer step on the CPU), pipeline, hybrid, pipeline x sharded and tensor parallel x sharded
+with one cost model (``planner.strategies``, ``planner.sharded``); ``plan.comparison`` (printed as a table, in
+``to_dict()``) has each one's predicted step, peak memory per device and whether it fits; the winner is the
+plan (``plan.shard``, ``plan.offload``), which ``span(model, plan)`` runs on every rank of a job of
+``plan.world_size`` processes. A one-process plan stays one; when nothing fits one process, sharded + offload
+on its first accelerator (run by ``span(model, plan)`` in a process group of one) is planned when it fits.
+``host_memory``: one node's host memory for offloaded states (default: this machine's free memory for present
+devices, 3 x the node's accelerator memory for described ones). ``tp``: tensor-parallel degrees a cluster plan
+prices (``planner.tensorparallel``: ``"auto"``, 2, 4 and 8 dividing the devices per node; an int fixes one, 1
+prices none); ``plan.tp`` is the chosen one, run by ``span(model, plan)``
+(``runtime.ranks.tensorparallel.planned``: on fewer ranks, shrunk).
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ from torch import nn
 from ..hardware import devices as find_devices
 from ..hardware import parse_memory
 from ..profiler.costs import LayerCost, Profile
-from .errors import PlanError
-from .plans import Plan
-from .optimize import search
 from .cluster import cluster_search
-from .topology import Cluster
+from .errors import PlanError
+from .optimize import search
+from .plans import Plan
 from .ties import TieCost
+from .topology import Cluster
 
 __all__ = ["plan", "recompute_alias"]
 
@@ -66,12 +67,12 @@ def plan(
     ``example_inputs``: one training batch (a tensor, a tuple of forward arguments, or a dict of
     keyword arguments such as ``{"input_ids": ids, "use_cache": False}``; dim 0 is the batch). The
     plan places ``torchspan.layers.model_layers`` (blocks by qualified name, e.g. ``transformer.h.3``),
-    and ``span(model, plan)`` accepts it for the same model. ``devices``/``memory``: as ``torchspan.devices`` (described devices such as
-    ``"a100-40gb*2,cpu"`` are planned from FLOP estimates). ``microbatches`` (int or ``"auto"``),
-    ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"zero-bubble"``, ``"merged-weights"``, ``"auto"``: 1F1B or
-    merged-weights, whichever is predicted faster within the budgets), ``recompute`` (``"never"``,
-    ``"except_last"``, ``"always"``, ``"auto"``; activation recompute): fix a setting or let the search
-    choose. ``checkpoint=``: the old name of ``recompute=`` (a ``FutureWarning``).
+    and ``span(model, plan)`` accepts it for the same model. ``devices``/``memory``: as ``torchspan.devices``
+    (described devices such as ``"a100-40gb*2,cpu"`` are planned from FLOP estimates). ``microbatches`` (int
+    or ``"auto"``), ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"zero-bubble"``, ``"merged-weights"``,
+    ``"auto"``: 1F1B or merged-weights, whichever is predicted faster within the budgets), ``recompute``
+    (``"never"``, ``"except_last"``, ``"always"``, ``"auto"``; activation recompute): fix a setting or let the
+    search choose. ``checkpoint=``: the old name of ``recompute=`` (a ``FutureWarning``).
     ``optimizer`` sizes optimizer state (e.g. ``"sgd"``, ``"adam"``).
 
     Raises ``PlanError`` (a ``ValueError``) when nothing fits, with needed vs available memory per
@@ -89,9 +90,15 @@ def plan(
 
     recompute = recompute_alias(recompute, checkpoint, "auto")
     devs = find_devices(devices, memory)
-    one_process = (nodes is None or nodes == 1) and intra_link is None and data_parallel == "auto" and tp in ("auto", 1)
+    one_process = (
+        (nodes is None or nodes == 1) and intra_link is None and data_parallel == "auto" and tp in ("auto", 1)
+    )
     # the cluster is checked before the (slow) profile
-    cluster = None if one_process else Cluster.describe(devs, nodes or 1, intra=intra_link, interconnect=interconnect)
+    cluster = (
+        None
+        if one_process
+        else Cluster.describe(devs, nodes or 1, intra=intra_link, interconnect=interconnect)
+    )
     host = None if host_memory is None else parse_memory(host_memory, name="host_memory")
     prof = profile(model, example_inputs, devs, optimizer=optimizer, dtype=dtype)
     ties = tie_costs(model, [lay.name for lay in prof.layers])
@@ -112,10 +119,13 @@ def _search(
     data_parallel: int | str,
     tp: int | str,
 ) -> Plan:
-    """One process (``cluster`` None): ``search``, or sharded + offload when nothing else fits; else ``cluster_search``."""
+    """One process (``cluster`` None): ``search``, or sharded + offload when nothing else fits; else
+    ``cluster_search``."""
     if cluster is None:
         try:
-            result = search(prof, microbatches=microbatches, schedule=schedule, recompute=recompute, ties=ties)
+            result = search(
+                prof, microbatches=microbatches, schedule=schedule, recompute=recompute, ties=ties
+            )
         except PlanError as exc:
             offloaded = offload_one_process(prof, exc, ties, host, microbatches, schedule, recompute)
             if offloaded is None:
@@ -123,47 +133,74 @@ def _search(
             result = offloaded
     else:
         result = cluster_search(
-            prof, cluster, microbatches=microbatches, schedule=schedule, recompute=recompute, data_parallel=data_parallel,
-            ties=ties, host_memory=host, tp=tp,
-        )  # fmt: skip
+            prof,
+            cluster,
+            microbatches=microbatches,
+            schedule=schedule,
+            recompute=recompute,
+            data_parallel=data_parallel,
+            ties=ties,
+            host_memory=host,
+            tp=tp,
+        )
     return result
 
 
 def offload_one_process(
-    prof: Profile, error: PlanError, ties: list[TieCost], host_memory: float | None, microbatches: int | str, schedule: str,
+    prof: Profile,
+    error: PlanError,
+    ties: list[TieCost],
+    host_memory: float | None,
+    microbatches: int | str,
+    schedule: str,
     recompute: str,
 ) -> Plan | None:
-    """When nothing fits one process: sharded + offload on ``prof``'s first accelerator (world size 1: its states in
-    host memory, only the gathered layers and activations on the device), or ``None`` when there is none or it does
-    not fit either (the caller raises ``error``)."""
+    """When nothing fits one process: sharded + offload on ``prof``'s first accelerator (world size 1: its
+    states in host memory, only the gathered layers and activations on the device), or ``None`` when there is
+    none or it does not fit either (the caller raises ``error``)."""
     first = next((d for d, dev in enumerate(prof.devices) if dev.kind not in ("cpu", "meta")), None)
     if first is None:
         return None
-    one = dataclasses.replace(prof, devices=[prof.devices[first]], layers=[_only(lay, first) for lay in prof.layers])
+    one = dataclasses.replace(
+        prof, devices=[prof.devices[first]], layers=[_only(lay, first) for lay in prof.layers]
+    )
     try:
         result = cluster_search(
-            one, Cluster.describe(one.devices, 1), microbatches=microbatches, schedule=schedule, recompute=recompute,
-            data_parallel=1, ties=ties, host_memory=host_memory,
-        )  # fmt: skip
+            one,
+            Cluster.describe(one.devices, 1),
+            microbatches=microbatches,
+            schedule=schedule,
+            recompute=recompute,
+            data_parallel=1,
+            ties=ties,
+            host_memory=host_memory,
+        )
     except (PlanError, ValueError):
         return None
     if not result.offload:
         return None
     summary = str(error).splitlines()[0]
-    result.notes.insert(0, (
-        f"nothing fits one process ({summary}); sharded + offload on {one.devices[0].device} does: span(model, plan) runs "
-        "it in a process group of one (in a plain process, or torchspan launch --nproc-per-node 1 train.py)"
-    ))  # fmt: skip
+    result.notes.insert(
+        0,
+        (
+            f"nothing fits one process ({summary}); sharded + offload on {one.devices[0].device} does: "
+            "span(model, plan) runs it in a process group of one (in a plain process, or torchspan launch "
+            "--nproc-per-node 1 train.py)"
+        ),
+    )
     return result
 
 
 def _only(lay: LayerCost, d: int) -> LayerCost:
     """``lay`` with the times of device ``d`` alone."""
     return dataclasses.replace(
-        lay, forward_fixed=[lay.forward_fixed[d]], forward_per_sample=[lay.forward_per_sample[d]],
-        backward_fixed=[lay.backward_fixed[d]], backward_per_sample=[lay.backward_per_sample[d]],
+        lay,
+        forward_fixed=[lay.forward_fixed[d]],
+        forward_per_sample=[lay.forward_per_sample[d]],
+        backward_fixed=[lay.backward_fixed[d]],
+        backward_per_sample=[lay.backward_per_sample[d]],
         time_source=[lay.time_source[d]] if lay.time_source else [],
-    )  # fmt: skip
+    )
 
 
 def recompute_alias(recompute: str, checkpoint: str | None, default: str) -> str:
@@ -188,7 +225,8 @@ def recompute_alias(recompute: str, checkpoint: str | None, default: str) -> str
 
 
 def tie_costs(model: nn.Module, layer_names: list[str]) -> list[TieCost]:
-    """Each Parameter two or more of ``layer_names`` hold, as the cost models take it (structural ties only)."""
+    """Each Parameter two or more of ``layer_names`` hold, as the cost models take it (structural ties
+    only)."""
     names = sorted(layer_names, key=len, reverse=True)  # longest first: the finest layer holding a name
     order = {n: i for i, n in enumerate(layer_names)}
     groups: dict[int, tuple[nn.Parameter, list[str]]] = {}
@@ -198,15 +236,21 @@ def tie_costs(model: nn.Module, layer_names: list[str]) -> list[TieCost]:
     for param, qualified in groups.values():
         held = {next((n for n in names if q == n or q.startswith(n + ".")), None) for q in qualified} - {None}
         if len(held) >= 2:
-            out.append(TieCost(qualified[0], tuple(sorted(order[n] for n in held)), param.numel() * param.element_size()))  # type: ignore[index]
+            out.append(
+                TieCost(
+                    qualified[0], tuple(sorted(order[n] for n in held)), param.numel() * param.element_size()
+                )
+            )  # type: ignore[index]
     return sorted(out, key=lambda t: (t.layers, t.name))
 
 
 def record_ties(result: Plan, model: nn.Module) -> None:
-    """Fill ``result.ties``: each Parameter that two or more of the plan's layers hold (GPT-2's ``transformer.wte.weight``
-    is ``lm_head.weight``), with those layers, their stages and its bytes; a tie split across stages also gets a note.
+    """Fill ``result.ties``: each Parameter that two or more of the plan's layers hold (GPT-2's
+    ``transformer.wte.weight`` is ``lm_head.weight``), with those layers, their stages and its bytes; a tie
+    split across stages also gets a note.
 
-    Structural ties only (the same Parameter under several qualified names); the runtime finds the rest when built.
+    Structural ties only (the same Parameter under several qualified names); the runtime finds the rest when
+    built.
     """
     names = sorted(result.layers, key=len, reverse=True)  # longest first: the finest layer holding a name
 
@@ -226,7 +270,7 @@ def record_ties(result: Plan, model: nn.Module) -> None:
         result.ties.append({"name": qualified[0], "layers": layers, "stages": stages, "bytes": nbytes})
         if len(stages) > 1:
             result.notes.append(
-                f"tied parameter {qualified[0]} is used on stages {', '.join(map(str, stages))} ({', '.join(layers)}): "
-                f"span keeps a copy on each device and sums its gradients ({nbytes:,} bytes per copy); "
-                "put those layers on one stage to avoid it"
+                f"tied parameter {qualified[0]} is used on stages {', '.join(map(str, stages))} "
+                f"({', '.join(layers)}): span keeps a copy on each device and sums its gradients "
+                f"({nbytes:,} bytes per copy); put those layers on one stage to avoid it"
             )

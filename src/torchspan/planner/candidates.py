@@ -31,7 +31,17 @@ from .topology import Cluster
 
 Reduce = Callable[[float, int, Link], float]  # (bytes, ranks, link) -> seconds, as comm.allreduce_time
 
-__all__ = ["ClusterCandidate", "Reduction", "evaluate_cluster", "even_cut", "stage_reductions", "slowest_hop", "leads", "strategy_of"]
+__all__ = [
+    "ClusterCandidate",
+    "Reduction",
+    "evaluate_cluster",
+    "even_cut",
+    "stage_reductions",
+    "slowest_hop",
+    "leads",
+    "strategy_of",
+]
+
 
 @dataclass(frozen=True)
 class Reduction:
@@ -48,9 +58,10 @@ class Reduction:
 
 
 def strategy_of(dp: int, pp: int, shard: bool = False, offload: str | None = None, tp: int = 1) -> str:
-    """The strategy a data x pipeline choice is: ``replicas``, ``sharded``, ``sharded + offload``, ``pipeline``,
-    ``hybrid`` (pipeline x replicas), ``pipeline x sharded`` or, each layer split over ``tp > 1`` ranks,
-    ``tensor parallel x sharded`` (``planner.strategies.STRATEGIES``, ``planner.tensorparallel``)."""
+    """The strategy a data x pipeline choice is: ``replicas``, ``sharded``, ``sharded + offload``,
+    ``pipeline``, ``hybrid`` (pipeline x replicas), ``pipeline x sharded`` or, each layer split over ``tp >
+    1`` ranks, ``tensor parallel x sharded`` (``planner.strategies.STRATEGIES``,
+    ``planner.tensorparallel``)."""
     if tp > 1:
         return "tensor parallel x sharded"
     if pp == 1:
@@ -62,13 +73,15 @@ def strategy_of(dp: int, pp: int, shard: bool = False, offload: str | None = Non
 
 @dataclass(frozen=True)
 class ClusterCandidate:
-    """One data x pipeline choice and its predicted step: ``step = compute + p2p + allreduce + ties + optimizer + tp_comm``.
+    """One data x pipeline choice and its predicted step: ``step = compute + p2p + allreduce + ties +
+    optimizer + tp_comm``.
 
-    Sharded (``shard``): ``allreduce`` is every collective the step waits for (all-gathers and reduce-scatters,
-    with offload their host copies too), ``memory`` one rank's device bytes per stage, ``host`` the host bytes of
-    one node (offload), ``optimizer`` the CPU optimizer step (offload), ``totals`` the collectives in full.
-    Tensor parallel (``tp > 1``, ``planner.tensorparallel``): ``dp`` replicas of ``tp`` ranks each, ``stage_ranks``
-    one row of every rank (replica ``r``: ``row[r * tp:(r + 1) * tp]``), ``tp_comm`` its all-reduces (not overlapped).
+    Sharded (``shard``): ``allreduce`` is every collective the step waits for (all-gathers and
+    reduce-scatters, with offload their host copies too), ``memory`` one rank's device bytes per stage,
+    ``host`` the host bytes of one node (offload), ``optimizer`` the CPU optimizer step (offload), ``totals``
+    the collectives in full. Tensor parallel (``tp > 1``, ``planner.tensorparallel``): ``dp`` replicas of
+    ``tp`` ranks each, ``stage_ranks`` one row of every rank (replica ``r``: ``row[r * tp:(r + 1) * tp]``),
+    ``tp_comm`` its all-reduces (not overlapped).
     """
 
     dp: int
@@ -82,13 +95,17 @@ class ClusterCandidate:
     links: tuple[str, ...]  # per boundary: the link key its hand-overs use
     reductions: tuple[Reduction, ...]  # per stage
     ties: float = 0.0  # exposed beyond ``allreduce``: the tied parameters' all-reduces (split ties only)
-    tie_reductions: tuple[tuple[TieCost, int, Reduction], ...] = ()  # (tie, ranks in its group, its all-reduce)
+    tie_reductions: tuple[
+        tuple[TieCost, int, Reduction], ...
+    ] = ()  # (tie, ranks in its group, its all-reduce)
     shard: bool = False
     offload: str | None = None
     memory: tuple[StageMemory, ...] = ()  # sharded: one rank's device bytes per stage (else the evaluation's)
     host: int = 0  # offload: bytes in one node's host memory
     optimizer: float = 0.0  # offload: the optimizer step on the CPU, exposed
-    totals: tuple[tuple[str, float], ...] = ()  # sharded: ("allgather_total", s), ("reduce_scatter_total", s), ...
+    totals: tuple[
+        tuple[str, float], ...
+    ] = ()  # sharded: ("allgather_total", s), ("reduce_scatter_total", s), ...
     fits: bool = True
     why: str = ""  # when it does not fit: what is over its budget
     tp: int = 1  # ranks each layer is split over (tensor parallel), within a node
@@ -118,7 +135,8 @@ class ClusterCandidate:
 
     @property
     def allreduce_total(self) -> float:
-        """The longest stage's all-reduce, were none of it hidden (stages reduce at once, on disjoint ranks)."""
+        """The longest stage's all-reduce, were none of it hidden (stages reduce at once, on disjoint
+        ranks)."""
         return max(r.seconds for r in self.reductions)
 
     @property
@@ -129,12 +147,29 @@ class ClusterCandidate:
     def times(self) -> dict[str, float]:
         """The step split (``Plan.predicted_times``): the parts not named ``*_total`` add up to ``step``."""
         if self.tp > 1:
-            return {"compute": self.compute, "tp_allreduce": self.tp_comm, "collectives": self.allreduce, **dict(self.totals),
-                    "p2p": self.p2p, "ties": self.ties}  # fmt: skip
+            return {
+                "compute": self.compute,
+                "tp_allreduce": self.tp_comm,
+                "collectives": self.allreduce,
+                **dict(self.totals),
+                "p2p": self.p2p,
+                "ties": self.ties,
+            }
         if not self.shard:
-            return {"compute": self.compute, "allreduce": self.allreduce, "allreduce_total": self.allreduce_total,
-                    "p2p": self.p2p, "ties": self.ties}  # fmt: skip
-        out = {"compute": self.compute, "collectives": self.allreduce, **dict(self.totals), "p2p": self.p2p, "ties": self.ties}
+            return {
+                "compute": self.compute,
+                "allreduce": self.allreduce,
+                "allreduce_total": self.allreduce_total,
+                "p2p": self.p2p,
+                "ties": self.ties,
+            }
+        out = {
+            "compute": self.compute,
+            "collectives": self.allreduce,
+            **dict(self.totals),
+            "p2p": self.p2p,
+            "ties": self.ties,
+        }
         if self.offload:
             out["optimizer_cpu"] = self.optimizer
         return out
@@ -149,21 +184,31 @@ class ClusterCandidate:
         else:
             comm = f"all-reduce {self.allreduce * 1e3:.3f} exposed (of {self.allreduce_total * 1e3:.3f})"
         return (
-            head + f"step {self.step * 1e3:.3f} ms = compute {self.compute * 1e3:.3f}"
-            + (f" + tp all-reduces {self.tp_comm * 1e3:.3f}" if self.tp > 1 else "") + f" + {comm} + p2p {self.p2p * 1e3:.3f}"
+            head
+            + f"step {self.step * 1e3:.3f} ms = compute {self.compute * 1e3:.3f}"
+            + (f" + tp all-reduces {self.tp_comm * 1e3:.3f}" if self.tp > 1 else "")
+            + f" + {comm} + p2p {self.p2p * 1e3:.3f}"
             + (f" + ties {self.ties * 1e3:.3f}" if self.tie_reductions else "")
             + (f" + CPU optimizer {self.optimizer * 1e3:.3f}" if self.offload else "")
-            + f"; memory per stage {mem}" + (f", host {format_bytes(self.host)} per node" if self.offload else "")
+            + f"; memory per stage {mem}"
+            + (f", host {format_bytes(self.host)} per node" if self.offload else "")
         )
 
 
 def evaluate_cluster(
-    cm: CostModel, ev: Evaluation, cluster: Cluster, stage_ranks: list[list[int]], layout: str, bucket_bytes: float = BUCKET_BYTES,
-    ties: Sequence[TieCost] = (), reduce: Reduce = allreduce_time,
+    cm: CostModel,
+    ev: Evaluation,
+    cluster: Cluster,
+    stage_ranks: list[list[int]],
+    layout: str,
+    bucket_bytes: float = BUCKET_BYTES,
+    ties: Sequence[TieCost] = (),
+    reduce: Reduce = allreduce_time,
 ) -> ClusterCandidate:
-    """Predict a replica placement ``ev`` (under ``cm``, hand-overs free) on ``cluster`` (``planner.cluster``'s docstring).
-    ``ties``: tied parameters, all-reduced in their own group where ``ev`` splits them. ``reduce``: how a stage's
-    gradients are reduced over its replicas (``comm.reduce_scatter_time`` for a sharded stage).
+    """Predict a replica placement ``ev`` (under ``cm``, hand-overs free) on ``cluster``
+    (``planner.cluster``'s docstring). ``ties``: tied parameters, all-reduced in their own group where ``ev``
+    splits them. ``reduce``: how a stage's gradients are reduced over its replicas
+    (``comm.reduce_scatter_time`` for a sharded stage).
 
     Usage: ``evaluate_cluster(cm, cm.evaluate(stages), cluster, [[0, 1]], "pipelines-in-node").step``.
     """
@@ -181,7 +226,9 @@ def evaluate_cluster(
     pipeline = base + c_in + sum(hand) + (M - 1) * max([ev.bottleneck, c_in, *hand])
     split = [(t, split_stages(t, ev.stages)) for t in ties]
     split = [(t, st) for t, st in split if len(st) > 1]
-    reductions = stage_reductions(cm, ev, cluster, stage_ranks, [h / 2 for h in hand], bucket_bytes, [t for t, _ in split], reduce)
+    reductions = stage_reductions(
+        cm, ev, cluster, stage_ranks, [h / 2 for h in hand], bucket_bytes, [t for t, _ in split], reduce
+    )
     exposed = max(0.0, *(r.end for r in reductions))
     lead = leads(cm, ev, [h / 2 for h in hand])
     tied = []
@@ -191,9 +238,20 @@ def evaluate_cluster(
         seconds = allreduce_time(float(tie.nbytes), len(ranks), link)
         tied.append((tie, len(ranks), Reduction(link.key, seconds, 1, seconds - min(lead[s] for s in held))))
     beyond = max(exposed, *(r.end for _, _, r in tied)) - exposed if tied else 0.0
-    return ClusterCandidate(dp=len(stage_ranks[0]), layout=layout, stage_ranks=stage_ranks, cm=cm, evaluation=ev,
-                            compute=compute, p2p=pipeline - compute, allreduce=exposed, links=tuple(link_keys),
-                            reductions=tuple(reductions), ties=beyond, tie_reductions=tuple(tied))  # fmt: skip
+    return ClusterCandidate(
+        dp=len(stage_ranks[0]),
+        layout=layout,
+        stage_ranks=stage_ranks,
+        cm=cm,
+        evaluation=ev,
+        compute=compute,
+        p2p=pipeline - compute,
+        allreduce=exposed,
+        links=tuple(link_keys),
+        reductions=tuple(reductions),
+        ties=beyond,
+        tie_reductions=tuple(tied),
+    )
 
 
 def leads(cm: CostModel, ev: Evaluation, back: list[float]) -> list[float]:
@@ -207,8 +265,14 @@ def leads(cm: CostModel, ev: Evaluation, back: list[float]) -> list[float]:
 
 
 def stage_reductions(
-    cm: CostModel, ev: Evaluation, cluster: Cluster, stage_ranks: list[list[int]], back: list[float], bucket_bytes: float = BUCKET_BYTES,
-    split: Sequence[TieCost] = (), reduce: Reduce = allreduce_time,
+    cm: CostModel,
+    ev: Evaluation,
+    cluster: Cluster,
+    stage_ranks: list[list[int]],
+    back: list[float],
+    bucket_bytes: float = BUCKET_BYTES,
+    split: Sequence[TieCost] = (),
+    reduce: Reduce = allreduce_time,
 ) -> list[Reduction]:
     """Each stage's gradient all-reduce and when it ends after the last backward (see the module docstring).
 
@@ -222,7 +286,9 @@ def stage_reductions(
     lead = 0.0  # how long before stage 0 this stage ran its last backward
     for s, stage in enumerate(ev.stages):
         link = cluster.link(stage_ranks[s])
-        own = float(ev.memory[s].grads) - sum(t.nbytes for t in split if stage.start <= t.layers[0] < stage.end)
+        own = float(ev.memory[s].grads) - sum(
+            t.nbytes for t in split if stage.start <= t.layers[0] < stage.end
+        )
         ready, sizes = _bucket_ready(cm, stage, bucket_bytes) if S == 1 else ([0.0], [max(0.0, own)])
         seconds = [reduce(b, dp, link) for b in sizes]
         end = finish_time([r - lead for r in ready], seconds)
@@ -234,7 +300,8 @@ def stage_reductions(
 
 def _bucket_ready(cm: CostModel, stage: Stage, cap: float) -> tuple[list[float], list[float]]:
     """``(ready, bytes)`` of a stage's DDP buckets: layers' gradients in reverse order, a bucket ready when
-    the backward of its last layer ended, in seconds relative to the end of the stage's backward (``<= 0``)."""
+    the backward of its last layer ended, in seconds relative to the end of the stage's backward (``<=
+    0``)."""
     d, layers = stage.device, range(stage.end - 1, stage.start - 1, -1)
     grads = [float(cm.profile.layers[i].grad_bytes) for i in layers]
     ready, sizes = [], []
@@ -263,7 +330,9 @@ def even_cut(cm: CostModel, stages: int) -> Evaluation | None:
     best[L] = 0.0  # nothing left after the last stage
     choice = []
     for s in range(stages - 1, -1, -1):
-        mem = np.where(ok, cm.memory_total(np.where(ok, i, 0), np.where(ok, j, 1), cm.in_flight(s, stages)), INF)
+        mem = np.where(
+            ok, cm.memory_total(np.where(ok, i, 0), np.where(ok, j, 1), cm.in_flight(s, stages)), INF
+        )
         value = np.where(mem <= cm.capacity[0], np.maximum(cost, best[None, :]), INF)
         choice.append(value.argmin(axis=1))
         best = value.min(axis=1)
@@ -281,5 +350,3 @@ def slowest_hop(cluster: Cluster, here: list[int], there: list[int]) -> Link:
     """The slowest link between stage ``s`` and ``s + 1`` over all replicas (they move in step)."""
     crosses = any(cluster.node_of(a) != cluster.node_of(b) for a, b in zip(here, there))
     return cluster.inter if crosses else cluster.intra
-
-

@@ -3,7 +3,8 @@
 Usage::
 
     cluster = Cluster.describe(profile.devices, nodes=2, interconnect="ib-400g")   # profile of ONE node
-    plan = cluster_search(profile, cluster)            # plan.data_parallel, plan.stage_ranks, plan.predicted_times
+    # plan.data_parallel, plan.stage_ranks, plan.predicted_times
+    plan = cluster_search(profile, cluster)
 
 What is searched: every data-parallel degree ``dp`` with ``dp * pp = nodes * per_node`` (the world
 size; ``pp <= layers``, ``dp <= batch``), both ``cluster.layouts``, and for each the pipeline cut,
@@ -64,27 +65,46 @@ from collections.abc import Sequence
 from ..hardware.links import Link
 from ..profiler.costs import Profile
 from .candidates import ClusterCandidate, Reduction, evaluate_cluster, even_cut, slowest_hop, stage_reductions
+from .clusterplan import to_plan
 from .comm import BUCKET_BYTES
+from .comparison import compare, reasons, unfitting
 from .cost import CostModel
 from .errors import PlanError
-from .topology import Cluster, layouts, replica_profile, shard_size
 from .optimize import search
 from .plans import Plan, StagePlan
 from .settings import settings_grid, sharded_schedule
 from .stages import Evaluation
-from .comparison import compare, reasons, unfitting
 from .strategies import (
-    TP, Host, Options, choose, host_of, replica_settings, sharded_pipeline, sharded_profile, sharded_replicas,
-)  # fmt: skip
+    TP,
+    Host,
+    Options,
+    choose,
+    host_of,
+    replica_settings,
+    sharded_pipeline,
+    sharded_profile,
+    sharded_replicas,
+)
 from .tensorparallel import tp_candidates, tp_degrees
 from .ties import TieCost
-from .clusterplan import to_plan
+from .topology import Cluster, layouts, replica_profile, shard_size
 
-__all__ = ["ClusterCandidate", "Reduction", "cluster_search", "evaluate_cluster", "even_cut", "stage_reductions", "world_splits"]
+__all__ = [
+    "ClusterCandidate",
+    "Reduction",
+    "cluster_search",
+    "evaluate_cluster",
+    "even_cut",
+    "stage_reductions",
+    "world_splits",
+]
 
 
-def world_splits(world: int, layers: int, batch_size: int, data_parallel: int | str = "auto") -> list[tuple[int, int]]:
-    """``(dp, pp)`` pairs with ``dp * pp == world``, ``pp <= layers`` and ``dp <= batch_size``, widest dp first.
+def world_splits(
+    world: int, layers: int, batch_size: int, data_parallel: int | str = "auto"
+) -> list[tuple[int, int]]:
+    """``(dp, pp)`` pairs with ``dp * pp == world``, ``pp <= layers`` and ``dp <= batch_size``, widest dp
+    first.
 
     Raises ``ValueError`` naming the equation when a fixed ``data_parallel`` does not divide the world.
     """
@@ -94,17 +114,18 @@ def world_splits(world: int, layers: int, batch_size: int, data_parallel: int | 
         raise ValueError(f"data_parallel={data_parallel!r} must be 'auto' or an int >= 1")
     elif world % data_parallel:
         raise ValueError(
-            f"data_parallel={data_parallel} does not divide the world size: nodes * devices per node = {world} "
-            f"= data_parallel * pipeline stages has no whole number of stages; use a divisor of {world}"
+            f"data_parallel={data_parallel} does not divide the world size: nodes * devices per node = "
+            f"{world} = data_parallel * pipeline stages has no whole number of stages; use a divisor of "
+            f"{world}"
         )
     else:
         dps = [data_parallel]
     out = [(d, world // d) for d in dps if world // d <= layers and d <= batch_size]
     if not out:
         raise ValueError(
-            f"no data x pipeline split of {world} ranks fits: data_parallel must be <= the batch ({batch_size}) "
-            f"and world / data_parallel <= the layers ({layers}); data_parallel={data_parallel!r}. "
-            "Use a larger batch, fewer nodes or fewer devices per node"
+            f"no data x pipeline split of {world} ranks fits: data_parallel must be <= the batch "
+            f"({batch_size}) and world / data_parallel <= the layers ({layers}); "
+            f"data_parallel={data_parallel!r}. Use a larger batch, fewer nodes or fewer devices per node"
         )
     return out
 
@@ -123,14 +144,14 @@ def cluster_search(
     tp: int | str = "auto",
 ) -> Plan:
     """The fastest plan of ``profile`` (one node's devices) on ``cluster`` among every strategy
-    (``planner.strategies``: replicas, sharded, sharded + offload, pipeline, hybrid, pipeline x sharded, tensor
-    parallel x sharded).
+    (``planner.strategies``: replicas, sharded, sharded + offload, pipeline, hybrid, pipeline x sharded,
+    tensor parallel x sharded).
 
     ``bucket_bytes``: the data-parallel runtime's gradient bucket (``DataParallelReplica``'s 25 MiB).
     ``ties``: tied parameters (``planner.ties``), all-reduced per step where a candidate splits them.
     ``host_memory``: bytes of one node's host memory for offloaded states (``strategies.host_of``'s default).
-    ``tp``: the tensor-parallel degrees priced (``planner.tensorparallel``): ``"auto"`` (2, 4, 8 dividing the devices
-    per node), an int to fix one, 1 for none.
+    ``tp``: the tensor-parallel degrees priced (``planner.tensorparallel``): ``"auto"`` (2, 4, 8 dividing the
+    devices per node), an int to fix one, 1 for none.
     ``plan.comparison`` holds each strategy's best, whether it fits and why the chosen one.
 
     Usage: ``cluster_search(profile, Cluster.describe(profile.devices, nodes=2))``. Raises ``PlanError``
@@ -146,13 +167,21 @@ def cluster_search(
     opts = Options(microbatches, schedule, recompute, bucket_bytes, tuple(ties))
     host = host_of(cluster, host_memory) if cluster.device.kind != "cpu" else None
     candidates, probes, skipped, last_error = _per_split(profile, cluster, splits, opts, host)
-    split = tp_candidates(profile, cluster, setting=next(iter(replica_settings(microbatches, schedule, recompute)), None),
-                          ties=ties, data_parallel=data_parallel, tp=tp)  # fmt: skip
+    split = tp_candidates(
+        profile,
+        cluster,
+        setting=next(iter(replica_settings(microbatches, schedule, recompute)), None),
+        ties=ties,
+        data_parallel=data_parallel,
+        tp=tp,
+    )
     candidates += [c for c in split[0] if c.fits]
     probes += [c for c in split[0] if not c.fits]
     probes += unfitting(profile, cluster, splits, candidates, opts)
     best = choose(candidates) if candidates else None
-    rows = compare([*candidates, *probes], best, {**reasons(cluster, profile, splits, opts), TP: split[1]}, host)
+    rows = compare(
+        [*candidates, *probes], best, {**reasons(cluster, profile, splits, opts), TP: split[1]}, host
+    )
     if best is None:
         raise _no_fit(cluster, splits, rows, skipped, last_error)
     return to_plan(best, candidates, skipped, cluster, profile.batch_size, bucket_bytes, ties, rows, host)
@@ -161,8 +190,8 @@ def cluster_search(
 def _per_split(
     profile: Profile, cluster: Cluster, splits: list[tuple[int, int]], opts: Options, host: Host | None
 ) -> tuple[list[ClusterCandidate], list[ClusterCandidate], list[str], PlanError | None]:
-    """Every split's fitting candidates, the sharded replicas that do not fit (probes), the splits skipped and why,
-    and the last memory error met (``cluster_search``'s loop over ``world_splits``)."""
+    """Every split's fitting candidates, the sharded replicas that do not fit (probes), the splits skipped and
+    why, and the last memory error met (``cluster_search``'s loop over ``world_splits``)."""
     microbatches, schedule, recompute, ties = opts.microbatches, opts.schedule, opts.recompute, opts.ties
     candidates: list[ClusterCandidate] = []
     probes: list[ClusterCandidate] = []
@@ -171,7 +200,9 @@ def _per_split(
     for dp, pp in splits:
         b = shard_size(profile.batch_size, dp)
         if isinstance(microbatches, int) and microbatches > b:
-            skipped.append(f"dp {dp} x pp {pp}: {microbatches} micro-batches exceed the {b}-sample replica batch")
+            skipped.append(
+                f"dp {dp} x pp {pp}: {microbatches} micro-batches exceed the {b}-sample replica batch"
+            )
             continue
         for shard in (False, True) if dp > 1 and pp > 1 else (False,):
             found, why, error = _split(profile, cluster, dp, pp, opts, shard)
@@ -187,17 +218,23 @@ def _per_split(
 
 
 def _no_fit(
-    cluster: Cluster, splits: list[tuple[int, int]], rows: list[dict[str, object]], skipped: list[str], last_error: PlanError | None
+    cluster: Cluster,
+    splits: list[tuple[int, int]],
+    rows: list[dict[str, object]],
+    skipped: list[str],
+    last_error: PlanError | None,
 ) -> Exception:
-    """Why ``cluster_search`` found nothing: ``PlanError`` when memory stopped every split, else ``ValueError``."""
+    """Why ``cluster_search`` found nothing: ``PlanError`` when memory stopped every split, else
+    ``ValueError``."""
     table = "\n".join(Plan([StagePlan("cpu", ["-"])], comparison=rows).comparison_lines())
     if last_error is not None and all("does not fit" in s for s in skipped):
         return PlanError(
-            f"no strategy fits {cluster.world} ranks: even {splits[-1][1]} stage(s) per replica, sharded or offloaded, "
-            f"need more memory than a device has.\n{table}\n{last_error}"
+            f"no strategy fits {cluster.world} ranks: even {splits[-1][1]} stage(s) per replica, sharded "
+            f"or offloaded, need more memory than a device has.\n{table}\n{last_error}"
         )
     return ValueError(
-        f"no data x pipeline split of {cluster.world} ranks fills the world: " + "; ".join(skipped)
+        f"no data x pipeline split of {cluster.world} ranks fills the world: "
+        + "; ".join(skipped)
         + ". Use fewer devices per node or nodes, or a larger batch"
     )
 
@@ -205,8 +242,9 @@ def _no_fit(
 def _split(
     profile: Profile, cluster: Cluster, dp: int, pp: int, opts: Options, shard: bool
 ) -> tuple[list[ClusterCandidate], list[str], PlanError | None]:
-    """``(candidates, skipped, error)`` of one split ``dp x pp`` over its layouts: the replica's cut searched within
-    the budgets (``shard``: each stage's states sharded over its ``dp`` replicas, ``strategies.sharded_profile``)."""
+    """``(candidates, skipped, error)`` of one split ``dp x pp`` over its layouts: the replica's cut searched
+    within the budgets (``shard``: each stage's states sharded over its ``dp`` replicas,
+    ``strategies.sharded_profile``)."""
     b = shard_size(profile.batch_size, dp)
     shape = (lambda p: sharded_profile(p, dp)) if shard else (lambda p: p)
     plain = replica_profile(profile, pp, b)
@@ -226,7 +264,9 @@ def _split(
     for layout, ranks in layouts(dp, pp):
         priced = shape(replica_profile(profile, pp, b, _stage_link(cluster, ranks).effective_bandwidth))
         try:
-            chosen = search(priced, microbatches=opts.microbatches, schedule=opts.schedule, recompute=opts.recompute)
+            chosen = search(
+                priced, microbatches=opts.microbatches, schedule=opts.schedule, recompute=opts.recompute
+            )
         except PlanError as exc:
             skipped.append(f"dp {dp} x pp {pp} ({layout}): a {pp}-stage {what}replica does not fit")
             return out, skipped, exc  # the other layout has the same memory
@@ -234,12 +274,18 @@ def _split(
             cm = CostModel(compute_only, chosen.microbatches, chosen.schedule, chosen.recompute)
             out.append(finish(cm, cm.evaluate(cm.stages_for(chosen)), ranks, layout))
             continue
-        # the replica's best pipeline leaves devices idle: cut it into exactly pp stages instead. One stage is a
-        # data-parallel replica (DataParallelReplica): it runs its shard as one batch, without recompute
-        grid = settings_grid(b, opts.microbatches, opts.schedule, opts.recompute) if pp > 1 else replica_settings(
-            opts.microbatches, opts.schedule, opts.recompute)  # fmt: skip
+        # the replica's best pipeline leaves devices idle: cut it into exactly pp stages instead. One stage is
+        # a data-parallel replica (DataParallelReplica): it runs its shard as one batch, without recompute
+        grid = (
+            settings_grid(b, opts.microbatches, opts.schedule, opts.recompute)
+            if pp > 1
+            else replica_settings(opts.microbatches, opts.schedule, opts.recompute)
+        )
         if not grid:
-            skipped.append(f"dp {dp} x pp 1: a data-parallel replica runs its shard as one batch (microbatches=1, recompute='never')")
+            skipped.append(
+                f"dp {dp} x pp 1: a data-parallel replica runs its shard as one batch (microbatches=1, "
+                "recompute='never')"
+            )
             continue
         forced = [
             finish(cm, ev, ranks, layout)

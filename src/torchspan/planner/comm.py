@@ -37,9 +37,21 @@ from collections.abc import Sequence
 
 from ..hardware.links import Link
 
-__all__ = ["BUCKET_BYTES", "allgather_time", "allreduce_time", "reduce_scatter_time", "buckets", "finish_time", "p2p_time", "ring_bytes", "slowest"]
+__all__ = [
+    "BUCKET_BYTES",
+    "allgather_time",
+    "allreduce_time",
+    "reduce_scatter_time",
+    "buckets",
+    "finish_time",
+    "p2p_time",
+    "ring_bytes",
+    "slowest",
+]
 
-BUCKET_BYTES = 25 * 2**20  # runtime/ranks/dataparallel.py: DataParallelReplica(bucket_cap_mb=25.0), every bucket
+BUCKET_BYTES = (
+    25 * 2**20
+)  # runtime/ranks/dataparallel.py: DataParallelReplica(bucket_cap_mb=25.0), every bucket
 
 
 def _check_bytes(nbytes: float, where: str) -> float:
@@ -49,14 +61,16 @@ def _check_bytes(nbytes: float, where: str) -> float:
 
 
 def ring_bytes(nbytes: float, n: int) -> float:
-    """Bytes each device sends in a ring all-reduce of ``nbytes`` over ``n`` devices: ``2 (n-1)/n * nbytes``."""
+    """Bytes each device sends in a ring all-reduce of ``nbytes`` over ``n`` devices: ``2 (n-1)/n *
+    nbytes``."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"ring_bytes(n={n!r}) must be an int >= 1 (devices in the group)")
     return 2.0 * (n - 1) / n * _check_bytes(nbytes, "ring_bytes")
 
 
 def allreduce_time(nbytes: float, n: int, link: Link) -> float:
-    """Seconds of a ring all-reduce of ``nbytes`` over ``n`` devices joined by ``link`` (0 for ``n == 1`` or no bytes)."""
+    """Seconds of a ring all-reduce of ``nbytes`` over ``n`` devices joined by ``link`` (0 for ``n == 1`` or
+    no bytes)."""
     sent = ring_bytes(nbytes, n)
     if n == 1 or nbytes == 0:
         return 0.0
@@ -84,7 +98,8 @@ def p2p_time(nbytes: float, link: Link) -> float:
 
 
 def slowest(links: Sequence[Link]) -> Link:
-    """The link with the least effective bandwidth (ties: the larger latency). Usage: ``slowest([intra, inter])``."""
+    """The link with the least effective bandwidth (ties: the larger latency). Usage: ``slowest([intra,
+    inter])``."""
     if not links:
         raise ValueError("slowest(links=[]) needs at least one link")
     return min(links, key=lambda link: (link.effective_bandwidth, -link.latency))
@@ -95,7 +110,8 @@ def buckets(sizes: Sequence[float], cap: float) -> list[tuple[int, float]]:
 
     Returns ``(index of the item that closes the bucket, bytes)`` per bucket, in launch order: a
     bucket closes with the item that brings it to ``cap`` or more (DDP's rule); the last bucket holds
-    what is left. Items of 0 bytes join the open bucket. Usage: ``buckets(layer_grad_bytes[::-1], BUCKET_BYTES)``.
+    what is left. Items of 0 bytes join the open bucket. Usage: ``buckets(layer_grad_bytes[::-1],
+    BUCKET_BYTES)``.
     """
     if not cap > 0:
         raise ValueError(f"buckets(cap={cap!r}) must be a number of bytes > 0")

@@ -48,23 +48,24 @@ A physical device's busy time per micro-batch is the sum over its stages, ``R_p 
 i.e. one micro-batch's trip through the whole pipeline (fill and drain: the bubble; serial whether or not
 stages share a device) plus ``M - 1`` further micro-batches paced by the slowest resource: a physical device
 working through all of its stages, or a link. So a device that holds every stage costs ``M`` times its whole
-forward + backward (+ recompute) however many stages it is cut into. GPipe and 1F1B share this time (same bubble); they differ in
-memory. Zero-bubble (ZB-H1) splits each backward into the inputs' part ``B`` and the weights' part
-``W`` (``B = W = Bw / 2`` here) and runs the drain's ``W``s in the bubble: every stage but the last
-has latency ``lat_s - Bw_s / 2`` (one micro-batch's trip waits for its ``F`` and ``B`` only), so with
+forward + backward (+ recompute) however many stages it is cut into. GPipe and 1F1B share this time (same
+bubble); they differ in memory. Zero-bubble (ZB-H1) splits each backward into the inputs' part ``B`` and the
+weights' part ``W`` (``B = W = Bw / 2`` here) and runs the drain's ``W``s in the bubble: every stage but the
+last has latency ``lat_s - Bw_s / 2`` (one micro-batch's trip waits for its ``F`` and ``B`` only), so with
 equal stages the bubble is ``(S - 1)(F + Bw/2)`` against 1F1B's ``(S - 1)(F + Bw)`` (ZB-H1's
 ``(S - 1)(F + B - W)`` for ``S = 2``; conservative beyond); one stage gains nothing, nor do stages
-sharing a physical device (no bubble to fill). Merged-weights (all ``W`` at the end as one pass, ``runtime.linearw``)
-has no ``G`` but ends in a stage's ``W`` of all ``M`` micro-batches, charged to the last of several stages (``+ (M - 1)
-Bw/2``, no merging gain; stages on one CPU overlap too): it wins where ``G`` outweighs that. Optimizer step: not modelled.
+sharing a physical device (no bubble to fill). Merged-weights (all ``W`` at the end as one pass,
+``runtime.linearw``) has no ``G`` but ends in a stage's ``W`` of all ``M`` micro-batches, charged to the last
+of several stages (``+ (M - 1) Bw/2``, no merging gain; stages on one CPU overlap too): it wins where ``G``
+outweighs that. Optimizer step: not modelled.
 
 Memory of stage ``s`` (bytes), with ``k`` micro-batches in flight (GPipe: ``k = M``;
 1F1B: ``k = min(M, S - s)``; zero-bubble: ``k = min(M, max(S, D))`` on every stage, a micro-batch held until
 its ``W``: ``min(M, S)`` really, counted for the most stages the search can make, ``D`` listed devices, so
-that the search, building stages from the last one without knowing ``S``, charges what a plan does; merged-weights:
-``k = M``, held until the weight pass), and per micro-batch (``fixed + b * per_sample`` from the profile)
-``A`` the stage's saved activations (plus, for a stage that does not start at layer 0, the copy of
-saved tensors its first layer shares with the layer before: ``shared_activation_bytes``; plus, for
+that the search, building stages from the last one without knowing ``S``, charges what a plan does;
+merged-weights: ``k = M``, held until the weight pass), and per micro-batch (``fixed + b * per_sample`` from
+the profile) ``A`` the stage's saved activations (plus, for a stage that does not start at layer 0, the copy
+of saved tensors its first layer shares with the layer before: ``shared_activation_bytes``; plus, for
 the last stage, the loss's saved input ``loss = out_{L-1}``, see below), ``in`` its input boundary
 and ``out_max`` its largest layer output:
 
@@ -97,9 +98,9 @@ import numpy as np
 
 from ..profiler.costs import Profile
 from ..schedule import RECOMPUTE_MODES, SCHEDULES
-from .physical import INF, budget_of, host_bandwidth, link_bandwidth, memory_bandwidth, physical_names
 from .costplan import PlanConversion
 from .interleaved import INTERLEAVED, evaluate_interleaved
+from .physical import INF, budget_of, host_bandwidth, link_bandwidth, memory_bandwidth, physical_names
 from .stages import Evaluation, Stage, StageMemory
 from .ties import TieCost, copy_times
 
@@ -113,7 +114,8 @@ def _prefix(values: Sequence[float] | np.ndarray) -> np.ndarray:
 
 
 def time_tables(profile: Profile) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``(forward_fixed, forward_per_sample, backward_fixed, backward_per_sample)``, each ``(devices, layers)``.
+    """``(forward_fixed, forward_per_sample, backward_fixed, backward_per_sample)``, each ``(devices,
+    layers)``.
 
     Raises ``ValueError`` when a layer lacks a time for some device or a time is negative.
     """
@@ -131,7 +133,9 @@ def time_tables(profile: Profile) -> tuple[np.ndarray, np.ndarray, np.ndarray, n
             rows.append(vals)
         arr = np.asarray(rows, dtype=np.float64).T.reshape(D, len(profile.layers))
         if not np.all(np.isfinite(arr)) or (arr < 0).any():
-            raise ValueError(f"profile has a negative or non-finite {attr}; times must be finite seconds >= 0")
+            raise ValueError(
+                f"profile has a negative or non-finite {attr}; times must be finite seconds >= 0"
+            )
         out.append(np.ascontiguousarray(arr))
     return out[0], out[1], out[2], out[3]
 
@@ -168,8 +172,8 @@ def _range_max_table(values: np.ndarray) -> np.ndarray:
 
 
 class CostModel(PlanConversion):
-    """Prefix sums over a ``Profile`` for one micro-batch count, schedule and recompute mode (plans to and from
-    placements: ``PlanConversion``; the interleaved schedule's price: ``planner.interleaved``)."""
+    """Prefix sums over a ``Profile`` for one micro-batch count, schedule and recompute mode (plans to and
+    from placements: ``PlanConversion``; the interleaved schedule's price: ``planner.interleaved``)."""
 
     def __init__(
         self,
@@ -191,7 +195,9 @@ class CostModel(PlanConversion):
         self.D = len(profile.devices)
         self.ties = tuple(ties)
         if any(t.layers[-1] >= self.L for t in self.ties):
-            raise ValueError(f"ties {[t.name for t in self.ties]} name a layer outside the profile's {self.L}")
+            raise ValueError(
+                f"ties {[t.name for t in self.ties]} name a layer outside the profile's {self.L}"
+            )
         self.uncut = np.zeros(self.L + 1, dtype=bool)  # stage boundaries the search may not cut (``keeping``)
         self.b = math.ceil(profile.batch_size / microbatches)
         # physical devices: entries that are one device share its first entry's times and link
@@ -207,12 +213,19 @@ class CostModel(PlanConversion):
         self._out_table = _range_max_table(self.out)
 
     def _time_sums(self, tables: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]) -> None:
-        """Per-micro-batch times by physical device and layer (``fwd``, ``bwd``, ``lat``, ``steady``) and their prefix sums."""
+        """Per-micro-batch times by physical device and layer (``fwd``, ``bwd``, ``lat``, ``steady``) and
+        their prefix sums."""
         self.fwd = (tables[0] + self.b * tables[1])[self.rep]
         self.bwd = (tables[2] + self.b * tables[3])[self.rep]
-        lat = full = self.fwd + self.bwd if self.recompute != "always" else 2 * self.fwd + self.bwd  # full: one device's
-        whole = lat if self.schedule != "merged-weights" else lat + (self.M - 1) * 0.5 * self.bwd  # last stage: ... + tail
-        if self.schedule == "zero-bubble":  # the trip waits for the other stages' input backwards only; W fills the bubble
+        lat = full = (
+            self.fwd + self.bwd if self.recompute != "always" else 2 * self.fwd + self.bwd
+        )  # full: one device's
+        whole = (
+            lat if self.schedule != "merged-weights" else lat + (self.M - 1) * 0.5 * self.bwd
+        )  # last stage: ... + tail
+        if (
+            self.schedule == "zero-bubble"
+        ):  # the trip waits for the other stages' input backwards only; W fills the bubble
             lat = lat - 0.5 * self.bwd
         steady = self.fwd + self.bwd if self.recompute == "never" else 2 * self.fwd + self.bwd
         # G: gradient accumulation of every micro-batch after the first (read both, write one); none merged
@@ -222,13 +235,20 @@ class CostModel(PlanConversion):
         self.lat, self.steady = lat, steady if self.schedule == "merged-weights" else steady + self.accumulate
         self.PL = np.stack([_prefix(row) for row in lat])  # (D, L+1)
         self.PL_last = self.PL if lat is whole else np.stack([_prefix(row) for row in whole])
-        self.PL_full = self.PL if lat is full else self.PL_last if whole is full else np.stack([_prefix(r) for r in full])
+        self.PL_full = (
+            self.PL
+            if lat is full
+            else self.PL_last
+            if whole is full
+            else np.stack([_prefix(r) for r in full])
+        )
         self.PS = np.stack([_prefix(row) for row in self.steady])
         self.PF = np.stack([_prefix(row) for row in self.fwd])
         self.PB = np.stack([_prefix(row) for row in self.bwd])
 
     def _memory_sums(self) -> None:
-        """Prefix sums of state bytes, per-micro-batch saved activations, and the boundary and loss tensors."""
+        """Prefix sums of state bytes, per-micro-batch saved activations, and the boundary and loss
+        tensors."""
         layers = self.profile.layers
         self.P_param = _prefix([lay.param_bytes for lay in layers])
         self.P_grad = _prefix([lay.grad_bytes for lay in layers])
@@ -252,10 +272,17 @@ class CostModel(PlanConversion):
     # ------------------------------------------------------------------ pieces
     def in_flight(self, stage_index: int, num_stages: int) -> int:
         """Micro-batches whose activations a stage holds at once under the schedule."""
-        if self.schedule in ("gpipe", "merged-weights"):  # merged-weights: every micro-batch held until the weight pass
+        if self.schedule in (
+            "gpipe",
+            "merged-weights",
+        ):  # merged-weights: every micro-batch held until the weight pass
             return self.M
-        if self.schedule == "zero-bubble":  # held until its weight backward: 1F1B's first-stage bound on every stage,
-            return min(self.M, max(num_stages, self.D))  # counted for as many stages as devices (the search's most)
+        if (
+            self.schedule == "zero-bubble"
+        ):  # held until its weight backward: 1F1B's first-stage bound on every stage,
+            return min(
+                self.M, max(num_stages, self.D)
+            )  # counted for as many stages as devices (the search's most)
         return min(self.M, num_stages - stage_index)
 
     def max_output(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
@@ -280,7 +307,8 @@ class CostModel(PlanConversion):
         return k * inb + act
 
     def _act_work(self, i: np.ndarray, j: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(activation bytes, workspace bytes)`` of stages ``[i, j)`` holding ``k`` micro-batches, unrounded."""
+        """``(activation bytes, workspace bytes)`` of stages ``[i, j)`` holding ``k`` micro-batches,
+        unrounded."""
         act = self.P_act[j] - self.P_act[i] + self.shared[i] + self.tail[j]
         inb = self.inb[i]
         return self._in_flight(act, inb, k), inb + 2 * self.max_output(i, j)
@@ -348,11 +376,17 @@ class CostModel(PlanConversion):
             out.uncut[lo : hi + 1] = True
         return out
 
-    def tie_copies(self, stages: Sequence[Stage], ties: Sequence[TieCost] | None = None) -> list[tuple[float, float]]:
+    def tie_copies(
+        self, stages: Sequence[Stage], ties: Sequence[TieCost] | None = None
+    ) -> list[tuple[float, float]]:
         """Per stage ``(forward, backward)`` seconds of tied-parameter copies per micro-batch."""
         devs = self.profile.devices
-        return copy_times(self.ties if ties is None else ties, stages, self.names,
-                          lambda a, b: link_bandwidth(devs, self.rep[a], self.rep[b]))  # fmt: skip
+        return copy_times(
+            self.ties if ties is None else ties,
+            stages,
+            self.names,
+            lambda a, b: link_bandwidth(devs, self.rep[a], self.rep[b]),
+        )
 
     # ------------------------------------------------------------------ whole placements
     def check_stages(self, stages: Sequence[Stage]) -> None:
@@ -382,20 +416,33 @@ class CostModel(PlanConversion):
             return evaluate_interleaved(self, stages, ties)
         return self.evaluate_with(stages, ties, [self.in_flight(i, len(stages)) for i in range(len(stages))])
 
-    def evaluate_with(self, stages: tuple[Stage, ...], ties: Sequence[TieCost] | None, flight: Sequence[int]) -> Evaluation:
-        """``evaluate`` with stage ``s`` holding ``flight[s]`` micro-batches (what the schedule keeps in flight)."""
+    def evaluate_with(
+        self, stages: tuple[Stage, ...], ties: Sequence[TieCost] | None, flight: Sequence[int]
+    ) -> Evaluation:
+        """``evaluate`` with stage ``s`` holding ``flight[s]`` micro-batches (what the schedule keeps in
+        flight)."""
         S = len(stages)
         fwd, bwd, lat, mem, tied = [], [], [], [], []
         busy: dict[str, float] = {}
         held: dict[str, int] = {}
         rc = self.recompute
-        apart = len({self.names[s.device] for s in stages}) == S  # split backwards gain only across distinct devices
+        apart = (
+            len({self.names[s.device] for s in stages}) == S
+        )  # split backwards gain only across distinct devices
         for idx, (s, (tf, tb)) in enumerate(zip(stages, self.tie_copies(stages, ties))):
             d = s.device
             fwd.append(float(self.PF[d, s.end] - self.PF[d, s.start]))
             bwd.append(float(self.PB[d, s.end] - self.PB[d, s.start]))
             tied.append((1 if rc == "never" else 2) * tf + tb)  # steady: recompute copies again
-            PL = self.PL_full if S == 1 else self.PL_last if idx == S - 1 else self.PL if apart else self.PL_full
+            PL = (
+                self.PL_full
+                if S == 1
+                else self.PL_last
+                if idx == S - 1
+                else self.PL
+                if apart
+                else self.PL_full
+            )
             lat.append(float(PL[d, s.end] - PL[d, s.start]) + (2 if rc == "always" else 1) * tf + tb)
             mem.append(self.stage_memory(s.start, s.end, flight[idx]))
             name = self.names[d]

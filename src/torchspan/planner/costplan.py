@@ -1,6 +1,7 @@
-"""A cost model's placements as ``Plan``s and back: ``cm.to_plan(evaluation, strategy)``, ``cm.stages_for(plan)``,
-and the tied parameters a plan records (``record_ties``: what each split tie adds to the predicted step).
-``CostModel`` inherits these from :class:`PlanConversion`, which reads its profile, settings and ties.
+"""A cost model's placements as ``Plan``s and back: ``cm.to_plan(evaluation, strategy)``,
+``cm.stages_for(plan)``, and the tied parameters a plan records (``record_ties``: what each split tie adds to
+the predicted step). ``CostModel`` inherits these from :class:`PlanConversion`, which reads its profile,
+settings and ties.
 
 Usage::
 
@@ -21,7 +22,8 @@ __all__ = ["PlanConversion"]
 
 
 class PlanConversion:
-    """``CostModel``'s conversions between ``Stage`` lists, ``Evaluation``s and ``Plan``s (module docstring)."""
+    """``CostModel``'s conversions between ``Stage`` lists, ``Evaluation``s and ``Plan``s (module
+    docstring)."""
 
     profile: Profile
     names: list[str]
@@ -108,8 +110,9 @@ class PlanConversion:
                 entry["charge"] = "copied to each other device every micro-batch and its gradient back"
                 plan.notes.append(
                     f"tied parameter {tie.name} is used on stages {', '.join(map(str, entry['stages']))} "
-                    f"({', '.join(entry['layers'])}): span keeps it on stage {entry['stages'][0]}'s device and copies it "
-                    f"({tie.nbytes:,} bytes) to each other device every micro-batch, its gradient back: "
-                    f"+{entry['seconds'] * 1e3:.3f} ms per step; put those layers on one stage to avoid it"
+                    f"({', '.join(entry['layers'])}): span keeps it on stage {entry['stages'][0]}'s device "
+                    f"and copies it ({tie.nbytes:,} bytes) to each other device every micro-batch, its "
+                    f"gradient back: +{entry['seconds'] * 1e3:.3f} ms per step; put those layers on one "
+                    "stage to avoid it"
                 )
             plan.ties.append(entry)

@@ -58,7 +58,9 @@ def _with_extra(profile: Profile, like: int, capacity: int) -> Profile:
             time_source=[*lay.time_source, *(lay.time_source[like : like + 1] or ["copied"])],
         )
 
-    return dataclasses.replace(profile, devices=[*profile.devices, extra], layers=[grow(x) for x in profile.layers])
+    return dataclasses.replace(
+        profile, devices=[*profile.devices, extra], layers=[grow(x) for x in profile.layers]
+    )
 
 
 def _smallest(lo: int, hi: int, ok) -> int | None:  # type: ignore[no-untyped-def]
@@ -130,15 +132,19 @@ def _device_tips(
     if largest > max((capacity[d] or 0) for d in finite) if finite else False:
         tips.append(
             f"layer {largest_name!r} needs {_at_least(largest)} by itself, more than any device offers: "
-            f"a device with at least {_at_least(largest)} free, or split that layer into smaller child modules"
+            f"a device with at least {_at_least(largest)} free, or split that layer into smaller child "
+            "modules"
         )
     # a larger budget on one device
     for d in finite:
         cap = int(capacity[d] or 0)
-        need = _smallest(cap, max(whole, cap + 1), lambda c, d=d: fits(_with_capacity(profile, d, c), settings))
+        need = _smallest(
+            cap, max(whole, cap + 1), lambda c, d=d: fits(_with_capacity(profile, d, c), settings)
+        )
         if need is not None:
             tips.append(f"a larger budget on {names[d]}: {_at_least(need)} (now {format_bytes(cap)}) fits")
-    # another device: an accelerator like the largest listed one (another entry of the CPU would be the same CPU)
+    # another device: an accelerator like the largest listed one (another entry of the CPU would be the same
+    # CPU)
     accels = [d for d in physical if devs[d].kind != "cpu"]
     if accels:
         like = max(accels, key=lambda d: capacity[d] or 0)
@@ -148,7 +154,9 @@ def _device_tips(
         else:
             need = _smallest(0, max(whole, 1), lambda c: fits(_with_extra(profile, like, c), settings))
             if need is not None:
-                tips.append(f"another device like {devs[like].device} with at least {_at_least(need)} free fits")
+                tips.append(
+                    f"another device like {devs[like].device} with at least {_at_least(need)} free fits"
+                )
     return tips
 
 
@@ -160,15 +168,21 @@ def _setting_tips(profile: Profile, settings: Sequence[Setting]) -> list[str]:
     tips: list[str] = []
     all_ms = microbatch_candidates(profile.batch_size)
     if "1f1b" not in scheds and fits(profile, [(m, "1f1b", c) for m, _, c in settings]):
-        tips.append("schedule='1f1b' fits (a stage keeps at most as many micro-batches in flight as stages after it)")
+        tips.append(
+            "schedule='1f1b' fits (a stage keeps at most as many micro-batches in flight as stages after it)"
+        )
     for c in ("except_last", "always"):
         if c not in recomputes and fits(profile, [(m, s, c) for m, s, _ in settings]):
-            tips.append(f"recompute={c!r} fits (stages keep their inputs and recompute activations in backward)")
+            tips.append(
+                f"recompute={c!r} fits (stages keep their inputs and recompute activations in backward)"
+            )
             break
     if len(ms) == 1:
         for m in all_ms:
             if m != ms[0] and fits(profile, [(m, s, c) for _, s, c in settings]):
-                tips.append(f"microbatches={m} fits (micro-batches of {-(-profile.batch_size // m)} sample(s))")
+                tips.append(
+                    f"microbatches={m} fits (micro-batches of {-(-profile.batch_size // m)} sample(s))"
+                )
                 break
     relaxed = [(m, "1f1b", c) for c in ("never", "except_last") for m in all_ms]
     settings_tips = [t for t in tips if t.startswith(("schedule=", "recompute=", "microbatches="))]
@@ -187,8 +201,8 @@ def explain_no_fit(profile: Profile, settings: Sequence[Setting]) -> PlanError:
     recomputes = sorted({c for _, _, c in settings})
     head = (
         f"no placement of the {L} layer(s) fits the memory budgets "
-        f"(tried microbatches {ms[0]}..{ms[-1]}, schedule {'/'.join(scheds)}, recompute {'/'.join(recomputes)}, "
-        f"optimizer {profile.optimizer}, batch {profile.batch_size}).\n"
+        f"(tried microbatches {ms[0]}..{ms[-1]}, schedule {'/'.join(scheds)}, recompute "
+        f"{'/'.join(recomputes)}, optimizer {profile.optimizer}, batch {profile.batch_size}).\n"
         f"The whole model needs {_at_least(whole)} on one device at its most frugal setting; "
         f"its largest layer {largest_name!r} alone needs {_at_least(largest)}."
     )
@@ -214,5 +228,8 @@ def explain_no_fit(profile: Profile, settings: Sequence[Setting]) -> PlanError:
     tips = _device_tips(profile, settings, cm, capacity, whole, largest, largest_name)
     tips += _setting_tips(profile, settings)
     if not tips:
-        tips.append(f"a smaller batch than {profile.batch_size}, or a device with {_at_least(whole)} free for the whole model")
+        tips.append(
+            f"a smaller batch than {profile.batch_size}, or a device with {_at_least(whole)} free for the "
+            "whole model"
+        )
     return PlanError(head, needed=needed, available=available, suggestions=tips)

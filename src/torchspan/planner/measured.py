@@ -64,14 +64,18 @@ def compare(plan: Plan, memory: Sequence[Mapping[str, Any]], step_times: Sequenc
     """
     if len(memory) != len(plan.stages):
         raise ValueError(
-            f"memory has {len(memory)} stage(s) but the plan has {len(plan.stages)}; pass spanned.memory() of the "
-            "Spanned built from this plan"
+            f"memory has {len(memory)} stage(s) but the plan has {len(plan.stages)}; pass spanned.memory() "
+            "of the Spanned built from this plan"
         )
     step = _figure(plan.predicted_step_time, typical_step_time(step_times))
     step["steps_measured"] = max(len(step_times) - 1, 1)
     stages = []
     for i, (sp, ms) in enumerate(zip(plan.stages, memory)):
-        entry: dict[str, Any] = {"stage": i, "device": str(ms.get("device", sp.device)), "layers": list(sp.layers)}
+        entry: dict[str, Any] = {
+            "stage": i,
+            "device": str(ms.get("device", sp.device)),
+            "layers": list(sp.layers),
+        }
         total_p = total_m = 0
         for kind in MEMORY_KINDS:
             field_name = PLAN_FIELDS[kind]

@@ -53,9 +53,9 @@ import numpy as np
 from ..hardware import format_bytes
 from ..profiler.costs import Profile
 from .cost import CostModel, time_tables
+from .explain import explain_no_fit
 from .interleaved import INTERLEAVED
 from .interleaved import choose as choose_interleaved
-from .explain import explain_no_fit
 from .physical import INF
 from .plans import Plan
 from .settings import settings_grid
@@ -200,10 +200,16 @@ def search(
     needed vs available memory and what would make it fit) when no placement fits.
     """
     # interleaved: the best one-stage-per-device placement, then looped (``planner.interleaved.choose``)
-    grid = settings_grid(profile.batch_size, microbatches, "1f1b" if schedule == INTERLEAVED else schedule, recompute)
+    grid = settings_grid(
+        profile.batch_size, microbatches, "1f1b" if schedule == INTERLEAVED else schedule, recompute
+    )
     tables = time_tables(profile)
     ties = tuple(ties)
-    kept = [c for r in range(1, len(ties) + 1) for c in itertools.combinations(ties, r)] if len(ties) <= 3 else [ties]
+    kept = (
+        [c for r in range(1, len(ties) + 1) for c in itertools.combinations(ties, r)]
+        if len(ties) <= 3
+        else [ties]
+    )
     models = [CostModel(profile, m, s, c, tables, ties=ties) for m, s, c in grid]
     settings = [_Setting(cm) for cm in models] + [_Setting(cm.keeping(k)) for cm in models for k in kept]
     feasible: list[_Setting] = []
@@ -239,7 +245,9 @@ def search(
         cm, ev, extra = interleaved
     notes = plan_notes(cm, ev, programmes, len(grid)) + choice.notes + extra
     plan = cm.to_plan(ev, "torchspan", notes=notes)
-    plan.runner_up = choice.runner_up if interleaved is None else {}  # it names another 1-stage-per-device order
+    plan.runner_up = (
+        choice.runner_up if interleaved is None else {}
+    )  # it names another 1-stage-per-device order
     return plan
 
 
@@ -263,8 +271,8 @@ def plan_notes(cm: CostModel, ev: Evaluation, programmes: int, settings: int) ->
         notes.append(f"not used (no faster placement with them): {', '.join(unused)}")
     busiest = ev.devices[int(np.argmax(ev.device_busy))]
     notes.append(
-        f"bottleneck {ev.bottleneck * 1e3:.3f} ms per micro-batch; pipeline fill/drain {ev.latency_sum * 1e3:.3f} ms; "
-        f"busiest device {busiest}"
+        f"bottleneck {ev.bottleneck * 1e3:.3f} ms per micro-batch; pipeline fill/drain "
+        f"{ev.latency_sum * 1e3:.3f} ms; busiest device {busiest}"
     )
     notes.extend(collapse_notes(cm))
     notes.append(f"searched {settings} setting(s) with {programmes} dynamic programme(s)")
@@ -281,10 +289,10 @@ def collapse_notes(cm: CostModel) -> list[str]:
         cap = cm.capacity[cm.names.index(name)]
         budget = "no budget" if cap == INF else f"one budget of {format_bytes(cap)}"
         out.append(
-            f"{name} is listed {count} times: the entries are one device ({budget} for all of them; their stages "
-            f"would run one after another in one worker), so it was planned as one device - splitting the model "
-            f"across its entries is never faster and never needs less memory. To run a pipeline on it anyway "
-            f"(e.g. to test one), pass span(model, devices=[...], balance=[...]) or a hand-made Plan; "
-            f"CostModel.evaluate(cm.stages_for(plan)) predicts its time"
+            f"{name} is listed {count} times: the entries are one device ({budget} for all of them; their "
+            f"stages would run one after another in one worker), so it was planned as one device - "
+            f"splitting the model across its entries is never faster and never needs less memory. To run a "
+            f"pipeline on it anyway (e.g. to test one), pass span(model, devices=[...], balance=[...]) or "
+            f"a hand-made Plan; CostModel.evaluate(cm.stages_for(plan)) predicts its time"
         )
     return out

@@ -1,4 +1,5 @@
-"""Which list entries are one physical device, and what each device offers: budget, host link, memory bandwidth.
+"""Which list entries are one physical device, and what each device offers: budget, host link, memory
+bandwidth.
 
 List entries that are the same physical device (``['cpu', 'cpu']``, a present GPU listed twice)
 share one ``identity`` and one name in ``physical_names``; the cost model treats them as ONE
@@ -35,7 +36,8 @@ INF = math.inf
 
 
 def host_bandwidth(dev: Device) -> float:
-    """Bytes/s of ``dev``'s host link in one direction: ``inf`` for the CPU (it is the host), a default when unknown."""
+    """Bytes/s of ``dev``'s host link in one direction: ``inf`` for the CPU (it is the host), a default when
+    unknown."""
     if dev.kind in ("cpu", "meta"):
         return INF
     if dev.host_bandwidth is not None and dev.host_bandwidth > 0:
@@ -44,7 +46,8 @@ def host_bandwidth(dev: Device) -> float:
 
 
 def budget_of(dev: Device) -> float:
-    """``dev``'s memory budget in bytes, ``inf`` when it has none. Usage: ``budget_of(profile.devices[0])``."""
+    """``dev``'s memory budget in bytes, ``inf`` when it has none. Usage:
+    ``budget_of(profile.devices[0])``."""
     return float(dev.capacity) if dev.capacity is not None else INF
 
 

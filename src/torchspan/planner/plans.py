@@ -24,7 +24,15 @@ __all__ = ["Plan", "StagePlan", "SCHEDULES", "RECOMPUTE_MODES", "OFFLOADS"]
 OFFLOADS = (None, "cpu")  # where a sharded plan keeps its states: the device, or host memory
 
 _FORMAT = "torchspan.plan/1"
-_CLUSTER_FIELDS = ("data_parallel", "nodes", "devices_per_node", "stage_ranks", "interconnect", "intra_link", "predicted_times")
+_CLUSTER_FIELDS = (
+    "data_parallel",
+    "nodes",
+    "devices_per_node",
+    "stage_ranks",
+    "interconnect",
+    "intra_link",
+    "predicted_times",
+)
 
 
 @dataclass
@@ -49,14 +57,25 @@ class StagePlan:
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not self.device.strip():
-            raise ValueError(f"StagePlan(device={self.device!r}) must be a device string such as 'cuda:0' or 'cpu'")
+            raise ValueError(
+                f"StagePlan(device={self.device!r}) must be a device string such as 'cuda:0' or 'cpu'"
+            )
         if not isinstance(self.layers, (list, tuple)) or not all(isinstance(n, str) for n in self.layers):
             raise ValueError(
-                f"StagePlan(layers={self.layers!r}) on {self.device} must be a list of layer names, e.g. ['embed', 'blocks']"
+                f"StagePlan(layers={self.layers!r}) on {self.device} must be a list of layer names, e.g. "
+                "['embed', 'blocks']"
             )
         self.layers = list(self.layers)
-        for name in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "buffer_bytes", "workspace_bytes",
-                     "forward_time", "backward_time"):  # fmt: skip
+        for name in (
+            "param_bytes",
+            "grad_bytes",
+            "optimizer_bytes",
+            "activation_bytes",
+            "buffer_bytes",
+            "workspace_bytes",
+            "forward_time",
+            "backward_time",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"StagePlan({name}={value!r}) on {self.device} must be a number")
@@ -95,31 +114,47 @@ class Plan(PlanText):
     stage_ranks: list[list[int]] = field(default_factory=list)
     interconnect: str = ""  # link between nodes (``hardware.links`` key)
     intra_link: str = ""  # link between devices of one node
-    predicted_times: dict[str, float] = field(default_factory=dict)  # step split: compute, allreduce, p2p, ties
-    # tied parameters: {"name", "layers", "stages", "bytes"} each; "stages" of more than one = a copy per device,
-    # and then (planned with ties) "seconds": what the split adds to the predicted step, "charge": how it is paid
+    predicted_times: dict[str, float] = field(
+        default_factory=dict
+    )  # step split: compute, allreduce, p2p, ties
+    # tied parameters: {"name", "layers", "stages", "bytes"} each; "stages" of more than one = a copy per
+    # device, and then (planned with ties) "seconds": what the split adds to the predicted step, "charge": how
+    # it is
+    # paid
     ties: list[dict[str, Any]] = field(default_factory=list)
-    # the fastest plan on another device order predicted within measurement noise of this one (``planner.stable``):
-    # {"devices", "balance", "microbatches", "schedule", "recompute", "predicted_step_time", "noise", "within_noise"}
+    # the fastest plan on another device order predicted within measurement noise of this one
+    # (``planner.stable``):
+    # {"devices", "balance", "microbatches", "schedule", "recompute", "predicted_step_time", "noise",
+    # "within_noise"}
     runner_up: dict[str, Any] = field(default_factory=dict)
-    # sharded data parallel (FSDP2 over each stage's data-parallel ranks; ``span(model, plan)`` runs it) and where the
-    # sharded states live: None (the device) or "cpu" (FSDP2's CPUOffloadPolicy). JSON: left out at the defaults
+    # sharded data parallel (FSDP2 over each stage's data-parallel ranks; ``span(model, plan)`` runs it) and
+    # where the sharded states live: None (the device) or "cpu" (FSDP2's CPUOffloadPolicy). JSON: left out at
+    # the
+    # defaults
     shard: bool = False
     offload: str | None = None
-    # every strategy the planner weighed (``planner.strategies``): {"strategy", "ranks", "data_parallel", "stages",
-    # "shard", "offload", "predicted_step_time", "peak_memory", "budget", "host_memory", "host_budget", "fits",
-    # "chosen", "note"} each; JSON: left out when empty
+    # every strategy the planner weighed (``planner.strategies``): {"strategy", "ranks", "data_parallel",
+    # "stages", "shard", "offload", "predicted_step_time", "peak_memory", "budget", "host_memory",
+    # "host_budget",
+    # "fits", "chosen", "note"} each; JSON: left out when empty
     comparison: list[dict[str, Any]] = field(default_factory=list)
-    # tensor parallel (``planner.tensorparallel``): each layer split over ``tp`` ranks of a node, tp innermost:
-    # ``stage_ranks`` then holds ``data_parallel * tp`` ranks per stage, replica r's ``row[r * tp:(r + 1) * tp]``;
-    # ``span(model, plan)`` runs it (as ``span(model, tp=..., shard=True)``; shrunk on fewer ranks). JSON: left out at 1
+    # tensor parallel (``planner.tensorparallel``): each layer split over ``tp`` ranks of a node, tp
+    # innermost:
+    # ``stage_ranks`` then holds ``data_parallel * tp`` ranks per stage, replica r's ``row[r * tp:(r + 1) *
+    # tp]``; ``span(model, plan)`` runs it (as ``span(model, tp=..., shard=True)``; shrunk on fewer ranks).
+    # JSON:
+    # left out at 1
     tp: int = 1
 
     def __post_init__(self) -> None:
         self.stages = [s if isinstance(s, StagePlan) else StagePlan(**s) for s in self.stages]
         if not self.stages:
             raise ValueError("Plan(stages=[]) is empty; a plan needs at least one stage")
-        if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
+        if (
+            isinstance(self.microbatches, bool)
+            or not isinstance(self.microbatches, int)
+            or self.microbatches < 1
+        ):
             raise ValueError(f"Plan(microbatches={self.microbatches!r}) must be an int >= 1")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"Plan(schedule={self.schedule!r}) is not one of {', '.join(SCHEDULES)}")
@@ -128,32 +163,48 @@ class Plan(PlanText):
         seen: dict[str, int] = {}
         for i, s in enumerate(self.stages):
             if not s.layers:
-                raise ValueError(f"Plan stage {i} on {s.device} has no layers; drop the stage or give it layers")
+                raise ValueError(
+                    f"Plan stage {i} on {s.device} has no layers; drop the stage or give it layers"
+                )
             for name in s.layers:
                 if name in seen:
-                    raise ValueError(f"Plan: layer {name!r} is in stage {seen[name]} and stage {i}; each layer belongs to one stage")
+                    raise ValueError(
+                        f"Plan: layer {name!r} is in stage {seen[name]} and stage {i}; each layer belongs "
+                        "to one stage"
+                    )
                 seen[name] = i
         if not isinstance(self.shard, bool):
             raise ValueError(f"Plan(shard={self.shard!r}) must be True or False")
         if self.offload not in OFFLOADS:
-            raise ValueError(f"Plan(offload={self.offload!r}) must be one of {', '.join(map(repr, OFFLOADS))}")
+            raise ValueError(
+                f"Plan(offload={self.offload!r}) must be one of {', '.join(map(repr, OFFLOADS))}"
+            )
         if self.offload is not None and not self.shard:
             raise ValueError(
-                f"Plan(offload={self.offload!r}) needs shard=True: the offloaded states are the shards (FSDP2's CPUOffloadPolicy)"
+                f"Plan(offload={self.offload!r}) needs shard=True: the offloaded states are the shards "
+                "(FSDP2's CPUOffloadPolicy)"
             )
         self._check_cluster()
 
     def _check_cluster(self) -> None:
-        """Validate the cluster fields: ``data_parallel * stages == nodes * devices_per_node`` ranks, each once."""
+        """Validate the cluster fields: ``data_parallel * stages == nodes * devices_per_node`` ranks, each
+        once."""
         for name in ("data_parallel", "nodes", "devices_per_node", "tp"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "devices_per_node" else 1):
-                raise ValueError(f"Plan({name}={value!r}) must be an int >= {0 if name == 'devices_per_node' else 1}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or value < (0 if name == "devices_per_node" else 1)
+            ):
+                raise ValueError(
+                    f"Plan({name}={value!r}) must be an int >= {0 if name == 'devices_per_node' else 1}"
+                )
         if not self.stage_ranks:
             if self.data_parallel != 1 or self.nodes != 1 or self.tp != 1:
                 raise ValueError(
                     f"Plan(data_parallel={self.data_parallel}, nodes={self.nodes}) needs stage_ranks "
-                    "(the rank of each stage in each replica); plan a cluster with torchspan.plan(..., nodes=N)"
+                    "(the rank of each stage in each replica); plan a cluster with torchspan.plan(..., "
+                    "nodes=N)"
                 )
             return
         S, dp, tp = len(self.stages), self.data_parallel, self.tp
@@ -163,7 +214,11 @@ class Plan(PlanText):
             raise ValueError(f"Plan(stage_ranks={rows!r}) must hold {S} list(s) (one per stage) of {per}")
         world = self.nodes * self.devices_per_node
         if dp * S * tp != world:
-            what, value = ("data_parallel * stages", f"{dp} * {S}") if tp == 1 else ("data_parallel * stages * tp", f"{dp} * {S} * {tp}")
+            what, value = (
+                ("data_parallel * stages", f"{dp} * {S}")
+                if tp == 1
+                else ("data_parallel * stages * tp", f"{dp} * {S} * {tp}")
+            )
             raise ValueError(
                 f"Plan: {what} = {value} = {dp * S * tp} must equal nodes * devices_per_node = "
                 f"{self.nodes} * {self.devices_per_node} = {world} (the world size)"
@@ -178,7 +233,8 @@ class Plan(PlanText):
         return self.data_parallel * len(self.stages) * self.tp if self.stage_ranks else 1
 
     def rank_role(self, rank: int) -> tuple[int, int]:
-        """``(stage, replica)`` that global ``rank`` runs. Raises ``ValueError`` for a rank outside the plan."""
+        """``(stage, replica)`` that global ``rank`` runs. Raises ``ValueError`` for a rank outside the
+        plan."""
         for s, row in enumerate(self.stage_ranks):
             if rank in row:
                 return s, row.index(rank) // self.tp
@@ -221,7 +277,9 @@ class Plan(PlanText):
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         if not isinstance(data, dict):
-            raise ValueError(f"a plan is a JSON object with 'stages', not {type(data).__name__}; write one with Plan.save")
+            raise ValueError(
+                f"a plan is a JSON object with 'stages', not {type(data).__name__}; write one with Plan.save"
+            )
         data = dict(data)
         if "checkpoint" in data:  # the key before recompute was named so (plans saved by older versions)
             if "recompute" in data:
@@ -229,7 +287,9 @@ class Plan(PlanText):
             data["recompute"] = data.pop("checkpoint")
         fmt = data.pop("format", _FORMAT)
         if fmt != _FORMAT:
-            raise ValueError(f"plan format {fmt!r} is not {_FORMAT!r}; re-create the plan with this torchspan version")
+            raise ValueError(
+                f"plan format {fmt!r} is not {_FORMAT!r}; re-create the plan with this torchspan version"
+            )
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(data) - known)
         if unknown:
@@ -240,17 +300,34 @@ class Plan(PlanText):
         stage_fields = set(StagePlan.__dataclass_fields__)
         for i, st in enumerate(stages):
             if not isinstance(st, dict):
-                raise ValueError(f"plan stage {i} must be an object with 'device' and 'layers', not {type(st).__name__}")
+                raise ValueError(
+                    f"plan stage {i} must be an object with 'device' and 'layers', not {type(st).__name__}"
+                )
             if "device" not in st or "layers" not in st:
-                raise ValueError(f"plan stage {i} lacks {'device' if 'device' not in st else 'layers'}; every stage needs 'device' and 'layers'")
+                raise ValueError(
+                    f"plan stage {i} lacks {'device' if 'device' not in st else 'layers'}; every stage "
+                    "needs 'device' and 'layers'"
+                )
             odd = sorted(set(st) - stage_fields)
             if odd:
-                raise ValueError(f"plan stage {i} has unknown fields {odd}; expected only {sorted(stage_fields)}")
+                raise ValueError(
+                    f"plan stage {i} has unknown fields {odd}; expected only {sorted(stage_fields)}"
+                )
         data["stages"] = [StagePlan(**s) for s in stages]
-        for name, kind in (("peak_memory", dict), ("notes", list), ("stage_ranks", list), ("predicted_times", dict), ("ties", list),
-                           ("runner_up", dict), ("comparison", list)):
+        for name, kind in (
+            ("peak_memory", dict),
+            ("notes", list),
+            ("stage_ranks", list),
+            ("predicted_times", dict),
+            ("ties", list),
+            ("runner_up", dict),
+            ("comparison", list),
+        ):
             if name in data and not isinstance(data[name], kind):
-                raise ValueError(f"plan {name!r} must be a JSON {'object' if kind is dict else 'list'}, not {type(data[name]).__name__}")
+                raise ValueError(
+                    f"plan {name!r} must be a JSON {'object' if kind is dict else 'list'}, not "
+                    f"{type(data[name]).__name__}"
+                )
         return cls(**data)
 
     @classmethod
@@ -258,17 +335,24 @@ class Plan(PlanText):
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"plan is not valid JSON ({exc}); write one with Plan.save or `torchspan plan --out`") from None
+            raise ValueError(
+                f"plan is not valid JSON ({exc}); write one with Plan.save or `torchspan plan --out`"
+            ) from None
         return cls.from_dict(data)
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the plan as JSON atomically into ``path`` (or the file its link points to); anything there but a
-        regular file is refused (``torchspan.files``)."""
+        """Write the plan as JSON atomically into ``path`` (or the file its link points to); anything there
+        but a regular file is refused (``torchspan.files``)."""
         write_text(path, self.to_json() + "\n", name="path")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
-        require_regular_file(path, name="path", what="a plan file", fix="name the JSON file Plan.save or `torchspan plan --out` wrote")
+        require_regular_file(
+            path,
+            name="path",
+            what="a plan file",
+            fix="name the JSON file Plan.save or `torchspan plan --out` wrote",
+        )
         with open(path, encoding="utf-8") as fh:
             return cls.from_json(fh.read())
 

@@ -1,6 +1,6 @@
-"""A ``Plan`` as text: ``str(plan)`` (one row per stage, then the cluster lines, peak memory, ties, the strategies
-compared, the runner-up and the notes), as ``torchspan plan`` prints it. ``Plan`` inherits these from
-:class:`PlanText`, which reads the plan's fields.
+"""A ``Plan`` as text: ``str(plan)`` (one row per stage, then the cluster lines, peak memory, ties, the
+strategies compared, the runner-up and the notes), as ``torchspan plan`` prints it. ``Plan`` inherits these
+from :class:`PlanText`, which reads the plan's fields.
 
 Usage: ``print(plan)``; ``plan.comparison_lines()``; ``plan.runner_up_text()``.
 """
@@ -53,9 +53,25 @@ class PlanText:
             head += f", batch={self.batch_size}"
         if self.predicted_step_time is not None:
             head += f", predicted step {self.predicted_step_time * 1e3:.2f} ms"
-        rows = [("stage", "device", "layers", "params", "grads", "optim", "activ.", "buffers", "work", "fwd ms", "bwd ms")]
+        rows = [
+            (
+                "stage",
+                "device",
+                "layers",
+                "params",
+                "grads",
+                "optim",
+                "activ.",
+                "buffers",
+                "work",
+                "fwd ms",
+                "bwd ms",
+            )
+        ]
         for i, s in enumerate(self.stages):
-            names = s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]} .. {s.layers[-1]} ({len(s.layers)})"
+            names = (
+                s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]} .. {s.layers[-1]} ({len(s.layers)})"
+            )
             dev = f"{s.device} {s.device_name}".strip()
             rows.append(
                 (
@@ -75,7 +91,11 @@ class PlanText:
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = [head]
         for j, r in enumerate(rows):
-            lines.append("  ".join(cell.ljust(w) if c < 3 else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, widths))))
+            lines.append(
+                "  ".join(
+                    cell.ljust(w) if c < 3 else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, widths))
+                )
+            )
             if j == 0:
                 lines.append("  ".join("-" * w for w in widths))
         lines.extend(self._cluster_lines())
@@ -90,42 +110,58 @@ class PlanText:
         return "\n".join(lines)
 
     def runner_up_text(self) -> str:
-        """``"runner-up: cpu | cuda:0 | cuda:1 (balance 3,4,5; 8 micro-batches), predicted 217.0 ms, within measurement
-        noise (5%) ..."``, or ``""`` when no other device order was predicted within noise."""
+        """``"runner-up: cpu | cuda:0 | cuda:1 (balance 3,4,5; 8 micro-batches), predicted 217.0 ms, within
+        measurement noise (5%) ..."``, or ``""`` when no other device order was predicted within noise."""
         r = self.runner_up
         if not r:
             return ""
         where = " | ".join(map(str, r.get("devices", [])))
         balance = ",".join(map(str, r.get("balance", [])))
         step = float(r.get("predicted_step_time", 0.0)) * 1e3
-        ours = f" of this plan's {self.predicted_step_time * 1e3:.1f} ms" if self.predicted_step_time is not None else ""
-        why = "this plan is preferred (fewer stages, then devices in listed order, then fewer micro-batches), so the same command keeps it"
+        ours = (
+            f" of this plan's {self.predicted_step_time * 1e3:.1f} ms"
+            if self.predicted_step_time is not None
+            else ""
+        )
+        why = (
+            "this plan is preferred (fewer stages, then devices in listed order, then fewer "
+            "micro-batches), so the same command keeps it"
+        )
         return (
-            f"runner-up: {where} (balance {balance}; {r.get('microbatches', '?')} micro-batch(es)), predicted {step:.1f} ms, "
-            f"within measurement noise ({float(r.get('noise', 0.0)):.0%}){ours}: {why}"
+            f"runner-up: {where} (balance {balance}; {r.get('microbatches', '?')} micro-batch(es)), "
+            f"predicted {step:.1f} ms, within measurement noise ({float(r.get('noise', 0.0)):.0%}){ours}: "
+            f"{why}"
         )
 
     def comparison_lines(self) -> list[str]:
-        """The strategies the planner weighed, one row each (``comparison``), then why the chosen one: ``[]`` when none."""
+        """The strategies the planner weighed, one row each (``comparison``), then why the chosen one: ``[]``
+        when none."""
         if not self.comparison:
             return []
         rows = [("strategy", "ranks", "step ms", "memory/device", "host/node", "fits", "")]
         for c in self.comparison:
             step = c.get("predicted_step_time")
             peak, host = c.get("peak_memory"), int(c.get("host_memory") or 0)
-            rows.append((
-                str(c.get("strategy", "?")) + (" *" if c.get("chosen") else ""),
-                str(c.get("ranks", "")),
-                "-" if step is None else f"{float(step) * 1e3:.2f}",
-                "-" if peak is None else format_bytes(int(peak)),
-                format_bytes(host) if host else "-",
-                "yes" if c.get("fits") else "no",
-                str(c.get("note", "")),
-            ))  # fmt: skip
+            rows.append(
+                (
+                    str(c.get("strategy", "?")) + (" *" if c.get("chosen") else ""),
+                    str(c.get("ranks", "")),
+                    "-" if step is None else f"{float(step) * 1e3:.2f}",
+                    "-" if peak is None else format_bytes(int(peak)),
+                    format_bytes(host) if host else "-",
+                    "yes" if c.get("fits") else "no",
+                    str(c.get("note", "")),
+                )
+            )
         widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
         lines = ["strategies compared (* chosen; step: predicted time per step; memory: peak per device):"]
         for j, r in enumerate(rows):
-            lines.append("  ".join(cell.rjust(w) if 2 <= k <= 4 else cell.ljust(w) for k, (cell, w) in enumerate(zip(r, widths))).rstrip())
+            lines.append(
+                "  ".join(
+                    cell.rjust(w) if 2 <= k <= 4 else cell.ljust(w)
+                    for k, (cell, w) in enumerate(zip(r, widths))
+                ).rstrip()
+            )
             if j == 0:
                 lines.append("  ".join("-" * w for w in widths[:-1]))
         return lines
@@ -138,7 +174,10 @@ class PlanText:
             line = f"tie: {tie.get('name')} ({format_bytes(int(tie.get('bytes', 0)))}) shared by {where}"
             if len(tie.get("stages", [])) > 1:
                 if "seconds" in tie:  # charged by the planner (``planner.ties``)
-                    line += f": split, {tie.get('charge', 'a copy per device')}: +{float(tie['seconds']) * 1e3:.3f} ms per step"
+                    line += (
+                        f": split, {tie.get('charge', 'a copy per device')}: "
+                        f"+{float(tie['seconds']) * 1e3:.3f} ms per step"
+                    )
                 else:
                     line += ": split, so one copy per device, its gradients summed across them every step"
             lines.append(line)
@@ -153,7 +192,8 @@ class PlanText:
         lines = [
             f"cluster: {self.nodes} node(s) x {self.devices_per_node} device(s) = {self.world_size} ranks = "
             f"data parallel {self.data_parallel} x pipeline {len(self.stages)}"
-            + (f" x tensor parallel {self.tp}" if self.tp > 1 else "") + f"; intra-node {self.intra_link or '-'}, "
+            + (f" x tensor parallel {self.tp}" if self.tp > 1 else "")
+            + f"; intra-node {self.intra_link or '-'}, "
             f"interconnect {self.interconnect or '-'}",
         ]
         if split:

@@ -2,9 +2,9 @@
 
 Dominated settings are skipped under ``"auto"``: GPipe (1F1B has its time with no more memory, merged-weights
 its memory with no more time), and ``always`` (``except_last`` has its memory saving at less recompute;
-``tests/test_planner_search.py`` checks both against brute force over every setting). Under ``"auto"`` the schedule is
-1F1B or merged-weights, 1F1B first in preference order: merged-weights when it is predicted faster and fits, 1F1B
-(fewer micro-batches in flight) when memory is tight.
+``tests/test_planner_search.py`` checks both against brute force over every setting). Under ``"auto"`` the
+schedule is 1F1B or merged-weights, 1F1B first in preference order: merged-weights when it is predicted faster
+and fits, 1F1B (fewer micro-batches in flight) when memory is tight.
 
 Usage: ``settings_grid(32, "auto", "auto", "auto")`` → ``[(1, "1f1b", "never"), (2, "1f1b", "never"), ...,
 (1, "merged-weights", "never"), ...]``.
@@ -33,17 +33,16 @@ def microbatch_candidates(batch_size: int) -> list[int]:
 
 
 def sharded_schedule(schedule: str) -> str:
-    """The schedule a pipeline of FSDP2-sharded stages searches: ``"auto"`` is 1F1B there (a sharded stage runs whole
-    backwards, so a split schedule gains nothing and would be priced for what it does not run); a fixed one as given.
+    """The schedule a pipeline of FSDP2-sharded stages searches: ``"auto"`` is 1F1B there (a sharded stage
+    runs whole backwards, so a split schedule gains nothing and would be priced for what it does not run); a
+    fixed one as given.
 
     Usage: ``settings_grid(b, m, sharded_schedule(schedule), recompute)``.
     """
     return "1f1b" if schedule == "auto" else schedule
 
 
-def settings_grid(
-    batch_size: int, microbatches: int | str, schedule: str, recompute: str
-) -> list[Setting]:
+def settings_grid(batch_size: int, microbatches: int | str, schedule: str, recompute: str) -> list[Setting]:
     """``(microbatches, schedule, recompute)`` settings to search, validated, in preference order."""
     if microbatches == "auto":
         ms = microbatch_candidates(batch_size)
@@ -51,7 +50,8 @@ def settings_grid(
         raise ValueError(f"microbatches={microbatches!r} must be 'auto' or an int >= 1")
     elif microbatches > batch_size:
         raise ValueError(
-            f"microbatches={microbatches} is more than the batch size {batch_size}; use at most {batch_size} or 'auto'"
+            f"microbatches={microbatches} is more than the batch size {batch_size}; use at most "
+            f"{batch_size} or 'auto'"
         )
     else:
         ms = [microbatches]

@@ -94,7 +94,15 @@ __all__ = [
 ]
 
 # elementwise passes (reads + writes of one element) of torch.optim's single-tensor step, per parameter
-OPTIMIZER_PASSES = {"none": 0, "sgd": 3, "sgd-momentum": 8, "momentum": 8, "adam": 18, "adamw": 20, "adam-amsgrad": 22}
+OPTIMIZER_PASSES = {
+    "none": 0,
+    "sgd": 3,
+    "sgd-momentum": 8,
+    "momentum": 8,
+    "adam": 18,
+    "adamw": 20,
+    "adam-amsgrad": 22,
+}
 OTHER_OPTIMIZER_PASSES = 20
 
 
@@ -117,7 +125,9 @@ class ShardMemory:
         return self.params + self.grads + self.optimizer + self.buffers + self.activations + self.workspace
 
     def stage_memory(self) -> StageMemory:
-        return StageMemory(self.params, self.grads, self.optimizer, self.buffers, self.activations, self.workspace)
+        return StageMemory(
+            self.params, self.grads, self.optimizer, self.buffers, self.activations, self.workspace
+        )
 
 
 @dataclass(frozen=True)
@@ -145,7 +155,8 @@ class _Unit:
 
 
 def _units(cm: CostModel, stage: Stage, ties: Sequence[TieCost]) -> tuple[list[_Unit], _Unit]:
-    """The stage's layers as units, and the root: the ties held by two of its layers (moved out of their home layer)."""
+    """The stage's layers as units, and the root: the ties held by two of its layers (moved out of their home
+    layer)."""
     layers = cm.profile.layers
     params = [float(layers[i].param_bytes) for i in range(stage.start, stage.end)]
     grads = [float(layers[i].grad_bytes) for i in range(stage.start, stage.end)]
@@ -175,8 +186,15 @@ def _units(cm: CostModel, stage: Stage, ties: Sequence[TieCost]) -> tuple[list[_
 
 
 def sharded_memory(
-    cm: CostModel, stage: Stage, n: int, *, reshard: bool = True, offload: bool = False, pipeline: bool = False,
-    in_flight: int = 1, ties: Sequence[TieCost] = (),
+    cm: CostModel,
+    stage: Stage,
+    n: int,
+    *,
+    reshard: bool = True,
+    offload: bool = False,
+    pipeline: bool = False,
+    in_flight: int = 1,
+    ties: Sequence[TieCost] = (),
 ) -> ShardMemory:
     """One rank's bytes for ``stage`` sharded over ``n`` ranks (module docstring). ``pipeline``: a stage of a
     pipeline (parameters gathered and gradients accumulated unsharded for the whole step); ``in_flight``:
@@ -190,7 +208,9 @@ def sharded_memory(
         gathered = float(base.params)
     else:
         near = [0.0, *(u.params for u in units), 0.0]
-        gathered = root.params + max(2 * near[k] + max(near[k - 1], near[k + 1]) for k in range(1, len(near) - 1))
+        gathered = root.params + max(
+            2 * near[k] + max(near[k - 1], near[k + 1]) for k in range(1, len(near) - 1)
+        )
     gathered_bytes = math.ceil(gathered) if n > 1 or offload else 0
     if pipeline:
         unsharded = int(base.grads) if n > 1 or offload else 0
@@ -198,14 +218,26 @@ def sharded_memory(
         unsharded = int(root.grads + max(u.grads for u in units)) if n > 1 or offload else 0
     here = [0, 0, 0] if offload else shard
     return ShardMemory(
-        params=here[0] + gathered_bytes, grads=here[1] + unsharded, optimizer=here[2], buffers=base.buffers,
-        activations=base.activations, workspace=base.workspace, host=sum(shard) if offload else 0,
-        gathered=gathered_bytes, unsharded=unsharded,
-    )  # fmt: skip
+        params=here[0] + gathered_bytes,
+        grads=here[1] + unsharded,
+        optimizer=here[2],
+        buffers=base.buffers,
+        activations=base.activations,
+        workspace=base.workspace,
+        host=sum(shard) if offload else 0,
+        gathered=gathered_bytes,
+        unsharded=unsharded,
+    )
 
 
 def sharded_step(
-    cm: CostModel, stage: Stage, n: int, link: Link, *, reshard: bool = True, pcie: Link | None = None,
+    cm: CostModel,
+    stage: Stage,
+    n: int,
+    link: Link,
+    *,
+    reshard: bool = True,
+    pcie: Link | None = None,
     ties: Sequence[TieCost] = (),
 ) -> ShardTimes:
     """Communication of one step of ``stage`` (the whole model, pp = 1, one batch) sharded over ``n`` ranks on
@@ -246,9 +278,13 @@ def sharded_step(
     count = sum(1 for u in units if u.params) * (2 if reshard else 1) + sum(1 for u in units if u.grads)
     count += 2 if root.params else 0
     return ShardTimes(
-        compute=pure, exposed=max(comp, comm) - pure, allgather=gathers, reduce_scatter=root_rs[0] + sum(r for r, _ in rs),
-        pcie=copies, collectives=count if n > 1 else 0,
-    )  # fmt: skip
+        compute=pure,
+        exposed=max(comp, comm) - pure,
+        allgather=gathers,
+        reduce_scatter=root_rs[0] + sum(r for r, _ in rs),
+        pcie=copies,
+        collectives=count if n > 1 else 0,
+    )
 
 
 def _forward(units: Sequence[_Unit], ag: Sequence[float], root: float) -> tuple[float, list[float]]:
@@ -262,10 +298,12 @@ def _forward(units: Sequence[_Unit], ag: Sequence[float], root: float) -> tuple[
     return comm, ends
 
 
-def first_forward_exposed(cm: CostModel, stage: Stage, n: int, link: Link, ties: Sequence[TieCost] = ()) -> tuple[float, float]:
-    """``(exposed, total)`` seconds of a pipeline stage sharded over ``n`` ranks gathering its parameters in its first
-    micro-batch's forward (they stay gathered for the rest of the step): the forward with the all-gathers and their
-    copy-outs minus without, and all of them."""
+def first_forward_exposed(
+    cm: CostModel, stage: Stage, n: int, link: Link, ties: Sequence[TieCost] = ()
+) -> tuple[float, float]:
+    """``(exposed, total)`` seconds of a pipeline stage sharded over ``n`` ranks gathering its parameters in
+    its first micro-batch's forward (they stay gathered for the rest of the step): the forward with the
+    all-gathers and their copy-outs minus without, and all of them."""
     units, root = _units(cm, stage, ties)
     ag = [allgather_time(u.params, n, link) for u in units]
     first = allgather_time(root.params, n, link) + root.copy_out
@@ -286,11 +324,15 @@ def cpu_optimizer_time(param_bytes: float, label: str, bandwidth: float) -> floa
 
 
 def host_memory_bandwidth(device: Device) -> tuple[float, str]:
-    """``(bytes/s, where from)`` of the host memory behind ``device``: this machine's measured copy bandwidth for a
-    present device, else the catalog's generic server CPU at its memory efficiency (a described node's host)."""
+    """``(bytes/s, where from)`` of the host memory behind ``device``: this machine's measured copy bandwidth
+    for a present device, else the catalog's generic server CPU at its memory efficiency (a described node's
+    host)."""
     if device.present:
         speed = catalog.measure_host()
-        return speed.memory_bandwidth, f"this machine's measured copy bandwidth ({speed.memory_bandwidth / 1e9:.1f} GB/s)"
+        return (
+            speed.memory_bandwidth,
+            f"this machine's measured copy bandwidth ({speed.memory_bandwidth / 1e9:.1f} GB/s)",
+        )
     cpu = catalog.lookup("generic-cpu")
     assert cpu is not None
     bw = float(cpu.extra["memory_bandwidth"]) * float(cpu.extra["memory_efficiency"])
@@ -298,13 +340,19 @@ def host_memory_bandwidth(device: Device) -> tuple[float, str]:
 
 
 def pcie_link(device: Device) -> Link:
-    """The link offloaded states cross between host and ``device``: its catalog host link (``pcie4``/``pcie5``), else a
-    PCIe link at the device's host bandwidth."""
+    """The link offloaded states cross between host and ``device``: its catalog host link
+    (``pcie4``/``pcie5``), else a PCIe link at the device's host bandwidth."""
     host = device.extra.get("host_link") if isinstance(device.extra, dict) else None
     key = {"PCIe Gen4 x16": "pcie4", "PCIe Gen5 x16": "pcie5"}.get(str(host))
     if key is not None:
         return lookup(key)
     bw = host_bandwidth(device)
     base = lookup("pcie4")
-    return Link("host", f"host link of {device.device}", bw if math.isfinite(bw) else base.bandwidth, base.latency, 1.0 if math.isfinite(bw) else base.efficiency,
-                "the device's host bandwidth" if math.isfinite(bw) else base.source)  # fmt: skip
+    return Link(
+        "host",
+        f"host link of {device.device}",
+        bw if math.isfinite(bw) else base.bandwidth,
+        base.latency,
+        1.0 if math.isfinite(bw) else base.efficiency,
+        "the device's host bandwidth" if math.isfinite(bw) else base.source,
+    )

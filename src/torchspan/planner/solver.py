@@ -42,8 +42,8 @@ __all__ = ["Solver", "device_groups", "physical_ends", "in_flight_counts"]
 
 
 def in_flight_counts(cm: CostModel) -> list[int]:
-    """The in-flight counts a stage can have under ``cm``'s schedule (GPipe and merged-weights: ``M``; 1F1B: ``1..M``;
-    zero-bubble: one count for every stage, ``cm.in_flight``)."""
+    """The in-flight counts a stage can have under ``cm``'s schedule (GPipe and merged-weights: ``M``; 1F1B:
+    ``1..M``; zero-bubble: one count for every stage, ``cm.in_flight``)."""
     stages = len(set(cm.rep))
     if cm.schedule in ("zero-bubble", "merged-weights"):
         return [cm.in_flight(0, 1)]
@@ -57,7 +57,9 @@ def physical_ends(cm: CostModel) -> tuple[list[int], dict[int, np.ndarray]]:
     return phys, {k: cm.max_end(caps, k) for k in in_flight_counts(cm)}
 
 
-def device_groups(cm: CostModel, ends: tuple[list[int], dict[int, np.ndarray]] | None = None) -> list[list[int]]:
+def device_groups(
+    cm: CostModel, ends: tuple[list[int], dict[int, np.ndarray]] | None = None
+) -> list[list[int]]:
     """Interchangeable physical devices (same link, per-layer times and fitting stages), as list indices.
 
     Budgets enter the search only through which stages fit (``CostModel.max_end`` for each
@@ -76,7 +78,8 @@ def device_groups(cm: CostModel, ends: tuple[list[int], dict[int, np.ndarray]] |
 
 
 def _window_min(V: np.ndarray, left: np.ndarray, right: np.ndarray) -> np.ndarray:
-    """``out[r, q] = min(V[r, left[q] .. right[q]])`` (``inf`` where ``right[q] < left[q]``), by a sparse table."""
+    """``out[r, q] = min(V[r, left[q] .. right[q]])`` (``inf`` where ``right[q] < left[q]``), by a sparse
+    table."""
     m, n = V.shape
     valid = right >= left
     if not valid.any():
@@ -105,7 +108,9 @@ def _window_min(V: np.ndarray, left: np.ndarray, right: np.ndarray) -> np.ndarra
 @functools.lru_cache(maxsize=16)
 def _state_graph(
     sizes: tuple[int, ...], L: int
-) -> tuple[list[list[tuple[int, ...]]], list[dict[tuple[int, ...], int]], list[list[tuple[np.ndarray, np.ndarray]]]]:
+) -> tuple[
+    list[list[tuple[int, ...]]], list[dict[tuple[int, ...], int]], list[list[tuple[np.ndarray, np.ndarray]]]
+]:
     """States per level (devices of each type used), their indices, and the moves between levels.
 
     ``moves[n][t] = (src, dst)``: adding a stage of type ``t`` in front of level-``n`` states ``src``
@@ -114,7 +119,9 @@ def _state_graph(
     T = len(sizes)
     levels: list[list[tuple[int, ...]]] = [[tuple(0 for _ in range(T))]]
     for _ in range(min(sum(sizes), L)):
-        nxt = sorted({u[:t] + (u[t] + 1,) + u[t + 1 :] for u in levels[-1] for t in range(T) if u[t] < sizes[t]})
+        nxt = sorted(
+            {u[:t] + (u[t] + 1,) + u[t + 1 :] for u in levels[-1] for t in range(T) if u[t] < sizes[t]}
+        )
         if not nxt:
             break
         levels.append(nxt)
@@ -153,7 +160,9 @@ class Solver:
         L = cm.L
         rep = [g[0] for g in groups]
         self.PL = cm.PL[rep]
-        self.PL_last = cm.PL_last[rep]  # the last stage's latency (zero-bubble: its whole backward; merged-weights: + tail)
+        self.PL_last = cm.PL_last[
+            rep
+        ]  # the last stage's latency (zero-bubble: its whole backward; merged-weights: + tail)
         self.PL_full = cm.PL_full[rep]  # a single stage's (nothing waits for it: no tail)
         self.PS = cm.PS[rep]
         self.sizes = [len(g) for g in groups]
@@ -184,7 +193,8 @@ class Solver:
         return self._max_end[k][t]
 
     def _link_weights(self, cap_tau: float) -> np.ndarray:
-        """``(T, L+1)``: seconds of a link at each boundary at type ``t``'s host bandwidth, ``inf`` above the cap."""
+        """``(T, L+1)``: seconds of a link at each boundary at type ``t``'s host bandwidth, ``inf`` above the
+        cap."""
         with np.errstate(divide="ignore", invalid="ignore"):
             w = np.where(np.isinf(self.bw)[:, None], 0.0, self.base[None, :] / self.bw[:, None])
         w[:, self.cm.uncut] = INF  # cuts that would split a tie the model keeps (``CostModel.keeping``)
@@ -202,9 +212,15 @@ class Solver:
         if tau == INF:
             hi_time = [np.full(L, L, dtype=np.int64) for _ in range(T)]
         else:
-            hi_time = [np.searchsorted(self.PS[t], self.PS[t][:L] + cap_tau, side="right") - 1 for t in range(T)]
+            hi_time = [
+                np.searchsorted(self.PS[t], self.PS[t][:L] + cap_tau, side="right") - 1 for t in range(T)
+            ]
         # level n: a stage with n stages after it holds what stage 0 of n + 1 stages holds
-        his = [np.minimum(self.max_end(t, self.cm.in_flight(0, n + 1)), hi_time[t]) for n in range(len(self.levels) - 1) for t in range(T)]
+        his = [
+            np.minimum(self.max_end(t, self.cm.in_flight(0, n + 1)), hi_time[t])
+            for n in range(len(self.levels) - 1)
+            for t in range(T)
+        ]
         # reach[r]: no r stages from layer 0 get past it (any type, the widest window at each start)
         widest = np.maximum.accumulate(np.max(np.stack(his), axis=0))
         depth = len(self.levels) - 1
@@ -213,7 +229,9 @@ class Solver:
             reach.append(L if reach[-1] >= L else int(widest[reach[-1]]))
         G: list[tuple[np.ndarray, int]] = []  # per level >= 1: (values over columns c0.., c0)
         best, best_at = INF, None
-        for n in range(len(self.levels) - 1 if self.sequence is None else min(len(self.sequence), len(self.levels) - 1)):
+        for n in range(
+            len(self.levels) - 1 if self.sequence is None else min(len(self.sequence), len(self.levels) - 1)
+        ):
             k_his = his[n * T : (n + 1) * T]
             if n == 0:  # the last stage ends at layer L
                 i0, nxt = 0, self._last_level(k_his)
@@ -238,7 +256,8 @@ class Solver:
         return self._rebuild(G, best_at, wl, his)
 
     def _last_level(self, k_his: list[np.ndarray]) -> np.ndarray:
-        """Level 0 of ``run``: the last stage, ending at layer L, by its first layer (columns), level and type."""
+        """Level 0 of ``run``: the last stage, ending at layer L, by its first layer (columns), level and
+        type."""
         L = self.cm.L
         nxt = np.full((len(self.levels[1]), len(self.groups), L), INF)
         for t in self._allowed(0):
@@ -251,8 +270,9 @@ class Solver:
     def _next_level(
         self, n: int, arr: np.ndarray, c0: int, k_his: list[np.ndarray], wl: np.ndarray, reach: int
     ) -> tuple[np.ndarray, int] | None:
-        """Level ``n`` of ``run`` from level ``n - 1`` (``arr``, its first column ``c0``): one more stage in front,
-        over the rows its start can take; ``(values, first row)``, or ``None`` when no start is left."""
+        """Level ``n`` of ``run`` from level ``n - 1`` (``arr``, its first column ``c0``): one more stage in
+        front, over the rows its start can take; ``(values, first row)``, or ``None`` when no start is
+        left."""
         L, T = self.cm.L, len(self.groups)
         order, pos = self.order, self.pos
         ar = np.arange(L, dtype=np.int64)
@@ -287,7 +307,9 @@ class Solver:
             nxt[dst, t, :] = _window_min(H, left, right) - self.PL[t][None, i0 : i1 + 1]
         return nxt, i0
 
-    def _rebuild(self, G: list[tuple[np.ndarray, int]], at: tuple[int, int, int], wl: np.ndarray, his: list[np.ndarray]) -> list[Stage]:
+    def _rebuild(
+        self, G: list[tuple[np.ndarray, int]], at: tuple[int, int, int], wl: np.ndarray, his: list[np.ndarray]
+    ) -> list[Stage]:
         L = self.cm.L
         T = len(self.groups)
         n, ui, t = at

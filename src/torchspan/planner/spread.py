@@ -21,7 +21,9 @@ from .stages import Evaluation, Stage
 __all__ = ["spread_plan"]
 
 
-def spread_plan(prof: Profile, *, microbatches: int | str = "auto", schedule: str = "auto", recompute: str = "auto") -> Plan | None:
+def spread_plan(
+    prof: Profile, *, microbatches: int | str = "auto", schedule: str = "auto", recompute: str = "auto"
+) -> Plan | None:
     """The fastest fitting plan with one stage on each of ``prof.devices``, in order; ``None`` if none fits.
 
     Exhaustive over contiguous cuts and the planner's settings grid, scored by ``CostModel`` (the
@@ -60,7 +62,10 @@ def _slowest_stage(prof: Profile, bounds: tuple[int, ...], microbatches: int) ->
     """The slowest stage's share of all stages' forward+backward time (1/stages when balanced)."""
     samples = prof.batch_size / microbatches
     times = [
-        sum(lay.forward_seconds(d, samples) + lay.backward_seconds(d, samples) for lay in prof.layers[bounds[d] : bounds[d + 1]])
+        sum(
+            lay.forward_seconds(d, samples) + lay.backward_seconds(d, samples)
+            for lay in prof.layers[bounds[d] : bounds[d + 1]]
+        )
         for d in range(len(bounds) - 1)
     ]
     return max(times) / sum(times) if sum(times) > 0 else 1.0

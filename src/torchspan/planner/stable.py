@@ -26,7 +26,8 @@ flips were likely. At most ``MAX_ORDERS`` device orders are solved, cheapest bou
 by a lower bound (``sigma + (M - 1) * floor`` over the order's devices); beyond it the rest are not
 compared, and a note says so.
 
-Usage: ``choice = stable_choice(models, kept, winner_cm, winner_ev, make_setting)`` (``optimize.search`` calls it).
+Usage: ``choice = stable_choice(models, kept, winner_cm, winner_ev, make_setting)`` (``optimize.search`` calls
+it).
 """
 
 from __future__ import annotations
@@ -56,14 +57,17 @@ def device_noise(profile: Profile) -> list[float]:
     """Per listed device: ``MEASURED_NOISE`` when any of its layer times was measured here, else 0."""
     out = []
     for d in range(len(profile.devices)):
-        measured = any(d < len(lay.time_source) and lay.time_source[d] == "measured" for lay in profile.layers)
+        measured = any(
+            d < len(lay.time_source) and lay.time_source[d] == "measured" for lay in profile.layers
+        )
         out.append(MEASURED_NOISE if measured else 0.0)
     return out
 
 
 @dataclass
 class Choice:
-    """The plan to return (``cm``, ``ev``), the fastest other device order within noise, and notes saying why."""
+    """The plan to return (``cm``, ``ev``), the fastest other device order within noise, and notes saying
+    why."""
 
     cm: CostModel
     ev: Evaluation
@@ -88,7 +92,8 @@ def stable_choice(
     others: Sequence[tuple[CostModel, Evaluation]] = (),
     rtol: float = 1e-9,
 ) -> Choice:
-    """The most preferred candidate within noise of ``winner_ev`` (the search's exact optimum); see the module docstring.
+    """The most preferred candidate within noise of ``winner_ev`` (the search's exact optimum); see the module
+    docstring.
 
     ``models``: one ``CostModel`` per grid setting, in the grid's (preference) order; ``kept``: the tie
     subsets the search also keeps on one stage; ``make_setting(cm, types)``: the search's branch and
@@ -102,11 +107,15 @@ def stable_choice(
     used = {s.device for s in winner_ev.stages}
     restricted = _Restricted(models, kept, make_setting, rtol)
 
-    def limit(order: Sequence[int]) -> float:  # within noise of the fastest: noise of every device either uses
+    def limit(
+        order: Sequence[int],
+    ) -> float:  # within noise of the fastest: noise of every device either uses
         return t0 * (1 + max(noise[d] for d in {*order, *used})) * (1 + rtol)
 
     chosen, stopped = (winner_cm, winner_ev), False
-    for n, order in enumerate(_orders(models, noise, used, t0)):  # most preferred first: the first within noise wins
+    for n, order in enumerate(
+        _orders(models, noise, used, t0)
+    ):  # most preferred first: the first within noise wins
         if n >= MAX_ORDERS or order is None:
             stopped = True
             break
@@ -116,7 +125,9 @@ def stable_choice(
             break
     seen = [(winner_cm, winner_ev), *others]
     mine = tuple(s.device for s in chosen[1].stages)
-    for order in _rearrangements(mine, _classes(models[0])):  # the same devices in other orders, where swaps hide
+    for order in _rearrangements(
+        mine, _classes(models[0])
+    ):  # the same devices in other orders, where swaps hide
         found = restricted.fastest(order, limit(order))
         if found is not None:
             seen.append(found)
@@ -125,12 +136,23 @@ def stable_choice(
 
 
 class _Restricted:
-    """The search's branch and bound restricted to one device order, for each grid setting and its tie variants."""
+    """The search's branch and bound restricted to one device order, for each grid setting and its tie
+    variants."""
 
-    def __init__(self, models: Sequence[CostModel], kept: Sequence[tuple[TieCost, ...]], make_setting: Callable[..., Any], rtol: float) -> None:
+    def __init__(
+        self,
+        models: Sequence[CostModel],
+        kept: Sequence[tuple[TieCost, ...]],
+        make_setting: Callable[..., Any],
+        rtol: float,
+    ) -> None:
         self.models, self.make, self.rtol, self.programmes = models, make_setting, rtol, 0
-        self.variants = [[cm, *(cm.keeping(k) for k in kept)] for cm in models]  # the setting, and it with ties kept whole
-        self.groups = [[device_groups(v) for v in row] for row in self.variants]  # the solver's device types for each
+        self.variants = [
+            [cm, *(cm.keeping(k) for k in kept)] for cm in models
+        ]  # the setting, and it with ties kept whole
+        self.groups = [
+            [device_groups(v) for v in row] for row in self.variants
+        ]  # the solver's device types for each
 
     def best(self, order: tuple[int, ...], limit: float, g: int) -> tuple[CostModel, Evaluation] | None:
         """The fastest fitting placement in ``order`` under setting ``g`` if one is within ``limit``."""
@@ -144,7 +166,11 @@ class _Restricted:
             if st.best is not None:
                 st.refine(limit, self.rtol)
             self.programmes += st.programmes
-            if st.best is not None and st.best.fits and (best is None or st.best.step_time < best[1].step_time):
+            if (
+                st.best is not None
+                and st.best.fits
+                and (best is None or st.best.step_time < best[1].step_time)
+            ):
                 best = (variant, st.best)
         return best if best is not None and best[1].step_time <= limit else None
 
@@ -170,10 +196,15 @@ class _Restricted:
 
 
 def _rearrangements(order: tuple[int, ...], classes: list[list[int]]) -> list[tuple[int, ...]]:
-    """``order``'s devices in every other order (up to 3 stages; beyond, each adjacent pair swapped), as realized orders."""
+    """``order``'s devices in every other order (up to 3 stages; beyond, each adjacent pair swapped), as
+    realized orders."""
     class_of = {d: i for i, c in enumerate(classes) for d in c}
     k = len(order)
-    perms = itertools.permutations(order) if k <= 3 else (order[:i] + (order[i + 1], order[i]) + order[i + 2 :] for i in range(k - 1))
+    perms = (
+        itertools.permutations(order)
+        if k <= 3
+        else (order[:i] + (order[i + 1], order[i]) + order[i + 2 :] for i in range(k - 1))
+    )
     out: dict[tuple[int, ...], tuple[int, ...]] = {}
     for perm in perms:
         labels = tuple(class_of[d] for d in perm)  # interchangeable devices swapped: the same order
@@ -189,14 +220,23 @@ def _classes(cm: CostModel) -> list[list[int]]:
     devs = cm.profile.devices
     groups: dict[tuple, list[int]] = {}
     for d in sorted(set(cm.rep)):
-        key = (identity(devs, d), host_bandwidth(devs[d]), budget_of(devs[d]), memory_bandwidth(devs[d]),
-               devs[d].kind, *(t[d].tobytes() for t in tables))  # fmt: skip
+        key = (
+            identity(devs, d),
+            host_bandwidth(devs[d]),
+            budget_of(devs[d]),
+            memory_bandwidth(devs[d]),
+            devs[d].kind,
+            *(t[d].tobytes() for t in tables),
+        )
         groups.setdefault(key, []).append(d)
     return sorted(groups.values(), key=lambda g: g[0])
 
 
-def _orders(models: Sequence[CostModel], noise: list[float], used: set[int], t0: float) -> Iterator[tuple[int, ...] | None]:
-    """Device orders (physical first entries) in preference order: fewer stages, then listed order stage by stage.
+def _orders(
+    models: Sequence[CostModel], noise: list[float], used: set[int], t0: float
+) -> Iterator[tuple[int, ...] | None]:
+    """Device orders (physical first entries) in preference order: fewer stages, then listed order stage by
+    stage.
 
     A set of devices whose bound is beyond noise of ``t0`` under every setting is skipped whole; ``None``
     (then stop) when one stage count has more orders than ``MAX_ORDERS``.
@@ -209,18 +249,26 @@ def _orders(models: Sequence[CostModel], noise: list[float], used: set[int], t0:
         for counts in itertools.product(*(range(len(c) + 1) for c in classes)):
             if sum(counts) != k:
                 continue
-            members = [d for c, n in zip(classes, counts) for d in c[:n]]  # interchangeable: the first listed ones
+            members = [
+                d for c, n in zip(classes, counts) for d in c[:n]
+            ]  # interchangeable: the first listed ones
             limit = t0 * (1 + max(noise[d] for d in {*members, *used}))
             if min(_bound(m, members) for m in models) <= limit:
                 sets.append([c[:n] for c, n in zip(classes, counts)])
-        if sum(math.factorial(k) // math.prod(math.factorial(len(c)) for c in by_class) for by_class in sets) > MAX_ORDERS:
+        if (
+            sum(math.factorial(k) // math.prod(math.factorial(len(c)) for c in by_class) for by_class in sets)
+            > MAX_ORDERS
+        ):
             yield None
             return
-        yield from sorted((o for by_class in sets for o in _arrangements(by_class)), key=lambda o: [listed[d] for d in o])
+        yield from sorted(
+            (o for by_class in sets for o in _arrangements(by_class)), key=lambda o: [listed[d] for d in o]
+        )
 
 
 def _arrangements(by_class: list[list[int]]) -> Iterator[tuple[int, ...]]:
-    """Every order of the classes' members up to swapping interchangeable ones (each class's members in listed order)."""
+    """Every order of the classes' members up to swapping interchangeable ones (each class's members in listed
+    order)."""
     left = [len(c) for c in by_class]
     k = sum(left)
     labels: list[int] = []
@@ -242,7 +290,8 @@ def _arrangements(by_class: list[list[int]]) -> Iterator[tuple[int, ...]]:
 
 
 def _bound(cm: CostModel, devices: Sequence[int]) -> float:
-    """No placement on only ``devices`` beats this under ``cm`` (``optimize.bottleneck_floor`` restricted to them)."""
+    """No placement on only ``devices`` beats this under ``cm`` (``optimize.bottleneck_floor`` restricted to
+    them)."""
     rows = sorted(set(devices))
     lat, steady = cm.lat[rows], cm.steady[rows]
     best_layer = steady.min(axis=0)
@@ -254,7 +303,8 @@ def _bound(cm: CostModel, devices: Sequence[int]) -> float:
 
 
 def _types(groups: list[list[int]], order: tuple[int, ...]) -> tuple[int, ...] | None:
-    """``order`` as the solver's device types (``groups``: ``device_groups(cm)``); None when a type is used more often than it has members."""
+    """``order`` as the solver's device types (``groups``: ``device_groups(cm)``); None when a type is used
+    more often than it has members."""
     type_of = {d: t for t, g in enumerate(groups) for d in g}
     types = tuple(type_of[d] for d in order)
     if any(types.count(t) > len(groups[t]) for t in set(types)):
@@ -262,8 +312,14 @@ def _types(groups: list[list[int]], order: tuple[int, ...]) -> tuple[int, ...] |
     return types
 
 
-def _runner_up(chosen: tuple[CostModel, Evaluation], seen: Sequence[tuple[CostModel, Evaluation]], t0: float, noise: list[float]) -> dict[str, Any]:
-    """The fastest placement the search saw on another device order within noise of the fastest, as ``Plan.runner_up``."""
+def _runner_up(
+    chosen: tuple[CostModel, Evaluation],
+    seen: Sequence[tuple[CostModel, Evaluation]],
+    t0: float,
+    noise: list[float],
+) -> dict[str, Any]:
+    """The fastest placement the search saw on another device order within noise of the fastest, as
+    ``Plan.runner_up``."""
     order = tuple(s.device for s in chosen[1].stages)
     close = []
     for cm, ev in seen:
@@ -286,17 +342,35 @@ def _runner_up(chosen: tuple[CostModel, Evaluation], seen: Sequence[tuple[CostMo
     }
 
 
-def _notes(chosen: tuple[CostModel, Evaluation], winner_cm: CostModel, winner_ev: Evaluation, noise: list[float], stopped: bool) -> list[str]:
-    """Why the plan is not the fastest prediction (when it is not), and whether the comparison stopped early."""
+def _notes(
+    chosen: tuple[CostModel, Evaluation],
+    winner_cm: CostModel,
+    winner_ev: Evaluation,
+    noise: list[float],
+    stopped: bool,
+) -> list[str]:
+    """Why the plan is not the fastest prediction (when it is not), and whether the comparison stopped
+    early."""
     cm, ev = chosen
     notes = []
-    if (ev.stages, cm.M, cm.schedule, cm.recompute) != (winner_ev.stages, winner_cm.M, winner_cm.schedule, winner_cm.recompute):
-        tolerance = max(noise[d] for d in {*(s.device for s in ev.stages), *(s.device for s in winner_ev.stages)})
+    if (ev.stages, cm.M, cm.schedule, cm.recompute) != (
+        winner_ev.stages,
+        winner_cm.M,
+        winner_cm.schedule,
+        winner_cm.recompute,
+    ):
+        tolerance = max(
+            noise[d] for d in {*(s.device for s in ev.stages), *(s.device for s in winner_ev.stages)}
+        )
         notes.append(
-            f"stable choice: the fastest prediction, {describe(winner_cm, winner_ev)} at {winner_ev.step_time * 1e3:.3f} ms, "
-            f"is within measurement noise ({tolerance:.0%}) of this plan's {ev.step_time * 1e3:.3f} ms; this one is preferred "
-            "(fewer stages, then devices in listed order, then fewer micro-batches), so the same command plans the same way each run"
+            f"stable choice: the fastest prediction, {describe(winner_cm, winner_ev)} at "
+            f"{winner_ev.step_time * 1e3:.3f} ms, is within measurement noise ({tolerance:.0%}) of this "
+            f"plan's {ev.step_time * 1e3:.3f} ms; this one is preferred (fewer stages, then devices in "
+            "listed order, then fewer micro-batches), so the same command plans the same way each run"
         )
     if stopped:
-        notes.append(f"stable choice compared the first {MAX_ORDERS} device orders only (fewer stages first); the rest were not compared")
+        notes.append(
+            f"stable choice compared the first {MAX_ORDERS} device orders only (fewer stages first); the "
+            "rest were not compared"
+        )
     return notes

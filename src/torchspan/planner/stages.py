@@ -57,7 +57,8 @@ class Evaluation:
     device_busy: tuple[float, ...] = ()  # R_p: seconds per micro-batch, summed over its stages
     device_memory: tuple[int, ...] = ()  # bytes, summed over its stages
     device_capacity: tuple[float, ...] = ()
-    # per stage: seconds per micro-batch of tied-parameter copies (``planner.ties``), in its busy time and latency
+    # per stage: seconds per micro-batch of tied-parameter copies (``planner.ties``), in its busy time and
+    # latency
     ties: tuple[float, ...] = ()
 
     @property

@@ -1,11 +1,12 @@
-"""Tensor parallel x sharded on a cluster you describe: each block split over ``tp`` ranks of a node, FSDP2 over the rest.
+"""Tensor parallel x sharded on a cluster you describe: each block split over ``tp`` ranks of a node, FSDP2
+over the rest.
 
 What it prices is what ``span(model, tp=T, shard=True)`` runs (``runtime.ranks.tensorparallel``): a
 ``DeviceMesh`` ``(dp_shard, tp)``, ``tp`` innermost (a node's neighbouring ranks split the layers), each
 block's attention heads and MLP width split column- then row-wise, the replica then sharded by FSDP2 over
 ``dp_shard``. Degrees: ``tp`` in ``TP_DEGREES`` (2, 4, 8) dividing the devices per node (``tp=`` fixes one),
-``dp = world / tp`` replicas (``dp <= batch``), ``pp = 1``; each replica (``tp`` ranks) runs ``b = ceil(B / dp)``
-samples as one batch, every rank of it the same rows.
+``dp = world / tp`` replicas (``dp <= batch``), ``pp = 1``; each replica (``tp`` ranks) runs ``b = ceil(B /
+dp)`` samples as one batch, every rank of it the same rows.
 
 Which layers are split (``split_layers``): the profile cannot see 2-D weights, so the blocks stand for them:
 the layers of the kind that holds parameters most often when it repeats (a transformer's blocks; an
@@ -31,7 +32,8 @@ parts kept whole, per-sample parts divided; ``out_i``: its output bytes at ``b``
 The TP all-reduces are on the compute's path (DTensor waits for each before the next op): not overlapped
 with compute. FSDP2's all-gathers and reduce-scatters overlap both, as for a sharded replica (another
 link unless dp stays in the node). Not modelled: the TP all-reduces and a node's FSDP2 traffic sharing
-NVLink when dp stays in a node, DTensor's per-op dispatch, uneven head or width splits, and the optimizer step.
+NVLink when dp stays in a node, DTensor's per-op dispatch, uneven head or width splits, and the optimizer
+step.
 
 Memory of one rank (``sharded.sharded_memory`` over ``dp`` on the profile with split layers divided)::
 
@@ -49,7 +51,8 @@ masks, which Llama has not); the rest (q, k, v, attention scores and output, the
 Usage::
 
     found, why = tp_candidates(profile, cluster, setting=(1, "gpipe", "never"))   # fitting or not; why: none
-    best = min((c for c in found if c.fits), key=lambda c: c.step)                # c.tp, c.dp, c.tp_comm, c.peak
+    # c.tp, c.dp, c.tp_comm, c.peak
+    best = min((c for c in found if c.fits), key=lambda c: c.step)
 """
 
 from __future__ import annotations
@@ -69,7 +72,16 @@ from .strategies import unfit
 from .ties import TieCost
 from .topology import Cluster, replica_profile, shard_size
 
-__all__ = ["TP_DEGREES", "WHOLE_OUTPUTS", "LAYOUT", "tp_degrees", "split_layers", "tp_profile", "tp_candidates", "tp_notes"]
+__all__ = [
+    "TP_DEGREES",
+    "WHOLE_OUTPUTS",
+    "LAYOUT",
+    "tp_degrees",
+    "split_layers",
+    "tp_profile",
+    "tp_candidates",
+    "tp_notes",
+]
 
 TP_DEGREES = (2, 4, 8)  # searched degrees (within a node: those dividing its devices)
 WHOLE_OUTPUTS = 4  # output-sized tensors a split block saves whole on every tp rank (module docstring)
@@ -77,16 +89,20 @@ LAYOUT = "tp-in-node"  # tp innermost: replica r on ranks r*tp .. r*tp + tp - 1
 
 
 def tp_degrees(per_node: int, tp: int | str = "auto") -> list[int]:
-    """The degrees to price: ``TP_DEGREES`` dividing ``per_node`` (``"auto"``), ``[]`` for ``tp=1``, or ``[tp]``.
-    Raises ``ValueError`` for a fixed ``tp`` that is not an int >= 1 dividing the devices per node."""
+    """The degrees to price: ``TP_DEGREES`` dividing ``per_node`` (``"auto"``), ``[]`` for ``tp=1``, or
+    ``[tp]``. Raises ``ValueError`` for a fixed ``tp`` that is not an int >= 1 dividing the devices per
+    node."""
     if tp == "auto":
         return [t for t in TP_DEGREES if t <= per_node and per_node % t == 0]
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tp={tp!r} must be 'auto' or an int >= 1 (ranks of one node each layer is split over)")
+        raise ValueError(
+            f"tp={tp!r} must be 'auto' or an int >= 1 (ranks of one node each layer is split over)"
+        )
     if per_node % tp:
         raise ValueError(
-            f"tp={tp} does not divide the {per_node} device(s) per node: tensor parallelism splits each layer over "
-            f"devices of one node (its all-reduces need the intra-node link); use a divisor of {per_node}, or 1 for none"
+            f"tp={tp} does not divide the {per_node} device(s) per node: tensor parallelism splits each "
+            "layer over devices of one node (its all-reduces need the intra-node link); use a divisor of "
+            f"{per_node}, or 1 for none"
         )
     return [] if tp == 1 else [tp]
 
@@ -99,50 +115,80 @@ def split_layers(profile: Profile) -> list[bool]:
 
 
 def _split(lay: LayerCost, tp: int, ar: float) -> LayerCost:
-    """``lay`` (one device) as one of ``tp`` ranks holds and runs it, its two forward and two backward all-reduces
-    (``ar`` seconds each) in its times."""
+    """``lay`` (one device) as one of ``tp`` ranks holds and runs it, its two forward and two backward
+    all-reduces (``ar`` seconds each) in its times."""
     whole = min(lay.activation_bytes, WHOLE_OUTPUTS * lay.output_bytes)
     return dataclasses.replace(
         lay,
-        param_bytes=math.ceil(lay.param_bytes / tp), grad_bytes=math.ceil(lay.grad_bytes / tp),
-        optimizer_bytes=math.ceil(lay.optimizer_bytes / tp), activation_bytes=whole + (lay.activation_bytes - whole) / tp,
-        forward_fixed=[lay.forward_fixed[0] + 2 * ar], forward_per_sample=[lay.forward_per_sample[0] / tp],
-        backward_fixed=[lay.backward_fixed[0] + 2 * ar], backward_per_sample=[lay.backward_per_sample[0] / tp],
-    )  # fmt: skip
+        param_bytes=math.ceil(lay.param_bytes / tp),
+        grad_bytes=math.ceil(lay.grad_bytes / tp),
+        optimizer_bytes=math.ceil(lay.optimizer_bytes / tp),
+        activation_bytes=whole + (lay.activation_bytes - whole) / tp,
+        forward_fixed=[lay.forward_fixed[0] + 2 * ar],
+        forward_per_sample=[lay.forward_per_sample[0] / tp],
+        backward_fixed=[lay.backward_fixed[0] + 2 * ar],
+        backward_per_sample=[lay.backward_per_sample[0] / tp],
+    )
 
 
 def tp_profile(profile: Profile, cluster: Cluster, tp: int, batch: int) -> tuple[Profile, float, list[float]]:
-    """``(profile, tp_comm, ar)``: one rank of a ``tp``-way replica running ``batch`` samples (one device; split layers
-    divided, their all-reduces folded into their times), the step's TP all-reduce seconds, and each layer's ``AR_i``."""
+    """``(profile, tp_comm, ar)``: one rank of a ``tp``-way replica running ``batch`` samples (one device;
+    split layers divided, their all-reduces folded into their times), the step's TP all-reduce seconds, and
+    each layer's ``AR_i``."""
     rep = replica_profile(profile, 1, batch)
     ars = [
         allreduce_time(lay.output_bytes * batch + lay.output_fixed_bytes, tp, cluster.intra) if split else 0.0
         for lay, split in zip(rep.layers, split_layers(rep))
     ]
-    layers = [_split(lay, tp, ar) if split else lay for lay, split, ar in zip(rep.layers, split_layers(rep), ars)]
+    layers = [
+        _split(lay, tp, ar) if split else lay for lay, split, ar in zip(rep.layers, split_layers(rep), ars)
+    ]
     return dataclasses.replace(rep, layers=layers), 4 * sum(ars), ars
 
 
 def tp_candidates(
-    profile: Profile, cluster: Cluster, *, setting: tuple[int, str, str] | None, ties: Sequence[TieCost] = (),
-    data_parallel: int | str = "auto", tp: int | str = "auto",
+    profile: Profile,
+    cluster: Cluster,
+    *,
+    setting: tuple[int, str, str] | None,
+    ties: Sequence[TieCost] = (),
+    data_parallel: int | str = "auto",
+    tp: int | str = "auto",
 ) -> tuple[list[ClusterCandidate], str]:
-    """Every ``tp x dp`` of ``cluster``'s world (fitting or not: ``fits``, ``why``), and why there is none (``""``
-    when some). ``setting``: the replica's ``(microbatches, schedule, recompute)`` (None: the caller fixed another)."""
+    """Every ``tp x dp`` of ``cluster``'s world (fitting or not: ``fits``, ``why``), and why there is none
+    (``""`` when some). ``setting``: the replica's ``(microbatches, schedule, recompute)`` (None: the caller
+    fixed another)."""
     degrees = tp_degrees(cluster.per_node, tp)
     B, world = profile.batch_size, cluster.world
     if not degrees:
-        return [], "tp=1 was fixed" if tp == 1 else f"no tp in {', '.join(map(str, TP_DEGREES))} divides the {cluster.per_node} device(s) per node"
+        return (
+            [],
+            "tp=1 was fixed"
+            if tp == 1
+            else f"no tp in {', '.join(map(str, TP_DEGREES))} divides the {cluster.per_node} device(s) per "
+            "node",
+        )
     if setting is None:
         return [], "a tensor-parallel replica runs its rows as one batch (microbatches=1, recompute='never')"
     splits = [(t, world // t) for t in degrees if world // t <= B and data_parallel in ("auto", world // t)]
     if not splits:
         fixed = f" and data_parallel {data_parallel} was fixed" if data_parallel != "auto" else ""
-        return [], f"tp {' / '.join(map(str, degrees))} leaves {' / '.join(str(world // t) for t in degrees)} replicas for a batch of {B}{fixed}"
+        return (
+            [],
+            f"tp {' / '.join(map(str, degrees))} leaves {' / '.join(str(world // t) for t in degrees)} "
+            f"replicas for a batch of {B}{fixed}",
+        )
     return [_candidate(profile, cluster, t, dp, setting, ties) for t, dp in splits], ""
 
 
-def _candidate(profile: Profile, cluster: Cluster, tp: int, dp: int, setting: tuple[int, str, str], ties: Sequence[TieCost]) -> ClusterCandidate:
+def _candidate(
+    profile: Profile,
+    cluster: Cluster,
+    tp: int,
+    dp: int,
+    setting: tuple[int, str, str],
+    ties: Sequence[TieCost],
+) -> ClusterCandidate:
     """``tp x dp`` priced (module docstring)."""
     prof, tp_comm, _ = tp_profile(profile, cluster, tp, shard_size(profile.batch_size, dp))
     cm = CostModel(prof, *setting)
@@ -153,16 +199,29 @@ def _candidate(profile: Profile, cluster: Cluster, tp: int, dp: int, setting: tu
     mem = sharded_memory(cm, stage, dp, ties=ties)
     if dp > 1:
         t = sharded_step(cm, stage, dp, link, ties=ties)
-        exposed, totals = t.exposed, (("allgather_total", t.allgather), ("reduce_scatter_total", t.reduce_scatter))
+        exposed, totals = (
+            t.exposed,
+            (("allgather_total", t.allgather), ("reduce_scatter_total", t.reduce_scatter)),
+        )
         reduction = Reduction(link.key, t.allgather + t.reduce_scatter, t.collectives, t.exposed)
     else:
         exposed, totals, reduction = 0.0, (), Reduction(link.key, 0.0, 0, 0.0)
     why = unfit(mem.total, cm.capacity[0])
     return dataclasses.replace(
-        base, dp=dp, stage_ranks=[list(range(cluster.world))], compute=base.compute - tp_comm, allreduce=exposed,
-        reductions=(reduction,), shard=dp > 1, memory=(mem.stage_memory(),), totals=totals, fits=not why, why=why,
-        tp=tp, tp_comm=tp_comm,
-    )  # fmt: skip
+        base,
+        dp=dp,
+        stage_ranks=[list(range(cluster.world))],
+        compute=base.compute - tp_comm,
+        allreduce=exposed,
+        reductions=(reduction,),
+        shard=dp > 1,
+        memory=(mem.stage_memory(),),
+        totals=totals,
+        fits=not why,
+        why=why,
+        tp=tp,
+        tp_comm=tp_comm,
+    )
 
 
 def tp_notes(best: ClusterCandidate, cluster: Cluster) -> list[str]:
@@ -175,10 +234,11 @@ def tp_notes(best: ClusterCandidate, cluster: Cluster) -> list[str]:
     run = f"span(model, tp={best.tp}, shard=True)" if best.dp > 1 else f"span(model, tp={best.tp})"
     sharded = f", then FSDP2 over dp_shard {best.dp} ({best.reductions[0].link})" if best.dp > 1 else ""
     return [
-        f"tensor parallel: {sum(split)} block(s) split over tp {best.tp} ranks of a node (DTensor: attention heads and "
-        f"MLP width column- then row-wise){sharded}{whole}; span(model, plan) runs it in a job of {cluster.world} "
-        f"processes, as {run} does (on fewer: shrunk, tp = gcd(tp, WORLD_SIZE)); planner.tensorparallel has the formulas",
+        f"tensor parallel: {sum(split)} block(s) split over tp {best.tp} ranks of a node (DTensor: "
+        f"attention heads and MLP width column- then row-wise){sharded}{whole}; span(model, plan) runs it "
+        f"in a job of {cluster.world} processes, as {run} does (on fewer: shrunk, tp = gcd(tp, "
+        "WORLD_SIZE)); planner.tensorparallel has the formulas",
         f"tp all-reduces: 4 per block (2 forward, 2 backward) of its output over {cluster.intra.key}, "
-        f"{best.tp_comm * 1e3:.3f} ms per step, not overlapped with compute; a split block keeps {WHOLE_OUTPUTS} "
-        "output-sized activations whole and 1/tp of the rest",
+        f"{best.tp_comm * 1e3:.3f} ms per step, not overlapped with compute; a split block keeps "
+        f"{WHOLE_OUTPUTS} output-sized activations whole and 1/tp of the rest",
     ]

@@ -22,7 +22,8 @@ nothing; a split one costs, per the runtime:
 Usage::
 
     ties = [TieCost("embed.weight", (0, 5), 8192)]
-    copy_times(ties, stages, names, bandwidth)     # per stage: (forward copy s, backward copy s) per micro-batch
+    # per stage: (forward copy s, backward copy s) per micro-batch
+    copy_times(ties, stages, names, bandwidth)
 """
 
 from __future__ import annotations
@@ -50,13 +51,16 @@ class TieCost:
 
     def __post_init__(self) -> None:
         if len(self.layers) < 2 or list(self.layers) != sorted(set(self.layers)):
-            raise ValueError(f"TieCost({self.name!r}).layers={self.layers!r} must be 2 or more increasing layer indices")
+            raise ValueError(
+                f"TieCost({self.name!r}).layers={self.layers!r} must be 2 or more increasing layer indices"
+            )
         if isinstance(self.nbytes, bool) or not isinstance(self.nbytes, int) or self.nbytes < 0:
             raise ValueError(f"TieCost({self.name!r}).nbytes={self.nbytes!r} must be an int >= 0")
 
     @property
     def span(self) -> tuple[int, int]:
-        """Boundaries that split it: a stage boundary ``j`` with ``first < j <= last`` separates two holders."""
+        """Boundaries that split it: a stage boundary ``j`` with ``first < j <= last`` separates two
+        holders."""
         return self.layers[0] + 1, self.layers[-1]
 
 
@@ -70,7 +74,10 @@ def split_stages(tie: TieCost, stages: Sequence[Stage]) -> list[int]:
 
 
 def copy_times(
-    ties: Sequence[TieCost], stages: Sequence[Stage], names: Sequence[str], bandwidth: Callable[[int, int], float]
+    ties: Sequence[TieCost],
+    stages: Sequence[Stage],
+    names: Sequence[str],
+    bandwidth: Callable[[int, int], float],
 ) -> list[tuple[float, float]]:
     """Per stage, ``(forward, backward)`` seconds of tied-parameter copies per micro-batch (one process).
 

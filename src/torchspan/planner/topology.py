@@ -71,22 +71,25 @@ class Cluster:
     def describe(
         cls, devices: Sequence[Device], nodes: int, intra: str | None = None, interconnect: str | None = None
     ) -> Cluster:
-        """The cluster of ``nodes`` machines each with ``devices`` (one node's list). Raises ``ValueError``."""
+        """The cluster of ``nodes`` machines each with ``devices`` (one node's list). Raises
+        ``ValueError``."""
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
             raise ValueError(f"nodes={nodes!r} must be an int >= 1 (machines, each with the listed devices)")
         if not devices:
             raise ValueError("devices=[] is empty; list one node's devices, e.g. devices='h100-80gb*8'")
         first = devices[0]
-        odd = sorted({f"{d.device} {d.name}" for d in devices if d.kind != first.kind or d.name != first.name})
+        odd = sorted(
+            {f"{d.device} {d.name}" for d in devices if d.kind != first.kind or d.name != first.name}
+        )
         if odd:
             raise ValueError(
-                f"devices: a cluster plan needs one kind of device per node, but {first.device} is {first.name!r} "
-                f"and {', '.join(odd)} differ; list one kind, e.g. devices='h100-80gb*8'"
+                f"devices: a cluster plan needs one kind of device per node, but {first.device} is "
+                f"{first.name!r} and {', '.join(odd)} differ; list one kind, e.g. devices='h100-80gb*8'"
             )
         if first.kind == "cpu" and len(set(physical_names(devices))) < len(devices):
             raise ValueError(
-                f"devices={[str(d.device) for d in devices]}: CPU processes of one node share its cores, so a "
-                "cluster plan takes one 'cpu' per node; describe more nodes (nodes=N) instead"
+                f"devices={[str(d.device) for d in devices]}: CPU processes of one node share its cores, "
+                "so a cluster plan takes one 'cpu' per node; describe more nodes (nodes=N) instead"
             )
         assumed = []
         if intra is None:
@@ -97,14 +100,17 @@ class Cluster:
         if interconnect is None:
             inter_link = default_interconnect(first)
             if nodes > 1:
-                assumed.append(f"interconnect {inter_link.key} (an assumption; pass interconnect= / --interconnect)")
+                assumed.append(
+                    f"interconnect {inter_link.key} (an assumption; pass interconnect= / --interconnect)"
+                )
         else:
             inter_link = lookup(interconnect, first)
         return cls(nodes, len(devices), first, intra_link, inter_link, tuple(assumed))
 
 
 def layouts(dp: int, pp: int) -> list[tuple[str, list[list[int]]]]:
-    """``(name, stage_ranks)`` for each distinct layout of ``dp`` replicas of ``pp`` stages (see the module docstring)."""
+    """``(name, stage_ranks)`` for each distinct layout of ``dp`` replicas of ``pp`` stages (see the module
+    docstring)."""
     if dp < 1 or pp < 1:
         raise ValueError(f"layouts(dp={dp}, pp={pp}) needs dp >= 1 and pp >= 1")
     pipelines = [[r * pp + s for r in range(dp)] for s in range(pp)]
@@ -131,7 +137,10 @@ def replica_profile(profile: Profile, pp: int, batch_size: int, link_bandwidth: 
     budget = min(caps) if caps else None
     kind = "meta" if first.kind == "cpu" else first.kind
     host = float(link_bandwidth) if kind != "meta" else None
-    devs = [dataclasses.replace(first, device=torch.device(kind, k), budget=budget, host_bandwidth=host) for k in range(pp)]
+    devs = [
+        dataclasses.replace(first, device=torch.device(kind, k), budget=budget, host_bandwidth=host)
+        for k in range(pp)
+    ]
 
     def copy(lay: LayerCost) -> LayerCost:
         return dataclasses.replace(
@@ -143,7 +152,9 @@ def replica_profile(profile: Profile, pp: int, batch_size: int, link_bandwidth: 
             time_source=[lay.time_source[0]] * pp if lay.time_source else [],
         )
 
-    return dataclasses.replace(profile, layers=[copy(lay) for lay in profile.layers], devices=devs, batch_size=batch_size)
+    return dataclasses.replace(
+        profile, layers=[copy(lay) for lay in profile.layers], devices=devs, batch_size=batch_size
+    )
 
 
 def shard_size(batch_size: int, dp: int) -> int:

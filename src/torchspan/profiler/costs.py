@@ -101,7 +101,8 @@ class Profile:
         raise KeyError(f"no layer {name!r} in this profile; layers are {', '.join(self.names)}")
 
     def step_seconds(self, device: int, samples: float | None = None) -> float:
-        """Forward plus backward of every layer on ``devices[device]`` for ``samples`` (default: the batch)."""
+        """Forward plus backward of every layer on ``devices[device]`` for ``samples`` (default: the
+        batch)."""
         s = self.batch_size if samples is None else samples
         return sum(lay.forward_seconds(device, s) + lay.backward_seconds(device, s) for lay in self.layers)
 
@@ -119,9 +120,25 @@ class Profile:
 
     def __str__(self) -> str:
         b = self.batch_size
-        head = f"Profile: {len(self.layers)} layer(s), batch {b}, optimizer {self.optimizer}, dtype {self.dtype}"
-        devs = [f"[{i}] {d.device} {d.name} ({src})" for i, d in enumerate(self.devices) for src in [_short_source(self, i)]]
-        cols = ["layer", "kind", "params", "grads", "optim", "buffers", "act/sample", "out/sample", "MFLOP/sample"]
+        head = (
+            f"Profile: {len(self.layers)} layer(s), batch {b}, optimizer {self.optimizer}, dtype {self.dtype}"
+        )
+        devs = [
+            f"[{i}] {d.device} {d.name} ({src})"
+            for i, d in enumerate(self.devices)
+            for src in [_short_source(self, i)]
+        ]
+        cols = [
+            "layer",
+            "kind",
+            "params",
+            "grads",
+            "optim",
+            "buffers",
+            "act/sample",
+            "out/sample",
+            "MFLOP/sample",
+        ]
         cols += [f"fwd+bwd ms [{i}]" for i in range(len(self.devices))]
         rows = [cols]
         for lay in self.layers:
@@ -137,13 +154,19 @@ class Profile:
                 f"{lay.flops / 1e6:.2f}",
             ]
             for i in range(len(self.devices)):
-                t = lay.forward_seconds(i, b) + lay.backward_seconds(i, b) if i < len(lay.forward_fixed) else float("nan")
+                t = (
+                    lay.forward_seconds(i, b) + lay.backward_seconds(i, b)
+                    if i < len(lay.forward_fixed)
+                    else float("nan")
+                )
                 row.append(f"{t * 1e3:.3f}")
             rows.append(row)
         widths = [max(len(r[c]) for r in rows) for c in range(len(cols))]
         lines = [head, *devs]
         for j, r in enumerate(rows):
-            lines.append("  ".join(c.ljust(w) if k < 2 else c.rjust(w) for k, (c, w) in enumerate(zip(r, widths))))
+            lines.append(
+                "  ".join(c.ljust(w) if k < 2 else c.rjust(w) for k, (c, w) in enumerate(zip(r, widths)))
+            )
             if j == 0:
                 lines.append("  ".join("-" * w for w in widths))
         lines.extend(f"note: {n}" for n in self.notes)

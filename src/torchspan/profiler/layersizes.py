@@ -1,9 +1,9 @@
 """The size side of ``torchspan.profile``: fake passes at three batch sizes and each layer's bytes and FLOPs.
 
 ``size_passes`` runs the model on fake tensors at the batch, twice it and a small batch (the time fit's two
-points); ``layer_costs`` turns them into one ``LayerCost`` per layer without times: parameter, gradient, optimizer
-state and buffer bytes (a shared tensor counts in its first layer), saved activations and outputs per sample and
-fixed, FLOPs forward and backward. ``measure`` adds the times.
+points); ``layer_costs`` turns them into one ``LayerCost`` per layer without times: parameter, gradient,
+optimizer state and buffer bytes (a shared tensor counts in its first layer), saved activations and outputs
+per sample and fixed, FLOPs forward and backward. ``measure`` adds the times.
 
 Usage::
 
@@ -39,7 +39,8 @@ def size_passes(
     dtype: torch.dtype | None,
     notes: list[str],
 ) -> tuple[dict[int, Sizes], int]:
-    """Fake passes at ``batch``, ``2 * batch`` and a smaller batch for the time fit: ``(sizes by batch, small)``.
+    """Fake passes at ``batch``, ``2 * batch`` and a smaller batch for the time fit: ``(sizes by batch,
+    small)``.
 
     The small batch is ``>= 2`` samples (BatchNorm refuses one in training); a model that does not run
     at it gets ``small = batch`` and a note.
@@ -51,14 +52,17 @@ def size_passes(
             sizes_at[s] = sizing_pass(model, layers_of, args, batch, s, dtype, kwargs)
         except Exception as exc:
             if s == small and small != batch:
-                notes.append(f"the model does not run at batch {small} ({type(exc).__name__}); times are fit through 0 from batch {batch} alone")
+                notes.append(
+                    f"the model does not run at batch {small} ({type(exc).__name__}); times are fit "
+                    f"through 0 from batch {batch} alone"
+                )
                 small = batch
                 continue
             raise ValueError(
                 f"could not size {type(model).__name__} with fake tensors at batch {s} "
-                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); check that example_inputs "
-                "fit the forward (shape, dtype); otherwise data-dependent Python control flow (e.g. `if x.sum() > 0`, "
-                "`.item()`) or ops without fake/meta kernels prevent sizing"
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); check that "
+                "example_inputs fit the forward (shape, dtype); otherwise data-dependent Python control "
+                "flow (e.g. `if x.sum() > 0`, `.item()`) or ops without fake/meta kernels prevent sizing"
             ) from exc
     return sizes_at, small
 
@@ -83,10 +87,17 @@ def layer_costs(
         act_ps, act_fixed = _per_sample(sizes_at, batch, lambda sz, n=name: sz.saved[n])
         out_ps, out_fixed = _per_sample(sizes_at, batch, lambda sz, n=name: sz.output[n])
         shared_ps, _ = _per_sample(sizes_at, batch, lambda sz, n=name: sz.shared[n])
-        fwd_f, _ = _per_sample(sizes_at, batch, lambda sz, n=name: sum(f for f, _ in sz.ops.get((n, "forward"), [])))
-        bwd_f, _ = _per_sample(sizes_at, batch, lambda sz, n=name: sum(f for f, _ in sz.ops.get((n, "backward"), [])))
+        fwd_f, _ = _per_sample(
+            sizes_at, batch, lambda sz, n=name: sum(f for f, _ in sz.ops.get((n, "forward"), []))
+        )
+        bwd_f, _ = _per_sample(
+            sizes_at, batch, lambda sz, n=name: sum(f for f, _ in sz.ops.get((n, "backward"), []))
+        )
         if not _linear(sizes_at, small, batch, lambda sz, n=name: sz.saved[n]):
-            notes.append(f"layer {name!r}: saved-activation bytes are not linear in the batch size; figures fit batch {batch}..{2 * batch}")
+            notes.append(
+                f"layer {name!r}: saved-activation bytes are not linear in the batch size; figures fit "
+                f"batch {batch}..{2 * batch}"
+            )
         layers.append(
             LayerCost(
                 name=name,
@@ -111,7 +122,8 @@ def layer_costs(
 def _state_bytes(
     child: nn.Module, owned: set[int], cache: dict[Any, int], spec: Any, dtype: torch.dtype | None
 ) -> tuple[int, int, int, int]:
-    """``(parameters, gradients, optimizer state, buffers)`` bytes of ``child``'s tensors not in ``owned`` (added to it)."""
+    """``(parameters, gradients, optimizer state, buffers)`` bytes of ``child``'s tensors not in ``owned``
+    (added to it)."""
     pb = gb = ob = bb = 0
     for p in child.parameters():
         if id(p) in owned:
@@ -135,7 +147,10 @@ def note_glue(base: Sizes, notes: list[str]) -> None:
     glue = sum(f for (n, _), ops in base.ops.items() if n is None for f, _ in ops)
     total = sum(f for ops in base.ops.values() for f, _ in ops)
     if total and glue / total > 0.05:
-        notes.append(f"{glue / total:.0%} of FLOPs run outside the top-level children (in the model's own forward) and are not in any layer")
+        notes.append(
+            f"{glue / total:.0%} of FLOPs run outside the top-level children (in the model's own forward) "
+            "and are not in any layer"
+        )
 
 
 def _per_sample(sizes_at: dict[int, Sizes], batch: int, get: Callable[[Sizes], float]) -> tuple[float, float]:

@@ -48,8 +48,27 @@ from ..layers import descends, model_layers, top_level_layers
 from .costs import LayerCost, Profile
 from .layersizes import layer_costs, note_glue, size_passes
 from .optim_state import optimizer_spec
-from .sizing import Sizes, as_call, batch_size_of, float_dtype, input_bytes, meta_forward, parse_dtype, resize_batch
-from .timing import Speed, capture, estimate, fit, host_speed_device, on_device, preserved, speed_of, time_layer
+from .sizing import (
+    Sizes,
+    as_call,
+    batch_size_of,
+    float_dtype,
+    input_bytes,
+    meta_forward,
+    parse_dtype,
+    resize_batch,
+)
+from .timing import (
+    Speed,
+    capture,
+    estimate,
+    fit,
+    host_speed_device,
+    on_device,
+    preserved,
+    speed_of,
+    time_layer,
+)
 
 __all__ = ["profile"]
 
@@ -74,11 +93,12 @@ def profile(
     ``example_inputs``: a batch tensor, a tuple of forward arguments, or a dict of keyword
     arguments (``{"input_ids": ids, "attention_mask": mask, "use_cache": False}``); dim 0 of the
     first tensor is the batch size. Layers are ``torchspan.layers.model_layers`` (blocks with
-    qualified names for models built of repeated blocks; a tied parameter counts in its first layer). ``devices``: anything ``torchspan.devices`` accepts. ``optimizer``: a name
-    (see ``OPTIMIZERS``), a ``torch.optim.Optimizer`` subclass or instance (its hyper-parameters,
-    e.g. SGD momentum, decide the state). ``dtype``: profile as if floating parameters and inputs
-    were cast to it (default: the model's). ``warmup``/``repeats``: timing runs per layer and batch
-    size. ``measure=False`` estimates present devices too (from this CPU's measured speed).
+    qualified names for models built of repeated blocks; a tied parameter counts in its first layer).
+    ``devices``: anything ``torchspan.devices`` accepts. ``optimizer``: a name (see ``OPTIMIZERS``), a
+    ``torch.optim.Optimizer`` subclass or instance (its hyper-parameters, e.g. SGD momentum, decide the
+    state). ``dtype``: profile as if floating parameters and inputs were cast to it (default: the model's).
+    ``warmup``/``repeats``: timing runs per layer and batch size. ``measure=False`` estimates present devices
+    too (from this CPU's measured speed).
 
     The model's parameters, buffers, gradients and RNG state are as before when this returns; the
     model runs in its current mode (call ``model.train()`` first for training figures).
@@ -121,7 +141,8 @@ def _check_arguments(model: Any, warmup: Any, repeats: Any) -> None:
 
 @dataclass
 class _Timing:
-    """What timing the layers needs: the model, its layers, the example call, the fake passes, the run counts."""
+    """What timing the layers needs: the model, its layers, the example call, the fake passes, the run
+    counts."""
 
     model: nn.Module
     layers_of: list[tuple[str, nn.Module]]
@@ -135,7 +156,9 @@ class _Timing:
     notes: list[str]
 
 
-Times = dict[str, tuple[float, float, float, float]]  # layer -> (forward fixed, per sample, backward fixed, per sample)
+Times = dict[
+    str, tuple[float, float, float, float]
+]  # layer -> (forward fixed, per sample, backward fixed, per sample)
 
 
 def _time_devices(
@@ -143,7 +166,8 @@ def _time_devices(
 ) -> tuple[list[Device], dict[tuple[str, str], Times]]:
     """Append every device's times to ``layers``: measured once per present device model, else estimated.
 
-    Returns the profile's devices (a present CPU with this host's speed) and the measured times by device model.
+    Returns the profile's devices (a present CPU with this host's speed) and the measured times by device
+    model.
     """
     notes = timing.notes
     model = timing.model
@@ -161,7 +185,18 @@ def _time_devices(
         if can_measure and key not in measured:
             t, base = timing, timing.sizes_at[timing.batch]
             measured[key] = _measure(
-                t.model, t.layers_of, t.call, t.batch, t.small, base.order, base, d.device, t.dtype, t.warmup, t.repeats, notes
+                t.model,
+                t.layers_of,
+                t.call,
+                t.batch,
+                t.small,
+                base.order,
+                base,
+                d.device,
+                t.dtype,
+                t.warmup,
+                t.repeats,
+                notes,
             )
             measured_on[key] = str(d.device)
     for i, (d, dd) in enumerate(zip(devs, out_devices)):
@@ -170,7 +205,8 @@ def _time_devices(
             if measured_on[key] != str(d.device):
                 notes.append(
                     f"{d.device} ({d.name}) takes the times measured on {measured_on[key]}, the same model: "
-                    "one set of times per model keeps the planner's devices interchangeable, not split by timing noise"
+                    "one set of times per model keeps the planner's devices interchangeable, not split by "
+                    "timing noise"
                 )
             for lay in layers:
                 _append_times(lay, *measured[key][lay.name], "measured")
@@ -179,7 +215,9 @@ def _time_devices(
     return out_devices, measured
 
 
-def _append_estimates(timing: _Timing, i: int, d: Device, dd: Device, layers: list[LayerCost], compute_dtype: torch.dtype) -> None:
+def _append_estimates(
+    timing: _Timing, i: int, d: Device, dd: Device, layers: list[LayerCost], compute_dtype: torch.dtype
+) -> None:
     """Times of device ``i`` from its figures (FLOPs and bytes per op), at the two batch sizes of the fit."""
     try:
         speed = speed_of(catalog.with_figures(dd), compute_dtype)
@@ -187,7 +225,9 @@ def _append_estimates(timing: _Timing, i: int, d: Device, dd: Device, layers: li
         raise ValueError(f"devices[{i}]={str(d.device)!r}: {exc}") from None
     label = speed.label + (" (meta has no speed of its own; this CPU's figures)" if d.kind == "meta" else "")
     for lay in layers:
-        _append_times(lay, *_estimate_layer(timing.sizes_at, timing.small, timing.batch, lay.name, speed), label)
+        _append_times(
+            lay, *_estimate_layer(timing.sizes_at, timing.small, timing.batch, lay.name, speed), label
+        )
 
 
 def _calibration(
@@ -199,7 +239,8 @@ def _calibration(
     batch: int,
     compute_dtype: torch.dtype,
 ) -> dict[str, float]:
-    """How well FLOP-based estimates match measurements on this machine: measured / estimated, per measured CPU."""
+    """How well FLOP-based estimates match measurements on this machine: measured / estimated, per measured
+    CPU."""
     calibration: dict[str, float] = {}
     for i, (d, dd) in enumerate(zip(devs, out_devices)):
         key = str(d.device)
@@ -213,7 +254,8 @@ def _calibration(
 
 
 def _layers(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, nn.Module]]:
-    """``model_layers`` as (name, module) pairs; blocks are found by one forward (on meta inputs for a meta model)."""
+    """``model_layers`` as (name, module) pairs; blocks are found by one forward (on meta inputs for a meta
+    model)."""
     if not descends(model):
         return top_level_layers(model)
     homes = {t.device for t in list(model.parameters()) + list(model.buffers())}
@@ -221,27 +263,32 @@ def _layers(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         home = homes.pop()
         args, kwargs = tree_map(lambda t: t.to(home) if isinstance(t, torch.Tensor) else t, (args, kwargs))
     try:
-        with meta_forward(model):  # a meta model's forward under FakeTensorMode: data-dependent checks skipped
+        with meta_forward(
+            model
+        ):  # a meta model's forward under FakeTensorMode: data-dependent checks skipped
             found = model_layers(model, tuple(args), dict(kwargs))
     except (ValueError, TypeError) as exc:
         if isinstance(exc, ValueError) and "layer" in str(exc):
             raise  # find_layers' own message: a module that cannot be one layer, a bad split point
         text = str(exc).strip()
         raise ValueError(
-            f"{type(model).__name__} fails on example_inputs ({type(exc).__name__}: {text.splitlines()[0] if text else ''}); "
-            "pass inputs its forward accepts (shape, dtype, e.g. integer token ids for an Embedding; a dict for keyword arguments)"
+            f"{type(model).__name__} fails on example_inputs ({type(exc).__name__}: "
+            f"{text.splitlines()[0] if text else ''}); pass inputs its forward accepts (shape, dtype, e.g. "
+            "integer token ids for an Embedding; a dict for keyword arguments)"
         ) from exc
     except Exception as exc:
         text = str(exc).strip()
         raise ValueError(
-            f"{type(model).__name__} fails on example_inputs ({type(exc).__name__}: {text.splitlines()[0] if text else ''}); "
-            "pass inputs its forward accepts (shape, dtype, e.g. integer token ids for an Embedding; a dict for keyword arguments)"
+            f"{type(model).__name__} fails on example_inputs ({type(exc).__name__}: "
+            f"{text.splitlines()[0] if text else ''}); pass inputs its forward accepts (shape, dtype, e.g. "
+            "integer token ids for an Embedding; a dict for keyword arguments)"
         ) from exc
     return [(layer.name, layer.module) for layer in found]
 
 
 def _model_key(d: Device) -> tuple[str, str]:
-    """Present devices measured once per model: ``('cpu', 'cpu')``, or the kind and name (``'NVIDIA H100 80GB HBM3'``)."""
+    """Present devices measured once per model: ``('cpu', 'cpu')``, or the kind and name (``'NVIDIA H100 80GB
+    HBM3'``)."""
     if d.kind in ("cpu", "meta"):
         return (d.kind, str(d.device))
     return (d.kind, d.name)
@@ -257,10 +304,14 @@ def _append_times(lay: LayerCost, ff: float, fp: float, bf: float, bp: float, so
 
 def _estimate_pair(sizes_at: dict[int, Sizes], s: int, name: str, speed: Speed) -> tuple[float, float]:
     sz = sizes_at[s]
-    return estimate(sz.ops.get((name, "forward"), []), speed), estimate(sz.ops.get((name, "backward"), []), speed)
+    return estimate(sz.ops.get((name, "forward"), []), speed), estimate(
+        sz.ops.get((name, "backward"), []), speed
+    )
 
 
-def _estimate_layer(sizes_at: dict[int, Sizes], small: int, batch: int, name: str, speed: Speed) -> tuple[float, float, float, float]:
+def _estimate_layer(
+    sizes_at: dict[int, Sizes], small: int, batch: int, name: str, speed: Speed
+) -> tuple[float, float, float, float]:
     fwd: dict[int, float] = {}
     bwd: dict[int, float] = {}
     for s in {small, batch}:
@@ -284,24 +335,35 @@ def _measure(
     repeats: int,
     notes: list[str],
 ) -> Times:
-    """Each layer timed alone on ``dev`` at the two batch sizes (rescaled to a whole-model pass when it lives there)."""
+    """Each layer timed alone on ``dev`` at the two batch sizes (rescaled to a whole-model pass when it lives
+    there)."""
     children = dict(layers_of)
     fwd: dict[str, dict[int, float]] = {n: {} for n in order}
     bwd: dict[str, dict[int, float]] = {n: {} for n in order}
     # Layers timed alone run with warm caches and miss the glue between them; when the whole model
     # already lives on `dev`, one whole forward/backward per batch size rescales them (see _calibrate).
-    whole_model = dtype is None and all(t.device == dev for t in list(model.parameters()) + list(model.buffers()))
+    whole_model = dtype is None and all(
+        t.device == dev for t in list(model.parameters()) + list(model.buffers())
+    )
     scales: list[tuple[int, float, float]] = []
     with preserved(model):
         for s in sorted({small, batch}):
-            sub = call if s == batch else resize_batch(call, batch, s, lambda t, shape: t[: shape[0]] if tuple(t.shape) != shape else t)
+            sub = (
+                call
+                if s == batch
+                else resize_batch(
+                    call, batch, s, lambda t, shape: t[: shape[0]] if tuple(t.shape) != shape else t
+                )
+            )
             calls = capture(model, layers_of, tuple(sub[0]), sub[1])
             for name in order:
                 if not calls[name]:
                     fwd[name][s] = bwd[name][s] = 0.0
                     continue
                 with on_device(children[name], dev, dtype) as module:
-                    fwd[name][s], bwd[name][s] = time_layer(module, calls[name], base.requires_grad[name], dev, dtype, warmup, repeats)
+                    fwd[name][s], bwd[name][s] = time_layer(
+                        module, calls[name], base.requires_grad[name], dev, dtype, warmup, repeats
+                    )
             del calls
             if whole_model:
                 _calibrate(model, tuple(sub[0]), order, fwd, bwd, s, dev, warmup, repeats, scales, sub[1])

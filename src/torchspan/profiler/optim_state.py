@@ -61,7 +61,10 @@ def optimizer_spec(optimizer: Any) -> OptimizerSpec:
         cls_name, kwargs = OPTIMIZERS[key]
         cls = getattr(torch.optim, cls_name, None) if cls_name else None
         if cls_name and cls is None:
-            raise ValueError(f"optimizer={optimizer!r} needs torch.optim.{cls_name}, which this PyTorch ({torch.__version__}) lacks")
+            raise ValueError(
+                f"optimizer={optimizer!r} needs torch.optim.{cls_name}, which this PyTorch "
+                f"({torch.__version__}) lacks"
+            )
         return OptimizerSpec(key, cls, dict(kwargs), None)
     if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
         return OptimizerSpec(optimizer.__name__.lower(), optimizer, {}, None)
@@ -88,7 +91,9 @@ def _constructor_kwargs(cls: type, hyper: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in hyper.items() if k in params}
 
 
-def _state_bytes_for(cls: type[torch.optim.Optimizer], hyper: dict[str, Any], shape: torch.Size, dtype: torch.dtype) -> int:
+def _state_bytes_for(
+    cls: type[torch.optim.Optimizer], hyper: dict[str, Any], shape: torch.Size, dtype: torch.dtype
+) -> int:
     """Bytes of optimizer state one parameter of ``shape``/``dtype`` gets, from a step on ``meta``."""
     p = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"))
     p.grad = torch.empty_like(p)
@@ -99,8 +104,8 @@ def _state_bytes_for(cls: type[torch.optim.Optimizer], hyper: dict[str, Any], sh
         opt = cls([p], **kwargs)
     except Exception as exc:
         raise ValueError(
-            f"optimizer {cls.__name__}({kwargs}) could not be built to size its state ({type(exc).__name__}: {exc}); "
-            "pass an optimizer name such as 'adam' or 'sgd' instead"
+            f"optimizer {cls.__name__}({kwargs}) could not be built to size its state "
+            f"({type(exc).__name__}: {exc}); pass an optimizer name such as 'adam' or 'sgd' instead"
         ) from None
     try:
         opt.step()
@@ -116,7 +121,9 @@ def _state_bytes_for(cls: type[torch.optim.Optimizer], hyper: dict[str, Any], sh
     return total
 
 
-def optimizer_state_bytes(params: Sequence[nn.Parameter], optimizer: Any = "adam", dtype: torch.dtype | None = None) -> int:
+def optimizer_state_bytes(
+    params: Sequence[nn.Parameter], optimizer: Any = "adam", dtype: torch.dtype | None = None
+) -> int:
     """Bytes of optimizer state ``optimizer`` keeps for ``params`` (trainable ones only).
 
     Usage: ``optimizer_state_bytes(list(nn.Linear(4, 2).parameters()), "adam") == 2 * 40 + 2 * 4``
@@ -126,7 +133,9 @@ def optimizer_state_bytes(params: Sequence[nn.Parameter], optimizer: Any = "adam
     return sum(param_state_bytes(spec, p, dtype, {}) for p in params)
 
 
-def param_state_bytes(spec: OptimizerSpec, p: torch.Tensor, dtype: torch.dtype | None, cache: dict[Any, int]) -> int:
+def param_state_bytes(
+    spec: OptimizerSpec, p: torch.Tensor, dtype: torch.dtype | None, cache: dict[Any, int]
+) -> int:
     if spec.cls is None or not p.requires_grad:
         return 0
     if spec.groups is not None:

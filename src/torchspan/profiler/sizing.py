@@ -6,7 +6,8 @@ require grad, and for every aten op its FLOPs (``FlopCounterMode``) and bytes re
 split into forward and backward segments (backward segments start at grad hooks on each layer's
 outputs).
 
-Usage: ``sizes = sizing_pass(model, [(l.name, l.module) for l in model_layers(model)], (x,), batch=32, size=64, dtype=None)``.
+Usage: ``sizes = sizing_pass(model, [(l.name, l.module) for l in model_layers(model)], (x,), batch=32,
+size=64, dtype=None)``.
 """
 
 from __future__ import annotations
@@ -27,23 +28,36 @@ if TYPE_CHECKING:
     from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
-    "Sizes", "as_args", "as_call", "batch_size_of", "bytes_of", "float_dtype", "input_bytes", "nbytes_as", "parse_dtype", "resize_batch",
-    "sizing_pass", "on_meta", "meta_forward",
-]  # fmt: skip
+    "Sizes",
+    "as_args",
+    "as_call",
+    "batch_size_of",
+    "bytes_of",
+    "float_dtype",
+    "input_bytes",
+    "nbytes_as",
+    "parse_dtype",
+    "resize_batch",
+    "sizing_pass",
+    "on_meta",
+    "meta_forward",
+]
 
 
 def on_meta(model: nn.Module) -> bool:
-    """True when every parameter and buffer of ``model`` is on ``meta`` (a model built under ``torch.device("meta")``)."""
+    """True when every parameter and buffer of ``model`` is on ``meta`` (a model built under
+    ``torch.device("meta")``)."""
     state = list(model.parameters()) + list(model.buffers())
     return bool(state) and all(t.is_meta for t in state)
 
 
 @contextlib.contextmanager
 def meta_forward(model: nn.Module) -> Iterator[None]:
-    """Around a forward of ``model`` on ``meta`` inputs: for a model on ``meta``, ``FakeTensorMode`` (its tensors
-    become fake ones on ``meta``), so code that skips data-dependent checks while tracing (transformers'
-    ``is_tracing``: packed-sequence and mask checks calling ``.item()``) skips them, as in the sizing pass; for
-    any other model nothing. FakeTensorMode's own error log is quiet meanwhile (the caller reports the error)."""
+    """Around a forward of ``model`` on ``meta`` inputs: for a model on ``meta``, ``FakeTensorMode`` (its
+    tensors become fake ones on ``meta``), so code that skips data-dependent checks while tracing
+    (transformers' ``is_tracing``: packed-sequence and mask checks calling ``.item()``) skips them, as in the
+    sizing pass; for any other model nothing. FakeTensorMode's own error log is quiet meanwhile (the caller
+    reports the error)."""
     if not on_meta(model):
         yield
         return
@@ -57,19 +71,24 @@ def meta_forward(model: nn.Module) -> Iterator[None]:
     finally:
         fake_log.disabled = was_disabled
 
+
 def as_args(example_inputs: Any) -> tuple[Any, ...]:
     return tuple(example_inputs) if isinstance(example_inputs, tuple) else (example_inputs,)
 
 
 def as_call(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``(args, kwargs)`` of a forward call: a dict gives keyword arguments, a tuple positional ones, else one argument.
+    """``(args, kwargs)`` of a forward call: a dict gives keyword arguments, a tuple positional ones, else one
+    argument.
 
-    Usage: ``as_call({"input_ids": ids, "use_cache": False})`` → ``((), {"input_ids": ids, "use_cache": False})``.
+    Usage: ``as_call({"input_ids": ids, "use_cache": False})`` → ``((), {"input_ids": ids, "use_cache":
+    False})``.
     """
     if isinstance(example_inputs, Mapping):
         bad = [k for k in example_inputs if not isinstance(k, str)]
         if bad:
-            raise TypeError(f"example_inputs as a dict must map forward argument names to values; got key(s) {bad!r}")
+            raise TypeError(
+                f"example_inputs as a dict must map forward argument names to values; got key(s) {bad!r}"
+            )
         return (), dict(example_inputs)
     return as_args(example_inputs), {}
 
@@ -78,7 +97,9 @@ def batch_size_of(args: tuple[Any, ...]) -> int:
     for leaf in tree_flatten(args)[0]:
         if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
             if leaf.shape[0] < 1:
-                raise ValueError(f"example_inputs has a tensor of shape {tuple(leaf.shape)}: the batch (dim 0) is empty")
+                raise ValueError(
+                    f"example_inputs has a tensor of shape {tuple(leaf.shape)}: the batch (dim 0) is empty"
+                )
             return int(leaf.shape[0])
     raise ValueError(
         "example_inputs holds no tensor with a batch dimension; pass a batch (e.g. torch.randn(32, 512)) "
@@ -86,7 +107,9 @@ def batch_size_of(args: tuple[Any, ...]) -> int:
     )
 
 
-def resize_batch(args: Any, batch: int, size: int, make: Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]) -> Any:
+def resize_batch(
+    args: Any, batch: int, size: int, make: Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]
+) -> Any:
     """Every tensor whose dim 0 is ``batch`` rebuilt with dim 0 ``size`` by ``make(t, shape)``."""
 
     def one(t: Any) -> Any:
@@ -132,8 +155,9 @@ def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
         raise ValueError(f"dtype={dtype!r} is not a torch dtype; use e.g. torch.bfloat16 or 'float32'")
     if not value.is_floating_point:
         raise ValueError(
-            f"dtype={dtype!r} is not a floating dtype; dtype casts floating parameters and inputs (e.g. 'bfloat16'). "
-            "For integer inputs such as token ids, pass them as example_inputs and leave dtype unset"
+            f"dtype={dtype!r} is not a floating dtype; dtype casts floating parameters and inputs (e.g. "
+            "'bfloat16'). For integer inputs such as token ids, pass them as example_inputs and leave "
+            "dtype unset"
         )
     return value
 
@@ -179,7 +203,8 @@ def sizing_pass(
     dtype: torch.dtype | None,
     kwargs: dict[str, Any] | None = None,
 ) -> Sizes:
-    """One fake forward/backward of ``model`` at batch ``size`` (``args`` hold batch ``batch``), per layer of ``children``.
+    """One fake forward/backward of ``model`` at batch ``size`` (``args`` hold batch ``batch``), per layer of
+    ``children``.
 
     ``children``: the model's layers (``torchspan.layers.model_layers``), computed once by the caller;
     ``kwargs``: keyword arguments of the forward (resized like ``args``).
@@ -207,7 +232,8 @@ def _fake_call(
     size: int,
     dtype: torch.dtype | None,
 ) -> tuple[dict[str, torch.Tensor], tuple[Any, ...], dict[str, Any]]:
-    """Fake parameters and buffers (by name) and the forward's arguments resized to batch ``size``, cast to ``dtype``."""
+    """Fake parameters and buffers (by name) and the forward's arguments resized to batch ``size``, cast to
+    ``dtype``."""
 
     def cast(t: torch.Tensor) -> torch.dtype:
         return dtype if dtype is not None and t.is_floating_point() else t.dtype
@@ -215,21 +241,28 @@ def _fake_call(
     with fake_mode:
         state: dict[str, torch.Tensor] = {}
         for name, p in model.named_parameters():
-            state[name] = torch.empty(tuple(p.shape), dtype=cast(p), device="cpu").requires_grad_(p.requires_grad)
+            state[name] = torch.empty(tuple(p.shape), dtype=cast(p), device="cpu").requires_grad_(
+                p.requires_grad
+            )
         for name, b in model.named_buffers():
             state[name] = torch.empty(tuple(b.shape), dtype=cast(b), device="cpu")
-        fargs, fkwargs = resize_batch((args, kwargs), batch, size, lambda t, shape: torch.empty(shape, dtype=cast(t), device="cpu"))
+        fargs, fkwargs = resize_batch(
+            (args, kwargs), batch, size, lambda t, shape: torch.empty(shape, dtype=cast(t), device="cpu")
+        )
     return state, tuple(fargs), fkwargs
 
 
 class _Tally:
-    """Per-layer bookkeeping of one sizing pass: forward hooks, the saved-tensor hook and the op sink write here."""
+    """Per-layer bookkeeping of one sizing pass: forward hooks, the saved-tensor hook and the op sink write
+    here."""
 
     def __init__(self, children: list[tuple[str, nn.Module]], state: dict[str, torch.Tensor]) -> None:
         from torch.multiprocessing.reductions import StorageWeakRef
 
         zeros = {n: 0 for n, _ in children}
-        self.sizes = Sizes([], dict(zeros), dict(zeros), dict(zeros), dict(zeros), {n: [] for n, _ in children}, {})
+        self.sizes = Sizes(
+            [], dict(zeros), dict(zeros), dict(zeros), dict(zeros), {n: [] for n, _ in children}, {}
+        )
         self.state_keys = {StorageWeakRef(t.untyped_storage()).cdata for t in state.values()}
         self.first_layer = children[0][0]
         self.first_saver: dict[int, str] = {}
@@ -242,7 +275,8 @@ class _Tally:
         self.sizes.ops.setdefault(self.segment, []).append((flops, moved))
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        """``saved_tensors_hooks`` pack: count a saved storage once, in the layer running (shared if another saved it first)."""
+        """``saved_tensors_hooks`` pack: count a saved storage once, in the layer running (shared if another
+        saved it first)."""
         from torch.multiprocessing.reductions import StorageWeakRef
 
         try:
@@ -271,12 +305,15 @@ class _Tally:
         if name not in sizes.order:
             sizes.order.append(name)
         sizes.calls[name] += 1
-        sizes.requires_grad[name].append([isinstance(x, torch.Tensor) and x.requires_grad for x in tree_flatten((a, kw))[0]])
+        sizes.requires_grad[name].append(
+            [isinstance(x, torch.Tensor) and x.requires_grad for x in tree_flatten((a, kw))[0]]
+        )
         self.stack.append(name)
         self.segment = (name, "forward")
 
     def leave(self, name: str, out: Any) -> None:
-        """A layer's forward ends: its output bytes, and a grad hook on each output that opens its backward segment."""
+        """A layer's forward ends: its output bytes, and a grad hook on each output that opens its backward
+        segment."""
         self.stack.pop()
         self.segment = (self.stack[-1] if self.stack else None, "forward")
         self.sizes.output[name] += bytes_of(out)
@@ -290,9 +327,19 @@ class _Tally:
     def hook(self, children: list[tuple[str, nn.Module]]) -> list[Any]:
         """Forward pre/post hooks on every layer; the caller removes the returned handles."""
         handles = []
-        for child, next_name in module_entries(children):  # one module at two entries: each call is the next entry's
-            handles.append(child.register_forward_pre_hook(lambda _m, a, kw, _n=next_name: self.enter(_n(), a, kw), with_kwargs=True))
-            handles.append(child.register_forward_hook(lambda _m, _a, _kw, out: self.leave(self.stack[-1], out), with_kwargs=True))
+        for child, next_name in module_entries(
+            children
+        ):  # one module at two entries: each call is the next entry's
+            handles.append(
+                child.register_forward_pre_hook(
+                    lambda _m, a, kw, _n=next_name: self.enter(_n(), a, kw), with_kwargs=True
+                )
+            )
+            handles.append(
+                child.register_forward_hook(
+                    lambda _m, _a, _kw, out: self.leave(self.stack[-1], out), with_kwargs=True
+                )
+            )
         return handles
 
     def finish(self, model: nn.Module, children: list[tuple[str, nn.Module]]) -> Sizes:
@@ -313,7 +360,8 @@ def _fake_step(
     fargs: tuple[Any, ...],
     fkwargs: dict[str, Any],
 ) -> None:
-    """The forward (saved tensors packed by ``tally``) and backward, every aten op counted into ``tally.sink``."""
+    """The forward (saved tensors packed by ``tally``) and backward, every aten op counted into
+    ``tally.sink``."""
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)

@@ -29,7 +29,19 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from ..hardware import Device, catalog
 from ..layers import buffer_slots, kept, module_entries
 
-__all__ = ["Speed", "capture", "estimate", "fit", "host_speed_device", "on_device", "preserved", "speed_of", "synchronize", "time_layer"]
+__all__ = [
+    "Speed",
+    "capture",
+    "estimate",
+    "fit",
+    "host_speed_device",
+    "on_device",
+    "preserved",
+    "speed_of",
+    "synchronize",
+    "time_layer",
+]
+
 
 def synchronize(dev: torch.device) -> None:
     """Wait for queued work on ``dev`` (CUDA, MPS); nothing to wait for on the CPU."""
@@ -63,7 +75,10 @@ def preserved(model: nn.Module) -> Iterator[None]:
 
 
 def capture(
-    model: nn.Module, children: list[tuple[str, nn.Module]], args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+    model: nn.Module,
+    children: list[tuple[str, nn.Module]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None = None,
 ) -> dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]]:
     """Inputs every layer of ``children`` (the model's layers, name and module) receives in one real forward.
 
@@ -71,7 +86,9 @@ def capture(
     """
     calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {n: [] for n, _ in children}
     handles = []
-    for child, next_name in module_entries(children):  # one module at two entries: each call is the next entry's
+    for child, next_name in module_entries(
+        children
+    ):  # one module at two entries: each call is the next entry's
 
         def pre(_m: nn.Module, a: Any, kw: Any, _next: Any = next_name) -> None:
             detached = tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, (a, kw))
@@ -109,7 +126,11 @@ def on_device(layer: nn.Module, dev: torch.device, dtype: torch.dtype | None) ->
         yield layer
         return
     if needs_cast or home is None:
-        yield copy.deepcopy(layer).to(device=dev, dtype=dtype) if dtype is not None else copy.deepcopy(layer).to(dev)
+        yield (
+            copy.deepcopy(layer).to(device=dev, dtype=dtype)
+            if dtype is not None
+            else copy.deepcopy(layer).to(dev)
+        )
         return
     layer.to(dev)
     try:
@@ -138,7 +159,9 @@ def time_layer(
     prepared = []
     for i, (a, kw) in enumerate(calls):
         leaves, spec = tree_flatten(tree_map(to_dev, (a, kw)))
-        mask = grad_mask[i] if i < len(grad_mask) and len(grad_mask[i]) == len(leaves) else [False] * len(leaves)
+        mask = (
+            grad_mask[i] if i < len(grad_mask) and len(grad_mask[i]) == len(leaves) else [False] * len(leaves)
+        )
         prepared.append((leaves, spec, mask))
     params = [p for p in module.parameters() if p.requires_grad]
     fwd: list[float] = []
@@ -147,7 +170,9 @@ def time_layer(
         inputs = []
         for leaves, spec, mask in prepared:
             fresh = [
-                x.detach().requires_grad_(True).clone() if m and isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                x.detach().requires_grad_(True).clone()
+                if m and isinstance(x, torch.Tensor) and x.is_floating_point()
+                else x
                 for x, m in zip(leaves, mask)
             ]
             inputs.append(tree_unflatten(fresh, spec))
@@ -178,7 +203,7 @@ def time_layer(
 def fit(points: dict[int, float]) -> tuple[float, float]:
     """``(fixed, per_sample)`` of the line through the timing points, both kept >= 0."""
     if len(points) == 1:
-        (s, t), = points.items()
+        ((s, t),) = points.items()
         return 0.0, t / s
     (s1, t1), (s2, t2) = sorted(points.items())[:2]
     per = (t2 - t1) / (s2 - s1)
@@ -207,7 +232,11 @@ def speed_of(device: Device, dtype: torch.dtype) -> Speed:
     bw = extra.get("memory_bandwidth")
     overhead = float(extra.get("kernel_overhead", 0.0))
     label = f"estimated: {precision} {peak / 1e12:.3g} TFLOP/s x {ce:g}"
-    label += f", {float(bw) / 1e9:.0f} GB/s x {me:g}" if bw else ", memory traffic not modelled (no bandwidth figure)"
+    label += (
+        f", {float(bw) / 1e9:.0f} GB/s x {me:g}"
+        if bw
+        else ", memory traffic not modelled (no bandwidth figure)"
+    )
     label += f", {overhead * 1e6:.0f} us/op"
     return Speed(peak * ce, float(bw) * me if bw else None, overhead, device.kind != "cpu", label)
 

@@ -12,8 +12,8 @@ processes: env, shards, data parallel, pipelines across ranks, checkpoints),
 Usage: ``from torchspan.runtime import span, Spanned, NoSplit``.
 """
 
-from .microbatch import NoSplit
 from .build import span
+from .microbatch import NoSplit
 from .spanned import Spanned
 
 __all__ = ["span", "Spanned", "NoSplit"]

@@ -3,9 +3,9 @@
 In one process: ``PipelinedExecutor`` (stage functions of an ``nn.Sequential`` or an fx split),
 ``OwnForwardExecutor`` (the model's own forward, micro-batches pipelined by threads) or, where
 threads cannot pipeline, ``SerialExecutor``. In a launched job: ``ReplicaExecutor`` (one stage:
-an exact data-parallel replica per rank, DDP or sharded by FSDP2), ``RankPipelineExecutor`` (stage functions, one stage per
-rank) or ``RankOwnForwardExecutor`` (the model's own forward on every rank, its stage for real); with ``shard``
-and replicas, each stage sharded over its replicas (pipeline x sharded, ``ranks.stageshard``).
+an exact data-parallel replica per rank, DDP or sharded by FSDP2), ``RankPipelineExecutor`` (stage functions,
+one stage per rank) or ``RankOwnForwardExecutor`` (the model's own forward on every rank, its stage for real);
+with ``shard`` and replicas, each stage sharded over its replicas (pipeline x sharded, ``ranks.stageshard``).
 
 Usage (``span`` does this)::
 
@@ -39,9 +39,9 @@ __all__ = ["check_pipeline_sharding", "choose", "replica"]
 
 
 def _check_one_stage_per_worker(lay: Layout, settings: Settings, shard: Any = None) -> None:
-    """The model's own forward runs a micro-batch's whole forward in one call per rank (or thread): several stages
-    of one device cannot be interleaved with other micro-batches'; across ranks they run looped in one common
-    order (``ranks.ownlooped``, which checks them)."""
+    """The model's own forward runs a micro-batch's whole forward in one call per rank (or thread): several
+    stages of one device cannot be interleaved with other micro-batches'; across ranks they run looped in one
+    common order (``ranks.ownlooped``, which checks them)."""
     workers = lay.ranked[0].stages if lay.ranked is not None else len(set(lay.devices))
     looped = len(lay.groups) > workers
     if lay.ranked is not None and looped:  # several stages per rank: ranks.ownlooped
@@ -49,14 +49,20 @@ def _check_one_stage_per_worker(lay: Layout, settings: Settings, shard: Any = No
     elif looped and settings.schedule == "interleaved-1f1b":
         where = f"pp({workers}) ranks" if lay.ranked is not None else f"{workers} device(s)"
         raise ValueError(
-            f"{len(lay.groups)} stages on {where}: several stages per rank (looped, schedule='interleaved-1f1b') run "
-            f"stage functions (an nn.Sequential or an fx-traceable model), not a model's own forward ({lay.why}); "
-            f"pass balance= with {workers} entries (one stage per rank), or schedule='1f1b'"
+            f"{len(lay.groups)} stages on {where}: several stages per rank (looped, "
+            "schedule='interleaved-1f1b') run stage functions (an nn.Sequential or an fx-traceable model), "
+            f"not a model's own forward ({lay.why}); pass balance= with {workers} entries (one stage per "
+            "rank), or schedule='1f1b'"
         )
 
 
 def replica(
-    model: nn.Module, device: torch.device | None, settings: Settings, recorder: Recorder, meter: ActivationMeter, **sharding: Any
+    model: nn.Module,
+    device: torch.device | None,
+    settings: Settings,
+    recorder: Recorder,
+    meter: ActivationMeter,
+    **sharding: Any,
 ) -> Executor:
     """This rank's data-parallel replica of the whole model (a launched job with one stage); ``sharding``:
     ``shard``, ``reshard_after_forward``, ``offload`` (a sharded replica: FSDP2, ``ranks.sharded``)."""
@@ -81,20 +87,44 @@ def choose(
 ) -> Executor:
     """The executor for ``lay`` (``planned``: its groups come from a plan; ``even``: an even split
     the first call's recorded order may redo). ``stacklevel``: where a warning points (the caller's caller).
-    ``sharding``: ``shard`` and ``reshard_after_forward`` for a pipeline across ranks (``check_pipeline_sharding``).
-    ``weights``: a meta-built model's values, for a pipeline across ranks (each rank materializes its stage)."""
-    options = dict(balance_given=not planned, layers=lay.layer_set, even=even, split_points=split_points, no_split=no_split)
+    ``sharding``: ``shard`` and ``reshard_after_forward`` for a pipeline across ranks
+    (``check_pipeline_sharding``). ``weights``: a meta-built model's values, for a pipeline across ranks (each
+    rank materializes its stage)."""
+    options = dict(
+        balance_given=not planned,
+        layers=lay.layer_set,
+        even=even,
+        split_points=split_points,
+        no_split=no_split,
+    )
     shard = check_pipeline_sharding(lay, sharding)
     if lay.mode == "own-forward":
         _check_one_stage_per_worker(lay, settings, shard)
     if lay.ranked is not None and settings.tp is not None:  # a pipeline of tensor-parallel stages (3-D)
         return tp_pipeline_executor(model, lay, settings, recorder, meter, **options)
-    if lay.ranked is not None and lay.mode == "own-forward":  # the model's own forward on every rank, its stage for real
-        return RankOwnForwardExecutor(model, lay.groups, settings, recorder, meter, *lay.ranked, **shard, weights=weights, **options)
+    if (
+        lay.ranked is not None and lay.mode == "own-forward"
+    ):  # the model's own forward on every rank, its stage for real
+        return RankOwnForwardExecutor(
+            model, lay.groups, settings, recorder, meter, *lay.ranked, **shard, weights=weights, **options
+        )
     if lay.ranked is not None:
-        return RankPipelineExecutor(model, lay.mode, lay.graph, lay.groups, settings, recorder, meter, *lay.ranked, **shard, weights=weights)
+        return RankPipelineExecutor(
+            model,
+            lay.mode,
+            lay.graph,
+            lay.groups,
+            settings,
+            recorder,
+            meter,
+            *lay.ranked,
+            **shard,
+            weights=weights,
+        )
     if lay.mode != "own-forward":
-        return PipelinedExecutor(model, lay.mode, lay.graph, lay.devices, lay.groups, settings, recorder, meter)
+        return PipelinedExecutor(
+            model, lay.mode, lay.graph, lay.devices, lay.groups, settings, recorder, meter
+        )
     unthreaded = OwnForwardExecutor.unsupported(lay.devices, settings.microbatches, settings.recompute)
     if not unthreaded:  # the model's own forward, one thread per micro-batch
         return OwnForwardExecutor(model, lay.devices, lay.groups, settings, recorder, meter, **options)
@@ -104,30 +134,35 @@ def choose(
 
 
 def check_pipeline_sharding(lay: Layout, sharding: dict[str, Any] | None) -> dict[str, Any]:
-    """The sharding keywords of a pipeline across ranks (``{}`` without ``shard``); ``ValueError`` where stages are not
-    replicated across ranks (nothing to shard a stage over) or offload is asked with stages."""
+    """The sharding keywords of a pipeline across ranks (``{}`` without ``shard``); ``ValueError`` where
+    stages are not replicated across ranks (nothing to shard a stage over) or offload is asked with stages."""
     if not sharding or not sharding.get("shard"):
         return {}
     stages = len(lay.groups)
     if sharding.get("offload") is not None:
         raise ValueError(
-            f"offload={sharding['offload']!r} with {stages} pipeline stages is not supported: offload shards one stage "
-            "(span(model, shard=True, offload='cpu') without balance); pipeline x sharded keeps each stage's shards on its device"
+            f"offload={sharding['offload']!r} with {stages} pipeline stages is not supported: offload "
+            "shards one stage (span(model, shard=True, offload='cpu') without balance); pipeline x sharded "
+            "keeps each stage's shards on its device"
         )
     if lay.ranked is None or lay.ranked[0].replicas == 1:
-        where = f"pp({stages}) x dp(1)" if lay.ranked is not None else f"{stages} pipeline stages in one process"
+        where = (
+            f"pp({stages}) x dp(1)" if lay.ranked is not None else f"{stages} pipeline stages in one process"
+        )
         raise ValueError(
-            f"shard=True with {where}: each stage is sharded over its data-parallel replicas, and here a stage has one "
-            f"rank; launch replicas x stages processes (e.g. torchspan launch --nproc-per-node {2 * stages} for {stages} "
-            "stages x 2 replicas), shard one stage (no balance), or pipeline without shard=True"
+            f"shard=True with {where}: each stage is sharded over its data-parallel replicas, and here a "
+            "stage has one rank; launch replicas x stages processes (e.g. torchspan launch --nproc-per-node "
+            f"{2 * stages} for {stages} stages x 2 replicas), shard one stage (no balance), or pipeline "
+            "without shard=True"
         )
     return {"shard": True, "reshard_after_forward": sharding.get("reshard_after_forward", True)}
 
 
 def _warn_serial(why: str, unthreaded: str, stacklevel: int) -> None:
     warnings.warn(
-        f"torchspan: {why}; using hook placement (mode 'own-forward-serial'). Each layer lives on its device and "
-        f"inputs are moved to it, but micro-batches run one after another (no pipelining): {unthreaded}.",
+        f"torchspan: {why}; using hook placement (mode 'own-forward-serial'). Each layer lives on its "
+        "device and inputs are moved to it, but micro-batches run one after another (no pipelining): "
+        f"{unthreaded}.",
         UserWarning,
         stacklevel=stacklevel + 1,
     )

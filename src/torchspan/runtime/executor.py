@@ -35,7 +35,8 @@ __all__ = ["Executor", "Settings", "Work"]
 
 @dataclass
 class Settings:
-    """How a ``Spanned`` runs its steps, validated by ``span``; ``scaler`` is the fp16 gradient scaler (else None)."""
+    """How a ``Spanned`` runs its steps, validated by ``span``; ``scaler`` is the fp16 gradient scaler (else
+    None)."""
 
     microbatches: int
     schedule: str
@@ -44,9 +45,13 @@ class Settings:
     workers: str = "device"
     scaler: Any = None
     nonfinite: str = "raise"  # train_step on an inf/NaN loss: "raise" or "warn" (runtime.nonfinite)
-    loss_reduction: str | None = None  # the plain loop's declared loss on replicas: None (read it), "mean", "sum"
+    loss_reduction: str | None = (
+        None  # the plain loop's declared loss on replicas: None (read it), "mean", "sum"
+    )
     tp: Any = None  # (tp, tp_plan) of a pipeline of tensor-parallel stages (runtime.ranks.tpstages)
-    mesh: Any = None  # the DeviceMesh the span's parallel dimensions live on (tensor parallel: its "tp" dimension)
+    mesh: Any = (
+        None  # the DeviceMesh the span's parallel dimensions live on (tensor parallel: its "tp" dimension)
+    )
 
 
 @dataclass
@@ -70,9 +75,15 @@ class Executor(ABC):
     only a recording forward can find).
     """
 
-    mode: str  # how it runs the model: "sequential", "fx", "own-forward", "own-forward-serial", "data-parallel", "sharded"
-    empty_batches = False  # True where a batch of zero rows is a valid step (a data-parallel rank's empty shard)
-    shards_batch = False  # True where this process's batch is one shard of a larger one (data-parallel replicas)
+    # how it runs the model: "sequential", "fx", "own-forward", "own-forward-serial", "data-parallel",
+    # "sharded"
+    mode: str
+    empty_batches = (
+        False  # True where a batch of zero rows is a valid step (a data-parallel rank's empty shard)
+    )
+    shards_batch = (
+        False  # True where this process's batch is one shard of a larger one (data-parallel replicas)
+    )
 
     def __init__(self, devices: Sequence[torch.device], groups: Sequence[Sequence[str]]) -> None:
         self.devices = list(devices)
@@ -86,13 +97,15 @@ class Executor(ABC):
 
     @abstractmethod
     def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Work:
-        """Check the inputs and split them into micro-batches (raises ``TypeError``/``ValueError`` on bad ones)."""
+        """Check the inputs and split them into micro-batches (raises ``TypeError``/``ValueError`` on bad
+        ones)."""
 
     def place(self, work: Work) -> None:
         """Placement that needs an example input (runs before the step opens); default: already placed."""
 
     def placed_layers(self) -> Mapping[str, nn.Module] | None:
-        """Layer name -> module where the layers are blocks (the own-forward executors); ``None``: top-level children."""
+        """Layer name -> module where the layers are blocks (the own-forward executors); ``None``: top-level
+        children."""
         return None
 
     def resolve_loss(
@@ -104,15 +117,18 @@ class Executor(ABC):
         dry_outputs: Callable[[], Sequence[Any]],
         target: Any = None,
     ) -> LossSpec:
-        """``spec`` made exact for this batch: an opaque loss calibrated on ``dry_outputs()`` (see ``losscheck``)."""
+        """``spec`` made exact for this batch: an opaque loss calibrated on ``dry_outputs()`` (see
+        ``losscheck``)."""
         return checks.resolve(spec, targets, sizes, dry_outputs, target=target, shards=self.shards_batch)
 
     def join(self, optimizer: torch.optim.Optimizer | None = None) -> int:
-        """End-of-epoch join of a data-parallel rank; in one process there is no other rank to wait for (0 steps)."""
+        """End-of-epoch join of a data-parallel rank; in one process there is no other rank to wait for (0
+        steps)."""
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise ValueError(
-                f"join() is not supported by a {self.mode!r} executor across ranks: give every rank the same number of "
-                "steps (torchspan.runtime.ranks.rank_batches splits each global batch over the ranks, empty shards included)"
+                f"join() is not supported by a {self.mode!r} executor across ranks: give every rank the "
+                "same number of steps (torchspan.runtime.ranks.rank_batches splits each global batch over "
+                "the ranks, empty shards included)"
             )
         return 0
 
@@ -128,12 +144,14 @@ class Executor(ABC):
         """Whether the coming step counts saved activations (the façade resets the meter's peak only then).
 
         Local executors count every step; a data-parallel replica only until one step has saved some
-        (its shards repeat that shape; the saved-tensor hooks cost ~10% of a small MLP's step, benchmarks/RESULTS.md).
+        (its shards repeat that shape; the saved-tensor hooks cost ~10% of a small MLP's step,
+        benchmarks/RESULTS.md).
         """
         return True
 
     def weights(self, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
-        """Each micro-batch's loss weight; an executor whose batch is part of a larger one passes ``total=``."""
+        """Each micro-batch's loss weight; an executor whose batch is part of a larger one passes
+        ``total=``."""
         return spec.weights(targets, sizes)
 
     def replica_of(self) -> tuple[int, int]:
@@ -141,10 +159,13 @@ class Executor(ABC):
         return 0, 1
 
     def plain_forward(self, training: bool) -> None:
-        """Before ``spanned(...)``: refuse a forward whose plain ``loss.backward()`` could not be exact (a pipeline
-        across ranks in training); in one process autograd runs the backward across devices exactly."""
+        """Before ``spanned(...)``: refuse a forward whose plain ``loss.backward()`` could not be exact (a
+        pipeline across ranks in training); in one process autograd runs the backward across devices
+        exactly."""
 
-    def plain_output(self, out: Any, kwargs: dict[str, Any], nonfinite: Callable[[torch.Tensor], None]) -> Any:
+    def plain_output(
+        self, out: Any, kwargs: dict[str, Any], nonfinite: Callable[[torch.Tensor], None]
+    ) -> Any:
         """What ``spanned(...)`` hands the user's own loop; in one process the outputs as they are."""
         return out
 

@@ -21,7 +21,8 @@ __all__ = ["stage_memory"]
 
 
 def _nbytes(t: torch.Tensor) -> int:
-    """Bytes ``t`` holds in this process: a ``DTensor`` (a sharded replica's parameter) counts its local shard."""
+    """Bytes ``t`` holds in this process: a ``DTensor`` (a sharded replica's parameter) counts its local
+    shard."""
     local = t.to_local() if hasattr(t, "to_local") else t
     return local.numel() * local.element_size()
 
@@ -62,7 +63,9 @@ def stage_memory(
     state = optimizer.state if optimizer is not None else {}
     per_stage: list[dict[str, Any]] = []
     for s, dev in enumerate(devices):
-        opt_bytes = sum(_nbytes(v) for p in owned[s] for v in state.get(p, {}).values() if isinstance(v, torch.Tensor))
+        opt_bytes = sum(
+            _nbytes(v) for p in owned[s] for v in state.get(p, {}).values() if isinstance(v, torch.Tensor)
+        )
         per_stage.append(
             {
                 "stage": s,

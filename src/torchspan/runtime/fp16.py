@@ -1,4 +1,5 @@
-"""fp16 with the loop every user writes: ``train_step`` leaves ``.grad`` unscaled, ``optimizer.step()`` is right.
+"""fp16 with the loop every user writes: ``train_step`` leaves ``.grad`` unscaled, ``optimizer.step()`` is
+right.
 
 ``SpanScaler`` is the ``torch.amp.GradScaler`` of ``span(..., precision="fp16")``. The executors
 backpropagate ``scaler.scale(loss)``; the work ``GradScaler.step``/``update`` would do later happens
@@ -80,8 +81,9 @@ class SpanScaler(torch.amp.GradScaler):
             return
         if any(p.dtype == torch.float16 for p in params):
             raise ValueError(
-                "precision='fp16' keeps float32 master weights, but some parameters are float16 (their gradients cannot "
-                "be unscaled exactly, as GradScaler refuses too); keep the model in float32 (model.float()): autocast runs fp16"
+                "precision='fp16' keeps float32 master weights, but some parameters are float16 (their "
+                "gradients cannot be unscaled exactly, as GradScaler refuses too); keep the model in float32 "
+                "(model.float()): autocast runs fp16"
             )
         self._watch(params)
         if self._stepped:  # the optimizer stepped since the last train_step: a new accumulation window
@@ -96,7 +98,9 @@ class SpanScaler(torch.amp.GradScaler):
         finally:
             self._finish(params, earlier, finished)
 
-    def _finish(self, params: Sequence[nn.Parameter], earlier: list[torch.Tensor | None], finished: bool) -> None:
+    def _finish(
+        self, params: Sequence[nn.Parameter], earlier: list[torch.Tensor | None], finished: bool
+    ) -> None:
         new = [p.grad for p in params]
         if finished and self._scale is not None:
             grads = [g for g in new if g is not None]
@@ -136,7 +140,8 @@ class SpanScaler(torch.amp.GradScaler):
         weakref.finalize(self, lambda hooks=self._hooks: [h.remove() for h in hooks])
 
     def _holds(self, optimizer: Any) -> bool:
-        """Whether ``optimizer`` steps any of these parameters (remembered per optimizer and parameter count)."""
+        """Whether ``optimizer`` steps any of these parameters (remembered per optimizer and parameter
+        count)."""
         count = sum(len(g["params"]) for g in optimizer.param_groups)
         known = self._owners.get(optimizer)
         if known is None or known[0] != count:
@@ -149,7 +154,12 @@ class SpanScaler(torch.amp.GradScaler):
         if self._pending and self._scale is not None and self._growth_tracker is not None:
             found = torch.full((1,), float(self.overflowed), dtype=torch.float32, device=self._scale.device)
             torch._amp_update_scale_(
-                self._scale, self._growth_tracker, found, self._growth_factor, self._backoff_factor, self._growth_interval
+                self._scale,
+                self._growth_tracker,
+                found,
+                self._growth_factor,
+                self._backoff_factor,
+                self._growth_interval,
             )
         self._pending = False
         self._stepped = True

@@ -50,7 +50,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils._foreach_utils import _device_has_foreach_support, _group_tensors_by_device_and_dtype, _has_foreach_support
+from torch.utils._foreach_utils import (
+    _device_has_foreach_support,
+    _group_tensors_by_device_and_dtype,
+    _has_foreach_support,
+)
 
 __all__ = ["Holding", "clip_grad_norm", "guard_plain_clip", "holding", "total_norm"]
 
@@ -61,7 +65,8 @@ class Holding:
 
     ``local``: its trainable parameters (scaled by a clip); ``counted``: ids of those whose norms
     count here (``None``: all); ``across``: whether the norms are summed over ``group`` (a pipeline's
-    ranks; ``None`` is the default group), through tensors on ``comm``; ``device``: where a rank's total lives.
+    ranks; ``None`` is the default group), through tensors on ``comm``; ``device``: where a rank's total
+    lives.
     """
 
     module: nn.Module
@@ -74,40 +79,52 @@ class Holding:
 
 
 def holding(module: nn.Module, executor: Any) -> Holding:
-    """This process's ``Holding`` for ``module`` run by ``executor`` (a pipeline rank holds a ``RankStage``)."""
+    """This process's ``Holding`` for ``module`` run by ``executor`` (a pipeline rank holds a
+    ``RankStage``)."""
     ranks = getattr(executor, "ranks", None)
     if ranks is not None and ranks.mesh.stages > 1:
         counted = {id(p) for p in ranks.norm_parameters()}
-        return Holding(module, ranks.local_parameters(), counted, True, ranks.pipe_group, ranks.comm, ranks.device)
+        return Holding(
+            module, ranks.local_parameters(), counted, True, ranks.pipe_group, ranks.comm, ranks.device
+        )
     local = [p for p in module.parameters() if p.requires_grad and p.device.type != "meta"]
     return Holding(module, local)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """A ``DTensor``'s local shard (a sharded replica's gradient), else ``t`` itself (shares storage: scaling it scales ``t``)."""
+    """A ``DTensor``'s local shard (a sharded replica's gradient), else ``t`` itself (shares storage: scaling
+    it scales ``t``)."""
     return t.to_local() if isinstance(t, DTensor) else _plain(t)
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
-    """A marked plain gradient as a plain alias (same storage) for the foreach kernels; any other tensor as it is."""
+    """A marked plain gradient as a plain alias (same storage) for the foreach kernels; any other tensor as it
+    is."""
     return t.as_subclass(torch.Tensor) if type(t) is _StageTensor else t
 
 
 def _tensor_norms(grads: list[torch.Tensor], norm_type: float, foreach: bool | None) -> list[torch.Tensor]:
     """Each gradient's ``norm_type``-norm, computed per (device, dtype) group as torch computes it; a sharded
-    gradient (a ``DTensor``) is the norm of its shards' norms across the ranks holding them (``_sharded_norms``)."""
+    gradient (a ``DTensor``) is the norm of its shards' norms across the ranks holding them
+    (``_sharded_norms``)."""
     norms: list[Any] = [None] * len(grads)
     if not grads:
         return norms
-    sharded = [i for i, g in enumerate(grads) if isinstance(g, DTensor) and any(p.is_shard() for p in g.placements)]
+    sharded = [
+        i for i, g in enumerate(grads) if isinstance(g, DTensor) and any(p.is_shard() for p in g.placements)
+    ]
     if sharded:
         return _sharded_norms(grads, sharded, norm_type, foreach)
     grouped = _group_tensors_by_device_and_dtype([grads], with_indices=True)  # type: ignore[list-item]
     for (device, _), ([tensors], indices) in grouped.items():
-        if (foreach is None and _has_foreach_support(tensors, device)) or (foreach and _device_has_foreach_support(device)):
+        if (foreach is None and _has_foreach_support(tensors, device)) or (
+            foreach and _device_has_foreach_support(device)
+        ):
             values = list(torch._foreach_norm(tensors, norm_type))
         elif foreach:
-            raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+            raise RuntimeError(
+                f"foreach=True was passed, but can't use the foreach API on {device.type} tensors"
+            )
         else:
             values = [torch.linalg.vector_norm(g, norm_type) for g in tensors]
         for i, v in zip(indices, values):
@@ -115,15 +132,19 @@ def _tensor_norms(grads: list[torch.Tensor], norm_type: float, foreach: bool | N
     return norms
 
 
-def _sharded_norms(grads: list[torch.Tensor], sharded: list[int], norm_type: float, foreach: bool | None) -> list[torch.Tensor]:
-    """Norms of gradients some of which are ``DTensor`` shards: each rank's shard norms, combined in float64 by an
-    all-reduce over each dimension of the shards' mesh (a sum of ``norm ** p``, a max for ``inf``, a min for ``-inf``,
-    a sum for 0; a term held on a ``Replicate`` dimension divided by its copies), per mesh."""
+def _sharded_norms(
+    grads: list[torch.Tensor], sharded: list[int], norm_type: float, foreach: bool | None
+) -> list[torch.Tensor]:
+    """Norms of gradients some of which are ``DTensor`` shards: each rank's shard norms, combined in float64
+    by an all-reduce over each dimension of the shards' mesh (a sum of ``norm ** p``, a max for ``inf``, a min
+    for ``-inf``, a sum for 0; a term held on a ``Replicate`` dimension divided by its copies), per mesh."""
     local = [_local(g) for g in grads]
     present = [i for i, t in enumerate(local) if t.numel() > 0]
     found = _tensor_norms([local[i] for i in present], norm_type, foreach) if present else []
     inf = math.isinf(norm_type)
-    neutral = (float("inf") if norm_type < 0 else 0.0) if inf else 0.0  # an empty shard: the identity of the combination
+    neutral = (
+        (float("inf") if norm_type < 0 else 0.0) if inf else 0.0
+    )  # an empty shard: the identity of the combination
     values = [torch.tensor(neutral, dtype=torch.float64)] * len(grads)
     for i, n in zip(present, found):
         values[i] = n.detach().to("cpu", torch.float64)
@@ -132,11 +153,20 @@ def _sharded_norms(grads: list[torch.Tensor], sharded: list[int], norm_type: flo
     for i in sharded:
         meshes.setdefault(grads[i].device_mesh, []).append(i)  # type: ignore[attr-defined]
     for mesh, held in meshes.items():
-        comm = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+        comm = (
+            torch.device(mesh.device_type, torch.cuda.current_device())
+            if mesh.device_type == "cuda"
+            else torch.device(mesh.device_type)
+        )
         buf = torch.stack([values[i] for i in held]).to(comm)
         if not inf:  # a copy on each of r ranks of a Replicate mesh dimension counts once: its term / r
-            copies = [math.prod(mesh.size(d) for d, p in enumerate(grads[i].placements) if p.is_replicate()) for i in held]  # type: ignore[attr-defined]
-            buf = (buf.pow(norm_type) if norm_type != 0 else buf) / torch.tensor(copies, dtype=buf.dtype, device=comm)
+            copies = [
+                math.prod(mesh.size(d) for d, p in enumerate(grads[i].placements) if p.is_replicate())
+                for i in held
+            ]  # type: ignore[attr-defined]
+            buf = (buf.pow(norm_type) if norm_type != 0 else buf) / torch.tensor(
+                copies, dtype=buf.dtype, device=comm
+            )
         op = (dist.ReduceOp.MIN if norm_type < 0 else dist.ReduceOp.MAX) if inf else dist.ReduceOp.SUM
         for d in range(mesh.ndim):  # over every mesh dimension: the sum (or max) over all its ranks
             dist.all_reduce(buf, op=op, group=mesh.get_group(d))
@@ -158,15 +188,20 @@ def _slots(module: nn.Module) -> tuple[list[torch.dtype], dict[int, int]]:
     return dtypes, slot
 
 
-def _stacked(order: Sequence[int], dtypes: Sequence[torch.dtype], value: Any, device: torch.device) -> torch.Tensor:
-    """Norms of the ``order`` slots stacked as one device stacks them: by dtype (first seen first), slot order within."""
+def _stacked(
+    order: Sequence[int], dtypes: Sequence[torch.dtype], value: Any, device: torch.device
+) -> torch.Tensor:
+    """Norms of the ``order`` slots stacked as one device stacks them: by dtype (first seen first), slot order
+    within."""
     groups: dict[torch.dtype, list[int]] = {}
     for s in order:
         groups.setdefault(dtypes[s], []).append(s)
     return torch.stack([value(s).to(device, dt) for dt, slots in groups.items() for s in slots])
 
 
-def total_norm(h: Holding, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+def total_norm(
+    h: Holding, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None
+) -> torch.Tensor:
     """The norm of every gradient of the model (counted once), as one device's ``get_total_norm``;
     across ranks a collective: every rank of the job calls it."""
     norm_type = float(norm_type)
@@ -188,7 +223,9 @@ def total_norm(h: Holding, norm_type: float = 2.0, error_if_nonfinite: bool = Fa
         if not params:
             return torch.tensor(0.0)
         by_slot = {slot[id(p)]: n for p, n in zip(params, norms)}
-        total = torch.linalg.vector_norm(_stacked(sorted(by_slot), dtypes, by_slot.__getitem__, params[0].grad.device), norm_type)  # type: ignore[union-attr]
+        total = torch.linalg.vector_norm(
+            _stacked(sorted(by_slot), dtypes, by_slot.__getitem__, params[0].grad.device), norm_type
+        )  # type: ignore[union-attr]
     if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
         raise _nonfinite_error(norm_type)
     return total
@@ -196,22 +233,29 @@ def total_norm(h: Holding, norm_type: float = 2.0, error_if_nonfinite: bool = Fa
 
 def _nonfinite_error(norm_type: float) -> RuntimeError:
     return RuntimeError(
-        f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be clipped. "
-        "To disable this error and scale the gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
+        f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot "
+        "be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+        "`error_if_nonfinite=False`"
     )
 
 
-def _scale_grads(params: Iterable[nn.Parameter], max_norm: float, total: torch.Tensor, foreach: bool | None) -> None:
+def _scale_grads(
+    params: Iterable[nn.Parameter], max_norm: float, total: torch.Tensor, foreach: bool | None
+) -> None:
     """``grad *= min(max_norm / (total + 1e-6), 1)`` for every gradient, as ``clip_grads_with_norm_``."""
     grads = [_local(p.grad) for p in params if p.grad is not None]
     if not grads:
         return
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
     for (device, _), ([tensors], _) in _group_tensors_by_device_and_dtype([grads]).items():  # type: ignore[list-item]
-        if (foreach is None and _has_foreach_support(tensors, device)) or (foreach and _device_has_foreach_support(device)):
+        if (foreach is None and _has_foreach_support(tensors, device)) or (
+            foreach and _device_has_foreach_support(device)
+        ):
             torch._foreach_mul_(tensors, coef.to(device))
         elif foreach:
-            raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+            raise RuntimeError(
+                f"foreach=True was passed, but can't use the foreach API on {device.type} tensors"
+            )
         else:
             for g in tensors:
                 g.mul_(coef.to(device))
@@ -241,35 +285,53 @@ def clip_grad_norm(
 
 # ---------------------------------------------------------------------- torch's own clip on a pipeline rank
 _GUARDED: weakref.WeakSet[Any] = weakref.WeakSet()  # RankStages of pipelines: their gradients are one stage's
-_TOTAL_NORM = frozenset({"_get_total_norm", "clip_grad_norm_"})  # torch's functions taking a clip's total norm (2nd: torch < 2.6)
+_TOTAL_NORM = frozenset(
+    {"_get_total_norm", "clip_grad_norm_"}
+)  # torch's functions taking a clip's total norm (2nd: torch < 2.6)
 
 
 def _in_torch_total_norm(frame: Any) -> bool:
     """Whether ``frame`` (the Python caller of a torch op) is torch's own total norm, ``get_total_norm`` /
-    ``clip_grad_norm_`` in ``torch.nn.utils.clip_grad`` (a comprehension inside it counts as it, Python < 3.12)."""
+    ``clip_grad_norm_`` in ``torch.nn.utils.clip_grad`` (a comprehension inside it counts as it, Python <
+    3.12)."""
     while frame is not None and frame.f_code.co_name.startswith("<"):
         frame = frame.f_back
-    return frame is not None and frame.f_code.co_name in _TOTAL_NORM and frame.f_globals.get("__name__") == "torch.nn.utils.clip_grad"
+    return (
+        frame is not None
+        and frame.f_code.co_name in _TOTAL_NORM
+        and frame.f_globals.get("__name__") == "torch.nn.utils.clip_grad"
+    )
 
 
 def _refusal(args: Sequence[Any]) -> RuntimeError:
-    """The ``RuntimeError`` for torch's own norm over a pipeline rank's gradients (``args``: the torch op's)."""
-    touched = {id(t) for a in args for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, _StageGradient)}
+    """The ``RuntimeError`` for torch's own norm over a pipeline rank's gradients (``args``: the torch
+    op's)."""
+    touched = {
+        id(t)
+        for a in args
+        for t in (a if isinstance(a, (list, tuple)) else [a])
+        if isinstance(t, _StageGradient)
+    }
     where, stages = "this rank", "one stage"
     for ranks in list(_GUARDED):
         if any(id(p.grad) in touched for p in ranks.local_parameters() if p.grad is not None):
-            where, stages = f"rank {ranks.info.rank}", f"stage {ranks.stage} of a {ranks.mesh.stages}-stage pipeline"
+            where, stages = (
+                f"rank {ranks.info.rank}",
+                f"stage {ranks.stage} of a {ranks.mesh.stages}-stage pipeline",
+            )
     return RuntimeError(
-        f"torch.nn.utils.clip_grad_norm_ on {where} sees only the gradients of {stages}, so it would clip each stage "
-        "by its own norm and the update would differ from one device's. Call spanned.clip_grad_norm_(max_norm, norm_type) "
-        "instead: the same arguments and return value, the norm taken over every stage's gradients (nothing was clipped)"
+        f"torch.nn.utils.clip_grad_norm_ on {where} sees only the gradients of {stages}, so it would clip "
+        "each stage by its own norm and the update would differ from one device's. Call "
+        "spanned.clip_grad_norm_(max_norm, norm_type) instead: the same arguments and return value, the "
+        "norm taken over every stage's gradients (nothing was clipped)"
     )
 
 
 class _StageGradient:
-    """A pipeline rank's gradient (``guard_plain_clip`` swaps the class of that tensor object, nothing else): every
-    torch op on it runs as on the plain tensor, results plain, except one called by torch's own total norm, which
-    raises (``_refusal``). Copies and pickles are the plain class (they load without torchspan)."""
+    """A pipeline rank's gradient (``guard_plain_clip`` swaps the class of that tensor object, nothing else):
+    every torch op on it runs as on the plain tensor, results plain, except one called by torch's own total
+    norm, which raises (``_refusal``). Copies and pickles are the plain class (they load without
+    torchspan)."""
 
     __slots__ = ()
 
@@ -302,15 +364,19 @@ class _StageDTensor(_StageGradient, DTensor):  # a sharded stage's gradient (FSD
     __slots__ = ()
 
 
-_MARKED: dict[type, type] = {torch.Tensor: _StageTensor, DTensor: _StageDTensor}  # the gradients a stage holds
+_MARKED: dict[type, type] = {
+    torch.Tensor: _StageTensor,
+    DTensor: _StageDTensor,
+}  # the gradients a stage holds
 
 
 def guard_plain_clip(ranks: Any) -> None:
-    """After a training step: ``torch.nn.utils.clip_grad_norm_`` (or ``get_total_norm``) over ``ranks``' gradients
-    (a ``RankStage``'s) raises, naming ``spanned.clip_grad_norm_``, before it scales anything.
+    """After a training step: ``torch.nn.utils.clip_grad_norm_`` (or ``get_total_norm``) over ``ranks``'
+    gradients (a ``RankStage``'s) raises, naming ``spanned.clip_grad_norm_``, before it scales anything.
 
-    Each gradient this rank holds gets the class ``_StageGradient`` (its ``__torch_function__`` sees torch's own
-    total norm calling it); nothing in ``torch`` is replaced, other tensors and other models are untouched."""
+    Each gradient this rank holds gets the class ``_StageGradient`` (its ``__torch_function__`` sees torch's
+    own total norm calling it); nothing in ``torch`` is replaced, other tensors and other models are
+    untouched."""
     _GUARDED.add(ranks)
     for p in ranks.local_parameters():
         marked = _MARKED.get(type(p.grad))

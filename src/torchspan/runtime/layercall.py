@@ -54,7 +54,8 @@ def recomputes(mode: str, mb: int, microbatches: int) -> bool:
 
 
 def once_context(slots: Sequence[Slot]) -> Callable[[], tuple[Any, Any]]:
-    """``context_fn`` for ``torch.utils.checkpoint``: the recompute undoes the buffer updates the forward made."""
+    """``context_fn`` for ``torch.utils.checkpoint``: the recompute undoes the buffer updates the forward
+    made."""
 
     def make() -> tuple[Any, Any]:
         return contextlib.nullcontext(), kept(slots)
@@ -72,13 +73,16 @@ def run_layer(
     recompute: bool,
     slots: Sequence[Slot] = (),
 ) -> Any:
-    """``fn(*args, **kwargs)`` autocast on ``device``; recomputed in backward when ``recompute`` (and grad is on)."""
+    """``fn(*args, **kwargs)`` autocast on ``device``; recomputed in backward when ``recompute`` (and grad is
+    on)."""
     if precision == "32" and not recompute:  # nothing around the call (the usual case, once per layer call)
         return fn(*args, **kwargs)
     with autocast_for(device, precision):
         if recompute and torch.is_grad_enabled():
             context = once_context(slots)
-            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=context, **kwargs)
+            return torch.utils.checkpoint.checkpoint(
+                fn, *args, use_reentrant=False, context_fn=context, **kwargs
+            )
         return fn(*args, **kwargs)
 
 
@@ -120,7 +124,9 @@ class LayerCalls:
         slots = buffer_slots([self.layers[name]])
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            return run_layer(fn, args, kwargs, device=device, precision=precision, recompute=recompute(), slots=slots)
+            return run_layer(
+                fn, args, kwargs, device=device, precision=precision, recompute=recompute(), slots=slots
+            )
 
         return forward
 

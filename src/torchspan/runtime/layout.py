@@ -23,8 +23,7 @@ from ..layers import fxsplit as split
 from ..planner.plans import Plan
 from .placement import check_entries, parse_devices, stages_from_balance, stages_from_plan
 from .ranks.env import RankInfo
-from .ranks.mesh import Mesh
-from .ranks.mesh import launched_stages
+from .ranks.mesh import Mesh, launched_stages
 from .ranks.pipelined import launched_mesh
 
 __all__ = ["Layout", "layout"]
@@ -48,13 +47,18 @@ class Layout:
     ranked: tuple[Mesh, RankInfo] | None = None
 
 
-def _cut(model: nn.Module, split_points: Any, no_split: Any) -> tuple[str, str, Any, LayerSet | None, list[str], list[str] | None]:
+def _cut(
+    model: nn.Module, split_points: Any, no_split: Any
+) -> tuple[str, str, Any, LayerSet | None, list[str], list[str] | None]:
     """``(mode, why, graph, layer_set, names, order)``: how the forward is cut and the layers' names
     (``order``: execution order where known before a first call)."""
     if discovery.descends(model, split_points, no_split):
         layer_set = discovery.model_layers(model, split_points=split_points, no_split=no_split)
         names = layer_set.names()
-        why = f"its layers are blocks inside containers ({', '.join(names[:3])}, ...), which torch.fx splits do not cut"
+        why = (
+            f"its layers are blocks inside containers ({', '.join(names[:3])}, ...), which torch.fx splits "
+            "do not cut"
+        )
         return "own-forward", why, None, layer_set, names, None
     mode, why, graph = split.choose_mode(model)
     names = [n for n, _ in discovery.top_level_layers(model)]
@@ -64,9 +68,15 @@ def _cut(model: nn.Module, split_points: Any, no_split: Any) -> tuple[str, str, 
 
 
 def layout(
-    model: nn.Module, plan: Plan | None, devices: Any, balance: Sequence[int] | None, split_points: Any = None, no_split: Any = None
+    model: nn.Module,
+    plan: Plan | None,
+    devices: Any,
+    balance: Sequence[int] | None,
+    split_points: Any = None,
+    no_split: Any = None,
 ) -> Layout:
-    """The stages of ``model`` placed by ``plan``, or by ``devices`` and ``balance`` (see the module docstring)."""
+    """The stages of ``model`` placed by ``plan``, or by ``devices`` and ``balance`` (see the module
+    docstring)."""
     mode, why, graph, layer_set, names, order = _cut(model, split_points, no_split)
     ranked = launched_mesh(plan, devices, balance)  # launched with pp > 1: one stage per rank (runtime.ranks)
     here = ranked[1].device if ranked is not None else None
@@ -80,7 +90,9 @@ def layout(
             groups, devs = stages_from_plan(plan, names, order, here)
     else:
         devs = _devices(model, devices, balance)
-        if layer_set is not None and balance is not None:  # blocks: counted over the order the first call records
+        if (
+            layer_set is not None and balance is not None
+        ):  # blocks: counted over the order the first call records
             groups = _counts(balance, devs)
         else:
             groups = stages_from_balance(order or names, devs, balance)
@@ -91,12 +103,15 @@ def layout(
 
 
 def _counts(balance: Sequence[int], devices: list[torch.device]) -> list[list[str]]:
-    """Placeholder groups of ``balance[s]`` layers: a model's blocks are known for sure only once its first call is
-    recorded (a module called twice, one never called), where ``OwnForwardLayers.record`` applies the counts and
-    checks that they add up to the recorded layers."""
+    """Placeholder groups of ``balance[s]`` layers: a model's blocks are known for sure only once its first
+    call is recorded (a module called twice, one never called), where ``OwnForwardLayers.record`` applies the
+    counts and checks that they add up to the recorded layers."""
     balance = list(balance)
     if len(balance) != len(devices):
-        raise ValueError(f"balance={balance} has {len(balance)} entries but devices has {len(devices)}; give one layer count per device")
+        raise ValueError(
+            f"balance={balance} has {len(balance)} entries but devices has {len(devices)}; give one layer "
+            "count per device"
+        )
     for i, b in enumerate(balance):
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise ValueError(f"balance[{i}]={b!r} must be an int >= 1 (layers in stage {i})")
@@ -104,9 +119,16 @@ def _counts(balance: Sequence[int], devices: list[torch.device]) -> list[list[st
 
 
 def _check_reuse(
-    model: nn.Module, mode: str, graph: Any, names: list[str], groups: list[list[str]], devices: list[torch.device], ranked: bool
+    model: nn.Module,
+    mode: str,
+    graph: Any,
+    names: list[str],
+    groups: list[list[str]],
+    devices: list[torch.device],
+    ranked: bool,
 ) -> None:
-    """A module called more than once in a forward, refused before anything is placed where its calls cannot be exact.
+    """A module called more than once in a forward, refused before anything is placed where its calls cannot
+    be exact.
 
     fx: the layers between a reused child's first and last call share one stage (``reuse.check_stages``;
     the split checks each re-trace again). ``nn.Sequential``: one module at several entries is a tie,

@@ -31,11 +31,13 @@ import torch
 
 __all__ = ["Linear", "find", "leaves", "gradients"]
 
+
 @dataclass(frozen=True)
 class Linear:
     """One linear call in a graph: its weight and bias leaves, its input rows ``x`` (2-D), the accumulator
     nodes its weight and bias gradients would flow into, and whether the weight is stored ``(in, out)``
-    and multiplied as it is (``transposed``: GPT-2's ``Conv1D``, ``addmm(b, x, w)``) instead of ``x @ w.t()``."""
+    and multiplied as it is (``transposed``: GPT-2's ``Conv1D``, ``addmm(b, x, w)``) instead of ``x @
+    w.t()``."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
@@ -94,15 +96,22 @@ def _accumulator(node: Any) -> Any:
 
 
 def _as(grad: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
-    return grad if grad.dtype == leaf.dtype and grad.device == leaf.device else grad.to(device=leaf.device, dtype=leaf.dtype)
+    return (
+        grad
+        if grad.dtype == leaf.dtype and grad.device == leaf.device
+        else grad.to(device=leaf.device, dtype=leaf.dtype)
+    )
 
 
-def _product(xs: list[torch.Tensor], gs: list[torch.Tensor], transposed: bool, dtype: torch.dtype) -> torch.Tensor:
+def _product(
+    xs: list[torch.Tensor], gs: list[torch.Tensor], transposed: bool, dtype: torch.dtype
+) -> torch.Tensor:
     """``sum_i g_i.T @ x_i`` (``x_i.T @ g_i`` when ``transposed``): one product of the stacked rows when the
-    micro-batches are short next to the weight (a product of few rows is inefficient, and stacking them is cheap)
-    or computed in a lower precision than the weight's ``dtype`` (one rounding, as one device), else one product
-    per micro-batch added into the first in place (stacking long micro-batches costs a copy of their activations
-    and gains nothing). Measured on a CPU: stacking wins below ``min(in, out) / 16`` rows."""
+    micro-batches are short next to the weight (a product of few rows is inefficient, and stacking them is
+    cheap) or computed in a lower precision than the weight's ``dtype`` (one rounding, as one device), else
+    one product per micro-batch added into the first in place (stacking long micro-batches costs a copy of
+    their activations and gains nothing). Measured on a CPU: stacking wins below ``min(in, out) / 16``
+    rows."""
     short = 16 * max(x.shape[0] for x in xs) < min(xs[0].shape[1], gs[0].shape[1])
     if len(xs) > 1 and (short or xs[0].dtype != dtype):
         x, g = torch.cat(xs), torch.cat(gs)
@@ -119,8 +128,9 @@ _Biases = dict[int, tuple[torch.Tensor, list[torch.Tensor]]]
 
 
 def _grouped(records: Sequence[tuple[Linear, torch.Tensor]]) -> tuple[_Weights, _Biases]:
-    """The records by weight (and how it is multiplied): its inputs and output gradients; by bias (each record's own:
-    a weight may have several): its output gradients. Their order is the order of ``leaves`` and ``gradients``."""
+    """The records by weight (and how it is multiplied): its inputs and output gradients; by bias (each
+    record's own: a weight may have several): its output gradients. Their order is the order of ``leaves`` and
+    ``gradients``."""
     by_weight: _Weights = {}
     by_bias: _Biases = {}
     for lin, g in records:
@@ -138,7 +148,9 @@ def leaves(records: Sequence[tuple[Linear, torch.Tensor]]) -> list[torch.Tensor]
     return [w for w, _, _ in by_weight.values()] + [b for b, _ in by_bias.values()]
 
 
-def gradients(records: Sequence[tuple[Linear, torch.Tensor]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def gradients(
+    records: Sequence[tuple[Linear, torch.Tensor]],
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Every record's weight (and bias) gradient, summed over the records of each leaf: one product per weight
     over all its records' rows (``g``: the gradient flowing into the linear call's output, 2-D). Returns the
     leaves and their gradients (a weight used both ways is listed twice: accumulating adds the two).
@@ -150,9 +162,23 @@ def gradients(records: Sequence[tuple[Linear, torch.Tensor]]) -> tuple[list[torc
     grads: list[torch.Tensor] = []
     for (_, transposed), (weight, xs, gs) in by_weight.items():
         held.append(weight)
-        grads.append(_as(_product(xs, gs, transposed, weight.dtype), weight))  # in the compute dtype, cast once, as one device does
-    for bias, gs in by_bias.values():  # in the weight's dtype: each micro-batch's sum, then theirs (no copy of the rows)
+        grads.append(
+            _as(_product(xs, gs, transposed, weight.dtype), weight)
+        )  # in the compute dtype, cast once, as one device does
+    for (
+        bias,
+        gs,
+    ) in by_bias.values():  # in the weight's dtype: each micro-batch's sum, then theirs (no copy of the rows)
         held.append(bias)
-        whole = len(gs) == 1 or gs[0].dtype != bias.dtype  # lower precision: one sum over all rows, as one device
-        grads.append(_as((gs[0] if len(gs) == 1 else torch.cat(gs)).sum(0) if whole else torch.stack([g.sum(0) for g in gs]).sum(0), bias))
+        whole = (
+            len(gs) == 1 or gs[0].dtype != bias.dtype
+        )  # lower precision: one sum over all rows, as one device
+        grads.append(
+            _as(
+                (gs[0] if len(gs) == 1 else torch.cat(gs)).sum(0)
+                if whole
+                else torch.stack([g.sum(0) for g in gs]).sum(0),
+                bias,
+            )
+        )
     return held, grads

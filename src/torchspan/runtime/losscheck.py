@@ -62,8 +62,15 @@ def _unwrap(v: Any) -> Any:
 
 def _scalar(spec: LossSpec, value: Any, what: str) -> tuple[float, torch.dtype]:
     if not isinstance(value, torch.Tensor) or value.dim() != 0:
-        got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
-        raise ValueError(f"loss_fn={spec.name} returned {got}; it must return a scalar (use reduction='mean' or 'sum'), here on {what}")
+        got = (
+            f"a tensor of shape {tuple(value.shape)}"
+            if isinstance(value, torch.Tensor)
+            else f"a {type(value).__name__}"
+        )
+        raise ValueError(
+            f"loss_fn={spec.name} returned {got}; it must return a scalar (use reduction='mean' or 'sum'), "
+            f"here on {what}"
+        )
     return float(value), value.dtype
 
 
@@ -93,8 +100,8 @@ def calibrate(
         return modelloss.verify(spec, outputs, targets)
     if not (len(outputs) == len(targets) == len(sizes)) or not sizes:
         raise ValueError(
-            f"outputs, targets and sizes must have one entry per micro-batch; got {len(outputs)}, {len(targets)}, "
-            f"{len(sizes)}"
+            f"outputs, targets and sizes must have one entry per micro-batch; got {len(outputs)}, "
+            f"{len(targets)}, {len(sizes)}"
         )
     if len(sizes) == 1:  # one micro-batch weighs 1 whatever the loss divides by: nothing to check
         return spec if spec.kind == "user" or spec.declared else spec.resolved("samples")
@@ -104,8 +111,15 @@ def calibrate(
         value, ok = _reproduces(spec, parts, full, rtol, targets, sizes)
         if ok:
             return spec
-        values = [_reproduces(c, parts, full, rtol, targets, sizes)[0] for c in (spec.resolved("samples"), spec.resolved("sum"))]
-        raise ValueError(_refusal(spec, full, [value, *values], sizes, hints=_hints(spec, parts, full, rtol, targets, sizes)))
+        values = [
+            _reproduces(c, parts, full, rtol, targets, sizes)[0]
+            for c in (spec.resolved("samples"), spec.resolved("sum"))
+        ]
+        raise ValueError(
+            _refusal(
+                spec, full, [value, *values], sizes, hints=_hints(spec, parts, full, rtol, targets, sizes)
+            )
+        )
     candidates = [spec.resolved("samples"), spec.resolved("sum")]
     checked = [_reproduces(c, parts, full, rtol, targets, sizes) for c in candidates]
     matches = [c for c, (_, ok) in zip(candidates, checked) if ok]
@@ -116,20 +130,34 @@ def calibrate(
     raise ValueError(_refusal(spec, full, values, sizes, ambiguous=len(matches) > 1, hints=hints))
 
 
-def _evaluate(spec: LossSpec, outputs: Sequence[Any], targets: Sequence[Any], target: Any) -> tuple[list[float], float, float]:
+def _evaluate(
+    spec: LossSpec, outputs: Sequence[Any], targets: Sequence[Any], target: Any
+) -> tuple[list[float], float, float]:
     """Each micro-batch's loss, the full batch's loss and the relative tolerance of a match (no grad)."""
     device = _first_device(outputs[0])
     with torch.no_grad():
-        parts = [_scalar(spec, spec.loss_fn(out, _to(tgt, _first_device(out))), f"micro-batch {i}")[0] for i, (out, tgt) in enumerate(zip(outputs, targets))]
-        whole_target = gather(list(targets)) if target is None else tree_map(_unwrap, target, is_leaf=_is_nosplit)
-        whole = gather(list(outputs), scalars="drop")  # a model's own 0-d loss cannot be concatenated: the loss_fn reads logits
+        parts = [
+            _scalar(spec, spec.loss_fn(out, _to(tgt, _first_device(out))), f"micro-batch {i}")[0]
+            for i, (out, tgt) in enumerate(zip(outputs, targets))
+        ]
+        whole_target = (
+            gather(list(targets)) if target is None else tree_map(_unwrap, target, is_leaf=_is_nosplit)
+        )
+        whole = gather(
+            list(outputs), scalars="drop"
+        )  # a model's own 0-d loss cannot be concatenated: the loss_fn reads logits
         full, dtype = _scalar(spec, spec.loss_fn(whole, _to(whole_target, device)), "the full batch")
     rtol = max(RTOL, 8 * torch.finfo(dtype).eps) if dtype.is_floating_point else RTOL
     return parts, full, rtol
 
 
 def _reproduces(
-    spec: LossSpec, parts: Sequence[float], full: float, rtol: float, targets: Sequence[Any], sizes: Sequence[int]
+    spec: LossSpec,
+    parts: Sequence[float],
+    full: float,
+    rtol: float,
+    targets: Sequence[Any],
+    sizes: Sequence[int],
 ) -> tuple[float, bool]:
     """The micro-batch losses weighted by ``spec``, and whether that is the full-batch loss."""
     weights = spec.weights(targets, sizes)
@@ -139,13 +167,24 @@ def _reproduces(
     return value, _close(value, full, rtol, atol)
 
 
-def _hints(spec: LossSpec, parts: Sequence[float], full: float, rtol: float, targets: Sequence[Any], sizes: Sequence[int]) -> list[str]:
+def _hints(
+    spec: LossSpec,
+    parts: Sequence[float],
+    full: float,
+    rtol: float,
+    targets: Sequence[Any],
+    sizes: Sequence[int],
+) -> list[str]:
     """Token normalizers (``loss_normalizer=`` as a user writes it) that reproduce the full-batch loss on this
     batch: a refusal suggests only advice that works."""
     labels = [t for t in targets if isinstance(t, torch.Tensor)]
     if len(labels) != len(targets) or not labels or labels[0].is_floating_point() or labels[0].dim() == 0:
         return []
-    negatives = sorted({int(v) for t in labels for v in t[t < 0].unique().tolist()}) if any((t < 0).any() for t in labels) else []
+    negatives = (
+        sorted({int(v) for t in labels for v in t[t < 0].unique().tolist()})
+        if any((t < 0).any() for t in labels)
+        else []
+    )
     pad = negatives[0] if len(negatives) == 1 else -100
     found = []
     for text, fn in (
@@ -161,42 +200,52 @@ def _hints(spec: LossSpec, parts: Sequence[float], full: float, rtol: float, tar
 
 
 def _refusal(
-    spec: LossSpec, full: float, values: list[float], sizes: Sequence[int], *, ambiguous: bool = False, hints: Sequence[str] = ()
+    spec: LossSpec,
+    full: float,
+    values: list[float],
+    sizes: Sequence[int],
+    *,
+    ambiguous: bool = False,
+    hints: Sequence[str] = (),
 ) -> str:
     split = f"{len(sizes)} micro-batches of {', '.join(map(str, sizes))} samples"
     works = (
-        f" On this batch {' and '.join(hints)} reproduces it (checked): pass that to train_step." if hints else ""
+        f" On this batch {' and '.join(hints)} reproduces it (checked): pass that to train_step."
+        if hints
+        else ""
     )
     if spec.kind == "user":
         return (
-            f"loss_normalizer does not make loss_fn={spec.name} exact: the full-batch loss is {full:.8g} but the "
-            f"micro-batch losses weighted by loss_normalizer add up to {values[0]:.8g} ({split}). It must return what "
-            "the loss's mean divides by for a chunk's target; or declare loss_reduction='sum' / 'mean' instead." + works
+            f"loss_normalizer does not make loss_fn={spec.name} exact: the full-batch loss is {full:.8g} "
+            f"but the micro-batch losses weighted by loss_normalizer add up to {values[0]:.8g} ({split}). "
+            "It must return what the loss's mean divides by for a chunk's target; or declare "
+            "loss_reduction='sum' / 'mean' instead." + works
         )
     if spec.declared:
         other = "mean" if spec.kind == "sum" else "sum"
         return (
-            f"loss_reduction={spec.reduction!r} is declared for loss_fn={spec.name}, but it does not hold on this batch: the "
-            f"full-batch loss is {full:.8g}, while its {split} give {values[0]:.8g} weighted as declared "
-            f"({values[1]:.8g} weighted by sample share, {values[2]:.8g} summed), so torchspan refuses before any "
-            f"backward. Drop loss_reduction (torchspan then calibrates it), or declare loss_reduction={other!r} if that "
-            "is what it does." + works
+            f"loss_reduction={spec.reduction!r} is declared for loss_fn={spec.name}, but it does not hold "
+            f"on this batch: the full-batch loss is {full:.8g}, while its {split} give {values[0]:.8g} "
+            f"weighted as declared ({values[1]:.8g} weighted by sample share, {values[2]:.8g} summed), so "
+            "torchspan refuses before any backward. Drop loss_reduction (torchspan then calibrates it), or "
+            f"declare loss_reduction={other!r} if that is what it does." + works
         )
     if ambiguous:
         head = (
-            f"cannot tell from this batch whether loss_fn={spec.name} is a mean or a sum: the full-batch loss "
-            f"{full:.8g} equals both the sample-share weighting ({values[0]:.8g}) and the sum ({values[1]:.8g}) of "
-            f"its {split} (e.g. a loss of 0)"
+            f"cannot tell from this batch whether loss_fn={spec.name} is a mean or a sum: the full-batch "
+            f"loss {full:.8g} equals both the sample-share weighting ({values[0]:.8g}) and the sum "
+            f"({values[1]:.8g}) of its {split} (e.g. a loss of 0)"
         )
     else:
         head = (
-            f"loss_fn={spec.name} is not a per-sample mean or a sum: the full-batch loss is {full:.8g}, but its "
-            f"{split} give {values[0]:.8g} weighted by sample share and {values[1]:.8g} summed"
+            f"loss_fn={spec.name} is not a per-sample mean or a sum: the full-batch loss is {full:.8g}, "
+            f"but its {split} give {values[0]:.8g} weighted by sample share and {values[1]:.8g} summed"
         )
     return (
-        f"{head}, so torchspan cannot weight it to the single-device gradient and refuses before any backward. "
-        "Declare it: loss_reduction='sum' (it adds per-sample losses), loss_reduction='mean' (it averages over "
-        "samples), or loss_normalizer=callable returning what its mean divides by for a chunk's target." + works
+        f"{head}, so torchspan cannot weight it to the single-device gradient and refuses before any "
+        "backward. Declare it: loss_reduction='sum' (it adds per-sample losses), loss_reduction='mean' (it "
+        "averages over samples), or loss_normalizer=callable returning what its mean divides by for a "
+        "chunk's target." + works
     )
 
 
@@ -226,7 +275,13 @@ def loss_identity(fn: Any) -> tuple[Any, ...]:
                 cells.append(cell.cell_contents)
             except ValueError:  # an empty cell
                 cells.append(None)
-        return (fn.__code__, fn.__globals__, *(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values(), *cells)
+        return (
+            fn.__code__,
+            fn.__globals__,
+            *(fn.__defaults__ or ()),
+            *(fn.__kwdefaults__ or {}).values(),
+            *cells,
+        )
     return (fn,)
 
 
@@ -247,10 +302,10 @@ class LossChecks:
         target: Any = None,
         shards: bool = False,
     ) -> LossSpec:
-        """``spec`` made exact: unchanged when known, else calibrated (or, declared, verified) on ``dry_outputs()``
-        (the per-micro-batch outputs of a no-grad forward of this batch), which runs only when this
-        loss has not been checked on a batch of this structure yet. ``shards``: this batch is part of a
-        larger one (data-parallel replicas), so even one chunk is weighed against the others."""
+        """``spec`` made exact: unchanged when known, else calibrated (or, declared, verified) on
+        ``dry_outputs()`` (the per-micro-batch outputs of a no-grad forward of this batch), which runs only
+        when this loss has not been checked on a batch of this structure yet. ``shards``: this batch is part
+        of a larger one (data-parallel replicas), so even one chunk is weighed against the others."""
         if not spec.needs_check:
             return spec
         if len(sizes) == 1 and spec.kind == "model" and not shards:

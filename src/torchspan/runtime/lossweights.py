@@ -32,8 +32,15 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
-    "LossSpec", "loss_spec", "describe_loss", "resolve_reduction", "microbatch_weights", "weighted_loss",
-    "is_torch_loss", "class_weight_sum", "legacy_reduction",
+    "LossSpec",
+    "loss_spec",
+    "describe_loss",
+    "resolve_reduction",
+    "microbatch_weights",
+    "weighted_loss",
+    "is_torch_loss",
+    "class_weight_sum",
+    "legacy_reduction",
 ]
 
 Kind = Literal["sum", "samples", "class_weights", "user", "model", "opaque"]
@@ -43,17 +50,37 @@ _MEAN_LIKE = ("mean", "batchmean")
 # Two-argument (input, target) losses whose mean divides by the number of samples or elements.
 _SAMPLE_MEAN_FUNCTIONS = frozenset(
     {
-        F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy,
-        F.binary_cross_entropy_with_logits, F.kl_div, F.poisson_nll_loss, F.soft_margin_loss,
-        F.multilabel_soft_margin_loss, F.multilabel_margin_loss, F.multi_margin_loss, F.hinge_embedding_loss,
+        F.mse_loss,
+        F.l1_loss,
+        F.smooth_l1_loss,
+        F.huber_loss,
+        F.binary_cross_entropy,
+        F.binary_cross_entropy_with_logits,
+        F.kl_div,
+        F.poisson_nll_loss,
+        F.soft_margin_loss,
+        F.multilabel_soft_margin_loss,
+        F.multilabel_margin_loss,
+        F.multi_margin_loss,
+        F.hinge_embedding_loss,
     }
-)  # fmt: skip
+)
 _CLASS_INDEX_FUNCTIONS = frozenset({F.cross_entropy, F.nll_loss})
 _SAMPLE_MEAN_MODULES = (
-    nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.BCELoss, nn.BCEWithLogitsLoss, nn.KLDivLoss,
-    nn.PoissonNLLLoss, nn.SoftMarginLoss, nn.MultiLabelSoftMarginLoss, nn.MultiLabelMarginLoss, nn.MultiMarginLoss,
+    nn.MSELoss,
+    nn.L1Loss,
+    nn.SmoothL1Loss,
+    nn.HuberLoss,
+    nn.BCELoss,
+    nn.BCEWithLogitsLoss,
+    nn.KLDivLoss,
+    nn.PoissonNLLLoss,
+    nn.SoftMarginLoss,
+    nn.MultiLabelSoftMarginLoss,
+    nn.MultiLabelMarginLoss,
+    nn.MultiMarginLoss,
     nn.HingeEmbeddingLoss,
-)  # fmt: skip
+)
 _CLASS_INDEX_MODULES = (nn.CrossEntropyLoss, nn.NLLLoss)
 
 
@@ -83,7 +110,8 @@ class LossSpec:
 
     @property
     def needs_check(self) -> bool:
-        """True when only a calibration on a batch can make the weights exact (or verify a user normalizer)."""
+        """True when only a calibration on a batch can make the weights exact (or verify a user
+        normalizer)."""
         return self.kind in ("opaque", "user", "model") or self.declared
 
     def resolved(self, kind: Kind) -> LossSpec:
@@ -108,7 +136,9 @@ class LossSpec:
             return _user_value(self.user_normalizer, target)
         return float(size)
 
-    def weights(self, targets: Sequence[Any], sizes: Sequence[int], total: float | None = None) -> list[float]:
+    def weights(
+        self, targets: Sequence[Any], sizes: Sequence[int], total: float | None = None
+    ) -> list[float]:
         """The factor for each chunk's loss so that their sum is the full-batch loss.
 
         ``total``: the full batch's normalizer when these chunks are only part of it (data-parallel
@@ -116,7 +146,9 @@ class LossSpec:
         chunk whose normalizer is 0 weighs exactly 0 (``weighted_loss`` then adds 0, never NaN).
         """
         if len(targets) != len(sizes):
-            raise ValueError(f"targets has {len(targets)} chunk(s) but sizes has {len(sizes)}; give one target per chunk")
+            raise ValueError(
+                f"targets has {len(targets)} chunk(s) but sizes has {len(sizes)}; give one target per chunk"
+            )
         if self.kind == "sum":
             return [1.0] * len(sizes)
         if self.kind == "model" and self.user_normalizer is None and len(sizes) == 1 and total is None:
@@ -124,7 +156,10 @@ class LossSpec:
         parts = [self.normalizer(t, n) for t, n in zip(targets, sizes)]
         whole = sum(parts) if total is None else float(total)
         if not math.isfinite(whole) or whole < 0:
-            raise ValueError(f"total={total!r} is not a finite normalizer >= 0; pass the sum of spec.normalizer over the full batch")
+            raise ValueError(
+                f"total={total!r} is not a finite normalizer >= 0; pass the sum of spec.normalizer over "
+                "the full batch"
+            )
         if whole == 0:
             # every target of the batch ignored: the full-batch mean is 0/0 = nan on one device, and here too
             n = sum(sizes)
@@ -134,7 +169,8 @@ class LossSpec:
     def _opaque_message(self) -> str:
         return (
             f"loss_fn={self.name} is opaque: torchspan cannot tell what its mean divides by. Calibrate it "
-            "(torchspan.runtime.losscheck.calibrate) or declare loss_reduction='sum' / 'mean' or loss_normalizer=callable"
+            "(torchspan.runtime.losscheck.calibrate) or declare loss_reduction='sum' / 'mean' or "
+            "loss_normalizer=callable"
         )
 
 
@@ -147,10 +183,18 @@ def describe_loss(loss_fn: Callable[..., Any]) -> str:
         return f"partial({', '.join(inner + ([kw] if kw else []))})"
     if isinstance(loss_fn, nn.Module):
         reduction = getattr(loss_fn, "reduction", None)
-        return f"{type(loss_fn).__name__}(reduction={reduction!r})" if isinstance(reduction, str) else type(loss_fn).__name__
+        return (
+            f"{type(loss_fn).__name__}(reduction={reduction!r})"
+            if isinstance(reduction, str)
+            else type(loss_fn).__name__
+        )
     if isinstance(loss_fn, types.FunctionType):
         code = loss_fn.__code__
-        where = f" at {code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno}" if loss_fn.__name__ == "<lambda>" else ""
+        where = (
+            f" at {code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno}"
+            if loss_fn.__name__ == "<lambda>"
+            else ""
+        )
         return f"{loss_fn.__name__}{where}"
     return getattr(loss_fn, "__qualname__", None) or type(loss_fn).__name__
 
@@ -176,17 +220,21 @@ def loss_spec(
     if not callable(loss_fn):
         raise TypeError(f"loss_fn={loss_fn!r} is not callable; pass e.g. torch.nn.functional.mse_loss")
     if loss_reduction is not None and loss_reduction not in ("mean", "sum"):
-        raise ValueError(f"loss_reduction={loss_reduction!r} is not one of 'mean', 'sum' (or None to read it from loss_fn)")
+        raise ValueError(
+            f"loss_reduction={loss_reduction!r} is not one of 'mean', 'sum' (or None to read it from loss_fn)"
+        )
     if loss_normalizer is not None and not callable(loss_normalizer):
-        raise TypeError(f"loss_normalizer={loss_normalizer!r} is not callable; pass e.g. lambda y: (y != -100).sum()")
+        raise TypeError(
+            f"loss_normalizer={loss_normalizer!r} is not callable; pass e.g. lambda y: (y != -100).sum()"
+        )
     name = describe_loss(loss_fn)
     known = _known(loss_fn, name)
     if known is None:
         if loss_normalizer is not None:
             if loss_reduction == "sum":
                 raise ValueError(
-                    f"loss_reduction='sum' with loss_normalizer= for loss_fn={name}: a normalizer is what a mean divides "
-                    "by; drop loss_normalizer for a summing loss, or loss_reduction for a mean"
+                    f"loss_reduction='sum' with loss_normalizer= for loss_fn={name}: a normalizer is what "
+                    "a mean divides by; drop loss_normalizer for a summing loss, or loss_reduction for a mean"
                 )
             return LossSpec(loss_fn, name, "user", user_normalizer=loss_normalizer, declared=True)
         if loss_reduction is None:
@@ -195,21 +243,22 @@ def loss_spec(
     reduction, class_weight, ignore_index, class_index = known
     if reduction == "none":
         raise ValueError(
-            f"loss_fn={name} returns one loss per element; train_step needs a scalar. Use reduction='mean' or 'sum', "
-            "or wrap it: lambda out, y: loss_fn(out, y).mean()"
+            f"loss_fn={name} returns one loss per element; train_step needs a scalar. Use reduction='mean' "
+            "or 'sum', or wrap it: lambda out, y: loss_fn(out, y).mean()"
         )
     own = "sum" if reduction == "sum" else "mean" if reduction in _MEAN_LIKE else None
     if own is None:
         raise ValueError(f"loss_fn={name} has reduction={reduction!r}; use reduction='mean' or 'sum'")
     if loss_reduction is not None and loss_reduction != own:
         raise ValueError(
-            f"loss_reduction={loss_reduction!r} contradicts loss_fn={name}; drop loss_reduction (torchspan reads it from "
-            f"the loss) or pass loss_reduction={own!r}"
+            f"loss_reduction={loss_reduction!r} contradicts loss_fn={name}; drop loss_reduction (torchspan "
+            f"reads it from the loss) or pass loss_reduction={own!r}"
         )
     if own == "sum":
         if loss_normalizer is not None:
             raise ValueError(
-                f"loss_normalizer= given for loss_fn={name}, which sums: a sum divides by nothing; drop loss_normalizer"
+                f"loss_normalizer= given for loss_fn={name}, which sums: a sum divides by nothing; drop "
+                "loss_normalizer"
             )
         return LossSpec(loss_fn, name, "sum")
     if loss_normalizer is not None:
@@ -221,13 +270,14 @@ def loss_spec(
 
 def is_torch_loss(loss_fn: Callable[..., Any]) -> bool:
     """Whether ``loss_fn`` is one of torch's own losses (a loss module with torch's ``forward``, a
-    ``torch.nn.functional`` loss, a ``functools.partial`` of either with keywords only): it reads its arguments
-    (and its own class weights) and nothing else."""
+    ``torch.nn.functional`` loss, a ``functools.partial`` of either with keywords only): it reads its
+    arguments (and its own class weights) and nothing else."""
     return _known(loss_fn, "") is not None
 
 
 def _known(loss_fn: Callable[..., Any], name: str) -> tuple[str, torch.Tensor | None, int, bool] | None:
-    """(reduction, class weights, ignore_index, divides by class weights) of a loss torch defines; None if opaque."""
+    """(reduction, class weights, ignore_index, divides by class weights) of a loss torch defines; None if
+    opaque."""
     if isinstance(loss_fn, functools.partial):
         if loss_fn.args:
             return None  # positional arguments bound: not the (input, target) call torch documents
@@ -257,10 +307,14 @@ def _torch_forward(cls: type) -> Any:
     return None
 
 
-def _functional(fn: Callable[..., Any], keywords: dict[str, Any]) -> tuple[str, torch.Tensor | None, int, bool]:
+def _functional(
+    fn: Callable[..., Any], keywords: dict[str, Any]
+) -> tuple[str, torch.Tensor | None, int, bool]:
     reduction = keywords.get("reduction", "mean")
     if "size_average" in keywords or "reduce" in keywords:  # torch's deprecated spelling of the reduction
-        reduction = torch.nn._reduction.legacy_get_string(keywords.get("size_average"), keywords.get("reduce"), emit_warning=False)
+        reduction = torch.nn._reduction.legacy_get_string(
+            keywords.get("size_average"), keywords.get("reduce"), emit_warning=False
+        )
     if fn in _CLASS_INDEX_FUNCTIONS:
         return reduction, keywords.get("weight"), int(keywords.get("ignore_index", -100)), True
     return reduction, None, -100, False
@@ -278,16 +332,19 @@ def _class_weight_sum(target: Any, weight: torch.Tensor | None, ignore_index: in
 
 
 def class_weight_sum(target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int) -> float:
-    """What ``CrossEntropyLoss``/``NLLLoss``'s mean divides by for class-index ``target``: the class weights of
-    the targets that are not ``ignore_index`` (their count without weights)."""
+    """What ``CrossEntropyLoss``/``NLLLoss``'s mean divides by for class-index ``target``: the class weights
+    of the targets that are not ``ignore_index`` (their count without weights)."""
     found = _class_weight_sum(target, weight, ignore_index)
     return float(target.numel()) if found is None else found
 
 
 def legacy_reduction(kwargs: dict[str, Any], default: str = "mean") -> str:
-    """The reduction a torch loss call's keywords ask for, torch's deprecated ``size_average``/``reduce`` included."""
+    """The reduction a torch loss call's keywords ask for, torch's deprecated ``size_average``/``reduce``
+    included."""
     if kwargs.get("size_average") is not None or kwargs.get("reduce") is not None:
-        return torch.nn._reduction.legacy_get_string(kwargs.get("size_average"), kwargs.get("reduce"), emit_warning=False)
+        return torch.nn._reduction.legacy_get_string(
+            kwargs.get("size_average"), kwargs.get("reduce"), emit_warning=False
+        )
     return kwargs.get("reduction") or default
 
 
@@ -296,14 +353,19 @@ def _user_value(fn: Callable[[Any], Any], target: Any) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(
-                f"loss_normalizer returned a tensor of shape {tuple(value.shape)}; it must return one number per chunk, "
-                "e.g. lambda y: (y != -100).sum()"
+                f"loss_normalizer returned a tensor of shape {tuple(value.shape)}; it must return one "
+                "number per chunk, e.g. lambda y: (y != -100).sum()"
             )
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
         raise ValueError(
-            f"loss_normalizer returned {value!r}; it must return a finite number >= 0 (what the loss's mean divides by "
-            "for this target), e.g. lambda y: (y != -100).sum()"
+            f"loss_normalizer returned {value!r}; it must return a finite number >= 0 (what the loss's "
+            "mean divides by for this target), e.g. lambda y: (y != -100).sum()"
         )
     return float(value)
 
@@ -316,13 +378,20 @@ def resolve_reduction(loss_fn: Callable[..., Any], loss_reduction: str | None) -
     return loss_spec(loss_fn, loss_reduction).reduction or "mean"
 
 
-def microbatch_weights(loss_fn: Callable[..., Any], targets: Sequence[Any], sizes: Sequence[int], reduction: str) -> list[float]:
-    """``loss_spec(loss_fn, reduction).weights(targets, sizes)``: the reduction as declared, never calibrated."""
+def microbatch_weights(
+    loss_fn: Callable[..., Any], targets: Sequence[Any], sizes: Sequence[int], reduction: str
+) -> list[float]:
+    """``loss_spec(loss_fn, reduction).weights(targets, sizes)``: the reduction as declared, never
+    calibrated."""
     return loss_spec(loss_fn, reduction).weights(targets, sizes)
 
 
 def weighted_loss(
-    loss_fn: Callable[..., Any], out: Any, target: Any, weight: float, calling: contextlib.AbstractContextManager[Any] | None = None
+    loss_fn: Callable[..., Any],
+    out: Any,
+    target: Any,
+    weight: float,
+    calling: contextlib.AbstractContextManager[Any] | None = None,
 ) -> torch.Tensor:
     """``loss_fn(out, target) * weight``; a zero-weight chunk (all targets ignored) adds exactly 0.
 
@@ -332,8 +401,9 @@ def weighted_loss(
     leaves = torch.utils._pytree.tree_leaves(out)
     if out is None or isinstance(out, (bool, int, float, complex)):
         raise ValueError(
-            f"the model's forward returned {'None' if out is None else f'a {type(out).__name__} ({_short(out)})'}, which "
-            "holds no tensor, so there is nothing to compute the loss from and no graph to run backward through: "
+            "the model's forward returned "
+            f"{'None' if out is None else f'a {type(out).__name__} ({_short(out)})'}, which holds no "
+            "tensor, so there is nothing to compute the loss from and no graph to run backward through: "
             "return the outputs as tensors (e.g. logits), not None or a Python number"
         )
     if weight == 0.0:
@@ -347,8 +417,13 @@ def weighted_loss(
         with calling:
             loss = loss_fn(out, target)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"
+        got = (
+            f"a tensor of shape {tuple(loss.shape)}"
+            if isinstance(loss, torch.Tensor)
+            else f"a {type(loss).__name__}"
+        )
         raise ValueError(
-            f"loss_fn={describe_loss(loss_fn)} returned {got}; it must return a scalar (use reduction='mean' or 'sum')"
+            f"loss_fn={describe_loss(loss_fn)} returned {got}; it must return a scalar (use "
+            "reduction='mean' or 'sum')"
         )
     return loss * weight

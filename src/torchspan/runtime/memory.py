@@ -35,7 +35,14 @@ class _Held:
 
     __slots__ = ("tensor", "_meter", "_stage", "_key", "_span", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor, meter: ActivationMeter, stage: int, key: tuple[Any, ...], span: tuple[int, int]) -> None:
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        meter: ActivationMeter,
+        stage: int,
+        key: tuple[Any, ...],
+        span: tuple[int, int],
+    ) -> None:
         self.tensor = tensor
         self._meter = meter
         self._stage = stage
@@ -132,7 +139,9 @@ class ActivationMeter:
         micro-batch slice of the input batch counts as the slice, and several views into one
         storage (q, k, v of a fused projection) count it once.
         """
-        local = getattr(t, "_local_tensor", None)  # a DTensor (tensor parallel): its shard is what this rank holds
+        local = getattr(
+            t, "_local_tensor", None
+        )  # a DTensor (tensor parallel): its shard is what this rank holds
         try:
             storage = (local if isinstance(local, torch.Tensor) else t).untyped_storage()
             key = (storage.data_ptr(), t.device)
@@ -269,11 +278,19 @@ def behaviour_key(obj: Any) -> Hashable:
     callable by identity."""
     if isinstance(obj, torch.nn.Module):
         options = tuple((k, _value_key(v)) for k, v in sorted(vars(obj).items()) if not k.startswith("_"))
-        tensors = tuple((k, _value_key(t)) for k, t in [*obj.named_buffers(recurse=False), *obj.named_parameters(recurse=False)])
+        tensors = tuple(
+            (k, _value_key(t))
+            for k, t in [*obj.named_buffers(recurse=False), *obj.named_parameters(recurse=False)]
+        )
         children = tuple((k, behaviour_key(m)) for k, m in obj.named_children())
         return (type(obj), obj.training, options, tensors, children)
     if isinstance(obj, functools.partial):
-        return ("partial", behaviour_key(obj.func), tuple(map(_value_key, obj.args)), tuple((k, _value_key(v)) for k, v in sorted(obj.keywords.items())))
+        return (
+            "partial",
+            behaviour_key(obj.func),
+            tuple(map(_value_key, obj.args)),
+            tuple((k, _value_key(v)) for k, v in sorted(obj.keywords.items())),
+        )
     return _value_key(obj)
 
 

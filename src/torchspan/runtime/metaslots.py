@@ -1,6 +1,6 @@
-"""Where each parameter and buffer of a meta-built model goes, as ``Slot``s: one per tensor (tied positions share
-one), holding its ``meta`` original, its positions in the modules, and once materialised the real tensor this rank
-holds (a full tensor, an FSDP2 shard, nothing for another stage's). ``runtime.metainit`` fills them.
+"""Where each parameter and buffer of a meta-built model goes, as ``Slot``s: one per tensor (tied positions
+share one), holding its ``meta`` original, its positions in the modules, and once materialised the real tensor
+this rank holds (a full tensor, an FSDP2 shard, nothing for another stage's). ``runtime.metainit`` fills them.
 
 Usage::
 
@@ -26,11 +26,18 @@ def has_meta(model: nn.Module) -> bool:
 
 
 class Slot:
-    """One tensor of a meta-built model: its qualified ``names`` (several for a tie, the first registered first),
-    ``positions`` ((module, "_parameters"/"_buffers", key) holding it), the ``meta`` original, and ``dest``: what
-    this rank holds of it once materialized (a ``DTensor`` shard, a full tensor, or ``None``: not here)."""
+    """One tensor of a meta-built model: its qualified ``names`` (several for a tie, the first registered
+    first), ``positions`` ((module, "_parameters"/"_buffers", key) holding it), the ``meta`` original, and
+    ``dest``: what this rank holds of it once materialized (a ``DTensor`` shard, a full tensor, or ``None``:
+    not here)."""
 
-    def __init__(self, meta: torch.Tensor, names: list[str], positions: list[tuple[nn.Module, str, str]], persistent: bool) -> None:
+    def __init__(
+        self,
+        meta: torch.Tensor,
+        names: list[str],
+        positions: list[tuple[nn.Module, str, str]],
+        persistent: bool,
+    ) -> None:
         self.meta, self.names, self.positions, self.persistent = meta, names, positions, persistent
         self.dest: torch.Tensor | None = None
         self.numel = meta.untyped_storage().nbytes() // max(meta.element_size(), 1)
@@ -46,7 +53,9 @@ class Slot:
         if hasattr(self.dest, "device_mesh"):
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-            shape, offset = compute_local_shape_and_global_offset(self.meta.shape, self.dest.device_mesh, self.dest.placements)
+            shape, offset = compute_local_shape_and_global_offset(
+                self.meta.shape, self.dest.device_mesh, self.dest.placements
+            )
             return tuple(slice(o, o + s) for o, s in zip(offset, shape))
         return tuple(slice(0, s) for s in self.meta.shape)
 
@@ -70,7 +79,8 @@ class Slot:
             self.write_local(full[region])
 
     def read(self) -> torch.Tensor | None:
-        """The full value this rank can see (a ``DTensor`` is gathered: every rank calls it alike), on the CPU."""
+        """The full value this rank can see (a ``DTensor`` is gathered: every rank calls it alike), on the
+        CPU."""
         if self.dest is None:
             return None
         value = self.dest.full_tensor() if hasattr(self.dest, "full_tensor") else self.dest
@@ -120,7 +130,8 @@ def materialize(slots: Sequence[Slot], where: Callable[[Slot], torch.device | No
 
 
 def restore(slots: Sequence[Slot]) -> None:
-    """Every slot's positions back to its ``meta`` original (a span that failed leaves the model as it was given)."""
+    """Every slot's positions back to its ``meta`` original (a span that failed leaves the model as it was
+    given)."""
     for slot in slots:
         for module, kind, key in slot.positions:
             getattr(module, kind)[key] = slot.meta

@@ -59,10 +59,14 @@ def batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
             if leaf.dim() == 0:
                 raise ValueError(
                     "the first tensor argument is 0-dimensional, so it has no batch dimension to split; "
-                    "pass batched tensors (dim 0 = samples) or wrap per-call constants in torchspan.runtime.NoSplit"
+                    "pass batched tensors (dim 0 = samples) or wrap per-call constants in "
+                    "torchspan.runtime.NoSplit"
                 )
             return int(leaf.shape[0])
-    raise ValueError("no tensor in the arguments, so there is no batch to split into micro-batches; pass the batch as a tensor")
+    raise ValueError(
+        "no tensor in the arguments, so there is no batch to split into micro-batches; pass the batch as a "
+        "tensor"
+    )
 
 
 def split_sizes(total: int, microbatches: int) -> list[int]:
@@ -90,7 +94,8 @@ def split_value(value: Any, microbatches: int, total: int, *, name: str = "input
 
 
 def _split_leaf(leaf: Any, j: int, microbatches: int, total: int, name: str) -> list[Any]:
-    """The ``microbatches`` pieces of leaf ``#j`` of ``name``: split on dim 0, or the same value for every piece."""
+    """The ``microbatches`` pieces of leaf ``#j`` of ``name``: split on dim 0, or the same value for every
+    piece."""
     if isinstance(leaf, NoSplit):
         return [leaf.value] * microbatches
     if isinstance(leaf, torch.Tensor) and (leaf.dim() == 0 or (leaf.shape[0] == 1 and total > 1)):
@@ -99,25 +104,31 @@ def _split_leaf(leaf: Any, j: int, microbatches: int, total: int, name: str) -> 
         if leaf.shape[0] != total:
             shape = tuple(leaf.shape)
             raise ValueError(
-                f"{name}: tensor #{j} has shape {shape}, but the batch size is {total}; every tensor is split "
-                f"on dim 0 into micro-batches. Give it dim 0 = {total}, or wrap it in "
+                f"{name}: tensor #{j} has shape {shape}, but the batch size is {total}; every tensor is "
+                f"split on dim 0 into micro-batches. Give it dim 0 = {total}, or wrap it in "
                 "torchspan.runtime.NoSplit(tensor) to pass it whole to every micro-batch"
             )
         return list(torch.tensor_split(leaf, microbatches, dim=0))
     return [leaf] * microbatches
 
 
-def split_batch(args: tuple[Any, ...], kwargs: dict[str, Any], microbatches: int) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+def split_batch(
+    args: tuple[Any, ...], kwargs: dict[str, Any], microbatches: int
+) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
     """``(args, kwargs)`` of each micro-batch; uneven batches give larger micro-batches first."""
     total = batch_size(args, kwargs)
     split_sizes(total, microbatches)
     if not kwargs and all(type(a) is torch.Tensor for a in args):  # tensors only: split each, no pytree walk
         columns = [_split_leaf(a, j, microbatches, total, "inputs") for j, a in enumerate(args)]
         return [(tuple(c[i] for c in columns), {}) for i in range(microbatches)]
-    return [(tuple(a), dict(k)) for a, k in split_value((list(args), kwargs), microbatches, total, name="inputs")]
+    return [
+        (tuple(a), dict(k)) for a, k in split_value((list(args), kwargs), microbatches, total, name="inputs")
+    ]
 
 
-def gather(outputs: list[Any], device: torch.device | None = None, *, scalars: str = "refuse", loss: Any = None) -> Any:
+def gather(
+    outputs: list[Any], device: torch.device | None = None, *, scalars: str = "refuse", loss: Any = None
+) -> Any:
     """Concatenate micro-batch outputs on dim 0 (on ``device`` if given), keeping their structure and types.
 
     Non-tensor values must agree across micro-batches (the first is returned). A 0-dimensional
@@ -128,7 +139,9 @@ def gather(outputs: list[Any], device: torch.device | None = None, *, scalars: s
     return _merge(list(outputs), device, "output", scalars, loss)
 
 
-def _merge(column: list[Any], device: torch.device | None, where: str, scalars: str = "refuse", loss: Any = None) -> Any:
+def _merge(
+    column: list[Any], device: torch.device | None, where: str, scalars: str = "refuse", loss: Any = None
+) -> Any:
     first = column[0]
     if isinstance(first, torch.Tensor):
         if first.dim() == 0:
@@ -140,31 +153,44 @@ def _merge(column: list[Any], device: torch.device | None, where: str, scalars: 
                 return None
             raise ValueError(
                 f"{where} is a 0-dimensional tensor (e.g. a loss computed inside forward); micro-batch "
-                "outputs are concatenated on dim 0, so return per-sample values; to train on the model's own loss "
-                "call spanned.train_step(batch) with labels in the batch, or spanned.train_step(inputs, target, loss_fn)"
+                "outputs are concatenated on dim 0, so return per-sample values; to train on the model's "
+                "own loss call spanned.train_step(batch) with labels in the batch, or "
+                "spanned.train_step(inputs, target, loss_fn)"
             )
         if device is not None:
             column = [t.to(device) for t in column]
         return column[0] if len(column) == 1 else torch.cat(column, dim=0)  # one micro-batch: no copy
     if any(type(o) is not type(first) for o in column[1:]):
-        raise ValueError(f"micro-batch outputs have different structures at {where}, so they cannot be concatenated")
+        raise ValueError(
+            f"micro-batch outputs have different structures at {where}, so they cannot be concatenated"
+        )
     if dataclasses.is_dataclass(first) and not isinstance(first, type):
         # dataclasses and transformers ModelOutputs: the same class, field by field (None fields stay None)
         fields = {f.name: getattr(first, f.name) for f in dataclasses.fields(first) if f.init}
         merged = {
-            k: (None if v is None else _merge([getattr(o, k) for o in column], device, f"{where}.{k}", scalars, loss))
+            k: (
+                None
+                if v is None
+                else _merge([getattr(o, k) for o in column], device, f"{where}.{k}", scalars, loss)
+            )
             for k, v in fields.items()
         }
         return dataclasses.replace(first, **merged)
     if isinstance(first, Mapping):
         if any(list(o.keys()) != list(first.keys()) for o in column[1:]):
-            raise ValueError(f"micro-batch outputs have different keys at {where}, so they cannot be concatenated")
+            raise ValueError(
+                f"micro-batch outputs have different keys at {where}, so they cannot be concatenated"
+            )
         items = {k: _merge([o[k] for o in column], device, f"{where}[{k!r}]", scalars, loss) for k in first}
         return type(first)(items) if type(first) is not dict else items
     if isinstance(first, (tuple, list)):
         if any(len(o) != len(first) for o in column[1:]):
-            raise ValueError(f"micro-batch outputs have different structures at {where}, so they cannot be concatenated")
-        parts = [_merge([o[i] for o in column], device, f"{where}[{i}]", scalars, loss) for i in range(len(first))]
+            raise ValueError(
+                f"micro-batch outputs have different structures at {where}, so they cannot be concatenated"
+            )
+        parts = [
+            _merge([o[i] for o in column], device, f"{where}[{i}]", scalars, loss) for i in range(len(first))
+        ]
         if isinstance(first, tuple) and hasattr(first, "_fields"):
             return type(first)(*parts)
         return type(first)(parts)

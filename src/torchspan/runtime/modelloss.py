@@ -41,13 +41,23 @@ import torch.nn.functional as F
 from .lossweights import LossSpec
 from .microbatch import split_sizes, split_value
 
-__all__ = ["ModelLoss", "MODEL_LOSS", "model_loss", "own_loss", "verify", "combiner", "same_value", "IGNORE_INDEX"]
+__all__ = [
+    "ModelLoss",
+    "MODEL_LOSS",
+    "model_loss",
+    "own_loss",
+    "verify",
+    "combiner",
+    "same_value",
+    "IGNORE_INDEX",
+]
 
 IGNORE_INDEX = -100  # transformers' ignore index for padded labels
 
 
 class ModelLoss:
-    """``loss_fn(output, labels) -> output.loss``: the loss the model computed from the ``labels`` it was given."""
+    """``loss_fn(output, labels) -> output.loss``: the loss the model computed from the ``labels`` it was
+    given."""
 
     name = "the model's own output.loss"
 
@@ -55,8 +65,9 @@ class ModelLoss:
         loss = own_loss(output)
         if loss is None:
             raise ValueError(
-                f"train_step(batch) uses the model's own loss, but the model returned {type(output).__name__} without a "
-                "loss: give it labels (batch['labels']) it computes a loss from, or pass train_step(batch, target, loss_fn)"
+                "train_step(batch) uses the model's own loss, but the model returned "
+                f"{type(output).__name__} without a loss: give it labels (batch['labels']) it computes a "
+                "loss from, or pass train_step(batch, target, loss_fn)"
             )
         return loss
 
@@ -85,30 +96,46 @@ def _logits(output: Any) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
-def model_loss(inputs: Any, target: Any = None, loss_reduction: str | None = None, loss_normalizer: Any = None) -> tuple[Any, Any, LossSpec]:
-    """``(inputs, labels, spec)`` for ``train_step(batch)`` without a loss function (see the module docstring).
+def model_loss(
+    inputs: Any, target: Any = None, loss_reduction: str | None = None, loss_normalizer: Any = None
+) -> tuple[Any, Any, LossSpec]:
+    """``(inputs, labels, spec)`` for ``train_step(batch)`` without a loss function (see the module
+    docstring).
 
-    Raises ``ValueError`` naming the fix when the batch has no ``labels`` or a target or declaration is given too.
+    Raises ``ValueError`` naming the fix when the batch has no ``labels`` or a target or declaration is given
+    too.
     """
     if not isinstance(inputs, Mapping) or inputs.get("labels") is None:
-        got = f"a dict with keys {sorted(inputs)}" if isinstance(inputs, Mapping) else f"a {type(inputs).__name__}"
+        got = (
+            f"a dict with keys {sorted(inputs)}"
+            if isinstance(inputs, Mapping)
+            else f"a {type(inputs).__name__}"
+        )
         raise ValueError(
-            f"train_step(batch) without loss_fn uses the model's own loss, which needs batch['labels'] (what a "
-            f"transformers data collator adds); got {got}. Add labels to the batch, or pass "
+            f"train_step(batch) without loss_fn uses the model's own loss, which needs batch['labels'] "
+            f"(what a transformers data collator adds); got {got}. Add labels to the batch, or pass "
             "train_step(inputs, target, loss_fn)"
         )
     if target is not None:
         raise ValueError(
-            "train_step(batch, target) without loss_fn: the model's own loss reads its labels from batch['labels']; "
-            "drop target, or pass loss_fn=... to compute the loss from the outputs and target yourself"
+            "train_step(batch, target) without loss_fn: the model's own loss reads its labels from "
+            "batch['labels']; drop target, or pass loss_fn=... to compute the loss from the outputs and "
+            "target yourself"
         )
     if loss_reduction is not None or loss_normalizer is not None:
         raise ValueError(
-            "loss_reduction= / loss_normalizer= describe a loss_fn you pass; the model's own loss is verified against "
-            "its logits instead (torchspan.runtime.modelloss). Drop them, or pass loss_fn=..."
+            "loss_reduction= / loss_normalizer= describe a loss_fn you pass; the model's own loss is "
+            "verified against its logits instead (torchspan.runtime.modelloss). Drop them, or pass "
+            "loss_fn=..."
         )
-    if inputs.get("num_items_in_batch") is not None:  # transformers' contract: each chunk's loss is its sum / that
-        return inputs, inputs["labels"], LossSpec(MODEL_LOSS, f"{ModelLoss.name} over num_items_in_batch", "sum")
+    if (
+        inputs.get("num_items_in_batch") is not None
+    ):  # transformers' contract: each chunk's loss is its sum / that
+        return (
+            inputs,
+            inputs["labels"],
+            LossSpec(MODEL_LOSS, f"{ModelLoss.name} over num_items_in_batch", "sum"),
+        )
     return inputs, inputs["labels"], LossSpec(MODEL_LOSS, ModelLoss.name, "model")
 
 
@@ -121,7 +148,8 @@ def shifted_tokens(labels: torch.Tensor) -> torch.Tensor:
 
 
 def tokens(labels: torch.Tensor) -> torch.Tensor:
-    """What a token mean (masked LM, seq2seq, token/sequence classification) divides by: labels not ignored."""
+    """What a token mean (masked LM, seq2seq, token/sequence classification) divides by: labels not
+    ignored."""
     return (labels != IGNORE_INDEX).sum()
 
 
@@ -133,13 +161,19 @@ def samples(labels: torch.Tensor) -> int:
 def _causal(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
     if labels.dim() < 2 or logits.dim() != labels.dim() + 1 or logits.shape[:-1] != labels.shape:
         return None
-    return F.cross_entropy(logits[..., :-1, :].float().flatten(0, -2), labels[..., 1:].flatten().to(logits.device), ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(
+        logits[..., :-1, :].float().flatten(0, -2),
+        labels[..., 1:].flatten().to(logits.device),
+        ignore_index=IGNORE_INDEX,
+    )
 
 
 def _token(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
     if labels.is_floating_point() or logits.shape[:-1] != labels.shape:
         return None
-    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten().to(logits.device), ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(
+        logits.float().flatten(0, -2), labels.flatten().to(logits.device), ignore_index=IGNORE_INDEX
+    )
 
 
 def _regression(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
@@ -155,7 +189,9 @@ def _multilabel(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | No
 
 
 # (name, the model's loss recomputed from logits, what its mean divides by), in the order they are tried
-CANDIDATES: list[tuple[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None], Callable[[torch.Tensor], Any]]] = [
+CANDIDATES: list[
+    tuple[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None], Callable[[torch.Tensor], Any]]
+] = [
     ("a causal-LM token mean (labels shifted by one)", _causal, shifted_tokens),
     ("a token mean over labels != -100", _token, tokens),
     ("a per-sample mean squared error", _regression, samples),
@@ -170,11 +206,14 @@ def same_value(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-4 * max(abs(a), abs(b)) + 1e-6
 
 
-def verify(spec: LossSpec, outputs: Sequence[Any], targets: Sequence[Any], items: float | None = None) -> LossSpec:
+def verify(
+    spec: LossSpec, outputs: Sequence[Any], targets: Sequence[Any], items: float | None = None
+) -> LossSpec:
     """``spec`` with the normalizer the model's own loss divides by: the candidate that reproduces
-    ``output.loss`` from ``output.logits`` on every chunk. ``ValueError`` (before any backward) when none does.
-    ``items``: the ``num_items_in_batch`` the model was given (transformers' contract: each chunk's loss is its sum
-    over that count), so a candidate's mean is scaled by its count over ``items`` before comparing."""
+    ``output.loss`` from ``output.logits`` on every chunk. ``ValueError`` (before any backward) when none
+    does. ``items``: the ``num_items_in_batch`` the model was given (transformers' contract: each chunk's loss
+    is its sum over that count), so a candidate's mean is scaled by its count over ``items`` before
+    comparing."""
     if spec.kind != "model":
         return spec
     seen: list[tuple[float, list[float | None]]] = []
@@ -189,13 +228,17 @@ def verify(spec: LossSpec, outputs: Sequence[Any], targets: Sequence[Any], items
         if all(vals[i] is not None and same_value(own, vals[i]) for own, vals in seen):  # type: ignore[arg-type]
             return dataclasses.replace(spec, user_normalizer=normalizer, name=f"{ModelLoss.name} ({name})")
     own, vals = seen[0]
-    tried = ", ".join(f"{n}: {v:.6g}" for (n, _, _), v in zip(CANDIDATES, vals) if v is not None) or "none applies to these labels"
+    tried = (
+        ", ".join(f"{n}: {v:.6g}" for (n, _, _), v in zip(CANDIDATES, vals) if v is not None)
+        or "none applies to these labels"
+    )
     raise ValueError(
-        f"torchspan cannot weigh the model's own loss exactly over a split batch: on a chunk the model's output.loss is "
-        f"{own:.6g}, but recomputed from its logits and labels it is not a mean torchspan can split ({tried}). An "
-        "auxiliary loss added to it (e.g. an MoE router's load-balancing loss: output_router_logits=True with "
-        "router_aux_loss_coef > 0) does not add up over micro-batches or shards. Train with microbatches=1 in one "
-        "process, turn the auxiliary loss off, or pass train_step(batch, target, loss_fn) with your own loss"
+        f"torchspan cannot weigh the model's own loss exactly over a split batch: on a chunk the model's "
+        f"output.loss is {own:.6g}, but recomputed from its logits and labels it is not a mean torchspan "
+        f"can split ({tried}). An auxiliary loss added to it (e.g. an MoE router's load-balancing loss: "
+        "output_router_logits=True with router_aux_loss_coef > 0) does not add up over micro-batches or "
+        "shards. Train with microbatches=1 in one process, turn the auxiliary loss off, or pass "
+        "train_step(batch, target, loss_fn) with your own loss"
     )
 
 
@@ -207,10 +250,10 @@ def _counted(mean: torch.Tensor | None, count: Any, items: float | None) -> torc
 
 
 def combiner(kwargs: Mapping[str, Any], outs: Sequence[Any], total: int, device: torch.device) -> Any:
-    """``combine(chunk losses)`` for a forward split into micro-batches and given ``labels``: the whole batch's
-    loss, each chunk weighed by its share of the model's normalizer (verified against the logits); with
-    ``num_items_in_batch`` (transformers' Trainer) each chunk's loss is already its sum over that count, so the
-    chunks add up. ``None`` where there is nothing to combine."""
+    """``combine(chunk losses)`` for a forward split into micro-batches and given ``labels``: the whole
+    batch's loss, each chunk weighed by its share of the model's normalizer (verified against the logits);
+    with ``num_items_in_batch`` (transformers' Trainer) each chunk's loss is already its sum over that count,
+    so the chunks add up. ``None`` where there is nothing to combine."""
     labels = kwargs.get("labels")
     if labels is None or len(outs) < 2 or any(own_loss(o) is None for o in outs):
         return None
@@ -222,7 +265,10 @@ def combiner(kwargs: Mapping[str, Any], outs: Sequence[Any], total: int, device:
     weights = [1.0] * len(outs) if items is not None else spec.weights(chunks, sizes)
 
     def combine(losses: list[torch.Tensor]) -> torch.Tensor:
-        return sum((part.to(device) * w for part, w in zip(losses, weights) if w != 0.0), torch.zeros((), device=device))
+        return sum(
+            (part.to(device) * w for part, w in zip(losses, weights) if w != 0.0),
+            torch.zeros((), device=device),
+        )
 
     return combine
 
@@ -230,7 +276,8 @@ def combiner(kwargs: Mapping[str, Any], outs: Sequence[Any], total: int, device:
 def _unverifiable(out: Any, loss: Any, logits: Any) -> str:
     missing = "a loss" if loss is None else "logits"
     return (
-        f"train_step(batch) uses the model's own loss over a split batch, which torchspan checks against the model's "
-        f"logits; the model returned {type(out).__name__} without {missing}. Return a ModelOutput with loss and logits "
-        "(transformers models do), or pass train_step(batch, target, loss_fn)"
+        f"train_step(batch) uses the model's own loss over a split batch, which torchspan checks against "
+        f"the model's logits; the model returned {type(out).__name__} without {missing}. Return a "
+        "ModelOutput with loss and logits (transformers models do), or pass train_step(batch, target, "
+        "loss_fn)"
     )

@@ -4,9 +4,9 @@
 ``FloatingPointError``) when the full-batch loss is inf or NaN, naming the step (this ``Spanned``'s
 ``train_step`` calls, from 1) and, where one process ran the micro-batches, which of them (a
 no-grad re-run of the step's forward, on that rare path only: dropout draws other masks, so a NaN
-that only a mask caused may go unnamed). ``nonfinite="warn"`` warns (``RuntimeWarning``) and returns the loss. The check costs one
-host sync per step (``loss.isfinite()``). Every rank of a launched job holds the same full-batch
-loss, so every rank raises together. With ``precision="fp16"`` a non-finite loss whose gradients
+that only a mask caused may go unnamed). ``nonfinite="warn"`` warns (``RuntimeWarning``) and returns the loss.
+The check costs one host sync per step (``loss.isfinite()``). Every rank of a launched job holds the same
+full-batch loss, so every rank raises together. With ``precision="fp16"`` a non-finite loss whose gradients
 overflowed is the gradient scaler's case: the step is skipped, as ``GradScaler`` skips it, no error.
 
 Usage (``Spanned.train_step`` does this)::
@@ -32,14 +32,17 @@ NONFINITE = ("raise", "warn")
 
 
 class NonFiniteLoss(FloatingPointError):
-    """``train_step``'s loss is inf/NaN: ``loss`` (its value) at ``call`` (this ``Spanned``'s ``train_step`` calls, from 1)."""
+    """``train_step``'s loss is inf/NaN: ``loss`` (its value) at ``call`` (this ``Spanned``'s ``train_step``
+    calls, from 1)."""
 
     def __init__(self, message: str, loss: float, call: int) -> None:
         super().__init__(message)
         self.loss, self.call = loss, call
 
 
-def check_loss(loss: torch.Tensor, mode: str, step: int, locate: Callable[[], str], skipped: bool = False) -> None:
+def check_loss(
+    loss: torch.Tensor, mode: str, step: int, locate: Callable[[], str], skipped: bool = False
+) -> None:
     """Raise ``FloatingPointError`` (``mode="raise"``) or warn (``"warn"``) when ``loss`` is inf/NaN;
     ``skipped``: the fp16 scaler drops this step's gradients (not an error)."""
     if skipped or bool(torch.isfinite(loss.detach()).all()):
@@ -49,10 +52,11 @@ def check_loss(loss: torch.Tensor, mode: str, step: int, locate: Callable[[], st
     except Exception:  # noqa: BLE001 - naming the micro-batch is a courtesy; the refusal must still happen
         where = ""
     message = (
-        f"train_step call {step}: the loss is {float(loss):g}{where}. Its gradients in .grad are not finite, so an optimizer "
-        "step would write inf/NaN into the weights: call optimizer.zero_grad() and skip this batch, or find the cause "
-        "(a lower learning rate, gradient clipping with spanned.clip_grad_norm_, the data). To warn instead of raising: "
-        "span(..., nonfinite='warn') or spanned.nonfinite = 'warn'"
+        f"train_step call {step}: the loss is {float(loss):g}{where}. Its gradients in .grad are not "
+        "finite, so an optimizer step would write inf/NaN into the weights: call optimizer.zero_grad() and "
+        "skip this batch, or find the cause (a lower learning rate, gradient clipping with "
+        "spanned.clip_grad_norm_, the data). To warn instead of raising: span(..., nonfinite='warn') or "
+        "spanned.nonfinite = 'warn'"
     )
     if mode == "warn":
         warnings.warn(message, RuntimeWarning, stacklevel=3)
@@ -69,9 +73,9 @@ def locate(
     precision: str,
     shard: int | None = None,
 ) -> str:
-    """``" in micro-batch 2 (rows 6-7) of 4, counted from 0"``: the micro-batches whose own loss is inf/NaN in a no-grad
-    re-run of the forward (``outputs()``: one output per micro-batch); ``""`` when none is. ``shard``: the
-    data-parallel rank whose shard this batch is (named in the text)."""
+    """``" in micro-batch 2 (rows 6-7) of 4, counted from 0"``: the micro-batches whose own loss is inf/NaN in
+    a no-grad re-run of the forward (``outputs()``: one output per micro-batch); ``""`` when none is.
+    ``shard``: the data-parallel rank whose shard this batch is (named in the text)."""
     outs = outputs()
     bad = []
     with torch.no_grad():
@@ -87,6 +91,8 @@ def locate(
     if not bad:
         return ""
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    shown = ", ".join(f"{i} (rows {starts[i]}-{starts[i] + sizes[i] - 1})" for i in bad[:4]) + (" ..." if len(bad) > 4 else "")
+    shown = ", ".join(f"{i} (rows {starts[i]}-{starts[i] + sizes[i] - 1})" for i in bad[:4]) + (
+        " ..." if len(bad) > 4 else ""
+    )
     whose = f" of rank {shard}'s shard" if shard is not None else ""
     return f" in micro-batch{'es' if len(bad) > 1 else ''} {shown} of {len(sizes)}{whose}, counted from 0"

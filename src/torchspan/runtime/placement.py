@@ -22,7 +22,16 @@ from ..planner.plans import Plan
 from .microbatch import split_sizes
 from .ties import TiedCopies
 
-__all__ = ["parse_devices", "even_balance", "stages_from_balance", "stages_from_plan", "check_shared", "check_entries", "check_calls", "place"]
+__all__ = [
+    "parse_devices",
+    "even_balance",
+    "stages_from_balance",
+    "stages_from_plan",
+    "check_shared",
+    "check_entries",
+    "check_calls",
+    "place",
+]
 
 
 def parse_devices(devices: Any) -> list[torch.device]:
@@ -32,31 +41,38 @@ def parse_devices(devices: Any) -> list[torch.device]:
     elif isinstance(devices, Sequence):
         items = list(devices)
     else:
-        raise ValueError(f"devices={devices!r} must be a list like ['cuda:0', 'cpu'] or a string like 'cuda:0,cpu'")
+        raise ValueError(
+            f"devices={devices!r} must be a list like ['cuda:0', 'cpu'] or a string like 'cuda:0,cpu'"
+        )
     if not items:
         raise ValueError("devices=[] is empty; give at least one device, e.g. devices=['cpu']")
     return [resolve_device(d, name=f"devices[{i}]") for i, d in enumerate(items)]
 
 
 def even_balance(layers: int, stages: int) -> list[int]:
-    """Layers per stage, as even as possible (earlier stages get the extra ones); needs ``stages <= layers``."""
+    """Layers per stage, as even as possible (earlier stages get the extra ones); needs ``stages <=
+    layers``."""
     return split_sizes(layers, stages)
 
 
-def stages_from_balance(order: Sequence[str], devices: Sequence[torch.device], balance: Sequence[int] | None) -> list[list[str]]:
+def stages_from_balance(
+    order: Sequence[str], devices: Sequence[torch.device], balance: Sequence[int] | None
+) -> list[list[str]]:
     """Consecutive runs of ``order`` with ``balance[i]`` layers in stage ``i``."""
     n = len(order)
     if len(devices) > n:
         raise ValueError(
             f"devices has {len(devices)} entries but the model has only {n} layer(s) ({', '.join(order)}); "
-            f"use at most {n} devices, or cut the model finer: span(..., split_points=[...]) or more child modules"
+            f"use at most {n} devices, or cut the model finer: span(..., split_points=[...]) or more child "
+            "modules"
         )
     if balance is None:
         balance = even_balance(n, len(devices))
     balance = list(balance)
     if len(balance) != len(devices):
         raise ValueError(
-            f"balance={balance} has {len(balance)} entries but devices has {len(devices)}; give one layer count per device"
+            f"balance={balance} has {len(balance)} entries but devices has {len(devices)}; give one layer "
+            "count per device"
         )
     for i, b in enumerate(balance):
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
@@ -100,7 +116,8 @@ def stages_from_plan(
             if want != got:
                 raise ValueError(
                     f"plan puts layer {got!r} at position {i}, but the model runs {want!r} there "
-                    f"(execution order: {', '.join(order)}); stages must follow execution order. Re-plan for this model"
+                    f"(execution order: {', '.join(order)}); stages must follow execution order. Re-plan "
+                    "for this model"
                 )
     if here is not None:
         return [list(st.layers) for st in plan.stages], [here] * len(plan.stages)
@@ -114,7 +131,8 @@ def stages_from_plan(
 
 
 def _entries_together(stage_of: Mapping[str, int], first: str, last: str) -> str:
-    """The balance advice keeping layers ``first`` to ``last`` (execution order: ``stage_of``'s) in one stage."""
+    """The balance advice keeping layers ``first`` to ``last`` (execution order: ``stage_of``'s) in one
+    stage."""
     order = list(stage_of)
     counts = [0] * (max(stage_of.values()) + 1)
     for s in stage_of.values():
@@ -124,18 +142,23 @@ def _entries_together(stage_of: Mapping[str, int], first: str, last: str) -> str
 
 def check_calls(model: nn.Module, layers: LayerSet, groups: Sequence[Sequence[str]]) -> None:
     """Every call of a layer called more than once (``layers.calls``, from a recording forward) runs in the
-    stage holding it: else ``ValueError`` naming the module, its calls and a balance that works (``reuse.check_stages``)."""
+    stage holding it: else ``ValueError`` naming the module, its calls and a balance that works
+    (``reuse.check_stages``)."""
     kinds = {
-        layer.name: type(layer.module).__name__ + "".join(f", also {a!r}" for a in layer.aliases) for layer in layers if layer.calls > 1
+        layer.name: type(layer.module).__name__ + "".join(f", also {a!r}" for a in layer.aliases)
+        for layer in layers
+        if layer.calls > 1
     }
     check_stages(layers.calls, groups, model=type(model).__name__, kinds=kinds)
 
 
-def check_entries(layers: Mapping[str, nn.Module], stage_of: Mapping[str, int], devices: Sequence[torch.device]) -> None:
-    """Raise if one module object is several layers (``nn.Sequential(a, b, a)``: entries ``"0"`` and ``"2"``) in
-    stages on different devices of one process. Across stages of one device it needs nothing (its parameters
-    are there); across ranks it is a tie (``RankStage``); but in one process one module cannot be read on two
-    devices at once (the other stage's thread may be inside it)."""
+def check_entries(
+    layers: Mapping[str, nn.Module], stage_of: Mapping[str, int], devices: Sequence[torch.device]
+) -> None:
+    """Raise if one module object is several layers (``nn.Sequential(a, b, a)``: entries ``"0"`` and ``"2"``)
+    in stages on different devices of one process. Across stages of one device it needs nothing (its
+    parameters are there); across ranks it is a tie (``RankStage``); but in one process one module cannot be
+    read on two devices at once (the other stage's thread may be inside it)."""
     entries: dict[int, list[str]] = {}
     for name, mod in layers.items():
         if name in stage_of:
@@ -146,18 +169,26 @@ def check_entries(layers: Mapping[str, nn.Module], stage_of: Mapping[str, int], 
             continue
         where = ", ".join(f"{n!r} (stage {stage_of[n]}, {devices[stage_of[n]]})" for n in names)
         raise ValueError(
-            f"torchspan: entries {where} are one module ({type(layers[names[0]]).__name__}), called at each, in stages on "
-            "different devices of one process, where its parameters can live on one device only. Keep its calls in "
-            f"one stage: pass {_entries_together(stage_of, names[0], names[-1])}; or put those stages on one device; "
-            "or give each entry its own module holding the same nn.Parameter objects (a tie, kept exact across devices)"
+            f"torchspan: entries {where} are one module ({type(layers[names[0]]).__name__}), called at "
+            "each, in stages on different devices of one process, where its parameters can live on one "
+            "device only. Keep its calls in one stage: pass "
+            f"{_entries_together(stage_of, names[0], names[-1])}; or put those stages on one device; or "
+            "give each entry its own module holding the same nn.Parameter objects (a tie, kept exact "
+            "across devices)"
         )
 
 
-def check_shared(model: nn.Module, stage_of: dict[str, int], layers: Mapping[str, nn.Module] | None = None,
-                 devices: Sequence[torch.device] | None = None) -> None:
-    """Raise if one buffer belongs to layers on different devices (a tied *parameter* is kept by ``TiedCopies``).
+def check_shared(
+    model: nn.Module,
+    stage_of: dict[str, int],
+    layers: Mapping[str, nn.Module] | None = None,
+    devices: Sequence[torch.device] | None = None,
+) -> None:
+    """Raise if one buffer belongs to layers on different devices (a tied *parameter* is kept by
+    ``TiedCopies``).
 
-    Without ``devices`` any two stages count as different. ``layers``: name -> module (default: top-level children).
+    Without ``devices`` any two stages count as different. ``layers``: name -> module (default: top-level
+    children).
     """
     owner: dict[int, tuple[str, int]] = {}
     layers = layers if layers is not None else top_level_modules(model)
@@ -170,15 +201,17 @@ def check_shared(model: nn.Module, stage_of: dict[str, int], layers: Mapping[str
             if prev is not None and prev[1] != s and (devices is None or devices[prev[1]] != devices[s]):
                 if layers[prev[0]] is child:
                     raise ValueError(
-                        f"torchspan: layers {prev[0]!r} (stage {prev[1]}) and {name!r} (stage {s}) are one module "
-                        f"({type(child).__name__}) called at both, and it holds buffer {bname!r}: a buffer's in-place "
-                        "updates (running statistics) cannot be kept in step across stages. Keep its calls in one "
-                        f"stage: pass {_entries_together(stage_of, prev[0], name)}"
+                        f"torchspan: layers {prev[0]!r} (stage {prev[1]}) and {name!r} (stage {s}) are one "
+                        f"module ({type(child).__name__}) called at both, and it holds buffer {bname!r}: a "
+                        "buffer's in-place updates (running statistics) cannot be kept in step across "
+                        "stages. Keep its calls in one stage: pass "
+                        f"{_entries_together(stage_of, prev[0], name)}"
                     )
                 raise ValueError(
-                    f"buffer {name}.{bname} is shared with layer {prev[0]!r}: layers {prev[0]!r} (stage {prev[1]}) and "
-                    f"{name!r} (stage {s}) use the same buffer on different devices, and a buffer's in-place updates "
-                    "cannot be kept in step across devices. Put both layers in the same stage (or on one device)"
+                    f"buffer {name}.{bname} is shared with layer {prev[0]!r}: layers {prev[0]!r} (stage "
+                    f"{prev[1]}) and {name!r} (stage {s}) use the same buffer on different devices, and a "
+                    "buffer's in-place updates cannot be kept in step across devices. Put both layers in "
+                    "the same stage (or on one device)"
                 )
             owner.setdefault(id(t), (name, s))
 
@@ -217,7 +250,9 @@ def place(
                 if b is not None and home.setdefault(id(b), dev) == dev and b.device != dev:
                     sub._buffers[attr] = to_device(b, dev)
     if roots is None:
-        roots = [n for n, t in list(model._parameters.items()) + list(model._buffers.items()) if t is not None]
+        roots = [
+            n for n, t in list(model._parameters.items()) + list(model._buffers.items()) if t is not None
+        ]
     for qname in roots:
         mod, attr = _owner(model, qname)
         dev = devices[root_attrs.get(qname, 0)]
@@ -228,6 +263,8 @@ def place(
         elif mod._buffers.get(attr) is not None and mod._buffers[attr].device != dev:  # type: ignore[union-attr]
             mod._buffers[attr] = to_device(mod._buffers[attr], dev)
     return TiedCopies(layers, stage_of, devices).install()
+
+
 def _move_parameter(p: nn.Parameter, dev: torch.device) -> None:
     """Move ``p`` to ``dev`` in place, keeping the same ``Parameter`` object (optimizers hold it)."""
     moved = to_device(p.detach(), dev)

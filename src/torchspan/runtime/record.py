@@ -30,7 +30,13 @@ import torch
 
 __all__ = ["Event", "KINDS", "Recorder"]
 
-KINDS = ("forward", "backward", "transfer", "recompute", "backward_weight")  # backward_weight: zero-bubble's W
+KINDS = (
+    "forward",
+    "backward",
+    "transfer",
+    "recompute",
+    "backward_weight",
+)  # backward_weight: zero-bubble's W
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,8 @@ class Recorder:
         self.step = 0
         self._events: list[Event] = []
         # Blocks as raw tuples (stage, device, microbatch, kind, start, end), append-only within a step;
-        # ``events`` makes the Events when read, so a step whose timeline nobody reads costs a tuple per block.
+        # ``events`` makes the Events when read, so a step whose timeline nobody reads costs a tuple per
+        # block.
         self._raw: list[tuple[int, Any, int, str, float, float]] = []
         self._t0 = time.perf_counter()
         self._cuda_ref: dict[torch.device, tuple[Any, float]] = {}
@@ -73,7 +80,9 @@ class Recorder:
         with self._lock:
             raw, done = self._raw, len(self._events)
             if len(raw) > done:  # append-only within a step: workers may still be adding
-                self._events.extend(Event(self.step, s, str(d), mb, k, a, b) for s, d, mb, k, a, b in raw[done : len(raw)])
+                self._events.extend(
+                    Event(self.step, s, str(d), mb, k, a, b) for s, d, mb, k, a, b in raw[done : len(raw)]
+                )
                 self._events.sort(key=lambda e: (e.start, e.stage))
             return self._events
 
@@ -94,7 +103,9 @@ class Recorder:
     def now(self) -> float:
         return time.perf_counter() - self._t0
 
-    def add(self, stage: int, device: torch.device | str, microbatch: int, kind: str, start: float, end: float) -> None:
+    def add(
+        self, stage: int, device: torch.device | str, microbatch: int, kind: str, start: float, end: float
+    ) -> None:
         """Record a block timed by the caller (seconds from step start)."""
         self._raw.append((stage, device, microbatch, kind, start, end))  # list.append is atomic
 
@@ -105,7 +116,9 @@ class Recorder:
         return _Block(self, stage, device, microbatch, kind)
 
     @contextlib.contextmanager
-    def _cuda_block(self, stage: int, device: torch.device, microbatch: int, kind: str, stream: Any) -> Iterator[None]:  # pragma: no cover - needs a GPU
+    def _cuda_block(
+        self, stage: int, device: torch.device, microbatch: int, kind: str, stream: Any
+    ) -> Iterator[None]:  # pragma: no cover - needs a GPU
         stream = stream or torch.cuda.current_stream(device)
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
@@ -118,7 +131,8 @@ class Recorder:
                 self._pending.append((stage, str(device), microbatch, kind, start, end, device))
 
     def finish_step(self) -> None:
-        """Resolve CUDA blocks into seconds (waits for their work); ``events`` sorts them by start when read."""
+        """Resolve CUDA blocks into seconds (waits for their work); ``events`` sorts them by start when
+        read."""
         for stage, dev_name, mb, kind, start, end, dev in self._pending:  # pragma: no cover - needs a GPU
             ref, offset = self._cuda_ref[dev]
             end.synchronize()
@@ -141,4 +155,6 @@ class _Block:
 
     def __exit__(self, *exc: Any) -> None:
         rec = self._rec
-        rec._raw.append((self._stage, self._device, self._mb, self._kind, self._start, time.perf_counter() - rec._t0))
+        rec._raw.append(
+            (self._stage, self._device, self._mb, self._kind, self._start, time.perf_counter() - rec._t0)
+        )

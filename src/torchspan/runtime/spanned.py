@@ -30,17 +30,19 @@ from .fp16 import SpanScaler
 from .gradients import clip_grad_norm, guard_plain_clip, holding
 from .losscheck import LossChecks, dry_run
 from .lossweights import loss_spec
-from .modelloss import combiner, model_loss
 from .memory import ActivationMeter, behaviour_key
 from .microbatch import batch_size, call_args, gather, split_sizes, split_value
+from .modelloss import combiner, model_loss
 from .nonfinite import NONFINITE, check_loss, locate
 from .placed import PlacedModule
 from .record import Event, Recorder
 
 __all__ = ["Spanned"]
 
+
 def _warn_batchnorm(spanned: Any, modules: list[nn.Module]) -> None:
-    """Warn once: BatchNorm in training mode normalises per micro-batch, not over the full batch (``modules``: the model's)."""
+    """Warn once: BatchNorm in training mode normalises per micro-batch, not over the full batch (``modules``:
+    the model's)."""
     if spanned.microbatches == 1 or getattr(spanned, "_bn_warned", False) or not torch.is_grad_enabled():
         return
     if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in modules):
@@ -48,15 +50,20 @@ def _warn_batchnorm(spanned: Any, modules: list[nn.Module]) -> None:
     names = [
         name
         for name, m in spanned.module.named_modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and (m.track_running_stats or m.running_mean is None)
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        and m.training
+        and (m.track_running_stats or m.running_mean is None)
     ]
     if names:
         spanned._bn_warned = True
-        shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        shown = ", ".join(repr(n) for n in names[:3]) + (
+            f" and {len(names) - 3} more" if len(names) > 3 else ""
+        )
         warnings.warn(
-            f"BatchNorm layer(s) {shown} in training mode normalise over each micro-batch, not the full batch, so "
-            f"with microbatches={spanned.microbatches} gradients and running statistics differ from single-device "
-            "training. For identical results use microbatches=1, GroupNorm/LayerNorm, or put those layers in eval mode.",
+            f"BatchNorm layer(s) {shown} in training mode normalise over each micro-batch, not the full "
+            f"batch, so with microbatches={spanned.microbatches} gradients and running statistics differ "
+            "from single-device training. For identical results use microbatches=1, GroupNorm/LayerNorm, "
+            "or put those layers in eval mode.",
             UserWarning,
             stacklevel=4,
         )
@@ -68,8 +75,8 @@ class Spanned(PlacedModule):
     ``module`` is the original model; ``mode`` says how it runs: ``"sequential"`` / ``"fx"`` (stage
     functions), ``"own-forward"`` (the model's own forward, micro-batches pipelined), ``"own-forward-serial"``
     (own forward, micro-batches one after another), ``"data-parallel"`` (a launched job's replica) or
-    ``"sharded"`` (that replica sharded by FSDP2: ``span(model, shard=True)``; ``offload`` says where its states live);
-    ``stages`` lists each stage's ``(device, layers)``. Outputs of ``spanned(...)`` are the
+    ``"sharded"`` (that replica sharded by FSDP2: ``span(model, shard=True)``; ``offload`` says where its
+    states live); ``stages`` lists each stage's ``(device, layers)``. Outputs of ``spanned(...)`` are the
     micro-batch outputs concatenated on dim 0 on the last stage's device.
     """
 
@@ -83,7 +90,8 @@ class Spanned(PlacedModule):
         *,
         mode_reason: str = "",
     ) -> None:
-        """Wrap ``model`` run by ``executor`` (which records into ``recorder`` and ``meter``); ``span`` builds these."""
+        """Wrap ``model`` run by ``executor`` (which records into ``recorder`` and ``meter``); ``span`` builds
+        these."""
         super().__init__()
         self.module = model
         self.mode = executor.mode
@@ -120,7 +128,8 @@ class Spanned(PlacedModule):
 
     @property
     def offload(self) -> str | None:
-        """Where a sharded replica keeps its parameters, gradients and optimizer state: ``"cpu"`` or ``None`` (its device)."""
+        """Where a sharded replica keeps its parameters, gradients and optimizer state: ``"cpu"`` or ``None``
+        (its device)."""
         return getattr(self._executor, "offload", None)
 
     @property
@@ -147,13 +156,15 @@ class Spanned(PlacedModule):
 
     @property
     def mesh(self) -> Any:
-        """The job's ``DeviceMesh`` (``runtime.ranks.devicemesh``), its dimensions by name in torchtitan's order
-        (``pp``, ``dp_replicate``, ``dp_shard``, ``tp``) for every launched strategy; ``None`` in one process."""
+        """The job's ``DeviceMesh`` (``runtime.ranks.devicemesh``), its dimensions by name in torchtitan's
+        order (``pp``, ``dp_replicate``, ``dp_shard``, ``tp``) for every launched strategy; ``None`` in one
+        process."""
         return self._settings.mesh
 
     @property
     def data_parallel(self) -> tuple[int, int]:
-        """``(this process's replica, replicas)``: rows are sharded over replicas; a pipeline's stages share them."""
+        """``(this process's replica, replicas)``: rows are sharded over replicas; a pipeline's stages share
+        them."""
         return self._executor.replica_of()
 
     @property
@@ -171,7 +182,9 @@ class Spanned(PlacedModule):
         devices = self._executor.devices
         self._recorder.start_step(devices)
         if self._executor.meters():  # a data-parallel replica meters its first training step only
-            tensors = [t for m in modules for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
+            tensors = [
+                t for m in modules for t in (*m._parameters.values(), *m._buffers.values()) if t is not None
+            ]
             self._meter.reset(tensors, state=self._meter_state(tensors, modules, loss))
         for d in dict.fromkeys(devices):
             if d.type == "cuda":  # pragma: no cover - needs a GPU
@@ -182,9 +195,9 @@ class Spanned(PlacedModule):
             self._recorder.finish_step()
 
     def _meter_state(self, tensors: list[torch.Tensor], modules: list[nn.Module], loss: Any) -> Any:
-        """Besides the micro-batches' shapes, what decides the tensors a step saves: the loss, which parameters
-        train, train/eval modes, autocast; a step like the last metered one from the same state is not metered
-        again (``memory.MeteredSteps``)."""
+        """Besides the micro-batches' shapes, what decides the tensors a step saves: the loss, which
+        parameters train, train/eval modes, autocast; a step like the last metered one from the same state is
+        not metered again (``memory.MeteredSteps``)."""
         types = dict.fromkeys(d.type for d in self._executor.devices)
         autocast = tuple((t, torch.is_autocast_enabled(t)) for t in types if t in ("cpu", "cuda"))
         return loss, tuple(t.requires_grad for t in tensors), tuple(m.training for m in modules), autocast
@@ -207,8 +220,11 @@ class Spanned(PlacedModule):
         """An inf/NaN loss of the plain loop (on a replica) raises or warns as ``train_step``'s does."""
         check_loss(loss, self.nonfinite, getattr(self, "_train_steps", 0) + 1, lambda: "")
 
-    def _own_loss(self, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[Any], dev: torch.device) -> Any:
-        """``combine(chunk losses)`` for a forward given ``labels``: the whole batch's loss (``modelloss``)."""
+    def _own_loss(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[Any], dev: torch.device
+    ) -> Any:
+        """``combine(chunk losses)`` for a forward given ``labels``: the whole batch's loss
+        (``modelloss``)."""
         return combiner(kwargs, outs, batch_size(args, kwargs), dev)
 
     def train_step(
@@ -238,13 +254,14 @@ class Spanned(PlacedModule):
         (1 for ``reduction="sum"``). Any other callable is calibrated on its first batch (and when
         the split, target shapes or count of negative labels change): one extra no-grad forward,
         random state and buffers left as they were, finds whether it is a per-sample mean or a
-        sum (measured: about 0.3x of one step on a small MLP, once, not per step: benchmarks/loss_calibration.py); if neither
-        reproduces the full-batch value, ``ValueError`` names both values and the ways out.
+        sum (measured: about 0.3x of one step on a small MLP, once, not per step:
+        benchmarks/loss_calibration.py); if neither reproduces the full-batch value, ``ValueError`` names both
+        values and the ways out.
         Declare it: ``loss_reduction="sum"`` / ``"mean"``; or give
         ``loss_normalizer=`` what its mean divides by for a chunk's target, e.g.
         ``lambda y: (y != -100).sum()`` for a token mean with padding (a declaration is verified on the
-        first batch and whenever its structure changes, like a calibration, and refused with both values when wrong).
-        Call ``optimizer.zero_grad()`` first and ``optimizer.step()`` after, as usual (clip with
+        first batch and whenever its structure changes, like a calibration, and refused with both values when
+        wrong). Call ``optimizer.zero_grad()`` first and ``optimizer.step()`` after, as usual (clip with
         ``spanned.clip_grad_norm_``); with ``precision="fp16"`` ``.grad`` comes back unscaled and an
         overflowed step is skipped by the optimizer, as ``GradScaler`` skips it (``runtime.fp16``). An
         inf/NaN loss raises ``FloatingPointError`` (``span(..., nonfinite="warn")`` warns instead).
@@ -255,17 +272,30 @@ class Spanned(PlacedModule):
         work = self._executor.prepare(args, kwargs)
         total = batch_size(args, kwargs)
         empty = total == 0 and self._executor.empty_batches  # a data-parallel rank's empty shard adds zero
-        sizes = [0] if empty else split_sizes(total, len(work.chunks))  # a data-parallel shard may hold fewer rows
+        sizes = (
+            [0] if empty else split_sizes(total, len(work.chunks))
+        )  # a data-parallel shard may hold fewer rows
         targets = split_value(target, len(sizes), total, name="target")
         if isinstance(loss_fn, nn.Module):
             loss_fn.to(self._executor.devices[-1])
         self._executor.place(work)
-        spec = self._executor.resolve_loss(self._loss_checks, spec, targets, sizes, lambda: self._dry_forward(work), target)
+        spec = self._executor.resolve_loss(
+            self._loss_checks, spec, targets, sizes, lambda: self._dry_forward(work), target
+        )
         weights = self._executor.weights(spec, targets, sizes)
         with self._step((behaviour_key(loss_fn), tuple(w == 0.0 for w in weights))), self._finishing():
             loss = self._executor.train(work, targets, loss_fn, weights, spec)
-        shard = getattr(getattr(self._executor, "info", None), "rank", None) if self.mode in ("data-parallel", "sharded") else None
-        self._after_train(loss, lambda: locate(lambda: self._dry_forward(work), loss_fn, targets, weights, sizes, self.precision, shard))
+        shard = (
+            getattr(getattr(self._executor, "info", None), "rank", None)
+            if self.mode in ("data-parallel", "sharded")
+            else None
+        )
+        self._after_train(
+            loss,
+            lambda: locate(
+                lambda: self._dry_forward(work), loss_fn, targets, weights, sizes, self.precision, shard
+            ),
+        )
         return loss
 
     def _loss_of(
@@ -276,32 +306,42 @@ class Spanned(PlacedModule):
         loss_reduction: str | None,
         loss_normalizer: Callable[[Any], Any] | None,
     ) -> tuple[Any, Any, Any]:
-        """``train_step``'s refusals before any work (nothing to train, no target, a meta stage, no_grad) and its
-        loss: ``(inputs, target, LossSpec)``, the model's own loss when ``loss_fn`` is None (``modelloss``)."""
+        """``train_step``'s refusals before any work (nothing to train, no target, a meta stage, no_grad) and
+        its loss: ``(inputs, target, LossSpec)``, the model's own loss when ``loss_fn`` is None
+        (``modelloss``)."""
         # a rank of a pipeline holds other stages' parameters as frozen meta copies: they still count
         if not any(p.requires_grad or p.device.type == "meta" for p in self.module.parameters()):
             raise ValueError(
-                f"train_step: the model ({type(self.module).__name__}) has no parameter that requires grad, so there is "
-                "nothing to train and no backward to run; span the model with its weights, or unfreeze them (p.requires_grad_())"
+                f"train_step: the model ({type(self.module).__name__}) has no parameter that requires "
+                "grad, so there is nothing to train and no backward to run; span the model with its "
+                "weights, or unfreeze them (p.requires_grad_())"
             )
         if loss_fn is None:
             inputs, target, spec = model_loss(inputs, target, loss_reduction, loss_normalizer)
         else:
             spec = loss_spec(loss_fn, loss_reduction, loss_normalizer)
-            if target is None and spec.kind != "opaque" and not (spec.declared and spec.kind in ("sum", "samples")):
+            if (
+                target is None
+                and spec.kind != "opaque"
+                and not (spec.declared and spec.kind in ("sum", "samples"))
+            ):
                 raise ValueError(
-                    f"train_step(inputs, target=None, loss_fn={spec.name}): this loss compares the outputs with a target; "
-                    "pass the target, or train_step(batch) with batch['labels'] to train on the model's own loss"
+                    f"train_step(inputs, target=None, loss_fn={spec.name}): this loss compares the outputs "
+                    "with a target; pass the target, or train_step(batch) with batch['labels'] to train on "
+                    "the model's own loss"
                 )
         meta = [str(d) for d in self._executor.devices if d.type == "meta"]
         if meta:
             raise ValueError(
-                f"train_step on a span with stage(s) on {meta[0]}: meta tensors hold shapes, not values, so nothing can be "
-                "trained there (a meta stage is for tracing shapes with spanned(...) under torch.no_grad()); span the model "
-                "on real devices, e.g. devices=['cpu', 'cpu']"
+                f"train_step on a span with stage(s) on {meta[0]}: meta tensors hold shapes, not values, "
+                "so nothing can be trained there (a meta stage is for tracing shapes with spanned(...) under "
+                "torch.no_grad()); span the model on real devices, e.g. devices=['cpu', 'cpu']"
             )
         if not torch.is_grad_enabled():
-            raise RuntimeError("train_step runs backward, but gradients are disabled here (torch.no_grad()); call it outside no_grad")
+            raise RuntimeError(
+                "train_step runs backward, but gradients are disabled here (torch.no_grad()); call it "
+                "outside no_grad"
+            )
         return inputs, target, spec
 
     def _dry_forward(self, work: Any) -> list[Any]:
@@ -321,9 +361,9 @@ class Spanned(PlacedModule):
         return self._executor.join(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """``optimizer.step()``, the same as calling it yourself: with ``precision="fp16"`` ``train_step`` already
-        left ``.grad`` unscaled, an overflowed step's gradients are dropped (the optimizer skips them) and the
-        scale is updated when it steps (``runtime.fp16``)."""
+        """``optimizer.step()``, the same as calling it yourself: with ``precision="fp16"`` ``train_step``
+        already left ``.grad`` unscaled, an overflowed step's gradients are dropped (the optimizer skips them)
+        and the scale is updated when it steps (``runtime.fp16``)."""
         if self.scaler is None:
             optimizer.step()
             return
@@ -333,8 +373,9 @@ class Spanned(PlacedModule):
 
     @property
     def nonfinite(self) -> str:
-        """What ``train_step`` does when the loss is inf/NaN: ``"raise"`` (``FloatingPointError``, the default) or
-        ``"warn"``; settable (``spanned.nonfinite = "warn"``) or ``span(..., nonfinite=)`` (``runtime.nonfinite``)."""
+        """What ``train_step`` does when the loss is inf/NaN: ``"raise"`` (``FloatingPointError``, the
+        default) or ``"warn"``; settable (``spanned.nonfinite = "warn"``) or ``span(..., nonfinite=)``
+        (``runtime.nonfinite``)."""
         return getattr(self._settings, "nonfinite", "raise")
 
     @nonfinite.setter
@@ -345,9 +386,10 @@ class Spanned(PlacedModule):
 
     @property
     def loss_reduction(self) -> str | None:
-        """The plain loop's loss on data-parallel replicas, declared: ``None`` (torchspan reads torch's losses applied
-        to the outputs and refuses others), ``"sum"`` (any loss summing over rows) or ``"mean"`` (a mean over the
-        rows of each rank's shard); settable, or ``span(..., loss_reduction=)`` (``ranks.plainloop``)."""
+        """The plain loop's loss on data-parallel replicas, declared: ``None`` (torchspan reads torch's losses
+        applied to the outputs and refuses others), ``"sum"`` (any loss summing over rows) or ``"mean"`` (a
+        mean over the rows of each rank's shard); settable, or ``span(..., loss_reduction=)``
+        (``ranks.plainloop``)."""
         return self._settings.loss_reduction
 
     @loss_reduction.setter
@@ -357,7 +399,11 @@ class Spanned(PlacedModule):
         self._settings.loss_reduction = value
 
     def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
     ) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` as on one device with the whole model.
 
@@ -369,16 +415,22 @@ class Spanned(PlacedModule):
         ``max_norm=float("inf")`` gives the total norm without clipping.
         """
         overflowed = isinstance(self.scaler, SpanScaler) and self.scaler.overflowed
-        return clip_grad_norm(holding(self.module, self._executor), max_norm, norm_type, error_if_nonfinite, foreach, overflowed)
+        return clip_grad_norm(
+            holding(self.module, self._executor), max_norm, norm_type, error_if_nonfinite, foreach, overflowed
+        )
 
     def _finishing(self) -> contextlib.AbstractContextManager[None]:
-        """Around the executor's training step: with fp16, its gradients unscaled and checked (``runtime.fp16``)."""
+        """Around the executor's training step: with fp16, its gradients unscaled and checked
+        (``runtime.fp16``)."""
         if not isinstance(self.scaler, SpanScaler):
             return contextlib.nullcontext()
-        return self.scaler.finishing([p for p in self.module.parameters() if p.requires_grad and p.device.type != "meta"])
+        return self.scaler.finishing(
+            [p for p in self.module.parameters() if p.requires_grad and p.device.type != "meta"]
+        )
 
     def _after_train(self, loss: torch.Tensor, where: Callable[[], str]) -> None:
-        """After a training step: count it, guard a pipeline rank's gradients from a plain torch clip, check the loss."""
+        """After a training step: count it, guard a pipeline rank's gradients from a plain torch clip, check
+        the loss."""
         self._train_steps = getattr(self, "_train_steps", 0) + 1
         ranks = getattr(self._executor, "ranks", None)
         if ranks is not None and ranks.mesh.stages > 1:
@@ -389,24 +441,28 @@ class Spanned(PlacedModule):
 
     # ------------------------------------------------------------------ observing
     def timeline(self) -> list[Event]:
-        """The ``torchspan.runtime.record.Event``s of the most recent step (forward call or ``train_step``)."""
+        """The ``torchspan.runtime.record.Event``s of the most recent step (forward call or
+        ``train_step``)."""
         return list(self._recorder.events)
 
     def memory(self, optimizer: torch.optim.Optimizer | None = None) -> list[dict[str, Any]]:
-        """Bytes per stage: ``params``, ``grads``, ``buffers``, ``optimizer``, ``activations``, ``device_peak``.
+        """Bytes per stage: ``params``, ``grads``, ``buffers``, ``optimizer``, ``activations``,
+        ``device_peak``.
 
         ``activations`` is the peak of live saved activations during the last step, counted
         exactly (saved-tensor hooks); a stage-function pipeline's training step that repeats the last metered
         one (micro-batch shapes, loss, trainable parameters, train/eval modes, from the same live activations)
         reports that step's peak without the hooks: the same bytes, unless the sizes the model saves depend
-        on the values (boolean-mask indexing); for a launched data-parallel replica (``mode="data-parallel"``),
-        during its first training step that saved any (later steps run unmetered, at the bare
-        replica's cost; its shards repeat that shape). ``optimizer`` is 0 unless you pass the optimizer, which
-        torchspan does not otherwise see. ``device_peak`` is ``torch.cuda.max_memory_allocated``
-        since the last step began (CUDA stages; ``None`` elsewhere).
+        on the values (boolean-mask indexing); for a launched data-parallel replica
+        (``mode="data-parallel"``), during its first training step that saved any (later steps run unmetered,
+        at the bare replica's cost; its shards repeat that shape). ``optimizer`` is 0 unless you pass the
+        optimizer, which torchspan does not otherwise see. ``device_peak`` is
+        ``torch.cuda.max_memory_allocated`` since the last step began (CUDA stages; ``None`` elsewhere).
         """
         ex = self._executor
-        return stage_memory(self.module, ex.devices, ex.groups, ex.root_attrs, self._meter.peak, optimizer, ex.placed_layers())
+        return stage_memory(
+            self.module, ex.devices, ex.groups, ex.root_attrs, self._meter.peak, optimizer, ex.placed_layers()
+        )
 
     def extra_repr(self) -> str:
         stages = "; ".join(f"{d}: {', '.join(g)}" for d, g in self.stages)

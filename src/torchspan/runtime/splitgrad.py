@@ -55,7 +55,16 @@ try:  # the engine call behind torch.autograd.grad/backward, without their per-c
     from torch.autograd.graph import _engine_run_backward as _run
 except ImportError:  # pragma: no cover
 
-    def _run(outputs: Any, grads: Any, keep: bool, create: bool, inputs: Any, *, allow_unreachable: bool, accumulate_grad: bool) -> Any:
+    def _run(
+        outputs: Any,
+        grads: Any,
+        keep: bool,
+        create: bool,
+        inputs: Any,
+        *,
+        allow_unreachable: bool,
+        accumulate_grad: bool,
+    ) -> Any:
         if accumulate_grad:
             return torch.autograd.backward(outputs, grads, retain_graph=keep, inputs=inputs)
         return torch.autograd.grad(outputs, inputs, grads, retain_graph=keep, allow_unused=True)
@@ -74,7 +83,9 @@ class Pending:
     ) -> None:
         # per group: start edges, their gradients, the group's parameters, how many starts are frontier nodes
         self._groups = groups or []
-        self._linears = linears or []  # merge=True: linear calls whose weight gradients are products still to take
+        self._linears = (
+            linears or []
+        )  # merge=True: linear calls whose weight gradients are products still to take
 
     def __bool__(self) -> bool:
         return bool(self._groups or self._linears)
@@ -92,7 +103,15 @@ class Pending:
         for edges, grads, params, fronts in groups:
             handles = _overrides(edges[:fronts]) if fronts > 1 else []
             try:
-                _run(tuple(edges), tuple(grads), True, False, params, allow_unreachable=True, accumulate_grad=True)
+                _run(
+                    tuple(edges),
+                    tuple(grads),
+                    True,
+                    False,
+                    params,
+                    allow_unreachable=True,
+                    accumulate_grad=True,
+                )
             finally:
                 for h in handles:
                     h.remove()
@@ -107,11 +126,15 @@ def weights_together(pendings: Sequence[Pending]) -> None:
     records = [r for p in pendings for r in p._linears]
     for p in pendings:
         p._linears = []
-    if records:  # into .grad through the leaves' own accumulators, as backward adds (hooks fire once per leaf)
+    if (
+        records
+    ):  # into .grad through the leaves' own accumulators, as backward adds (hooks fire once per leaf)
         leaves = linearw.leaves(records)
         with torch.enable_grad():
             root = _Products.apply(records, *leaves)
-        _run((root,), (torch.ones_like(root),), False, False, (), allow_unreachable=True, accumulate_grad=True)
+        _run(
+            (root,), (torch.ones_like(root),), False, False, (), allow_unreachable=True, accumulate_grad=True
+        )
     for p in pendings:
         p._rest()
 
@@ -119,11 +142,13 @@ def weights_together(pendings: Sequence[Pending]) -> None:
 class _Products(torch.autograd.Function):
     """A graph node whose backward takes the merged products (``linearw.gradients``) and hands them to the
     leaves' accumulators. Made inside the engine, a gradient has no other reference, so an accumulator whose
-    ``.grad`` is ``None`` keeps the tensor itself; given from Python, each would be copied first (a parameter's
-    size per leaf: 4 MB per 1024 x 1024 weight)."""
+    ``.grad`` is ``None`` keeps the tensor itself; given from Python, each would be copied first (a
+    parameter's size per leaf: 4 MB per 1024 x 1024 weight)."""
 
     @staticmethod
-    def forward(ctx: Any, records: list[tuple[linearw.Linear, torch.Tensor]], *leaves: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any, records: list[tuple[linearw.Linear, torch.Tensor]], *leaves: torch.Tensor
+    ) -> torch.Tensor:
         ctx.records = records
         return leaves[0].new_zeros(())
 
@@ -147,7 +172,9 @@ def _overrides(edges: list[Any]) -> list[Any]:
     return [node.register_prehook(hook_for(node.metadata[_KEY])) for node in nodes]
 
 
-def _whole(outputs: Sequence[torch.Tensor], grads: Sequence[Any], inputs: Sequence[torch.Tensor]) -> list[Any]:
+def _whole(
+    outputs: Sequence[torch.Tensor], grads: Sequence[Any], inputs: Sequence[torch.Tensor]
+) -> list[Any]:
     """One whole backward; the inputs' gradients it produced (read from their ``.grad``, set aside first)."""
     kept = [t.grad for t in inputs]
     for t in inputs:
@@ -164,7 +191,10 @@ _NONE: frozenset[int] = frozenset()
 
 
 def _walk(
-    roots: list[Any], targets: set[Any], owner: dict[Any, int] | None, linears: dict[Any, linearw.Linear] | None = None
+    roots: list[Any],
+    targets: set[Any],
+    owner: dict[Any, int] | None,
+    linears: dict[Any, linearw.Linear] | None = None,
 ) -> tuple[dict[Any, Any], list[torch.Tensor]]:
     """One walk of the graph from ``roots`` (children before parents). Per node: ``True`` when it leads to
     one of ``targets``, else the parameter indices it leads to; ``owner`` maps the parameters'
@@ -228,20 +258,28 @@ def input_backward(
         return _whole([o for o, _ in pairs], [g for _, g in pairs], list(inputs)), Pending()
     roots = [get_gradient_edge(o) for o, _ in pairs]
     in_nodes = {get_gradient_edge(t).node for t in wanted}
-    owner = None if params is None else {get_gradient_edge(p).node: i for i, p in enumerate(params) if p.requires_grad}
+    owner = (
+        None
+        if params is None
+        else {get_gradient_edge(p).node: i for i, p in enumerate(params) if p.requires_grad}
+    )
     linears: dict[Any, linearw.Linear] = {}
     marks, leaves = _walk([e.node for e in roots], in_nodes, owner, linears if merge else None)
     merged = _NONE.union(*(marks[a] for lin in linears.values() for a in lin.accumulators))
     frontier: dict[Any, frozenset[int]] = {}
     for node, mark in marks.items():
         if mark is True and node not in in_nodes:
-            reach = _NONE.union(*(m for m in (marks[n] for n, _ in node.next_functions if n is not None) if m is not True))
+            reach = _NONE.union(
+                *(m for m in (marks[n] for n, _ in node.next_functions if n is not None) if m is not True)
+            )
             if node in linears:  # its own weight and bias are merged; what its input leads to is not
                 reach = reach - _NONE.union(*(marks[a] for a in linears[node].accumulators))
             if reach:
                 frontier[node] = reach
     direct = [marks[e.node] for e in roots if marks[e.node] is not True]
-    if merged and any(r & merged for r in [*frontier.values(), *direct]):  # a merged weight also used otherwise
+    if merged and any(
+        r & merged for r in [*frontier.values(), *direct]
+    ):  # a merged weight also used otherwise
         return input_backward(outputs, grads, inputs, params, merge=False)
     if not linears and (not wanted or (not frontier and not any(direct))):
         return _whole([o for o, _ in pairs], [g for _, g in pairs], list(inputs)), Pending()
@@ -250,7 +288,15 @@ def input_backward(
     handles = [node.register_prehook(_record(node)) for node in frontier if node not in linears]
     try:
         targets = (*wanted, *(GradientEdge(node, 0) for node in nodes))
-        found = _run(tuple(o for o, _ in pairs), tuple(g for _, g in pairs), keep, False, targets, allow_unreachable=True, accumulate_grad=False)
+        found = _run(
+            tuple(o for o, _ in pairs),
+            tuple(g for _, g in pairs),
+            keep,
+            False,
+            targets,
+            allow_unreachable=True,
+            accumulate_grad=False,
+        )
     finally:
         for h in handles:
             h.remove()
@@ -263,7 +309,9 @@ def input_backward(
     params = leaves if params is None else list(params)
     starts = _starts(pairs, roots, marks, frontier) if keep else []
     by_id = {id(t): g for t, g in zip(wanted, found)}
-    return [by_id.get(id(t)) if t.requires_grad else None for t in inputs], Pending(_groups(starts, params), records)
+    return [by_id.get(id(t)) if t.requires_grad else None for t in inputs], Pending(
+        _groups(starts, params), records
+    )
 
 
 def _record(node: Any) -> Any:
@@ -274,7 +322,10 @@ def _record(node: Any) -> Any:
 
 
 def _starts(
-    pairs: list[tuple[torch.Tensor, torch.Tensor]], roots: list[Any], marks: dict[Any, Any], frontier: dict[Any, frozenset[int]]
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    roots: list[Any],
+    marks: dict[Any, Any],
+    frontier: dict[Any, frozenset[int]],
 ) -> list[tuple[Any, torch.Tensor, frozenset[int], bool]]:
     """Where the weight pass starts: (edge, gradient, parameters reached, is a frontier node)."""
     starts: list[tuple[Any, torch.Tensor, frozenset[int], bool]] = []
@@ -355,7 +406,9 @@ def run_actions(
                 with recorder.block(a.stage, device, a.microbatch, "backward_weight"):
                     pending.weights()
             continue
-        with recorder.block(a.stage, device, a.microbatch, "forward" if a.kind == sched.FORWARD else "backward"):
+        with recorder.block(
+            a.stage, device, a.microbatch, "forward" if a.kind == sched.FORWARD else "backward"
+        ):
             if a.kind == sched.FORWARD:
                 forward(a.microbatch)
             else:

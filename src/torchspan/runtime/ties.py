@@ -37,7 +37,8 @@ def _inert_hook() -> Any:
 
 
 class Hook:
-    """A hook that does not travel: ``torch.save(spanned.module)`` and ``copy.deepcopy`` give a plain model."""
+    """A hook that does not travel: ``torch.save(spanned.module)`` and ``copy.deepcopy`` give a plain
+    model."""
 
     __slots__ = ("fn",)
 
@@ -57,7 +58,9 @@ class Hook:
 class TiedCopies:
     """For each layer, the parameters inside it that live on another device (tied ones, once placed)."""
 
-    def __init__(self, layers: Mapping[str, nn.Module], stage_of: Mapping[str, int], devices: Sequence[torch.device]) -> None:
+    def __init__(
+        self, layers: Mapping[str, nn.Module], stage_of: Mapping[str, int], devices: Sequence[torch.device]
+    ) -> None:
         self.devices = {name: devices[stage_of[name]] for name in layers if name in stage_of}
         self.layers = dict(layers)
         self.remote: dict[str, list[tuple[nn.Module, str, nn.Parameter]]] = {}
@@ -85,7 +88,8 @@ class TiedCopies:
         if depth == 0:
             dev = self.devices[name]
             for sub, attr, p in self.remote[name]:
-                sub._parameters[attr] = p.to(dev)  # type: ignore[assignment]  # a differentiable copy, for this call
+                # a differentiable copy, for this call
+                sub._parameters[attr] = p.to(dev)  # type: ignore[assignment]
 
     def _exit(self, name: str) -> None:
         self._depth[name] -= 1
@@ -112,7 +116,9 @@ class TiedCopies:
         for name in self.remote:
             mod = self.layers[name]
             self._handles.append(mod.register_forward_pre_hook(Hook(lambda *_a, _n=name: self._enter(_n))))
-            self._handles.append(mod.register_forward_hook(Hook(lambda *_a, _n=name: self._exit(_n)), always_call=True))
+            self._handles.append(
+                mod.register_forward_hook(Hook(lambda *_a, _n=name: self._exit(_n)), always_call=True)
+            )
         return self
 
     def remove(self) -> None:

@@ -102,7 +102,9 @@ class HookPlacement:
                 if not self._open or self._open[0] != stage:
                     self._close_forward()
                     self._open = [stage, now, now]
-            return to_device(args, dev, non_blocking=dev.type == "cuda"), to_device(kwargs, dev, non_blocking=dev.type == "cuda")
+            return to_device(args, dev, non_blocking=dev.type == "cuda"), to_device(
+                kwargs, dev, non_blocking=dev.type == "cuda"
+            )
 
         return hook
 
@@ -140,7 +142,10 @@ class HookPlacement:
         call policy (``layercall``: autocast on its device, recomputed in backward when ``recompute``)."""
         self._recording, self._mb, self._open = True, mb, []
         try:
-            with self.calls.installed(lambda: recompute, may_recompute=recompute), self.meter.saving(self.current_stage):
+            with (
+                self.calls.installed(lambda: recompute, may_recompute=recompute),
+                self.meter.saving(self.current_stage),
+            ):
                 yield
         finally:
             self._close_forward()

@@ -1,4 +1,5 @@
-"""A pipeline whose workers hold several stages each, placed looped: Megatron's interleaved 1F1B can run on it.
+"""A pipeline whose workers hold several stages each, placed looped: Megatron's interleaved 1F1B can run on
+it.
 
 ``Pipeline`` runs each worker's stages in the clock order of the schedule (``schedule.merged_order``). Every
 schedule but ``interleaved-1f1b`` is clocked as if each stage had a worker of its own; the interleaved one is
@@ -30,7 +31,8 @@ INTERLEAVED = "interleaved-1f1b"
 
 
 def looped_workers(groups: Sequence[Sequence[int]], stages: int) -> int | None:
-    """``P`` when the worker ``groups`` (stage indices per worker) hold stage ``s`` on worker ``s % P``, else ``None``.
+    """``P`` when the worker ``groups`` (stage indices per worker) hold stage ``s`` on worker ``s % P``, else
+    ``None``.
 
     Usage: ``looped_workers([[0, 2], [1, 3]], 4) == 2``.
     """
@@ -56,7 +58,8 @@ class LoopedPipeline(Pipeline):
 
     def train(self, fns: Sequence[Any], inputs: Sequence[Any], *args: Any, **kwargs: Any) -> torch.Tensor:
         """``Pipeline.train``; an interleaved step across processes first posts every receive it will take
-        (``expect_step``: a sender's payload then goes out inside its send, no wake-up of gloo's thread later)."""
+        (``expect_step``: a sender's payload then goes out inside its send, no wake-up of gloo's thread
+        later)."""
         schedule = args[3] if len(args) > 3 else kwargs.get("schedule")
         prepost = getattr(self.transport, "expect_step", None)
         if schedule == INTERLEAVED and prepost is not None and self.prepost:
@@ -64,7 +67,8 @@ class LoopedPipeline(Pipeline):
         return super().train(fns, inputs, *args, **kwargs)
 
     def workers(self, n: int) -> int:
-        """The pipeline's workers (ranks) for ``n`` stages; ``ValueError`` where the stages are not looped on them."""
+        """The pipeline's workers (ranks) for ``n`` stages; ``ValueError`` where the stages are not looped on
+        them."""
         positions = getattr(self.transport, "positions", None)
         if positions is not None:
             return int(positions)
@@ -75,7 +79,7 @@ class LoopedPipeline(Pipeline):
             looped = [distinct[s % len(distinct)] for s in range(n)] if n % len(distinct) == 0 else None
             fix = f"pass devices={looped}" if looped else "give each device the same number of stages"
             raise ValueError(
-                f"schedule='interleaved-1f1b' runs stage s on worker s % P (looped); devices={devices} do not place "
-                f"the {n} stages so: {fix}, or use schedule='1f1b'"
+                f"schedule='interleaved-1f1b' runs stage s on worker s % P (looped); devices={devices} do "
+                f"not place the {n} stages so: {fix}, or use schedule='1f1b'"
             )
         return p

@@ -66,7 +66,9 @@ class Pipeline:
         self._plans: dict[tuple[str, int, int], list[list[sched.Action]]] = {}
         self._orders: dict[tuple[int, tuple[int, ...]], list[sched.Action]] = {}
         self._steps = MeteredSteps(meter)  # which training steps count saved activations (``_signature``)
-        self.split = True  # zero-bubble splits backwards; False: whole backwards in B, W does nothing (FSDP stages)
+        self.split = (
+            True  # zero-bubble splits backwards; False: whole backwards in B, W does nothing (FSDP stages)
+        )
 
     @property
     def metered(self) -> bool:
@@ -74,7 +76,9 @@ class Pipeline:
         return self._steps.metered
 
     # ------------------------------------------------------------------ helpers
-    def _send(self, box: Mailbox, kind: str, values: list[Any], spec: Any, src: int, dst: int, mb: int) -> None:
+    def _send(
+        self, box: Mailbox, kind: str, values: list[Any], spec: Any, src: int, dst: int, mb: int
+    ) -> None:
         if not self.transport.is_local(dst):
             with self.recorder.block(src, self.devices[src], mb, "transfer"):
                 self.transport.send(values, spec, src, dst, kind, mb)
@@ -84,7 +88,8 @@ class Pipeline:
         if sdev == ddev:  # nothing is copied, so no transfer block in the timeline
             moved, ready = transfer(values, sdev, ddev)
         else:
-            # On a GPU the copy runs on the source's copy stream: time it there (after the compute it waits for).
+            # On a GPU the copy runs on the source's copy stream: time it there (after the compute it waits
+            # for).
             stream = copy_stream(sdev)
             if stream is not None:  # pragma: no cover - needs a GPU
                 stream.wait_stream(torch.cuda.current_stream(sdev))
@@ -103,7 +108,9 @@ class Pipeline:
         key = (schedule, m, n)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = sched.forward_only(m, n) if schedule == "forward" else sched.build(schedule, m, n)
+            plan = self._plans[key] = (
+                sched.forward_only(m, n) if schedule == "forward" else sched.build(schedule, m, n)
+            )
         return plan
 
     def _run(self, schedule: list[list[sched.Action]], do: Callable[[Mailbox, sched.Action], None]) -> None:
@@ -116,7 +123,9 @@ class Pipeline:
             def run(box: Mailbox) -> None:
                 if threads is not None and self.devices[stages[0]].type == "cpu":
                     torch.set_num_threads(threads)
-                cuda = any(self.devices[s].type == "cuda" for s in stages)  # else use_device is a no-op: skipped
+                cuda = any(
+                    self.devices[s].type == "cuda" for s in stages
+                )  # else use_device is a no-op: skipped
                 for action in order:
                     try:
                         if cuda:
@@ -128,7 +137,8 @@ class Pipeline:
                         where = self.transport.where(action.stage)
                         note_failure(
                             exc,
-                            f" in stage {action.stage} on {where or ''}{self.devices[action.stage]}{')' if where else ''}, "
+                            f" in stage {action.stage} on "
+                            f"{where or ''}{self.devices[action.stage]}{')' if where else ''}, "
                             f"{action.kind} of micro-batch {action.microbatch}",
                         )
                         raise
@@ -136,7 +146,9 @@ class Pipeline:
             return run
 
         # Only this process's stages run here (all of them unless the transport crosses processes).
-        groups = [local for local in ([s for s in g if self.transport.is_local(s)] for g in self.groups) if local]
+        groups = [
+            local for local in ([s for s in g if self.transport.is_local(s)] for g in self.groups) if local
+        ]
         threads = intra_op_threads(self.devices, groups)  # several CPU workers share the cores
         names = [f"torchspan-{self.devices[g[0]]}-stages-{'-'.join(map(str, g))}" for g in groups]
         ok = False
@@ -162,8 +174,8 @@ class Pipeline:
         """Forward and backward of every micro-batch; returns the summed weighted loss (detached).
 
         ``finished(stage, loss)``: across processes, called once a local stage has run (and sent) its
-        last backward (its last weight backward, zero-bubble), with the pipeline's loss, while later stages' work may still run (a
-        data-parallel gradient reduction starts there).
+        last backward (its last weight backward, zero-bubble), with the pipeline's loss, while later stages'
+        work may still run (a data-parallel gradient reduction starts there).
 
         ``buffers[s]`` are stage ``s``'s buffer slots: a recompute leaves them as the real forward
         left them (BatchNorm statistics are updated once per micro-batch).
@@ -173,8 +185,12 @@ class Pipeline:
         metering = self._steps.wants(signature)
         step = TrainStep(self, fns, inputs, targets, loss_fn, weights, scaler, buffers, finished, metering)
         if sched.merges_weights(schedule):
-            step.merge_at = {(s, mb) for s, actions in enumerate(plan) for mb in sched.weight_run_ends(actions)}
-        for s in range(1, len(fns)):  # a stage in another process sends all its forwards first: take them as they come
+            step.merge_at = {
+                (s, mb) for s, actions in enumerate(plan) for mb in sched.weight_run_ends(actions)
+            }
+        for s in range(
+            1, len(fns)
+        ):  # a stage in another process sends all its forwards first: take them as they come
             if self.transport.is_local(s) and not self.transport.is_local(s - 1):
                 for _, mbs in sched.early_receives(plan, s, [s - 1]):
                     step.expect[s] = mbs
@@ -194,7 +210,10 @@ class Pipeline:
 
     # ------------------------------------------------------------------ forward only
     def forward(
-        self, fns: Sequence[Callable[..., Any]], inputs: Sequence[Sequence[Any]], buffers: Sequence[Sequence[Slot]] | None = None
+        self,
+        fns: Sequence[Callable[..., Any]],
+        inputs: Sequence[Sequence[Any]],
+        buffers: Sequence[Sequence[Slot]] | None = None,
     ) -> list[Any]:
         """Pipelined forward of every micro-batch, autograd kept across stages; outputs per micro-batch.
 
@@ -219,10 +238,20 @@ class Pipeline:
                 args = tree_unflatten(leaves, spec)
             else:
                 args = box.get(("fwd", s, mb))
-            recompute = grad and recomputes(self.recompute, mb, m)  # torch.utils.checkpoint: backward recomputes
+            recompute = grad and recomputes(
+                self.recompute, mb, m
+            )  # torch.utils.checkpoint: backward recomputes
             metered = self.meter.saving(s) if grad and not recompute else contextlib.nullcontext()
             with self.recorder.block(s, dev, mb, "forward"), metered:
-                out = run_layer(fns[s], args, {}, device=dev, precision=self.precision, recompute=recompute, slots=slots[s])
+                out = run_layer(
+                    fns[s],
+                    args,
+                    {},
+                    device=dev,
+                    precision=self.precision,
+                    recompute=recompute,
+                    slots=slots[s],
+                )
             if s == n - 1:
                 outputs[mb] = out
                 return
@@ -247,7 +276,9 @@ def _shape_of(v: Any) -> Any:
     return v if v is None or isinstance(v, (bool, int, float, str)) else type(v)
 
 
-def _signature(fns: Sequence[Callable[..., Any]], inputs: Sequence[Sequence[Any]], targets: Sequence[Any]) -> Any:
+def _signature(
+    fns: Sequence[Callable[..., Any]], inputs: Sequence[Sequence[Any]], targets: Sequence[Any]
+) -> Any:
     """What decides the tensors a training step saves, as far as the pipeline sees it: the stage
     functions (an fx split per set of non-tensor arguments) and every micro-batch's inputs and
     targets (pytree structure; per leaf shape, dtype, device, or a plain value)."""
@@ -255,15 +286,24 @@ def _signature(fns: Sequence[Callable[..., Any]], inputs: Sequence[Sequence[Any]
     if all(isinstance(t, torch.Tensor) for t in targets) and all(
         type(c) is list and all(isinstance(v, torch.Tensor) for v in c) for c in inputs
     ):  # the common case, without a pytree walk: lists of tensors, tensor targets
-        return funcs, "tensors", tuple(tuple(_shape_of(v) for v in c) for c in inputs), tuple(_shape_of(t) for t in targets)
+        return (
+            funcs,
+            "tensors",
+            tuple(tuple(_shape_of(v) for v in c) for c in inputs),
+            tuple(_shape_of(t) for t in targets),
+        )
     leaves, spec = tree_flatten((list(inputs), list(targets)))
     return funcs, spec, tuple(_shape_of(v) for v in leaves)
 
 
 def _carried_microbatch(plan: list[list[sched.Action]]) -> int:
-    """The micro-batch whose backward is every stage's last action (the last stage has run every forward by then)."""
+    """The micro-batch whose backward is every stage's last action (the last stage has run every forward by
+    then)."""
     lasts = {actions[-1].microbatch for actions in plan if actions}
     ends = (sched.BACKWARD, sched.BACKWARD_WEIGHT)
     if len(lasts) != 1 or any(a.kind not in ends for a in (actions[-1] for actions in plan)):
-        raise ValueError("this schedule does not end every stage with the same micro-batch's backward; the loss cannot ride on it")
+        raise ValueError(
+            "this schedule does not end every stage with the same micro-batch's backward; the loss cannot "
+            "ride on it"
+        )
     return lasts.pop()

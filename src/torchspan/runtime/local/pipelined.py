@@ -32,7 +32,10 @@ __all__ = ["PipelinedExecutor", "stage_functions"]
 def stage_functions(work: Work) -> list[Callable[..., Any]]:
     """The stage functions a ``StageFunctions.prepare`` put in ``work`` (``ValueError`` for other work)."""
     if work.fns is None:
-        raise ValueError("work.fns is None: this Work was not made by PipelinedExecutor.prepare; call prepare(args, kwargs) first")
+        raise ValueError(
+            "work.fns is None: this Work was not made by PipelinedExecutor.prepare; call prepare(args, "
+            "kwargs) first"
+        )
     return work.fns
 
 
@@ -51,7 +54,10 @@ class PipelinedExecutor(Executor):
         meter: ActivationMeter,
     ) -> None:
         if mode not in ("sequential", "fx"):
-            raise ValueError(f"mode={mode!r} is not a pipelined mode; use 'sequential' or 'fx' (the model's own forward is OwnForwardExecutor)")
+            raise ValueError(
+                f"mode={mode!r} is not a pipelined mode; use 'sequential' or 'fx' (the model's own forward "
+                "is OwnForwardExecutor)"
+            )
         super().__init__(devices, groups)
         self.mode = mode
         self.model = model
@@ -59,9 +65,13 @@ class PipelinedExecutor(Executor):
         self.fns = StageFunctions(model, mode, self.groups)
         per_stage = settings.workers == "stage"
         self._pipeline = LoopedPipeline(
-            self.devices, recompute=settings.recompute, precision=settings.precision, recorder=recorder, meter=meter,
+            self.devices,
+            recompute=settings.recompute,
+            precision=settings.precision,
+            recorder=recorder,
+            meter=meter,
             groups=worker_groups(self.devices, per_stage) if per_stage else None,
-        )  # fmt: skip
+        )
         check_shared(model, self.stage_of)
         self.fns.split(graph, self._put)
 
@@ -74,7 +84,9 @@ class PipelinedExecutor(Executor):
         return self.fns.prepare(args, kwargs, self.settings.microbatches)
 
     def forward(self, work: Work) -> list[Any]:
-        return self._pipeline.forward(stage_functions(work), work.chunks, self.fns.buffers(self.root_attrs, self.settings.recompute))
+        return self._pipeline.forward(
+            stage_functions(work), work.chunks, self.fns.buffers(self.root_attrs, self.settings.recompute)
+        )
 
     def train(
         self,
@@ -86,4 +98,6 @@ class PipelinedExecutor(Executor):
     ) -> torch.Tensor:
         s = self.settings
         buffers = self.fns.buffers(self.root_attrs, s.recompute)
-        return self._pipeline.train(stage_functions(work), work.chunks, targets, loss_fn, weights, s.schedule, s.scaler, buffers)
+        return self._pipeline.train(
+            stage_functions(work), work.chunks, targets, loss_fn, weights, s.schedule, s.scaler, buffers
+        )

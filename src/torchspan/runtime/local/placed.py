@@ -41,7 +41,9 @@ from .hooks import HookPlacement
 __all__ = ["OwnForwardLayers", "PlacedModel", "to_first_stage"]
 
 
-def to_first_stage(device: torch.device, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def to_first_stage(
+    device: torch.device, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Inputs on stage 0's device before the model's own forward touches them (its code may use them
     before calling the first layer, e.g. ``x + self.shift``)."""
     return to_device((args, kwargs), device, non_blocking=device.type == "cuda")
@@ -80,7 +82,11 @@ class OwnForwardLayers:
     ) -> None:
         self.model = model
         self.options = (split_points, no_split)
-        self.layer_set = layers if layers is not None else model_layers(model, split_points=split_points, no_split=no_split)
+        self.layer_set = (
+            layers
+            if layers is not None
+            else model_layers(model, split_points=split_points, no_split=no_split)
+        )
         self.layers = {layer.name: layer.module for layer in self.layer_set}
         self.even = even
         self.balance_given = balance_given  # groups are counts over the order the first call records
@@ -101,10 +107,18 @@ class OwnForwardLayers:
         first_args, first_kwargs = work.chunks[0]
         split_points, no_split = self.options
         cuda = sorted({d.index if d.index is not None else 0 for d in devices if d.type == "cuda"})
-        if on_meta(self.model):  # built on meta (span(..., weights=)): recorded on meta inputs under FakeTensorMode
+        if on_meta(
+            self.model
+        ):  # built on meta (span(..., weights=)): recorded on meta inputs under FakeTensorMode
             first_args, first_kwargs = to_device((first_args, first_kwargs), torch.device("meta"))
         with torch.random.fork_rng(devices=cuda), kept(buffer_slots([self.model])), meta_forward(self.model):
-            found = model_layers(self.model, tuple(first_args), dict(first_kwargs), split_points=split_points, no_split=no_split)
+            found = model_layers(
+                self.model,
+                tuple(first_args),
+                dict(first_kwargs),
+                split_points=split_points,
+                no_split=no_split,
+            )
         order = found.names()
         if self.balance_given:  # one stage too: its layers are simply all of them, in the recorded order
             counts = even_balance(len(order), len(devices)) if self.even else [len(g) for g in groups]
@@ -116,7 +130,9 @@ class OwnForwardLayers:
         self.layers = {layer.name: layer.module for layer in found}
         self.order_checked = True
         stage_of = {name: s for s, g in enumerate(groups) for name in g}
-        return [list(g) for g in groups], {r.name: stage_of.get(r.reader, 0) if r.reader else 0 for r in found.roots}
+        return [list(g) for g in groups], {
+            r.name: stage_of.get(r.reader, 0) if r.reader else 0 for r in found.roots
+        }
 
     @staticmethod
     def _check_planned(groups: Sequence[Sequence[str]], order: list[str]) -> None:
@@ -126,9 +142,10 @@ class OwnForwardLayers:
             extra = [n for n in planned if n not in order]
             missing = [n for n in order if n not in planned]
             raise ValueError(
-                f"the plan's layers are not this model's: it places {extra or 'no'} unknown layer(s) and leaves "
-                f"{missing or 'none'} out (the model's layers, in execution order: {', '.join(order)}). "
-                "Re-plan for this model with the same inputs: torchspan.plan(model, example_inputs, ...)"
+                f"the plan's layers are not this model's: it places {extra or 'no'} unknown layer(s) and "
+                f"leaves {missing or 'none'} out (the model's layers, in execution order: "
+                f"{', '.join(order)}). Re-plan for this model with the same inputs: torchspan.plan(model, "
+                "example_inputs, ...)"
             )
         _check_order(groups, order, "Re-plan with torchspan.plan(model, x, ...) or pass devices and balance")
 
@@ -177,7 +194,9 @@ class PlacedModel:
     @property
     def hooks(self) -> HookPlacement:
         if self._hooks is None:
-            raise RuntimeError("the executor ran before it was placed; call place(work) with the prepared work first")
+            raise RuntimeError(
+                "the executor ran before it was placed; call place(work) with the prepared work first"
+            )
         return self._hooks
 
     @property
@@ -206,7 +225,16 @@ class PlacedModel:
         self.root_attrs = dict(root_attrs)
         roots = [r.name for r in self.own.layer_set.roots]
         copies = place(self.model, stage_of, self.devices, self.root_attrs, self.layers, roots)
-        self._hooks = HookPlacement(self.model, stage_of, self.devices, self.recorder, self.meter, self.settings.precision, self.layers, copies)
+        self._hooks = HookPlacement(
+            self.model,
+            stage_of,
+            self.devices,
+            self.recorder,
+            self.meter,
+            self.settings.precision,
+            self.layers,
+            copies,
+        )
         self._hooks.install()
         for callback in self.on_placed:
             callback()
@@ -214,5 +242,7 @@ class PlacedModel:
     def check_order(self) -> None:
         self.own.check_order(self.groups, self.hooks.order)
 
-    def to_first_stage(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def to_first_stage(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         return to_first_stage(self.devices[0], args, kwargs)

@@ -1,4 +1,5 @@
-"""Stage functions: a model cut into one callable per stage, for the pipelines that pass values between stages.
+"""Stage functions: a model cut into one callable per stage, for the pipelines that pass values between
+stages.
 
 From an ``nn.Sequential`` (its layers in order, ``mode="sequential"``) or from an fx trace split at
 layer boundaries (``mode="fx"``; one split per set of non-tensor arguments, the one ``span`` traced
@@ -28,7 +29,8 @@ __all__ = ["StageFunctions", "concrete_id"]
 
 
 def concrete_id(concrete: dict[str, Any]) -> frozenset[tuple[str, str, str]]:
-    """What identifies a trace's specialised arguments (as ``split.concrete_key`` keys them: type and repr)."""
+    """What identifies a trace's specialised arguments (as ``split.concrete_key`` keys them: type and
+    repr)."""
     return frozenset((name, type(v).__name__, repr(v)) for name, v in concrete.items())
 
 
@@ -41,15 +43,18 @@ class StageFunctions:
         self.model, self.mode = model, mode
         self.groups = [list(g) for g in groups]
         self._graphs: dict[Any, list[Any]] = {}
-        self._default_trace: tuple[Any, list[Any]] | None = None  # (concrete id, stage modules) of span's trace
+        self._default_trace: tuple[Any, list[Any]] | None = (
+            None  # (concrete id, stage modules) of span's trace
+        )
 
     @property
     def stage_of(self) -> dict[str, int]:
         return {name: s for s, g in enumerate(self.groups) for name in g}
 
     def split(self, graph: Any, put: Callable[[dict[str, int]], None]) -> None:
-        """Cut ``graph`` (``None`` for an ``nn.Sequential``) into stages; ``put(root_attrs)`` places the layers
-        and the model's own tensors (by the stage that first reads them) before the stage modules capture them."""
+        """Cut ``graph`` (``None`` for an ``nn.Sequential``) into stages; ``put(root_attrs)`` places the
+        layers and the model's own tensors (by the stage that first reads them) before the stage modules
+        capture them."""
         if graph is None:
             put({})
             return
@@ -61,8 +66,8 @@ class StageFunctions:
         if self.mode == "sequential":
             if kwargs or len(args) != 1:
                 raise TypeError(
-                    f"an nn.Sequential takes one positional input; got {len(args)} positional and {sorted(kwargs)} keyword "
-                    "argument(s)"
+                    f"an nn.Sequential takes one positional input; got {len(args)} positional and "
+                    f"{sorted(kwargs)} keyword argument(s)"
                 )
             chunks = split_batch(args, {}, microbatches)
             return Work([list(a) for a, _ in chunks], self._sequential())
@@ -88,10 +93,16 @@ class StageFunctions:
 
         return [make(g, s == n - 1) for s, g in enumerate(self.groups)]
 
-    def _traced(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Callable[..., Any]], list[Any]]:
+    def _traced(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[list[Callable[..., Any]], list[Any]]:
         values, concrete, key = split.concrete_key(self.model, args, kwargs, tensor_like=(NoSplit,))
         mods = self._graphs.get(key)
-        if mods is None and self._default_trace is not None and self._default_trace[0] == concrete_id(concrete):
+        if (
+            mods is None
+            and self._default_trace is not None
+            and self._default_trace[0] == concrete_id(concrete)
+        ):
             mods = self._graphs[key] = self._default_trace[1]
         if mods is None:
             graph = split.trace(self.model, concrete)

@@ -101,13 +101,15 @@ class OwnForwardExecutor(Executor):
 
     @staticmethod
     def unsupported(devices: Sequence[torch.device], microbatches: int, recompute: str) -> str:
-        """Why these settings cannot be pipelined by threads ("" when they can); ``span`` then runs them serially."""
+        """Why these settings cannot be pipelined by threads ("" when they can); ``span`` then runs them
+        serially."""
         if len(devices) == 1 or microbatches == 1:
             return "pipelining needs more than one stage and microbatches > 1"
         if recompute != "never" and any(torch.device(d).type != "cpu" for d in devices):
             return (
-                f"recompute={recompute!r} with a non-CPU stage is not threaded, since recomputes on autograd's device "
-                "threads could replay another micro-batch's random state; use recompute='never' to pipeline"
+                f"recompute={recompute!r} with a non-CPU stage is not threaded, since recomputes on "
+                "autograd's device threads could replay another micro-batch's random state; use "
+                "recompute='never' to pipeline"
             )
         return ""
 
@@ -123,7 +125,9 @@ class OwnForwardExecutor(Executor):
         for name, module in self.placed.layers.items():
             if name in stage_of:  # in front of the input-moving hooks: wait for the turn, then move
                 hook = Hook(self._pre(name, stage_of[name]))
-                self._turn_handles.append(module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
+                self._turn_handles.append(
+                    module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+                )
 
     # ------------------------------------------------------------------ hooks
     def _pre(self, name: str, stage: int) -> Callable[..., Any]:
@@ -133,7 +137,8 @@ class OwnForwardExecutor(Executor):
             entered = flow is not None and flow.go(stage, name)
             back: Flow | None = getattr(self._local, "back", None)
             if entered and back is not None and came_from is not None and torch.is_grad_enabled():
-                # Gradients reaching what crossed into this stage: backward moves on to the stage it came from.
+                # Gradients reaching what crossed into this stage: backward moves on to the stage it came
+                # from.
                 for t in tree_leaves((args, kwargs)):
                     if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
                         t.register_hook(_arrival(back, came_from))
@@ -141,7 +146,9 @@ class OwnForwardExecutor(Executor):
         return hook
 
     # ------------------------------------------------------------------ running
-    def _run(self, schedule: list[list[sched.Action]], backward: str, job: Callable[[Turns, int], None]) -> None:
+    def _run(
+        self, schedule: list[list[sched.Action]], backward: str, job: Callable[[Turns, int], None]
+    ) -> None:
         """``job(turns, mb)`` for every micro-batch, one thread each; the first error is re-raised here."""
         m = self.settings.microbatches
         groups = worker_groups(self.devices, per_stage=self.settings.workers == "stage")
@@ -172,7 +179,9 @@ class OwnForwardExecutor(Executor):
 
         s, p = self.settings, self.placed
         calls = LayerCalls(p.layers, p.stage_of, self.devices, s.precision, p.hooks.copies)
-        with calls.installed(lambda: getattr(local, "recompute", False), may_recompute=s.recompute != "never"):
+        with calls.installed(
+            lambda: getattr(local, "recompute", False), may_recompute=s.recompute != "never"
+        ):
             run_workers([make(i) for i in range(m)], names=[f"torchspan-microbatch-{i}" for i in range(m)])
 
     def _start(self, turns: Turns, mb: int, *, backward: bool) -> tuple[Flow, Flow | None]:
@@ -181,7 +190,9 @@ class OwnForwardExecutor(Executor):
         fwd = Flow(turns, sched.FORWARD, mb, n, self.recorder, self.devices)
         back = None
         if backward:
-            back = Flow(turns if self.ordered_backward else None, sched.BACKWARD, mb, n, self.recorder, self.devices)
+            back = Flow(
+                turns if self.ordered_backward else None, sched.BACKWARD, mb, n, self.recorder, self.devices
+            )
         self._local.flow, self._local.back = fwd, back
         self._local.recompute = recomputes(s.recompute, mb, s.microbatches)
         return fwd, back
@@ -236,7 +247,8 @@ class OwnForwardExecutor(Executor):
             back.finish()
             losses[mb] = loss.detach().to(last).float()
 
-        # split schedules run as 1F1B here: each micro-batch's backward is one autograd call across the stages, not split
+        # split schedules run as 1F1B here: each micro-batch's backward is one autograd call across the
+        # stages, not split
         schedule = "1f1b" if s.schedule in ("zero-bubble", "merged-weights") else s.schedule
         self._run(sched.build(schedule, s.microbatches, n), "all" if self.ordered_backward else "start", job)
         return torch.stack([t for t in losses if t is not None]).sum()

@@ -1,4 +1,5 @@
-"""One training step of a local ``Pipeline``: what each schedule action does, and what the stages keep meanwhile.
+"""One training step of a local ``Pipeline``: what each schedule action does, and what the stages keep
+meanwhile.
 
 ``TrainStep.do(box, action)`` runs one action of one stage (forward, backward, a zero-bubble split backward's
 input or weight pass, a recompute) in the worker that owns the stage's device; ``Pipeline.train`` builds one
@@ -52,7 +53,6 @@ class _Saved:
     rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
 
-
 class TrainStep:
     """One training step of a ``Pipeline``: what each action does, and what the stages keep meanwhile."""
 
@@ -79,10 +79,18 @@ class TrainStep:
         self.last = len(fns) - 1
         self.carry: int | None = None  # across processes: the micro-batch whose backward carries the loss
         self.carried: list[torch.Tensor] = []
-        self.pending: dict[tuple[int, int], tuple[Pending, torch.Tensor | None]] = {}  # zero-bubble: weight passes to run
-        self.merge_at: set[tuple[int, int]] | None = None  # merged weights: (stage, mb) of the weight backward ending a run
-        self.merging: dict[int, tuple[list[Pending], list[torch.Tensor]]] = {}  # per stage: the run so far, its loss
-        self.expect: dict[int, list[int]] = {}  # stage -> its forwards' micro-batches, to receive early (once per step)
+        self.pending: dict[
+            tuple[int, int], tuple[Pending, torch.Tensor | None]
+        ] = {}  # zero-bubble: weight passes to run
+        self.merge_at: set[tuple[int, int]] | None = (
+            None  # merged weights: (stage, mb) of the weight backward ending a run
+        )
+        self.merging: dict[
+            int, tuple[list[Pending], list[torch.Tensor]]
+        ] = {}  # per stage: the run so far, its loss
+        self.expect: dict[
+            int, list[int]
+        ] = {}  # stage -> its forwards' micro-batches, to receive early (once per step)
 
     def summed(self) -> torch.Tensor:
         done = [t.float() for t in self.losses if t is not None]
@@ -125,7 +133,10 @@ class TrainStep:
         st = _Saved(leaves, spec)
         with pipe.recorder.block(s, dev, mb, "forward"):
             if recompute:  # no graph now: backward runs this forward again from the kept inputs
-                st.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
+                st.rng = (
+                    torch.get_rng_state(),
+                    torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None,
+                )
                 if self.metering:
                     st.stash = [pipe.meter.hold(s, v) for v in leaves if isinstance(v, torch.Tensor)]
                 with torch.no_grad():
@@ -144,7 +155,8 @@ class TrainStep:
         self.saved[(s, mb)] = st
 
     def recompute(self, s: int, mb: int, st: _Saved) -> None:
-        """The forward of micro-batch ``mb`` on stage ``s`` again, with its random state, keeping its graph."""
+        """The forward of micro-batch ``mb`` on stage ``s`` again, with its random state, keeping its
+        graph."""
         dev = self.pipe.devices[s]
         with self.pipe.recorder.block(s, dev, mb, "recompute"):
             leaves = [v.detach().requires_grad_(True) if _needs_grad(v) else v for v in st.inputs]
@@ -180,7 +192,11 @@ class TrainStep:
                 target = self.scaler.scale(st.loss) if self.scaler is not None else st.loss
                 pairs = [(target, None)] if target.requires_grad else []
             else:
-                pairs = [(o, g) for o, g in zip(st.outputs, grads_in) if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+                pairs = [
+                    (o, g)
+                    for o, g in zip(st.outputs, grads_in)
+                    if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
+                ]
             grads = self._input_pass(s, mb, st, pairs, split)
         loss = (self.summed() if s == self.last else self.carried[-1]) if mb == self.carry else None
         if s > 0:
@@ -192,7 +208,9 @@ class TrainStep:
         elif loss is not None and self.finished is not None:
             self.finished(s, loss)
 
-    def _input_pass(self, s: int, mb: int, st: _Saved, pairs: list[tuple[Any, Any]], split: bool) -> list[Any]:
+    def _input_pass(
+        self, s: int, mb: int, st: _Saved, pairs: list[tuple[Any, Any]], split: bool
+    ) -> list[Any]:
         """Autograd from ``pairs`` (output, gradient): whole, or (``split``) to the inputs only, keeping the
         weight pass in ``self.pending``; the inputs' gradients (``None`` for inputs that need none)."""
         leaves = [v if isinstance(v, torch.Tensor) and v.requires_grad else None for v in st.inputs]
@@ -203,7 +221,9 @@ class TrainStep:
                 self.pending[(s, mb)] = (Pending(), None)
             return [v.grad if v is not None else None for v in leaves]
         wanted = [v for v in leaves if v is not None] if s > 0 else []  # stage 0: one whole backward now
-        found, pending = input_backward([o for o, _ in pairs], [g for _, g in pairs], wanted, merge=self.merge_at is not None)
+        found, pending = input_backward(
+            [o for o, _ in pairs], [g for _, g in pairs], wanted, merge=self.merge_at is not None
+        )
         self.pending[(s, mb)] = (pending, None)
         if s == 0:  # nothing is sent
             return [None] * len(leaves)
@@ -236,11 +256,14 @@ def _unmetered(stage: int) -> contextlib.AbstractContextManager[None]:
     return contextlib.nullcontext()
 
 
-_SEQUENCE_SPECS: dict[tuple[type, int], Any] = {}  # pytree spec of a list/tuple of n leaves (immutable, shared)
+_SEQUENCE_SPECS: dict[
+    tuple[type, int], Any
+] = {}  # pytree spec of a list/tuple of n leaves (immutable, shared)
 
 
 def flat(obj: Any) -> tuple[list[Any], Any]:
-    """``tree_flatten(obj)``; a list or tuple of tensors (a stage's usual inputs and outputs) without the walk."""
+    """``tree_flatten(obj)``; a list or tuple of tensors (a stage's usual inputs and outputs) without the
+    walk."""
     if type(obj) in (list, tuple) and all(isinstance(v, torch.Tensor) for v in obj):
         key = (type(obj), len(obj))
         spec = _SEQUENCE_SPECS.get(key)

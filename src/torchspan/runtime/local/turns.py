@@ -1,7 +1,7 @@
 """Turn-taking for threads that run micro-batches through one model: whose turn it is on each stage.
 
-The own-forward executor (``threaded``) runs one thread per micro-batch, each calling the model's own forward (and
-backward). ``Turns`` decides when a thread may run a stage: the actions ``(kind, stage,
+The own-forward executor (``threaded``) runs one thread per micro-batch, each calling the model's own forward
+(and backward). ``Turns`` decides when a thread may run a stage: the actions ``(kind, stage,
 micro-batch)`` of ``torchspan.schedule`` are grouped per worker (stages sharing one worker take
 turns, as in the pipelined mode) and merged in clock order; an action may start once the action
 before it in its worker's list has finished. The schedule orders every action after its
@@ -97,7 +97,13 @@ class Flow:
     """
 
     def __init__(
-        self, turns: Turns | None, kind: str, mb: int, stages: int, recorder: Recorder, devices: Sequence[torch.device]
+        self,
+        turns: Turns | None,
+        kind: str,
+        mb: int,
+        stages: int,
+        recorder: Recorder,
+        devices: Sequence[torch.device],
     ) -> None:
         if kind not in (sched.FORWARD, sched.BACKWARD):
             raise ValueError(f"kind={kind!r} is not 'forward' or 'backward'")
@@ -143,9 +149,10 @@ class Flow:
                 if self.step == -1:
                     return False
                 raise OrderError(
-                    f"micro-batch {self.mb} ran layer {layer!r} of stage {stage} after stage {self.current}: the model "
-                    "runs its layers in another order than the stages list them; stages must follow execution order. "
-                    "Re-plan with torchspan.plan(model, x, ...) or pass devices and balance"
+                    f"micro-batch {self.mb} ran layer {layer!r} of stage {stage} after stage "
+                    f"{self.current}: the model runs its layers in another order than the stages list "
+                    "them; stages must follow execution order. Re-plan with torchspan.plan(model, x, ...) "
+                    "or pass devices and balance"
                 )
             self._leave()
             for s in range(self.next, stage, self.step):

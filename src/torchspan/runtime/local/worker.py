@@ -25,7 +25,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["Mailbox", "Aborted", "Transport", "run_workers", "worker_groups", "intra_op_threads", "note_failure"]
+__all__ = [
+    "Mailbox",
+    "Aborted",
+    "Transport",
+    "run_workers",
+    "worker_groups",
+    "intra_op_threads",
+    "note_failure",
+]
 
 
 class Aborted(Exception):
@@ -75,7 +83,10 @@ class _OneWorkerBox(Mailbox):
         try:
             return self._items.pop(key)
         except KeyError:
-            raise RuntimeError(f"torchspan's only worker asked for {key!r} before any step put it there (a schedule out of order)") from None
+            raise RuntimeError(
+                f"torchspan's only worker asked for {key!r} before any step put it there (a schedule out "
+                "of order)"
+            ) from None
 
 
 class Transport:
@@ -94,15 +105,21 @@ class Transport:
         """Words naming where ``stage`` runs, for error notes (empty: this process)."""
         return ""
 
-    def send(self, values: list[Any], spec: Any, src: int, dst: int, kind: str, mb: int = 0, seq: int = 0) -> None:
-        """Hand ``values`` (flattened leaves, ``spec`` their pytree spec) of micro-batch ``mb`` (its ``seq``-th message of
-        ``kind``) from local ``src`` to remote ``dst``."""
-        raise RuntimeError(f"stage {dst} runs in this process: its values go through the mailbox, not a transport")
+    def send(
+        self, values: list[Any], spec: Any, src: int, dst: int, kind: str, mb: int = 0, seq: int = 0
+    ) -> None:
+        """Hand ``values`` (flattened leaves, ``spec`` their pytree spec) of micro-batch ``mb`` (its
+        ``seq``-th message of ``kind``) from local ``src`` to remote ``dst``."""
+        raise RuntimeError(
+            f"stage {dst} runs in this process: its values go through the mailbox, not a transport"
+        )
 
     def receive(self, src: int, dst: int, kind: str, mb: int = 0, seq: int = 0) -> tuple[list[Any], Any]:
-        """The ``(values, spec)`` of micro-batch ``mb`` (its ``seq``-th message) that remote ``src`` sent to local ``dst``
-        with ``kind`` (``"fwd"``/``"bwd"``)."""
-        raise RuntimeError(f"stage {src} runs in this process: its values come through the mailbox, not a transport")
+        """The ``(values, spec)`` of micro-batch ``mb`` (its ``seq``-th message) that remote ``src`` sent to
+        local ``dst`` with ``kind`` (``"fwd"``/``"bwd"``)."""
+        raise RuntimeError(
+            f"stage {src} runs in this process: its values come through the mailbox, not a transport"
+        )
 
     def expect(self, src: int, dst: int, kind: str, mbs: Sequence[int]) -> None:
         """Micro-batches ``mbs`` of ``kind`` will come from remote ``src`` to local ``dst`` in this order: a
@@ -123,9 +140,12 @@ def worker_groups(devices: Sequence[torch.device], per_stage: bool = False) -> l
     return list(by_dev.values())
 
 
-def intra_op_threads(devices: Sequence[torch.device], groups: Sequence[Sequence[int]], limit: int | None = None) -> int | None:
+def intra_op_threads(
+    devices: Sequence[torch.device], groups: Sequence[Sequence[int]], limit: int | None = None
+) -> int | None:
     """Intra-op threads for each CPU worker when several run at once (the cores split between them, no
-    oversubscription); ``None`` where one CPU worker or none runs. ``limit``: at most this many run at once."""
+    oversubscription); ``None`` where one CPU worker or none runs. ``limit``: at most this many run at
+    once."""
     cpu_workers = sum(1 for g in groups if g and devices[g[0]].type == "cpu")
     if limit is not None:
         cpu_workers = min(cpu_workers, limit)
@@ -169,7 +189,9 @@ def run_workers(jobs: Sequence[Callable[[Mailbox], None]], names: Sequence[str] 
             box.abort()
 
     threads = [
-        threading.Thread(target=target, args=(job,), name=(names[i] if names else f"torchspan-worker-{i}"), daemon=True)
+        threading.Thread(
+            target=target, args=(job,), name=(names[i] if names else f"torchspan-worker-{i}"), daemon=True
+        )
         for i, job in enumerate(jobs)
     ]
     for t in threads:

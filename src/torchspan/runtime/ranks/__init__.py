@@ -1,11 +1,11 @@
 """Several processes: joining the job (``env``), sharding data (``shard``), exact data-parallel
 replicas (``dataparallel``, ``replicated``), pipelines across ranks (``mesh``; ``stage``, held by
 ``pipelined``: stage functions over ``p2p``, and ``ownforward``: the model's own forward, with
-``taint``, ``routes``, ``metacalls``, ``glue``, ``forwardstate`` and ``together``; ``stageshard``: each stage sharded over
-its replicas) and checkpoints: one file written once
-for all ranks, or a sharded folder every rank writes on ``torch.distributed.checkpoint`` (``checkpoint``, ``dcp``,
-``dcpread``, ``checkpointio``; ``export``: one safetensors file for transformers) and the weights of a model built on
-``meta``, each rank filling only its part (``metaweights``).
+``taint``, ``routes``, ``metacalls``, ``glue``, ``forwardstate`` and ``together``; ``stageshard``: each stage
+sharded over its replicas) and checkpoints: one file written once
+for all ranks, or a sharded folder every rank writes on ``torch.distributed.checkpoint`` (``checkpoint``,
+``dcp``, ``dcpread``, ``checkpointio``; ``export``: one safetensors file for transformers) and the weights of
+a model built on ``meta``, each rank filling only its part (``metaweights``).
 
 Usage: ``from torchspan.runtime.ranks import init_distributed, DataParallelReplica, shard_batch``.
 """

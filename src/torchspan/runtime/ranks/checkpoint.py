@@ -33,10 +33,12 @@ loads them.
 
 Usage::
 
-    save_checkpoint("ckpt", {"model": spanned, "optimizer": opt, "step": step})     # a sharded folder
-    state = load_checkpoint("ckpt", {"model": spanned, "optimizer": opt})           # loaded in place; state["step"]
+    # a sharded folder
+    save_checkpoint("ckpt", {"model": spanned, "optimizer": opt, "step": step})
+    # loaded in place; state["step"]
+    state = load_checkpoint("ckpt", {"model": spanned, "optimizer": opt})
     save_checkpoint("ckpt.pt", {"model": replica.state_dict(), "optimizer": opt.state_dict(), "step": step})
-    state = load_checkpoint("ckpt.pt")        # None when there is none yet (first start)
+    state = load_checkpoint("ckpt.pt")                   # None when there is none yet (first start)
     state = load_checkpoint("theirs.pt", trusted=True)   # only for a file you trust: it may run code
 """
 
@@ -72,7 +74,9 @@ def model_keys(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
     return state_dict
 
 
-def save_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any], *, writer: int = 0, barrier: bool = True) -> bool:
+def save_checkpoint(
+    path: str | os.PathLike[str], state: Mapping[str, Any], *, writer: int = 0, barrier: bool = True
+) -> bool:
     """Write ``state`` to ``path`` from rank ``writer`` only; returns True on the rank that wrote.
 
     Call it on every rank: with ``barrier=True`` (default) all ranks wait until the file is in
@@ -82,10 +86,16 @@ def save_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any], *, w
     writes its shards, rank 0 swaps the folder in and returns True.
     """
     if not isinstance(state, Mapping):
-        raise TypeError(f"state={type(state).__name__} must be a mapping, e.g. {{'model': replica.state_dict(), 'step': step}}")
+        raise TypeError(
+            f"state={type(state).__name__} must be a mapping, e.g. {{'model': replica.state_dict(), "
+            "'step': step}"
+        )
     if dcp.holds_objects(state):
         if writer != 0:
-            raise ValueError(f"writer={writer!r}: a sharded checkpoint is written by every rank and put in place by rank 0; leave writer=0")
+            raise ValueError(
+                f"writer={writer!r}: a sharded checkpoint is written by every rank and put in place by "
+                "rank 0; leave writer=0"
+            )
         return dcp.save_folder(path, state, barrier=barrier)
     world = group_size()
     if isinstance(writer, bool) or not isinstance(writer, int) or not 0 <= writer < world:
@@ -95,7 +105,10 @@ def save_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any], *, w
     if world > 1:
         meta, unwritable = any_rank(_holds_meta(state), problem is not None)
         if unwritable:  # every rank stops here, none waits at a barrier for a writer that gave up
-            raise problem or ValueError(f"path={str(path)!r}: rank {writer}, which writes the checkpoint, cannot write it (see its error); nothing was saved")
+            raise problem or ValueError(
+                f"path={str(path)!r}: rank {writer}, which writes the checkpoint, cannot write it (see its "
+                "error); nothing was saved"
+            )
         if meta:  # a pipeline: each rank holds only its stage
             states: list[Any] | None = [None] * world if rank() == writer else None
             dist.gather_object(tree_map(_to_cpu, dict(state)), states, dst=writer)
@@ -140,17 +153,17 @@ def load_checkpoint(
 ) -> dict[str, Any] | None:
     """The state saved at ``path``; ``None`` when there is none (a first start).
 
-    Without ``state``: what was saved, its tensors on ``map_location`` (a sharded folder: full tensors with the
-    model's own keys, read in this process, no process group needed). With ``state`` (call it on every rank):
-    its models, optimizers and objects with a ``load_state_dict`` are loaded in place (a sharded folder:
-    resharded to this job's world size; a file: each one's ``load_state_dict``), and the saved dict is
+    Without ``state``: what was saved, its tensors on ``map_location`` (a sharded folder: full tensors with
+    the model's own keys, read in this process, no process group needed). With ``state`` (call it on every
+    rank): its models, optimizers and objects with a ``load_state_dict`` are loaded in place (a sharded
+    folder: resharded to this job's world size; a file: each one's ``load_state_dict``), and the saved dict is
     returned with those objects under their keys. ``load_checkpoint(path, "cuda:0")`` (``map_location`` given
     second, the older form) still works.
 
     Complete or refused, with a one-line ``ValueError`` naming the path and the fix: a key of ``state`` the
-    checkpoint lacks, a folder missing a part (its ``values.pt``, ``torchspan.json``, ``.metadata``, a shard), and
-    (``strict=True``, as ``load_state_dict``) a model whose keys differ from the saved ones; nothing is loaded
-    then. ``strict=False`` loads the keys a model and the checkpoint both have and leaves the rest.
+    checkpoint lacks, a folder missing a part (its ``values.pt``, ``torchspan.json``, ``.metadata``, a shard),
+    and (``strict=True``, as ``load_state_dict``) a model whose keys differ from the saved ones; nothing is
+    loaded then. ``strict=False`` loads the keys a model and the checkpoint both have and leaves the rest.
 
     Safe by default (``weights_only=True``: tensors, numbers, strings, lists, tuples, dicts; no code from the
     file runs). ``trusted=True`` loads any pickled object, which can run arbitrary code: only for a file
@@ -159,13 +172,18 @@ def load_checkpoint(
     if isinstance(state, (str, torch.device)) or _is_location(state):
         state, map_location = None, state  # the older positional form: load_checkpoint(path, map_location)
     if state is not None and not isinstance(state, Mapping):
-        raise TypeError(f"state={type(state).__name__} must be a mapping of what to load into, e.g. {{'model': spanned, 'optimizer': opt}}")
+        raise TypeError(
+            f"state={type(state).__name__} must be a mapping of what to load into, e.g. {{'model': "
+            "spanned, 'optimizer': opt}"
+        )
     if state is not None and dcp.loads_into(state):
         return _load_into(path, state, trusted, strict)
     target = Path(path)
     if not os.fspath(path):
         return None
-    files.clean_temporaries(target)  # an interrupted folder swap is undone here, before the target is looked for
+    files.clean_temporaries(
+        target
+    )  # an interrupted folder swap is undone here, before the target is looked for
     if not target.exists():
         return None
     if dcp.is_folder_checkpoint(target):
@@ -178,34 +196,50 @@ def load_checkpoint(
 
 def _is_location(value: Any) -> bool:
     """A ``map_location`` dict given where ``state`` now stands (``{"cuda:1": "cuda:0"}``)."""
-    return isinstance(value, Mapping) and bool(value) and all(isinstance(v, (str, torch.device)) for v in value.values())
+    return (
+        isinstance(value, Mapping)
+        and bool(value)
+        and all(isinstance(v, (str, torch.device)) for v in value.values())
+    )
 
 
 def _load_file(target: Path, map_location: Any, trusted: bool) -> dict[str, Any]:
     if target.is_dir() and (target / dcp.MANIFEST).is_file():
         from .dcpread import incomplete
 
-        raise incomplete(target, f"its .metadata is missing (the {dcp.MANIFEST} beside it shows save_checkpoint wrote the folder)")
+        raise incomplete(
+            target,
+            f"its .metadata is missing (the {dcp.MANIFEST} beside it shows save_checkpoint wrote the folder)",
+        )
     files.require_regular_file(
-        target, name="path", what="a checkpoint file", fix="name the file save_checkpoint wrote (or a sharded checkpoint folder, which holds a .metadata)"
+        target,
+        name="path",
+        what="a checkpoint file",
+        fix="name the file save_checkpoint wrote (or a sharded checkpoint folder, which holds a .metadata)",
     )
     state = safe_load(target, map_location, trusted)
     if not isinstance(state, dict):
-        raise ValueError(f"{str(target)!r} holds a {type(state).__name__}, not a checkpoint dict written by save_checkpoint")
+        raise ValueError(
+            f"{str(target)!r} holds a {type(state).__name__}, not a checkpoint dict written by "
+            "save_checkpoint"
+        )
     if _RANKS in state:
         saved, world = state[_RANKS], group_size()
         if len(saved) != world:
             raise ValueError(
-                f"{str(target)!r} was written by a pipeline job of {len(saved)} ranks (one state per rank: each held only its "
-                f"stage), but this job has {world}; resume it with {len(saved)} processes and the same stages"
+                f"{str(target)!r} was written by a pipeline job of {len(saved)} ranks (one state per rank: "
+                f"each held only its stage), but this job has {world}; resume it with {len(saved)} "
+                "processes and the same stages"
             )
         return saved[rank()]
     return state
 
 
-def _load_into(path: str | os.PathLike[str], state: Mapping[str, Any], trusted: bool, strict: bool) -> dict[str, Any] | None:
-    """``state``'s objects loaded in place on every rank (a collective): rank 0 looks for the checkpoint (undoing
-    an interrupted swap) and every rank goes by what it found."""
+def _load_into(
+    path: str | os.PathLike[str], state: Mapping[str, Any], trusted: bool, strict: bool
+) -> dict[str, Any] | None:
+    """``state``'s objects loaded in place on every rank (a collective): rank 0 looks for the checkpoint
+    (undoing an interrupted swap) and every rank goes by what it found."""
     target = Path(path)
     found = folder = False
     if rank() == 0 and os.fspath(path):
@@ -219,13 +253,19 @@ def _load_into(path: str | os.PathLike[str], state: Mapping[str, Any], trusted: 
     saved = _load_file(target, "cpu", trusted)
     _require_keys(target, state, saved)
     loading = {key: obj for key, obj in state.items() if callable(getattr(obj, "load_state_dict", None))}
-    for key, obj in loading.items():  # every check before the first load: a refusal leaves every object as it was
+    for (
+        key,
+        obj,
+    ) in loading.items():  # every check before the first load: a refusal leaves every object as it was
         if not isinstance(saved[key], Mapping):
             raise ValueError(
-                f"load_checkpoint({str(target)!r}): {key!r} holds a {type(saved[key]).__name__}, not a state dict to load into "
-                f"the {type(obj).__name__} given; name the key that holds its state dict, or leave {key!r} out"
+                f"load_checkpoint({str(target)!r}): {key!r} holds a {type(saved[key]).__name__}, not a "
+                f"state dict to load into the {type(obj).__name__} given; name the key that holds its "
+                f"state dict, or leave {key!r} out"
             )
-        problem = _model_mismatch(target, key, obj, saved[key]) if strict and isinstance(obj, nn.Module) else None
+        problem = (
+            _model_mismatch(target, key, obj, saved[key]) if strict and isinstance(obj, nn.Module) else None
+        )
         if problem is not None:
             raise problem
     for key, obj in loading.items():
@@ -244,6 +284,7 @@ def _require_keys(target: Path, state: Mapping[str, Any], saved: Mapping[str, An
 
 
 def _model_mismatch(target: Path, key: str, model: nn.Module, saved: Mapping[str, Any]) -> ValueError | None:
-    """``load_state_dict(strict=True)``'s refusal, found before anything is copied (it copies the keys that match
-    first); a model's own keys, with or without DDP's ``module.`` prefix, as ``Spanned.load_state_dict`` takes them."""
+    """``load_state_dict(strict=True)``'s refusal, found before anything is copied (it copies the keys that
+    match first); a model's own keys, with or without DDP's ``module.`` prefix, as ``Spanned.load_state_dict``
+    takes them."""
     return key_mismatch(target, key, list(model_keys(saved)), list(dcp.unwrap(model).state_dict()))

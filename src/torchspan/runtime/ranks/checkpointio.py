@@ -6,7 +6,8 @@ on ``torch.distributed.checkpoint``).
 
 Usage::
 
-    state = safe_load(Path("ckpt.pt"), "cpu", trusted=False)   # ValueError naming trusted=True for other objects
+    # ValueError naming trusted=True for other objects
+    state = safe_load(Path("ckpt.pt"), "cpu", trusted=False)
     failed_here, failed_anywhere = any_rank(False, error is not None)
 """
 
@@ -21,7 +22,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["any_rank", "group_size", "key_mismatch", "missing_key", "rank", "refusal", "safe_load", "warn_if_unsafe"]
+__all__ = [
+    "any_rank",
+    "group_size",
+    "key_mismatch",
+    "missing_key",
+    "rank",
+    "refusal",
+    "safe_load",
+    "warn_if_unsafe",
+]
 
 
 def group_size() -> int:
@@ -36,7 +46,11 @@ def any_rank(*flags: bool) -> tuple[bool, ...]:
     """Each of ``flags`` OR-ed over all ranks (a collective: every rank calls it); as given in one process."""
     if group_size() == 1:
         return tuple(bool(f) for f in flags)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
     t = torch.tensor([int(f) for f in flags], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return tuple(bool(v) for v in t.tolist())
@@ -51,9 +65,9 @@ def warn_if_unsafe(target: Path, stacklevel: int = 4, shown: str | None = None) 
         return
     if unsafe:
         warnings.warn(
-            f"the checkpoint {shown or str(target)!r} holds {', '.join(unsafe)}: load_checkpoint refuses such objects unless "
-            "trusted=True; save plain values instead (tensors, numbers, strings, lists, dicts: e.g. float(x), "
-            "torch.from_numpy(a), vars(namespace))",
+            f"the checkpoint {shown or str(target)!r} holds {', '.join(unsafe)}: load_checkpoint refuses "
+            "such objects unless trusted=True; save plain values instead (tensors, numbers, strings, "
+            "lists, dicts: e.g. float(x), torch.from_numpy(a), vars(namespace))",
             stacklevel=stacklevel,
         )
 
@@ -62,7 +76,8 @@ def refusal(shown: str, needed: str, path: Path) -> ValueError:
     """The one-line refusal of an object a safe load does not build, naming the opt-in."""
     return ValueError(
         f"{shown}: the file needs {needed}, which a safe (weights-only) load refuses: loading it could run "
-        f"code from the file. If you trust the file, load it with load_checkpoint({str(path)!r}, trusted=True)"
+        f"code from the file. If you trust the file, load it with load_checkpoint({str(path)!r}, "
+        "trusted=True)"
     )
 
 
@@ -72,11 +87,12 @@ def _few(keys: Sequence[str], shown: int = 3) -> str:
 
 
 def missing_key(path: Path, key: str, saved: Sequence[str]) -> ValueError:
-    """The refusal of a key asked for that the checkpoint at ``path`` does not hold (``saved``: the keys it holds)."""
+    """The refusal of a key asked for that the checkpoint at ``path`` does not hold (``saved``: the keys it
+    holds)."""
     example = f"e.g. {{{saved[0]!r}: ...}} for what it saved under {saved[0]!r}, " if saved else ""
     return ValueError(
-        f"load_checkpoint({str(path)!r}): the checkpoint has no {key!r} (it holds {_few(saved, 8) or 'nothing'}); name a key it "
-        f"holds, {example}or leave {key!r} out of what you load"
+        f"load_checkpoint({str(path)!r}): the checkpoint has no {key!r} (it holds "
+        f"{_few(saved, 8) or 'nothing'}); name a key it holds, {example}or leave {key!r} out of what you load"
     )
 
 
@@ -90,15 +106,23 @@ def key_mismatch(path: Path, key: str, saved: Sequence[str], expected: Sequence[
     found = [f"has keys the model lacks (unexpected: {_few(unexpected)})"] if unexpected else []
     found += [f"lacks keys of the model (missing: {_few(missing)})"] if missing else []
     return ValueError(
-        f"load_checkpoint({str(path)!r}): the checkpoint's {key!r} {' and '.join(found)}; load it into the model it was "
-        "saved from (the same layers), or pass strict=False to load the keys both have and leave the rest as they are"
+        f"load_checkpoint({str(path)!r}): the checkpoint's {key!r} {' and '.join(found)}; load it into the "
+        "model it was saved from (the same layers), or pass strict=False to load the keys both have and "
+        "leave the rest as they are"
     )
 
 
-def safe_load(target: Path, map_location: Any, trusted: bool, *, shown: str | None = None, checkpoint: Path | None = None) -> Any:
-    """``torch.load`` (``weights_only`` unless ``trusted``); its refusals and a damaged file's errors as one line
-    naming the path (``checkpoint``: the checkpoint it belongs to, when ``target`` is a file inside one) and what
-    to do."""
+def safe_load(
+    target: Path,
+    map_location: Any,
+    trusted: bool,
+    *,
+    shown: str | None = None,
+    checkpoint: Path | None = None,
+) -> Any:
+    """``torch.load`` (``weights_only`` unless ``trusted``); its refusals and a damaged file's errors as one
+    line naming the path (``checkpoint``: the checkpoint it belongs to, when ``target`` is a file inside one)
+    and what to do."""
     checkpoint = checkpoint if checkpoint is not None else target
     shown = shown or f"load_checkpoint({str(checkpoint)!r})"
     try:
@@ -114,13 +138,14 @@ def safe_load(target: Path, map_location: Any, trusted: bool, *, shown: str | No
             raise refusal(shown, found.group(1), checkpoint) from None
         why = type(exc).__name__ + (f": {gist(text)}" if gist(text) else "")
         raise ValueError(
-            f"{shown}: the file is corrupt or truncated, or not a torch checkpoint ({why}); restore it from a copy "
-            "or delete it to start afresh"
+            f"{shown}: the file is corrupt or truncated, or not a torch checkpoint ({why}); restore it "
+            "from a copy or delete it to start afresh"
         ) from None
 
 
 def gist(text: str) -> str:
-    """The telling part of a ``torch.load`` error: its first line that is not boilerplate, up to the first sentence."""
+    """The telling part of a ``torch.load`` error: its first line that is not boilerplate, up to the first
+    sentence."""
     boiler = ("Weights only load failed", "Please file an issue", "Check the documentation", "In PyTorch 2.6")
     for line in text.splitlines():
         line = line.strip()

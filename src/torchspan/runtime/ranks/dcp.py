@@ -1,4 +1,5 @@
-"""Sharded checkpoints: a folder that every rank writes its own shards into, on ``torch.distributed.checkpoint``.
+"""Sharded checkpoints: a folder that every rank writes its own shards into, on
+``torch.distributed.checkpoint``.
 
 ``save_checkpoint(path, {"model": spanned, "optimizer": opt, "step": 3})``: a state that holds a model (a
 ``Spanned``, any ``nn.Module``), an optimizer, or a state dict of ``DTensor`` shards is written here, as a DCP
@@ -17,9 +18,10 @@ folder; state dicts of plain values keep the one-file form (``ranks.checkpoint``
   one atomic exchange), and the ranks agree on the outcome. A job killed at any point leaves the previous
   folder whole; the temporary is removed by the next save or load (its writer is dead). The swap replaces only
   the checkpoint's own files (:func:`own_file`): anything else in the folder (a user's notes, the
-  ``model.safetensors`` and ``config.json`` of ``export_safetensors(path, path)``) is linked into the new folder
-  first and stays (an export kept so is of the step it was made from).
-- **Loading** (``ranks.dcpload``) into objects (``load_checkpoint(path, {"model": spanned, "optimizer": opt})``, every rank):
+  ``model.safetensors`` and ``config.json`` of ``export_safetensors(path, path)``) is linked into the new
+  folder first and stays (an export kept so is of the step it was made from).
+- **Loading** (``ranks.dcpload``) into objects (``load_checkpoint(path, {"model": spanned, "optimizer":
+opt})``, every rank):
   each rank reads the parts of its current shards, whatever world size wrote them (DCP reshards), and
   ``set_state_dict`` puts them in place. Without objects, in any process, with or without a process group:
   full tensors with the model's own keys (``dcpread.read_full``). Both read ``.metadata`` and values under the
@@ -27,9 +29,10 @@ folder; state dicts of plain values keep the one-file form (``ranks.checkpoint``
 
 Usage::
 
-    save_checkpoint("ckpt", {"model": spanned, "optimizer": opt, "step": step})     # every rank
-    state = load_checkpoint("ckpt", {"model": spanned, "optimizer": opt})           # None on the first start
-    full = load_checkpoint("ckpt")              # one plain process: {"model": {name: tensor}, "optimizer": ..., "step": 3}
+    save_checkpoint("ckpt", {"model": spanned, "optimizer": opt, "step": step})   # every rank
+    state = load_checkpoint("ckpt", {"model": spanned, "optimizer": opt})         # None on the first start
+    # one plain process: {"model": {name: tensor}, "optimizer": ..., "step": 3}
+    full = load_checkpoint("ckpt")
 """
 
 from __future__ import annotations
@@ -55,21 +58,32 @@ from ... import files
 from .checkpointio import any_rank, group_size, rank, warn_if_unsafe
 
 __all__ = [
-    "MANIFEST", "VALUES", "Parts", "holds_objects", "is_folder_checkpoint", "loads_into", "own_file", "save_folder",
-    "split", "unwrap",
-]  # fmt: skip
+    "MANIFEST",
+    "VALUES",
+    "Parts",
+    "holds_objects",
+    "is_folder_checkpoint",
+    "loads_into",
+    "own_file",
+    "save_folder",
+    "split",
+    "unwrap",
+]
 
 MANIFEST = "torchspan.json"
 VALUES = "values.pt"
 _FORMAT = "torchspan sharded checkpoint"
 _OWN = re.compile(
-    r"(__\d+)?\.metadata(\.tmp)?|.*\.distcp|torchspan\.json|values\.pt"  # DCP's files, the manifest, the values
+    # DCP's files, the manifest, the values
+    r"(__\d+)?\.metadata(\.tmp)?|.*\.distcp|torchspan\.json|values\.pt"
     r"|\.(torchspan\.json|values\.pt)\.torchspan\..*"  # their temporaries (files.atomic_open)
 )
 
 
 def _is_dtensor(t: Any) -> bool:
-    tensor = sys.modules.get("torch.distributed.tensor")  # not imported yet: no DTensor exists (and none is imported here)
+    tensor = sys.modules.get(
+        "torch.distributed.tensor"
+    )  # not imported yet: no DTensor exists (and none is imported here)
     return tensor is not None and isinstance(t, tensor.DTensor)
 
 
@@ -86,20 +100,21 @@ def _kind(value: Any) -> str:
 
 
 def holds_objects(state: Mapping[str, Any]) -> bool:
-    """Whether ``state`` is written as a sharded (DCP) folder: it holds a model, an optimizer or ``DTensor`` shards."""
+    """Whether ``state`` is written as a sharded (DCP) folder: it holds a model, an optimizer or ``DTensor``
+    shards."""
     return any(_kind(v) in ("model", "optimizer", "tree") for v in state.values())
 
 
 def loads_into(state: Mapping[str, Any]) -> bool:
-    """Whether ``load_checkpoint(path, state)`` loads into ``state``'s objects (a model, an optimizer, shards, or
-    anything with ``state_dict``/``load_state_dict``)."""
+    """Whether ``load_checkpoint(path, state)`` loads into ``state``'s objects (a model, an optimizer, shards,
+    or anything with ``state_dict``/``load_state_dict``)."""
     return any(_kind(v) != "value" for v in state.values())
 
 
 def own_file(name: str) -> bool:
-    """Whether ``name`` in a checkpoint folder is the checkpoint's (DCP's ``.metadata`` and ``.distcp`` shards, the
-    manifest, the values, their temporaries): a save replaces these and keeps every other entry (a user's notes,
-    an export's ``model.safetensors``)."""
+    """Whether ``name`` in a checkpoint folder is the checkpoint's (DCP's ``.metadata`` and ``.distcp``
+    shards, the manifest, the values, their temporaries): a save replaces these and keeps every other entry (a
+    user's notes, an export's ``model.safetensors``)."""
     return bool(_OWN.fullmatch(name))
 
 
@@ -111,7 +126,9 @@ def unwrap(value: nn.Module) -> nn.Module:
     """The model a ``Spanned``, DDP or DataParallel wraps (its state dict has the model's own keys)."""
     from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-    while type(value).__module__ == "torchspan.runtime.spanned" or isinstance(value, (DistributedDataParallel, DataParallel)):
+    while type(value).__module__ == "torchspan.runtime.spanned" or isinstance(
+        value, (DistributedDataParallel, DataParallel)
+    ):
         value = value.module  # type: ignore[assignment]
     return value
 
@@ -121,26 +138,35 @@ class Parts:
     """``state`` sorted by what each key holds (``order``: the keys as given)."""
 
     models: dict[str, nn.Module] = field(default_factory=dict)
-    optimizers: dict[str, tuple[torch.optim.Optimizer, str]] = field(default_factory=dict)  # key -> (optimizer, model key)
+    optimizers: dict[str, tuple[torch.optim.Optimizer, str]] = field(
+        default_factory=dict
+    )  # key -> (optimizer, model key)
     trees: dict[str, Mapping[str, Any]] = field(default_factory=dict)
     stateful: dict[str, Any] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)
 
     def kinds(self) -> dict[str, str]:
-        found = {**{k: "model" for k in self.models}, **{k: "optimizer" for k in self.optimizers}, **{k: "tree" for k in self.trees}}
+        found = {
+            **{k: "model" for k in self.models},
+            **{k: "optimizer" for k in self.optimizers},
+            **{k: "tree" for k in self.trees},
+        }
         found.update({k: "stateful" for k in self.stateful} | {k: "value" for k in self.values})
         return {k: found[k] for k in self.order}
 
 
 def split(state: Mapping[str, Any], *, saving: bool) -> Parts:
-    """``state`` sorted into models, optimizers (each paired with the model holding its parameters), ``DTensor``
-    state dicts, objects with a state dict, and plain values; ``ValueError`` for what cannot be checkpointed."""
+    """``state`` sorted into models, optimizers (each paired with the model holding its parameters),
+    ``DTensor`` state dicts, objects with a state dict, and plain values; ``ValueError`` for what cannot be
+    checkpointed."""
     parts = Parts(order=list(state))
     optimizers: dict[str, torch.optim.Optimizer] = {}
     for key, value in state.items():
         if not isinstance(key, str) or not key:
-            raise ValueError(f"state key {key!r} must be a non-empty string (e.g. 'model', 'optimizer', 'step')")
+            raise ValueError(
+                f"state key {key!r} must be a non-empty string (e.g. 'model', 'optimizer', 'step')"
+            )
         kind = _kind(value)
         if kind == "model":
             parts.models[key] = _model(key, value, saving)
@@ -161,9 +187,10 @@ def _model(key: str, value: nn.Module, saving: bool) -> nn.Module:
     module = unwrap(value)
     if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
         raise ValueError(
-            f"the model under {key!r} holds meta tensors (a pipeline rank holds only its stage), which a sharded "
-            f"checkpoint cannot {'save' if saving else 'load into'}; use the one-file form: save_checkpoint(path, "
-            "{'model': spanned.state_dict(), 'optimizer': optimizer.state_dict()}) gathers every stage into one file"
+            f"the model under {key!r} holds meta tensors (a pipeline rank holds only its stage), which a "
+            f"sharded checkpoint cannot {'save' if saving else 'load into'}; use the one-file form: "
+            "save_checkpoint(path, {'model': spanned.state_dict(), 'optimizer': optimizer.state_dict()}) "
+            "gathers every stage into one file"
         )
     return module
 
@@ -172,16 +199,22 @@ def _owner(key: str, opt: torch.optim.Optimizer, models: Mapping[str, nn.Module]
     held = {id(p) for group in opt.param_groups for p in group["params"]}
     owners = [k for k, m in models.items() if held & {id(p) for p in m.parameters()}]
     if len(owners) != 1:
-        where = "none of the models in the state" if not owners else f"parameters of several models ({', '.join(owners)})"
+        where = (
+            "none of the models in the state"
+            if not owners
+            else f"parameters of several models ({', '.join(owners)})"
+        )
         raise ValueError(
-            f"the optimizer under {key!r} holds {where}; a sharded checkpoint names optimizer state by its model's "
-            "parameter names: put the one model it trains in the same state, e.g. {'model': spanned, 'optimizer': opt}"
+            f"the optimizer under {key!r} holds {where}; a sharded checkpoint names optimizer state by its "
+            "model's parameter names: put the one model it trains in the same state, e.g. {'model': spanned, "
+            "'optimizer': opt}"
         )
     return owners[0]
 
 
 def _state_dicts(parts: Parts) -> dict[str, Any]:
-    """What DCP saves or loads into: each model's and optimizer's state dict in this rank's current sharding."""
+    """What DCP saves or loads into: each model's and optimizer's state dict in this rank's current
+    sharding."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     out: dict[str, Any] = {k: get_model_state_dict(m) for k, m in parts.models.items()}
@@ -219,7 +252,10 @@ def save_folder(path: str | os.PathLike[str], state: Mapping[str, Any], *, barri
         error = exc
     if any_rank(error is not None)[0]:  # no rank enters DCP's collectives alone
         _discard(tmp, coordinator)
-        raise error or RuntimeError(f"save_checkpoint({os.fspath(path)!r}): another rank failed to collect its state (see its error); nothing was saved")
+        raise error or RuntimeError(
+            f"save_checkpoint({os.fspath(path)!r}): another rank failed to collect its state (see its "
+            "error); nothing was saved"
+        )
     error = _write(tmp, saved, parts, path, coordinator)
     if error is not None and coordinator:
         _discard(tmp, coordinator)
@@ -238,18 +274,25 @@ def _begin(path: str | os.PathLike[str]) -> Path:
     found = files.describe(target)
     if found == "a regular file":
         raise ValueError(
-            f"{shown} is a file (a one-file checkpoint); a state holding a model, an optimizer or sharded tensors is "
-            "saved as a folder, every rank writing its shards: name another path, e.g. path='ckpt'"
+            f"{shown} is a file (a one-file checkpoint); a state holding a model, an optimizer or sharded "
+            "tensors is saved as a folder, every rank writing its shards: name another path, e.g. path='ckpt'"
         )
     if found == "a folder":
         if any(target.iterdir()) and not (target / ".metadata").exists() and not (target / MANIFEST).exists():
-            raise ValueError(f"{shown} is a folder of other files, not a sharded checkpoint; torchspan replaces only a checkpoint folder: name another path")
+            raise ValueError(
+                f"{shown} is a folder of other files, not a sharded checkpoint; torchspan replaces only a "
+                "checkpoint folder: name another path"
+            )
         if not os.access(target.parent, os.W_OK | os.X_OK):
-            raise ValueError(f"{shown}: cannot write in folder {str(target.parent)!r} (permission denied or read-only)")
+            raise ValueError(
+                f"{shown}: cannot write in folder {str(target.parent)!r} (permission denied or read-only)"
+            )
     elif found.startswith("missing"):
         files.output_file(path, name="path", example="ckpt")
     else:
-        raise ValueError(f"{shown} is {found}; a sharded checkpoint is a folder: name another path, e.g. path='ckpt'")
+        raise ValueError(
+            f"{shown} is {found}; a sharded checkpoint is a folder: name another path, e.g. path='ckpt'"
+        )
     files.clean_temporaries(target)
     return files.temporary_folder(target)
 
@@ -268,8 +311,11 @@ def _shared_begin(path: str | os.PathLike[str], coordinator: bool) -> Path:
     return Path(shared[0])
 
 
-def _write(tmp: Path, saved: dict[str, Any], parts: Parts, path: str | os.PathLike[str], coordinator: bool) -> BaseException | None:
-    """DCP's save into ``tmp`` (every rank), then rank 0 writes the values and manifest and swaps the folder in."""
+def _write(
+    tmp: Path, saved: dict[str, Any], parts: Parts, path: str | os.PathLike[str], coordinator: bool
+) -> BaseException | None:
+    """DCP's save into ``tmp`` (every rank), then rank 0 writes the values and manifest and swaps the folder
+    in."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -286,7 +332,9 @@ def _write(tmp: Path, saved: dict[str, Any], parts: Parts, path: str | os.PathLi
 
 
 def _write_values(tmp: Path, parts: Parts, path: str | os.PathLike[str]) -> None:
-    values = {k: v for k, v in parts.values.items()} | {k: obj.state_dict() for k, obj in parts.stateful.items()}
+    values = {k: v for k, v in parts.values.items()} | {
+        k: obj.state_dict() for k, obj in parts.stateful.items()
+    }
     with open(tmp / VALUES, "wb") as fh:
         torch.save(values, fh)
         fh.flush()
@@ -316,7 +364,11 @@ def _describe(module: nn.Module) -> dict[str, Any]:
     names: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
-    return {"class": cls.__name__, "ties": [group for group in names.values() if len(group) > 1], "config": _config(module, cls.__name__)}
+    return {
+        "class": cls.__name__,
+        "ties": [group for group in names.values() if len(group) > 1],
+        "config": _config(module, cls.__name__),
+    }
 
 
 def _config(module: nn.Module, cls: str) -> dict[str, Any] | None:
@@ -345,8 +397,8 @@ def _save_error(path: str | os.PathLike[str], error: BaseException | None) -> Ba
     why = f"{type(inner).__name__}: {inner}" if inner is not None else "see its error"
     who = f"rank {first_rank}" if inner is not None else "another rank"
     err = RuntimeError(
-        f"save_checkpoint({os.fspath(path)!r}) failed on {who} ({why}); nothing was replaced: the previous checkpoint, "
-        "if any, is whole"
+        f"save_checkpoint({os.fspath(path)!r}) failed on {who} ({why}); nothing was replaced: the previous "
+        "checkpoint, if any, is whole"
     )
     err.__cause__ = inner if isinstance(inner, BaseException) else None
     return err

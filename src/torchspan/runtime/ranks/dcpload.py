@@ -1,15 +1,19 @@
-"""Loading a sharded checkpoint folder (``ranks.dcp`` writes it): into a job's objects, or as values in any process.
+"""Loading a sharded checkpoint folder (``ranks.dcp`` writes it): into a job's objects, or as values in any
+process.
 
-- ``load_into(folder, {"model": spanned, "optimizer": opt})`` on every rank: each rank reads the parts of its current
+- ``load_into(folder, {"model": spanned, "optimizer": opt})`` on every rank: each rank reads the parts of its
+current
   shards, whatever world size wrote them (DCP reshards), and ``set_state_dict`` puts them in place; keys the
   folder lacks or has extra are refused by name (``strict``).
-- ``read_folder(folder)`` in one process, with or without a process group: full tensors with the model's own keys
+- ``read_folder(folder)`` in one process, with or without a process group: full tensors with the model's own
+keys
   (``dcpread.read_full``) and the values beside them.
 - ``read_manifest(folder)``: what ``torchspan.json`` records (each key's kind, classes, ties, configs).
 
 Both read ``.metadata`` and values under the safe rules of ``dcpread`` (``trusted=True`` to lift them).
 
-Usage: ``state = load_into(Path("ckpt"), {"model": spanned, "optimizer": opt})`` (``load_checkpoint`` calls it).
+Usage: ``state = load_into(Path("ckpt"), {"model": spanned, "optimizer": opt})`` (``load_checkpoint`` calls
+it).
 """
 
 from __future__ import annotations
@@ -35,17 +39,26 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
         if (folder / VALUES).exists():  # save_checkpoint writes both: the manifest was lost
             from .dcpread import incomplete
 
-            what = f"its {MANIFEST} is missing (it records what each saved key is; the {VALUES} beside it shows save_checkpoint wrote the folder)"
+            what = (
+                f"its {MANIFEST} is missing (it records what each saved key is; the {VALUES} beside it "
+                "shows save_checkpoint wrote the folder)"
+            )
             raise incomplete(folder, what) from None
         return None  # a folder dcp.save wrote by itself: its keys are all there is
     except (OSError, ValueError) as exc:
-        raise ValueError(f"load_checkpoint({str(folder)!r}): its {MANIFEST} is damaged ({exc}); restore it from a copy") from None
+        raise ValueError(
+            f"load_checkpoint({str(folder)!r}): its {MANIFEST} is damaged ({exc}); restore it from a copy"
+        ) from None
     if not isinstance(data, dict) or data.get("format") != _FORMAT:
-        raise ValueError(f"load_checkpoint({str(folder)!r}): its {MANIFEST} was not written by torchspan's save_checkpoint")
+        raise ValueError(
+            f"load_checkpoint({str(folder)!r}): its {MANIFEST} was not written by torchspan's save_checkpoint"
+        )
     return data
 
 
-def _values(folder: Path, manifest: dict[str, Any] | None, map_location: Any, trusted: bool) -> dict[str, Any]:
+def _values(
+    folder: Path, manifest: dict[str, Any] | None, map_location: Any, trusted: bool
+) -> dict[str, Any]:
     """The saved values (``values.pt``); every one the manifest lists, else a refusal."""
     from .dcpread import incomplete
 
@@ -57,10 +70,15 @@ def _values(folder: Path, manifest: dict[str, Any] | None, map_location: Any, tr
         raise incomplete(folder, f"its {VALUES} is missing{holds}")
     values = safe_load(folder / VALUES, map_location, trusted, checkpoint=folder)
     if not isinstance(values, dict):
-        raise ValueError(f"load_checkpoint({str(folder)!r}): its {VALUES} holds a {type(values).__name__}, not the saved values")
+        raise ValueError(
+            f"load_checkpoint({str(folder)!r}): its {VALUES} holds a {type(values).__name__}, not the "
+            "saved values"
+        )
     lost = [k for k in listed if k not in values]
     if lost:
-        raise incomplete(folder, f"its {VALUES} lacks {', '.join(map(repr, lost))}, which its {MANIFEST} lists")
+        raise incomplete(
+            folder, f"its {VALUES} lacks {', '.join(map(repr, lost))}, which its {MANIFEST} lists"
+        )
     return values
 
 
@@ -79,22 +97,28 @@ def read_folder(folder: Path, map_location: Any = "cpu", *, trusted: bool = Fals
     return {k: state[k] for k in order if k in state} | {k: v for k, v in state.items() if k not in order}
 
 
-def load_into(folder: Path, state: Mapping[str, Any], *, trusted: bool = False, strict: bool = True) -> dict[str, Any]:
+def load_into(
+    folder: Path, state: Mapping[str, Any], *, trusted: bool = False, strict: bool = True
+) -> dict[str, Any]:
     """Load the folder into ``state``'s objects in place on every rank (resharded to this job's world size);
-    returns every saved key: the objects given, the saved values. Every check (parts, keys, with ``strict`` each
-    model's keys) comes before the first tensor is loaded: refused, nothing has changed."""
+    returns every saved key: the objects given, the saved values. Every check (parts, keys, with ``strict``
+    each model's keys) comes before the first tensor is loaded: refused, nothing has changed."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     from .dcpread import SafeLoadPlanner, SafeReader, check_shards, checkpoint_error, read_full, read_metadata
 
-    metadata = read_metadata(folder, trusted)  # a refusal in one line, on every rank, before DCP's collectives
+    metadata = read_metadata(
+        folder, trusted
+    )  # a refusal in one line, on every rank, before DCP's collectives
     check_shards(folder, metadata)
     manifest, names = read_manifest(folder), _saved_names(metadata)
     parts = split(state, saving=False)
     _check_keys(folder, parts, manifest, names)
     values = _values(folder, manifest, "cpu", trusted)
-    if manifest is None and (parts.values or parts.stateful):  # a folder dcp.save wrote holds its values itself
+    if manifest is None and (
+        parts.values or parts.stateful
+    ):  # a folder dcp.save wrote holds its values itself
         values = read_full(folder, trusted, keys={*parts.values, *parts.stateful})
     loaded = _state_dicts(parts)
     for key in parts.models if strict else ():
@@ -120,7 +144,8 @@ def load_into(folder: Path, state: Mapping[str, Any], *, trusted: bool = False, 
 
 
 def _saved_names(metadata: Any) -> dict[str, list[str]]:
-    """Each top-level key the ``.metadata`` holds, in order, with the names saved under it (a model's keys)."""
+    """Each top-level key the ``.metadata`` holds, in order, with the names saved under it (a model's
+    keys)."""
     paths = getattr(metadata, "planner_data", None)
     if not isinstance(paths, dict):  # an older writer: the flattened names alone
         paths = {n: tuple(n.split(".", 1)) for n in metadata.state_dict_metadata}
@@ -130,14 +155,26 @@ def _saved_names(metadata: Any) -> dict[str, list[str]]:
     return out
 
 
-def _check_keys(folder: Path, parts: Parts, manifest: dict[str, Any] | None, names: Mapping[str, list[str]]) -> None:
+def _check_keys(
+    folder: Path, parts: Parts, manifest: dict[str, Any] | None, names: Mapping[str, list[str]]
+) -> None:
     """Each key given is one the checkpoint saved (a folder ``dcp.save`` wrote: a top-level key in its
     ``.metadata``), an object as that kind of object (one-line ``ValueError``)."""
     saved = manifest["keys"] if manifest is not None else dict.fromkeys(names)
     for key, kind in parts.kinds().items():
         if key not in saved:
             raise missing_key(folder, key, list(saved))
-        if saved[key] is None or saved[key] == kind or {saved[key], kind} in ({"tree", "model"}, {"value", "stateful"}):
+        if (
+            saved[key] is None
+            or saved[key] == kind
+            or {saved[key], kind} in ({"tree", "model"}, {"value", "stateful"})
+        ):
             continue
-        fix = f"load it into a {saved[key]}, e.g. {{{key!r}: {saved[key]}}}" if saved[key] in ("model", "optimizer") else f"leave {key!r} out"
-        raise ValueError(f"load_checkpoint({str(folder)!r}): {key!r} was saved as a {saved[key]}, not a {kind}; {fix}")
+        fix = (
+            f"load it into a {saved[key]}, e.g. {{{key!r}: {saved[key]}}}"
+            if saved[key] in ("model", "optimizer")
+            else f"leave {key!r} out"
+        )
+        raise ValueError(
+            f"load_checkpoint({str(folder)!r}): {key!r} was saved as a {saved[key]}, not a {kind}; {fix}"
+        )

@@ -17,7 +17,7 @@ what ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` reads, safe
 
 Usage::
 
-    state = read_full(Path("ckpt"), trusted=False)            # {"model": {...full tensors...}, "optimizer": {...}}
+    state = read_full(Path("ckpt"), trusted=False)   # {"model": {...full tensors...}, "optimizer": {...}}
     dcp.load(sd, storage_reader=SafeReader(path, trusted), planner=SafeLoadPlanner(trusted=trusted))
 """
 
@@ -37,19 +37,33 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from .checkpointio import refusal
 
-__all__ = ["SafeLoadPlanner", "SafeReader", "check_shards", "checkpoint_error", "incomplete", "read_full", "read_metadata"]
+__all__ = [
+    "SafeLoadPlanner",
+    "SafeReader",
+    "check_shards",
+    "checkpoint_error",
+    "incomplete",
+    "read_full",
+    "read_metadata",
+]
 
 _DCP_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
     "collections": {"OrderedDict"},
     "builtins": {"set", "frozenset", "slice"},
-}  # fmt: skip
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -58,14 +72,17 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if name in _DCP_CLASSES.get(module, ()):
             return super().find_class(module, name)
-        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format))):
+        if module == "torch" and (
+            name == "Size"
+            or isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format))
+        ):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
 
 
 def read_metadata(path: Path, trusted: bool) -> Any:
-    """The folder's DCP ``Metadata`` (restricted unpickling unless ``trusted``); a one-line ``ValueError`` for a
-    refused object or a damaged file."""
+    """The folder's DCP ``Metadata`` (restricted unpickling unless ``trusted``); a one-line ``ValueError`` for
+    a refused object or a damaged file."""
     shown = f"load_checkpoint({str(path)!r})"
     try:
         with open(path / ".metadata", "rb") as fh:
@@ -82,14 +99,15 @@ def read_metadata(path: Path, trusted: bool) -> Any:
 def incomplete(folder: Path, what: str) -> ValueError:
     """The refusal of a checkpoint folder missing a part (``what``: which, in words)."""
     return ValueError(
-        f"load_checkpoint({str(folder)!r}): the checkpoint is incomplete: {what}; restore the folder from a copy, or "
-        "delete it to start afresh (a save killed midway leaves the previous folder whole: a part was removed or lost since)"
+        f"load_checkpoint({str(folder)!r}): the checkpoint is incomplete: {what}; restore the folder from "
+        "a copy, or delete it to start afresh (a save killed midway leaves the previous folder whole: a "
+        "part was removed or lost since)"
     )
 
 
 def check_shards(folder: Path, metadata: Any) -> None:
-    """Every file the ``.metadata`` points into is in ``folder`` and long enough (else :func:`incomplete`): a load
-    that starts finds all its parts, none refused halfway with some tensors loaded."""
+    """Every file the ``.metadata`` points into is in ``folder`` and long enough (else :func:`incomplete`): a
+    load that starts finds all its parts, none refused halfway with some tensors loaded."""
     needed: dict[str, int] = {}
     for info in (getattr(metadata, "storage_data", None) or {}).values():
         name = getattr(info, "relative_path", None)
@@ -101,14 +119,17 @@ def check_shards(folder: Path, metadata: Any) -> None:
         except FileNotFoundError:
             raise incomplete(folder, f"its .metadata lists the shard {name!r}, which is missing") from None
         if found < size:
-            raise incomplete(folder, f"the shard {name!r} holds {found} bytes, where its .metadata lists {size} (cut short)")
+            raise incomplete(
+                folder,
+                f"the shard {name!r} holds {found} bytes, where its .metadata lists {size} (cut short)",
+            )
 
 
 def _damaged(shown: str, exc: BaseException) -> ValueError:
     why = type(exc).__name__ + (f": {str(exc).splitlines()[0][:160]}" if str(exc) else "")
     return ValueError(
-        f"{shown}: the folder's .metadata is corrupt or truncated, or it is not a sharded checkpoint ({why}); "
-        "restore it from a copy or delete it to start afresh"
+        f"{shown}: the folder's .metadata is corrupt or truncated, or it is not a sharded checkpoint "
+        f"({why}); restore it from a copy or delete it to start afresh"
     )
 
 
@@ -132,11 +153,14 @@ class SafeReader(FileSystemReader):
 
 
 def _refuse_per_rank(folder: Path) -> Any:
-    raise ValueError(f"load_checkpoint({str(folder)!r}): per-rank metadata files are read only with trusted=True")
+    raise ValueError(
+        f"load_checkpoint({str(folder)!r}): per-rank metadata files are read only with trusted=True"
+    )
 
 
 class _SafeBytes:
-    """``load_bytes`` by ``torch.load(weights_only=not trusted)`` (DCP's own passes ``weights_only=False``)."""
+    """``load_bytes`` by ``torch.load(weights_only=not trusted)`` (DCP's own passes
+    ``weights_only=False``)."""
 
     trusted = False
     folder = Path(".")
@@ -147,7 +171,11 @@ class _SafeBytes:
         except pickle.UnpicklingError as exc:
             found = re.search(r"GLOBAL ([\w.]+)", str(exc))
             shown = f"load_checkpoint({str(self.folder)!r})"
-            raise refusal(shown, f"{found.group(1) if found else 'an object'} (in {read_item.dest_index.fqn})", self.folder) from None
+            raise refusal(
+                shown,
+                f"{found.group(1) if found else 'an object'} (in {read_item.dest_index.fqn})",
+                self.folder,
+            ) from None
         super().load_bytes(read_item, io.BytesIO(_resaved(loaded)))  # type: ignore[misc]
 
 
@@ -169,14 +197,17 @@ class SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
 class _SafeEmptyPlanner(_SafeBytes, _EmptyStateDictLoadPlanner):
     """DCP's planner that builds the state dict from the metadata (full tensors), with safe values."""
 
-    def __init__(self, keys: set[str] | None = None, *, trusted: bool = False, folder: Path = Path(".")) -> None:
+    def __init__(
+        self, keys: set[str] | None = None, *, trusted: bool = False, folder: Path = Path(".")
+    ) -> None:
         super().__init__(keys=keys)
         self.trusted, self.folder = trusted, folder
 
     def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
-        """DCP rebuilds the state dict in the order the ranks' write items came (a tensor-parallel model's split
-        tensors first, each replicated one where its writer's items fall); ``planner_data`` keeps the state dict's
-        own order (every rank's keys, flattened), so the full tensors come back with the model's key order."""
+        """DCP rebuilds the state dict in the order the ranks' write items came (a tensor-parallel model's
+        split tensors first, each replicated one where its writer's items fall); ``planner_data`` keeps the
+        state dict's own order (every rank's keys, flattened), so the full tensors come back with the model's
+        key order."""
         order = getattr(metadata, "planner_data", None)
         if isinstance(order, dict):
             saved = metadata.state_dict_metadata
@@ -188,7 +219,9 @@ def read_full(path: Path, trusted: bool = False, keys: set[str] | None = None) -
     """Every saved value in this process, without a process group: full tensors (on the CPU) under the saved
     keys, nested as saved (``{"model": {"lm_head.weight": ...}, "optimizer": {...}}``); ``keys``: only these
     top-level keys. Reads each tensor whole, so the whole model is in this process's memory."""
-    check_shards(path, read_metadata(path, trusted))  # its refusal in one line (DCP would retry per-rank files and hide it)
+    check_shards(
+        path, read_metadata(path, trusted)
+    )  # its refusal in one line (DCP would retry per-rank files and hide it)
     state: dict[str, Any] = {}
     planner = _SafeEmptyPlanner(keys, trusted=trusted, folder=path)
     with warnings.catch_warnings():
@@ -206,7 +239,10 @@ def checkpoint_error(exc: BaseException, path: Path) -> BaseException:
     if isinstance(exc, (KeyboardInterrupt, SystemExit, MemoryError)):
         return exc
     failures = getattr(exc, "failures", None)
-    inner = [pair[0] if isinstance(pair, tuple) else getattr(pair, "exc", pair) for pair in (failures or {}).values()]
+    inner = [
+        pair[0] if isinstance(pair, tuple) else getattr(pair, "exc", pair)
+        for pair in (failures or {}).values()
+    ]
     for found in [exc, *inner]:
         if isinstance(found, ValueError) and str(found).startswith("load_checkpoint("):
             return found
@@ -214,6 +250,7 @@ def checkpoint_error(exc: BaseException, path: Path) -> BaseException:
     text = str(first).strip().splitlines()
     why = type(first).__name__ + (f": {text[-1][:200]}" if text else "")
     return ValueError(
-        f"load_checkpoint({str(path)!r}): the sharded checkpoint could not be read ({why}); it may be damaged or not "
-        "match what it is loaded into (keys, shapes): restore it from a copy or delete it to start afresh"
+        f"load_checkpoint({str(path)!r}): the sharded checkpoint could not be read ({why}); it may be "
+        "damaged or not match what it is loaded into (keys, shapes): restore it from a copy or delete it "
+        "to start afresh"
     )

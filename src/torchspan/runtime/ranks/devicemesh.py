@@ -1,27 +1,29 @@
 """The job's one ``DeviceMesh``: every parallel dimension of a launched span, by name, built once.
 
-Dimensions in torchtitan's order, ``pp`` outermost, ``tp`` innermost (a node's neighbouring ranks share a ``tp``
-group): ``ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")``. A mesh holds the dimensions of degree > 1 and
-those its strategy asks for by name even at degree 1 (``keep``: a sharded replica of one rank still shards over
-``dp_shard``), so ``mesh["tp"]`` exists exactly where something splits over it. The degrees are checked as one
-equation, ``pp(2) * dp_replicate(1) * dp_shard(3) != WORLD_SIZE(4)``.
+Dimensions in torchtitan's order, ``pp`` outermost, ``tp`` innermost (a node's neighbouring ranks share a
+``tp`` group): ``ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")``. A mesh holds the dimensions of
+degree > 1 and those its strategy asks for by name even at degree 1 (``keep``: a sharded replica of one rank
+still shards over ``dp_shard``), so ``mesh["tp"]`` exists exactly where something splits over it. The degrees
+are checked as one equation, ``pp(2) * dp_replicate(1) * dp_shard(3) != WORLD_SIZE(4)``.
 
 Who asks for which sub-mesh: a data-parallel replica (DDP) ``mesh["dp_replicate"]``; a sharded replica (FSDP2)
 ``mesh["dp_shard"]``; tensor parallelism ``mesh["tp"]`` (and FSDP2 over ``dp_shard`` beside it); a pipeline
-(``ranks.stage``) its stage's replicas ``mesh["dp_replicate"]`` (or ``"dp_shard"``, sharded), which also sum the
-loss, and its pipeline ``mesh["pp"]``. A parameter tied across stages (first and last stage, every replica) is not
-a sub-mesh: ``derived_group`` makes one process group over the ranks the mesh's rank tensor gives those stages
-(Megatron's embedding group; one flat all-reduce, where a two-hop reduction over sub-meshes would take two).
+(``ranks.stage``) its stage's replicas ``mesh["dp_replicate"]`` (or ``"dp_shard"``, sharded), which also sum
+the loss, and its pipeline ``mesh["pp"]``. A parameter tied across stages (first and last stage, every
+replica) is not a sub-mesh: ``derived_group`` makes one process group over the ranks the mesh's rank tensor
+gives those stages (Megatron's embedding group; one flat all-reduce, where a two-hop reduction over sub-meshes
+would take two).
 
 A pipeline's default numbering is torchspan's, ``rank = replica * stages + stage`` (neighbouring ranks hold a
-pipeline's stages); a cluster plan's ``stage_ranks[stage][replica]`` may place them elsewhere: either is the mesh's
-rank tensor (``DeviceMesh`` over ``table``, shape ``(pp, dp)``), so ``mesh["pp"]`` is always a pipeline.
+pipeline's stages); a cluster plan's ``stage_ranks[stage][replica]`` may place them elsewhere: either is the
+mesh's rank tensor (``DeviceMesh`` over ``table``, shape ``(pp, dp)``), so ``mesh["pp"]`` is always a
+pipeline.
 
 Usage::
 
-    mesh = job_mesh("cpu", {"pp": 2, "dp_replicate": 2})                 # ("pp", "dp_replicate"), rank = r * 2 + s
-    mesh = job_mesh("cpu", {"dp_shard": 1}, keep=("dp_shard",))          # one rank, still named
-    mesh = job_mesh("cpu", {"dp_replicate": 4}, given=user_mesh)         # the user's, checked
+    mesh = job_mesh("cpu", {"pp": 2, "dp_replicate": 2})           # ("pp", "dp_replicate"), rank = r * 2 + s
+    mesh = job_mesh("cpu", {"dp_shard": 1}, keep=("dp_shard",))    # one rank, still named
+    mesh = job_mesh("cpu", {"dp_replicate": 4}, given=user_mesh)   # the user's, checked
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def equation(degrees: Mapping[str, int], world: int) -> str:
 
 
 def check_degrees(degrees: Mapping[str, int], world: int | None = None, advice: str = "") -> None:
-    """``ValueError`` printing the equation (and ``advice``: what to launch) when the degrees do not fill the world."""
+    """``ValueError`` printing the equation (and ``advice``: what to launch) when the degrees do not fill the
+    world."""
     world = _world() if world is None else world
     unknown = [n for n in degrees if n not in ORDER]
     if unknown:
@@ -78,11 +81,12 @@ def job_mesh(
     given: Any = None,
     advice: str = "",
 ) -> Any:
-    """The job's ``DeviceMesh`` for ``degrees`` (``{name: degree}``, names from ``ORDER``), checked as one equation.
+    """The job's ``DeviceMesh`` for ``degrees`` (``{name: degree}``, names from ``ORDER``), checked as one
+    equation.
 
-    ``table``: the rank tensor (any shape holding the kept dimensions' sizes in ``ORDER``; default: ranks in order,
-    ``init_device_mesh``). ``given``: a user's mesh (``span(mesh=)``), returned once its names and sizes are the
-    degrees' (else ``ValueError`` naming ``mesh=``)."""
+    ``table``: the rank tensor (any shape holding the kept dimensions' sizes in ``ORDER``; default: ranks in
+    order, ``init_device_mesh``). ``given``: a user's mesh (``span(mesh=)``), returned once its names and
+    sizes are the degrees' (else ``ValueError`` naming ``mesh=``)."""
     check_degrees(degrees, advice=advice)
     names = _names(degrees, keep)
     shape = tuple(degrees.get(n, 1) for n in names)
@@ -93,9 +97,9 @@ def job_mesh(
     ranks = torch.arange(_world()).reshape(shape) if table is None else torch.as_tensor(table).reshape(shape)
     if "dp_shard" in names and (ranks.movedim(names.index("dp_shard"), -1).diff(dim=-1) <= 0).any():
         raise ValueError(
-            f"the rank table {ranks.tolist()} lists a stage's sharded replicas out of rank order: FSDP2 places each "
-            "shard by its rank's position in the mesh and all-gathers in rank order; list each stage's ranks in "
-            "increasing order (plan.stage_ranks[stage]) or do not shard"
+            f"the rank table {ranks.tolist()} lists a stage's sharded replicas out of rank order: FSDP2 "
+            "places each shard by its rank's position in the mesh and all-gathers in rank order; list each "
+            "stage's ranks in increasing order (plan.stage_ranks[stage]) or do not shard"
         )
     if torch.equal(ranks.flatten(), torch.arange(ranks.numel())):
         return init_device_mesh(device_type, shape, mesh_dim_names=tuple(names))
@@ -103,8 +107,8 @@ def job_mesh(
 
 
 def check_given(mesh: Any, degrees: Mapping[str, int], names: Sequence[str]) -> Any:
-    """A user's ``mesh=``: a ``DeviceMesh`` whose named dimensions are ``names`` (size-1 dimensions of ``ORDER`` may
-    be added or left out) with the degrees' sizes, over the whole job."""
+    """A user's ``mesh=``: a ``DeviceMesh`` whose named dimensions are ``names`` (size-1 dimensions of
+    ``ORDER`` may be added or left out) with the degrees' sizes, over the whole job."""
     from torch.distributed.device_mesh import DeviceMesh
 
     want = ", ".join(f"{n}={degrees.get(n, 1)}" for n in names)
@@ -127,8 +131,8 @@ def check_given(mesh: Any, degrees: Mapping[str, int], names: Sequence[str]) -> 
     if bad:
         have = ", ".join(f"{n}={s}" for n, s in sizes.items()) or f"unnamed {tuple(mesh.shape)}"
         raise ValueError(
-            f"mesh= has dimensions ({have}) over {mesh.size()} of {_world()} ranks, but this span needs ({want}) in "
-            f"the order {ORDER}: {fix}"
+            f"mesh= has dimensions ({have}) over {mesh.size()} of {_world()} ranks, but this span needs "
+            f"({want}) in the order {ORDER}: {fix}"
         )
     return mesh
 
@@ -146,12 +150,19 @@ def dim_size(mesh: Any, name: str) -> int:
     return mesh.shape[names.index(name)] if name in names else 1
 
 
-def derived_group(mesh: Any, name: str, indices: Sequence[int], per: str | None = None) -> tuple[Any, list[int]]:
-    """One process group over the ranks at ``indices`` of dimension ``name`` (every other coordinate), read from
-    ``mesh``'s rank tensor; ``(group, its ranks sorted)``. Collective: every rank calls it in the same order.
-    ``per``: one such group per coordinate of that dimension (a tie group per ``tp`` rank); this rank's returned."""
+def derived_group(
+    mesh: Any, name: str, indices: Sequence[int], per: str | None = None
+) -> tuple[Any, list[int]]:
+    """One process group over the ranks at ``indices`` of dimension ``name`` (every other coordinate), read
+    from ``mesh``'s rank tensor; ``(group, its ranks sorted)``. Collective: every rank calls it in the same
+    order. ``per``: one such group per coordinate of that dimension (a tie group per ``tp`` rank); this rank's
+    returned."""
     names = tuple(mesh.mesh_dim_names or ())
-    ranks = mesh.mesh if name not in names else mesh.mesh.index_select(names.index(name), torch.tensor(sorted(set(indices))))
+    ranks = (
+        mesh.mesh
+        if name not in names
+        else mesh.mesh.index_select(names.index(name), torch.tensor(sorted(set(indices))))
+    )
     if per is None or per not in names:
         chosen = sorted(int(r) for r in ranks.flatten().tolist())
         return dist.new_group(chosen), chosen

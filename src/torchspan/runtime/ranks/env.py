@@ -37,8 +37,15 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "RankInfo", "DEFAULT_TIMEOUT_S", "launch_env", "is_launched", "rank_info", "init_distributed", "join_launched_job", "free_port",
-]  # fmt: skip
+    "RankInfo",
+    "DEFAULT_TIMEOUT_S",
+    "launch_env",
+    "is_launched",
+    "rank_info",
+    "init_distributed",
+    "join_launched_job",
+    "free_port",
+]
 
 # How long a collective waits for a missing peer before raising: five minutes, not torch's ten. Long
 # enough for the waits a training job has on purpose (rank 0 writing a checkpoint of tens of GB while
@@ -71,14 +78,19 @@ def _int(env: Mapping[str, str], name: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"environment variable {name}={text!r} is not an integer; unset it or fix the launcher that sets it") from None
+        raise ValueError(
+            f"environment variable {name}={text!r} is not an integer; unset it or fix the launcher that "
+            "sets it"
+        ) from None
 
 
 def _first_host(nodelist: str) -> str:
     """The first host of a SLURM node list: ``node[03-05,9],gpu1`` -> ``node03``."""
     m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
     if not m:
-        raise ValueError(f"SLURM_JOB_NODELIST={nodelist!r} is not a node list; set MASTER_ADDR to rank 0's host")
+        raise ValueError(
+            f"SLURM_JOB_NODELIST={nodelist!r} is not a node list; set MASTER_ADDR to rank 0's host"
+        )
     prefix, ranges = m.group(1), m.group(2)
     return prefix if ranges is None else prefix + ranges.split(",")[0].split("-")[0]
 
@@ -86,12 +98,18 @@ def _first_host(nodelist: str) -> str:
 def _from_slurm(env: Mapping[str, str]) -> dict[str, str] | None:
     if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env or _int(env, "SLURM_NTASKS") < 2:
         return None
-    per_node = re.match(r"\d+", env.get("SLURM_NTASKS_PER_NODE", "")) or re.match(r"\d+", env.get("SLURM_TASKS_PER_NODE", ""))
+    per_node = re.match(r"\d+", env.get("SLURM_NTASKS_PER_NODE", "")) or re.match(
+        r"\d+", env.get("SLURM_TASKS_PER_NODE", "")
+    )
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     addr = env.get("MASTER_ADDR") or (_first_host(nodelist) if nodelist else None)
     if addr is None:
-        raise ValueError("SLURM job without SLURM_JOB_NODELIST or MASTER_ADDR: set MASTER_ADDR to rank 0's host name")
-    port = env.get("MASTER_PORT") or str(20000 + _int(env, "SLURM_JOB_ID") % 20000 if "SLURM_JOB_ID" in env else 29500)
+        raise ValueError(
+            "SLURM job without SLURM_JOB_NODELIST or MASTER_ADDR: set MASTER_ADDR to rank 0's host name"
+        )
+    port = env.get("MASTER_PORT") or str(
+        20000 + _int(env, "SLURM_JOB_ID") % 20000 if "SLURM_JOB_ID" in env else 29500
+    )
     return {
         "RANK": env["SLURM_PROCID"],
         "WORLD_SIZE": env["SLURM_NTASKS"],
@@ -113,8 +131,9 @@ def launch_env(environ: Mapping[str, str] | None = None) -> dict[str, str] | Non
         missing = [k for k in ("RANK", "WORLD_SIZE") if k not in env]
         if missing:
             raise ValueError(
-                f"{', '.join(missing)} not set but {'WORLD_SIZE' if 'RANK' in missing else 'RANK'} is: a launcher sets both; "
-                "start the script with `torchspan launch` or `torchrun`, or unset the stray variable"
+                f"{', '.join(missing)} not set but {'WORLD_SIZE' if 'RANK' in missing else 'RANK'} is: a "
+                "launcher sets both; start the script with `torchspan launch` or `torchrun`, or unset the "
+                "stray variable"
             )
         out = {k: env[k] for k in _TORCHRUN if k in env}
         out.setdefault("LOCAL_RANK", env["RANK"])  # no local variables: one node
@@ -137,19 +156,23 @@ def _check(env: Mapping[str, str]) -> None:
         raise ValueError(f"RANK={rank} must be in [0, WORLD_SIZE={world}); the launcher's variables disagree")
     if not 0 <= local < local_world or local_world > world:
         raise ValueError(
-            f"LOCAL_RANK={local} must be in [0, LOCAL_WORLD_SIZE={local_world}) and LOCAL_WORLD_SIZE <= WORLD_SIZE={world}"
+            f"LOCAL_RANK={local} must be in [0, LOCAL_WORLD_SIZE={local_world}) and LOCAL_WORLD_SIZE <= "
+            f"WORLD_SIZE={world}"
         )
     if world > 1:
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
         if missing:
-            raise ValueError(f"WORLD_SIZE={world} but {' and '.join(missing)} not set: the ranks cannot find rank 0")
+            raise ValueError(
+                f"WORLD_SIZE={world} but {' and '.join(missing)} not set: the ranks cannot find rank 0"
+            )
         port = _int(env, "MASTER_PORT")
         if not 0 < port < 65536:
             raise ValueError(f"MASTER_PORT={port} is not a TCP port (1..65535)")
 
 
 def is_launched(environ: Mapping[str, str] | None = None) -> bool:
-    """True where this process is one of several: a process group of size > 1, or launcher variables saying so."""
+    """True where this process is one of several: a process group of size > 1, or launcher variables saying
+    so."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size() > 1
     env = launch_env(environ)
@@ -163,7 +186,8 @@ def _device_for(backend: str | None, local_rank: int) -> torch.device:
 
 
 def rank_info(environ: Mapping[str, str] | None = None) -> RankInfo:
-    """This process's ``RankInfo`` from the live process group, else from the launcher's variables, else a world of one."""
+    """This process's ``RankInfo`` from the live process group, else from the launcher's variables, else a
+    world of one."""
     env = launch_env(environ) or {}
     local = int(env.get("LOCAL_RANK", 0))
     if dist.is_available() and dist.is_initialized():
@@ -172,7 +196,12 @@ def rank_info(environ: Mapping[str, str] | None = None) -> RankInfo:
         local_world = int(env.get("LOCAL_WORLD_SIZE", world))
         return RankInfo(dist.get_rank(), world, local, local_world, backend, _device_for(backend, local))
     return RankInfo(
-        int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), local, int(env.get("LOCAL_WORLD_SIZE", 1)), None, torch.device("cpu")
+        int(env.get("RANK", 0)),
+        int(env.get("WORLD_SIZE", 1)),
+        local,
+        int(env.get("LOCAL_WORLD_SIZE", 1)),
+        None,
+        torch.device("cpu"),
     )
 
 
@@ -191,7 +220,9 @@ def _timeout(timeout: float | timedelta | None) -> timedelta:
         try:
             timeout = float(text)
         except ValueError:
-            raise ValueError(f"TORCHSPAN_TIMEOUT={text!r} is not a number of seconds; write e.g. TORCHSPAN_TIMEOUT=300") from None
+            raise ValueError(
+                f"TORCHSPAN_TIMEOUT={text!r} is not a number of seconds; write e.g. TORCHSPAN_TIMEOUT=300"
+            ) from None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float, timedelta)):
         raise TypeError(f"timeout={timeout!r} must be seconds (a number) or a datetime.timedelta")
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
@@ -204,17 +235,23 @@ def _pick_backend(backend: str | None) -> str:
     if backend is None:
         return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     if not isinstance(backend, str):
-        raise TypeError(f"backend={backend!r} must be a string such as 'gloo' or 'nccl' (or None to choose from the devices)")
+        raise TypeError(
+            f"backend={backend!r} must be a string such as 'gloo' or 'nccl' (or None to choose from the "
+            "devices)"
+        )
     known = [b for b in dist.Backend.backend_list if b != "undefined"]
     for part in backend.split(","):
         name = part.split(":")[-1].strip().lower()
         if name not in known:
             raise ValueError(
-                f"backend={backend!r}: {name!r} is not a torch.distributed backend; use one of {', '.join(known)} "
-                "(e.g. 'gloo' on CPU, 'nccl' on GPUs, 'cpu:gloo,cuda:nccl'), or None to choose from the devices"
+                f"backend={backend!r}: {name!r} is not a torch.distributed backend; use one of "
+                f"{', '.join(known)} (e.g. 'gloo' on CPU, 'nccl' on GPUs, 'cpu:gloo,cuda:nccl'), or None "
+                "to choose from the devices"
             )
     if "nccl" in backend and not torch.cuda.is_available():
-        raise ValueError(f"backend={backend!r} needs CUDA GPUs, and none is visible here; use backend='gloo' (or None)")
+        raise ValueError(
+            f"backend={backend!r} needs CUDA GPUs, and none is visible here; use backend='gloo' (or None)"
+        )
     return backend
 
 
@@ -274,7 +311,8 @@ _timeout_s: float | None = None  # the timeout init_distributed gave the group i
 
 
 def current_timeout() -> float | None:
-    """Seconds a collective of the group ``init_distributed`` opened waits for a peer (``None``: none opened here)."""
+    """Seconds a collective of the group ``init_distributed`` opened waits for a peer (``None``: none opened
+    here)."""
     return _timeout_s
 
 
@@ -290,7 +328,9 @@ def init_distributed(backend: str | None = None, timeout: float | timedelta | No
     global _timeout_s
     wait = _timeout(timeout)
     if not dist.is_available():
-        raise RuntimeError("this PyTorch build has no torch.distributed; install a build with distributed support")
+        raise RuntimeError(
+            "this PyTorch build has no torch.distributed; install a build with distributed support"
+        )
     if dist.is_initialized():
         return rank_info()
     env = launch_env()
@@ -299,7 +339,9 @@ def init_distributed(backend: str | None = None, timeout: float | timedelta | No
     if "nccl" not in chosen:  # ours to close: before the interpreter tears gloo's threads down
         atexit.register(_close_gloo_group)
     if env is None:
-        dist.init_process_group(chosen, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, timeout=wait)
+        dist.init_process_group(
+            chosen, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, timeout=wait
+        )
         return rank_info()
     rank, world, local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
     if "nccl" in chosen:
@@ -307,8 +349,12 @@ def init_distributed(backend: str | None = None, timeout: float | timedelta | No
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun's agent hosts the store. Its c10d rendezvous keeps one store across restarts, so
         # a restarted job would read the previous attempt's gloo addresses: key them by attempt.
-        agent = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False, timeout=wait)
-        store = dist.PrefixStore(f"torchspan/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
+        agent = dist.TCPStore(
+            env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False, timeout=wait
+        )
+        store = dist.PrefixStore(
+            f"torchspan/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent
+        )
         dist.init_process_group(chosen, store=store, rank=rank, world_size=world, timeout=wait)
     elif "RANK" in os.environ:  # torchrun's variables without an agent store: env://
         dist.init_process_group(chosen, init_method="env://", rank=rank, world_size=world, timeout=wait)
@@ -325,8 +371,9 @@ def join_launched_job(caller: str, *, explicit: bool = False) -> RankInfo | None
 
     ``caller`` names the torchspan call that needs the job, for the refusal: inside a DataLoader
     worker process joining would open a second member for the same rank, so it raises
-    ``RuntimeError`` naming ``torchspan.init_distributed()`` (call it in the main process first), and, where the
-    caller takes them (``explicit``: ``shard_batch``, ``rank_batches``), its ``rank=`` and ``world_size=``.
+    ``RuntimeError`` naming ``torchspan.init_distributed()`` (call it in the main process first), and, where
+    the caller takes them (``explicit``: ``shard_batch``, ``rank_batches``), its ``rank=`` and
+    ``world_size=``.
     """
     if dist.is_available() and dist.is_initialized():
         return None
@@ -337,8 +384,9 @@ def join_launched_job(caller: str, *, explicit: bool = False) -> RankInfo | None
 
     if get_worker_info() is not None:
         raise RuntimeError(
-            f"{caller} ran in a DataLoader worker of rank {env['RANK']} (WORLD_SIZE={env['WORLD_SIZE']}) before the job's "
-            "process group exists, and a worker cannot join the job for its rank: call torchspan.init_distributed() in the "
-            "main process before creating the DataLoader" + (", or pass rank= and world_size= explicitly" if explicit else "")
+            f"{caller} ran in a DataLoader worker of rank {env['RANK']} (WORLD_SIZE={env['WORLD_SIZE']}) "
+            "before the job's process group exists, and a worker cannot join the job for its rank: call "
+            "torchspan.init_distributed() in the main process before creating the DataLoader"
+            + (", or pass rank= and world_size= explicitly" if explicit else "")
         )
     return init_distributed()

@@ -13,7 +13,8 @@ and the errors the worker entry recorded). The rank named first is, in order:
    with what it was doing;
 4. else the earliest failure.
 
-Usage: ``failure_report(exc.failures, job_folder, "train.py", max_restarts)`` (a ``ChildFailedError``'s failures).
+Usage: ``failure_report(exc.failures, job_folder, "train.py", max_restarts)`` (a ``ChildFailedError``'s
+failures).
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ class _End:
 
     @property
     def where(self) -> str:
-        local = self.failure.local_rank if self.failure is not None else (self.beat or {}).get("local_rank", "?")
+        local = (
+            self.failure.local_rank if self.failure is not None else (self.beat or {}).get("local_rank", "?")
+        )
         pid = self.failure.pid if self.failure is not None else (self.beat or {}).get("pid", "?")
         return f"rank {self.rank} (local rank {local}, pid {pid})"
 
@@ -59,7 +62,9 @@ class _End:
         if self.failure is None:
             return "stopped"
         code = self.failure.exitcode
-        if code < 0 and self.raised:  # the launcher's SIGTERM reached it while it exited: it exits 1 on an exception
+        if (
+            code < 0 and self.raised
+        ):  # the launcher's SIGTERM reached it while it exited: it exits 1 on an exception
             return "exit code 1"
         return self.failure.signal_name() if code < 0 else f"exit code {code}"
 
@@ -77,7 +82,9 @@ class _End:
     def stopped_by_launcher(self) -> bool:
         if self.failure is None or self.raised:
             return False
-        return self.failure.exitcode == -int(signal.SIGTERM) or (self.escalated and self.failure.exitcode == -int(signal.SIGKILL))
+        return self.failure.exitcode == -int(signal.SIGTERM) or (
+            self.escalated and self.failure.exitcode == -int(signal.SIGKILL)
+        )
 
 
 def last_attempt(job: str | os.PathLike[str]) -> Path:
@@ -102,7 +109,10 @@ def _first_line(text: str, limit: int = 300) -> str:
 
 
 # Noise in a waiting rank's error once the rank it waited for is known: gloo's source locations, a guess.
-_NOISE = (re.compile(r"\[[^\]]*\.(?:cc|cpp|h):\d+\] "), re.compile(r"\s*Rank \d+ probably failed or was killed: see its traceback[^.]*"))
+_NOISE = (
+    re.compile(r"\[[^\]]*\.(?:cc|cpp|h):\d+\] "),
+    re.compile(r"\s*Rank \d+ probably failed or was killed: see its traceback[^.]*"),
+)
 
 
 def _error_line(end: _End) -> str:
@@ -130,7 +140,9 @@ def _raised(ends: dict[int, _End]) -> _End | None:
 
 def _stuck(ends: dict[int, _End], end_time: float) -> _End | None:
     """The rank the others waited for: beating but not waiting itself (a frozen one first)."""
-    suspects = [e for e in ends.values() if e.beat is not None and (e.failure is None or e.stopped_by_launcher)]
+    suspects = [
+        e for e in ends.values() if e.beat is not None and (e.failure is None or e.stopped_by_launcher)
+    ]
     if not suspects:
         return None
 
@@ -138,7 +150,13 @@ def _stuck(ends: dict[int, _End], end_time: float) -> _End | None:
         beat = e.beat or {}
         stale = end_time - float(beat.get("time", 0)) > _STALE_S
         seq = beat.get("seq")
-        return (not stale, bool(beat.get("waiting")), math.inf if seq is None else seq, float(beat.get("since", 0)), e.rank)
+        return (
+            not stale,
+            bool(beat.get("waiting")),
+            math.inf if seq is None else seq,
+            float(beat.get("since", 0)),
+            e.rank,
+        )
 
     return min(suspects, key=key)
 
@@ -150,36 +168,52 @@ def _doing(beat: dict[str, Any], end_time: float) -> str:
     text = f"{beat.get('doing', 'unknown')}" + (f" (for {held:.0f} s)" if held >= 1 else "")
     quiet = end_time - last
     if quiet > _STALE_S:
-        return f"its last heartbeat was {quiet:.0f} s before the job ended: the process was frozen (stopped, swapping, or in a call holding the GIL); it was then {text}"
+        return (
+            f"its last heartbeat was {quiet:.0f} s before the job ended: the process was frozen (stopped, "
+            f"swapping, or in a call holding the GIL); it was then {text}"
+        )
     return f"it was {text}"
 
 
-def _stuck_lines(culprit: _End, ends: dict[int, _End], script: str, end_time: float) -> tuple[list[str], set[int]]:
+def _stuck_lines(
+    culprit: _End, ends: dict[int, _End], script: str, end_time: float
+) -> tuple[list[str], set[int]]:
     """The summary naming ``culprit`` as the rank that stopped answering; also the ranks it names."""
     waiters = sorted((e for e in ends.values() if e.raised and e.waited), key=lambda e: (_time(e), e.rank))
     timed_out = [e for e in waiters if "time" in _error_line(e).lower()]  # not only lost a peer
     waiters = timed_out or waiters
-    timeout = next((b.get("timeout") for b in (e.beat for e in [*waiters, culprit]) if b and b.get("timeout")), None)
+    timeout = next(
+        (b.get("timeout") for b in (e.beat for e in [*waiters, culprit]) if b and b.get("timeout")), None
+    )
     who = ", ".join(f"rank {e.rank}" for e in waiters)
     if timed_out:
-        cause = f"{who} gave up waiting for it{f' after {timeout:g} s' if timeout else ''} and the job was stopped"
+        cause = (
+            f"{who} gave up waiting for it{f' after {timeout:g} s' if timeout else ''} and the job was "
+            "stopped"
+        )
     elif waiters:
-        cause = f"{who} lost {'its' if len(waiters) == 1 else 'their'} connection to it and the job was stopped"
+        cause = (
+            f"{who} lost {'its' if len(waiters) == 1 else 'their'} connection to it and the job was stopped"
+        )
     else:
         cause = "the others were waiting for it when the job was stopped"
     if (culprit.beat or {}).get("finished"):
         lines = [
-            f"torchspan launch: {culprit.where} of {script} finished its script while {who or 'the others'} still waited for it: "
-            "the ranks ran different collectives (a step, barrier or checkpoint that only some ranks run)"
+            f"torchspan launch: {culprit.where} of {script} finished its script while "
+            f"{who or 'the others'} still waited for it: the ranks ran different collectives (a step, "
+            "barrier or checkpoint that only some ranks run)"
         ]
     else:
-        lines = [f"torchspan launch: {culprit.where} of {script} stopped answering: {cause}", f"  {_doing(culprit.beat or {}, end_time)}"]
+        lines = [
+            f"torchspan launch: {culprit.where} of {script} stopped answering: {cause}",
+            f"  {_doing(culprit.beat or {}, end_time)}",
+        ]
     for e in waiters:
         lines.append(f"  rank {e.rank} (waiting): {_error_line(e)}")
     if timed_out:
         lines.append(
-            f"  if rank {culprit.rank} was only slow (a long checkpoint write or evaluation on one rank while the others wait), "
-            "set TORCHSPAN_TIMEOUT to more seconds"
+            f"  if rank {culprit.rank} was only slow (a long checkpoint write or evaluation on one rank "
+            "while the others wait), set TORCHSPAN_TIMEOUT to more seconds"
         )
     return lines, {culprit.rank, *(e.rank for e in waiters)}
 
@@ -197,23 +231,31 @@ def _failed_lines(end: _End, script: str, end_time: float) -> list[str]:
 
 
 def _others(ends: dict[int, _End], named: set[int], after: str) -> list[str]:
-    """The ranks the summary did not name: those that failed too, and those the launcher stopped (``after`` what)."""
+    """The ranks the summary did not name: those that failed too, and those the launcher stopped (``after``
+    what)."""
     others = [e for r, e in sorted(ends.items()) if r not in named and e.failure is not None]
     failed = [str(e.rank) for e in others if not e.stopped_by_launcher]
     stopped = [str(e.rank) for e in others if e.stopped_by_launcher]
     lines = [f"also failed: rank {', '.join(failed)}"] if failed else []
     if stopped:
-        lines.append(f"{'ranks' if len(stopped) > 1 else 'rank'} {', '.join(stopped)} {'were' if len(stopped) > 1 else 'was'} stopped by the launcher {after}")
+        lines.append(
+            f"{'ranks' if len(stopped) > 1 else 'rank'} {', '.join(stopped)} "
+            f"{'were' if len(stopped) > 1 else 'was'} stopped by the launcher {after}"
+        )
     return lines
 
 
-def failure_report(failures: dict[int, Any], job: str | os.PathLike[str], script: str, max_restarts: int = 0) -> str:
+def failure_report(
+    failures: dict[int, Any], job: str | os.PathLike[str], script: str, max_restarts: int = 0
+) -> str:
     """The summary of a failed job (see the module docstring for which rank it names first)."""
     folder = last_attempt(job)
     beats, errors = read_beats(folder), read_errors(folder)
     first = min((float(f.timestamp) for f in failures.values()), default=0.0)
     ends = {r: _End(r, failures.get(r), errors.get(r), beats.get(r)) for r in sorted({*failures, *beats})}
-    for end in ends.values():  # torch stamps a signal's failure when it reaps it: the agent's SIGKILL comes 30 s late
+    for end in (
+        ends.values()
+    ):  # torch stamps a signal's failure when it reaps it: the agent's SIGKILL comes 30 s late
         end.escalated = end.failure is not None and float(end.failure.timestamp) - first >= _ESCALATION_S
     end_time = min((_time(e) for e in ends.values() if e.error is not None), default=math.inf)
     if not math.isfinite(end_time):
@@ -227,7 +269,10 @@ def failure_report(failures: dict[int, Any], job: str | os.PathLike[str], script
         if culprit is not None:
             lines, named = _stuck_lines(culprit, ends, script, end_time)
         else:
-            culprit, what = min((e for e in ends.values() if e.failure is not None), key=lambda e: (_time(e), e.rank)), "failed"
+            culprit, what = (
+                min((e for e in ends.values() if e.failure is not None), key=lambda e: (_time(e), e.rank)),
+                "failed",
+            )
             lines, named = _failed_lines(culprit, script, end_time), {culprit.rank}
     lines += _others(ends, named, f"after rank {culprit.rank} {what}")
     if max_restarts:
@@ -235,5 +280,8 @@ def failure_report(failures: dict[int, Any], job: str | os.PathLike[str], script
     traces = sorted(folder.glob("rank*.traceback.txt"))
     if traces:
         shown = traces[0] if len(traces) == 1 else folder / "rank*.traceback.txt"
-        lines.append(f"full traceback{'s' if len(traces) > 1 else ''}: {shown} (TORCHSPAN_VERBOSE=1 prints them as they happen)")
+        lines.append(
+            f"full traceback{'s' if len(traces) > 1 else ''}: {shown} (TORCHSPAN_VERBOSE=1 prints them as "
+            "they happen)"
+        )
     return "\n".join(lines)

@@ -7,7 +7,8 @@ batch is refused before any gradient). It is a few int64s:
   value (``1``, ``1.0``, ``True`` differ), computed once and reused while the structure repeats;
 - the values, read the same way wherever the tensors live (one rank may hold the batch on its GPU, another
   on the CPU), chosen by the batch's size alone:
-  - up to 16 MiB of tensors (token batches, most batches): zlib's CRC-32 of their bytes in order, read in place
+  - up to 16 MiB of tensors (token batches, most batches): zlib's CRC-32 of their bytes in order, read in
+  place
     on the host (no copy for a contiguous CPU tensor; an accelerator's copied there), so any changed bit or
     moved element changes it, whatever the memory layout (a strided tensor is read in its logical order);
   - larger (image batches): the sum and the position-weighted sum of their bits read as integers, on the
@@ -28,7 +29,9 @@ from torch.utils._pytree import tree_flatten
 
 __all__ = ["batch_fingerprint"]
 
-_CRC_BYTES = 16 << 20  # batches of up to this many bytes of tensors: their CRC-32; larger: the sums of their bits
+_CRC_BYTES = (
+    16 << 20
+)  # batches of up to this many bytes of tensors: their CRC-32; larger: the sums of their bits
 
 _PLAIN = (type(None), bool, int, float, str)
 
@@ -41,8 +44,9 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _plain_structure(v: Any, tensors: list[torch.Tensor]) -> Any:
-    """``v``'s structure (container kinds, dict keys, tensor shapes and dtypes, plain values; its tensors appended
-    to ``tensors`` in pytree order) when it holds only tuples, lists, dicts, tensors and plain values, else ``None``."""
+    """``v``'s structure (container kinds, dict keys, tensor shapes and dtypes, plain values; its tensors
+    appended to ``tensors`` in pytree order) when it holds only tuples, lists, dicts, tensors and plain
+    values, else ``None``."""
     kind = type(v)
     if kind is torch.Tensor or kind is torch.nn.Parameter:
         tensors.append(v)
@@ -63,19 +67,28 @@ def _plain_structure(v: Any, tensors: list[torch.Tensor]) -> Any:
                 return None
             parts.append((key, part))
         return ("dict", tuple(parts))
-    if kind in _PLAIN:  # by type and repr: 1, 1.0, True and -0.0, 0.0 differ (== alone would not tell them apart)
+    if (
+        kind in _PLAIN
+    ):  # by type and repr: 1, 1.0, True and -0.0, 0.0 differ (== alone would not tell them apart)
         return ("value", kind.__name__, repr(v) if kind is float else v)
     return None
 
 
 def _structure(batch: Any, known: tuple[Any, int] | None) -> tuple[list[torch.Tensor], tuple[Any, int]]:
-    """The batch's tensors in pytree order and ``(structure, its hash)``, ``known`` reused when the structure repeats."""
+    """The batch's tensors in pytree order and ``(structure, its hash)``, ``known`` reused when the structure
+    repeats."""
     tensors: list[torch.Tensor] = []
-    shape = _plain_structure(batch, tensors)  # tuples, lists and dicts of tensors and plain values: no pytree walk
+    shape = _plain_structure(
+        batch, tensors
+    )  # tuples, lists and dicts of tensors and plain values: no pytree walk
     if shape is None:
         leaves, spec = tree_flatten(batch)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        plain = tuple(v if isinstance(v, _PLAIN) else type(v).__name__ for v in leaves if not isinstance(v, torch.Tensor))
+        plain = tuple(
+            v if isinstance(v, _PLAIN) else type(v).__name__
+            for v in leaves
+            if not isinstance(v, torch.Tensor)
+        )
         structure: Any = (spec, tuple((t.shape, t.dtype) for t in tensors), plain)
         if known is None or not _same(known[0], structure):
             known = (structure, zlib.crc32(repr((str(spec), structure[1:])).encode()))
@@ -85,7 +98,8 @@ def _structure(batch: Any, known: tuple[Any, int] | None) -> tuple[list[torch.Te
 
 
 def _host_bytes(t: torch.Tensor) -> Any:
-    """``t``'s elements in logical order as a buffer of bytes on the host (a view of its memory when contiguous there)."""
+    """``t``'s elements in logical order as a buffer of bytes on the host (a view of its memory when
+    contiguous there)."""
     t = t.detach()
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
@@ -93,8 +107,9 @@ def _host_bytes(t: torch.Tensor) -> Any:
 
 
 def _device_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The plain and the position-weighted sum (int64) of the tensors' bits read as int32 words (smaller elements
-    one each; the tensors of one device and dtype concatenated in order), on the first one's device."""
+    """The plain and the position-weighted sum (int64) of the tensors' bits read as int32 words (smaller
+    elements one each; the tensors of one device and dtype concatenated in order), on the first one's
+    device."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.device, t.dtype), []).append(t.detach().reshape(-1))
@@ -104,7 +119,11 @@ def _device_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
         if bits.is_complex():
             bits = torch.view_as_real(bits).reshape(-1)
         size = bits.element_size()  # each element read alike whatever its offset in memory
-        words.append(bits.view(torch.int32) if size >= 4 else bits.view(torch.int16 if size == 2 else torch.uint8).to(torch.int32))
+        words.append(
+            bits.view(torch.int32)
+            if size >= 4
+            else bits.view(torch.int16 if size == 2 else torch.uint8).to(torch.int32)
+        )
     device = words[0].device
     flat = torch.cat([w.to(device) for w in words]) if len(words) > 1 else words[0]
     # running sums in int64 (a flipped sign bit never cancels out mod 2**32): the last is the plain sum, and
@@ -113,10 +132,13 @@ def _device_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([run[-1:], run.sum().reshape(1)])
 
 
-def batch_fingerprint(batch: Any, known: tuple[Any, int] | None = None) -> tuple[torch.Tensor, tuple[Any, int]]:
-    """Three int64s that differ when two ranks' batches differ: the structure's hash, then the values' CRC-32 and 0
-    (up to 16 MiB of tensors) or their two sums. ``known``: the previous call's ``(structure, hash)``, reused when
-    the structure repeats (the usual step). Returned on the CPU, or the device of the first tensor (the sums).
+def batch_fingerprint(
+    batch: Any, known: tuple[Any, int] | None = None
+) -> tuple[torch.Tensor, tuple[Any, int]]:
+    """Three int64s that differ when two ranks' batches differ: the structure's hash, then the values' CRC-32
+    and 0 (up to 16 MiB of tensors) or their two sums. ``known``: the previous call's ``(structure, hash)``,
+    reused when the structure repeats (the usual step). Returned on the CPU, or the device of the first tensor
+    (the sums).
 
     Usage: ``fp, known = batch_fingerprint((chunks, targets), known)``.
     """

@@ -31,8 +31,9 @@ __all__ = ["Recipes", "Node", "node_at", "layers_in"]
 
 _LIMIT = 64  # positions a tree describes (deeper or wider: held by nobody, so not rebuilt)
 
-# A position of a value, as one rank sees it: (code, dtype, children, layer, replayable): ``code`` as ``routes``'
-# META/REAL/GRAD; ``children`` the nodes of the tensor arguments of the op that made it (``None``: no recipe
+# A position of a value, as one rank sees it: (code, dtype, children, layer, replayable): ``code`` as
+# ``routes``' META/REAL/GRAD; ``children`` the nodes of the tensor arguments of the op that made it (``None``:
+# no recipe
 # here); ``layer`` the layer whose output it is (``None``: made by the glue or given); ``replayable``: nothing
 # the op read or made changed in place since.
 Node = tuple[int, Any, "tuple[Node, ...] | None", "str | None", bool]
@@ -41,7 +42,9 @@ Node = tuple[int, Any, "tuple[Node, ...] | None", "str | None", bool]
 class _Recipe:
     __slots__ = ("func", "leaves", "spec", "index", "operands", "versions", "out", "version", "grad")
 
-    def __init__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], index: int, out: torch.Tensor) -> None:
+    def __init__(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], index: int, out: torch.Tensor
+    ) -> None:
         self.func, self.index, self.out = func, index, out
         self.leaves, self.spec = tree_flatten((args, kwargs))
         self.operands = [v for v in self.leaves if isinstance(v, torch.Tensor)]
@@ -51,12 +54,21 @@ class _Recipe:
 
     def valid(self) -> bool:
         """Nothing it read or made changed in place since."""
-        return self.out._version == self.version and all(t._version == v for t, v in zip(self.operands, self.versions))
+        return self.out._version == self.version and all(
+            t._version == v for t, v in zip(self.operands, self.versions)
+        )
 
     def replay(self, values: list[torch.Tensor], device: torch.device) -> torch.Tensor:
         it = iter(values)
         meta = torch.device("meta")
-        leaves = [next(it) if isinstance(v, torch.Tensor) else device if v == meta and isinstance(v, torch.device) else v for v in self.leaves]
+        leaves = [
+            next(it)
+            if isinstance(v, torch.Tensor)
+            else device
+            if v == meta and isinstance(v, torch.device)
+            else v
+            for v in self.leaves
+        ]
         args, kwargs = tree_unflatten(leaves, self.spec)
         with torch.set_grad_enabled(self.grad):
             out = self.func(*args, **kwargs)
@@ -89,10 +101,14 @@ class Recipes:
         return recipe if recipe.valid() or not valid else None
 
     def tree(
-        self, t: torch.Tensor, code_of: Callable[[torch.Tensor], tuple[int, Any]], layer_of: Callable[[torch.Tensor], str | None]
+        self,
+        t: torch.Tensor,
+        code_of: Callable[[torch.Tensor], tuple[int, Any]],
+        layer_of: Callable[[torch.Tensor], str | None],
     ) -> Node:
         """``t`` as this rank sees it, down through the recipes of the ``meta`` values it does not hold
-        (``code_of``: code and dtype, code 0 for not held; ``layer_of``: the layer whose output a tensor is)."""
+        (``code_of``: code and dtype, code 0 for not held; ``layer_of``: the layer whose output a tensor
+        is)."""
         budget = [_LIMIT]
 
         def node(x: torch.Tensor) -> Node:
@@ -139,7 +155,8 @@ class Recipes:
 
 
 def node_at(node: Node | None, path: tuple[int, ...]) -> Node | None:
-    """The node at ``path`` below ``node`` through replayable recipes (``None``: that rank cannot reach it)."""
+    """The node at ``path`` below ``node`` through replayable recipes (``None``: that rank cannot reach
+    it)."""
     for j in path:
         if node is None or node[2] is None or not node[4] or j >= len(node[2]):
             return None

@@ -42,22 +42,54 @@ from typing import Any
 from ...files import write_text
 
 __all__ = [
-    "INTERVAL_S", "Heartbeat", "start", "doing", "die_with_parent", "attempt_folder", "record_error", "read_beats",
-    "read_errors", "waited_for_peer", "script_frames",
-]  # fmt: skip
+    "INTERVAL_S",
+    "Heartbeat",
+    "start",
+    "doing",
+    "die_with_parent",
+    "attempt_folder",
+    "record_error",
+    "read_beats",
+    "read_errors",
+    "waited_for_peer",
+    "script_frames",
+]
 
 INTERVAL_S = 1.0
 _TORCHSPAN = str(Path(__file__).resolve().parents[2]) + os.sep
-_LIBRARY = tuple({str(Path(p).resolve()) + os.sep for k in ("stdlib", "platstdlib", "purelib", "platlib") if (p := sysconfig.get_paths().get(k))})
+_LIBRARY = tuple(
+    {
+        str(Path(p).resolve()) + os.sep
+        for k in ("stdlib", "platstdlib", "purelib", "platlib")
+        if (p := sysconfig.get_paths().get(k))
+    }
+)
 _DISTRIBUTED = (f"torch{os.sep}distributed{os.sep}", f"torch{os.sep}nn{os.sep}parallel{os.sep}distributed.py")
 # What an error says when its rank was waiting for a peer that died or stopped answering: not a root cause.
 _PEER_WAIT = (
-    "timed out", "timeout caused", "operation timeout", "socket timeout", "wait timeout", "connection closed by peer",
-    "connection reset by peer", "remote worker crashing", "broken pipe", "could not receive", "could not finish sending",
+    "timed out",
+    "timeout caused",
+    "operation timeout",
+    "socket timeout",
+    "wait timeout",
+    "connection closed by peer",
+    "connection reset by peer",
+    "remote worker crashing",
+    "broken pipe",
+    "could not receive",
+    "could not finish sending",
     "communicator was aborted",
-)  # fmt: skip
+)
 _PEER_TYPES = ("PeerError", "DistBackendError", "DistNetworkError", "DistStoreError")
-_RUNTIME_TYPES = ("", "RuntimeError", "DistError", "TimeoutError", "ConnectionError", "ConnectionResetError", "BrokenPipeError")
+_RUNTIME_TYPES = (
+    "",
+    "RuntimeError",
+    "DistError",
+    "TimeoutError",
+    "ConnectionError",
+    "ConnectionResetError",
+    "BrokenPipeError",
+)
 
 
 def attempt_folder(job: str | os.PathLike[str]) -> Path:
@@ -67,7 +99,8 @@ def attempt_folder(job: str | os.PathLike[str]) -> Path:
 
 # --------------------------------------------------------------------------- what a thread is doing
 def _kind(filename: str) -> str:
-    """``torchspan``, ``distributed`` (torch.distributed, DDP), ``library`` (stdlib, site-packages), or ``script``."""
+    """``torchspan``, ``distributed`` (torch.distributed, DDP), ``library`` (stdlib, site-packages), or
+    ``script``."""
     if filename.startswith("<"):
         return "library"
     path = os.path.abspath(filename)
@@ -96,7 +129,9 @@ def _line(frame: FrameType) -> str:
     import linecache
 
     text = linecache.getline(frame.f_code.co_filename, frame.f_lineno).split("  #")[0].strip()
-    return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} in {frame.f_code.co_name}" + (f": {text}" if text else "")
+    return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} in {frame.f_code.co_name}" + (
+        f": {text}" if text else ""
+    )
 
 
 def doing(frame: FrameType | None, main: bool = True) -> tuple[str, bool]:
@@ -109,11 +144,16 @@ def doing(frame: FrameType | None, main: bool = True) -> tuple[str, bool]:
     if main and "script" not in kinds:
         return f"not in the script (starting or exiting), at {_line(frames[-1])}", kinds[-1] == "distributed"
     parts = []
-    first = kinds.index("script") if "script" in kinds else 0  # the frames before it run the script (runpy, the launcher)
+    first = (
+        kinds.index("script") if "script" in kinds else 0
+    )  # the frames before it run the script (runpy, the launcher)
     api = next((f for f, k in zip(frames[first:], kinds[first:]) if k == "torchspan"), None)
     if api is not None:
         parts.append(f"in torchspan's {_name(api)}")
-    if any(f.f_code.co_name == "backward" and k == "library" and "torch" in f.f_code.co_filename for f, k in zip(frames, kinds)):
+    if any(
+        f.f_code.co_name == "backward" and k == "library" and "torch" in f.f_code.co_filename
+        for f, k in zip(frames, kinds)
+    ):
         parts.append("backward")
     waiting = kinds[-1] == "distributed"
     mine = [f for f, k in zip(frames, kinds) if k == "script"] or frames[-1:]
@@ -124,7 +164,10 @@ def doing(frame: FrameType | None, main: bool = True) -> tuple[str, bool]:
     else:
         parts.append(f"at {_line(mine[-1])}")
         if mine[-1] is not frames[-1]:
-            parts.append(f"inside {_name(frames[-1])} ({Path(frames[-1].f_code.co_filename).name}:{frames[-1].f_lineno})")
+            parts.append(
+                f"inside {_name(frames[-1])} "
+                f"({Path(frames[-1].f_code.co_filename).name}:{frames[-1].f_lineno})"
+            )
     return ", ".join(parts), waiting
 
 
@@ -135,8 +178,16 @@ def _threads_doing(skip: int | None) -> tuple[str, bool]:
     main = threading.main_thread().ident
     text, waiting = doing(frames.get(main))
     top = frames.get(main)
-    if top is not None and _kind(top.f_code.co_filename) == "library" and top.f_code.co_filename.endswith("threading.py"):
-        others = [(names.get(i, str(i)), doing(f, main=False)) for i, f in frames.items() if i not in (main, skip) and _involved(f)]
+    if (
+        top is not None
+        and _kind(top.f_code.co_filename) == "library"
+        and top.f_code.co_filename.endswith("threading.py")
+    ):
+        others = [
+            (names.get(i, str(i)), doing(f, main=False))
+            for i, f in frames.items()
+            if i not in (main, skip) and _involved(f)
+        ]
         if others:
             text = "; ".join(f"thread {n}: {d[0]}" for n, d in others)
             waiting = all(d[1] for _, d in others)
@@ -185,9 +236,16 @@ class Heartbeat:
         from .env import current_timeout
 
         beat = {
-            "rank": self.rank, "local_rank": self.local_rank, "pid": os.getpid(), "host": socket.gethostname(), "time": now,
-            "started": self.started, "seq": _collectives(), "timeout": current_timeout(), **what,
-        }  # fmt: skip
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "time": now,
+            "started": self.started,
+            "seq": _collectives(),
+            "timeout": current_timeout(),
+            **what,
+        }
         write_text(self.path, json.dumps(beat), name="heartbeat")
         return beat
 
@@ -223,14 +281,18 @@ class Heartbeat:
             pass
 
 
-def start(folder: str | os.PathLike[str], rank: int, parent: int | None = None, interval: float = INTERVAL_S) -> Heartbeat:
-    """Start this rank's heartbeat into ``folder`` (created); ``parent``: end this process when its parent pid changes."""
+def start(
+    folder: str | os.PathLike[str], rank: int, parent: int | None = None, interval: float = INTERVAL_S
+) -> Heartbeat:
+    """Start this rank's heartbeat into ``folder`` (created); ``parent``: end this process when its parent pid
+    changes."""
     Path(folder).mkdir(parents=True, exist_ok=True)
     return Heartbeat(Path(folder), rank, parent, interval).start()
 
 
 def die_with_parent(parent: int) -> None:
-    """End this process with SIGKILL when its parent (the launcher, pid ``parent``) dies, or now if it already has.
+    """End this process with SIGKILL when its parent (the launcher, pid ``parent``) dies, or now if it already
+    has.
 
     Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``, done by the kernel even when the process is frozen;
     elsewhere the heartbeat thread polls the parent pid."""
@@ -252,7 +314,8 @@ def waited_for_peer(kind: str, message: str) -> bool:
 
 
 def script_frames(tb: TracebackType | None, exc: BaseException) -> str:
-    """A traceback of the script's own frames (runs of torchspan, torch and library frames shown as one line)."""
+    """A traceback of the script's own frames (runs of torchspan, torch and library frames shown as one
+    line)."""
     lines = ["Traceback (most recent call last):"]
     hidden: list[str] = []
     for frame, lineno in traceback.walk_tb(tb):
@@ -264,7 +327,13 @@ def script_frames(tb: TracebackType | None, exc: BaseException) -> str:
             summary = traceback.FrameSummary(frame.f_code.co_filename, lineno, frame.f_code.co_name)
             lines.extend(traceback.format_list([summary])[0].rstrip("\n").splitlines())
         elif len(lines) > 1:  # frames before the script's first one run it (runpy, the launcher): not shown
-            hidden.append("torchspan" if kind == "torchspan" else "torch" if "torch" in frame.f_code.co_filename else "python")
+            hidden.append(
+                "torchspan"
+                if kind == "torchspan"
+                else "torch"
+                if "torch" in frame.f_code.co_filename
+                else "python"
+            )
     if hidden and len(lines) > 1:
         lines.append(f"  [{len(hidden)} frame(s) in {', '.join(dict.fromkeys(hidden))}]")
     lines.extend(line.rstrip("\n") for line in traceback.format_exception_only(type(exc), exc))
@@ -280,9 +349,15 @@ def record_error(folder: str | os.PathLike[str], rank: int, exc: BaseException) 
     trace = write_text(path / f"rank{rank}.traceback.txt", full, name="traceback")
     kind, message = type(exc).__name__, str(exc)
     record = {
-        "rank": rank, "pid": os.getpid(), "time": time.time(), "type": kind, "message": message,
-        "script_frames": script_frames(exc.__traceback__, exc), "waited": waited_for_peer(kind, message), "traceback": str(trace),
-    }  # fmt: skip
+        "rank": rank,
+        "pid": os.getpid(),
+        "time": time.time(),
+        "type": kind,
+        "message": message,
+        "script_frames": script_frames(exc.__traceback__, exc),
+        "waited": waited_for_peer(kind, message),
+        "traceback": str(trace),
+    }
     write_text(path / f"rank{rank}.error.json", json.dumps(record), name="error record")
     return trace
 

@@ -37,16 +37,17 @@ def position_groups(groups: Sequence[Sequence[str]], positions: int) -> list[lis
 
 
 def looped_mesh(world_size: int, stages: int) -> Mesh | None:
-    """One pipeline over ``world_size`` ranks when ``stages`` exceeds it (looped), ``None`` otherwise; ``ValueError``
-    naming the fix when the stages do not split evenly over the ranks."""
+    """One pipeline over ``world_size`` ranks when ``stages`` exceeds it (looped), ``None`` otherwise;
+    ``ValueError`` naming the fix when the stages do not split evenly over the ranks."""
     if stages <= world_size:
         return None
     if stages % world_size:
         lower = stages // world_size * world_size
         raise ValueError(
-            f"{stages} stages on WORLD_SIZE({world_size}) ranks: more stages than ranks are placed looped (stage s "
-            f"on rank s % {world_size}), which needs a multiple of {world_size} stages; pass balance= (or devices=) "
-            f"with {lower} or {lower + world_size} entries, or launch {stages} processes"
+            f"{stages} stages on WORLD_SIZE({world_size}) ranks: more stages than ranks are placed looped "
+            f"(stage s on rank s % {world_size}), which needs a multiple of {world_size} stages; pass "
+            f"balance= (or devices=) with {lower} or {lower + world_size} entries, or launch {stages} "
+            "processes"
         )
     return Mesh(world_size, 1)
 
@@ -69,7 +70,8 @@ class LoopedTransport(RankTransport):
         self._prepost: tuple[int, int] | None = None  # (stages, micro-batches) whose receives the gate posts
         if self.chunks * self.positions != stages:
             raise ValueError(
-                f"{stages} stages cannot be looped over pp({mesh.stages}) ranks: give a multiple of {mesh.stages}"
+                f"{stages} stages cannot be looped over pp({mesh.stages}) ranks: give a multiple of "
+                f"{mesh.stages}"
             )
 
     def peer(self, stage: int) -> int:
@@ -93,8 +95,8 @@ class LoopedTransport(RankTransport):
         return super().receive(src, dst, kind, mb, self._slot(src, dst, seq))
 
     def expect(self, src: int, dst: int, kind: str, mbs: Sequence[int]) -> None:
-        """Post now the receives of ``mbs`` from stage ``src`` to ``dst`` whose size an earlier step announced (on
-        the pair's slot; a CPU transport only, as ``RankTransport.expect``)."""
+        """Post now the receives of ``mbs`` from stage ``src`` to ``dst`` whose size an earlier step announced
+        (on the pair's slot; a CPU transport only, as ``RankTransport.expect``)."""
         self.run_gate()
         if self.comm_device.type != "cpu":
             return
@@ -106,9 +108,10 @@ class LoopedTransport(RankTransport):
                 self._early[(peer, kind, mb, seq)] = (dist.irecv(buf, src=peer, tag=tag(kind, mb, seq)), buf)
 
     def expect_step(self, stages: int, microbatches: int) -> None:
-        """At the start of a step: every receive of this rank's stages from other ranks (forwards from the stage
-        before, gradients from the stage after) whose size is known, posted at once (``expect``) once the step's
-        gate has run (at its first transfer: the first stage's first forward still overlaps the batch check)."""
+        """At the start of a step: every receive of this rank's stages from other ranks (forwards from the
+        stage before, gradients from the stage after) whose size is known, posted at once (``expect``) once
+        the step's gate has run (at its first transfer: the first stage's first forward still overlaps the
+        batch check)."""
         self._prepost = (stages, microbatches)
 
     def run_gate(self) -> None:

@@ -47,19 +47,29 @@ class Mesh:
     def __post_init__(self) -> None:
         _positive("stages", self.stages)
         _positive("replicas", self.replicas)
-        table = self.table or tuple(tuple(r * self.stages + s for r in range(self.replicas)) for s in range(self.stages))
+        table = self.table or tuple(
+            tuple(r * self.stages + s for r in range(self.replicas)) for s in range(self.stages)
+        )
         table = tuple(tuple(row) for row in table)
         flat = sorted(r for row in table for r in row)
-        if len(table) != self.stages or any(len(row) != self.replicas for row in table) or flat != list(range(self.world_size)):
+        if (
+            len(table) != self.stages
+            or any(len(row) != self.replicas for row in table)
+            or flat != list(range(self.world_size))
+        ):
             raise ValueError(
-                f"table={[list(r) for r in table]} must list, for each of pp({self.stages}) stages, the ranks of its "
-                f"dp({self.replicas}) replicas, naming every rank 0..{self.world_size - 1} once"
+                f"table={[list(r) for r in table]} must list, for each of pp({self.stages}) stages, the "
+                f"ranks of its dp({self.replicas}) replicas, naming every rank 0..{self.world_size - 1} once"
             )
         object.__setattr__(self, "table", table)
 
     @classmethod
     def for_world(
-        cls, world_size: int, stages: int, replicas: int | None = None, table: Sequence[Sequence[int]] | None = None
+        cls,
+        world_size: int,
+        stages: int,
+        replicas: int | None = None,
+        table: Sequence[Sequence[int]] | None = None,
     ) -> Mesh:
         """The mesh filling ``world_size`` ranks; ``replicas`` defaults to ``world_size // stages``.
 
@@ -70,29 +80,32 @@ class Mesh:
         if replicas is None:
             if world_size % stages:
                 raise ValueError(
-                    f"WORLD_SIZE({world_size}) is not a multiple of pp({stages}): the pipeline's {stages} stages "
-                    f"cannot be replicated over {world_size} ranks. Launch a multiple of {stages} processes "
-                    f"(e.g. --nproc-per-node {stages * max(1, world_size // stages)}) or use a plan with a stage count "
-                    f"that divides {world_size}"
+                    f"WORLD_SIZE({world_size}) is not a multiple of pp({stages}): the pipeline's {stages} "
+                    f"stages cannot be replicated over {world_size} ranks. Launch a multiple of {stages} "
+                    f"processes (e.g. --nproc-per-node {stages * max(1, world_size // stages)}) or use a "
+                    f"plan with a stage count that divides {world_size}"
                 )
             replicas = world_size // stages
         _positive("data_parallel", replicas)
         fit = world_size // stages if world_size % stages == 0 else "?"
         check_degrees(
-            {"pp": stages, "dp_replicate": replicas}, world_size,
+            {"pp": stages, "dp_replicate": replicas},
+            world_size,
             f"launch {replicas * stages} processes, or set the plan's data-parallel degree to {fit}",
         )
         return cls(stages, replicas, tuple(tuple(row) for row in table) if table else ())
 
     @classmethod
     def of(cls, device_mesh: Any) -> Mesh:
-        """The coordinates of a job's ``DeviceMesh`` (``ranks.devicemesh``): ``pp`` its stages, its ``dp_replicate``
-        or ``dp_shard`` dimension the replicas, the rank tensor the table."""
+        """The coordinates of a job's ``DeviceMesh`` (``ranks.devicemesh``): ``pp`` its stages, its
+        ``dp_replicate`` or ``dp_shard`` dimension the replicas, the rank tensor the table."""
         names = tuple(device_mesh.mesh_dim_names or ())
         dp = next((n for n in ("dp_replicate", "dp_shard") if n in names), None)
         stages, replicas = dim_size(device_mesh, "pp"), dim_size(device_mesh, dp) if dp else 1
         if stages * replicas != device_mesh.size():
-            raise ValueError(f"a pipeline's mesh has dimensions pp and one dp (dp_replicate or dp_shard), not {names}")
+            raise ValueError(
+                f"a pipeline's mesh has dimensions pp and one dp (dp_replicate or dp_shard), not {names}"
+            )
         ranks = device_mesh.mesh
         if "pp" in names and dp is not None and names.index("pp") > names.index(dp):
             ranks = ranks.transpose(0, 1)
@@ -106,7 +119,10 @@ class Mesh:
     def rank(self, replica: int, stage: int) -> int:
         """The rank holding ``stage`` of ``replica``."""
         if not (0 <= replica < self.replicas and 0 <= stage < self.stages):
-            raise ValueError(f"(replica={replica}, stage={stage}) is outside the mesh dp({self.replicas}) x pp({self.stages})")
+            raise ValueError(
+                f"(replica={replica}, stage={stage}) is outside the mesh dp({self.replicas}) x "
+                f"pp({self.stages})"
+            )
         return self.table[stage][replica]
 
     def coords(self, rank: int) -> tuple[int, int]:

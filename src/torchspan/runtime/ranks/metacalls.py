@@ -48,13 +48,16 @@ _LIMIT = 4096  # templates kept (distinct call shapes); past it the cache starts
 
 
 class _Template:
-    """A call's outputs: the pytree spec, and per leaf ``("in", i)``, ``("new", shape, stride, dtype)`` or ``("value", v)``."""
+    """A call's outputs: the pytree spec, and per leaf ``("in", i)``, ``("new", shape, stride, dtype)`` or
+    ``("value", v)``."""
 
     __slots__ = ("spec", "leaves", "_one")
 
     def __init__(self, spec: Any, leaves: list[tuple[Any, ...]]) -> None:
         self.spec, self.leaves = spec, leaves
-        self._one = len(leaves) == 1 and leaves[0][0] == "new" and spec.is_leaf()  # one new tensor (most layers)
+        self._one = (
+            len(leaves) == 1 and leaves[0][0] == "new" and spec.is_leaf()
+        )  # one new tensor (most layers)
 
     def __getstate__(self) -> tuple[Any, ...]:  # sent to other ranks: the spec as text where it has one
         try:
@@ -77,7 +80,9 @@ class _Template:
             if isinstance(v, torch.Tensor):
                 if not (real or v.is_meta):
                     return None
-                made.append(("in", ids[id(v)]) if id(v) in ids else ("new", tuple(v.shape), v.stride(), v.dtype))
+                made.append(
+                    ("in", ids[id(v)]) if id(v) in ids else ("new", tuple(v.shape), v.stride(), v.dtype)
+                )
             elif isinstance(v, _PLAIN):
                 made.append(("value", v))
             else:
@@ -90,8 +95,15 @@ class _Template:
         if len(leaves) != len(self.leaves):
             return f"{len(leaves)} outputs where the first call of this shape returned {len(self.leaves)}"
         for i, (v, leaf) in enumerate(zip(leaves, self.leaves)):
-            if leaf[0] == "new" and isinstance(v, torch.Tensor) and (tuple(v.shape), v.dtype) != (leaf[1], leaf[3]):
-                return f"output {i} is {tuple(v.shape)} {v.dtype} where the first call of this shape returned {leaf[1]} {leaf[3]}"
+            if (
+                leaf[0] == "new"
+                and isinstance(v, torch.Tensor)
+                and (tuple(v.shape), v.dtype) != (leaf[1], leaf[3])
+            ):
+                return (
+                    f"output {i} is {tuple(v.shape)} {v.dtype} where the first call of this shape returned "
+                    f"{leaf[1]} {leaf[3]}"
+                )
         return None
 
     def build(self, inputs: list[torch.Tensor]) -> Any:
@@ -164,7 +176,9 @@ class MetaCalls:
 
     def __init__(self) -> None:
         self._templates: dict[tuple[Any, ...], tuple[_Template, _SubHooks | None]] = {}
-        self._failed: dict[Any, _SubHooks | None] = {}  # key -> submodule hooks that fired before the layer failed
+        self._failed: dict[
+            Any, _SubHooks | None
+        ] = {}  # key -> submodule hooks that fired before the layer failed
         self.ran = 0  # calls that ran the layer (the rest were replayed)
 
     @staticmethod
@@ -180,8 +194,9 @@ class MetaCalls:
         return tuple(key)
 
     def replay(self, where: Any, module: nn.Module, leaves: list[Any]) -> Any:
-        """The outputs recorded for this call's key (its submodules' forward hooks fired again), or ``MISSING`` when
-        the call has to run (``run``): a replay runs no layer code, so it needs no ``no_grad`` or tied swaps."""
+        """The outputs recorded for this call's key (its submodules' forward hooks fired again), or
+        ``MISSING`` when the call has to run (``run``): a replay runs no layer code, so it needs no
+        ``no_grad`` or tied swaps."""
         key = self._key(where, module, leaves)
         known = self._templates.get(key) if key is not None else None
         if known is None:
@@ -192,7 +207,8 @@ class MetaCalls:
         return template.build([t for t in leaves if isinstance(t, torch.Tensor)])
 
     def single(self, where: Any, module: nn.Module, leaves: list[Any]) -> bool:
-        """Whether this call's recorded outputs are one new tensor and no submodule hook fires (a replay makes just that)."""
+        """Whether this call's recorded outputs are one new tensor and no submodule hook fires (a replay makes
+        just that)."""
         key = self._key(where, module, leaves)
         known = self._templates.get(key) if key is not None else None
         return known is not None and known[1] is None and known[0]._one
@@ -229,9 +245,12 @@ class MetaCalls:
             hooks.fire()
         return template.build(inputs)
 
-    def run_failed(self, where: Any, module: nn.Module, fn: Callable[..., Any], leaves: list[Any], spec: Any) -> None:
+    def run_failed(
+        self, where: Any, module: nn.Module, fn: Callable[..., Any], leaves: list[Any], spec: Any
+    ) -> None:
         """A call of a layer that fails on meta here (its outputs come from its owner's description): what its
-        meta run leaves before failing, its submodules' forward hooks fired, as ``run`` would (run once per key)."""
+        meta run leaves before failing, its submodules' forward hooks fired, as ``run`` would (run once per
+        key)."""
         key = self._key(where, module, leaves)
         if key is not None and key in self._failed:
             hooks = self._failed[key]
@@ -260,11 +279,14 @@ def shape_key(where: Any, module: nn.Module, leaves: list[Any]) -> tuple[Any, ..
 
 
 def describe(out: Any, inputs: list[torch.Tensor]) -> _Template | str:
-    """The template of a layer's real outputs ``out`` (``inputs``: its tensor arguments), or why there is none."""
+    """The template of a layer's real outputs ``out`` (``inputs``: its tensor arguments), or why there is
+    none."""
     template = _Template.of(out, inputs, real=True)
     if template is not None:
         return template
-    odd = sorted({type(v).__name__ for v in tree_flatten(out)[0] if not isinstance(v, (torch.Tensor, *_PLAIN))})
+    odd = sorted(
+        {type(v).__name__ for v in tree_flatten(out)[0] if not isinstance(v, (torch.Tensor, *_PLAIN))}
+    )
     return f"it returns {', '.join(odd)}, which is neither a tensor nor a plain value"
 
 
@@ -277,7 +299,9 @@ class Described:
     ``rank_of(stage)``: the global rank holding a stage.
     """
 
-    def __init__(self, stages: int, gather: Callable[[Any], list[Any]], rank_of: Callable[[int], int]) -> None:
+    def __init__(
+        self, stages: int, gather: Callable[[Any], list[Any]], rank_of: Callable[[int], int]
+    ) -> None:
         self._templates: list[dict[tuple[Any, ...], _Template]] = [{} for _ in range(stages)]
         self.gather, self.rank_of = gather, rank_of
         self.exchanged = 0  # descriptions sent or received
@@ -293,25 +317,39 @@ class Described:
         self.exchanged += 1
         return self.gather(sent)[stage]
 
-    def outputs(self, layer: str, stage: int, key: tuple[Any, ...] | None, inputs: list[torch.Tensor], failures: Any) -> Any:
+    def outputs(
+        self, layer: str, stage: int, key: tuple[Any, ...] | None, inputs: list[torch.Tensor], failures: Any
+    ) -> Any:
         """On a rank that cannot run ``layer`` (of ``stage``) on meta: its outputs as meta tensors of the
         described shapes (``inputs``: the call's tensor arguments, meta). Raises what the owner raises."""
         template = self._templates[stage].get(key) if key is not None else None
         if template is None:
             got = self._exchange(stage, None)
             if isinstance(got, tuple):
-                raise every_rank(RuntimeError(
-                    f"torchspan: stage {stage} (rank {self.rank_of(stage)}) failed running layer {layer!r}, whose "
-                    f"outputs' shapes this rank waited for: {got[1]}; see that rank's traceback"
-                ))  # fmt: skip
+                raise every_rank(
+                    RuntimeError(
+                        f"torchspan: stage {stage} (rank {self.rank_of(stage)}) failed running layer "
+                        f"{layer!r}, whose outputs' shapes this rank waited for: {got[1]}; see that rank's "
+                        "traceback"
+                    )
+                )
             _raise_refused(layer, stage, failures, got)
             template = got
             self._keep(stage, key, template)
         return template.build(inputs)
 
-    def send(self, layer: str, stage: int, key: tuple[Any, ...] | None, inputs: list[torch.Tensor], out: Any, failures: Any) -> None:
-        """On ``layer``'s owner, after the call (``out``: its outputs, or the exception it raised): the outputs'
-        description, the first time this call shape is reached; later calls are checked against it."""
+    def send(
+        self,
+        layer: str,
+        stage: int,
+        key: tuple[Any, ...] | None,
+        inputs: list[torch.Tensor],
+        out: Any,
+        failures: Any,
+    ) -> None:
+        """On ``layer``'s owner, after the call (``out``: its outputs, or the exception it raised): the
+        outputs' description, the first time this call shape is reached; later calls are checked against
+        it."""
         template = self._templates[stage].get(key) if key is not None else None
         if isinstance(out, BaseException):
             if template is None:  # the other ranks wait for this call's description: they stop too
@@ -321,9 +359,10 @@ class Described:
             differs = template.shapes_of(out)
             if differs is not None:
                 raise ValueError(
-                    f"torchspan: layer {layer!r}'s outputs change shape with the values of its inputs ({differs}); the "
-                    "other ranks of the pipeline cannot run it on meta and take its outputs' shapes from this rank once "
-                    "per input shape. Run this model in one process (span with devices=[...])"
+                    f"torchspan: layer {layer!r}'s outputs change shape with the values of its inputs "
+                    f"({differs}); the other ranks of the pipeline cannot run it on meta and take its "
+                    "outputs' shapes from this rank once per input shape. Run this model in one process "
+                    "(span with devices=[...])"
                 )
             return
         made = describe(out, inputs)
@@ -335,12 +374,14 @@ def _raise_refused(layer: str, stage: int, failures: Any, got: Any) -> None:
     """The owner could not describe the outputs (``got``: why): every rank of the pipeline raises this."""
     if isinstance(got, str):
         meta = "; ".join(f"stage {s}: {why}" for s, why in failures)
-        raise every_rank(ValueError(
-            f"torchspan: layer {layer!r} (stage {stage}) cannot run on meta on the other ranks of the pipeline ({meta}), "
-            f"and its outputs cannot be described to them by their shapes: {got}. Make the layer return tensors and "
-            "plain values only (for a transformers model, use_cache=False), or run this model in one process "
-            "(span with devices=[...])"
-        ))  # fmt: skip
+        raise every_rank(
+            ValueError(
+                f"torchspan: layer {layer!r} (stage {stage}) cannot run on meta on the other ranks of the "
+                f"pipeline ({meta}), and its outputs cannot be described to them by their shapes: {got}. "
+                "Make the layer return tensors and plain values only (for a transformers model, "
+                "use_cache=False), or run this model in one process (span with devices=[...])"
+            )
+        )
 
 
 def guarded(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -360,14 +401,20 @@ _UNSWAPPED = nullcontext()  # a layer holding no tied tensor (the usual case): n
 
 class TiedSwaps:
     """For other stages' layers (``layers``: name -> module), the tensors they hold real on this rank (tied to
-    this stage's) with their ``meta`` stand-ins: ``swapped(name)`` makes that layer read the stand-ins while it
-    runs on meta."""
+    this stage's) with their ``meta`` stand-ins: ``swapped(name)`` makes that layer read the stand-ins while
+    it runs on meta."""
 
     def __init__(self, layers: dict[str, nn.Module]) -> None:
         self._swaps: dict[str, list[tuple[nn.Module, str, str, Any, Any]]] = {}
         for name, layer in layers.items():
             found = [
-                (sub, kind, key, t, nn.Parameter(to_meta(t), requires_grad=False) if kind == "_parameters" else to_meta(t))
+                (
+                    sub,
+                    kind,
+                    key,
+                    t,
+                    nn.Parameter(to_meta(t), requires_grad=False) if kind == "_parameters" else to_meta(t),
+                )
                 for sub in layer.modules()
                 for kind in ("_parameters", "_buffers")
                 for key, t in getattr(sub, kind).items()

@@ -55,7 +55,9 @@ class OwnLayerCalls:
     _looped: Any
     _order: Any
 
-    def _call(self, st: Forward, name: str, stage: int, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    def _call(
+        self, st: Forward, name: str, stage: int, fn: Callable[..., Any], args: Any, kwargs: Any
+    ) -> Any:
         local = stage == self.stage
         if not local and not kwargs:  # another stage's layer replayed here before, with these very arguments
             shortcut = st.node.shortcuts.get((name, len(args)))
@@ -93,18 +95,22 @@ class OwnLayerCalls:
         return out
 
     def _shortcut(self, st: Forward, c: LayerCall, node: Path, route: CallRoute, out: Any) -> None:
-        """This replay as ``node``'s ``Shortcut`` for the layer (the latest shapes), or ``None`` for good when the call
-        cannot be one: an argument not a tensor, a value sent from this rank, outputs other than one new meta tensor, a
-        submodule hook to fire (``MetaCalls.single``)."""
+        """This replay as ``node``'s ``Shortcut`` for the layer (the latest shapes), or ``None`` for good when
+        the call cannot be one: an argument not a tensor, a value sent from this rank, outputs other than one
+        new meta tensor, a submodule hook to fire (``MetaCalls.single``)."""
         key = (c.name, len(c.args))
         if node.shortcuts.get(key, _ABSENT) is None:  # found not to be one before
             return
         layer = self.layers[c.name]
         single = (
-            len(c.tensors) == len(c.args) and isinstance(out, torch.Tensor) and not any(tr.src == self.stage for tr in route.transfers)
+            len(c.tensors) == len(c.args)
+            and isinstance(out, torch.Tensor)
+            and not any(tr.src == self.stage for tr in route.transfers)
             and self._meta_calls.single(c.place, layer, [meta_like(v) for v in c.tensors])
-        )  # fmt: skip
-        node.shortcuts[key] = Shortcut(tuple(c.tensors), st.grad, layer.training, st.node, out, c.name) if single else None
+        )
+        node.shortcuts[key] = (
+            Shortcut(tuple(c.tensors), st.grad, layer.training, st.node, out, c.name) if single else None
+        )
 
     def _send_values(self, st: Forward, c: LayerCall, route: CallRoute) -> None:
         """The arguments of ``c`` that this rank holds and another stage's layer needs."""
@@ -112,14 +118,18 @@ class OwnLayerCalls:
             if tr.src == self.stage:
                 sent = sent_tensor(st, c, tr.leaf, tr.path)
                 if tr.dtype is not None and sent.dtype != tr.dtype:
-                    raise DivergedError(f"torchspan: layer {c.name!r}'s argument {tr.leaf} is {sent.dtype} now, {tr.dtype} when recorded")
+                    raise DivergedError(
+                        f"torchspan: layer {c.name!r}'s argument {tr.leaf} is {sent.dtype} now, {tr.dtype} "
+                        "when recorded"
+                    )
                 self._messages.send(st, sent, tr.dst)
                 if st.grad and tr.grad:
                     st.sent.append((sent, tr.dst))
                     st.sent_after.append(len(st.inbound))
 
     def _record(self, st: Forward, c: LayerCall, failed: str | None) -> CallRoute:
-        """A new branch's route, found with every rank of the pipeline (the same views: the same route or error)."""
+        """A new branch's route, found with every rank of the pipeline (the same views: the same route or
+        error)."""
         codes = c.codes(st.grad)
         local = c.stage == self.stage
         aliases = tuple(st.at.get(id(t)) if local and t.is_meta else None for t in c.tensors)
@@ -128,8 +138,12 @@ class OwnLayerCalls:
         try:
             route = route_call(c.k, c.name, c.stage, views, pending=True, looped=self._looped)
             if route.unresolved:  # values the glue combined from several stages: how each rank made them
-                views = self._together.gather({i: st.recipes.tree(c.tensors[i], st.code, st.layer_of) for i in route.unresolved})
-                resolve_rebuilds(route, views, lambda layers: cut_advice(self.groups, layers), self._order, self._looped)
+                views = self._together.gather(
+                    {i: st.recipes.tree(c.tensors[i], st.code, st.layer_of) for i in route.unresolved}
+                )
+                resolve_rebuilds(
+                    route, views, lambda layers: cut_advice(self.groups, layers), self._order, self._looped
+                )
         except (ValueError, DivergedError) as exc:
             raise every_rank(exc) from None
         node = Path()
@@ -138,7 +152,8 @@ class OwnLayerCalls:
         return route
 
     def _try_meta(self, c: LayerCall) -> tuple[Any, str | None]:
-        """Another stage's layer on meta, the first time its call is reached: its outputs, or why it failed."""
+        """Another stage's layer on meta, the first time its call is reached: its outputs, or why it
+        failed."""
         try:
             return self._meta_run(c), None
         except Exception as exc:  # noqa: BLE001 - any failure: the owner describes the outputs instead
@@ -158,22 +173,36 @@ class OwnLayerCalls:
             return run(c.place, self.layers[c.name], guarded(c.fn, c.name), meta, c.spec)
 
     def _run_here(self, st: Forward, c: LayerCall, route: CallRoute, recording: bool) -> Any:
-        """This stage's layer: arguments other stages computed are received (or reused), then it runs for real."""
+        """This stage's layer: arguments other stages computed are received (or reused), then it runs for
+        real."""
         leaves, where = c.leaves, c.where
         replaced = bool(route.transfers or route.rebuilds or route.reuses) and real_arguments(
-            st, c, route, lambda shape, dtype, src: self._messages.receive(st, c.name, shape, dtype, src), self.device
+            st,
+            c,
+            route,
+            lambda shape, dtype, src: self._messages.receive(st, c.name, shape, dtype, src),
+            self.device,
         )
         real_args, real_kwargs = tree_unflatten(leaves, c.spec) if replaced else (c.args, c.kwargs)
         sizes = container_sizes((real_args, real_kwargs)) if replaced else []
         shared = []
         if recording:  # an in-place write to an input other ranks hold would leave theirs stale
-            shared = [(i, leaves[where[i]], leaves[where[i]]._version) for i in range(len(c.tensors)) if self._shared(route, i)]
+            shared = [
+                (i, leaves[where[i]], leaves[where[i]]._version)
+                for i in range(len(c.tensors))
+                if self._shared(route, i)
+            ]
         with self.meter.saving(self.stage) if st.metering else _NOTHING:
             try:
                 out = run_layer(
-                    c.fn, real_args, real_kwargs, device=self.device, precision=self.settings.precision,
-                    recompute=st.recompute, slots=buffer_slots([self.layers[c.name]]) if st.recompute else (),
-                )  # fmt: skip
+                    c.fn,
+                    real_args,
+                    real_kwargs,
+                    device=self.device,
+                    precision=self.settings.precision,
+                    recompute=st.recompute,
+                    slots=buffer_slots([self.layers[c.name]]) if st.recompute else (),
+                )
             except BaseException as exc:
                 if route.described:  # the other ranks may wait for this call's description: they stop too
                     self._describe(c, route, exc)
@@ -185,9 +214,9 @@ class OwnLayerCalls:
         for i, t, version in shared:
             if t._version != version:
                 raise ValueError(
-                    f"torchspan: layer {c.name!r} modifies its tensor argument {i} in place, and other pipeline ranks hold "
-                    "that tensor too (they would keep the old value); make the layer work out of place "
-                    "(e.g. nn.ReLU(inplace=False)) or run the model in one process"
+                    f"torchspan: layer {c.name!r} modifies its tensor argument {i} in place, and other "
+                    "pipeline ranks hold that tensor too (they would keep the old value); make the layer "
+                    "work out of place (e.g. nn.ReLU(inplace=False)) or run the model in one process"
                 )
         return out
 
@@ -196,7 +225,8 @@ class OwnLayerCalls:
         self._described.send(c.name, c.stage, key, [c.leaves[i] for i in c.where], out, route.failures)
 
     def _shared(self, route: CallRoute, leaf: int) -> bool:
-        """Whether argument ``leaf`` of this call is held by another rank too (received, or computed there)."""
+        """Whether argument ``leaf`` of this call is held by another rank too (received, or computed
+        there)."""
         return any(t.leaf == leaf and not t.path for t in route.transfers) or any(
             codes[leaf] != META for s, codes in enumerate(route.codes) if s != self.stage
         )

@@ -10,8 +10,8 @@ on its own stage, which describes its outputs' shapes to the other ranks once pe
 that stage sends it at the same call
 (``routes``: found the first time a forward takes a path, by comparing what each rank sees,
 then replayed and checked; ``ownmessages``: one predicted message per value, received early when
-the sending stage runs its forwards first); gradients of what crossed travel back in backward. A value the glue
-combined from several stages (``inputs_embeds + position_embeds`` across a cut right after the token
+the sending stage runs its forwards first); gradients of what crossed travel back in backward. A value the
+glue combined from several stages (``inputs_embeds + position_embeds`` across a cut right after the token
 embedding, a skip connection across a cut) is rebuilt on the stage that needs it: it receives the
 operands it lacks and replays the glue ops (``glue``). Tied parameters,
 data-parallel replicas, the loss normalizer and gradient reductions are the ``RankStage`` it
@@ -20,14 +20,14 @@ how one layer call runs here (for real, on ``meta``, replayed) is ``ranks.owncal
 With ``shard=True`` and replicas, this stage's blocks are sharded by FSDP2 over the stage's
 replicas once placed (``ranks.stageshard``): every forward is then a collective of those replicas.
 
-Several stages per rank (more stages than pipeline ranks) are placed looped, stage ``s`` on rank ``s % P``: a rank's
-stages are one group of layers here, the ranks run one common order and backward runs in segments (``ownlooped``).
-Schedules are ``torchspan.schedule``'s (GPipe, 1F1B, zero-bubble: ``splitgrad.run_actions``): this rank
-runs its stage's actions in order; a forward blocks where an argument from an earlier stage has not
+Several stages per rank (more stages than pipeline ranks) are placed looped, stage ``s`` on rank ``s % P``: a
+rank's stages are one group of layers here, the ranks run one common order and backward runs in segments
+(``ownlooped``). Schedules are ``torchspan.schedule``'s (GPipe, 1F1B, zero-bubble: ``splitgrad.run_actions``):
+this rank runs its stage's actions in order; a forward blocks where an argument from an earlier stage has not
 arrived yet. Exact: the loss is weighed against the whole batch on the last stage and every rank's
-gradients are those of one device. ``recompute`` recomputes this rank's layers in backward; ``precision="bf16"``
-autocasts them (a value crosses in the dtype its holder has: meta knows no autocast). A forward
-must take the same path on every rank (no branches on values other stages compute, which
+gradients are those of one device. ``recompute`` recomputes this rank's layers in backward;
+``precision="bf16"`` autocasts them (a value crosses in the dtype its holder has: meta knows no autocast). A
+forward must take the same path on every rank (no branches on values other stages compute, which
 ``meta`` cannot answer: such a model raises, naming the call). The ranks exchange at every new
 call and at the end of a forward the first time they reach them (``together``); a rank that fails
 where the others head for such an exchange (the first step) joins it with its error, so every rank
@@ -54,20 +54,20 @@ from ..executor import Settings, Work
 from ..layercall import recomputes
 from ..local.placed import OwnForwardLayers
 from ..lossweights import LossSpec
-from ..microbatch import split_batch
 from ..memory import ActivationMeter, MeteredSteps
 from ..metainit import bind
+from ..microbatch import split_batch
 from ..placement import place
 from ..record import Recorder
 from ..splitgrad import Pending, run_actions
 from .env import RankInfo
-from .mesh import Mesh
-from .metaweights import fill, materialize_stage
-from .ownloss import stage_loss
 from .forwardstate import Forward, Path, call_leaves
+from .mesh import Mesh
 from .metacalls import Described, MetaCalls, TiedSwaps
+from .metaweights import fill, materialize_stage
 from .owncalls import OwnLayerCalls
 from .ownlooped import common_plan, rank_groups, stage_backward
+from .ownloss import stage_loss
 from .ownmessages import ForwardMessages
 from .p2p import PeerError, RankTransport
 from .routes import check_last_stage
@@ -106,7 +106,9 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
     ) -> None:
         self._looped = len(groups) > mesh.stages  # several stages per rank (``ownlooped``)
         stages = mesh.stages if self._looped else len(groups)
-        self.ranks = self.stage_type(model, mesh, info, stages, settings.precision, settings=settings, shard=shard)
+        self.ranks = self.stage_type(
+            model, mesh, info, stages, settings.precision, settings=settings, shard=shard
+        )
         self._weights = weights  # a model built on meta: this stage filled at the first call (place)
         self._shard: bool | None = reshard_after_forward if shard else None  # sharded: reshard_after_forward
         super().__init__([info.device] * len(groups), groups)
@@ -118,13 +120,22 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
         self._kept: set[int] = set()
         self._paths = {True: Path(), False: Path()}  # training forwards, no-grad forwards
         self._fwd: Forward | None = None
-        self._transport = RankTransport(self.ranks.mesh, info.rank, info.device, self.ranks.comm)  # values "own-fwd"/"own-eval", gradients "own-bwd"
+        self._transport = RankTransport(
+            self.ranks.mesh, info.rank, info.device, self.ranks.comm
+        )  # values "own-fwd"/"own-eval", gradients "own-bwd"
         self._swaps = TiedSwaps({})
         self._steps = MeteredSteps(meter)  # which training steps count saved activations (micro-batch shapes)
         self._meta_calls = MetaCalls()
-        self._actions: tuple[Any, list[list[sched.Action]]] = (None, [])  # every stage's actions, built for (schedule, m, n)
-        self._messages = ForwardMessages(self._transport, self.stage, mesh.stages)  # values, their gradients, the loss
-        self._together = Together(mesh.stages, self._transport.peer, None, before=self._transport.run_gate)  # the group: place()
+        self._actions: tuple[Any, list[list[sched.Action]]] = (
+            None,
+            [],
+        )  # every stage's actions, built for (schedule, m, n)
+        self._messages = ForwardMessages(
+            self._transport, self.stage, mesh.stages
+        )  # values, their gradients, the loss
+        self._together = Together(
+            mesh.stages, self._transport.peer, None, before=self._transport.run_gate
+        )  # the group: place()
         self._described = Described(mesh.stages, self._together.gather, self._transport.peer)
 
     @property
@@ -146,12 +157,18 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
         self.groups, root_attrs = self.own.record(work, self.devices, self.groups)
         check_last_stage([layer.name for layer in self.own.layer_set if layer.ran], self.groups)
         self._order = [n for g in self.groups for n in g]  # execution order
-        self._held = rank_groups(self.groups, self.mesh.stages)  # each rank's layers (looped: of several stages)
+        self._held = rank_groups(
+            self.groups, self.mesh.stages
+        )  # each rank's layers (looped: of several stages)
         self.root_attrs = dict(root_attrs)
         root_attrs = {q: s % self.mesh.stages for q, s in root_attrs.items()}  # the rank reading it first
         mine_roots = [q for q, s in root_attrs.items() if s == self.stage]
         stage = [self.layers[name] for name in self._held[self.stage]]
-        slots = materialize_stage(self.model, stage, self.device, mine_roots) if self._weights is not None else None
+        slots = (
+            materialize_stage(self.model, stage, self.device, mine_roots)
+            if self._weights is not None
+            else None
+        )
         keep = self.ranks.find_ties(self.layers, self._held)
         for q in mine_roots:
             path, _, attr = q.rpartition(".")
@@ -169,12 +186,21 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
         if slots is not None:  # values for this stage only, before the replicas are made alike
             bind(slots, self.model)
             fill(self.model, slots, self._weights, comm=self.ranks.comm)
-        self._swaps = TiedSwaps({name: self.layers[name] for s, group in enumerate(self._held) if s != self.stage for name in group})
+        self._swaps = TiedSwaps(
+            {
+                name: self.layers[name]
+                for s, group in enumerate(self._held)
+                if s != self.stage
+                for name in group
+            }
+        )
         self.ranks.start()
         if self._shard is not None:  # this stage's blocks sharded over its replicas (after start's broadcast)
             self.ranks.shard([(name, self.layers[name]) for name in self._held[self.stage]], self._shard)
         self._together.group = self.ranks.pipe_group  # made by start() when there are replicas
-        self._kept = {id(t) for t in [*self.model.parameters(), *self.model.buffers()]}  # the glue never turns them meta
+        self._kept = {
+            id(t) for t in [*self.model.parameters(), *self.model.buffers()]
+        }  # the glue never turns them meta
         self._placed = True
 
     @contextmanager
@@ -182,7 +208,9 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
         stage_of = {name: r for r, g in enumerate(self._held) for name in g}  # the rank running each layer
         done: list[tuple[nn.Module, Any]] = []
         for name, module in self.layers.items():
-            if name in stage_of:  # an instance attribute shadows the class's forward (a user's own patch is kept)
+            if (
+                name in stage_of
+            ):  # an instance attribute shadows the class's forward (a user's own patch is kept)
                 done.append((module, module.__dict__.get("forward", _ABSENT)))
                 module.__dict__["forward"] = self._wrapper(name, stage_of[name], module.forward)
         try:
@@ -212,7 +240,10 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
 
     def _metering(self, work: Work) -> tuple[bool, Any]:
         signature = tuple(
-            (structure, tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v) for v in leaves))
+            (
+                structure,
+                tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v) for v in leaves),
+            )
             for leaves, structure in (call_leaves(*chunk) for chunk in work.chunks)
         )
         return self._steps.wants(signature), signature
@@ -224,7 +255,9 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
             args, kwargs = to_device((args, kwargs), self.device)
             leaves = call_leaves(args, kwargs)[0]
         s = self.settings
-        st = Forward(mb, grad, self._paths[grad], metering, grad and recomputes(s.recompute, mb, s.microbatches))
+        st = Forward(
+            mb, grad, self._paths[grad], metering, grad and recomputes(s.recompute, mb, s.microbatches)
+        )
         self._fwd = st
         try:
             kept = self._kept | {id(t) for t in leaves if isinstance(t, torch.Tensor)}
@@ -234,7 +267,9 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
         except Exception as exc:
             failure = explained(exc, self.stage, mb)
             if not st.node.next and not raised_everywhere(exc) and not isinstance(exc, PeerError):
-                self._together.join(failure, self.stage, mb)  # the others' next step on this path is an exchange
+                self._together.join(
+                    failure, self.stage, mb
+                )  # the others' next step on this path is an exchange
             if failure is exc:
                 raise
             raise failure from exc
@@ -244,8 +279,9 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
         return out, st
 
     def _end(self, st: Forward, failure: BaseException | None = None) -> None:
-        """After a forward (and its loss): the first time a path ends here, every rank exchanges how it went, so a
-        rank that failed (``failure``, e.g. the loss refused on the last stage) stops every rank; raises ``failure``."""
+        """After a forward (and its loss): the first time a path ends here, every rank exchanges how it went,
+        so a rank that failed (``failure``, e.g. the loss refused on the last stage) stops every rank; raises
+        ``failure``."""
         if _END not in st.node.next:
             st.node.next[_END] = (None, st.node)  # type: ignore[assignment]
             if failure is None:
@@ -256,7 +292,8 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
             raise failure
 
     def _backward(self, st: Forward, split: bool = False) -> Pending | None:
-        """Gradients of what crossed come back, those of what this rank received go out; ``split``: weights' later."""
+        """Gradients of what crossed come back, those of what this rank received go out; ``split``: weights'
+        later."""
         merge = sched.merges_weights(self.settings.schedule)
         split = split and (bool(st.inbound) or merge) and not st.recompute and self._shard is None  # not FSDP
         return stage_backward(st, self._messages, self.device, looped=self._looped, split=split, merge=merge)
@@ -269,22 +306,31 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
         weights: Sequence[float],
         spec: LossSpec | None = None,
     ) -> torch.Tensor:
-        self.ranks.check_same_batch(work.chunks, targets, self._transport)  # its verdict: the transport's gate
+        self.ranks.check_same_batch(
+            work.chunks, targets, self._transport
+        )  # its verdict: the transport's gate
         metering, signature = self._metering(work)
         with self._layers_wrapped(), self.ranks.reducing() as reduction:
             loss = self._run_schedule(work, targets, loss_fn, weights, metering)
             if metering:
                 self._steps.done(signature)
             reduction.finished(loss)
-        # the last stage's loss (summed over replicas when there are any), carried to every rank of this pipeline
+        # the last stage's loss (summed over replicas when there are any), carried to every rank of this
+        # pipeline
         total = reduction.total if reduction.total is not None else loss
         return total.reshape(-1)[0].to(self.device, torch.float32)
 
     def _run_schedule(
-        self, work: Work, targets: Sequence[Any], loss_fn: Callable[..., Any], weights: Sequence[float], metering: bool
+        self,
+        work: Work,
+        targets: Sequence[Any],
+        loss_fn: Callable[..., Any],
+        weights: Sequence[float],
+        metering: bool,
     ) -> torch.Tensor:
-        """This stage's actions of the schedule; returns the pipeline's summed loss (float64): the last stage's own,
-        carried to the other stages after its last backward (one message to each, no collective)."""
+        """This stage's actions of the schedule; returns the pipeline's summed loss (float64): the last
+        stage's own, carried to the other stages after its last backward (one message to each, no
+        collective)."""
         s, n = self.settings, self.mesh.stages
         losses: list[torch.Tensor] = []
         live: dict[int, Forward] = {}
@@ -295,13 +341,21 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
         plan = self._actions[1]
         actions = plan[self.stage]
         self._messages.start_step(plan)
-        carry = [a.microbatch for a in actions if a.kind in (sched.BACKWARD, sched.BACKWARD_INPUT)][-1] if self.ranks.last else None
+        carry = (
+            [a.microbatch for a in actions if a.kind in (sched.BACKWARD, sched.BACKWARD_INPUT)][-1]
+            if self.ranks.last
+            else None
+        )
         summed: list[torch.Tensor] = []
 
         def forward(mb: int) -> None:  # and the loss on the last stage
             out, st = self._forward(work, mb, grad=True, metering=metering)
             try:
-                st.loss = stage_loss(out, targets[mb], loss_fn, weights[mb], self.device, s.precision) if self.ranks.last else None
+                st.loss = (
+                    stage_loss(out, targets[mb], loss_fn, weights[mb], self.device, s.precision)
+                    if self.ranks.last
+                    else None
+                )
             except Exception as exc:  # noqa: BLE001 - raised on every rank by _end
                 self._end(st, exc)
             self._end(st)
@@ -309,7 +363,9 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
             live[mb] = st
 
         def backward(mb: int, split: bool) -> Pending | None:
-            if not self.ranks.last:  # the loss's receive waits posted from the first backward (after the gate)
+            if (
+                not self.ranks.last
+            ):  # the loss's receive waits posted from the first backward (after the gate)
                 self._messages.expect_loss(n - 1)
             pending = self._backward(live.pop(mb), split)
             if mb == carry:  # every gradient message of the step is out: the loss follows them to every stage
@@ -320,12 +376,15 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
 
         ok = False
         try:
-            run_actions(actions, self.recorder, self.device, forward, backward, merge=sched.merges_weights(s.schedule))
+            run_actions(
+                actions, self.recorder, self.device, forward, backward, merge=sched.merges_weights(s.schedule)
+            )
             if not self.ranks.last:
                 summed.append(self._messages.take_loss(n - 1))
             ok = True
         except Exception:
-            self._transport.run_gate()  # a refused batch explains a failure before the first transfer: every rank raises it
+            # a refused batch explains a failure before the first transfer: every rank raises it
+            self._transport.run_gate()
             raise
         finally:
             self._messages.end_step()

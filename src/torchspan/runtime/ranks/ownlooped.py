@@ -3,12 +3,12 @@
 Placed looped (stage ``s`` on rank ``s % P``), a rank's stages are one group of layers to the own-forward
 executor: every rank still runs the model's whole forward once per micro-batch, its own layers for real, and a
 value now goes around the ring (stage 0 on rank 0, 1 on rank 1, 2 on rank 0 again). A forward of a micro-batch
-therefore waits for every rank's part of it, and so does its backward: every rank runs the micro-batches in one
-common order (the first stage's of ``schedule.build`` on ``P`` stages: GPipe, or 1F1B with ``P - 1`` forwards
-ahead), since two ranks running one micro-batch's forward and another's backward would wait on each other. The
-backward runs in segments, latest first: the gradients of the values received after a send go out before that
-send's gradient is awaited (one autograd call for everything would wait for a gradient that the other rank can
-only compute from one this rank has not sent yet).
+therefore waits for every rank's part of it, and so does its backward: every rank runs the micro-batches in
+one common order (the first stage's of ``schedule.build`` on ``P`` stages: GPipe, or 1F1B with ``P - 1``
+forwards ahead), since two ranks running one micro-batch's forward and another's backward would wait on each
+other. The backward runs in segments, latest first: the gradients of the values received after a send go out
+before that send's gradient is awaited (one autograd call for everything would wait for a gradient that the
+other rank can only compute from one this rank has not sent yet).
 
 Usage (``RankOwnForwardExecutor`` does this)::
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -39,18 +38,25 @@ def check_looped(stages: int, ranks: int, schedule: str, recompute: str | None, 
     """``ValueError`` unless ``stages`` own-forward stages can run looped on ``ranks`` pipeline ranks."""
     fix = f"pass balance= with {ranks} entries (one stage per rank)"
     if stages % ranks:
-        raise ValueError(f"{stages} stages on pp({ranks}) ranks: looped placement needs a multiple of {ranks}; {fix}")
+        raise ValueError(
+            f"{stages} stages on pp({ranks}) ranks: looped placement needs a multiple of {ranks}; {fix}"
+        )
     if schedule not in LOOPED_SCHEDULES:
         raise ValueError(
-            f"schedule={schedule!r} with {stages} stages on pp({ranks}) ranks and the model's own forward: each "
-            "micro-batch's forward runs through all of a rank's stages in one call, so the ranks run micro-batches "
-            f"in one common order; pass schedule='1f1b' or 'gpipe', or {fix}"
+            f"schedule={schedule!r} with {stages} stages on pp({ranks}) ranks and the model's own forward: "
+            "each micro-batch's forward runs through all of a rank's stages in one call, so the ranks run "
+            f"micro-batches in one common order; pass schedule='1f1b' or 'gpipe', or {fix}"
         )
-    where = f"with {stages} stages on pp({ranks}) ranks and the model's own forward is not supported (its backward "
+    where = (
+        f"with {stages} stages on pp({ranks}) ranks and the model's own forward is not supported (its "
+        "backward "
+    )
     if shard:
         raise ValueError(f"shard=True {where}runs in segments); {fix}, or pipeline without shard=True")
     if recompute not in (None, "never"):
-        raise ValueError(f"recompute={recompute!r} {where}runs in segments); {fix}, or pass recompute='never'")
+        raise ValueError(
+            f"recompute={recompute!r} {where}runs in segments); {fix}, or pass recompute='never'"
+        )
 
 
 def rank_groups(groups: Sequence[Sequence[str]], ranks: int) -> list[list[str]]:

@@ -26,21 +26,28 @@ from .taint import MetaTaint
 __all__ = ["stage_loss"]
 
 
-def stage_loss(out: Any, target: Any, loss_fn: Callable[..., Any], weight: float, device: torch.device, precision: str) -> torch.Tensor:
+def stage_loss(
+    out: Any, target: Any, loss_fn: Callable[..., Any], weight: float, device: torch.device, precision: str
+) -> torch.Tensor:
     """``weight * loss_fn(out, target)`` on ``device`` under ``precision``'s autocast; ``ValueError`` when it
     reads values only other stages compute."""
-    plain = is_torch_loss(loss_fn) and not any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves(out))
+    plain = is_torch_loss(loss_fn) and not any(
+        isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves(out)
+    )
     try:  # the taint rules around the loss function only (a target and the weighing need none)
         with autocast_for(device, precision):
-            loss = weighted_loss(loss_fn, out, to_device(target, device), weight, calling=None if plain else MetaTaint(device))
+            loss = weighted_loss(
+                loss_fn, out, to_device(target, device), weight, calling=None if plain else MetaTaint(device)
+            )
     except RuntimeError as exc:
         if "meta" not in str(exc):
             raise
         loss = torch.empty((), device="meta")
     if loss.is_meta:
         raise ValueError(
-            "torchspan: the loss reads model outputs that the last pipeline stage does not compute (they come from "
-            "earlier stages' layers, or combine several stages' values, as an MoE model's aux_loss over every "
-            "block's router logits); compute the loss from the model's final outputs (e.g. logits)"
+            "torchspan: the loss reads model outputs that the last pipeline stage does not compute (they "
+            "come from earlier stages' layers, or combine several stages' values, as an MoE model's "
+            "aux_loss over every block's router logits); compute the loss from the model's final outputs "
+            "(e.g. logits)"
         )
     return loss

@@ -38,7 +38,9 @@ class ForwardMessages:
 
     def __init__(self, transport: RankTransport, stage: int, stages: int) -> None:
         self.transport, self.stage, self.stages = transport, stage, stages
-        self._expect: list[tuple[int, list[int]]] | None = None  # this step's early receives: (earlier stage, micro-batches)
+        self._expect: list[tuple[int, list[int]]] | None = (
+            None  # this step's early receives: (earlier stage, micro-batches)
+        )
         self._steps = 0  # training steps started: each step's loss has its own slot
         self._loss: Callable[[], torch.Tensor] | None = None  # this step's loss, its receive posted
 
@@ -57,9 +59,13 @@ class ForwardMessages:
 
     def send(self, st: Forward, value: torch.Tensor, stage: int) -> None:
         """One value of this forward to ``stage``."""
-        self.transport.send([value.detach()], None, self.stage, stage, self._kind(st), st.mb, st.next_message(True, stage))
+        self.transport.send(
+            [value.detach()], None, self.stage, stage, self._kind(st), st.mb, st.next_message(True, stage)
+        )
 
-    def receive(self, st: Forward, layer: str, shape: torch.Size, dtype: torch.dtype, stage: int) -> torch.Tensor:
+    def receive(
+        self, st: Forward, layer: str, shape: torch.Size, dtype: torch.dtype, stage: int
+    ) -> torch.Tensor:
         """One value of this forward from ``stage``, for ``layer``'s argument of ``shape`` and ``dtype``."""
         if self._expect is not None and st.grad:  # the step's first receive, after its gate
             for src, mbs in self._expect:
@@ -72,28 +78,47 @@ class ForwardMessages:
             raise DivergedError(f"{exc} (at layer {layer!r})") from None
         got = values[0] if len(values) == 1 else None
         if not isinstance(got, torch.Tensor) or got.shape != shape or got.dtype != dtype:
-            seen = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else f"{len(values)} values"
+            seen = (
+                f"{tuple(got.shape)} {got.dtype}"
+                if isinstance(got, torch.Tensor)
+                else f"{len(values)} values"
+            )
             raise DivergedError(
-                f"torchspan: layer {layer!r} expected a {tuple(shape)} {dtype} tensor from stage {stage} (micro-batch {st.mb}, "
-                f"message {seq}), which sent {seen}: the ranks' forwards took different paths"
+                f"torchspan: layer {layer!r} expected a {tuple(shape)} {dtype} tensor from stage {stage} "
+                f"(micro-batch {st.mb}, message {seq}), which sent {seen}: the ranks' forwards took "
+                "different paths"
             )
         return got
 
     def post(self, t: torch.Tensor, stage: int) -> None:
         """A gradient of a received value to ``stage`` as one raw message (``"own-bwd"``)."""
-        self.transport.post(t.detach().contiguous().to(self.transport.comm_device), self.transport.peer(stage), "own-bwd")
+        self.transport.post(
+            t.detach().contiguous().to(self.transport.comm_device), self.transport.peer(stage), "own-bwd"
+        )
 
     def send_loss(self, loss: torch.Tensor, stage: int) -> None:
-        """The step's summed loss (float64, one element) to ``stage``, from the last stage after its last backward."""
-        mb, seq = step_slot(self._steps)  # a tag per step: a receive a failed step left posted never takes a later loss
-        self.transport.post(loss.detach().reshape(1).to(self.transport.comm_device, torch.float64), self.transport.peer(stage), "own-loss", mb, seq)
+        """The step's summed loss (float64, one element) to ``stage``, from the last stage after its last
+        backward."""
+        mb, seq = step_slot(
+            self._steps
+        )  # a tag per step: a receive a failed step left posted never takes a later loss
+        self.transport.post(
+            loss.detach().reshape(1).to(self.transport.comm_device, torch.float64),
+            self.transport.peer(stage),
+            "own-loss",
+            mb,
+            seq,
+        )
 
     def expect_loss(self, stage: int) -> None:
-        """Post the receive of the step's loss from ``stage`` now (once per step, after the gate), so it lands while
-        this rank still computes: a receive posted after the send costs a round trip of gloo's threads (~0.25 ms)."""
+        """Post the receive of the step's loss from ``stage`` now (once per step, after the gate), so it lands
+        while this rank still computes: a receive posted after the send costs a round trip of gloo's threads
+        (~0.25 ms)."""
         if self._loss is None:
             mb, seq = step_slot(self._steps)
-            self._loss = self.transport.receive_early(torch.empty(1, dtype=torch.float64), stage, self.stage, "own-loss", mb, seq)
+            self._loss = self.transport.receive_early(
+                torch.empty(1, dtype=torch.float64), stage, self.stage, "own-loss", mb, seq
+            )
 
     def take_loss(self, stage: int) -> torch.Tensor:
         """The step's loss from ``stage`` (float64, shape ``()``), on this rank's device."""
@@ -110,7 +135,9 @@ class ForwardMessages:
         """After a forward: slots an earlier step used and this one did not are closed on both sides."""
         kind = self._kind(st)
         others = [s for s in range(self.stages) if s != self.stage]
-        for stage in others:  # every close (a send) before any drain (a receive): no rank waits on another's drain
+        for (
+            stage
+        ) in others:  # every close (a send) before any drain (a receive): no rank waits on another's drain
             self.transport.close(stage, kind, st.mb, st.messages.get((True, stage), 0))
         for stage in others:
             try:

@@ -4,8 +4,8 @@ One message per transfer in the steady state. A *slot* (peer, kind, micro-batch,
 transfer per step: stage functions send one per micro-batch (seq 0), the own-forward executor one per
 value crossing in a micro-batch's forward (seq counts them). Both ends remember, per slot, the
 *header* of the last transfer (pytree spec, each leaf's shape/dtype or pickled plain value) and so
-agree on the size of the next message before it is sent. A message is one ``uint8`` buffer (one ``torch.cat`` of byte views): a 16-byte
-prefix, then every tensor leaf (16-byte aligned):
+agree on the size of the next message before it is sent. A message is one ``uint8`` buffer (one ``torch.cat``
+of byte views): a 16-byte prefix, then every tensor leaf (16-byte aligned):
 
 - header as predicted (the same micro-batch shapes as last step): prefix ``[0, 0]`` + data.
   **One message.**
@@ -28,9 +28,9 @@ ship it once the receiver asks, a wake-up on each side that two busy ranks on sh
 (0.5-1.5 ms per message, measured). So the pipeline expects a stage's forwards when the stage before
 sends them all first (its forwards run before any backward: ``merged-weights``, GPipe): on 2 shared
 cores that made 2-rank steps 1-3% faster under merged-weights and 5-10% under GPipe (in the same
-rounds), where posting one transfer ahead under 1F1B made steps 5-20% slower. Batched ``P2POp`` lists are not used: they can hang on gloo.
-Tags (``tag``) keep forward and backward traffic, each slot's messages, and the two executors'
-messages apart: an early receive can only ever match its own slot's message (a changed header's
+rounds), where posting one transfer ahead under 1F1B made steps 5-20% slower. Batched ``P2POp`` lists are not
+used: they can hang on gloo. Tags (``tag``) keep forward and backward traffic, each slot's messages, and the
+two executors' messages apart: an early receive can only ever match its own slot's message (a changed header's
 second message, of another size, follows on the same tag once the first was read).
 A ``gate`` set for one step (``RankStage.check_same_batch``'s verdict) runs before that step's first
 transfer, so a refused step leaves every channel as it was.
@@ -59,31 +59,41 @@ __all__ = ["RankTransport", "PeerError", "Diverged", "TAGS", "tag", "step_slot"]
 # Every message tag of a pipeline across ranks: stage functions' transfers (``send``/``receive``, one tag per
 # kind and micro-batch), the own-forward executor's values in its training and no-grad forwards (``send``/
 # ``receive``, one tag per kind, micro-batch and message of that micro-batch) and its raw gradients
-# (``post``/``receive_into``) and its step's loss (``post``/``receive_early``, one tag per step) never share one.
+# (``post``/``receive_into``) and its step's loss (``post``/``receive_early``, one tag per step) never share
+# one.
 TAGS = {"fwd": 0, "bwd": 1, "own-fwd": 2, "own-bwd": 3, "own-eval": 4, "own-loss": 5}
 _WHAT = {
-    "fwd": "activations", "bwd": "gradients", "own-fwd": "activations", "own-bwd": "gradients", "own-eval": "activations",
+    "fwd": "activations",
+    "bwd": "gradients",
+    "own-fwd": "activations",
+    "own-bwd": "gradients",
+    "own-eval": "activations",
     "own-loss": "the step's loss",
-}  # fmt: skip
+}
 _PREFIX = 16  # two int64: header length (0: as predicted, -1: no message in this slot), data bytes
 _ALIGN = 16
-_MBS = 4096  # micro-batches per step that the tags tell apart (seq-th message of micro-batch mb: mb + _MBS * seq)
+# micro-batches per step that the tags tell apart (seq-th message of micro-batch mb: mb + _MBS * seq)
+_MBS = 4096
 _VOID = -1
 
 
 def tag(kind: str, mb: int | None = None, seq: int = 0) -> int:
     """The tag of ``kind``'s messages (of micro-batch ``mb``, its ``seq``-th message on that channel):
-    ``TAGS[kind] + len(TAGS) * (mb + 1 + 4096 * seq)``, so no two kinds, micro-batches or messages share one."""
+    ``TAGS[kind] + len(TAGS) * (mb + 1 + 4096 * seq)``, so no two kinds, micro-batches or messages share
+    one."""
     if mb is None:
         return TAGS[kind]
     if not 0 <= mb < _MBS:
-        raise ValueError(f"torchspan: a pipeline across ranks tells at most {_MBS} micro-batches per step apart, got micro-batch {mb}: use fewer micro-batches")
+        raise ValueError(
+            f"torchspan: a pipeline across ranks tells at most {_MBS} micro-batches per step apart, got "
+            f"micro-batch {mb}: use fewer micro-batches"
+        )
     return TAGS[kind] + len(TAGS) * (mb + 1 + _MBS * seq)
 
 
 def step_slot(step: int) -> tuple[int, int]:
-    """The (micro-batch, message) numbers that give training step ``step``'s message of a kind sent once per step a
-    tag of its own: steps repeat a tag only 4096 * 87000 steps apart (the tag stays an int32)."""
+    """The (micro-batch, message) numbers that give training step ``step``'s message of a kind sent once per
+    step a tag of its own: steps repeat a tag only 4096 * 87000 steps apart (the tag stays an int32)."""
     return step % _MBS, step // _MBS % 87_000
 
 
@@ -101,7 +111,8 @@ def _aligned(n: int) -> int:
 
 
 class _Header:
-    """What the receiver needs to rebuild a transfer: spec, and per leaf ``(shape, dtype)`` or a pickled value."""
+    """What the receiver needs to rebuild a transfer: spec, and per leaf ``(shape, dtype)`` or a pickled
+    value."""
 
     __slots__ = ("spec", "metas", "offsets", "nbytes")
 
@@ -172,7 +183,9 @@ class RankTransport(Transport):
     ``comm_device``: where messages travel (default ``device``; gloo sends CPU tensors).
     """
 
-    def __init__(self, mesh: Mesh, rank: int, device: torch.device, comm_device: torch.device | None = None) -> None:
+    def __init__(
+        self, mesh: Mesh, rank: int, device: torch.device, comm_device: torch.device | None = None
+    ) -> None:
         self.mesh = mesh
         self.rank = rank
         self.replica, self.stage = mesh.coords(rank)
@@ -183,9 +196,15 @@ class RankTransport(Transport):
         self._sent: dict[tuple[int, str, int, int], _Header] = {}  # slot -> last header sent
         self._received: dict[tuple[int, str, int, int], _Header] = {}  # slot -> last header received
         self._zero_bytes: dict[int, torch.Tensor] = {}  # zero padding by length (read-only)
-        self._early: dict[tuple[int, str, int, int], tuple[Any, torch.Tensor]] = {}  # slot -> posted irecv, its buffer
-        self._orphans: list[tuple[Any, torch.Tensor]] = []  # early receives of a failed run: gloo may still write into them
-        self.gate: Callable[[], None] | None = None  # run once before the step's first transfer (RankStage.check_same_batch)
+        self._early: dict[
+            tuple[int, str, int, int], tuple[Any, torch.Tensor]
+        ] = {}  # slot -> posted irecv, its buffer
+        self._orphans: list[
+            tuple[Any, torch.Tensor]
+        ] = []  # early receives of a failed run: gloo may still write into them
+        self.gate: Callable[[], None] | None = (
+            None  # run once before the step's first transfer (RankStage.check_same_batch)
+        )
 
     def run_gate(self) -> None:
         """Before a transfer (or an exchange, or when a step fails): the step's ``gate`` (set by
@@ -226,11 +245,14 @@ class RankTransport(Transport):
         return z
 
     def post(self, buf: torch.Tensor, peer: int, kind: str, mb: int | None = None, seq: int = 0) -> None:
-        """``isend`` ``buf`` (on ``comm_device``) to rank ``peer`` with ``tag(kind, mb, seq)``; kept alive and waited for in ``finish``."""
+        """``isend`` ``buf`` (on ``comm_device``) to rank ``peer`` with ``tag(kind, mb, seq)``; kept alive and
+        waited for in ``finish``."""
         self.run_gate()
         self._pending.append((dist.isend(buf, dst=peer, tag=tag(kind, mb, seq)), buf))
 
-    def send(self, values: list[Any], spec: Any, src: int, dst: int, kind: str, mb: int = 0, seq: int = 0) -> None:
+    def send(
+        self, values: list[Any], spec: Any, src: int, dst: int, kind: str, mb: int = 0, seq: int = 0
+    ) -> None:
         peer = self.peer(dst)
         known = self._sent.get((peer, kind, mb, seq))
         if known is not None and known.matches(values, spec):  # as predicted: one message, prefix [0, 0]
@@ -245,42 +267,48 @@ class RankTransport(Transport):
         self._sent[(peer, kind, mb, seq)] = header
 
     def _first(self, known: _Header | None, blob_len: int, data_len: int) -> torch.Tensor:
-        """A message of the size the receiver predicts (``known``'s) that carries only a prefix: ``[blob_len, data_len]``."""
+        """A message of the size the receiver predicts (``known``'s) that carries only a prefix: ``[blob_len,
+        data_len]``."""
         first = torch.zeros(_PREFIX + (known.nbytes if known is not None else 0), dtype=torch.uint8)
         first[:_PREFIX].view(torch.int64).copy_(torch.tensor([blob_len, data_len]))
         return first.to(self.comm_device)
 
     def close(self, dst: int, kind: str, mb: int, seq: int) -> None:
-        """After micro-batch ``mb``'s last message to stage ``dst`` on ``kind`` (``seq`` messages sent): a slot the receiver
-        still predicts (an earlier step sent more) gets a message of its predicted size that says "none", and is forgotten
-        on both sides (``drain``), so a receive posted early for it is never left waiting."""
+        """After micro-batch ``mb``'s last message to stage ``dst`` on ``kind`` (``seq`` messages sent): a
+        slot the receiver still predicts (an earlier step sent more) gets a message of its predicted size that
+        says "none", and is forgotten on both sides (``drain``), so a receive posted early for it is never
+        left waiting."""
         peer = self.peer(dst)
         while (known := self._sent.pop((peer, kind, mb, seq), None)) is not None:
             self.post(self._first(known, _VOID, 0), peer, kind, mb, seq)
             seq += 1
 
     def drain(self, src: int, dst: int, kind: str, mb: int, seq: int) -> None:
-        """After micro-batch ``mb``'s last message from stage ``src`` on ``kind`` (``seq`` received): reads the "none" of every
-        slot still predicted (``close``); raises ``Diverged`` when one holds a message after all."""
+        """After micro-batch ``mb``'s last message from stage ``src`` on ``kind`` (``seq`` received): reads
+        the "none" of every slot still predicted (``close``); raises ``Diverged`` when one holds a message
+        after all."""
         peer = self.peer(src)
         while (peer, kind, mb, seq) in self._received:
             buf, _ = self._first_message(src, dst, kind, mb, seq)
             blob_len = int(buf[:_PREFIX].view(torch.int64)[0])
             if blob_len != _VOID:
                 raise Diverged(
-                    f"torchspan: rank {peer} (stage {src}) sent micro-batch {mb}'s message {seq} on {kind!r}, which "
-                    f"rank {self.rank} (stage {dst}) did not ask for: the ranks' forwards took different paths"
+                    f"torchspan: rank {peer} (stage {src}) sent micro-batch {mb}'s message {seq} on "
+                    f"{kind!r}, which rank {self.rank} (stage {dst}) did not ask for: the ranks' forwards "
+                    "took different paths"
                 )
             del self._received[(peer, kind, mb, seq)]
             seq += 1
 
     # ------------------------------------------------------------------ receiving
     def expect(self, src: int, dst: int, kind: str, mbs: Sequence[int]) -> None:
-        """Post now (after the step's gate) the receives of ``mbs`` from stage ``src`` whose message size is known
-        from an earlier step (every message of each, in seq order); ``receive`` then waits for them. The others are
-        received when asked for."""
+        """Post now (after the step's gate) the receives of ``mbs`` from stage ``src`` whose message size is
+        known from an earlier step (every message of each, in seq order); ``receive`` then waits for them. The
+        others are received when asked for."""
         self.run_gate()
-        if self.comm_device.type != "cpu":  # nccl matches a pair's messages in order, whatever the tag: an early
+        if (
+            self.comm_device.type != "cpu"
+        ):  # nccl matches a pair's messages in order, whatever the tag: an early
             return  # receive could take another micro-batch's message (and its progress needs no host thread)
         peer = self.peer(src)
         for mb in mbs:
@@ -288,11 +316,17 @@ class RankTransport(Transport):
             while (known := self._received.get((peer, kind, mb, seq))) is not None:
                 if (peer, kind, mb, seq) not in self._early:
                     buf = torch.empty(_PREFIX + known.nbytes, dtype=torch.uint8, device=self.comm_device)
-                    self._early[(peer, kind, mb, seq)] = (dist.irecv(buf, src=peer, tag=tag(kind, mb, seq)), buf)
+                    self._early[(peer, kind, mb, seq)] = (
+                        dist.irecv(buf, src=peer, tag=tag(kind, mb, seq)),
+                        buf,
+                    )
                 seq += 1
 
-    def _first_message(self, src: int, dst: int, kind: str, mb: int, seq: int) -> tuple[torch.Tensor, _Header | None]:
-        """The slot's first message (posted early, or received now, of the predicted size) and the predicted header."""
+    def _first_message(
+        self, src: int, dst: int, kind: str, mb: int, seq: int
+    ) -> tuple[torch.Tensor, _Header | None]:
+        """The slot's first message (posted early, or received now, of the predicted size) and the predicted
+        header."""
         self.run_gate()
         peer = self.peer(src)
         known = self._received.get((peer, kind, mb, seq))
@@ -301,7 +335,11 @@ class RankTransport(Transport):
             if early is not None:  # posted by expect(): the first message is in its buffer once waited for
                 early[0].wait()
                 return early[1], known
-            buf = torch.empty(_PREFIX + (known.nbytes if known is not None else 0), dtype=torch.uint8, device=self.comm_device)
+            buf = torch.empty(
+                _PREFIX + (known.nbytes if known is not None else 0),
+                dtype=torch.uint8,
+                device=self.comm_device,
+            )
             dist.recv(buf, src=peer, tag=tag(kind, mb, seq))
             return buf, known
         except RuntimeError as exc:
@@ -314,8 +352,9 @@ class RankTransport(Transport):
         if blob_len == _VOID:
             self._received.pop((peer, kind, mb, seq), None)
             raise Diverged(
-                f"torchspan: rank {self.rank} (stage {dst}) waited for micro-batch {mb}'s message {seq} on {kind!r} from rank "
-                f"{peer} (stage {src}), which sent none: the ranks' forwards took different paths"
+                f"torchspan: rank {self.rank} (stage {dst}) waited for micro-batch {mb}'s message {seq} on "
+                f"{kind!r} from rank {peer} (stage {src}), which sent none: the ranks' forwards took "
+                "different paths"
             )
         try:
             if blob_len:
@@ -326,7 +365,9 @@ class RankTransport(Transport):
                 self._received[(peer, kind, mb, seq)] = header
             else:
                 if known is None:
-                    raise RuntimeError("a transfer without a header on a new channel (the two ranks' headers diverged)")
+                    raise RuntimeError(
+                        "a transfer without a header on a new channel (the two ranks' headers diverged)"
+                    )
                 header, start = known, _PREFIX
         except (RuntimeError, KeyError) as exc:
             raise self._lost(_WHAT[kind], dst, src, exc) from exc
@@ -341,9 +382,11 @@ class RankTransport(Transport):
                 values.append(pickle.loads(meta[1]))
         return values, header.spec
 
-    def receive_into(self, buf: torch.Tensor, src: int, dst: int, kind: str, mb: int | None = None, seq: int = 0) -> torch.Tensor:
-        """Receive one raw tensor message of ``kind`` (``tag(kind, mb, seq)``) from stage ``src``'s rank into ``buf`` (any
-        device) and return it."""
+    def receive_into(
+        self, buf: torch.Tensor, src: int, dst: int, kind: str, mb: int | None = None, seq: int = 0
+    ) -> torch.Tensor:
+        """Receive one raw tensor message of ``kind`` (``tag(kind, mb, seq)``) from stage ``src``'s rank into
+        ``buf`` (any device) and return it."""
         self.run_gate()
         comm = buf if buf.device == self.comm_device else torch.empty_like(buf, device=self.comm_device)
         try:
@@ -352,12 +395,14 @@ class RankTransport(Transport):
             raise self._lost(_WHAT[kind], dst, src, exc) from exc
         return comm if comm is buf else buf.copy_(comm)
 
-    def receive_early(self, buf: torch.Tensor, src: int, dst: int, kind: str, mb: int, seq: int = 0) -> Callable[[], torch.Tensor]:
-        """Post now (after the step's gate) the receive of one raw tensor message of slot (``src``'s rank, ``kind``,
-        ``mb``, ``seq``) into ``buf``; the returned function waits for it and returns ``buf``. Under nccl (which matches
-        a pair's messages in order, whatever the tag) nothing is posted early: the function receives then
-        (``receive_into``). Give each step's message its own slot: a receive left posted by a failed step can only
-        ever take that step's message."""
+    def receive_early(
+        self, buf: torch.Tensor, src: int, dst: int, kind: str, mb: int, seq: int = 0
+    ) -> Callable[[], torch.Tensor]:
+        """Post now (after the step's gate) the receive of one raw tensor message of slot (``src``'s rank,
+        ``kind``, ``mb``, ``seq``) into ``buf``; the returned function waits for it and returns ``buf``. Under
+        nccl (which matches a pair's messages in order, whatever the tag) nothing is posted early: the
+        function receives then (``receive_into``). Give each step's message its own slot: a receive left
+        posted by a failed step can only ever take that step's message."""
         self.run_gate()
         if self.comm_device.type != "cpu":
             return lambda: self.receive_into(buf, src, dst, kind, mb, seq)
@@ -391,15 +436,21 @@ class RankTransport(Transport):
         pending, self._pending = self._pending, []
         early, self._early = list(self._early.values()), {}
         if not ok:  # a failed run: peers are stopping too; waiting on their receives could hang
-            self._sent.clear()  # and what each side predicts may differ now: start again from announced headers
+            # and what each side predicts may differ now: start again from announced headers
+            self._sent.clear()
             self._received.clear()
             self._orphans.extend(early)  # a posted receive cannot be withdrawn: its buffer must outlive it
             return
         if early:  # never after a run that received what the schedule asked for
             self._orphans.extend(early)
-            raise RuntimeError(f"rank {self.rank}: {len(early)} expected message(s) were never received (the transport was told to expect more than the schedule ran)")
+            raise RuntimeError(
+                f"rank {self.rank}: {len(early)} expected message(s) were never received (the transport "
+                "was told to expect more than the schedule ran)"
+            )
         for work, _ in pending:
             try:
                 work.wait()
             except RuntimeError as exc:
-                raise PeerError(f"rank {self.rank} could not finish sending to its pipeline neighbours: {exc}") from exc
+                raise PeerError(
+                    f"rank {self.rank} could not finish sending to its pipeline neighbours: {exc}"
+                ) from exc

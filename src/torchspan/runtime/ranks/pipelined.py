@@ -1,7 +1,7 @@
 """A pipeline across ranks, optionally replicated data-parallel: ``span(model, ...)`` in a launched job.
 
-Each rank runs one stage of one replica (``Mesh``: ``rank = replica * stages + stage``, the job's ``DeviceMesh``
-``("pp", "dp_replicate")``). It holds
+Each rank runs one stage of one replica (``Mesh``: ``rank = replica * stages + stage``, the job's
+``DeviceMesh`` ``("pp", "dp_replicate")``). It holds
 what the local ``PipelinedExecutor`` holds with another ``Transport``: the same stage functions
 (``StageFunctions``), schedule walk (``Pipeline``) and loss weights, but values to other stages
 travel by point-to-point (``RankTransport``). What several processes need (other stages' layers as
@@ -76,24 +76,39 @@ class RankPipelineExecutor(StageExecutor):
         reshard_after_forward: bool = True,
         weights: Any = None,
     ) -> None:
-        # RankStage counts positions (one per rank of a pipeline), each holding its looped stages (ranks.looped)
-        self.ranks = self.stage_type(model, mesh, info, mesh.stages, settings.precision, settings=settings, shard=shard)
-        mesh = self.ranks.mesh  # the coordinates of the job's DeviceMesh (a user's span(mesh=) may number otherwise)
+        # RankStage counts positions (one per rank of a pipeline), each holding its looped stages
+        # (ranks.looped)
+        self.ranks = self.stage_type(
+            model, mesh, info, mesh.stages, settings.precision, settings=settings, shard=shard
+        )
+        mesh = (
+            self.ranks.mesh
+        )  # the coordinates of the job's DeviceMesh (a user's span(mesh=) may number otherwise)
         if mode not in ("sequential", "fx"):
-            raise ValueError(f"RankPipelineExecutor runs stage functions (sequential or fx), not {mode!r}: span uses RankOwnForwardExecutor")
+            raise ValueError(
+                f"RankPipelineExecutor runs stage functions (sequential or fx), not {mode!r}: span uses "
+                "RankOwnForwardExecutor"
+            )
         super().__init__([info.device] * len(groups), groups)
         self.mode, self.model, self.settings = mode, model, settings
         self.stage = self.ranks.stage  # this rank's position in its pipeline; it runs stages ``self.local``
         self.local = list(range(self.stage, len(groups), mesh.stages))
-        self.mine = position_groups(self.groups, mesh.stages)[self.stage]  # the layers of every stage of this rank
+        self.mine = position_groups(self.groups, mesh.stages)[
+            self.stage
+        ]  # the layers of every stage of this rank
         transport = (
-            RankTransport(mesh, info.rank, info.device, self.ranks.comm) if len(groups) == mesh.stages
+            RankTransport(mesh, info.rank, info.device, self.ranks.comm)
+            if len(groups) == mesh.stages
             else LoopedTransport(mesh, info.rank, info.device, self.ranks.comm, stages=len(groups))
         )
         self.shards_batch = mesh.replicas > 1  # each pipeline trains one shard of the global batch
         self.fns = StageFunctions(model, mode, self.groups)
         self._pipeline = LoopedPipeline(
-            self.devices, recompute=settings.recompute, precision=settings.precision, recorder=recorder, meter=meter,
+            self.devices,
+            recompute=settings.recompute,
+            precision=settings.precision,
+            recorder=recorder,
+            meter=meter,
             transport=transport,
         )
         stage = [top_level_modules(model)[name] for name in self.mine]  # and the model's own tensors:
@@ -105,10 +120,13 @@ class RankPipelineExecutor(StageExecutor):
         self.ranks.start()
         if shard:
             self._shard(graph, reshard_after_forward)
-            self._pipeline.split = False  # FSDP reduces a layer once its inputs' gradients are done: no split backward
+            self._pipeline.split = (
+                False  # FSDP reduces a layer once its inputs' gradients are done: no split backward
+            )
 
     def _shard(self, graph: Any, reshard_after_forward: bool) -> None:
-        """This stage's layers sharded over its replicas, except those whose tensors the fx graph reads directly."""
+        """This stage's layers sharded over its replicas, except those whose tensors the fx graph reads
+        directly."""
         layers = top_level_modules(self.model)
         read = [str(n.target) for n in (graph.nodes if graph is not None else ()) if n.op == "get_attr"]
         mine = [(name, layers[name]) for name in self.mine if not any(t.startswith(name + ".") for t in read)]
@@ -154,11 +172,22 @@ class RankPipelineExecutor(StageExecutor):
         spec: LossSpec | None = None,
     ) -> torch.Tensor:
         s = self.settings
-        self.ranks.check_same_batch(work.chunks, targets, self._pipeline.transport)  # verdict before the first transfer
+        self.ranks.check_same_batch(
+            work.chunks, targets, self._pipeline.transport
+        )  # verdict before the first transfer
         buffers = self.fns.buffers(self.root_attrs, s.recompute)
-        with self.ranks.reducing() as reduction:  # this step's gradients summed in each group once its last backward ran
+        with (
+            self.ranks.reducing() as reduction
+        ):  # this step's gradients summed in each group once its last backward ran
             loss = self._pipeline.train(
-                stage_functions(work), work.chunks, targets, loss_fn, weights, s.schedule, s.scaler, buffers,
+                stage_functions(work),
+                work.chunks,
+                targets,
+                loss_fn,
+                weights,
+                s.schedule,
+                s.scaler,
+                buffers,
                 finished=LastBackwards(len(self.local), reduction.finished),
             )
         total = reduction.total
@@ -167,7 +196,9 @@ class RankPipelineExecutor(StageExecutor):
     def forward(self, work: Work) -> list[Any]:
         """Outputs of every micro-batch on every rank of this pipeline (no autograd across processes)."""
         with torch.no_grad():
-            outs = self._pipeline.forward(stage_functions(work), work.chunks, self.fns.buffers(self.root_attrs, self.settings.recompute))
+            outs = self._pipeline.forward(
+                stage_functions(work), work.chunks, self.fns.buffers(self.root_attrs, self.settings.recompute)
+            )
         return self.ranks.shared_outputs(outs)
 
 
@@ -179,7 +210,8 @@ def launched_mesh(plan: Any, devices: Any, balance: Sequence[int] | None) -> tup
     ``data_parallel`` (with its ``stage_ranks``), else ``WORLD_SIZE // stages``. Raises ``ValueError``
     printing ``pp(2) * dp_replicate(3) * dp_shard(1) != WORLD_SIZE(4)`` when they do not fill the world. The
     ``DeviceMesh`` over these coordinates is made by the executor's ``RankStage`` (``ranks.devicemesh``). More
-    stages than ranks: one pipeline over every rank, stage ``s`` on rank ``s % WORLD_SIZE`` (``ranks.looped``).
+    stages than ranks: one pipeline over every rank, stage ``s`` on rank ``s % WORLD_SIZE``
+    (``ranks.looped``).
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None

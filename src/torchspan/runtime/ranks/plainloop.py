@@ -42,15 +42,27 @@ __all__ = ["Record", "watch", "declared", "exact_model_loss", "Watched", "PlainL
 
 
 class PlainLoopError(RuntimeError):
-    """The plain loop's backward would not give one device's gradients: refused before any reaches ``.grad``."""
+    """The plain loop's backward would not give one device's gradients: refused before any reaches
+    ``.grad``."""
 
 
 _LOSSES = frozenset(
     {
-        F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy,
-        F.binary_cross_entropy_with_logits, F.kl_div, F.poisson_nll_loss, F.soft_margin_loss,
-        F.multilabel_soft_margin_loss, F.multilabel_margin_loss, F.multi_margin_loss,
-        F.hinge_embedding_loss, F.cross_entropy, F.nll_loss,
+        F.mse_loss,
+        F.l1_loss,
+        F.smooth_l1_loss,
+        F.huber_loss,
+        F.binary_cross_entropy,
+        F.binary_cross_entropy_with_logits,
+        F.kl_div,
+        F.poisson_nll_loss,
+        F.soft_margin_loss,
+        F.multilabel_soft_margin_loss,
+        F.multilabel_margin_loss,
+        F.multi_margin_loss,
+        F.hinge_embedding_loss,
+        F.cross_entropy,
+        F.nll_loss,
     }
 )
 _PER_ROW = frozenset({F.multilabel_soft_margin_loss, F.multilabel_margin_loss, F.multi_margin_loss})
@@ -58,22 +70,50 @@ _T = torch.Tensor
 # operations that move, reshape or recast the outputs without mixing rows: the result is still watched
 _KEEP = frozenset(
     {
-        _T.view, _T.view_as, _T.reshape, _T.reshape_as, _T.flatten, torch.flatten, _T.unflatten,
-        _T.__getitem__, _T.contiguous, _T.float, _T.double, _T.half, _T.bfloat16, _T.to, _T.type_as,
-        _T.transpose, torch.transpose, _T.permute, torch.permute, _T.squeeze, torch.squeeze,
-        _T.unsqueeze, torch.unsqueeze, _T.narrow, _T.select, _T.movedim, _T.swapaxes, _T.cpu,
-        _T.cuda, _T.clone, torch.clone,
+        _T.view,
+        _T.view_as,
+        _T.reshape,
+        _T.reshape_as,
+        _T.flatten,
+        torch.flatten,
+        _T.unflatten,
+        _T.__getitem__,
+        _T.contiguous,
+        _T.float,
+        _T.double,
+        _T.half,
+        _T.bfloat16,
+        _T.to,
+        _T.type_as,
+        _T.transpose,
+        torch.transpose,
+        _T.permute,
+        torch.permute,
+        _T.squeeze,
+        torch.squeeze,
+        _T.unsqueeze,
+        torch.unsqueeze,
+        _T.narrow,
+        _T.select,
+        _T.movedim,
+        _T.swapaxes,
+        _T.cpu,
+        _T.cuda,
+        _T.clone,
+        torch.clone,
     }
 )
-_PER_LAST_DIM = frozenset({F.log_softmax, F.softmax, _T.log_softmax, _T.softmax, torch.log_softmax, torch.softmax})
+_PER_LAST_DIM = frozenset(
+    {F.log_softmax, F.softmax, _T.log_softmax, _T.softmax, torch.log_softmax, torch.softmax}
+)
 _MESSAGE = (
     "{what}. On a data-parallel replica every rank's backward is summed, so a rank's loss must be its share "
     "of the whole batch's; torchspan reads that share from torch's losses (torch.nn.functional's and the "
     "loss modules, reduction 'mean' or 'sum') applied to the outputs, after shape and dtype changes only. "
     "Apply a torch loss to the outputs (e.g. padding as ignore_index=-100 rather than a mask you multiply); "
-    "declare it: span(model, loss_reduction='sum') for any loss that sums over rows, or 'mean' for a mean over "
-    "each rank's rows; or train with spanned.train_step(inputs, target, loss_fn), which calibrates any loss or "
-    "takes loss_reduction= / loss_normalizer="
+    "declare it: span(model, loss_reduction='sum') for any loss that sums over rows, or 'mean' for a mean "
+    "over each rank's rows; or train with spanned.train_step(inputs, target, loss_fn), which calibrates any "
+    "loss or takes loss_reduction= / loss_normalizer="
 )
 
 
@@ -89,7 +129,8 @@ class Record:
 
 
 class Watched(torch.Tensor):
-    """An output of a replica's training forward that turns a torch loss applied to it into this rank's share."""
+    """An output of a replica's training forward that turns a torch loss applied to it into this rank's
+    share."""
 
     _record: Record
 
@@ -150,7 +191,8 @@ def _wrap(t: torch.Tensor, record: Record) -> torch.Tensor:
 
 
 def _record_of(args: Any, kwargs: Any) -> Record | None:
-    """The record of a watched output among ``args``/``kwargs``, nested ones included (``torch.cat([out, ...])``)."""
+    """The record of a watched output among ``args``/``kwargs``, nested ones included (``torch.cat([out,
+    ...])``)."""
     for a in (*args, *kwargs.values()):
         if isinstance(a, Watched):
             return a._record
@@ -173,7 +215,9 @@ def _refusing(t: torch.Tensor, func: Any) -> torch.Tensor:
         name = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
 
         def refuse(grad: torch.Tensor) -> None:
-            what = f"loss.backward() reached the replica's outputs through {name}, which torchspan cannot weigh"
+            what = (
+                f"loss.backward() reached the replica's outputs through {name}, which torchspan cannot weigh"
+            )
             raise PlainLoopError(_MESSAGE.format(what=what))
 
         t.register_hook(refuse)
@@ -208,7 +252,12 @@ def _exact_loss(func: Any, args: Any, kwargs: dict[str, Any], record: Record) ->
     local = func(x, y, **{**rest, "reduction": "sum"})
     count = 1.0 if reduction == "sum" else _normalizer(func, reduction, x, y, rest)
     _check_once(func, reduction, x, y, rest, count, record)
-    stats = torch.stack([local.detach().double().to(record.comm), torch.tensor(count, dtype=torch.float64, device=record.comm)])
+    stats = torch.stack(
+        [
+            local.detach().double().to(record.comm),
+            torch.tensor(count, dtype=torch.float64, device=record.comm),
+        ]
+    )
     dist.all_reduce(stats, group=record.group)
     record.losses += 1
     total, norm = stats[0].to(local.device, local.dtype), float(stats[1])
@@ -244,7 +293,10 @@ def _normalizer(func: Any, reduction: str, x: torch.Tensor, y: Any, rest: dict[s
     """What ``func``'s mean divides this rank's summed loss by."""
     if func in (F.cross_entropy, F.nll_loss) and isinstance(y, torch.Tensor) and not y.is_floating_point():
         return class_weight_sum(y, rest.get("weight"), int(rest.get("ignore_index", -100)))
-    if func in (F.cross_entropy, F.nll_loss):  # class probabilities: a mean over every position but the classes
+    if func in (
+        F.cross_entropy,
+        F.nll_loss,
+    ):  # class probabilities: a mean over every position but the classes
         return float(x.numel() // x.shape[1]) if x.dim() >= 2 and x.shape[1] else float(x.numel())
     if reduction == "batchmean" or func in _PER_ROW:
         return float(x.shape[0]) if x.dim() >= 2 or reduction == "batchmean" else 1.0
@@ -252,21 +304,28 @@ def _normalizer(func: Any, reduction: str, x: torch.Tensor, y: Any, rest: dict[s
     return float(math.prod(shape))
 
 
-def _check_once(func: Any, reduction: str, x: torch.Tensor, y: Any, rest: dict[str, Any], count: float, record: Record) -> None:
-    """The first time a kind of loss is seen: its own mean equals the sum over the normalizer torchspan uses."""
+def _check_once(
+    func: Any, reduction: str, x: torch.Tensor, y: Any, rest: dict[str, Any], count: float, record: Record
+) -> None:
+    """The first time a kind of loss is seen: its own mean equals the sum over the normalizer torchspan
+    uses."""
     key = (func, reduction, tuple(sorted(k for k, v in rest.items() if v is not None)))
     if reduction == "sum" or key in record.checked or count == 0.0:
         return
     record.checked.add(key)
-    wide = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in rest.items()}
+    wide = {
+        k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in rest.items()
+    }
     y64 = y.double() if isinstance(y, torch.Tensor) and y.is_floating_point() else y
     with torch.no_grad():  # in float64: the normalizer is checked, not the outputs' precision
         own = float(func(x.detach().double(), y64, **{**wide, "reduction": reduction}))
         ours = float(func(x.detach().double(), y64, **{**wide, "reduction": "sum"})) / count
-    if not (abs(own - ours) <= 1e-4 * max(abs(own), abs(ours)) + 1e-6 or math.isnan(own) and math.isnan(ours)):
+    if not (
+        abs(own - ours) <= 1e-4 * max(abs(own), abs(ours)) + 1e-6 or math.isnan(own) and math.isnan(ours)
+    ):
         what = (
-            f"{func.__name__}(reduction={reduction!r}) with {sorted(key[2])} gives {own:.6g} on this rank's rows, "
-            f"not its sum over {count:g} ({ours:.6g})"
+            f"{func.__name__}(reduction={reduction!r}) with {sorted(key[2])} gives {own:.6g} on this "
+            f"rank's rows, not its sum over {count:g} ({ours:.6g})"
         )
         raise PlainLoopError(_MESSAGE.format(what=what))
 
@@ -275,9 +334,9 @@ def _check_once(func: Any, reduction: str, x: torch.Tensor, y: Any, rest: dict[s
 
 
 def exact_model_loss(out: Any, labels: torch.Tensor, record: Record) -> Any:
-    """``out`` with its ``loss`` (the model's mean over this rank's labels) made the global batch's: the global value,
-    this rank's share of the gradient. The normalizer is the one of ``modelloss.CANDIDATES`` that reproduces the
-    model's loss on every rank (one all-reduce); none does: ``PlainLoopError``."""
+    """``out`` with its ``loss`` (the model's mean over this rank's labels) made the global batch's: the
+    global value, this rank's share of the gradient. The normalizer is the one of ``modelloss.CANDIDATES``
+    that reproduces the model's loss on every rank (one all-reduce); none does: ``PlainLoopError``."""
     loss = own_loss(out)
     logits = out.get("logits") if hasattr(out, "get") else getattr(out, "logits", None)
     if loss is None or not isinstance(logits, torch.Tensor):
@@ -297,7 +356,10 @@ def exact_model_loss(out: Any, labels: torch.Tensor, record: Record) -> Any:
     k, world = len(CANDIDATES), dist.get_world_size(record.group)
     chosen = next((i for i in range(k) if int(stats[i]) == world), None)
     if chosen is None:
-        what = f"the model's own output.loss ({float(loss):.6g} on this rank) is not a token or sample mean torchspan can split"
+        what = (
+            f"the model's own output.loss ({float(loss):.6g} on this rank) is not a token or sample mean "
+            "torchspan can split"
+        )
         raise PlainLoopError(_MESSAGE.format(what=what))
     mine, norm, total = counts[chosen], float(stats[k + chosen]), float(stats[2 * k + chosen])
     if mine == 0.0:

@@ -1,4 +1,5 @@
-"""``span(model)`` in a launched job: this rank's exact data-parallel replica, behind the ``Executor`` interface.
+"""``span(model)`` in a launched job: this rank's exact data-parallel replica, behind the ``Executor``
+interface.
 
 The replica itself is ``DataParallelReplica`` (DDP underneath, the ranks' weighted gradients summed, the
 global loss normalizer all-reduced): after ``spanned.train_step(x_shard, y_shard, loss_fn)`` every rank's
@@ -50,9 +51,9 @@ from ..executor import Executor, Settings, Work
 from ..fp16 import SpanScaler
 from ..losscheck import LossChecks, loss_identity, same_identity
 from ..lossweights import LossSpec
-from ..modelloss import own_loss, tokens
 from ..memory import ActivationMeter
 from ..microbatch import batch_size, split_sizes, split_value
+from ..modelloss import own_loss, tokens
 from ..record import Recorder
 from .dataparallel import DataParallelReplica
 from .devicemesh import check_degrees, job_mesh, sub_mesh
@@ -66,14 +67,17 @@ _VOTES = ("refused", "samples", "sum", "user")
 
 
 class _NeedsForward(Exception):
-    """Raised by a probe in place of a dry forward: this rank's calibration needs one."""  # what a rank's calibration decided (or nothing: abstained)
+    # what a rank's calibration decided (or nothing: abstained)
+    """Raised by a probe in place of a dry forward: this rank's calibration needs one."""
 
 
 def launched_replica(plan: Any) -> bool:
-    """True when ``span`` runs in a process group of size > 1 with one pipeline stage: a data-parallel replica.
+    """True when ``span`` runs in a process group of size > 1 with one pipeline stage: a data-parallel
+    replica.
 
     A plan (one stage) must say ``data_parallel`` 1 (a one-process plan, replicated) or the world
-    size; anything else is a ``ValueError`` printing ``pp(1) * dp_replicate(3) * dp_shard(1) != WORLD_SIZE(2)``.
+    size; anything else is a ``ValueError`` printing ``pp(1) * dp_replicate(3) * dp_shard(1) !=
+    WORLD_SIZE(2)``.
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return False
@@ -81,7 +85,8 @@ def launched_replica(plan: Any) -> bool:
     dp = getattr(plan, "data_parallel", 1) if plan is not None else 1
     if dp != 1:
         check_degrees(
-            {"pp": 1, "dp_replicate": dp}, world,
+            {"pp": 1, "dp_replicate": dp},
+            world,
             f"this plan has one stage and data_parallel={dp}; launch {dp} processes, or re-plan with "
             f"data_parallel={world} (or use a one-process plan: one replica per process)",
         )
@@ -89,8 +94,9 @@ def launched_replica(plan: Any) -> bool:
 
 
 def replica_mesh(settings: Settings, device: torch.device, shard: bool) -> Any:
-    """The job's ``DeviceMesh`` for one replica per rank, ``("dp_replicate",)`` (DDP) or ``("dp_shard",)`` (FSDP2) over
-    every rank (a user's ``span(mesh=)``, checked), set as ``settings.mesh``; returns the dimension the replica uses."""
+    """The job's ``DeviceMesh`` for one replica per rank, ``("dp_replicate",)`` (DDP) or ``("dp_shard",)``
+    (FSDP2) over every rank (a user's ``span(mesh=)``, checked), set as ``settings.mesh``; returns the
+    dimension the replica uses."""
     name = "dp_shard" if shard else "dp_replicate"
     world = dist.get_world_size()
     info = rank_info()
@@ -100,7 +106,8 @@ def replica_mesh(settings: Settings, device: torch.device, shard: bool) -> Any:
 
 
 class ReplicaExecutor(Executor):
-    """This rank's data-parallel replica of ``model`` (see the module docstring); ``device`` defaults to the rank's."""
+    """This rank's data-parallel replica of ``model`` (see the module docstring); ``device`` defaults to the
+    rank's."""
 
     mode = "data-parallel"
     empty_batches = True
@@ -127,12 +134,22 @@ class ReplicaExecutor(Executor):
         if process_group is None:  # the job's mesh (tensor parallel passes its dp_shard dimension)
             process_group = replica_mesh(settings, place, shard)
         if settings.precision == "fp16" and settings.scaler is None:
-            settings.scaler = SpanScaler(place.type)  # one decision on every rank: it reads the all-reduced gradients
+            settings.scaler = SpanScaler(
+                place.type
+            )  # one decision on every rank: it reads the all-reduced gradients
         self.replica = DataParallelReplica(
-            model, device=place, process_group=process_group, precision=settings.precision, recompute=settings.recompute,
-            scaler=settings.scaler, shard=shard, reshard_after_forward=reshard_after_forward, offload=offload, weights=weights,
+            model,
+            device=place,
+            process_group=process_group,
+            precision=settings.precision,
+            recompute=settings.recompute,
+            scaler=settings.scaler,
+            shard=shard,
+            reshard_after_forward=reshard_after_forward,
+            offload=offload,
+            weights=weights,
             per_shard_batchnorm=per_shard_batchnorm,
-        )  # fmt: skip
+        )
         self.mode = "sharded" if shard else "data-parallel"
         self.offload = offload
         super().__init__([self.replica.device], [list(names)])
@@ -151,7 +168,11 @@ class ReplicaExecutor(Executor):
         shard; ``NoSplit`` values unwrapped): a rank's shard may be smaller than another's."""
         total = batch_size(args, kwargs)
         n = max(1, min(self.settings.microbatches, total))
-        return Work(chunks=[(tuple(a), dict(k)) for a, k in split_value((list(args), kwargs), n, total, name="inputs")])
+        return Work(
+            chunks=[
+                (tuple(a), dict(k)) for a, k in split_value((list(args), kwargs), n, total, name="inputs")
+            ]
+        )
 
     # ------------------------------------------------------------------ loss contract
     def resolve_loss(
@@ -163,13 +184,16 @@ class ReplicaExecutor(Executor):
         dry_outputs: Callable[[], Sequence[Any]],
         target: Any = None,
     ) -> LossSpec:
-        """``spec`` made exact for the global batch: calibrated on this shard's halves, agreed by every rank."""
+        """``spec`` made exact for the global batch: calibrated on this shard's halves, agreed by every
+        rank."""
         if not spec.needs_check:
             return spec
         size = sizes[0]
         ident = loss_identity(spec.loss_fn) + loss_identity(spec.user_normalizer)
         agreed = next((s for known, s in self._decided if same_identity(known, ident)), None)
-        if self.replica.collective_forward:  # sharded: a dry forward gathers parameters, so every rank runs it or none
+        if (
+            self.replica.collective_forward
+        ):  # sharded: a dry forward gathers parameters, so every rank runs it or none
             local, message = self._calibrate_together(checks, spec, targets, sizes, dry_outputs, target)
         else:
             local, message = self._calibrate(checks, spec, targets, sizes, dry_outputs, target)
@@ -178,8 +202,9 @@ class ReplicaExecutor(Executor):
                 raise ValueError(message)
             if local is not None and spec.kind == "opaque" and local.kind != agreed.kind:
                 raise ValueError(
-                    f"rank {self.info.rank}: loss_fn={spec.name} behaved as {agreed.kind!r} on earlier shards but as "
-                    f"{local.kind!r} on this one ({size} samples); declare loss_reduction='mean' / 'sum' or loss_normalizer="
+                    f"rank {self.info.rank}: loss_fn={spec.name} behaved as {agreed.kind!r} on earlier "
+                    f"shards but as {local.kind!r} on this one ({size} samples); declare "
+                    "loss_reduction='mean' / 'sum' or loss_normalizer="
                 )
             if spec.kind == "model":
                 return local if local is not None else agreed
@@ -190,53 +215,80 @@ class ReplicaExecutor(Executor):
         return decided
 
     def _calibrate(
-        self, checks: LossChecks, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int], dry_outputs: Callable[[], Sequence[Any]], target: Any
+        self,
+        checks: LossChecks,
+        spec: LossSpec,
+        targets: Sequence[Any],
+        sizes: Sequence[int],
+        dry_outputs: Callable[[], Sequence[Any]],
+        target: Any,
     ) -> tuple[LossSpec | None, str]:
-        """This rank's own calibration (``dry_outputs`` runs when its batch structure is new): the spec, or a refusal."""
+        """This rank's own calibration (``dry_outputs`` runs when its batch structure is new): the spec, or a
+        refusal."""
         size = sizes[0]
         try:
-            if spec.kind == "model" and size >= 1:  # the model's own loss: verified on the whole shard's logits
+            if (
+                spec.kind == "model" and size >= 1
+            ):  # the model's own loss: verified on the whole shard's logits
                 return checks.resolve(spec, targets, sizes, dry_outputs, target=target, shards=True), ""
             if len(sizes) > 1:  # micro-batches: calibrated on the chunks, as one process does
                 return checks.resolve(spec, targets, sizes, dry_outputs, target=target), ""
             if size >= 2:
                 halves = split_sizes(size, 2)
                 halved = lambda: split_value(dry_outputs()[0], 2, size, name="output")  # noqa: E731
-                return checks.resolve(spec, split_value(targets[0], 2, size, name="target"), halves, halved, target=target), ""
+                return checks.resolve(
+                    spec, split_value(targets[0], 2, size, name="target"), halves, halved, target=target
+                ), ""
         except ValueError as e:
             where = (
-                f"its shard of {size} samples" if spec.kind == "model" else f"its shard in {len(sizes)} micro-batches"
-                if len(sizes) > 1 else f"its shard of {size} samples split in two to calibrate the loss"
-            )  # fmt: skip
+                f"its shard of {size} samples"
+                if spec.kind == "model"
+                else f"its shard in {len(sizes)} micro-batches"
+                if len(sizes) > 1
+                else f"its shard of {size} samples split in two to calibrate the loss"
+            )
             return None, f"rank {self.info.rank} ({where}): {e}"
         return None, ""
 
     def _calibrate_together(
-        self, checks: LossChecks, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int], dry_outputs: Callable[[], Sequence[Any]], target: Any
+        self,
+        checks: LossChecks,
+        spec: LossSpec,
+        targets: Sequence[Any],
+        sizes: Sequence[int],
+        dry_outputs: Callable[[], Sequence[Any]],
+        target: Any,
     ) -> tuple[LossSpec | None, str]:
-        """``_calibrate`` where a forward is a collective: each rank first finds whether it needs a dry forward
-        (without running one), one all-reduce tells whether any rank does, and then every rank runs it (a rank
-        that needs none discards the outputs; an empty shard runs a stand-in row)."""
+        """``_calibrate`` where a forward is a collective: each rank first finds whether it needs a dry
+        forward (without running one), one all-reduce tells whether any rank does, and then every rank runs it
+        (a rank that needs none discards the outputs; an empty shard runs a stand-in row)."""
 
         def probe() -> Sequence[Any]:
             raise _NeedsForward
 
         try:
-            found: tuple[LossSpec | None, str] | None = self._calibrate(checks, spec, targets, sizes, probe, target)
+            found: tuple[LossSpec | None, str] | None = self._calibrate(
+                checks, spec, targets, sizes, probe, target
+            )
         except _NeedsForward:
             found = None
             checks.calibrations -= 1  # counted by the probe that ran no forward; counted again below
-        flag = torch.tensor([0.0 if found is not None else 1.0], dtype=torch.float64, device=self.replica.comm_device)
+        flag = torch.tensor(
+            [0.0 if found is not None else 1.0], dtype=torch.float64, device=self.replica.comm_device
+        )
         dist.all_reduce(flag, group=self.replica.group)
         if flag.item() == 0:
             return found  # type: ignore[return-value]
-        outputs = list(dry_outputs())  # an empty shard runs a stand-in row (DataParallelReplica.forward_chunks)
+        outputs = list(
+            dry_outputs()
+        )  # an empty shard runs a stand-in row (DataParallelReplica.forward_chunks)
         if found is not None:
             return found
         return self._calibrate(checks, spec, targets, sizes, lambda: outputs, target)
 
     def _vote(self, spec: LossSpec, local: LossSpec | None, message: str) -> LossSpec:
-        """Every rank's calibration combined (one all-reduce; the refusal messages gathered only on a refusal)."""
+        """Every rank's calibration combined (one all-reduce; the refusal messages gathered only on a
+        refusal)."""
         votes = torch.zeros(len(_VOTES), dtype=torch.float64, device=self.replica.comm_device)
         if message:
             votes[0] = 1
@@ -250,26 +302,32 @@ class ReplicaExecutor(Executor):
             raise ValueError(next(m for m in messages if m))
         if samples and summed:
             raise ValueError(
-                f"loss_fn={spec.name} looks like a per-sample mean on {samples} rank(s) and a sum on {summed}, so torchspan "
-                "cannot weight it to the single-device gradient; declare loss_reduction='mean' / 'sum' or loss_normalizer="
+                f"loss_fn={spec.name} looks like a per-sample mean on {samples} rank(s) and a sum on "
+                f"{summed}, so torchspan cannot weight it to the single-device gradient; declare "
+                "loss_reduction='mean' / 'sum' or loss_normalizer="
             )
         if spec.kind == "user":
             return spec  # verified where a shard could be split; a normalizer needs no vote
-        if spec.kind == "model":  # verified where this rank has rows; an empty shard's normalizer is 0 whatever it counts
+        if (
+            spec.kind == "model"
+        ):  # verified where this rank has rows; an empty shard's normalizer is 0 whatever it counts
             return local if local is not None else dataclasses.replace(spec, user_normalizer=tokens)
         if samples or summed:
             return spec.resolved("samples" if samples else "sum")
         if spec.declared:
-            return spec  # no shard could check it yet (1 row each): used as declared, checked once a shard can
+            return (
+                spec  # no shard could check it yet (1 row each): used as declared, checked once a shard can
+            )
         raise ValueError(
-            f"loss_fn={spec.name} is opaque and no rank's shard has 2 samples or more to calibrate it on, so torchspan "
-            "cannot tell whether it averages or sums (data-parallel weights depend on it). Declare it: "
-            "loss_reduction='sum', loss_reduction='mean', or loss_normalizer=callable returning what its mean divides "
-            "by for a shard's target, e.g. lambda y: (y != -100).sum()"
+            f"loss_fn={spec.name} is opaque and no rank's shard has 2 samples or more to calibrate it on, "
+            "so torchspan cannot tell whether it averages or sums (data-parallel weights depend on it). "
+            "Declare it: loss_reduction='sum', loss_reduction='mean', or loss_normalizer=callable "
+            "returning what its mean divides by for a shard's target, e.g. lambda y: (y != -100).sum()"
         )
 
     def weights(self, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
-        """``1.0`` per chunk: ``train`` weighs each chunk by ``spec`` against the all-reduced global normalizer."""
+        """``1.0`` per chunk: ``train`` weighs each chunk by ``spec`` against the all-reduced global
+        normalizer."""
         return [1.0] * len(sizes)
 
     def replica_of(self) -> tuple[int, int]:
@@ -277,19 +335,25 @@ class ReplicaExecutor(Executor):
         return dist.get_rank(group), dist.get_world_size(group)
 
     # ------------------------------------------------------------------ the plain loop
-    def plain_output(self, out: Any, kwargs: dict[str, Any], nonfinite: Callable[[torch.Tensor], None]) -> Any:
-        """A training forward's outputs for the user's own ``loss.backward()``: a torch loss applied to them, or the
-        model's own loss from ``labels``, is this rank's share of the global batch's (``ranks.plainloop``)."""
+    def plain_output(
+        self, out: Any, kwargs: dict[str, Any], nonfinite: Callable[[torch.Tensor], None]
+    ) -> Any:
+        """A training forward's outputs for the user's own ``loss.backward()``: a torch loss applied to them,
+        or the model's own loss from ``labels``, is this rank's share of the global batch's
+        (``ranks.plainloop``)."""
         if not torch.is_grad_enabled():
             return out
         if self.settings.precision == "fp16" and self.model.training:
             raise ValueError(
-                "precision='fp16' needs its gradient scaler around every backward, which a plain loss.backward() on "
-                "the outputs skips; train with spanned.train_step(...) (it scales, unscales and skips overflowed "
-                "steps), or span with precision='bf16', whose plain loop needs no scaler"
+                "precision='fp16' needs its gradient scaler around every backward, which a plain "
+                "loss.backward() on the outputs skips; train with spanned.train_step(...) (it scales, "
+                "unscales and skips overflowed steps), or span with precision='bf16', whose plain loop "
+                "needs no scaler"
             )
         record = Record(self.replica.group, self.replica.comm_device, nonfinite)
-        if self.settings.loss_reduction is not None:  # declared: any loss, summing or a mean over each shard's rows
+        if (
+            self.settings.loss_reduction is not None
+        ):  # declared: any loss, summing or a mean over each shard's rows
             return declared(out, self.settings.loss_reduction, record)
         labels = kwargs.get("labels")
         if isinstance(labels, torch.Tensor) and own_loss(out) is not None:
@@ -298,8 +362,8 @@ class ReplicaExecutor(Executor):
 
     # ------------------------------------------------------------------ steps
     def forward(self, work: Work) -> list[Any]:
-        """Each chunk's output: through DDP with gradients enabled (one reduction for a backward through all of
-        them), the plain module under ``no_grad``; autocast at the span's precision."""
+        """Each chunk's output: through DDP with gradients enabled (one reduction for a backward through all
+        of them), the plain module under ``no_grad``; autocast at the span's precision."""
         with self._recorder.block(0, self.replica.device, 0, "forward"):
             return self.replica.forward_chunks(work.chunks, pad_to=self.settings.microbatches)
 
@@ -311,9 +375,13 @@ class ReplicaExecutor(Executor):
         weights: Sequence[float],
         spec: LossSpec | None = None,
     ) -> torch.Tensor:
-        """``DataParallelReplica.train_step`` on the shard, weighed by ``spec``; returns the global full-batch loss on every rank."""
+        """``DataParallelReplica.train_step`` on the shard, weighed by ``spec``; returns the global full-batch
+        loss on every rank."""
         if spec is None:
-            raise ValueError("ReplicaExecutor.train needs the loss spec (Spanned.train_step passes it): train(work, targets, loss_fn, weights, spec)")
+            raise ValueError(
+                "ReplicaExecutor.train needs the loss spec (Spanned.train_step passes it): train(work, "
+                "targets, loss_fn, weights, spec)"
+            )
         reduction = "sum" if spec.kind == "sum" else "mean" if spec.kind == "samples" else None
         normalizer = spec.user_normalizer if spec.kind in ("user", "model") else None
         self._timing = {"on": True, "mb": 0}
@@ -321,7 +389,12 @@ class ReplicaExecutor(Executor):
         try:
             with self._meter.saving(0) if metering else contextlib.nullcontext():
                 loss = self.replica.train_chunks(
-                    work.chunks, targets, loss_fn, loss_reduction=reduction, loss_normalizer=normalizer, pad_to=self.settings.microbatches
+                    work.chunks,
+                    targets,
+                    loss_fn,
+                    loss_reduction=reduction,
+                    loss_normalizer=normalizer,
+                    pad_to=self.settings.microbatches,
                 )
             self._metered = self._metered or (metering and self._meter.peak[0] > 0)
         finally:
@@ -358,13 +431,15 @@ class ReplicaExecutor(Executor):
         self._timing["open"] = block
 
     def _forward_starts(self, module: nn.Module, args: Any) -> None:
-        """A training chunk's forward begins: the previous chunk's backward block ends, its forward block opens."""
+        """A training chunk's forward begins: the previous chunk's backward block ends, its forward block
+        opens."""
         if self._timing.get("on"):
             self._close_block()
             self._open_block("forward")
 
     def _forward_ends(self, module: nn.Module, args: Any, output: Any) -> None:
-        """Its forward ends: the backward block (loss, backward and, on the last chunk, the all-reduce) opens."""
+        """Its forward ends: the backward block (loss, backward and, on the last chunk, the all-reduce)
+        opens."""
         if self._timing.get("on") and "open" in self._timing:
             self._close_block()
             self._open_block("backward")

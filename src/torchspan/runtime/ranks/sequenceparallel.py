@@ -1,23 +1,31 @@
-"""Sequence parallel beside tensor parallel: norms and dropout on a sequence shard, the layouts around them kept right.
+"""Sequence parallel beside tensor parallel: norms and dropout on a sequence shard, the layouts around them
+kept right.
 
-A ``tp_plan`` naming ``"sequence_parallel"`` modules (``runtime.ranks.tensorparallel``) runs Megatron-LM's sequence
-parallelism (Korthikanti et al. 2022) as torchtitan lays it out: between the tensor-parallel halves of a block, the
-residual stream is a ``DTensor`` sharded on the sequence dimension (``Shard(1)``), so each rank normalizes ``1/tp``
-of the tokens and keeps ``1/tp`` of those activations; a ``"rowwise"`` projection reduce-scatters into that stream
-(``RowwiseParallel(output_layouts=Shard(1))``) in place of its all-reduce, a ``"colwise"`` one all-gathers its
-input from it. Torch's ``SequenceParallel`` does the norms (its weights replicated ``DTensor``s).
+A ``tp_plan`` naming ``"sequence_parallel"`` modules (``runtime.ranks.tensorparallel``) runs Megatron-LM's
+sequence parallelism (Korthikanti et al. 2022) as torchtitan lays it out: between the tensor-parallel halves
+of a block, the residual stream is a ``DTensor`` sharded on the sequence dimension (``Shard(1)``), so each
+rank normalizes ``1/tp`` of the tokens and keeps ``1/tp`` of those activations; a ``"rowwise"`` projection
+reduce-scatters into that stream (``RowwiseParallel(output_layouts=Shard(1))``) in place of its all-reduce, a
+``"colwise"`` one all-gathers its input from it. Torch's ``SequenceParallel`` does the norms (its weights
+replicated ``DTensor``s).
 
-Torch's styles read a plain tensor as the layout they declare, which would take a whole activation for a shard (or
-a shard for a whole one) without a word. Here a plain tensor always means the whole, replicated activation, and a
-``DTensor`` carries its own layout; hooks (``register_forward_pre_hook``, public) keep every boundary explicit:
+Torch's styles read a plain tensor as the layout they declare, which would take a whole activation for a shard
+(or a shard for a whole one) without a word. Here a plain tensor always means the whole, replicated
+activation, and a ``DTensor`` carries its own layout; hooks (``register_forward_pre_hook``, public) keep every
+boundary explicit:
 
 - ``"sequence_parallel"`` modules: a plain input is split on the sequence (a slice, no communication); their
-  weights' gradients, each rank's partial sums over its tokens, are all-reduced as they arrive (``.grad`` whole);
+  weights' gradients, each rank's partial sums over its tokens, are all-reduced as they arrive (``.grad``
+  whole);
 - ``"colwise"`` modules: a ``DTensor`` input is gathered (``Replicate``) first: one all-gather per projection;
-- the block holding the norms (the deepest parent of ``"sequence_parallel"`` modules: a decoder layer, or the model
-  itself): its first tensor argument enters the stream as ``Shard(1)``, so its residual adds are ``DTensor`` sums;
-- a module outside the plan that holds parameters (a tied head, an unplanned norm) and the model's outputs: every
-  ``DTensor`` gathered into the whole plain tensor (``full_tensor()``), so the loss and the logits are one device's.
+- the block holding the norms (the deepest parent of ``"sequence_parallel"`` modules: a decoder layer, or the
+model
+  itself): its first tensor argument enters the stream as ``Shard(1)``, so its residual adds are ``DTensor``
+  sums;
+- a module outside the plan that holds parameters (a tied head, an unplanned norm) and the model's outputs:
+every
+  ``DTensor`` gathered into the whole plain tensor (``full_tensor()``), so the loss and the logits are one
+  device's.
 
 The sequence length need not divide by ``tp`` (``DTensor`` shards unevenly as ``torch.chunk`` does).
 
@@ -40,13 +48,17 @@ SEQUENCE_DIM = 1  # (batch, sequence, features), as torch's SequenceParallel and
 
 
 def sequence_blocks(sequence_names: list[str]) -> list[str]:
-    """The deepest parents of the ``"sequence_parallel"`` modules (``""``: the model): where the stream is split."""
+    """The deepest parents of the ``"sequence_parallel"`` modules (``""``: the model): where the stream is
+    split."""
     parents = {name.rpartition(".")[0] for name in sequence_names}
-    return sorted(p for p in parents if not any(q != p and (p == "" or q.startswith(p + ".")) for q in parents))
+    return sorted(
+        p for p in parents if not any(q != p and (p == "" or q.startswith(p + ".")) for q in parents)
+    )
 
 
 def gathered(value: Any) -> Any:
-    """``value`` with every ``DTensor`` inside (tuples, lists, dicts, transformers' outputs) its whole plain tensor."""
+    """``value`` with every ``DTensor`` inside (tuples, lists, dicts, transformers' outputs) its whole plain
+    tensor."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
@@ -62,7 +74,8 @@ def gathered(value: Any) -> Any:
 
 
 def sequence_hooks(model: nn.Module, styles: Mapping[str, Any], mesh: Any) -> list[str]:
-    """Install the boundary hooks of a sequence-parallel plan (module docstring); returns the blocks that split."""
+    """Install the boundary hooks of a sequence-parallel plan (module docstring); returns the blocks that
+    split."""
     from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
 
     sequence = [n for n, s in styles.items() if isinstance(s, SequenceParallel)]
@@ -87,8 +100,9 @@ def sequence_hooks(model: nn.Module, styles: Mapping[str, Any], mesh: Any) -> li
 
 
 class _Split:
-    """Pre-hook: the first tensor argument (or ``hidden_states=``) as a ``DTensor`` sharded on the sequence; a plain
-    tensor is the whole activation (``Replicate``), sliced; a ``DTensor`` is redistributed from its own layout."""
+    """Pre-hook: the first tensor argument (or ``hidden_states=``) as a ``DTensor`` sharded on the sequence; a
+    plain tensor is the whole activation (``Replicate``), sliced; a ``DTensor`` is redistributed from its own
+    layout."""
 
     def __init__(self, mesh: Any) -> None:
         self.mesh = mesh
@@ -112,8 +126,9 @@ class _Split:
 
 
 def _replicated(grad: Any) -> Any:
-    """Gradient hook of a sequence-parallel norm's weight: each rank's sum over its tokens (``Partial``) all-reduced
-    into the whole gradient (``Replicate``, as the weight), before ``.grad`` holds it (Megatron-LM's all-reduce)."""
+    """Gradient hook of a sequence-parallel norm's weight: each rank's sum over its tokens (``Partial``)
+    all-reduced into the whole gradient (``Replicate``, as the weight), before ``.grad`` holds it
+    (Megatron-LM's all-reduce)."""
     from torch.distributed.tensor import DTensor, Replicate
 
     if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
@@ -122,7 +137,8 @@ def _replicated(grad: Any) -> Any:
 
 
 def _gather_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Pre-hook of a column-wise projection: a sequence-sharded ``DTensor`` input gathered (``Replicate``) first."""
+    """Pre-hook of a column-wise projection: a sequence-sharded ``DTensor`` input gathered (``Replicate``)
+    first."""
     from torch.distributed.tensor import DTensor, Replicate
 
     x = args[0] if args else None

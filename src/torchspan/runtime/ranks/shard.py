@@ -73,11 +73,16 @@ def shard_batch(batch: Any, rank: int | None = None, world_size: int | None = No
     leaves, spec = tree_flatten(batch)
     tensors = [(i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
     if not tensors:
-        raise ValueError(f"batch has no tensor to shard (got {type(batch).__name__}); pass tensors with samples on dim {dim}")
+        raise ValueError(
+            f"batch has no tensor to shard (got {type(batch).__name__}); pass tensors with samples on dim "
+            f"{dim}"
+        )
     sizes = {i: (t.shape[dim] if t.dim() > dim else None) for i, t in tensors}
     if any(n is None for n in sizes.values()) or len(set(sizes.values())) != 1:
         shown = ", ".join(f"{tuple(t.shape)}" for _, t in tensors)
-        raise ValueError(f"shard_batch needs every tensor to have the same size on dim {dim}; got shapes {shown}")
+        raise ValueError(
+            f"shard_batch needs every tensor to have the same size on dim {dim}; got shapes {shown}"
+        )
     total = int(next(iter(sizes.values())))  # type: ignore[arg-type]
     part = shard_range(total, rank, world_size)
     out = list(leaves)
@@ -104,9 +109,14 @@ def rank_batches(
     """
     rank, world_size = _where(rank, world_size, "rank_batches")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size={batch_size!r} must be an integer >= 1 (the global batch over all ranks)")
+        raise ValueError(
+            f"batch_size={batch_size!r} must be an integer >= 1 (the global batch over all ranks)"
+        )
     if isinstance(samples, bool) or (isinstance(samples, int) and samples < 0):
-        raise ValueError(f"samples={samples!r} must be the dataset length (an integer >= 0) or its indices, e.g. rank_batches(len(dataset), 32)")
+        raise ValueError(
+            f"samples={samples!r} must be the dataset length (an integer >= 0) or its indices, e.g. "
+            "rank_batches(len(dataset), 32)"
+        )
     indices = list(range(samples)) if isinstance(samples, int) else [int(i) for i in samples]
     if seed is not None:
         order = torch.randperm(len(indices), generator=torch.Generator().manual_seed(int(seed))).tolist()

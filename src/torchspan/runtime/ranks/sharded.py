@@ -55,7 +55,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ...layers import model_layers
@@ -63,41 +62,57 @@ from ..metainit import bind, meta_slots
 from ..microbatch import batch_size
 from .metaweights import fill
 
-__all__ = ["OFFLOADS", "ShardedEngine", "check_shard_options", "device_mesh", "exclusive_layers", "first_row", "local_bytes", "no_rows", "shard_units", "stand_ins"]
+__all__ = [
+    "OFFLOADS",
+    "ShardedEngine",
+    "check_shard_options",
+    "device_mesh",
+    "exclusive_layers",
+    "first_row",
+    "local_bytes",
+    "no_rows",
+    "shard_units",
+    "stand_ins",
+]
 
 OFFLOADS = (None, "cpu")
 
 
 def check_shard_options(shard: bool, offload: str | None, precision: str, reshard_after_forward: Any) -> None:
-    """``ValueError`` for an offload torchspan does not know, offload or ``reshard_after_forward=False`` without
-    sharding, fp16 sharded, or offload where no accelerator exists (FSDP2's ``CPUOffloadPolicy`` computes on one)."""
+    """``ValueError`` for an offload torchspan does not know, offload or ``reshard_after_forward=False``
+    without sharding, fp16 sharded, or offload where no accelerator exists (FSDP2's ``CPUOffloadPolicy``
+    computes on one)."""
     if not isinstance(shard, bool):
         raise ValueError(f"shard={shard!r} must be True or False")
     if not isinstance(reshard_after_forward, bool):
-        raise ValueError(f"reshard_after_forward={reshard_after_forward!r} must be True (ZeRO-3) or False (ZeRO-2)")
+        raise ValueError(
+            f"reshard_after_forward={reshard_after_forward!r} must be True (ZeRO-3) or False (ZeRO-2)"
+        )
     if offload not in OFFLOADS:
         raise ValueError(f"offload={offload!r} is not one of None, 'cpu'")
     if offload is not None and not shard:
         raise ValueError(
-            f"offload={offload!r} needs shard=True: parameters, gradients and optimizer state are offloaded shard by "
-            "shard (FSDP2's CPUOffloadPolicy); use span(model, shard=True, offload='cpu')"
+            f"offload={offload!r} needs shard=True: parameters, gradients and optimizer state are "
+            "offloaded shard by shard (FSDP2's CPUOffloadPolicy); use span(model, shard=True, offload='cpu')"
         )
     if not reshard_after_forward and not shard:
         raise ValueError(
-            "reshard_after_forward=False needs shard=True: it keeps FSDP2's gathered parameters from the forward to the "
-            "backward (ZeRO-2), and without sharding nothing is gathered; use span(model, shard=True, "
-            "reshard_after_forward=False), or leave reshard_after_forward out"
+            "reshard_after_forward=False needs shard=True: it keeps FSDP2's gathered parameters from the "
+            "forward to the backward (ZeRO-2), and without sharding nothing is gathered; use span(model, "
+            "shard=True, reshard_after_forward=False), or leave reshard_after_forward out"
         )
     if shard and precision == "fp16":
         raise ValueError(
-            "precision='fp16' is not supported with shard=True (an overflow check over sharded gradients would need its "
-            "own collective); use precision='bf16', which shards with FSDP2's MixedPrecisionPolicy and reduces in float32"
+            "precision='fp16' is not supported with shard=True (an overflow check over sharded gradients "
+            "would need its own collective); use precision='bf16', which shards with FSDP2's "
+            "MixedPrecisionPolicy and reduces in float32"
         )
     if offload == "cpu" and not _accelerator():
         raise ValueError(
-            "offload='cpu' needs an accelerator (a CUDA GPU), and this machine has none: FSDP2's CPUOffloadPolicy keeps "
-            "parameters, gradients and optimizer state in CPU memory and copies each unit to the GPU to compute it. On a "
-            "CPU-only machine everything already lives in CPU memory: use span(model, shard=True) without offload"
+            "offload='cpu' needs an accelerator (a CUDA GPU), and this machine has none: FSDP2's "
+            "CPUOffloadPolicy keeps parameters, gradients and optimizer state in CPU memory and copies "
+            "each unit to the GPU to compute it. On a CPU-only machine everything already lives in CPU "
+            "memory: use span(model, shard=True) without offload"
         )
 
 
@@ -111,12 +126,17 @@ def _accelerator() -> bool:
 def shard_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The layers ``fully_shard`` wraps before the root: each ``model_layers`` layer that owns a parameter,
     except one holding a parameter another module outside it also holds (a tie stays in the root unit)."""
-    return exclusive_layers(module, [(layer.name, layer.module) for layer in model_layers(module).layers if layer.name])
+    return exclusive_layers(
+        module, [(layer.name, layer.module) for layer in model_layers(module).layers if layer.name]
+    )
 
 
-def exclusive_layers(module: nn.Module, layers: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """The ``(qualified name, layer)`` pairs of ``layers`` (modules of ``module``) that own a parameter and hold
-    none that ``module`` also reaches by a name outside the layer (a tied parameter), in the order given."""
+def exclusive_layers(
+    module: nn.Module, layers: Sequence[tuple[str, nn.Module]]
+) -> list[tuple[str, nn.Module]]:
+    """The ``(qualified name, layer)`` pairs of ``layers`` (modules of ``module``) that own a parameter and
+    hold none that ``module`` also reaches by a name outside the layer (a tied parameter), in the order
+    given."""
     names: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
@@ -135,7 +155,9 @@ def broadcast_module(module: nn.Module, group: Any, comm: torch.device) -> None:
     seen: set[int] = set()
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
-            if id(t) in seen or t.device.type == "meta" or hasattr(t, "device_mesh"):  # a DTensor: made alike already
+            if (
+                id(t) in seen or t.device.type == "meta" or hasattr(t, "device_mesh")
+            ):  # a DTensor: made alike already
                 continue
             seen.add(id(t))
             if t.device == comm:
@@ -147,9 +169,11 @@ def broadcast_module(module: nn.Module, group: Any, comm: torch.device) -> None:
 
 
 def _to_empty(module: nn.Module, device: torch.device) -> None:
-    """FSDP2's ``to_empty``: this rank's shards (and every buffer) allocated on ``device``, uninitialised; the buffers
-    that were not on meta keep their values."""
-    kept = [(m, k, b) for m in module.modules() for k, b in m._buffers.items() if b is not None and not b.is_meta]
+    """FSDP2's ``to_empty``: this rank's shards (and every buffer) allocated on ``device``, uninitialised; the
+    buffers that were not on meta keep their values."""
+    kept = [
+        (m, k, b) for m in module.modules() for k, b in m._buffers.items() if b is not None and not b.is_meta
+    ]
     module.to_empty(device=device)
     for m, k, b in kept:
         m._buffers[k] = b.to(device)
@@ -163,8 +187,8 @@ def device_mesh(group: Any, device_type: str) -> Any:
 
 
 def local_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Bytes this rank holds of ``module``'s parameters, gradients and ``optimizer``'s state (a ``DTensor`` counts its
-    local shard): ``{"params", "grads", "optimizer"}``, each parameter once."""
+    """Bytes this rank holds of ``module``'s parameters, gradients and ``optimizer``'s state (a ``DTensor``
+    counts its local shard): ``{"params", "grads", "optimizer"}``, each parameter once."""
 
     def nbytes(t: torch.Tensor) -> int:
         local = t.to_local() if hasattr(t, "to_local") else t
@@ -175,38 +199,55 @@ def local_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None = Non
     return {
         "params": sum(nbytes(p) for p in params),
         "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
-        "optimizer": sum(nbytes(v) for p in params for v in state.get(p, {}).values() if isinstance(v, torch.Tensor) and v.dim() > 0),
+        "optimizer": sum(
+            nbytes(v)
+            for p in params
+            for v in state.get(p, {}).values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        ),
     }
 
 
 def no_rows(value: Any) -> Any:
-    """The same structure with every batched tensor cut to zero rows (a stand-in row's outputs, for an empty chunk)."""
+    """The same structure with every batched tensor cut to zero rows (a stand-in row's outputs, for an empty
+    chunk)."""
     return tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, value)
 
 
 def first_row(value: Any) -> Any:
     """The same structure with every batched tensor cut to its first row (a stand-in for an empty shard)."""
     leaves, spec = tree_flatten(value)
-    return tree_unflatten([t[:1].clone() if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in leaves], spec)
+    return tree_unflatten(
+        [t[:1].clone() if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in leaves], spec
+    )
 
 
-def stand_ins(chunks: Sequence[Any], targets: Sequence[Any], pad_to: int, template: tuple[Any, Any] | None) -> list[tuple[Any, Any, bool]]:
-    """``(chunk, target, stand_in)`` for a sharded step: every forward gathers parameters, so every rank runs as many
-    chunks (``pad_to``, the step's micro-batches: a shard with fewer rows is padded) and none of zero rows (a chunk
-    with no rows runs a stand-in row: the first row of a chunk that has some, else ``template``, the last step's;
-    without either, the empty chunk itself). A stand-in weighs 0 and leaves buffers as they were."""
-    row = next(((first_row(c), first_row(t)) for c, t in zip(chunks, targets) if batch_size(*c) > 0), template)
-    plan = [(c, t, False) if batch_size(*c) > 0 or row is None else (row[0], row[1], True) for c, t in zip(chunks, targets)]
+def stand_ins(
+    chunks: Sequence[Any], targets: Sequence[Any], pad_to: int, template: tuple[Any, Any] | None
+) -> list[tuple[Any, Any, bool]]:
+    """``(chunk, target, stand_in)`` for a sharded step: every forward gathers parameters, so every rank runs
+    as many chunks (``pad_to``, the step's micro-batches: a shard with fewer rows is padded) and none of zero
+    rows (a chunk with no rows runs a stand-in row: the first row of a chunk that has some, else ``template``,
+    the last step's; without either, the empty chunk itself). A stand-in weighs 0 and leaves buffers as they
+    were."""
+    row = next(
+        ((first_row(c), first_row(t)) for c, t in zip(chunks, targets) if batch_size(*c) > 0), template
+    )
+    plan = [
+        (c, t, False) if batch_size(*c) > 0 or row is None else (row[0], row[1], True)
+        for c, t in zip(chunks, targets)
+    ]
     spare = row if row is not None else (chunks[-1], targets[-1])
     return plan + [(spare[0], spare[1], True)] * max(0, pad_to - len(plan))
 
 
 class ShardedEngine:
-    """``module`` sharded by FSDP2 over ``group`` (see the module docstring); ``module`` is changed in place."""
+    """``module`` sharded by FSDP2 over ``group`` (see the module docstring); ``module`` is changed in
+    place."""
 
     collective_forward = True  # a forward all-gathers parameters: every rank runs every forward
-    # FSDP2 reduce-scatters by SUM and adds each call's shard to .grad itself: a backward of the loss as it is,
-    # nothing set aside, no loss carried in the reduction (DDPEngine's counterparts, in ranks.ddp)
+    # FSDP2 reduce-scatters by SUM and adds each call's shard to .grad itself: a backward of the loss as it
+    # is, nothing set aside, no loss carried in the reduction (DDPEngine's counterparts, in ranks.ddp)
     grad_scale = 1.0
     sets_aside = False
     carrier = None
@@ -230,22 +271,42 @@ class ShardedEngine:
     ) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-        given = group if hasattr(group, "get_group") else None  # a DeviceMesh dimension: FSDP2 composes with its DTensors
+        given = (
+            group if hasattr(group, "get_group") else None
+        )  # a DeviceMesh dimension: FSDP2 composes with its DTensors
         group = given.get_group() if given is not None else group
         self.module, self.group = module, group
         self.offload, self.reshard_after_forward = offload, reshard_after_forward
         self.units = shard_units(module)
-        slots = meta_slots(module) if weights is not None else None  # a model built on meta: sharded first, then filled
+        slots = (
+            meta_slots(module) if weights is not None else None
+        )  # a model built on meta: sharded first, then filled
         if dist.get_world_size(group) > 1:
             broadcast_module(module, group, comm)
         mesh = given if given is not None else device_mesh(group, device.type)
         policy = OffloadPolicy() if offload is None else CPUOffloadPolicy()
         half = precision == "bf16"
-        mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if half else None, reduce_dtype=torch.float32 if half else None)
+        mixed = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16 if half else None, reduce_dtype=torch.float32 if half else None
+        )
         for _, unit in self.units:
-            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed, offload_policy=policy)
-        root = MixedPrecisionPolicy(mixed.param_dtype, mixed.reduce_dtype, output_dtype=torch.float32 if half else None)
-        fully_shard(module, mesh=mesh, reshard_after_forward=None if reshard_after_forward else False, mp_policy=root, offload_policy=policy)
+            fully_shard(
+                unit,
+                mesh=mesh,
+                reshard_after_forward=reshard_after_forward,
+                mp_policy=mixed,
+                offload_policy=policy,
+            )
+        root = MixedPrecisionPolicy(
+            mixed.param_dtype, mixed.reduce_dtype, output_dtype=torch.float32 if half else None
+        )
+        fully_shard(
+            module,
+            mesh=mesh,
+            reshard_after_forward=None if reshard_after_forward else False,
+            mp_policy=root,
+            offload_policy=policy,
+        )
         for sharded in self.sharded_modules():
             sharded.set_gradient_divide_factor(1.0)  # a SUM: the loss weights hold each rank's share
             sharded.set_force_sum_reduction_for_comms(True)
@@ -267,7 +328,8 @@ class ShardedEngine:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backwards inside accumulate unreduced gradients; the next backward outside reduce-scatters their sum."""
+        """Backwards inside accumulate unreduced gradients; the next backward outside reduce-scatters their
+        sum."""
         self.module.set_requires_gradient_sync(False)
         try:
             yield
@@ -286,7 +348,10 @@ class ShardedEngine:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if keep_vars:
-            raise ValueError("keep_vars=True would return the sharded parameters; use replica.module.state_dict(keep_vars=True)")
+            raise ValueError(
+                "keep_vars=True would return the sharded parameters; use "
+                "replica.module.state_dict(keep_vars=True)"
+            )
         full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
         out = destination if destination is not None else {}
         for key, value in full.items():
@@ -299,4 +364,6 @@ class ShardedEngine:
 
         if any(hasattr(v, "to_local") for v in state_dict.values()):
             return self.module.load_state_dict(state_dict, strict=strict)
-        return set_model_state_dict(self.module, dict(state_dict), options=StateDictOptions(full_state_dict=True, strict=strict))
+        return set_model_state_dict(
+            self.module, dict(state_dict), options=StateDictOptions(full_state_dict=True, strict=strict)
+        )

@@ -6,8 +6,8 @@
 - **Memory**: layers of other stages become ``meta`` tensors (``requires_grad=False``) on this
   rank, so only this stage's parameters take memory and reach the optimizer.
 - **Groups**: sub-meshes of the job's ``DeviceMesh`` (``ranks.devicemesh``, ``("pp", "dp_replicate")``): this
-  stage's replicas ``mesh["dp_replicate"]`` (``"dp_shard"`` sharded), this replica's pipeline ``mesh["pp"]``, and
-  one group per set of stages sharing parameters, derived from the mesh's rank tensor (tied embeddings:
+  stage's replicas ``mesh["dp_replicate"]`` (``"dp_shard"`` sharded), this replica's pipeline ``mesh["pp"]``,
+  and one group per set of stages sharing parameters, derived from the mesh's rank tensor (tied embeddings:
   Megatron's embedding group, every replica included). Replicas and tied copies start identical (broadcast).
 - **Weights**: with replicas, the last stages all-reduce the loss normalizer so every replica
   weighs its micro-batches against the global batch.
@@ -58,45 +58,67 @@ def _meta_copy(t: torch.Tensor) -> torch.Tensor:
 class RankStage:
     """This rank's stage of a ``mesh.replicas`` x ``mesh.stages`` mesh (see the module docstring).
 
-    ``comm``: the device collectives run on (this rank's GPU under nccl, else the CPU); ``device_mesh``: the job's
-    mesh (a user's ``span(mesh=)``, else built here; ``settings.mesh``); ``pipe_group``/``stage_group``: this
-    replica's pipeline and this stage's replicas (``None`` without replicas), groups of its sub-meshes.
+    ``comm``: the device collectives run on (this rank's GPU under nccl, else the CPU); ``device_mesh``: the
+    job's mesh (a user's ``span(mesh=)``, else built here; ``settings.mesh``); ``pipe_group``/``stage_group``:
+    this replica's pipeline and this stage's replicas (``None`` without replicas), groups of its sub-meshes.
     """
 
     def __init__(
-        self, model: nn.Module, mesh: Mesh, info: RankInfo, stages: int, precision: str = "32", *, settings: Any = None,
+        self,
+        model: nn.Module,
+        mesh: Mesh,
+        info: RankInfo,
+        stages: int,
+        precision: str = "32",
+        *,
+        settings: Any = None,
         shard: bool = False,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError("no process group: call torchspan.init_distributed() before span() in a launched job")
+            raise ValueError(
+                "no process group: call torchspan.init_distributed() before span() in a launched job"
+            )
         if precision == "fp16":
             raise ValueError(
-                "precision='fp16' across ranks is not supported: each rank's gradient scaler would decide alone to "
-                "skip a step on inf and the stages would drift apart; use precision='bf16' (no scaler needed) or '32'"
+                "precision='fp16' across ranks is not supported: each rank's gradient scaler would decide "
+                "alone to skip a step on inf and the stages would drift apart; use precision='bf16' (no "
+                "scaler needed) or '32'"
             )
         if stages != mesh.stages:
-            raise ValueError(f"{stages} layer group(s) for pp({mesh.stages}) stages; give one group per stage")
+            raise ValueError(
+                f"{stages} layer group(s) for pp({mesh.stages}) stages; give one group per stage"
+            )
         self.device = info.device
         self.comm = info.device if info.backend and "nccl" in info.backend else torch.device("cpu")
         self.dp_name = "dp_shard" if shard else "dp_replicate"
         self.device_mesh = job_mesh(
-            self.comm.type, {"pp": mesh.stages, self.dp_name: mesh.replicas}, keep=("pp",), table=mesh.table,
-            given=getattr(settings, "mesh", None), advice=f"launch {mesh.world_size} processes",
+            self.comm.type,
+            {"pp": mesh.stages, self.dp_name: mesh.replicas},
+            keep=("pp",),
+            table=mesh.table,
+            given=getattr(settings, "mesh", None),
+            advice=f"launch {mesh.world_size} processes",
         )  # the job's DeviceMesh (ranks.devicemesh): a user's span(mesh=), else the plan's numbering
         if settings is not None:
             settings.mesh = self.device_mesh
         mesh = Mesh.of(self.device_mesh)
         self.model, self.mesh, self.info = model, mesh, info
         self.replica, self.stage = mesh.coords(info.rank)
-        self.dp_mesh = sub_mesh(self.device_mesh, self.dp_name) if mesh.replicas > 1 else None  # this stage's replicas
+        self.dp_mesh = (
+            sub_mesh(self.device_mesh, self.dp_name) if mesh.replicas > 1 else None
+        )  # this stage's replicas
         self.stage_group: Any = self.dp_mesh.get_group() if self.dp_mesh is not None else None
         pp = sub_mesh(self.device_mesh, "pp")
         self.pipe_group: Any = pp.get_group() if pp is not None else None  # this replica's pipeline
         self._tie_stages: list[tuple[int, ...]] = []
         self._tie_of: dict[int, int] = {}  # id(tied parameter this stage holds) -> index of its tie group
         self._tie_groups: list[tuple[Any, int]] = []  # (group, its lowest rank)
-        self._batch_checked: Any = None  # (structure, its hash) of the last batch compared across the pipeline
-        self.shards: StageShards | None = None  # this stage's FSDP2 units (pipeline x sharded), made by shard()
+        self._batch_checked: Any = (
+            None  # (structure, its hash) of the last batch compared across the pipeline
+        )
+        self.shards: StageShards | None = (
+            None  # this stage's FSDP2 units (pipeline x sharded), made by shard()
+        )
 
     @property
     def last(self) -> bool:
@@ -116,7 +138,11 @@ class RankStage:
             for name in group:
                 for p in layers[name].parameters():
                     holders.setdefault(id(p), set()).add(s)
-        local = {id(t) for name in groups[self.stage] for t in [*layers[name].parameters(), *layers[name].buffers()]}
+        local = {
+            id(t)
+            for name in groups[self.stage]
+            for t in [*layers[name].parameters(), *layers[name].buffers()]
+        }
         self._tie_stages = sorted({tuple(sorted(st)) for st in holders.values() if len(st) > 1})
         self._tie_of = {}
         for pid, st in holders.items():
@@ -126,10 +152,16 @@ class RankStage:
 
     @staticmethod
     def to_meta(module: nn.Module, keep: set[int], only: str | None = None) -> None:
-        """Tensors of ``module`` (or only its attribute ``only``) not in ``keep`` become frozen meta copies."""
+        """Tensors of ``module`` (or only its attribute ``only``) not in ``keep`` become frozen meta
+        copies."""
         for mod in module.modules() if only is None else [module]:
             for key, p in list(mod._parameters.items()):
-                if p is not None and id(p) not in keep and (only is None or key == only) and p.device.type != "meta":
+                if (
+                    p is not None
+                    and id(p) not in keep
+                    and (only is None or key == only)
+                    and p.device.type != "meta"
+                ):
                     mod._parameters[key] = nn.Parameter(_meta_copy(p), requires_grad=False)
             for key, b in list(mod._buffers.items()):
                 if b is not None and id(b) not in keep and (only is None or key == only):
@@ -148,9 +180,12 @@ class RankStage:
 
     # ------------------------------------------------------------------ groups and start
     def start(self) -> None:
-        """Make the tie groups (all ranks, one order: collective; the stage and pipeline groups are the mesh's) and
-        start identical: replicas of a stage and tied copies are broadcast from the lowest holding rank."""
-        for stages in self._tie_stages:  # not a sub-mesh: those stages' ranks in every replica (ranks.devicemesh)
+        """Make the tie groups (all ranks, one order: collective; the stage and pipeline groups are the
+        mesh's) and start identical: replicas of a stage and tied copies are broadcast from the lowest holding
+        rank."""
+        for (
+            stages
+        ) in self._tie_stages:  # not a sub-mesh: those stages' ranks in every replica (ranks.devicemesh)
             group, ranks = derived_group(self.device_mesh, "pp", stages)
             self._tie_groups.append((group, ranks[0]))
         with torch.no_grad():
@@ -166,23 +201,34 @@ class RankStage:
                     self._broadcast(p, src, group)
 
     def shard(self, layers: Sequence[tuple[str, nn.Module]], reshard_after_forward: bool = True) -> None:
-        """After ``start``: this stage's ``layers`` (``(name, module)``) sharded by FSDP2 over its data-parallel
-        group (``ranks.stageshard``); a layer holding a parameter tied across stages stays replicated."""
+        """After ``start``: this stage's ``layers`` (``(name, module)``) sharded by FSDP2 over its
+        data-parallel group (``ranks.stageshard``); a layer holding a parameter tied across stages stays
+        replicated."""
         if self.stage_group is None:
             raise ValueError(
-                f"shard=True with pp({self.mesh.stages}) x dp({self.mesh.replicas}): each stage has one rank, so there is "
-                "nothing to shard it over; launch replicas x stages processes (e.g. 4 for 2 stages x 2 replicas) or "
-                "pipeline without shard=True"
+                f"shard=True with pp({self.mesh.stages}) x dp({self.mesh.replicas}): each stage has one "
+                "rank, so there is nothing to shard it over; launch replicas x stages processes (e.g. 4 "
+                "for 2 stages x 2 replicas) or pipeline without shard=True"
             )
-        self.shards = StageShards(self.model, layers, self.dp_mesh, self.device, tied=set(self._tie_of), reshard_after_forward=reshard_after_forward)
+        self.shards = StageShards(
+            self.model,
+            layers,
+            self.dp_mesh,
+            self.device,
+            tied=set(self._tie_of),
+            reshard_after_forward=reshard_after_forward,
+        )
 
     def state_dict(self, **options: Any) -> Any:
-        """The model's state dict as this rank holds it (other stages' entries ``meta``); sharded entries as full
-        tensors (gathered in the stage's group: every rank calls it)."""
+        """The model's state dict as this rank holds it (other stages' entries ``meta``); sharded entries as
+        full tensors (gathered in the stage's group: every rank calls it)."""
         if self.shards is None:
             return self.model.state_dict(**options)
         if options.get("keep_vars"):
-            raise ValueError("keep_vars=True would return the sharded parameters; use spanned.module.state_dict(keep_vars=True)")
+            raise ValueError(
+                "keep_vars=True would return the sharded parameters; use "
+                "spanned.module.state_dict(keep_vars=True)"
+            )
         return self.shards.full_state(self.model.state_dict(**options))
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
@@ -223,12 +269,15 @@ class RankStage:
             other = [s for s, v in enumerate(views) if not torch.equal(v, views[0])]
             if other:  # every rank of the pipeline sees the same fingerprints: every rank raises this
                 ranks = [self.mesh.rank(self.replica, s) for s in other]
-                raise every_rank(ValueError(
-                    f"rank(s) {ranks} of pipeline replica {self.replica} were given another batch than rank "
-                    f"{self.mesh.rank(self.replica, 0)}: every rank of a pipeline must call train_step with the same "
-                    f"batch (with replicas, its replica's shard: torchspan.shard_batch(batch, rank // {self.mesh.stages}, "
-                    f"{self.mesh.replicas})); seed the data the same on every rank of a pipeline"
-                ))
+                raise every_rank(
+                    ValueError(
+                        f"rank(s) {ranks} of pipeline replica {self.replica} were given another batch than "
+                        f"rank {self.mesh.rank(self.replica, 0)}: every rank of a pipeline must call "
+                        "train_step with the same batch (with replicas, its replica's shard: "
+                        f"torchspan.shard_batch(batch, rank // {self.mesh.stages}, {self.mesh.replicas})); "
+                        "seed the data the same on every rank of a pipeline"
+                    )
+                )
 
         if transport is None:
             verdict()
@@ -236,14 +285,19 @@ class RankStage:
             transport.gate = verdict
 
     def shared_outputs(self, outs: list[Any] | None) -> list[Any]:
-        """The last stage's outputs (``outs`` there, ignored elsewhere) on every rank of this pipeline, on this rank's device."""
+        """The last stage's outputs (``outs`` there, ignored elsewhere) on every rank of this pipeline, on
+        this rank's device."""
         last = self.rank_of(self.mesh.stages - 1)
         box = [outs if self.info.rank == last else None]
         dist.broadcast_object_list(box, src=last, group=self.pipe_group, device=self.comm)
-        return [tree_map(lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t, o) for o in box[0] or []]
+        return [
+            tree_map(lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t, o)
+            for o in box[0] or []
+        ]
 
     def shared_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The last stage's ``loss`` (a scalar there, ignored elsewhere) on every rank of this pipeline, float32."""
+        """The last stage's ``loss`` (a scalar there, ignored elsewhere) on every rank of this pipeline,
+        float32."""
         box = loss.detach().reshape(1).to(self.comm, torch.float64)
         dist.broadcast(box, src=self.rank_of(self.mesh.stages - 1), group=self.pipe_group)
         return box[0].to(self.device, torch.float32)
@@ -283,13 +337,16 @@ class RankStage:
                     p.grad = g if p.grad is None else g.add_(p.grad)
 
     def launch(self, params: list[nn.Parameter], group: Any) -> list[tuple[Any, Any]]:
-        """Start SUMs of ``params``' gradients over ``group``: one flat buffer per dtype (a missing grad counts as 0)."""
+        """Start SUMs of ``params``' gradients over ``group``: one flat buffer per dtype (a missing grad
+        counts as 0)."""
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
         for p in params:
             by_dtype.setdefault(p.dtype, []).append(p)
         out = []
         for ps in by_dtype.values():
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps]).to(self.comm)
+            flat = torch.cat(
+                [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps]
+            ).to(self.comm)
 
             def unpack(ps: list[nn.Parameter] = ps, flat: torch.Tensor = flat) -> None:
                 k = 0
@@ -305,7 +362,11 @@ class RankStage:
     def norm_parameters(self) -> list[nn.Parameter]:
         """This rank's trainable parameters that count in a norm over its pipeline, each once: a parameter
         tied across stages counts on the lowest stage holding it (``runtime.gradients``)."""
-        return [p for p in self.local_parameters() if id(p) not in self._tie_of or self.stage == self._tie_stages[self._tie_of[id(p)]][0]]
+        return [
+            p
+            for p in self.local_parameters()
+            if id(p) not in self._tie_of or self.stage == self._tie_stages[self._tie_of[id(p)]][0]
+        ]
 
 
 class Reduction:
@@ -326,7 +387,11 @@ class Reduction:
             total = loss.detach().to(r.comm, torch.float64).reshape(1)
             self._launched.append((dist.all_reduce(total, group=r.stage_group, async_op=True), None))
             self.total = total
-            replicated = [p for p in self.params if id(p) not in r._tie_of and not (r.shards is not None and r.shards.holds(p))]
+            replicated = [
+                p
+                for p in self.params
+                if id(p) not in r._tie_of and not (r.shards is not None and r.shards.holds(p))
+            ]
             self._launched.extend(r.launch(replicated, r.stage_group))
         for i, (group, _) in enumerate(r._tie_groups):
             self._launched.extend(r.launch([p for p in self.params if r._tie_of.get(id(p)) == i], group))
@@ -344,8 +409,8 @@ class Reduction:
 
 class StageExecutor(Executor):
     """An executor whose rank holds one pipeline stage (``self.ranks``, a ``RankStage``): the loss weights, a
-    sharded stage's loss calibration and the state dict are the stage's. ``RankPipelineExecutor`` (stage functions)
-    and ``RankOwnForwardExecutor`` (the model's own forward) build on it."""
+    sharded stage's loss calibration and the state dict are the stage's. ``RankPipelineExecutor`` (stage
+    functions) and ``RankOwnForwardExecutor`` (the model's own forward) build on it."""
 
     ranks: RankStage
 
@@ -356,20 +421,29 @@ class StageExecutor(Executor):
         return self.ranks.replica, self.ranks.mesh.replicas
 
     def plain_forward(self, training: bool) -> None:
-        """A pipeline across ranks cannot run its schedule from a plain ``loss.backward()``: refused in training."""
+        """A pipeline across ranks cannot run its schedule from a plain ``loss.backward()``: refused in
+        training."""
         if training and torch.is_grad_enabled() and self.ranks.mesh.stages > 1:
             raise RuntimeError(
-                f"spanned(...) in training on a pipeline across ranks (pp({self.ranks.mesh.stages}), this rank holds "
-                f"stage {self.ranks.stage}): a plain loss.backward() cannot run the pipeline's schedule, so its "
-                "gradients would not be one device's. Train with loss = spanned.train_step(inputs, target, loss_fn) "
-                "(or spanned.train_step(batch) for a model's own loss) on every rank; for evaluation call spanned(...) "
-                "under torch.no_grad() or after spanned.eval()"
+                f"spanned(...) in training on a pipeline across ranks (pp({self.ranks.mesh.stages}), this "
+                f"rank holds stage {self.ranks.stage}): a plain loss.backward() cannot run the pipeline's "
+                "schedule, so its gradients would not be one device's. Train with loss = "
+                "spanned.train_step(inputs, target, loss_fn) (or spanned.train_step(batch) for a model's "
+                "own loss) on every rank; for evaluation call spanned(...) under torch.no_grad() or after "
+                "spanned.eval()"
             )
 
     def resolve_loss(
-        self, checks: LossChecks, spec: LossSpec, targets: Sequence[Any], sizes: Sequence[int], dry_outputs: Callable[[], Sequence[Any]], target: Any = None
+        self,
+        checks: LossChecks,
+        spec: LossSpec,
+        targets: Sequence[Any],
+        sizes: Sequence[int],
+        dry_outputs: Callable[[], Sequence[Any]],
+        target: Any = None,
     ) -> LossSpec:
-        """As for the hybrid; sharded, a calibration's dry forward runs on every rank when any rank needs one."""
+        """As for the hybrid; sharded, a calibration's dry forward runs on every rank when any rank needs
+        one."""
         if self.ranks.shards is None:
             return super().resolve_loss(checks, spec, targets, sizes, dry_outputs, target)
         return resolve_together(checks, spec, targets, sizes, dry_outputs, target, self.ranks.comm)

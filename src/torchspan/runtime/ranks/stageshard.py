@@ -78,10 +78,18 @@ class StageShards:
     ) -> None:
         from torch.distributed.fsdp import fully_shard
 
-        self.units = [(n, m) for n, m in exclusive_layers(model, layers) if not any(id(p) in tied for p in m.parameters())]
-        self.mesh = group if hasattr(group, "get_group") else device_mesh(group, device.type)  # the job mesh's dp_shard
+        self.units = [
+            (n, m)
+            for n, m in exclusive_layers(model, layers)
+            if not any(id(p) in tied for p in m.parameters())
+        ]
+        self.mesh = (
+            group if hasattr(group, "get_group") else device_mesh(group, device.type)
+        )  # the job mesh's dp_shard
         for _, unit in self.units:
-            before = {(id(m), k): p for m in unit.modules() for k, p in m._parameters.items() if p is not None}
+            before = {
+                (id(m), k): p for m in unit.modules() for k, p in m._parameters.items() if p is not None
+            }
             fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
             after = {(id(m), k): p for m in unit.modules() for k, p in m._parameters.items() if p is not None}
             for key, old in before.items():
@@ -105,8 +113,8 @@ class StageShards:
         self._set(False)
 
     def reduce(self) -> None:
-        """After this rank's last backward of the step: each unit reduce-scatters its accumulated gradient (SUM)
-        into ``.grad`` and reshards its parameters (FSDP2's post-backward, run by hand)."""
+        """After this rank's last backward of the step: each unit reduce-scatters its accumulated gradient
+        (SUM) into ``.grad`` and reshards its parameters (FSDP2's post-backward, run by hand)."""
         self._set(True)
         for _, unit in self.units:
             state = unit._get_fsdp_state()  # type: ignore[operator]
@@ -127,23 +135,37 @@ class StageShards:
         self._set(True)
 
     def full_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        """``state`` with every ``DTensor`` gathered into its full tensor (a collective in the stage's group)."""
+        """``state`` with every ``DTensor`` gathered into its full tensor (a collective in the stage's
+        group)."""
         return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
 
     def load_full(self, module: nn.Module, state: Mapping[str, Any], strict: bool = True) -> Any:
-        """Load ``state`` into ``module``: a full tensor for a sharded entry keeps this rank's shard of it (other
-        stages' entries are copied onto their ``meta`` stand-ins: nothing, as in the hybrid)."""
+        """Load ``state`` into ``module``: a full tensor for a sharded entry keeps this rank's shard of it
+        (other stages' entries are copied onto their ``meta`` stand-ins: nothing, as in the hybrid)."""
         from torch.distributed.tensor import distribute_tensor
 
         current = module.state_dict(keep_vars=True)
         local = {}
         for key, value in state.items():
             held = current.get(key)
-            if isinstance(held, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                value = distribute_tensor(value.detach().to(held.to_local().device), held.device_mesh, held.placements, src_data_rank=None)
+            if (
+                isinstance(held, DTensor)
+                and isinstance(value, torch.Tensor)
+                and not isinstance(value, DTensor)
+            ):
+                value = distribute_tensor(
+                    value.detach().to(held.to_local().device),
+                    held.device_mesh,
+                    held.placements,
+                    src_data_rank=None,
+                )
             local[key] = value
-        with warnings.catch_warnings():  # other stages' entries land on their meta stand-ins: a no-op by design
-            warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter in the checkpoint to a meta")
+        with (
+            warnings.catch_warnings()
+        ):  # other stages' entries land on their meta stand-ins: a no-op by design
+            warnings.filterwarnings(
+                "ignore", message=".*copying from a non-meta parameter in the checkpoint to a meta"
+            )
             return module.load_state_dict(local, strict=strict)
 
 
@@ -153,7 +175,8 @@ _HOOKED: list[Any] = []
 
 
 def _replace(old: nn.Parameter, new: nn.Parameter) -> None:
-    """Remember that ``new`` replaced ``old``; an optimizer holding ``old`` steps ``new`` (``_swap_replaced``)."""
+    """Remember that ``new`` replaced ``old``; an optimizer holding ``old`` steps ``new``
+    (``_swap_replaced``)."""
     if old is new:
         return
     for key in [k for k, (ref, _) in _REPLACED.items() if ref() is None]:
@@ -166,7 +189,8 @@ def _replace(old: nn.Parameter, new: nn.Parameter) -> None:
 
 
 def _swap_replaced(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Before any optimizer's step: parameters ``fully_shard`` replaced become their replacements in its groups."""
+    """Before any optimizer's step: parameters ``fully_shard`` replaced become their replacements in its
+    groups."""
     for group in optimizer.param_groups:
         params = group["params"]
         for i, p in enumerate(params):
@@ -175,14 +199,16 @@ def _swap_replaced(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> 
                 continue
             if optimizer.state.get(p):
                 raise RuntimeError(
-                    "this optimizer has state for a parameter that span replaced by its sharded form (pipeline x sharded "
-                    "shards a stage at its first call); build the optimizer from spanned.parameters() after the first train_step"
+                    "this optimizer has state for a parameter that span replaced by its sharded form "
+                    "(pipeline x sharded shards a stage at its first call); build the optimizer from "
+                    "spanned.parameters() after the first train_step"
                 )
             params[i] = found[1]
 
 
 def _param_groups(state: Any) -> list[Any]:
-    """An FSDP state's parameter groups (``_fsdp_param_groups`` in newer PyTorch, one ``_fsdp_param_group`` before)."""
+    """An FSDP state's parameter groups (``_fsdp_param_groups`` in newer PyTorch, one ``_fsdp_param_group``
+    before)."""
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is not None:
         return list(groups)
@@ -203,9 +229,10 @@ def resolve_together(
     target: Any,
     comm: torch.device,
 ) -> LossSpec:
-    """``checks.resolve`` (a batch that is one shard of the global one) where a forward is a collective: each rank
-    finds whether its calibration needs a dry forward without running one, one flag all-reduce over the job tells
-    whether any rank does, and then every rank runs it (a rank that needs none discards the outputs)."""
+    """``checks.resolve`` (a batch that is one shard of the global one) where a forward is a collective: each
+    rank finds whether its calibration needs a dry forward without running one, one flag all-reduce over the
+    job tells whether any rank does, and then every rank runs it (a rank that needs none discards the
+    outputs)."""
 
     def probe() -> Sequence[Any]:
         raise _NeedsForward

@@ -43,18 +43,30 @@ __all__ = ["MetaTaint", "check_unchanged", "container_sizes", "meta_like", "to_m
 
 # Functions whose result depends only on the shape/dtype of their tensor argument, not its data.
 _FROM_SHAPE = {
-    "zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like", "randint_like",
-    "new_zeros", "new_ones", "new_full", "new_empty",
-}  # fmt: skip
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "empty_like",
+    "rand_like",
+    "randn_like",
+    "randint_like",
+    "new_zeros",
+    "new_ones",
+    "new_full",
+    "new_empty",
+}
 _META = torch.device("meta")
 _REFUSED: Any = object()
-# Moves between devices: a ``meta`` tensor moved to a real device (``h.to(x.device)``) is still another stage's value.
+# Moves between devices: a ``meta`` tensor moved to a real device (``h.to(x.device)``) is still another
+# stage's value.
 _MOVES = {"to", "cpu", "cuda", "xpu", "mps"}
 # ``x += y`` on a meta ``x`` made from a real one returns a new meta tensor: replayed out of place.
 _OUT_OF_PLACE = {
-    "__iadd__": torch.Tensor.__add__, "__isub__": torch.Tensor.__sub__, "__imul__": torch.Tensor.__mul__,
+    "__iadd__": torch.Tensor.__add__,
+    "__isub__": torch.Tensor.__sub__,
+    "__imul__": torch.Tensor.__mul__,
     "__itruediv__": torch.Tensor.__truediv__,
-}  # fmt: skip
+}
 
 
 def is_meta(x: Any) -> bool:
@@ -62,7 +74,8 @@ def is_meta(x: Any) -> bool:
 
 
 def meta_like(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when already ``meta``, else a ``meta`` tensor of its shape, strides and dtype (no grad)."""
+    """``t`` itself when already ``meta``, else a ``meta`` tensor of its shape, strides and dtype (no
+    grad)."""
     return t if t.is_meta else torch.empty_like(t, device=_META)
 
 
@@ -72,7 +85,8 @@ def to_meta(tree: Any) -> Any:
 
 
 def container_sizes(tree: Any) -> list[tuple[Any, int]]:
-    """The lists and dicts inside ``tree`` (below its top level) with their lengths: ``check_unchanged`` after a call."""
+    """The lists and dicts inside ``tree`` (below its top level) with their lengths: ``check_unchanged`` after
+    a call."""
     found: list[tuple[Any, int]] = []
 
     def walk(node: Any, top: bool) -> None:
@@ -95,9 +109,10 @@ def check_unchanged(sizes: list[tuple[Any, int]], layer: str) -> None:
     for node, size in sizes:
         if len(node) != size:
             raise ValueError(
-                f"torchspan: layer {layer!r} changed a {type(node).__name__} it was given (length {size} -> {len(node)}); "
-                "across ranks a layer gets its own copy of container arguments, so the model's container would not "
-                "see the change. Return the new values from the layer instead, or run the model in one process"
+                f"torchspan: layer {layer!r} changed a {type(node).__name__} it was given (length {size} "
+                f"-> {len(node)}); across ranks a layer gets its own copy of container arguments, so the "
+                "model's container would not see the change. Return the new values from the layer instead, "
+                "or run the model in one process"
             )
 
 
@@ -109,14 +124,30 @@ def _name(func: Callable[..., Any]) -> str:
     return getattr(func, "__name__", "") or ""
 
 
-# leaves that are no pytree node and no tensor: a call's arguments made only of these and tensors need no pytree walk
+# leaves that are no pytree node and no tensor: a call's arguments made only of these and tensors need no
+# pytree walk
 _LEAVES = frozenset(
-    {type(None), bool, int, float, complex, str, slice, type(Ellipsis), torch.dtype, torch.device, torch.Size, torch.layout, torch.memory_format}
+    {
+        type(None),
+        bool,
+        int,
+        float,
+        complex,
+        str,
+        slice,
+        type(Ellipsis),
+        torch.dtype,
+        torch.device,
+        torch.Size,
+        torch.layout,
+        torch.memory_format,
+    }
 )
 
 
 def _tensor_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensors among ``tree_leaves((args, kwargs))``, in order; flat arguments (the usual op) without the walk."""
+    """The tensors among ``tree_leaves((args, kwargs))``, in order; flat arguments (the usual op) without the
+    walk."""
     found = []
     for v in (*args, *kwargs.values()):
         if isinstance(v, torch.Tensor):
@@ -129,17 +160,30 @@ def _tensor_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.
 class MetaTaint(TorchFunctionMode):
     """The glue rules above; ``device`` is where this rank's real tensors live."""
 
-    def __init__(self, device: torch.device, recipes: Recipes | None = None, kept: frozenset[int] | set[int] = frozenset()) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        recipes: Recipes | None = None,
+        kept: frozenset[int] | set[int] = frozenset(),
+    ) -> None:
         super().__init__()
         self.device, self.recipes = device, recipes
-        self.kept = kept  # ids of tensors that outlive the forward (weights, buffers, inputs): never turned meta
+        self.kept = (
+            kept  # ids of tensors that outlive the forward (weights, buffers, inputs): never turned meta
+        )
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         name = _name(func)
         if name == "__get__":  # .shape, .device, .dtype, ...
-            out = func(*args, **kwargs)  # another stage's value reads as on this rank's device: code choosing by
-            return self.device if isinstance(out, torch.device) and out.type == "meta" else out  # device type runs as on one device
+            out = func(
+                *args, **kwargs
+            )  # another stage's value reads as on this rank's device: code choosing by
+            return (
+                self.device if isinstance(out, torch.device) and out.type == "meta" else out
+            )  # device type runs as on one device
         if _is_meta_device(kwargs.get("device")):  # made here from shapes: real on this rank
             kwargs = {**kwargs, "device": self.device}
         leaves = _tensor_leaves(args, kwargs)
@@ -147,7 +191,9 @@ class MetaTaint(TorchFunctionMode):
         if name in _FROM_SHAPE and args and is_meta(args[0]):
             kwargs.setdefault("device", self.device)
             return func(*args, **kwargs)
-        if name in _MOVES and args and is_meta(args[0]):  # another stage's value moved here stays another stage's
+        if (
+            name in _MOVES and args and is_meta(args[0])
+        ):  # another stage's value moved here stays another stage's
             return self._recorded(func, args, kwargs, _meta_moved(name, args, kwargs))
         if name == "to" and args and isinstance(args[0], torch.Tensor) and not args[0].is_meta:
             # a real tensor moved "to x.device" for a meta x stays real, on this rank's device
@@ -165,24 +211,29 @@ class MetaTaint(TorchFunctionMode):
             return out if writes else self._recorded(_OUT_OF_PLACE.get(name, func), args, kwargs, out)
         # Mixed: the result is another stage's value here.
         if writes and isinstance(target, torch.Tensor) and not target.is_meta:
-            written = self._write_meta(func, args, kwargs, target) if id(target) not in self.kept else _REFUSED
+            written = (
+                self._write_meta(func, args, kwargs, target) if id(target) not in self.kept else _REFUSED
+            )
             if written is not _REFUSED:  # the glue's own tensor became another stage's value
                 return written
             raise RuntimeError(
-                f"torchspan: the model's forward writes a value computed by another pipeline stage into a tensor "
-                f"computed on this one, in place ({name}); across ranks this rank's copy would keep a stale value. "
-                "Write it out of place (x = x + y rather than x += y, torch.where rather than x[mask] = y), "
-                "or run this model on one process (span with devices=[...])"
+                f"torchspan: the model's forward writes a value computed by another pipeline stage into a "
+                f"tensor computed on this one, in place ({name}); across ranks this rank's copy would keep a "
+                "stale value. Write it out of place (x = x + y rather than x += y, torch.where rather than "
+                "x[mask] = y), or run this model on one process (span with devices=[...])"
             )
         out = func(*to_meta(args), **to_meta(kwargs))
         return out if writes else self._recorded(_OUT_OF_PLACE.get(name, func), args, kwargs, out)
 
     @staticmethod
     def _write_meta(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: torch.Tensor) -> Any:
-        """An in-place write of another stage's value into a tensor the glue made here (``torch.zeros(n).scatter_add_(0,
-        idx, src)``): the tensor itself becomes ``meta``, another stage's value, wherever it is referenced. Refused
-        (``_REFUSED``) when it is a view or has views (they would keep the stale value) or autograd saved it."""
-        if target._is_view() or torch._C._storage_Use_Count(target.untyped_storage()._cdata) > 2:  # 2: itself + this query
+        """An in-place write of another stage's value into a tensor the glue made here
+        (``torch.zeros(n).scatter_add_(0, idx, src)``): the tensor itself becomes ``meta``, another stage's
+        value, wherever it is referenced. Refused (``_REFUSED``) when it is a view or has views (they would
+        keep the stale value) or autograd saved it."""
+        if (
+            target._is_view() or torch._C._storage_Use_Count(target.untyped_storage()._cdata) > 2
+        ):  # 2: itself + this query
             return _REFUSED
         margs, mkwargs = to_meta(args), to_meta(kwargs)
         stand_in = mkwargs["out"] if "out" in kwargs else margs[0]
@@ -201,8 +252,9 @@ class MetaTaint(TorchFunctionMode):
 
 
 def _meta_moved(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
-    """``t.to(...)``/``t.cuda()`` for a ``meta`` ``t``: the same op with every device made ``meta`` (dtype kept),
-    a real tensor argument (``t.to(other)``) read for its dtype: another stage's value stays ``meta`` here."""
+    """``t.to(...)``/``t.cuda()`` for a ``meta`` ``t``: the same op with every device made ``meta`` (dtype
+    kept), a real tensor argument (``t.to(other)``) read for its dtype: another stage's value stays ``meta``
+    here."""
     t = args[0]
     if name != "to":
         return t

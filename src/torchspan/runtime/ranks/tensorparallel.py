@@ -1,7 +1,8 @@
 """Tensor parallelism on DTensor: each layer's weights split over the ``tp`` ranks of a ``DeviceMesh``.
 
-``span(model, tp=N)`` in a job of ``N`` processes applies ``torch.distributed.tensor.parallel.parallelize_module``
-over a one-dimensional ``DeviceMesh`` named ``tp`` (``init_device_mesh``), by a plan:
+``span(model, tp=N)`` in a job of ``N`` processes applies
+``torch.distributed.tensor.parallel.parallelize_module`` over a one-dimensional ``DeviceMesh`` named ``tp``
+(``init_device_mesh``), by a plan:
 
 - a transformers model's own ``config.base_model_tp_plan`` (its attention and MLP projections column- then
   row-wise: the heads and the MLP width split, one all-reduce after each block half), prefixed with the base
@@ -13,10 +14,10 @@ over a one-dimensional ``DeviceMesh`` named ``tp`` (``init_device_mesh``), by a 
   shards, its row-wise projections reduce-scattering into them and its column-wise ones gathering from them
   (``ranks.sequenceparallel``).
 
-Every rank runs the same batch; the rest of the span (micro-batches, recompute, precision, the loss contract) is
-the one-process runtime on this rank's device, whose collectives DTensor runs inside the layers. A parameter
-tied to one outside its module (tied embeddings) keeps its module whole. Gradients are ``DTensor`` shards
-(``.full_tensor()`` is one device's); ``state_dict()`` gathers full tensors.
+Every rank runs the same batch; the rest of the span (micro-batches, recompute, precision, the loss contract)
+is the one-process runtime on this rank's device, whose collectives DTensor runs inside the layers. A
+parameter tied to one outside its module (tied embeddings) keeps its module whole. Gradients are ``DTensor``
+shards (``.full_tensor()`` is one device's); ``state_dict()`` gathers full tensors.
 
 Usage (``span`` does this)::
 
@@ -40,13 +41,17 @@ from .sequenceparallel import SEQUENCE_DIM, sequence_hooks
 __all__ = ["tp_mesh", "parallelize", "tensor_parallel", "planned", "tp_styles", "full_tensors", "STYLES"]
 
 STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "sequence_parallel")
-ALIASES = {"colwise_gather_output": "colwise_rep", "rowwise_split_input": "rowwise_rep"}  # transformers' names
+ALIASES = {
+    "colwise_gather_output": "colwise_rep",
+    "rowwise_split_input": "rowwise_rep",
+}  # transformers' names
 
 
 def tp_mesh(tp: Any, shard: bool = False, given: Any = None) -> Any:
     """The job's ``DeviceMesh`` (``ranks.devicemesh``): ``("tp",)`` over every process, or with ``shard``
-    ``("dp_shard", "tp")``, ``tp`` innermost (torchtitan's order: a node's neighbouring ranks split the layers), the
-    degrees checked as one equation; ``given``: a user's ``span(mesh=)``, checked against them."""
+    ``("dp_shard", "tp")``, ``tp`` innermost (torchtitan's order: a node's neighbouring ranks split the
+    layers), the degrees checked as one equation; ``given``: a user's ``span(mesh=)``, checked against
+    them."""
     from .devicemesh import job_mesh
 
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -54,7 +59,10 @@ def tp_mesh(tp: Any, shard: bool = False, given: Any = None) -> Any:
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     dp = world // tp if shard else 1
     fix = f"launch a multiple of {tp} processes" if shard else f"launch {tp} processes or pass shard=True"
-    advice = f"tensor parallelism splits each layer over tp ranks, and only sharded replicas (shard=True) hold the rest; {fix}"
+    advice = (
+        "tensor parallelism splits each layer over tp ranks, and only sharded replicas (shard=True) hold "
+        f"the rest; {fix}"
+    )
     degrees, keep = ({"dp_shard": dp, "tp": tp}, ("dp_shard", "tp")) if shard else ({"tp": tp}, ("tp",))
     return job_mesh(rank_info().device.type, degrees, keep=keep, given=given, advice=advice)
 
@@ -62,12 +70,12 @@ def tp_mesh(tp: Any, shard: bool = False, given: Any = None) -> Any:
 def tensor_parallel(
     model: nn.Module, tp: Any, tp_plan: Any, settings: Any, sharding: dict[str, Any], **others: Any
 ) -> list[Any] | None:
-    """``span``'s ``tp=``: the job's mesh made (``settings.mesh``), ``model`` on this rank's device from rank 0's
-    weights, split over the ``tp`` dimension; with ``shard=True`` the replica is then sharded over ``dp_shard``
-    (``sharding["process_group"]``). Returns the devices the rest runs on. Refuses what does not compose yet."""
-    from .sharded import broadcast_module
-
+    """``span``'s ``tp=``: the job's mesh made (``settings.mesh``), ``model`` on this rank's device from rank
+    0's weights, split over the ``tp`` dimension; with ``shard=True`` the replica is then sharded over
+    ``dp_shard`` (``sharding["process_group"]``). Returns the devices the rest runs on. Refuses what does not
+    compose yet."""
     from ..placement import parse_devices
+    from .sharded import broadcast_module
 
     devices, plan = others.pop("devices", None), others.pop("plan", None)
     if plan is not None and plan.tp > 1:  # the planner's tensor parallel x sharded, on the launched world
@@ -77,9 +85,10 @@ def tensor_parallel(
     given += ["devices"] if devices is not None and len(parse_devices(devices)) > 1 else []
     if given:
         raise ValueError(
-            f"span(model, tp={tp!r}) with {', '.join(given)}=: tensor parallelism composes with sharded replicas "
-            "(shard=True), and a pipeline of tensor-parallel stages runs in a launched job with balance=/devices= and no "
-            "plan (ranks.tpstages); offload and plans beside it are not built yet. Drop them, or drop tp="
+            f"span(model, tp={tp!r}) with {', '.join(given)}=: tensor parallelism composes with sharded "
+            "replicas (shard=True), and a pipeline of tensor-parallel stages runs in a launched job with "
+            "balance=/devices= and no plan (ranks.tpstages); offload and plans beside it are not built "
+            "yet. Drop them, or drop tp="
         )
     init_distributed()
     mesh = settings.mesh = tp_mesh(tp, shard=bool(sharding["shard"]), given=settings.mesh)
@@ -93,45 +102,58 @@ def tensor_parallel(
 
 
 def planned(model: nn.Module, plan: Any, tp: Any, sharding: dict[str, Any]) -> int:
-    """``span(model, plan)`` for a plan with ``plan.tp > 1`` (``planner.tensorparallel``): the ``tp`` it runs on the
-    launched world, ``sharding["shard"]`` set where replicas remain (FSDP2 over ``dp_shard``, as planned).
+    """``span(model, plan)`` for a plan with ``plan.tp > 1`` (``planner.tensorparallel``): the ``tp`` it runs
+    on the launched world, ``sharding["shard"]`` set where replicas remain (FSDP2 over ``dp_shard``, as
+    planned).
 
-    On the plan's world: its ``tp x dp_shard``. On fewer ranks (a cluster's plan tried on 2-4 processes): "shrunk",
-    ``tp = gcd(plan.tp, WORLD_SIZE)`` ranks per replica and sharded replicas over the rest, with a ``UserWarning`` (the
-    gradients are one device's in any layout; the plan's predicted times and memory are its own world's). Refused: a
-    ``tp=`` other than the plan's, several stages, layers the model lacks, ranks not tp-innermost, one process, a
-    larger job, a world sharing no degree with ``plan.tp``."""
+    On the plan's world: its ``tp x dp_shard``. On fewer ranks (a cluster's plan tried on 2-4 processes):
+    "shrunk", ``tp = gcd(plan.tp, WORLD_SIZE)`` ranks per replica and sharded replicas over the rest, with a
+    ``UserWarning`` (the gradients are one device's in any layout; the plan's predicted times and memory are
+    its own world's). Refused: a ``tp=`` other than the plan's, several stages, layers the model lacks, ranks
+    not tp-innermost, one process, a larger job, a world sharing no degree with ``plan.tp``."""
     import math
     import warnings
 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     n, t, dp = plan.world_size, plan.tp, plan.data_parallel
-    what = f"plan.tp={t}: this plan splits each layer over {t} ranks ({dp} replica(s) of {t} ranks, {n} processes)"
+    what = (
+        f"plan.tp={t}: this plan splits each layer over {t} ranks ({dp} replica(s) of {t} ranks, {n} "
+        "processes)"
+    )
     run = f"span(model, tp={t}, shard=True)" if dp > 1 else f"span(model, tp={t})"
     if tp is not None and tp != t:
-        raise ValueError(f"span(model, plan, tp={tp!r}): {what}; drop tp= to run the plan, or re-plan with tp={tp}")
+        raise ValueError(
+            f"span(model, plan, tp={tp!r}): {what}; drop tp= to run the plan, or re-plan with tp={tp}"
+        )
     if len(plan.stages) != 1 or plan.stage_ranks != [list(range(n))]:
         raise ValueError(
-            f"{what} on {len(plan.stages)} stage(s), ranks {plan.stage_ranks}: span(model, plan) runs one stage with tp "
-            "innermost (the planner's tensor parallel x sharded); tensor parallel x pipeline is not built yet. Re-plan"
+            f"{what} on {len(plan.stages)} stage(s), ranks {plan.stage_ranks}: span(model, plan) runs one "
+            "stage with tp innermost (the planner's tensor parallel x sharded); tensor parallel x pipeline "
+            "is not built yet. Re-plan"
         )
     unknown = [name for name in plan.layers if name not in dict(model.named_modules())]
     if unknown:
-        raise ValueError(f"{what}, of layers {unknown} that {type(model).__name__} does not have: re-plan for this model")
+        raise ValueError(
+            f"{what}, of layers {unknown} that {type(model).__name__} does not have: re-plan for this model"
+        )
     if world == 1 or world > n:
         raise ValueError(
-            f"{what}; WORLD_SIZE is {world}: run span(model, plan) in a launched job of {n} processes (torchspan launch "
-            f"--nproc-per-node ...), or of fewer that {t} shares a degree with (it runs shrunk), as {run} would"
+            f"{what}; WORLD_SIZE is {world}: run span(model, plan) in a launched job of {n} processes "
+            f"(torchspan launch --nproc-per-node ...), or of fewer that {t} shares a degree with (it runs "
+            f"shrunk), as {run} would"
         )
     if world < n:
         t = math.gcd(t, world)
         if t == 1:
-            raise ValueError(f"{what}; WORLD_SIZE({world}) shares no degree with it: launch a multiple of 2 processes")
+            raise ValueError(
+                f"{what}; WORLD_SIZE({world}) shares no degree with it: launch a multiple of 2 processes"
+            )
         dp = world // t
         warnings.warn(
-            f"span(model, plan): the plan is for {n} ranks (tp {plan.tp} x dp_shard {plan.data_parallel}); it runs shrunk "
-            f"on the {world} launched as tp {t} x dp_shard {dp} (tp = gcd(plan.tp, WORLD_SIZE)): the gradients are one "
-            f"device's, the plan's predicted times and memory are for {n} ranks",
+            f"span(model, plan): the plan is for {n} ranks (tp {plan.tp} x dp_shard {plan.data_parallel}); "
+            f"it runs shrunk on the {world} launched as tp {t} x dp_shard {dp} (tp = gcd(plan.tp, "
+            "WORLD_SIZE)): the gradients are one device's, the plan's predicted times and memory are for "
+            f"{n} ranks",
             UserWarning,
             stacklevel=5,  # planned, tensor_parallel, build._spanned, span: the caller's line
         )
@@ -140,13 +162,14 @@ def planned(model: nn.Module, plan: Any, tp: Any, sharding: dict[str, Any]) -> i
 
 
 def tp_styles(model: nn.Module, tp_plan: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``{module name: ParallelStyle}`` for every module ``model`` holds that the plan names (see the module doc)."""
+    """``{module name: ParallelStyle}`` for every module ``model`` holds that the plan names (see the module
+    doc)."""
     plan = dict(tp_plan) if tp_plan is not None else _own_plan(model)
     if not plan:
         raise ValueError(
-            f"span(model, tp=...): {type(model).__name__} has no tensor-parallel plan of its own (a transformers "
-            "config's base_model_tp_plan); pass tp_plan={'module.name.pattern': 'colwise' | 'rowwise' | ...}, "
-            "e.g. tp_plan={'0': 'colwise', '2': 'rowwise'} for Linear -> act -> Linear"
+            f"span(model, tp=...): {type(model).__name__} has no tensor-parallel plan of its own (a "
+            "transformers config's base_model_tp_plan); pass tp_plan={'module.name.pattern': 'colwise' | "
+            "'rowwise' | ...}, e.g. tp_plan={'0': 'colwise', '2': 'rowwise'} for Linear -> act -> Linear"
         )
     names = [n for n, _ in model.named_modules() if n]
     chosen: dict[str, Any] = {}
@@ -154,15 +177,21 @@ def tp_styles(model: nn.Module, tp_plan: Mapping[str, Any] | None) -> dict[str, 
     for pattern, style in plan.items():
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern) and _same_depth(n, pattern)]
         if not hits:
-            raise ValueError(f"tp_plan[{pattern!r}] names no module of {type(model).__name__}; its modules are e.g. {names[:6]}")
+            raise ValueError(
+                f"tp_plan[{pattern!r}] names no module of {type(model).__name__}; its modules are e.g. "
+                f"{names[:6]}"
+            )
         for name in hits:
             chosen[name] = _style(style, pattern, sequence)
     return chosen
 
 
-def parallelize(model: nn.Module, mesh: Any, tp_plan: Mapping[str, Any] | None = None, within: Any = None) -> dict[str, Any]:
-    """``model``'s planned modules split over ``mesh`` in place (``parallelize_module``); returns the plan applied.
-    ``within``: only the modules under these names (a pipeline stage's layers, ``ranks.tpstages``)."""
+def parallelize(
+    model: nn.Module, mesh: Any, tp_plan: Mapping[str, Any] | None = None, within: Any = None
+) -> dict[str, Any]:
+    """``model``'s planned modules split over ``mesh`` in place (``parallelize_module``); returns the plan
+    applied. ``within``: only the modules under these names (a pipeline stage's layers,
+    ``ranks.tpstages``)."""
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
     styles = tp_styles(model, tp_plan)
@@ -174,7 +203,9 @@ def parallelize(model: nn.Module, mesh: Any, tp_plan: Mapping[str, Any] | None =
     _check_divisible(model, styles, mesh.size())
     parallelize_module(model, mesh, styles)
     if any(isinstance(s, SequenceParallel) for s in styles.values()) and _named_sequence(model, tp_plan):
-        sequence_hooks(model, styles, mesh)  # the layouts around sequence-sharded norms (ranks.sequenceparallel)
+        sequence_hooks(
+            model, styles, mesh
+        )  # the layouts around sequence-sharded norms (ranks.sequenceparallel)
     return styles
 
 
@@ -200,7 +231,8 @@ def _same_depth(name: str, pattern: str) -> bool:
 
 
 def _named_sequence(model: nn.Module, tp_plan: Mapping[str, Any] | None) -> bool:
-    """Whether the plan names ``"sequence_parallel"`` (the hooks keep torchspan's layouts; style objects are the user's)."""
+    """Whether the plan names ``"sequence_parallel"`` (the hooks keep torchspan's layouts; style objects are
+    the user's)."""
     plan = dict(tp_plan) if tp_plan is not None else _own_plan(model)
     return any(style == "sequence_parallel" for style in plan.values())
 
@@ -209,14 +241,23 @@ def _style(style: Any, pattern: str, sequence: bool = False) -> Any:
     """A plan entry's ``ParallelStyle``; in a plan with ``"sequence_parallel"`` (``sequence``), ``"rowwise"``
     reduce-scatters into the sequence-sharded stream (``ranks.sequenceparallel``)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        ParallelStyle,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
     if isinstance(style, ParallelStyle):
         return style
     style = ALIASES.get(style, style)
     made = {
         "colwise": lambda: ColwiseParallel(),
-        "rowwise": lambda: RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM), use_local_output=False) if sequence else RowwiseParallel(),
+        "rowwise": lambda: (
+            RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM), use_local_output=False)
+            if sequence
+            else RowwiseParallel()
+        ),
         "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
         "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
         "sequence_parallel": lambda: SequenceParallel(),
@@ -228,7 +269,8 @@ def _style(style: Any, pattern: str, sequence: bool = False) -> Any:
 
 
 def _tied_elsewhere(model: nn.Module, styles: Mapping[str, Any]) -> set[str]:
-    """Planned modules holding a parameter that another module holds too (kept whole: splitting would untie it)."""
+    """Planned modules holding a parameter that another module holds too (kept whole: splitting would untie
+    it)."""
     holders: dict[int, set[str]] = {}
     for name, module in model.named_modules():
         for p in module.parameters(recurse=False):
@@ -241,9 +283,13 @@ def _check_divisible(model: nn.Module, styles: Mapping[str, Any], tp: int) -> No
     for name in styles:
         weight = getattr(model.get_submodule(name), "weight", None)
         if weight is not None and weight.dim() == 2 and weight.shape[0] % tp and weight.shape[1] % tp:
-            raise ValueError(f"{name}.weight has shape {tuple(weight.shape)}: neither dimension divides by tp={tp}")
+            raise ValueError(
+                f"{name}.weight has shape {tuple(weight.shape)}: neither dimension divides by tp={tp}"
+            )
     config = getattr(model, "config", None)
     for key in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, key, None)
         if isinstance(heads, int) and heads % tp:
-            raise ValueError(f"config.{key}={heads} does not divide by tp={tp}: each rank must hold whole heads")
+            raise ValueError(
+                f"config.{key}={heads} does not divide by tp={tp}: each rank must hold whole heads"
+            )

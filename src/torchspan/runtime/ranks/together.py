@@ -44,15 +44,17 @@ def raised_everywhere(exc: BaseException) -> bool:
 
 
 def explained(exc: Exception, stage: int, mb: int) -> Exception:
-    """A torch error about ``meta`` tensors in the model's own code, as a torchspan error saying why; others as they are."""
+    """A torch error about ``meta`` tensors in the model's own code, as a torchspan error saying why; others
+    as they are."""
     text = str(exc)
     if "meta" not in text or text.startswith("torchspan:"):
         return exc
     return RuntimeError(
-        f"torchspan: stage {stage} cannot run the model's own code at micro-batch {mb}: {type(exc).__name__}: {text}. "
-        "On this rank the values other stages compute are meta (shapes only): the model's code between layers must not "
-        "read them (.item(), if x.any():, .tolist()) nor write them in place into its own tensors. Move the cut so that "
-        "this code reads values of one stage only, or run the model in one process (span with devices=[...])"
+        f"torchspan: stage {stage} cannot run the model's own code at micro-batch {mb}: "
+        f"{type(exc).__name__}: {text}. On this rank the values other stages compute are meta (shapes "
+        "only): the model's code between layers must not read them (.item(), if x.any():, .tolist()) nor "
+        "write them in place into its own tensors. Move the cut so that this code reads values of one "
+        "stage only, or run the model in one process (span with devices=[...])"
     )
 
 
@@ -65,8 +67,8 @@ class Failed:
 
     def error(self) -> RuntimeError:
         return RuntimeError(
-            f"torchspan: rank {self.rank} (stage {self.stage}) failed in micro-batch {self.mb}'s forward, and every "
-            f"rank of the pipeline stops with it (see that rank's traceback): {self.text}"
+            f"torchspan: rank {self.rank} (stage {self.stage}) failed in micro-batch {self.mb}'s forward, "
+            f"and every rank of the pipeline stops with it (see that rank's traceback): {self.text}"
         )
 
 
@@ -79,7 +81,9 @@ class Together:
     rank of a stage; ``group``: the pipeline's process group (``None``: the default group); ``before``: run
     before every exchange (the step's same-batch verdict, which may raise on every rank)."""
 
-    def __init__(self, stages: int, rank_of: Callable[[int], int], group: Any, before: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, stages: int, rank_of: Callable[[int], int], group: Any, before: Callable[[], None] | None = None
+    ) -> None:
         self.stages, self.rank_of, self.group, self.before = stages, rank_of, group, before
 
     def gather(self, mine: Any) -> list[Any]:
@@ -102,14 +106,22 @@ class Together:
             pass  # the others raise now; this rank raises its own error
         every_rank(exc)
 
-    def outputs(self, outs: list[Any], last: bool, share: Callable[[Any], list[Any]], device: torch.device) -> list[Any]:
-        """The last stage's outputs on every rank (``share``: the last stage's broadcast), where a value the last
-        stage holds as ``meta`` (only earlier stages' layers read it, as an encoder's output past the last decoder
-        block) comes from the latest stage that holds it. One that no stage holds (the model's code combined several
-        stages' values, as an MoE model's aux_loss over every block's router logits) is ``None``."""
+    def outputs(
+        self, outs: list[Any], last: bool, share: Callable[[Any], list[Any]], device: torch.device
+    ) -> list[Any]:
+        """The last stage's outputs on every rank (``share``: the last stage's broadcast), where a value the
+        last stage holds as ``meta`` (only earlier stages' layers read it, as an encoder's output past the
+        last decoder block) comes from the latest stage that holds it. One that no stage holds (the model's
+        code combined several stages' values, as an MoE model's aux_loss over every block's router logits) is
+        ``None``."""
         marked = [tree_map(lambda v: _Missing() if is_meta(v) else v, o) for o in outs] if last else None
         shared = share(marked)
-        missing = [(mb, j) for mb, o in enumerate(shared) for j, v in enumerate(tree_flatten(o)[0]) if isinstance(v, _Missing)]
+        missing = [
+            (mb, j)
+            for mb, o in enumerate(shared)
+            for j, v in enumerate(tree_flatten(o)[0])
+            if isinstance(v, _Missing)
+        ]
         if not missing:
             return shared
         mine = [tree_flatten(o)[0] for o in outs]
@@ -128,8 +140,9 @@ class Together:
             warnings.warn(
                 f"torchspan: the model's output{'s' if len(nobody) > 1 else ''} {', '.join(nobody)} "
                 f"{'combine' if len(nobody) > 1 else 'combines'} values of several "
-                "pipeline stages (e.g. an MoE model's aux_loss over every block's router logits), which no rank holds: "
-                "returned as None. Compute the loss from outputs the last stage computes (logits)",
+                "pipeline stages (e.g. an MoE model's aux_loss over every block's router logits), which no "
+                "rank holds: returned as None. Compute the loss from outputs the last stage computes "
+                "(logits)",
                 stacklevel=3,
             )
         return filled

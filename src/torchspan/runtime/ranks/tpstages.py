@@ -1,30 +1,36 @@
-"""3-D parallelism: a pipeline across ranks whose stages are each tensor-parallel, with data-parallel replicas.
+"""3-D parallelism: a pipeline across ranks whose stages are each tensor-parallel, with data-parallel
+replicas.
 
 ``span(model, tp=T, balance=[...])`` (or ``devices=`` with one entry per stage) in a job of ``pp * dp * T``
-processes builds the job's ``DeviceMesh`` ``("pp", "dp_replicate", "tp")``, ``tp`` innermost (torchtitan's order),
-and runs the stage functions of ``ranks.pipelined`` on it:
+processes builds the job's ``DeviceMesh`` ``("pp", "dp_replicate", "tp")``, ``tp`` innermost (torchtitan's
+order), and runs the stage functions of ``ranks.pipelined`` on it:
 
-- **Pipelines**: the ranks of one ``tp`` coordinate ``t`` form ``dp`` pipelines of their own; rank ``(s, r, t)``
-  sends to ``(s + 1, r, t)``. Activations at stage boundaries are whole and identical on every ``tp`` rank (the
-  styles' ``use_local_output``), so each ``tp`` coordinate's pipeline carries the same values.
-- **Layers**: this stage's layers are split over ``mesh["tp"]`` by ``parallelize_module``, by the plan filtered to
-  them (``tensorparallel.parallelize(within=)``); the other stages' layers are ``meta``. Every tensor starts as the
-  ``tp`` rank 0's (broadcast over ``tp``), then as replica 0's and the tied copies' (``RankStage.start``).
+- **Pipelines**: the ranks of one ``tp`` coordinate ``t`` form ``dp`` pipelines of their own; rank ``(s, r,
+t)``
+  sends to ``(s + 1, r, t)``. Activations at stage boundaries are whole and identical on every ``tp`` rank
+  (the styles' ``use_local_output``), so each ``tp`` coordinate's pipeline carries the same values.
+- **Layers**: this stage's layers are split over ``mesh["tp"]`` by ``parallelize_module``, by the plan
+filtered to
+  them (``tensorparallel.parallelize(within=)``); the other stages' layers are ``meta``. Every tensor starts
+  as the ``tp`` rank 0's (broadcast over ``tp``), then as replica 0's and the tied copies'
+  (``RankStage.start``).
 - **Reductions**: the loss and the gradients are summed over ``dp`` only (a ``DTensor`` gradient by its local
-  shard, which every replica of that ``tp`` coordinate holds alike); a parameter tied across stages (kept whole
-  on every ``tp`` rank) over its stages' ranks of this ``tp`` coordinate only.
-- **Clipping** (``runtime.gradients``): a split parameter's norm is its shards' norms combined over ``tp``, then
+  shard, which every replica of that ``tp`` coordinate holds alike); a parameter tied across stages (kept
+  whole on every ``tp`` rank) over its stages' ranks of this ``tp`` coordinate only.
+- **Clipping** (``runtime.gradients``): a split parameter's norm is its shards' norms combined over ``tp``,
+then
   the pipeline-wide sum runs over ``mesh["pp"]`` of this ``tp`` coordinate, so a whole parameter held on every
   ``tp`` rank counts once.
 
 Both executors: stage functions (an ``nn.Sequential`` or fx-traceable model, ``TpPipelineExecutor``) and the
-model's own forward (a transformers model by its ``base_model_tp_plan``, ``TpOwnForwardExecutor``: the recording
-forward runs whole, the stage is split once placed). Refused (``ValueError`` naming the argument): sequence
-parallel in a plan, several stages per rank, ``shard=True``, ``weights=``, ``plan=``.
+model's own forward (a transformers model by its ``base_model_tp_plan``, ``TpOwnForwardExecutor``: the
+recording forward runs whole, the stage is split once placed). Refused (``ValueError`` naming the argument):
+sequence parallel in a plan, several stages per rank, ``shard=True``, ``weights=``, ``plan=``.
 
 Usage (``span`` does this in a launched job of 4 processes)::
 
-    spanned = span(model, tp=2, balance=[2, 2], microbatches=3, tp_plan={"1.up": "colwise", "1.down": "rowwise"})
+    plan = {"1.up": "colwise", "1.down": "rowwise"}
+    spanned = span(model, tp=2, balance=[2, 2], microbatches=3, tp_plan=plan)
 """
 
 from __future__ import annotations
@@ -59,7 +65,8 @@ class _TpSlice(Mesh):
 
 
 def check_tp_pipeline(tp: Any, tp_plan: Any, plan: Any, sharding: dict[str, Any], weights: Any) -> None:
-    """What ``span(model, tp=..., balance=...)`` (a pipeline of tensor-parallel stages) refuses, before any work."""
+    """What ``span(model, tp=..., balance=...)`` (a pipeline of tensor-parallel stages) refuses, before any
+    work."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp={tp!r} must be an int >= 1 (the processes each stage's layers are split over)")
     given = {"plan": plan, "weights": weights, "offload": sharding.get("offload")}
@@ -67,30 +74,42 @@ def check_tp_pipeline(tp: Any, tp_plan: Any, plan: Any, sharding: dict[str, Any]
     named = [k for k, v in given.items() if v is not None]
     if named:
         raise ValueError(
-            f"span(model, tp={tp}) with pipeline stages and {', '.join(named)}=: a pipeline of tensor-parallel stages "
-            "runs with data-parallel replicas (dp_replicate), on a model built with its weights, placed by "
-            "balance=/devices=; drop " + ", ".join(f"{k}=" for k in named) + ", or drop balance=/devices= (tp x dp_shard)"
+            f"span(model, tp={tp}) with pipeline stages and {', '.join(named)}=: a pipeline of "
+            "tensor-parallel stages runs with data-parallel replicas (dp_replicate), on a model built with "
+            "its weights, placed by balance=/devices=; drop "
+            + ", ".join(f"{k}=" for k in named)
+            + ", or drop balance=/devices= (tp x dp_shard)"
         )
     if isinstance(tp_plan, dict) and any(style == "sequence_parallel" for style in tp_plan.values()):
         raise ValueError(
-            f"tp_plan={tp_plan!r} names 'sequence_parallel' inside a pipeline stage: activations cross stages whole, "
-            "and sequence-sharded ones are not built yet; drop the 'sequence_parallel' entries (their rowwise "
-            "projections then all-reduce) or drop balance=/devices= (one tensor-parallel stage)"
+            f"tp_plan={tp_plan!r} names 'sequence_parallel' inside a pipeline stage: activations cross "
+            "stages whole, and sequence-sharded ones are not built yet; drop the 'sequence_parallel' "
+            "entries (their rowwise projections then all-reduce) or drop balance=/devices= (one "
+            "tensor-parallel stage)"
         )
 
 
 class TpRankStage(RankStage):
-    """A ``RankStage`` on the mesh ``("pp", "dp_replicate", "tp")`` (see the module docstring); ``tp_mesh``: this
-    stage's ``tp`` sub-mesh, ``mesh``: the ``pp x dp`` ranks of this rank's ``tp`` coordinate."""
+    """A ``RankStage`` on the mesh ``("pp", "dp_replicate", "tp")`` (see the module docstring); ``tp_mesh``:
+    this stage's ``tp`` sub-mesh, ``mesh``: the ``pp x dp`` ranks of this rank's ``tp`` coordinate."""
 
     def __init__(
-        self, model: nn.Module, mesh: Mesh, info: RankInfo, stages: int, precision: str = "32", *, settings: Any, shard: bool = False
+        self,
+        model: nn.Module,
+        mesh: Mesh,
+        info: RankInfo,
+        stages: int,
+        precision: str = "32",
+        *,
+        settings: Any,
+        shard: bool = False,
     ) -> None:
         tp = settings.tp[0]  # (tp, tp_plan): build's
         if precision == "fp16":
             raise ValueError(
-                "precision='fp16' across ranks is not supported: each rank's gradient scaler would decide alone to "
-                "skip a step on inf and the stages would drift apart; use precision='bf16' (no scaler needed) or '32'"
+                "precision='fp16' across ranks is not supported: each rank's gradient scaler would decide "
+                "alone to skip a step on inf and the stages would drift apart; use precision='bf16' (no "
+                "scaler needed) or '32'"
             )
         world = dist.get_world_size()
         replicas = max(1, world // (stages * tp))
@@ -99,12 +118,18 @@ class TpRankStage(RankStage):
         self.dp_name = "dp_replicate"
         advice = f"launch pp({stages}) x tp({tp}) x replicas processes (e.g. {stages * tp})"
         degrees = {"pp": stages, "dp_replicate": replicas, "tp": tp}
-        self.device_mesh = job_mesh(self.comm.type, degrees, keep=("pp", "tp"), given=settings.mesh, advice=advice)
+        self.device_mesh = job_mesh(
+            self.comm.type, degrees, keep=("pp", "tp"), given=settings.mesh, advice=advice
+        )
         settings.mesh = self.device_mesh
         ranks = self.device_mesh.mesh
         self.tp_index = int((ranks == info.rank).nonzero()[0, -1])
         self.tp_mesh = self.device_mesh["tp"]
-        self.mesh = _TpSlice(stages, replicas, tuple(map(tuple, ranks.select(-1, self.tp_index).reshape(stages, replicas).tolist())))
+        self.mesh = _TpSlice(
+            stages,
+            replicas,
+            tuple(map(tuple, ranks.select(-1, self.tp_index).reshape(stages, replicas).tolist())),
+        )
         self.model, self.info = model, info
         self.replica, self.stage = self.mesh.coords(info.rank)
         self.dp_mesh = sub_mesh(self.device_mesh, self.dp_name) if replicas > 1 else None
@@ -117,9 +142,12 @@ class TpRankStage(RankStage):
         self.shards = None
 
     def start(self) -> None:
-        """Tie groups per ``tp`` coordinate (collective: every rank makes every group, in one order), then every
-        tensor this rank holds as its ``tp`` rank 0's, replica 0's and the tied copies' lowest rank's."""
-        for stages in self._tie_stages:  # those stages' ranks of this tp coordinate, every replica (ranks.devicemesh)
+        """Tie groups per ``tp`` coordinate (collective: every rank makes every group, in one order), then
+        every tensor this rank holds as its ``tp`` rank 0's, replica 0's and the tied copies' lowest
+        rank's."""
+        for (
+            stages
+        ) in self._tie_stages:  # those stages' ranks of this tp coordinate, every replica (ranks.devicemesh)
             group, ranks = derived_group(self.device_mesh, "pp", stages, per="tp")
             self._tie_groups.append((group, ranks[0]))
         held = [t for t in [*self.model.parameters(), *self.model.buffers()] if t.device.type != "meta"]
@@ -137,12 +165,15 @@ class TpRankStage(RankStage):
                     self._broadcast(p, self._tie_groups[i][1], self._tie_groups[i][0])
 
     def state_dict(self, **options: Any) -> Any:
-        """The model's state as this rank holds it (other stages' entries ``meta``), split entries as full tensors
-        (gathered over ``tp``: every rank calls it)."""
+        """The model's state as this rank holds it (other stages' entries ``meta``), split entries as full
+        tensors (gathered over ``tp``: every rank calls it)."""
         from .tensorparallel import full_tensors
 
         if options.get("keep_vars"):
-            raise ValueError("keep_vars=True would return the split parameters; use spanned.module.state_dict(keep_vars=True)")
+            raise ValueError(
+                "keep_vars=True would return the split parameters; use "
+                "spanned.module.state_dict(keep_vars=True)"
+            )
         return full_tensors(self.model.state_dict(**options))
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
@@ -154,11 +185,14 @@ class TpRankStage(RankStage):
         for key, value in state.items():
             held = own.get(key)
             if isinstance(held, DTensor) and not isinstance(value, DTensor):
-                state[key] = distribute_tensor(value.to(held.device), held.device_mesh, held.placements, src_data_rank=None)
+                state[key] = distribute_tensor(
+                    value.to(held.device), held.device_mesh, held.placements, src_data_rank=None
+                )
         return self.model.load_state_dict(state, strict=strict)
 
     def launch(self, params: list[nn.Parameter], group: Any) -> list[tuple[Any, Any]]:
-        """SUMs of ``params``' gradients over ``group`` (a ``DTensor``'s by its local shard), one buffer per dtype."""
+        """SUMs of ``params``' gradients over ``group`` (a ``DTensor``'s by its local shard), one buffer per
+        dtype."""
         from torch.distributed.tensor import DTensor
 
         def local(t: torch.Tensor) -> torch.Tensor:
@@ -180,15 +214,26 @@ class TpRankStage(RankStage):
                     k += shard.numel()
                     if p.grad is not None or bool(g.any()):
                         is_d = isinstance(p, DTensor)
-                        p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()) if is_d else g
+                        p.grad = (
+                            DTensor.from_local(
+                                g,
+                                p.device_mesh,
+                                p.placements,
+                                run_check=False,
+                                shape=p.shape,
+                                stride=p.stride(),
+                            )
+                            if is_d
+                            else g
+                        )
 
             out.append((dist.all_reduce(flat, group=group, async_op=True), unpack))
         return out
 
 
 def split_stage(model: nn.Module, mesh: Any, tp_plan: Any, layers: Any) -> None:
-    """This stage's ``layers`` split over the ``tp`` sub-mesh by the plan filtered to them; a plan (a model's own
-    too) with sequence parallel there is refused (its activations would cross stages sequence-sharded)."""
+    """This stage's ``layers`` split over the ``tp`` sub-mesh by the plan filtered to them; a plan (a model's
+    own too) with sequence parallel there is refused (its activations would cross stages sequence-sharded)."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
     from .tensorparallel import parallelize, tp_styles
@@ -197,15 +242,17 @@ def split_stage(model: nn.Module, mesh: Any, tp_plan: Any, layers: Any) -> None:
     sequence = [n for n, st in styles.items() if isinstance(st, SequenceParallel)]
     if sequence:
         raise ValueError(
-            f"the tensor-parallel plan (tp_plan={tp_plan!r}, else the model's own) runs {sequence[:3]} sequence "
-            "parallel, inside a pipeline of tensor-parallel stages that is not built; pass a tp_plan= without "
-            "'sequence_parallel' entries, or drop balance=/devices= (one tensor-parallel stage)"
+            f"the tensor-parallel plan (tp_plan={tp_plan!r}, else the model's own) runs {sequence[:3]} "
+            "sequence parallel, inside a pipeline of tensor-parallel stages that is not built; pass a "
+            "tp_plan= without 'sequence_parallel' entries, or drop balance=/devices= (one tensor-parallel "
+            "stage)"
         )
     parallelize(model, mesh, tp_plan, within=layers)
 
 
 class TpPipelineExecutor(RankPipelineExecutor):
-    """``RankPipelineExecutor`` on a ``TpRankStage``: this rank's stage split over its ``tp`` ranks after it started."""
+    """``RankPipelineExecutor`` on a ``TpRankStage``: this rank's stage split over its ``tp`` ranks after it
+    started."""
 
     stage_type = TpRankStage
 
@@ -214,28 +261,32 @@ class TpPipelineExecutor(RankPipelineExecutor):
         split_stage(self.model, self.ranks.tp_mesh, self.settings.tp[1], self.mine)  # type: ignore[attr-defined]
 
 
-def tp_pipeline_executor(model: nn.Module, lay: Any, settings: Any, recorder: Any, meter: Any, **options: Any) -> Any:
-    """``choose``'s executor for ``settings.tp`` in a launched pipeline: stage functions (``lay.mode`` sequential or
-    fx) or the model's own forward; ``options``: the own forward's (``choose``)."""
+def tp_pipeline_executor(
+    model: nn.Module, lay: Any, settings: Any, recorder: Any, meter: Any, **options: Any
+) -> Any:
+    """``choose``'s executor for ``settings.tp`` in a launched pipeline: stage functions (``lay.mode``
+    sequential or fx) or the model's own forward; ``options``: the own forward's (``choose``)."""
     tp = settings.tp[0]
     _, info = lay.ranked
     world, stages = dist.get_world_size(), len(lay.groups)
     if world % (stages * tp):
         raise ValueError(
-            f"span(model, tp={tp}) with {stages} stages (balance=/devices=) on WORLD_SIZE({world}): a pipeline of "
-            f"tensor-parallel stages takes pp x tp({tp}) x replicas processes, one stage per rank (several stages per "
-            f"rank with tp are not built); pass balance= with a number of entries dividing {world // tp}, or launch a "
-            f"multiple of {stages * tp} processes"
+            f"span(model, tp={tp}) with {stages} stages (balance=/devices=) on WORLD_SIZE({world}): a "
+            f"pipeline of tensor-parallel stages takes pp x tp({tp}) x replicas processes, one stage per "
+            "rank (several stages per rank with tp are not built); pass balance= with a number of entries "
+            f"dividing {world // tp}, or launch a multiple of {stages * tp} processes"
         )
-    mesh = Mesh(stages, world // (stages * tp))  # the degrees; TpRankStage reads the ranks from the job's DeviceMesh
+    mesh = Mesh(
+        stages, world // (stages * tp)
+    )  # the degrees; TpRankStage reads the ranks from the job's DeviceMesh
     if lay.mode == "own-forward":
         return TpOwnForwardExecutor(model, lay.groups, settings, recorder, meter, mesh, info, **options)
     return TpPipelineExecutor(model, lay.mode, lay.graph, lay.groups, settings, recorder, meter, mesh, info)
 
 
 class TpOwnForwardExecutor(RankOwnForwardExecutor):
-    """``RankOwnForwardExecutor`` on a ``TpRankStage``: this rank's stage split over its ``tp`` ranks once placed
-    (the recording forward runs the whole model, whole)."""
+    """``RankOwnForwardExecutor`` on a ``TpRankStage``: this rank's stage split over its ``tp`` ranks once
+    placed (the recording forward runs the whole model, whole)."""
 
     stage_type = TpRankStage
 
@@ -248,12 +299,17 @@ class TpOwnForwardExecutor(RankOwnForwardExecutor):
 
 
 def tp_pipeline(tp: Any, tp_plan: Any, plan: Any, sharding: dict[str, Any], where: dict[str, Any]) -> bool:
-    """Whether ``span(model, tp=...)`` asks for a pipeline of tensor-parallel stages (a launched job, no plan, and
-    ``balance=``/``devices=`` naming several stages); checked (``check_tp_pipeline``) when it does."""
+    """Whether ``span(model, tp=...)`` asks for a pipeline of tensor-parallel stages (a launched job, no plan,
+    and ``balance=``/``devices=`` naming several stages); checked (``check_tp_pipeline``) when it does."""
     from .mesh import launched_stages
 
     launched = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    if plan is not None or tp is None or not launched or launched_stages(None, where["devices"], where["balance"]) < 2:
+    if (
+        plan is not None
+        or tp is None
+        or not launched
+        or launched_stages(None, where["devices"], where["balance"]) < 2
+    ):
         return False
     check_tp_pipeline(tp, tp_plan, plan, sharding, where["weights"])
     return True
