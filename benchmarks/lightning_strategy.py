@@ -184,11 +184,7 @@ def main() -> None:
         f"{opts.nproc} x gloo, MLP 256-{opts.hidden}x{opts.layers}-10, batch {opts.batch}/rank, "
         f"{opts.threads} thread(s)/process, {opts.rounds} alternating rounds of {opts.steps} timed steps"
     )
-    for name, ts in times.items():
-        print(
-            f"  {name:5s} median {statistics.median(ts) * 1e3:8.2f} ms/step (rounds "
-            f"{min(ts) * 1e3:.2f}..{max(ts) * 1e3:.2f})"
-        )
+    _print_times(times)
     paired = statistics.median(s / d for s, d in zip(times["span"], times["ddp"]))
     print(
         f"RATIO lightning/span_strategy_vs_ddp_strategy {paired:.3f} - Lightning's DDPStrategy, "
@@ -196,6 +192,15 @@ def main() -> None:
     )
     if opts.local_rounds:
         _local(opts)
+
+
+def _print_times(times: dict[str, list[float]]) -> None:
+    """Each variant's median step and the spread of its rounds, in milliseconds."""
+    for name, ts in times.items():
+        print(
+            f"  {name:6s} median {statistics.median(ts) * 1e3:8.2f} ms/step (rounds "
+            f"{min(ts) * 1e3:.2f}..{max(ts) * 1e3:.2f})"
+        )
 
 
 def _local(opts: argparse.Namespace) -> None:
@@ -214,11 +219,7 @@ def _local(opts: argparse.Namespace) -> None:
         f"one process, MLP 256-{opts.hidden}x{opts.layers}-10, batch {opts.batch * opts.nproc}, "
         f"{opts.threads} thread(s), {opts.local_rounds} alternating rounds of {opts.steps} timed steps"
     )
-    for name, ts in times.items():
-        print(
-            f"  {name:6s} median {statistics.median(ts) * 1e3:8.2f} ms/step (rounds "
-            f"{min(ts) * 1e3:.2f}..{max(ts) * 1e3:.2f})"
-        )
+    _print_times(times)
     paired = statistics.median(s / d for s, d in zip(times["local"], times["single"]))
     print(
         f"RATIO lightning/local_pipeline_vs_single_device {paired:.3f} - plain Lightning on one device, "
