@@ -185,14 +185,22 @@ def split(state: Mapping[str, Any], *, saving: bool) -> Parts:
 
 def _model(key: str, value: nn.Module, saving: bool) -> nn.Module:
     module = unwrap(value)
-    if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
-        raise ValueError(
-            f"the model under {key!r} holds meta tensors (a pipeline rank holds only its stage), which a "
-            f"sharded checkpoint cannot {'save' if saving else 'load into'}; use the one-file form: "
-            "save_checkpoint(path, {'model': spanned.state_dict(), 'optimizer': optimizer.state_dict()}) "
-            "gathers every stage into one file"
+    if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        return module
+    if saving and group_size() > 1:  # a pipeline across ranks: each rank writes its stage (ranks.dcpstages)
+        return module
+    raise ValueError(
+        f"the model under {key!r} holds meta tensors (a pipeline rank holds only its stage): "
+        + (
+            "in one process no other rank holds them, so a sharded checkpoint cannot save it; load its "
+            "weights first (e.g. model.to_empty(device='cpu') and load_state_dict)"
+            if saving
+            else "loading a sharded checkpoint folder into a pipeline across ranks is not built; load the "
+            "folder in one process, into a tensor-parallel or data-parallel span, or save the pipeline in "
+            "the one-file form (save_checkpoint('ckpt.pt', {'model': spanned.state_dict(), 'optimizer': "
+            "opt.state_dict()}), resumed on the same layout)"
         )
-    return module
+    )
 
 
 def _owner(key: str, opt: torch.optim.Optimizer, models: Mapping[str, nn.Module]) -> str:
@@ -214,12 +222,18 @@ def _owner(key: str, opt: torch.optim.Optimizer, models: Mapping[str, nn.Module]
 
 def _state_dicts(parts: Parts) -> dict[str, Any]:
     """What DCP saves or loads into: each model's and optimizer's state dict in this rank's current
-    sharding."""
+    sharding (a pipeline rank's: its stage's entries, ``ranks.dcpstages``)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    out: dict[str, Any] = {k: get_model_state_dict(m) for k, m in parts.models.items()}
+    from .dcpstages import held_optimizer_state, holds_meta, stage_state
+
+    staged = {k for k, m in parts.models.items() if holds_meta(m)}
+    out: dict[str, Any] = {
+        k: stage_state(m) if k in staged else get_model_state_dict(m) for k, m in parts.models.items()
+    }
     for key, (opt, owner) in parts.optimizers.items():
-        out[key] = get_optimizer_state_dict(parts.models[owner], opt)
+        state = get_optimizer_state_dict(parts.models[owner], opt)
+        out[key] = held_optimizer_state(state) if owner in staged else state
     out.update({k: dict(v) for k, v in parts.trees.items()})
     return out
 
@@ -256,13 +270,31 @@ def save_folder(path: str | os.PathLike[str], state: Mapping[str, Any], *, barri
             f"save_checkpoint({os.fspath(path)!r}): another rank failed to collect its state (see its "
             "error); nothing was saved"
         )
-    error = _write(tmp, saved, parts, path, coordinator)
+    try:
+        planner = _stage_planner(saved, parts)  # a pipeline's: each chunk from one owner
+    except ValueError:
+        _discard(tmp, coordinator)
+        raise
+    error = _write(tmp, saved, parts, path, coordinator, planner)
     if error is not None and coordinator:
         _discard(tmp, coordinator)
     failed = any_rank(error is not None)[0] if barrier or group_size() == 1 else error is not None
     if failed:
         raise _save_error(path, error)
     return coordinator
+
+
+def _stage_planner(saved: dict[str, Any], parts: Parts) -> Any:
+    """``ranks.dcpstages``' planner when a model in the state holds ``meta`` tensors on any rank (a pipeline
+    across ranks), else ``None`` (DCP's default)."""
+    from .dcpstages import holds_meta, key_order, owner_planner
+
+    staged = any(holds_meta(m) for m in parts.models.values())
+    if _no_dist() or not any_rank(staged)[0]:
+        return None
+    owners = {k: owner for k, (_, owner) in parts.optimizers.items()}
+    every = [f"{k}.{name}" for k, m in parts.models.items() for name in m.state_dict()]
+    return owner_planner(saved, key_order(parts.order, parts.models, owners), every)
 
 
 def _begin(path: str | os.PathLike[str]) -> Path:
@@ -312,7 +344,12 @@ def _shared_begin(path: str | os.PathLike[str], coordinator: bool) -> Path:
 
 
 def _write(
-    tmp: Path, saved: dict[str, Any], parts: Parts, path: str | os.PathLike[str], coordinator: bool
+    tmp: Path,
+    saved: dict[str, Any],
+    parts: Parts,
+    path: str | os.PathLike[str],
+    coordinator: bool,
+    planner: Any = None,
 ) -> BaseException | None:
     """DCP's save into ``tmp`` (every rank), then rank 0 writes the values and manifest and swaps the folder
     in."""
@@ -321,7 +358,8 @@ def _write(
 
     try:
         with _quiet():
-            dcp.save(saved, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=_no_dist())
+            writer = dcp.FileSystemWriter(tmp, sync_files=True)
+            dcp.save(saved, storage_writer=writer, planner=planner, no_dist=_no_dist())
         if coordinator:  # DCP returned here: every rank's shards and the .metadata are written
             _write_values(tmp, parts, path)
             files.write_text(tmp / MANIFEST, json.dumps(_manifest(parts), indent=1) + "\n", durable=True)
