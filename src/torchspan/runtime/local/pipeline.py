@@ -170,12 +170,14 @@ class Pipeline:
         scaler: Any = None,
         buffers: Sequence[Sequence[Slot]] | None = None,
         finished: Callable[[int, torch.Tensor], None] | None = None,
+        before_last: Callable[[int, list[Any]], None] | None = None,
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns the summed weighted loss (detached).
 
         ``finished(stage, loss)``: across processes, called once a local stage has run (and sent) its
         last backward (its last weight backward, zero-bubble), with the pipeline's loss, while later stages'
-        work may still run (a data-parallel gradient reduction starts there).
+        work may still run (a data-parallel gradient reduction starts there). ``before_last(stage, outputs)``:
+        across processes, called right before a stage's last backward (not a split one) from ``outputs``.
 
         ``buffers[s]`` are stage ``s``'s buffer slots: a recompute leaves them as the real forward
         left them (BatchNorm statistics are updated once per micro-batch).
@@ -198,6 +200,7 @@ class Pipeline:
         # (no collective after the step): every process returns it.
         if any(not self.transport.is_local(t) for t in range(len(fns))):
             step.carry = _carried_microbatch(plan)
+            step.before_last = before_last
         try:
             self._run(plan, step.do)
         finally:

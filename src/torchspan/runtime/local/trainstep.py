@@ -79,6 +79,7 @@ class TrainStep:
         self.last = len(fns) - 1
         self.carry: int | None = None  # across processes: the micro-batch whose backward carries the loss
         self.carried: list[torch.Tensor] = []
+        self.before_last: Callable[[int, list[Any]], None] | None = None  # (stage, outputs) before its last
         self.pending: dict[
             tuple[int, int], tuple[Pending, torch.Tensor | None]
         ] = {}  # zero-bubble: weight passes to run
@@ -197,6 +198,8 @@ class TrainStep:
                     for o, g in zip(st.outputs, grads_in)
                     if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
                 ]
+            if mb == self.carry and not split and self.before_last is not None:
+                self.before_last(s, [o for o, _ in pairs])  # a bucketed reduction armed for it
             grads = self._input_pass(s, mb, st, pairs, split)
         loss = (self.summed() if s == self.last else self.carried[-1]) if mb == self.carry else None
         if s > 0:

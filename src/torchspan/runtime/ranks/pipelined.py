@@ -189,6 +189,7 @@ class RankPipelineExecutor(StageExecutor):
                 s.scaler,
                 buffers,
                 finished=LastBackwards(len(self.local), reduction.finished),
+                before_last=(lambda s, outs: reduction.before_last(outs)) if len(self.local) == 1 else None,
             )
         total = reduction.total
         return total[0].to(loss.device, loss.dtype) if total is not None else loss

@@ -11,8 +11,9 @@
   Megatron's embedding group, every replica included). Replicas and tied copies start identical (broadcast).
 - **Weights**: with replicas, the last stages all-reduce the loss normalizer so every replica
   weighs its micro-batches against the global batch.
-- **Gradients**: once this rank ran its last backward, a SUM of this step's gradients starts in
-  each group (async, one flat buffer per dtype); gradients from earlier steps stay accumulated.
+- **Gradients**: a stage's replicas SUM this step's gradients in DDP's buckets during its last backward
+  (``ranks.bucketed``, armed by ``Reduction.before_last``); else (ties, zero-bubble, several stages a rank,
+  the own forward) one async flat SUM per dtype once its last backward ran. Earlier steps' stay accumulated.
 - **Sharding** (``shard``, after ``start``): this stage's layers sharded by FSDP2 over its
   data-parallel group (``ranks.stageshard``); their gradients are reduce-scattered by FSDP2 at the
   same moment, the rest (ties, the model's own tensors) all-reduced as above.
@@ -36,11 +37,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from ..executor import Executor
 from ..losscheck import LossChecks
 from ..lossweights import LossSpec
+from .bucketed import Bucketed
 from .devicemesh import derived_group, job_mesh, sub_mesh
 from .env import RankInfo
 from .fingerprint import batch_fingerprint
@@ -62,6 +65,8 @@ class RankStage:
     job's mesh (a user's ``span(mesh=)``, else built here; ``settings.mesh``); ``pipe_group``/``stage_group``:
     this replica's pipeline and this stage's replicas (``None`` without replicas), groups of its sub-meshes.
     """
+
+    bucketed: bool = True  # replicas reduce in DDP's buckets during the last backward where it applies
 
     def __init__(
         self,
@@ -113,12 +118,11 @@ class RankStage:
         self._tie_stages: list[tuple[int, ...]] = []
         self._tie_of: dict[int, int] = {}  # id(tied parameter this stage holds) -> index of its tie group
         self._tie_groups: list[tuple[Any, int]] = []  # (group, its lowest rank)
-        self._batch_checked: Any = (
-            None  # (structure, its hash) of the last batch compared across the pipeline
-        )
+        self._batch_checked: Any = None  # (structure, its hash) of the last batch checked in the pipeline
         self.shards: StageShards | None = (
             None  # this stage's FSDP2 units (pipeline x sharded), made by shard()
         )
+        self._buckets: Bucketed | None = None  # DDP's reducer over the replicated parameters (ranks.bucketed)
 
     @property
     def last(self) -> bool:
@@ -330,11 +334,32 @@ class RankStage:
         except BaseException:
             if self.shards is not None:
                 self.shards.abandon()
+            if reduction.buckets is not None:  # the reducer may be mid-step: a fresh one next step
+                self.drop_buckets()
             raise
         finally:
             for p, g in zip(params, earlier):
                 if g is not None:
                     p.grad = g if p.grad is None else g.add_(p.grad)
+
+    def buckets_for(self, params: list[nn.Parameter]) -> Bucketed | None:
+        """DDP's reducer over ``params``' replicated ones (not tied, not sharded) in this stage's replica
+        group, made once; ``None`` where the flat reduction stays (no replicas, sharded, tensor-parallel)."""
+        if not self.bucketed or self.stage_group is None or self.shards is not None:
+            return None
+        mine = [p for p in params if id(p) not in self._tie_of]
+        if not mine or self.comm.type != self.device.type or any(isinstance(p, DTensor) for p in mine):
+            return None  # tensor-parallel stages (DTensors) keep the flat reduction
+        if self._buckets is None or [id(p) for p in self._buckets.params] != [id(p) for p in mine]:
+            self.drop_buckets()
+            self._buckets = Bucketed(mine, self.stage_group)
+        return self._buckets
+
+    def drop_buckets(self) -> None:
+        """Forget the reducer (after a failed step, or a changed set of parameters)."""
+        if self._buckets is not None:
+            self._buckets.close()
+            self._buckets = None
 
     def launch(self, params: list[nn.Parameter], group: Any) -> list[tuple[Any, Any]]:
         """Start SUMs of ``params``' gradients over ``group``: one flat buffer per dtype (a missing grad
@@ -378,19 +403,33 @@ class Reduction:
     def __init__(self, ranks: RankStage, params: list[nn.Parameter]) -> None:
         self.ranks, self.params = ranks, params
         self.total: torch.Tensor | None = None
+        self.buckets: Bucketed | None = None  # armed by before_last
+        self._flags: torch.Tensor | None = None
         self._launched: list[tuple[Any, Any]] = []
+
+    def before_last(self, outputs: Sequence[torch.Tensor]) -> None:
+        """Right before this rank's last backward of the step (from ``outputs``; one stage per rank): its
+        replicated gradients are then reduced in DDP's buckets during that backward (``ranks.bucketed``)."""
+        buckets = self.ranks.buckets_for(self.params) if outputs else None
+        if buckets is not None:
+            buckets.prepare(outputs)
+            self.buckets = buckets
 
     def finished(self, loss: torch.Tensor) -> None:
         """This rank ran its last backward (``loss``: its summed loss): start the SUMs in every group."""
         r = self.ranks
         if r.stage_group is not None:
-            total = loss.detach().to(r.comm, torch.float64).reshape(1)
+            flags = [self.buckets.done()] if self.buckets is not None else []
+            total = torch.cat([loss.detach().to(torch.float64).reshape(1).cpu(), *flags]).to(r.comm)
             self._launched.append((dist.all_reduce(total, group=r.stage_group, async_op=True), None))
-            self.total = total
+            self.total, self._flags = total[:1], total[1:]
+            done = set(map(id, self.buckets.params)) if self.buckets is not None else set()
             replicated = [
                 p
                 for p in self.params
-                if id(p) not in r._tie_of and not (r.shards is not None and r.shards.holds(p))
+                if id(p) not in r._tie_of
+                and id(p) not in done
+                and not (r.shards is not None and r.shards.holds(p))
             ]
             self._launched.extend(r.launch(replicated, r.stage_group))
         for i, (group, _) in enumerate(r._tie_groups):
@@ -405,6 +444,12 @@ class Reduction:
             if unpack is not None:
                 unpack()
         self._launched = []
+        if self.buckets is not None and self._flags is not None:  # reached on no replica: flat, now
+            for handle, unpack in self.ranks.launch(
+                self.buckets.leftover(self._flags.cpu()), self.ranks.stage_group
+            ):
+                handle.wait()
+                unpack()
 
 
 class StageExecutor(Executor):
