@@ -172,7 +172,7 @@ def test_sharded_does_not_fit_offload_does() -> None:
     plan = cluster_search(prof, Cluster.describe(prof.devices, 1, intra="nvlink4"), host_memory=100 * MB)
     rows = {r["strategy"]: r for r in plan.comparison}
     assert plan.shard and plan.offload == "cpu" and plan.data_parallel == 4
-    assert [r["fits"] for r in plan.comparison] == [False, False, True, False, False, False, False]
+    assert [r["fits"] for r in plan.comparison] == [False, False, True, False, False, False, False, False]
     host = rows["sharded + offload"]["host_memory"]
     assert (
         host == 4 * 16 * MB and rows["sharded + offload"]["host_budget"] == 100 * MB
@@ -233,7 +233,7 @@ def test_comparison_table_and_json(tmp_path: Path) -> None:
         assert any(line.startswith(name) for line in text.splitlines()), name
     assert "sharded *" in text and "does not fit: needs 61.34 MiB per device, budget 38.15 MiB" in text
     assert (
-        "note: strategy: sharded (dp 4) is the fastest of the 6 strategies that fit; next: tensor parallel "
+        "note: strategy: sharded (dp 4) is the fastest of the 7 strategies that fit; next: tensor parallel "
         "x sharded" in text
     )
     data = plan.to_dict()

@@ -73,9 +73,10 @@ def _rows(plan: Plan) -> dict[str, dict]:
 def test_70b_on_four_nodes_tp_8_is_chosen_and_its_row_follows_from_the_formulas() -> None:
     prof = llama_70b(8)
     cluster = Cluster.describe(prof.devices, 4, interconnect="ib-400g")
-    plan = cluster_search(prof, cluster)
+    # 4 replicas fixed: tp 8 x pp 4 (one replica) is faster (tests/test_planner_tp_pipeline.py)
+    plan = cluster_search(prof, cluster, data_parallel=4)
     rows = _rows(plan)
-    assert [r["strategy"] for r in plan.comparison] == list(STRATEGIES) and STRATEGIES[-1] == TP
+    assert [r["strategy"] for r in plan.comparison] == list(STRATEGIES) and TP in STRATEGIES
     row = rows[TP]
     # 8 samples on 32 ranks: no replicas, no sharding; a pipeline of one sample per replica idles its stages
     assert "not possible" in rows["sharded"]["note"] and rows["hybrid"]["fits"]
@@ -165,13 +166,14 @@ def test_70b_on_four_nodes_tp_8_is_chosen_and_its_row_follows_from_the_formulas(
 def test_only_tensor_parallelism_fits_layers_too_wide_to_gather() -> None:
     """Two layers of 32 GB of parameters (128 GB with gradients and Adam) on one node of 8 80-GB devices: a
     sharded replica gathers a whole layer (and prefetches the next), a pipeline stage holds one whole; tp 8
-    holds 1/8 of each."""
+    holds 1/8 of each (and tp 4 x pp 2 a quarter of one)."""
     devs = [device("cuda", "gpu", 80 * GB, bandwidth=50e9, index=k, memory_bandwidth=3e12) for k in range(8)]
     lays = [layer(f"l{k}", params=32 * GB, act=1e6, out=1e5, speeds=[1.0] * 8) for k in range(2)]
     prof = Profile(layers=lays, devices=devs, batch_size=8, input_bytes=1e5, optimizer="adam")
     plan = cluster_search(prof, Cluster.describe(devs, 1, intra="nvlink4"), host_memory=GB)
     rows = _rows(plan)
-    assert [name for name, r in rows.items() if r["fits"]] == [TP]
+    assert [name for name, r in rows.items() if r["fits"]] == [TP, "tensor parallel x pipeline"]
+    assert rows[TP]["chosen"]  # tp 4 x pp 2 holds as much per rank and idles in its bubble
     assert "needs" in rows["sharded"]["note"] and "needs" in rows["pipeline x sharded"]["note"]
     assert (plan.tp, plan.data_parallel, plan.shard, plan.world_size) == (8, 1, False, 8)
     assert (
@@ -195,14 +197,16 @@ def test_a_small_model_on_one_node_keeps_its_replicas() -> None:
 
 def test_70b_with_a_large_batch_does_not_fit_tensor_parallel() -> None:
     """64 samples on 32 ranks: each tp rank of 16 replicas holds 4 samples' activations (recompute is not
-    offered with a replica); a hybrid of 2 replicas x 16 stages fits and is the plan."""
+    offered with a replica); pipelines of tensor-parallel stages (tp 4 x pp 4 x dp 2) fit and are the plan,
+    ahead of a hybrid of 2 replicas x 16 stages."""
     prof = llama_70b(64)
     plan = cluster_search(prof, Cluster.describe(prof.devices, 4, interconnect="ib-400g"))
     rows = _rows(plan)
-    assert not rows[TP]["fits"] and rows[TP]["note"].startswith("does not fit: needs") and plan.tp == 1
+    assert not rows[TP]["fits"] and rows[TP]["note"].startswith("does not fit: needs")
     assert rows[TP]["predicted_step_time"] < plan.predicted_step_time  # faster, but over budget: said so
     assert "faster but over budget: " in next(n for n in plan.notes if n.startswith("strategy:"))
-    assert rows["hybrid"]["chosen"] and (plan.data_parallel, len(plan.stages)) == (2, 16)
+    assert rows["tensor parallel x pipeline"]["chosen"] and rows["hybrid"]["fits"]
+    assert (plan.tp, plan.data_parallel, len(plan.stages)) == (4, 2, 4)
 
 
 def test_a_cpu_cluster_and_a_fixed_degree() -> None:

@@ -63,7 +63,7 @@ def strategy_of(dp: int, pp: int, shard: bool = False, offload: str | None = Non
     1`` ranks, ``tensor parallel x sharded`` (``planner.strategies.STRATEGIES``,
     ``planner.tensorparallel``)."""
     if tp > 1:
-        return "tensor parallel x sharded"
+        return "tensor parallel x pipeline" if pp > 1 else "tensor parallel x sharded"
     if pp == 1:
         return "sharded + offload" if offload else "sharded" if shard else "replicas"
     if dp == 1:
@@ -177,6 +177,7 @@ class ClusterCandidate:
     def row(self) -> str:
         mem = "/".join(format_bytes(m.total) for m in self.stage_memory)
         split = f"tp {self.tp} x dp {self.dp}" if self.tp > 1 else f"dp {self.dp} x pp {self.pp}"
+        split = f"tp {self.tp} x pp {self.pp} x dp {self.dp}" if self.tp > 1 and self.pp > 1 else split
         head = f"{split} ({self.layout}; {self.strategy}), {self.cm.M} micro-batch(es), {self.cm.recompute}: "
         if self.shard:
             total = sum(v for k, v in self.totals if k in ("allgather_total", "reduce_scatter_total"))

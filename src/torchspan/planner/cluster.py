@@ -13,7 +13,8 @@ micro-batch count, schedule and recompute mode of one replica (``optimize.search
 priced at the slowest link the layout's pipelines cross). When that best pipeline leaves some
 of its ``pp`` devices idle (fewer stages are faster for one replica), ``even_cut`` cuts it into
 exactly ``pp`` stages instead, for every setting: ``dp * pp`` fills the world. Beside them, every
-``tp x dp`` of the world with each block split over ``tp`` ranks of a node (``planner.tensorparallel``).
+``tp x dp`` of the world with each block split over ``tp`` ranks of a node (``planner.tensorparallel``), and
+every ``tp x pp x dp`` with pipelines of such stages (``planner.tppipeline``).
 
 What is predicted, per replica (all replicas alike; ``M`` micro-batches)::
 
@@ -76,6 +77,7 @@ from .settings import settings_grid, sharded_schedule
 from .stages import Evaluation
 from .strategies import (
     TP,
+    TPP,
     Host,
     Options,
     choose,
@@ -88,6 +90,7 @@ from .strategies import (
 from .tensorparallel import tp_candidates, tp_degrees
 from .ties import TieCost
 from .topology import Cluster, layouts, replica_profile, shard_size
+from .tppipeline import tp_pipeline_candidates
 
 __all__ = [
     "ClusterCandidate",
@@ -145,7 +148,7 @@ def cluster_search(
 ) -> Plan:
     """The fastest plan of ``profile`` (one node's devices) on ``cluster`` among every strategy
     (``planner.strategies``: replicas, sharded, sharded + offload, pipeline, hybrid, pipeline x sharded,
-    tensor parallel x sharded).
+    tensor parallel x sharded, tensor parallel x pipeline).
 
     ``bucket_bytes``: the data-parallel runtime's gradient bucket (``DataParallelReplica``'s 25 MiB).
     ``ties``: tied parameters (``planner.ties``), all-reduced per step where a candidate splits them.
@@ -175,13 +178,13 @@ def cluster_search(
         data_parallel=data_parallel,
         tp=tp,
     )
-    candidates += [c for c in split[0] if c.fits]
-    probes += [c for c in split[0] if not c.fits]
+    staged = tp_pipeline_candidates(profile, cluster, opts, data_parallel=data_parallel, tp=tp)
+    candidates += [c for c in split[0] + staged[0] if c.fits]
+    probes += [c for c in split[0] + staged[0] if not c.fits]
     probes += unfitting(profile, cluster, splits, candidates, opts)
     best = choose(candidates) if candidates else None
-    rows = compare(
-        [*candidates, *probes], best, {**reasons(cluster, profile, splits, opts), TP: split[1]}, host
-    )
+    why = {**reasons(cluster, profile, splits, opts), TP: split[1], TPP: staged[1]}
+    rows = compare([*candidates, *probes], best, why, host)
     if best is None:
         raise _no_fit(cluster, splits, rows, skipped, last_error)
     return to_plan(best, candidates, skipped, cluster, profile.batch_size, bucket_bytes, ties, rows, host)

@@ -109,6 +109,7 @@ def _row(c: ClusterCandidate, is_chosen: bool, chosen: ClusterCandidate | None) 
     ranks = f"dp {c.dp}" if c.pp == 1 else f"pp {c.pp}" if c.dp == 1 else f"dp {c.dp} x pp {c.pp}"
     if c.tp > 1:
         ranks = f"tp {c.tp} x dp {c.dp}" if c.dp > 1 else f"tp {c.tp}"
+        ranks = f"tp {c.tp} x pp {c.pp}" + (f" x dp {c.dp}" if c.dp > 1 else "") if c.pp > 1 else ranks
     extra = {"tp": c.tp, "tp_allreduce": c.tp_comm} if c.tp > 1 else {}
     return {
         "strategy": c.strategy,

@@ -5,7 +5,8 @@
 ``sharded + offload`` (the shards in host memory, the optimizer step on the CPU), ``pipeline``
 (stages on ranks, one replica), ``hybrid`` (pipeline x replicas), ``pipeline x sharded`` (each
 stage's replicas shard its states) and ``tensor parallel x sharded`` (each block split over ``tp``
-ranks of a node, FSDP2 over the ``world / tp`` replicas: ``planner.tensorparallel``).
+ranks of a node, FSDP2 over the ``world / tp`` replicas: ``planner.tensorparallel``) and ``tensor parallel x
+pipeline`` (``pp`` stages of ``tp`` ranks each, ``dp`` replicas: ``planner.tppipeline``).
 ``planner.cluster.cluster_search`` prices each split ``dp x pp`` of the world: replicas, pipelines and hybrids
 as before (``planner.candidates``); the sharded ones with ``planner.sharded``:
 
@@ -72,6 +73,7 @@ __all__ = [
     "choose",
     "SHARD_MARGIN",
     "TP",
+    "TPP",
 ]
 
 STRATEGIES = (
@@ -82,8 +84,10 @@ STRATEGIES = (
     "hybrid",
     "pipeline x sharded",
     "tensor parallel x sharded",
+    "tensor parallel x pipeline",
 )
-TP = STRATEGIES[-1]  # planner.tensorparallel's
+TP = "tensor parallel x sharded"  # planner.tensorparallel's
+TPP = "tensor parallel x pipeline"  # planner.tppipeline's: pp stages of tp ranks, dp replicas
 HOST_PER_DEVICE = 3  # assumed host memory of a described node, in multiples of its accelerators' memory
 SHARD_MARGIN = 0.02  # a sharded (offloaded) plan must be predicted this much faster than the plan without it
 

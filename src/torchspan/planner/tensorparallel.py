@@ -231,6 +231,8 @@ def tp_notes(best: ClusterCandidate, cluster: Cluster) -> list[str]:
     split = split_layers(best.cm.profile)
     names = [lay.name for lay, s in zip(best.cm.profile.layers, split) if not s and lay.param_bytes > 0]
     whole = f"; whole on every rank of a replica: {', '.join(names)}" if names else ""
+    if best.pp > 1:
+        return _pipeline_notes(best, cluster, sum(split), whole)
     run = f"span(model, tp={best.tp}, shard=True)" if best.dp > 1 else f"span(model, tp={best.tp})"
     sharded = f", then FSDP2 over dp_shard {best.dp} ({best.reductions[0].link})" if best.dp > 1 else ""
     return [
@@ -241,4 +243,20 @@ def tp_notes(best: ClusterCandidate, cluster: Cluster) -> list[str]:
         f"tp all-reduces: 4 per block (2 forward, 2 backward) of its output over {cluster.intra.key}, "
         f"{best.tp_comm * 1e3:.3f} ms per step, not overlapped with compute; a split block keeps "
         f"{WHOLE_OUTPUTS} output-sized activations whole and 1/tp of the rest",
+    ]
+
+
+def _pipeline_notes(best: ClusterCandidate, cluster: Cluster, blocks: int, whole: str) -> list[str]:
+    """What a tensor parallel x pipeline plan runs (``planner.tppipeline``) and how it was priced."""
+    balance = [st.end - st.start for st in best.evaluation.stages]
+    replicas = f", {best.dp} replicas (dp_replicate)" if best.dp > 1 else ""
+    return [
+        f"tensor parallel x pipeline: {best.pp} stages {balance} (layers), each split over tp {best.tp} "
+        f"ranks of a node{replicas}: {blocks} block(s) split (DTensor: attention heads and MLP width "
+        f"column- then row-wise){whole}; span(model, plan) runs it in a job of {cluster.world} processes, as "
+        f"span(model, tp={best.tp}, balance={balance}) does (mesh pp x dp_replicate x tp, tp innermost; on "
+        "fewer: shrunk, the stages kept, tp = gcd(tp, WORLD_SIZE / pp)); planner.tppipeline has the formulas",
+        f"tp all-reduces: 4 per block and micro-batch (2 forward, 2 backward) of its output over "
+        f"{cluster.intra.key}, {best.tp_comm * 1e3:.3f} ms of the step (on the pipeline's path, bubble "
+        f"included), not overlapped with compute; hand-overs whole on every tp rank, {best.p2p * 1e3:.3f} ms",
     ]
