@@ -148,8 +148,10 @@ def test_a_plan_that_cannot_run_is_refused_before_any_work() -> None:
         stage_ranks=[[0, 1], [2, 3]],
         tp=2,
     )
-    with pytest.raises(ValueError, match="on 2 stage.*tensor parallel x pipeline is not built yet"):
-        torchspan.span(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), two)
+    with pytest.raises(
+        ValueError, match=r"plan.tp=2 with 2 stages: .*WORLD_SIZE is 1: run span\(model, plan\)"
+    ):
+        torchspan.span(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), two)  # tp x pp: ranks.tpstages
     other = Plan(
         [StagePlan("cpu", ["blocks.0"])],
         data_parallel=1,
@@ -160,3 +162,93 @@ def test_a_plan_that_cannot_run_is_refused_before_any_work() -> None:
     )
     with pytest.raises(ValueError, match=r"of layers \['blocks.0'\] that Sequential does not have: re-plan"):
         torchspan.span(nn.Sequential(nn.Linear(4, 4)), other)
+
+
+# -------------------------------------------------------- tensor parallel x pipeline (planner.tppipeline)
+@cache
+def _staged_plans() -> dict[str, str]:
+    """The planner's tensor parallel x pipeline choices for the 70B-shaped 2-block Llama (tp 2 and the
+    replicas fixed): ``tp 2 x pp 2`` on one node of 4, ``tp 2 x pp 2 x dp 2`` on one node of 8 (2 x 2048
+    tokens)."""
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        tie_word_embeddings=True,
+        use_cache=False,
+        vocab_size=32000,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+    )
+    with torch.device("meta"):
+        wide = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 32000, (2, 2048))
+    out = {}
+    for name, devices, dp in (("4 ranks", "h100-80gb*4", 1), ("8 ranks", "h100-80gb*8", 2)):
+        plan = torchspan.plan(
+            wide,
+            {"input_ids": ids},
+            devices=devices,
+            intra_link="nvlink",
+            dtype=torch.bfloat16,
+            data_parallel=dp,
+            tp=2,
+        )
+        out[name] = plan.to_json()
+    return out
+
+
+def test_the_planner_chose_tensor_parallel_pipelines() -> None:
+    plans = {k: Plan.from_json(v) for k, v in _staged_plans().items()}
+    got = {k: (p.tp, p.data_parallel, len(p.stages), p.world_size, p.shard) for k, p in plans.items()}
+    assert got == {"4 ranks": (2, 1, 2, 4, False), "8 ranks": (2, 2, 2, 8, False)}
+    for p in plans.values():
+        chosen = next(r for r in p.comparison if r["chosen"])
+        assert chosen["strategy"] == "tensor parallel x pipeline", chosen
+    modules = dict(_tiny().named_modules())
+    assert all(name in modules for p in plans.values() for name in p.layers), plans["4 ranks"].layers
+
+
+def _run_staged(rank: int, world: int, text: str) -> None:
+    """A tensor parallel x pipeline plan through ``train_step``: pp 2 x tp 2 on 4 ranks (the 8-rank plan
+    shrunk, with its warning); the loss and every held parameter's full gradient one device's."""
+    plan = Plan.from_json(text)
+    model = _tiny()
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        spanned = torchspan.span(model, plan)
+    said = [str(w.message) for w in caught if "runs shrunk" in str(w.message)]
+    shrunk = world < plan.world_size
+    assert len(said) == int(shrunk), said
+    if shrunk:
+        assert "as pp 2 x dp 1 x tp 2" in said[0] and all(
+            w.filename == __file__ for w in caught if "runs shrunk" in str(w.message)
+        )
+    mesh = spanned.mesh
+    assert mesh.mesh_dim_names == ("pp", "tp") and tuple(mesh.shape) == (2, 2), (
+        mesh
+    )  # dp_replicate 1: kept out
+    assert spanned.data_parallel == (0, 1), spanned.data_parallel
+    batch = _batch()
+    loss = spanned.train_step(batch)
+    want = reference(**batch).loss
+    want.backward()
+    torch.testing.assert_close(loss.double(), want.detach().double(), rtol=1e-6, atol=1e-8)
+    ref = dict(reference.named_parameters())
+    held = [(n, p) for n, p in spanned.module.named_parameters() if p.device.type != "meta"]
+    assert any(type(p).__name__ == "DTensor" for _, p in held), "no layer split over tp"
+    for name, p in held:
+        got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        torch.testing.assert_close(got, ref[name].grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _staged_worker(rank: int, world: int, port: int, plans: dict[str, str]) -> None:
+    join_job(rank, world, port)
+    for text in plans.values():
+        _run_staged(rank, world, text)
+
+
+@pytest.mark.slow
+def test_span_runs_the_planners_tensor_parallel_pipeline_on_4_ranks() -> None:
+    spawn(_staged_worker, 4, free_port(), _staged_plans(), deadline=300)

@@ -57,7 +57,7 @@ from .ranks.mesh import launched_stages
 from .ranks.metaweights import check_weights, fill
 from .ranks.replicated import launched_replica
 from .ranks.sharded import check_shard_options
-from .ranks.tensorparallel import tensor_parallel
+from .ranks.tensorparallel import planned_stages, tensor_parallel
 from .ranks.tpstages import tp_pipeline
 from .record import Recorder
 from .spanned import Spanned
@@ -322,6 +322,9 @@ def _spanned(
     """``span``'s strategy from its checked settings: tensor parallel first (``tp=`` or a plan's ``tp``; the
     plan is consumed there), then a launched replica (one stage, or sharded), else the stages of
     ``runtime.layout``."""
+    if plan is not None and plan.tp > 1 and len(plan.stages) > 1:  # the planner's tp x pp: the 3-D path below
+        tp, balance = planned_stages(model, plan, tp)
+        where, plan = {**where, "balance": balance}, None
     devices, balance, weights = where["devices"], where["balance"], where["weights"]
     recorder = Recorder()
     split = tp is not None or getattr(plan, "tp", 1) > 1  # every layer over tp ranks (ranks.tensorparallel)

@@ -38,7 +38,16 @@ from torch import nn
 from .env import init_distributed, rank_info
 from .sequenceparallel import SEQUENCE_DIM, sequence_hooks
 
-__all__ = ["tp_mesh", "parallelize", "tensor_parallel", "planned", "tp_styles", "full_tensors", "STYLES"]
+__all__ = [
+    "tp_mesh",
+    "parallelize",
+    "tensor_parallel",
+    "planned",
+    "planned_stages",
+    "tp_styles",
+    "full_tensors",
+    "STYLES",
+]
 
 STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "sequence_parallel")
 ALIASES = {
@@ -128,8 +137,8 @@ def planned(model: nn.Module, plan: Any, tp: Any, sharding: dict[str, Any]) -> i
     if len(plan.stages) != 1 or plan.stage_ranks != [list(range(n))]:
         raise ValueError(
             f"{what} on {len(plan.stages)} stage(s), ranks {plan.stage_ranks}: span(model, plan) runs one "
-            "stage with tp innermost (the planner's tensor parallel x sharded); tensor parallel x pipeline "
-            "is not built yet. Re-plan"
+            "stage with tp innermost (the planner's tensor parallel x sharded), several by planned_stages "
+            "(tensor parallel x pipeline). Re-plan"
         )
     unknown = [name for name in plan.layers if name not in dict(model.named_modules())]
     if unknown:
@@ -159,6 +168,61 @@ def planned(model: nn.Module, plan: Any, tp: Any, sharding: dict[str, Any]) -> i
         )
     sharding["shard"] = dp > 1
     return t
+
+
+def planned_stages(model: nn.Module, plan: Any, tp: Any) -> tuple[int, list[int]]:
+    """``span(model, plan)`` for the planner's tensor parallel x pipeline (``plan.tp > 1``, several stages,
+    ``planner.tppipeline``): ``(tp, balance)`` for the 3-D path (``ranks.tpstages``) on the launched world.
+
+    On the plan's world: its ``pp x dp x tp``. On fewer ranks: "shrunk", the plan's stages kept, ``tp =
+    gcd(plan.tp, WORLD_SIZE / pp)`` and replicas over the rest, with a ``UserWarning``. Refused
+    (``ValueError``): a ``tp=`` other than the plan's, ranks not ``pp x dp x tp`` with ``tp`` innermost,
+    layers the model lacks, one process, a larger job, a world that ``pp`` does not divide or that leaves
+    ``tp`` 1."""
+    import math
+    import warnings
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    n, t, dp, pp = plan.world_size, plan.tp, plan.data_parallel, len(plan.stages)
+    what = f"plan.tp={t} with {pp} stages: this plan runs pp {pp} x dp {dp} x tp {t} ({n} processes)"
+    run = f"span(model, tp={t}, balance={plan.balance})"
+    if tp is not None and tp != t:
+        raise ValueError(
+            f"span(model, plan, tp={tp!r}): {what}; drop tp= to run the plan, or re-plan with tp={tp}"
+        )
+    rows = [[(s * dp + r) * t + k for r in range(dp) for k in range(t)] for s in range(pp)]
+    if plan.stage_ranks != rows:
+        raise ValueError(
+            f"{what}, on ranks {plan.stage_ranks}: span(model, plan) runs the mesh pp x dp_replicate x tp, "
+            f"tp innermost (ranks {rows}). Re-plan with torchspan.plan(..., nodes=...)"
+        )
+    unknown = [name for name in plan.layers if name not in dict(model.named_modules())]
+    if unknown:
+        raise ValueError(
+            f"{what}, of layers {unknown} that {type(model).__name__} does not have: re-plan for this model"
+        )
+    if world == 1 or world > n or world % pp:
+        raise ValueError(
+            f"{what}; WORLD_SIZE is {world}: run span(model, plan) in a launched job of {n} processes "
+            f"(torchspan launch --nproc-per-node ...), or of fewer, a multiple of the {pp} stages that "
+            f"leaves tp > 1 (it runs shrunk), as {run} would"
+        )
+    if world < n:
+        t = math.gcd(t, world // pp)
+        if t == 1:
+            raise ValueError(
+                f"{what}; WORLD_SIZE({world}) leaves {world // pp} rank(s) per stage, sharing no degree with "
+                f"tp {plan.tp}: launch {pp} x a multiple of 2 processes"
+            )
+        warnings.warn(
+            f"span(model, plan): the plan is for {n} ranks (pp {pp} x dp {dp} x tp {plan.tp}); it runs "
+            f"shrunk on the {world} launched as pp {pp} x dp {world // (pp * t)} x tp {t} (the stages "
+            "kept, tp = gcd(plan.tp, WORLD_SIZE / pp)): the gradients are one device's, the plan's predicted "
+            f"times and memory are for {n} ranks",
+            UserWarning,
+            stacklevel=4,  # planned_stages, build._spanned, span: the caller's line
+        )
+    return t, list(plan.balance)
 
 
 def tp_styles(model: nn.Module, tp_plan: Mapping[str, Any] | None) -> dict[str, Any]:
