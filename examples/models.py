@@ -34,3 +34,26 @@ def llama_7b():  # type: ignore[no-untyped-def]
         use_cache=False,
     )
     return LlamaForCausalLM(config)
+
+
+def llama_70b():  # type: ignore[no-untyped-def]
+    """A Llama-2-70B-shaped transformers decoder (6.9e10 parameters: 80 blocks, hidden 8192, MLP 28672, 64
+    heads, 8 KV heads) in bfloat16, randomly initialised: plan it for described devices (built on meta).
+
+        torchspan plan examples/models.py:llama_70b --input input_ids=8,2048:int64 --vocab 32000 --nodes 4
+        --devices "h100-80gb*8"
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+        use_cache=False,
+    )
+    return LlamaForCausalLM(config).to(torch.bfloat16)
