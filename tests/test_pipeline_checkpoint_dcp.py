@@ -10,11 +10,11 @@ and:
 - (a) one plain process reads the folder as full tensors with the model's own keys in the model's order,
   equal to the gathered ones exactly, and loads it into a plain model + Adam whose next step is one
   device's;
-- (b) another layout loads it: a ``tp=2`` span and a data-parallel replica on 2 ranks, exactly the gathered
-  state, and their next step is one device's;
+- (b) the same layout loads it into a differently initialised span (its next step is the uninterrupted
+  run's, bit for bit), and another layout does: a ``tp=2`` span and a data-parallel replica on 2 ranks, the
+  2-stage pipeline and the pp x tp one, each exactly the gathered state, and their next step is one device's;
 - a tp-split entry is stored as 2 chunks, a whole one (the tied weight, every replica's copy) as one;
-- copies that drifted apart (a tied weight's two stages) are refused by name, nothing written; loading a
-  folder into a pipeline across ranks is refused naming the one-file form.
+- copies that drifted apart (a tied weight's two stages) are refused by name, nothing written.
 """
 
 from __future__ import annotations
@@ -132,6 +132,7 @@ def _save_job(rank: int, world: int, port: int, folder: str, layout: str) -> Non
     if rank == 0:
         torch.save(saved, Path(folder, f"{layout}.saved.pt"))
     if layout == "pp":  # a tied copy that drifted apart: refused by name on every rank, nothing written
+        kept = module[3].weight.detach().clone()
         if rank == 1:
             with torch.no_grad():
                 module[3].weight.add_(1.0)
@@ -139,19 +140,26 @@ def _save_job(rank: int, world: int, port: int, folder: str, layout: str) -> Non
             torchspan.save_checkpoint(Path(folder, "drifted"), {"model": spanned, "optimizer": opt})
         dist.barrier()
         assert not Path(folder, "drifted").exists()
-        with pytest.raises(ValueError, match=r"into a pipeline across ranks is not built.*one-file"):
-            torchspan.load_checkpoint(ckpt, {"model": spanned, "optimizer": opt})
+        with torch.no_grad():
+            module[3].weight.copy_(kept)
+    fresh = torchspan.span(_fresh(rank + 1), **LAYOUTS[layout][1])
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.5)
+    state = torchspan.load_checkpoint(ckpt, {"model": fresh, "optimizer": fresh_opt})
+    assert state is not None and state["step"] == 1 and fresh_opt.param_groups[0]["lr"] == LR
+    _same(_full(fresh, fresh_opt), saved, f"{layout}: loaded in the same layout", **EXACT)
+    _train(spanned, opt, 1)
+    _train(fresh, fresh_opt, 1)
+    _same(_full(fresh, fresh_opt), _full(spanned, opt), f"{layout}: resumed against uninterrupted", **EXACT)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def _load_job(rank: int, world: int, port: int, folder: str, into: str) -> None:
-    """Each saved folder loaded into ``into`` on 2 ranks: the gathered state exactly, then one device's
-    step."""
+    """Each saved folder loaded into ``into``: the gathered state exactly, then one device's step."""
     join_job(rank, world, port)
     for layout in LAYOUTS:
         want = torch.load(Path(folder, f"{layout}.saved.pt"), weights_only=True)
-        options = dict(tp=2, tp_plan=PLAN) if into == "tp" else {}
+        options = LAYOUTS[into][1] if into in LAYOUTS else dict(tp=2, tp_plan=PLAN) if into == "tp" else {}
         spanned = torchspan.span(_fresh(rank + 1), **options)
         opt = torch.optim.Adam(spanned.parameters(), lr=0.5)
         state = torchspan.load_checkpoint(Path(folder, layout), {"model": spanned, "optimizer": opt})
@@ -211,6 +219,7 @@ def test_a_pipeline_checkpoint_stores_tp_shards_split_and_copies_once(saved: Pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("into", ["tp", "replica"])
+@pytest.mark.parametrize("into", ["tp", "replica", "pp", "pp_tp"])
 def test_a_pipeline_checkpoint_loads_in_another_layout(saved: Path, into: str) -> None:
-    spawn(_load_job, 2, free_port(), str(saved), into, deadline=300)
+    world = LAYOUTS[into][0] if into in LAYOUTS else 2
+    spawn(_load_job, world, free_port(), str(saved), into, deadline=300)

@@ -185,21 +185,13 @@ def split(state: Mapping[str, Any], *, saving: bool) -> Parts:
 
 def _model(key: str, value: nn.Module, saving: bool) -> nn.Module:
     module = unwrap(value)
-    if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
-        return module
-    if saving and group_size() > 1:  # a pipeline across ranks: each rank writes its stage (ranks.dcpstages)
-        return module
+    if group_size() > 1 or not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        return module  # a pipeline across ranks: each rank saves or loads its stage (ranks.dcpstages)
     raise ValueError(
-        f"the model under {key!r} holds meta tensors (a pipeline rank holds only its stage): "
-        + (
-            "in one process no other rank holds them, so a sharded checkpoint cannot save it; load its "
-            "weights first (e.g. model.to_empty(device='cpu') and load_state_dict)"
-            if saving
-            else "loading a sharded checkpoint folder into a pipeline across ranks is not built; load the "
-            "folder in one process, into a tensor-parallel or data-parallel span, or save the pipeline in "
-            "the one-file form (save_checkpoint('ckpt.pt', {'model': spanned.state_dict(), 'optimizer': "
-            "opt.state_dict()}), resumed on the same layout)"
-        )
+        f"the model under {key!r} holds meta tensors (a pipeline rank holds only its stage), and in one "
+        f"process no other rank holds them, so a sharded checkpoint cannot "
+        f"{'save' if saving else 'load into'} it; materialise it first (model.to_empty(device='cpu')), or "
+        "run the pipeline in its launched job"
     )
 
 

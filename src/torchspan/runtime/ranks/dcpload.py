@@ -107,6 +107,7 @@ def load_into(
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     from .dcpread import SafeLoadPlanner, SafeReader, check_shards, checkpoint_error, read_full, read_metadata
+    from .dcpstages import holds_meta
 
     metadata = read_metadata(
         folder, trusted
@@ -121,8 +122,10 @@ def load_into(
     ):  # a folder dcp.save wrote holds its values itself
         values = read_full(folder, trusted, keys={*parts.values, *parts.stateful})
     loaded = _state_dicts(parts)
+    staged = {k for k, m in parts.models.items() if holds_meta(m)}  # a pipeline rank's: its stage, in place
     for key in parts.models if strict else ():
-        problem = key_mismatch(folder, key, names.get(key, []), list(loaded[key]))
+        own = list(parts.models[key].state_dict() if key in staged else loaded[key])
+        problem = key_mismatch(folder, key, names.get(key, []), own)
         if problem is not None:
             raise problem
     try:
@@ -132,15 +135,31 @@ def load_into(
     except BaseException as exc:  # DCP raises the same CheckpointException on every rank
         raise checkpoint_error(exc, folder) from None
     for key, module in parts.models.items():
-        set_model_state_dict(module, loaded[key])
+        if key not in staged:
+            set_model_state_dict(module, loaded[key])
     for key, (opt, owner) in parts.optimizers.items():
-        set_optimizer_state_dict(parts.models[owner], opt, loaded[key])
+        if owner in staged:
+            _set_groups(opt, loaded[key]["param_groups"])
+        else:
+            set_optimizer_state_dict(parts.models[owner], opt, loaded[key])
     for key, obj in parts.stateful.items():
         obj.load_state_dict(values.pop(key))
     given = {k: state[k] for k in parts.order if k not in parts.values}
     order = list(manifest["keys"]) if manifest else parts.order
     out = {k: given.get(k, values.get(k)) for k in order if k in given or k in values}
     return out | {k: v for k, v in given.items() if k not in out}
+
+
+def _set_groups(opt: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
+    """A pipeline rank's optimizer: its moments were loaded in place (``get_optimizer_state_dict`` hands out
+    the optimizer's own tensors); its groups' settings (``lr``, betas...) are the saved ones."""
+    if len(groups) != len(opt.param_groups):
+        raise ValueError(
+            f"load_checkpoint: the optimizer was saved with {len(groups)} parameter groups, this one has "
+            f"{len(opt.param_groups)}; build it with the same groups"
+        )
+    for group, saved in zip(opt.param_groups, groups, strict=True):
+        group.update({k: v for k, v in saved.items() if k != "params"})
 
 
 def _saved_names(metadata: Any) -> dict[str, list[str]]:
