@@ -487,21 +487,37 @@ def _check_cost(
 
 
 def _hybrid(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
-    """torchspan 2 stages x 2 replicas against DDP of the whole model on 4 processes (the ``small`` size)."""
+    """torchspan 2 stages x 2 replicas against DDP of the whole model on 4 processes, at each of
+    ``--hybrid-sizes``; ``--flat-reduction`` also times the replicas' flat all-reduce after the backward
+    (``RankStage.bucketed = False``) against the default bucketed one, in the same rounds."""
     _join(rank, world, port, args)
-    size = _size("small", args)
+    text = []
+    for name in args.hybrid_sizes:
+        text.append(_hybrid_size(rank, world, name, args))
+    if rank == 0:
+        Path(out).write_text("".join(text))
+
+
+def _hybrid_size(rank: int, world: int, name: str, args: argparse.Namespace) -> str:
+    from torchspan.runtime.ranks.stage import RankStage
+
+    size = _size(name, args)
     replica = rank // 2
     g = torch.Generator().manual_seed(1)
     x = torch.randn(size["batch"], size["width"], generator=g)
     y = torch.randn(size["batch"], size["width"], generator=g)
     loss_fn = nn.MSELoss()
     n = 2 * size["depth"]
-    ours = torchspan.span(
-        _model(size["width"], size["depth"]),
-        balance=[n // 2, n - n // 2],
-        microbatches=size["microbatches"],
-        schedule="1f1b",
-    )
+
+    def spanned() -> torchspan.Spanned:
+        return torchspan.span(
+            _model(size["width"], size["depth"]),
+            balance=[n // 2, n - n // 2],
+            microbatches=size["microbatches"],
+            schedule="1f1b",
+        )
+
+    ours, flat = spanned(), spanned()
     half = size["batch"] // 2
     xs, ys = x[replica * half : (replica + 1) * half], y[replica * half : (replica + 1) * half]
     ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(_model(size["width"], size["depth"])))
@@ -512,24 +528,52 @@ def _hybrid(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         ours.zero_grad()
         ours.train_step(xs, ys, loss_fn)
 
+    def step_flat() -> None:
+        RankStage.bucketed = False
+        try:
+            flat.zero_grad()
+            flat.train_step(xs, ys, loss_fn)
+        finally:
+            RankStage.bucketed = True
+
     def step_ddp() -> None:
         ddp.zero_grad()
         loss_fn(ddp(xq), yq).backward()
 
-    times = _rounds({"torchspan 2x2": step_ours, "DDP x4": step_ddp}, args)
-    if rank == 0:
-        title = "hybrid 2 stages x 2 replicas vs DDP on 4 processes"
-        med = {k: statistics.median(v) for k, v in times.items()}
-        r = _per_round(times, "torchspan 2x2", "DDP x4")
-        lines = [f"{title}:"] + [
-            f"  {k:20s} median {v * 1e3:8.2f} ms/step over {len(times[k])} rounds" for k, v in med.items()
-        ]
+    steps = {"torchspan 2x2": step_ours, "DDP x4": step_ddp}
+    if args.flat_reduction:
+        steps["torchspan 2x2 flat"] = step_flat
+    times = _rounds(steps, args)
+    if rank != 0:
+        return ""
+    title = f"hybrid 2 stages x 2 replicas vs DDP on 4 processes ({name}: {_describe(size)})"
+    med = {k: statistics.median(v) for k, v in times.items()}
+    r = _per_round(times, "torchspan 2x2", "DDP x4")
+    lines = [f"{title}:"] + [
+        f"  {k:20s} median {v * 1e3:8.2f} ms/step over {len(times[k])} rounds" for k, v in med.items()
+    ]
+    lines.append(
+        f"  ratio torchspan 2x2 / DDP x4 = {med['torchspan 2x2'] / med['DDP x4']:.3f} (medians); "
+        f"median of per-round ratios {r:.3f}"
+    )
+    suffix = "" if name == "small" else f"_{name}"
+    lines.append(f"RATIO hybrid_2x2/torchspan_2x2_vs_DDP_x4{suffix} {r:.3f} - {title}")
+    if args.flat_reduction:
+        b = _per_round(times, "torchspan 2x2", "torchspan 2x2 flat")
         lines.append(
-            f"  ratio torchspan 2x2 / DDP x4 = {med['torchspan 2x2'] / med['DDP x4']:.3f} (medians); "
-            f"median of per-round ratios {r:.3f}"
+            f"  bucketed (DDP's reducer in the last backward) / flat (one all-reduce after it): "
+            f"{med['torchspan 2x2'] / med['torchspan 2x2 flat']:.3f} (medians); "
+            f"median of per-round ratios {b:.3f}"
         )
-        lines.append(f"RATIO hybrid_2x2/torchspan_2x2_vs_DDP_x4 {r:.3f} - {title}")
-        Path(out).write_text("\n".join(lines) + "\n")
+        lines.append(f"RATIO hybrid_2x2/bucketed_vs_flat_{name} {b:.3f} 1.0 {title}")
+    return "\n".join(lines) + "\n"
+
+
+def _describe(size: dict[str, int]) -> str:
+    return (
+        f"{size['depth']} x Linear({size['width']}), batch {size['batch']}, "
+        f"{size['microbatches']} micro-batches"
+    )
 
 
 def parser() -> argparse.ArgumentParser:
@@ -579,6 +623,19 @@ def parser() -> argparse.ArgumentParser:
         "--threads", type=int, default=0, help="intra-op threads per process (0: cores // processes)"
     )
     p.add_argument("--only", nargs="+", choices=("pipeline", "hybrid"), default=("pipeline", "hybrid"))
+    p.add_argument(
+        "--hybrid-sizes",
+        nargs="+",
+        choices=list(SIZES),
+        default=["small"],
+        help="sizes of the 2x2 hybrid run",
+    )
+    p.add_argument(
+        "--flat-reduction",
+        action="store_true",
+        help="hybrid: also time the replicas' flat all-reduce after the backward against the default "
+        "bucketed one (DDP's reducer), in the same rounds",
+    )
     p.add_argument("--skip-hybrid", action="store_true", help="same as --only pipeline")
     return p
 

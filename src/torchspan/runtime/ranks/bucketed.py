@@ -7,7 +7,9 @@ right before its last backward of the step (``prepare``), as ``torch.distributed
 by then ``.grad`` holds every earlier micro-batch's gradient, and the hooks fire once the last one is
 added. The buckets are SUMmed (a comm hook, nothing divided): the micro-batch and replica weights stay
 torchspan's. The stage's forward never goes through DDP (DDP's ``no_sync`` is read at forward time,
-which a 1F1B schedule interleaves with backwards).
+which a 1F1B schedule interleaves with backwards). Only the first stage arms it: the reducer waits for its
+all-reduces when the backward ends, which on a later stage would hold back the gradient it sends (measured
+slower at the small size, benchmarks/RESULTS.md); there the flat all-reduce after the send stays.
 
 Data-dependent models (mixture of experts): the reducer is told which parameters the last backward
 reaches (``find_unused_parameters``); one reached on no replica keeps its ``.grad`` untouched by DDP,

@@ -11,9 +11,9 @@
   Megatron's embedding group, every replica included). Replicas and tied copies start identical (broadcast).
 - **Weights**: with replicas, the last stages all-reduce the loss normalizer so every replica
   weighs its micro-batches against the global batch.
-- **Gradients**: a stage's replicas SUM this step's gradients in DDP's buckets during its last backward
-  (``ranks.bucketed``, armed by ``Reduction.before_last``); else (ties, zero-bubble, several stages a rank,
-  the own forward) one async flat SUM per dtype once its last backward ran. Earlier steps' stay accumulated.
+- **Gradients**: the first stage's replicas SUM this step's gradients in DDP's buckets during its last
+  backward (``ranks.bucketed``, armed by ``Reduction.before_last``); else (later stages, ties, zero-bubble,
+  looped, own forward) one async flat SUM per dtype after it. Earlier steps' gradients stay accumulated.
 - **Sharding** (``shard``, after ``start``): this stage's layers sharded by FSDP2 over its
   data-parallel group (``ranks.stageshard``); their gradients are reduce-scattered by FSDP2 at the
   same moment, the rest (ties, the model's own tensors) all-reduced as above.
@@ -119,9 +119,7 @@ class RankStage:
         self._tie_of: dict[int, int] = {}  # id(tied parameter this stage holds) -> index of its tie group
         self._tie_groups: list[tuple[Any, int]] = []  # (group, its lowest rank)
         self._batch_checked: Any = None  # (structure, its hash) of the last batch checked in the pipeline
-        self.shards: StageShards | None = (
-            None  # this stage's FSDP2 units (pipeline x sharded), made by shard()
-        )
+        self.shards: StageShards | None = None  # this stage's FSDP2 units (pipeline x sharded), by shard()
         self._buckets: Bucketed | None = None  # DDP's reducer over the replicated parameters (ranks.bucketed)
 
     @property
@@ -410,7 +408,8 @@ class Reduction:
     def before_last(self, outputs: Sequence[torch.Tensor]) -> None:
         """Right before this rank's last backward of the step (from ``outputs``; one stage per rank): its
         replicated gradients are then reduced in DDP's buckets during that backward (``ranks.bucketed``)."""
-        buckets = self.ranks.buckets_for(self.params) if outputs else None
+        first = self.ranks.stage == 0  # later stages: the reducer's wait would hold back the gradient sent
+        buckets = self.ranks.buckets_for(self.params) if outputs and first else None
         if buckets is not None:
             buckets.prepare(outputs)
             self.buckets = buckets
