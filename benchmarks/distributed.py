@@ -49,6 +49,8 @@ Usage::
     python benchmarks/distributed.py --pipeline --late-receives
     # torchspan 2x2 vs DDP x4
     python benchmarks/distributed.py --hybrid --steps 20
+    # + the replicas' bucketed reduction (DDP's reducer) against the flat one, small and heavy sizes
+    python benchmarks/distributed.py --hybrid --only hybrid --hybrid-sizes small heavy --flat-reduction
     python benchmarks/distributed.py --pipeline --help   # the pipeline flags
     python benchmarks/distributed.py --shard             # span(shard=True) vs raw fully_shard, two sizes
     python benchmarks/distributed.py --tp                # span(tp=2) vs raw parallelize_module, Llama and MLP
