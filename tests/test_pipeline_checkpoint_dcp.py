@@ -223,3 +223,14 @@ def test_a_pipeline_checkpoint_stores_tp_shards_split_and_copies_once(saved: Pat
 def test_a_pipeline_checkpoint_loads_in_another_layout(saved: Path, into: str) -> None:
     world = LAYOUTS[into][0] if into in LAYOUTS else 2
     spawn(_load_job, world, free_port(), str(saved), into, deadline=300)
+
+
+@pytest.mark.slow
+def test_a_3d_pipeline_checkpoint_exports_full_weights(saved: Path, tmp_path: Path) -> None:
+    safetensors = pytest.importorskip("safetensors.torch", reason="export_safetensors needs safetensors")
+    want = torch.load(saved / "pp_tp.saved.pt", weights_only=True)["model"]
+    out = torchspan.export_safetensors(saved / "pp_tp", tmp_path / "export")
+    tensors = safetensors.load_file(out)
+    assert set(tensors) == set(want) - {"3.weight"}, sorted(tensors)  # the tie across stages written once
+    for key, value in tensors.items():
+        torch.testing.assert_close(value, want[key], **EXACT, msg=lambda m, k=key: f"export: {k}: {m}")
