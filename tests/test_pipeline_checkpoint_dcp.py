@@ -2,7 +2,8 @@
 
 A tied decoder (embedding on the first stage tied to the head on the last, float64) trained one Adam step by
 ``span(model, balance=[2, 2])`` on 2 gloo ranks, by the same on 4 (two replicas of the pipeline) and by
-``span(model, tp=2, balance=[2, 2])`` on 4 (each stage split over 2 tp ranks) is saved with
+``span(model, tp=2, balance=[2, 2])`` on 4 (each stage split over 2 tp ranks) and on 8 (3-D: pp 2 x dp 2 x
+tp 2) is saved with
 ``save_checkpoint(folder, {"model": spanned, "optimizer": opt, "step": 1})``: each rank writes its stage's
 entries (``ranks.dcpstages``). Its gathered full weights and Adam moments are one device's after one step,
 and:
@@ -39,6 +40,7 @@ LAYOUTS = {  # name -> (world size, span options)
     "pp": (2, dict(balance=[2, 2], microbatches=2)),
     "pp_dp": (4, dict(balance=[2, 2], microbatches=2)),
     "pp_tp": (4, dict(tp=2, balance=[2, 2], microbatches=2, tp_plan=PLAN)),
+    "pp_dp_tp": (8, dict(tp=2, balance=[2, 2], microbatches=2, tp_plan=PLAN)),
 }
 
 
@@ -122,7 +124,7 @@ def _save_job(rank: int, world: int, port: int, folder: str, layout: str) -> Non
     spanned = torchspan.span(_decoder(), **LAYOUTS[layout][1])
     module = spanned.module
     assert any(p.is_meta for p in module.parameters()), f"{layout}: not a pipeline across ranks"
-    assert (layout == "pp_tp") == any(type(p).__name__ == "DTensor" for p in module.parameters())
+    assert ("tp" in layout) == any(type(p).__name__ == "DTensor" for p in module.parameters())
     opt = torch.optim.Adam(spanned.parameters(), lr=LR)
     _train(spanned, opt, 0)
     saved = _full(spanned, opt)
@@ -202,12 +204,13 @@ def test_a_pipeline_checkpoint_reads_in_one_plain_process(saved: Path, layout: s
 
 @pytest.mark.slow
 def test_a_pipeline_checkpoint_stores_tp_shards_split_and_copies_once(saved: Path) -> None:
-    with open(saved / "pp_tp" / ".metadata", "rb") as fh:
-        metadata = pickle.load(fh)
-    chunks = {k: len(getattr(v, "chunks", [])) for k, v in metadata.state_dict_metadata.items()}
-    assert chunks["model.1.up.weight"] == chunks["model.2.down.weight"] == 2, chunks
-    assert chunks["optimizer.state.1.up.weight.exp_avg"] == 2, chunks
-    assert chunks["model.0.weight"] == chunks["model.3.weight"] == 1, chunks
+    for layout in ("pp_tp", "pp_dp_tp"):
+        with open(saved / layout / ".metadata", "rb") as fh:
+            metadata = pickle.load(fh)
+        chunks = {k: len(getattr(v, "chunks", [])) for k, v in metadata.state_dict_metadata.items()}
+        assert chunks["model.1.up.weight"] == chunks["model.2.down.weight"] == 2, (layout, chunks)
+        assert chunks["optimizer.state.1.up.weight.exp_avg"] == 2, (layout, chunks)
+        assert chunks["model.0.weight"] == chunks["model.3.weight"] == 1, (layout, chunks)
     for layout in LAYOUTS:
         with open(saved / layout / ".metadata", "rb") as fh:
             items = pickle.load(fh).storage_data
