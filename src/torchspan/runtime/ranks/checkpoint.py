@@ -15,6 +15,8 @@ Pipelines: a rank holds only its stage (other stages' tensors are ``meta``), so 
 state has a ``meta`` tensor, the writer gathers every rank's state into the one file
 (``{"torchspan_ranks": [state of rank 0, ...]}``) and ``load_checkpoint`` gives each rank its own
 back (a job of the same size and layout resumes it; another size is refused, never half-loaded).
+A pipeline's sharded folder (``{"model": spanned, ...}``) has no such limit: each rank writes its stage
+(``ranks.dcpstages``) and any layout, one process included, loads it.
 
 Files (``torchspan.files``): the checkpoint appears whole or not at all (a temporary file beside the
 real target of a link, fsynced, then ``os.replace`` onto the name and the folder fsynced), so a job

@@ -8,7 +8,8 @@ folder; state dicts of plain values keep the one-file form (``ranks.checkpoint``
 - **No rank gathers the model**: each model's state is ``get_model_state_dict`` (a sharded model's
   ``DTensor`` shards; a replica's tensors, written once by DCP's de-duplication), each optimizer's is
   ``get_optimizer_state_dict`` paired with the model whose parameters it holds (keys are parameter names, so
-  any world size reads them); ``dcp.save`` writes every rank's part. Other values (``step``, losses, an LR
+  any world size reads them); ``dcp.save`` writes every rank's part. A pipeline rank writes its stage's
+  entries, each copy held by several ranks once (``ranks.dcpstages``). Other values (``step``, losses, an LR
   scheduler's ``state_dict()``) are rank 0's, written beside them in ``values.pt``; ``torchspan.json``
   records what each key is, each model's class, its tied parameters and a transformers model's config.
 - **Whole or not at all**: rank 0 makes a temporary folder beside ``path``
