@@ -144,6 +144,11 @@ def _save_job(rank: int, world: int, port: int, folder: str, layout: str) -> Non
         assert not Path(folder, "drifted").exists()
         with torch.no_grad():
             module[3].weight.copy_(kept)
+        torchspan.save_checkpoint(Path(folder, "linear"), {"model": torch.nn.Linear(2, 2)})
+        with torch.device("meta"):
+            on_meta = torch.nn.Linear(2, 2)  # meta on every rank: no rank would load it
+        with pytest.raises(ValueError, match=r"holds 'weight', 'bias' as meta on every rank"):
+            torchspan.load_checkpoint(Path(folder, "linear"), {"model": on_meta})
     fresh = torchspan.span(_fresh(rank + 1), **LAYOUTS[layout][1])
     fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.5)
     state = torchspan.load_checkpoint(ckpt, {"model": fresh, "optimizer": fresh_opt})

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from .checkpointio import key_mismatch, missing_key, safe_load
+from .checkpointio import any_rank, key_mismatch, missing_key, safe_load
 from .dcp import _FORMAT, MANIFEST, VALUES, Parts, _no_dist, _quiet, _state_dicts, split
 
 __all__ = ["load_into", "read_folder", "read_manifest"]
@@ -107,7 +107,7 @@ def load_into(
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     from .dcpread import SafeLoadPlanner, SafeReader, check_shards, checkpoint_error, read_full, read_metadata
-    from .dcpstages import holds_meta
+    from .dcpstages import holds_meta, require_held
 
     metadata = read_metadata(
         folder, trusted
@@ -123,6 +123,9 @@ def load_into(
         values = read_full(folder, trusted, keys={*parts.values, *parts.stateful})
     loaded = _state_dicts(parts)
     staged = {k for k, m in parts.models.items() if holds_meta(m)}  # a pipeline rank's: its stage, in place
+    if not _no_dist() and any_rank(bool(staged))[0]:
+        for key, module in parts.models.items():
+            require_held(key, module)
     for key in parts.models if strict else ():
         own = list(parts.models[key].state_dict() if key in staged else loaded[key])
         problem = key_mismatch(folder, key, names.get(key, []), own)

@@ -151,3 +151,17 @@ def key_order(order: list[str], models: Mapping[str, nn.Module], owners: Mapping
         return tops.get(top, last), within
 
     return rank_of
+
+
+def require_held(key: str, module: nn.Module) -> None:
+    """Refuse (on every rank: a collective) loading into a model some of whose entries every rank holds as
+    ``meta``: no rank would load them."""
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, set(stage_state(module)))
+    lost = [name for name in module.state_dict() if not any(name in held for held in every)]
+    if lost:
+        raise ValueError(
+            f"load_checkpoint: the model under {key!r} holds {', '.join(map(repr, lost[:3]))}"
+            f"{' ...' if len(lost) > 3 else ''} as meta on every rank (no stage holds it), so no rank would "
+            "load it; materialise the model first (model.to_empty(device='cpu'))"
+        )
