@@ -276,7 +276,7 @@ def _check(nproc: int, steps: int | None, config: DemoConfig | None, tp: int | N
 
 def _strategy(nproc: int, tp: int | None) -> str:
     if tp is None:
-        return f"data parallel over {nproc} processes (gloo on 127.0.0.1): one replica each"
+        return f"data-parallel over {nproc} processes (gloo on 127.0.0.1): one replica each"
     sharded = f", FSDP2 over {nproc // tp} replicas" if nproc > tp else ""
     return (
         f"tensor parallel over {nproc} processes (gloo on 127.0.0.1): each block's MLP split over tp "
