@@ -78,6 +78,7 @@ __all__ = [
     "LAYOUT",
     "tp_degrees",
     "split_layers",
+    "split_layer",
     "tp_profile",
     "tp_candidates",
     "tp_notes",
@@ -114,9 +115,11 @@ def split_layers(profile: Profile) -> list[bool]:
     return [lay.param_bytes > 0 and (n < 2 or lay.kind == kind) for lay in profile.layers]
 
 
-def _split(lay: LayerCost, tp: int, ar: float) -> LayerCost:
+def split_layer(lay: LayerCost, tp: int, ar: float, ar_per_sample: float = 0.0) -> LayerCost:
     """``lay`` (one device) as one of ``tp`` ranks holds and runs it, its two forward and two backward
-    all-reduces (``ar`` seconds each) in its times."""
+    all-reduces (``ar + m * ar_per_sample`` seconds each for ``m`` samples) in its times.
+
+    Usage: ``split_layer(layer, 2, 1e-4)``."""
     whole = min(lay.activation_bytes, WHOLE_OUTPUTS * lay.output_bytes)
     return dataclasses.replace(
         lay,
@@ -125,9 +128,9 @@ def _split(lay: LayerCost, tp: int, ar: float) -> LayerCost:
         optimizer_bytes=math.ceil(lay.optimizer_bytes / tp),
         activation_bytes=whole + (lay.activation_bytes - whole) / tp,
         forward_fixed=[lay.forward_fixed[0] + 2 * ar],
-        forward_per_sample=[lay.forward_per_sample[0] / tp],
+        forward_per_sample=[lay.forward_per_sample[0] / tp + 2 * ar_per_sample],
         backward_fixed=[lay.backward_fixed[0] + 2 * ar],
-        backward_per_sample=[lay.backward_per_sample[0] / tp],
+        backward_per_sample=[lay.backward_per_sample[0] / tp + 2 * ar_per_sample],
     )
 
 
@@ -141,7 +144,8 @@ def tp_profile(profile: Profile, cluster: Cluster, tp: int, batch: int) -> tuple
         for lay, split in zip(rep.layers, split_layers(rep))
     ]
     layers = [
-        _split(lay, tp, ar) if split else lay for lay, split, ar in zip(rep.layers, split_layers(rep), ars)
+        split_layer(lay, tp, ar) if split else lay
+        for lay, split, ar in zip(rep.layers, split_layers(rep), ars)
     ]
     return dataclasses.replace(rep, layers=layers), 4 * sum(ars), ars
 

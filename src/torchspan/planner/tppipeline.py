@@ -44,9 +44,8 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
-import math
 
-from ..profiler.costs import LayerCost, Profile
+from ..profiler.costs import Profile
 from .candidates import ClusterCandidate, evaluate_cluster, even_cut
 from .comm import ring_bytes
 from .cost import CostModel
@@ -54,7 +53,7 @@ from .physical import INF, budget_of
 from .settings import settings_grid
 from .stages import Evaluation
 from .strategies import Options, unfit
-from .tensorparallel import TP_DEGREES, WHOLE_OUTPUTS, split_layers, tp_degrees
+from .tensorparallel import TP_DEGREES, split_layer, split_layers, tp_degrees
 from .topology import Cluster, replica_profile, shard_size
 
 __all__ = ["LAYOUT", "tp_pipeline_candidates", "tp_split_profile", "tp_pipeline_ranks", "tp_pipeline_splits"]
@@ -87,23 +86,6 @@ def tp_pipeline_splits(
     return out
 
 
-def _split(lay: LayerCost, tp: int, ar0: float, ars: float) -> LayerCost:
-    """``lay`` as one of ``tp`` ranks holds and runs it, its 2 forward and 2 backward all-reduces (``ar0 + m
-    ars`` seconds each for ``m`` samples) in its times."""
-    whole = min(lay.activation_bytes, WHOLE_OUTPUTS * lay.output_bytes)
-    return dataclasses.replace(
-        lay,
-        param_bytes=math.ceil(lay.param_bytes / tp),
-        grad_bytes=math.ceil(lay.grad_bytes / tp),
-        optimizer_bytes=math.ceil(lay.optimizer_bytes / tp),
-        activation_bytes=whole + (lay.activation_bytes - whole) / tp,
-        forward_fixed=[lay.forward_fixed[0] + 2 * ar0],
-        forward_per_sample=[lay.forward_per_sample[0] / tp + 2 * ars],
-        backward_fixed=[lay.backward_fixed[0] + 2 * ar0],
-        backward_per_sample=[lay.backward_per_sample[0] / tp + 2 * ars],
-    )
-
-
 def tp_split_profile(profile: Profile, cluster: Cluster, tp: int, comm: bool = True) -> Profile:
     """``profile`` (one device) as one rank of a ``tp``-way stage holds and runs it: split layers divided,
     their all-reduces on the intra-node link folded into their fixed and per-sample times (``comm=False``:
@@ -116,7 +98,7 @@ def tp_split_profile(profile: Profile, cluster: Cluster, tp: int, comm: bool = T
         bw, latency = cluster.intra.effective_bandwidth, cluster.intra.latency
         ar0 = ring_bytes(lay.output_fixed_bytes, tp) / bw + 2 * (tp - 1) * latency  # once per call
         ars = ring_bytes(lay.output_bytes, tp) / bw  # per sample
-        layers.append(_split(lay, tp, ar0, ars) if comm else _split(lay, tp, 0.0, 0.0))
+        layers.append(split_layer(lay, tp, ar0, ars) if comm else split_layer(lay, tp, 0.0))
     return dataclasses.replace(profile, layers=layers)
 
 
