@@ -41,6 +41,7 @@ __all__ = [
     "is_torch_loss",
     "class_weight_sum",
     "legacy_reduction",
+    "TORCH_LOSSES",
 ]
 
 Kind = Literal["sum", "samples", "class_weights", "user", "model", "opaque"]
@@ -66,6 +67,8 @@ _SAMPLE_MEAN_FUNCTIONS = frozenset(
     }
 )
 _CLASS_INDEX_FUNCTIONS = frozenset({F.cross_entropy, F.nll_loss})
+# every torch.nn.functional loss whose normalizer torchspan reads (the loss modules call these)
+TORCH_LOSSES = _SAMPLE_MEAN_FUNCTIONS | _CLASS_INDEX_FUNCTIONS
 _SAMPLE_MEAN_MODULES = (
     nn.MSELoss,
     nn.L1Loss,
@@ -283,7 +286,7 @@ def _known(loss_fn: Callable[..., Any], name: str) -> tuple[str, torch.Tensor | 
             return None  # positional arguments bound: not the (input, target) call torch documents
         if not loss_fn.keywords:
             return _known(loss_fn.func, name)
-        if loss_fn.func not in _SAMPLE_MEAN_FUNCTIONS and loss_fn.func not in _CLASS_INDEX_FUNCTIONS:
+        if loss_fn.func not in TORCH_LOSSES:
             return None
         return _functional(loss_fn.func, dict(loss_fn.keywords))
     if isinstance(loss_fn, nn.Module):
@@ -294,7 +297,7 @@ def _known(loss_fn: Callable[..., Any], name: str) -> tuple[str, torch.Tensor | 
         if isinstance(loss_fn, _CLASS_INDEX_MODULES):
             return loss_fn.reduction, loss_fn.weight, loss_fn.ignore_index, True
         return loss_fn.reduction, None, -100, False
-    if loss_fn in _SAMPLE_MEAN_FUNCTIONS or loss_fn in _CLASS_INDEX_FUNCTIONS:
+    if loss_fn in TORCH_LOSSES:
         return _functional(loss_fn, {})
     return None
 

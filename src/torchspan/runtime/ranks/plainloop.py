@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ..lossweights import class_weight_sum, legacy_reduction
+from ..lossweights import TORCH_LOSSES, class_weight_sum, legacy_reduction
 from ..modelloss import CANDIDATES, own_loss, same_value
 
 __all__ = ["Record", "watch", "declared", "exact_model_loss", "Watched", "PlainLoopError"]
@@ -46,25 +46,7 @@ class PlainLoopError(RuntimeError):
     ``.grad``."""
 
 
-_LOSSES = frozenset(
-    {
-        F.mse_loss,
-        F.l1_loss,
-        F.smooth_l1_loss,
-        F.huber_loss,
-        F.binary_cross_entropy,
-        F.binary_cross_entropy_with_logits,
-        F.kl_div,
-        F.poisson_nll_loss,
-        F.soft_margin_loss,
-        F.multilabel_soft_margin_loss,
-        F.multilabel_margin_loss,
-        F.multi_margin_loss,
-        F.hinge_embedding_loss,
-        F.cross_entropy,
-        F.nll_loss,
-    }
-)
+_LOSSES = TORCH_LOSSES  # the torch losses read here, as train_step reads them
 _PER_ROW = frozenset({F.multilabel_soft_margin_loss, F.multilabel_margin_loss, F.multi_margin_loss})
 _T = torch.Tensor
 # operations that move, reshape or recast the outputs without mixing rows: the result is still watched
