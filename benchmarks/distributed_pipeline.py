@@ -65,6 +65,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from _quick import add_quick  # noqa: E402  (benchmarks/_quick.py, beside this script)
+from _ranks import rank_env  # noqa: E402
 
 import torchspan  # noqa: E402
 from torchspan.runtime.ranks import free_port, init_distributed  # noqa: E402
@@ -129,13 +130,7 @@ def _rounds(steps: dict[str, Step], args: argparse.Namespace) -> dict[str, list[
 
 
 def _join(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
+    rank_env(rank, world, port)
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // world))
     init_distributed(timeout=120)
 

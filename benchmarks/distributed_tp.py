@@ -50,6 +50,7 @@ from torchspan.runtime.ranks import free_port, init_distributed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _quick import add_quick  # noqa: E402  (benchmarks/_quick.py, beside this script)
+from _ranks import rank_env  # noqa: E402
 
 VARIANTS = ("raw parallelize", "span", "span loop")
 MODELS = ("llama", "mlp")
@@ -173,13 +174,7 @@ def _measure(
 
 
 def _worker(rank: int, world: int, port: int, opts: argparse.Namespace, results: dict) -> None:  # type: ignore[type-arg]
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
+    rank_env(rank, world, port)
     torch.set_num_threads(opts.threads)
     info = init_distributed(backend=opts.backend, timeout=300)
     sync = (lambda: torch.cuda.synchronize(info.device)) if info.device.type == "cuda" else (lambda: None)

@@ -41,6 +41,7 @@ import torchspan
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _quick import add_quick  # noqa: E402  (benchmarks/_quick.py, beside this script)
+from _ranks import rank_env  # noqa: E402
 
 
 class Block(nn.Module):
@@ -160,13 +161,7 @@ def _fp16(args: argparse.Namespace) -> None:
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
+    rank_env(rank, world, port)
     torch.set_num_threads(1)
     torchspan.init_distributed(timeout=60)
     x = torch.randn(args.batch, args.tokens, args.width, generator=torch.Generator().manual_seed(0))

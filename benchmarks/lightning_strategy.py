@@ -32,6 +32,7 @@ import warnings
 import torch
 import torch.multiprocessing as mp
 from _quick import add_quick
+from _ranks import rank_env
 from torch import nn
 
 try:
@@ -130,13 +131,7 @@ def _fit(name: str, opts: argparse.Namespace, world: int) -> float:
 
 
 def _worker(rank: int, world: int, port: int, opts: argparse.Namespace, results: dict) -> None:  # type: ignore[type-arg]
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
+    rank_env(rank, world, port)
     torch.set_num_threads(opts.threads)
     warnings.filterwarnings("ignore")
     import logging

@@ -74,6 +74,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from _quick import add_quick  # noqa: E402  (benchmarks/_quick.py, beside this script)
+from _ranks import rank_env  # noqa: E402
 
 import torchspan  # noqa: E402
 from torchspan.runtime.ranks import free_port, init_distributed  # noqa: E402
@@ -664,13 +665,7 @@ def _hf_section(rank: int, world: int, args: argparse.Namespace) -> tuple[list[s
 
 # ---------------------------------------------------------------------- the job
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
+    rank_env(rank, world, port)
     torch.set_num_threads(1)
     init_distributed(timeout=300)
     sections = [_mlp_section(rank, world, args)] + ([] if args.skip_hf else [_hf_section(rank, world, args)])

@@ -46,6 +46,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from _quick import add_quick  # noqa: E402  (benchmarks/_quick.py, beside this script)
+from _ranks import rank_env  # noqa: E402
 
 from torchspan.runtime.ranks import init_distributed  # noqa: E402
 
@@ -73,18 +74,10 @@ def _worker(
     trace = open(Path(faults) / f"rank{rank}.txt", "w")  # noqa: SIM115 - open until the process ends
     faulthandler.enable(file=trace)  # a rank killed by a signal (abort) leaves its Python stacks here
     torch.set_num_threads(1)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
+    rank_env(rank, world, port)
     # torchspan's join: at exit it destroys the group and lets gloo's worker threads finish before the
     # interpreter's teardown (a raw init_process_group here lost a rank to SIGABRT at exit now and then:
-    # "Fatal Python
-    # error:
-    # Aborted" in a thread with no Python frame, after the job had returned)
+    # "Fatal Python error: Aborted" in a thread with no Python frame, after the job had returned)
     init_distributed(backend="gloo", timeout=300)
     out = _allreduce(args) if job == "allreduce" else _ddp_step(rank, world, args)
     if rank == 0:

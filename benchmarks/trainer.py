@@ -47,6 +47,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _quick import add_quick  # noqa: E402  (benchmarks/_quick.py, beside this script)
+from _ranks import rank_env  # noqa: E402
 
 try:
     import accelerate  # noqa: F401  (Trainer needs it)
@@ -158,14 +159,7 @@ def _order(names: list[str], r: int) -> list[str]:
 
 
 def _worker(rank: int, world: int, port: int, opts: argparse.Namespace, results: dict) -> None:  # type: ignore[type-arg]
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-    )
+    rank_env(rank, world, port, LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     _quiet()
     import torch.distributed as dist
