@@ -313,8 +313,7 @@ def _dp_worker(rank: int, world: int, port: int, out: str) -> None:
                 _same_grads(spanned.module, ref)
         # an MoE decoder without its router loss, over shards of 2 and 1 rows, then an epoch end: rank 1's
         # shard is empty (rank_batches), and a transformers model cannot run zero rows: it runs one stand-in
-        # row at
-        # weight 0
+        # row at weight 0
         spanned = torchspan.span(_mixtral(aux=False))
         for rows in (3, 1):
             batch = _batch(rows=rows, seed=rows)

@@ -153,8 +153,7 @@ def test_the_runner_up_survives_json_and_old_plans_still_load() -> None:
         Plan.from_dict({**plan.to_dict(), "runner_up": [1]})
 
 
-# ---------------------------------------------------------------------------------------------- restricted
-# solver
+# --------------------------------------------------------------------------------------- restricted solver
 @st.composite
 def distinct_devices(draw: st.DrawFn) -> Profile:
     rng = random.Random(draw(st.integers(0, 2**31)))

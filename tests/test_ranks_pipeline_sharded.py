@@ -85,8 +85,7 @@ CLASS_WEIGHTS = torch.tensor([0.5, 2.0, 1.0, 3.0], dtype=torch.float64)
 MLP_SHARDED = {"0.weight", "0.bias", "2.weight", "2.bias", "3.weight", "3.bias"}
 
 
-# ---------------------------------------------------------------------------------------------- stage
-# functions
+# ------------------------------------------------------------------------------------ stage functions
 def _mlp_losses(rank: int, replica: int) -> None:
     """Uneven shards, losses read by torchspan, both schedules, ZeRO-2, recompute, accumulation over two
     steps."""

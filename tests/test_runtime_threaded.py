@@ -185,8 +185,7 @@ def test_bf16_autocast_per_stage_inside_each_thread() -> None:
     spanned.train_step(x, y, nn.functional.mse_loss)
     # exact: each thread autocasts the same micro-batch's ops as one device does (measured: max |diff| 0 over
     # 20 seeds; atol=1e-2, rtol=2e-2 before, which passed with a.bias's gradient zeroed, or a.*, b.*,
-    # c.weight's
-    # times 0.8)
+    # c.weight's times 0.8)
 
     def exact() -> None:
         bad = [d for d in grad_differences(model, ref, atol=0.0, rtol=0.0) if not d.within]

@@ -59,8 +59,7 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
 
 
-# ---------------------------------------------------------------------------------------- test-only
-# strategies
+# ----------------------------------------------------------------------------- test-only strategies
 def _sum_weighted_dp(
     model: nn.Module, inputs: Any, target: Any, loss_fn: Any, opts: StepOptions, rank: int, world: int
 ) -> torch.Tensor:

@@ -118,9 +118,8 @@ class Plan(PlanText):
         default_factory=dict
     )  # step split: compute, allreduce, p2p, ties
     # tied parameters: {"name", "layers", "stages", "bytes"} each; "stages" of more than one = a copy per
-    # device, and then (planned with ties) "seconds": what the split adds to the predicted step, "charge": how
-    # it is
-    # paid
+    # device, and then (planned with ties) "seconds": what the split adds to the predicted step, "charge":
+    # how it is paid
     ties: list[dict[str, Any]] = field(default_factory=list)
     # the fastest plan on another device order predicted within measurement noise of this one
     # (``planner.stable``):
@@ -128,9 +127,8 @@ class Plan(PlanText):
     # "within_noise"}
     runner_up: dict[str, Any] = field(default_factory=dict)
     # sharded data parallel (FSDP2 over each stage's data-parallel ranks; ``span(model, plan)`` runs it) and
-    # where the sharded states live: None (the device) or "cpu" (FSDP2's CPUOffloadPolicy). JSON: left out at
-    # the
-    # defaults
+    # where the sharded states live: None (the device) or "cpu" (FSDP2's CPUOffloadPolicy). JSON: left out
+    # at the defaults
     shard: bool = False
     offload: str | None = None
     # every strategy the planner weighed (``planner.strategies``): {"strategy", "ranks", "data_parallel",
