@@ -27,6 +27,9 @@ def wide():
 def tokens():
     return nn.Sequential(nn.Embedding(100, 16), nn.Flatten(), nn.Linear(16 * 12, 4))
 
+def tokens_bf16():
+    return tokens().to(torch.bfloat16)
+
 def not_a_model():
     return 42
 """
@@ -118,6 +121,30 @@ def test_integer_inputs(target: str, capsys: pytest.CaptureFixture[str]) -> None
         == 0
     )
     assert json.loads(capsys.readouterr().out)["batch_size"] == 4
+
+
+def test_integer_inputs_keep_the_models_own_dtype(target: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Token ids only (``--input NAME=SHAPE:int64``, no ``--dtype``): a bfloat16 model is profiled in
+    bfloat16, not cast to the float32 default that reached no input (it was: twice the bytes, and on a
+    described GPU FP32's FLOP rate, a 70B plan 9.4x too slow)."""
+    stages = {}
+    for name in ("tokens", "tokens_bf16"):
+        argv = ["plan", f"{target}:{name}", "--input", "input=4,12:int64", "--devices", "h100-80gb", "--json"]
+        assert main(argv) == 0
+        stages[name] = json.loads(capsys.readouterr().out)["stages"][0]
+    assert stages["tokens"]["param_bytes"] == 4 * (100 * 16 + 16 * 12 * 4 + 4)
+    assert stages["tokens_bf16"]["param_bytes"] * 2 == stages["tokens"]["param_bytes"]
+
+
+def test_model_dtype_casts_only_for_a_floating_input() -> None:
+    import torch
+
+    from torchspan.commands._target import model_dtype
+
+    ids, x = torch.zeros(2, 3, dtype=torch.int64), torch.zeros(2, 3)
+    assert model_dtype(torch.float32, {"input_ids": ids}) is None
+    assert model_dtype(torch.float32, {"input_ids": ids, "embeds": x}) == torch.float32
+    assert model_dtype(torch.bfloat16, x) == torch.bfloat16 and model_dtype(torch.int64, ids) is None
 
 
 def test_nothing_fits_exits_2_with_the_plan_error(target: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "caches_off",
     "make_batch",
     "example_inputs",
+    "model_dtype",
     "first_call",
     "require_data_devices",
 ]
@@ -170,6 +171,16 @@ def example_inputs(
         shape[0],
         f"--input-shape {input_shape}",
     )
+
+
+def model_dtype(dtype: torch.dtype, example: Any) -> torch.dtype | None:
+    """The dtype ``--dtype`` casts the model to: ``dtype`` when it is floating and reached a floating
+    input; ``None`` (the model keeps the dtype it was built in) when every input is integer, as
+    ``--input input_ids=8,2048:int64`` gives a bfloat16 model. Usage: ``cast = model_dtype(dtype, x)``."""
+    from torch.utils._pytree import tree_leaves
+
+    floats = [t for t in tree_leaves(example) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return dtype if (dtype.is_floating_point or dtype.is_complex) and floats else None
 
 
 def first_call(model: nn.Module, x: Any, options: str, *, vocab: int | None = None) -> Any:

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from ._cluster import add_cluster_options, cluster_kwargs
 from ._common import UsageError, parse_memory_options, print_json
 from ._common import parse_dtype as _dtype
@@ -39,7 +37,7 @@ from ._options import (
     add_schedule_option,
     add_target_arguments,
 )
-from ._target import build_model, example_inputs, first_call
+from ._target import build_model, example_inputs, first_call, model_dtype
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -49,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_target_arguments(p, "a floating dtype also profiles the model cast to it")
+    add_target_arguments(p, "a floating dtype given to an input also profiles the model cast to it")
     add_devices_option(
         p, "plan for these devices, this machine's (auto) or described ('a100-40gb*2,cpu')", default="auto"
     )
@@ -89,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         _prepare_out(args.out)
     model = build_model(args.target, meta=_all_described(args.devices, memory))
     example, _, _ = example_inputs(args.input_shape, args.input, dtype, args.vocab, "--dtype")
-    profile_dtype: torch.dtype | None = dtype if dtype.is_floating_point or dtype.is_complex else None
+    profile_dtype = model_dtype(dtype, example)  # integer inputs only: the model's own dtype
     if profile_dtype is not None:
         model.to(profile_dtype)  # profiled as if cast to it anyway; the first call needs it
     first_call(model, example, "--input" if args.input else "--input-shape/--dtype", vocab=args.vocab)

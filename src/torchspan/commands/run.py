@@ -52,7 +52,14 @@ from ._options import (
     add_target_arguments,
 )
 from ._plans import check_plan_devices, check_plan_layers, device_entries, first_line, load_plan, make_plan
-from ._target import build_model, example_inputs, first_call, require_data_devices, require_inputs
+from ._target import (
+    build_model,
+    example_inputs,
+    first_call,
+    model_dtype,
+    require_data_devices,
+    require_inputs,
+)
 
 RUN_FILES = ("plan.json", "run.json", "timeline.png", "memory.png", "loss.png")  # what --out DIR receives
 OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
@@ -66,7 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_target_arguments(p, "a floating dtype also casts the model to it")
+    add_target_arguments(p, "a floating dtype given to an input also casts the model to it")
     p.add_argument(
         "--plan",
         metavar="FILE",
@@ -320,10 +327,11 @@ def _model_and_batch(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, in
     and the loss."""
     dtype = parse_dtype(args.dtype)
     model = build_model(args.target)
-    if dtype.is_floating_point:
-        model.to(dtype)
     torch.manual_seed(args.seed)
     x, batch, _ = example_inputs(args.input_shape, args.input, dtype, args.vocab, "--dtype")
+    cast = model_dtype(dtype, x)  # integer inputs only: the model keeps the dtype it was built in
+    if cast is not None:
+        model.to(cast)
     options = "--input" if args.input else "--input-shape/--dtype"
     target, loss_fn = _targets_and_loss(first_call(model, x, options, vocab=args.vocab), args.loss)
     return model, x, batch, target, loss_fn
@@ -357,9 +365,9 @@ def _plan_now(
 ) -> tuple[Any, list[str]]:
     """A plan made now for ``--devices`` (``--spread``: a stage on each), and a note when it leaves devices
     out."""
-    dtype = parse_dtype(args.dtype)
+    dtype = model_dtype(parse_dtype(args.dtype), x)
     with con.status("profiling the model and planning ..."):
-        plan = make_plan(model, x, args, memory, microbatches, dtype if dtype.is_floating_point else None)
+        plan = make_plan(model, x, args, memory, microbatches, dtype)
     listed = len(device_entries(args.devices))
     if len(plan.stages) < listed and not args.spread:
         return plan, [
