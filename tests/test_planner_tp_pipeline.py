@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from planner_synth import device, layer
-from test_planner_tp import _rows, llama_70b
+from test_planner_tp import _llama, _rows, llama_70b
 
 import torchspan
 from torchspan.hardware.links import lookup
@@ -153,3 +153,17 @@ def test_span_of_a_tp_x_pp_plan_in_one_process_names_the_job() -> None:
     )
     with pytest.raises(ValueError, match=r"runs the mesh pp x dp_replicate x tp, tp innermost"):
         torchspan.span(model, apart)
+
+
+def test_a_world_no_dp_x_pp_split_fills_is_planned_by_tensor_parallel() -> None:
+    """32 ranks, a batch of 2, 10 layers: no dp x pp split exists (pp <= 10 needs dp >= 4 > 2), and the
+    search used to stop there; tp 8 x pp 4 fills the world. Without tensor parallel (``tp=1``) the error
+    still names why no split exists."""
+    prof = _llama(8192, 28672, 64, 8, 6, 2)
+    cluster = Cluster.describe(prof.devices, 4, interconnect="ib-400g")
+    plan = cluster_search(prof, cluster)
+    rows = _rows(plan)
+    assert (plan.tp, plan.data_parallel, len(plan.stages), plan.world_size) == (8, 1, 4, 32)
+    assert rows[TPP]["chosen"] and "32 stages for 10 layers" in rows["pipeline"]["note"]
+    with pytest.raises(ValueError, match=r"no data x pipeline split of 32 ranks fits: .*batch \(2\)"):
+        cluster_search(prof, cluster, tp=1)

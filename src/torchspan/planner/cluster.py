@@ -104,12 +104,14 @@ __all__ = [
 
 
 def world_splits(
-    world: int, layers: int, batch_size: int, data_parallel: int | str = "auto"
+    world: int, layers: int, batch_size: int, data_parallel: int | str = "auto", *, strict: bool = True
 ) -> list[tuple[int, int]]:
     """``(dp, pp)`` pairs with ``dp * pp == world``, ``pp <= layers`` and ``dp <= batch_size``, widest dp
     first.
 
-    Raises ``ValueError`` naming the equation when a fixed ``data_parallel`` does not divide the world.
+    Raises ``ValueError`` naming the equation when a fixed ``data_parallel`` does not divide the world, and
+    (``strict``) when no pair exists; ``strict=False`` returns ``[]`` then (tensor parallel may still split
+    the world: ``cluster_search``).
     """
     if data_parallel == "auto":
         dps = [d for d in range(world, 0, -1) if world % d == 0]
@@ -124,7 +126,7 @@ def world_splits(
     else:
         dps = [data_parallel]
     out = [(d, world // d) for d in dps if world // d <= layers and d <= batch_size]
-    if not out:
+    if not out and strict:
         raise ValueError(
             f"no data x pipeline split of {world} ranks fits: data_parallel must be <= the batch "
             f"({batch_size}) and world / data_parallel <= the layers ({layers}); "
@@ -165,7 +167,8 @@ def cluster_search(
             f"profile has {len(profile.devices)} device(s) but cluster.per_node={cluster.per_node}; "
             "profile one node's devices and describe the cluster from them"
         )
-    splits = world_splits(cluster.world, len(profile.layers), profile.batch_size, data_parallel)
+    # no dp x pp split (a batch or layers too few for the world) leaves tensor parallel's splits to try
+    splits = world_splits(cluster.world, len(profile.layers), profile.batch_size, data_parallel, strict=False)
     tp_degrees(cluster.per_node, tp)  # a bad tp= is refused before the search
     opts = Options(microbatches, schedule, recompute, bucket_bytes, tuple(ties))
     host = host_of(cluster, host_memory) if cluster.device.kind != "cpu" else None
@@ -185,6 +188,8 @@ def cluster_search(
     best = choose(candidates) if candidates else None
     why = {**reasons(cluster, profile, splits, opts), TP: split[1], TPP: staged[1]}
     rows = compare([*candidates, *probes], best, why, host)
+    if best is None and not splits:  # nothing tensor parallel either: why no dp x pp split exists
+        world_splits(cluster.world, len(profile.layers), profile.batch_size, data_parallel)
     if best is None:
         raise _no_fit(cluster, splits, rows, skipped, last_error)
     return to_plan(best, candidates, skipped, cluster, profile.batch_size, bucket_bytes, ties, rows, host)
