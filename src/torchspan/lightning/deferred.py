@@ -11,6 +11,9 @@ device) and no values. What is done with them is read, as the plain loop on repl
   metadata (``shape``, ``size()``, ``dim()``, ``dtype``) is answered;
 - a torch loss applied to one (``torch.nn.functional``'s, which every loss module calls) runs
   ``Runner.loss``: the whole step by the pipeline's schedule, its value the global batch's;
+- the model's own loss (``self.model(**batch).loss``, a transformers model given ``labels``) runs the step
+  on that loss (``Runner.own_loss``: ``spanned.train_step(batch)``) at its first use, Lightning's own
+  included, and is that value from then on;
 - anything else (a metric on the outputs, ``.item()``, a term added to the loss) has no values to work on:
   ``PlainLoopError`` at once, naming the operation and the way out.
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -65,6 +69,8 @@ class Call:
     rows: int
     metas: list[Any]  # the outputs' leaves on the meta device
     device: torch.device
+    own_loss: int | None = None  # the leaf of the model's own ``loss`` output (transformers, labels given)
+    result: torch.Tensor | None = None  # that loss once the step ran (every use of it after reads this)
 
 
 class _Marker:
@@ -111,6 +117,12 @@ class Deferred(torch.Tensor):
         if found is None:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if (
+            found._leaf == found._call.own_loss
+            and not found._chain
+            and _metadata(func, args, kwargs) is _NONE
+        ):
+            return _with_own_loss(func, args, kwargs, found._call)
         if func in _LOSSES:
             return found._call.runner.loss(func, args, kwargs)
         if func is torch.Tensor.register_hook and _lightnings(
@@ -182,6 +194,26 @@ def _lightnings(hook: Any) -> bool:
     return str(getattr(getattr(hook, "func", hook), "__module__", "")).startswith("lightning.")
 
 
+def _with_own_loss(func: Any, args: Any, kwargs: Any, call: Call) -> Any:
+    """``func`` on the model's own loss (``model(**batch).loss``): its first use (Lightning's division by
+    ``accumulate_grad_batches``, ``self.log``, ``backward``) runs the step on the model's own loss
+    (``spanned.train_step(batch)``), later ones reuse that value; the pipeline's other outputs stay
+    deferred."""
+    if call.result is None:
+        call.result = call.runner.own_loss(call)
+    result = call.result
+
+    def real(t: Any) -> Any:
+        return result if isinstance(t, Deferred) and t._call is call and t._leaf == call.own_loss else t
+
+    args, kwargs = tree_map(real, (args, kwargs))
+    if _deferred_in(args, kwargs) is not None:
+        raise refuse(
+            f"{getattr(func, '__name__', func)} combines the model's own loss with another of its outputs"
+        )
+    return func(*args, **kwargs)
+
+
 def _deferred_in(args: Any, kwargs: Any) -> Deferred | None:
     return next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Deferred)), None)
 
@@ -210,13 +242,18 @@ _CASTS = frozenset({_T.float, _T.double, _T.half, _T.bfloat16, _T.to, _T.type_as
 
 def meta_outputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The module's outputs on the meta device (shapes and dtypes, no compute): every parameter and buffer,
-    this stage's and the others' (already ``meta`` on a pipeline rank), as a meta tensor of its shape."""
-    tensors = {
-        n: torch.empty_like(t, device="meta") for n, t in module.named_parameters(remove_duplicate=False)
-    }
-    tensors.update(
-        {n: torch.empty_like(t, device="meta") for n, t in module.named_buffers(remove_duplicate=False)}
-    )
+    this stage's and the others' (already ``meta`` on a pipeline rank), as a meta tensor of its shape; a
+    tensor held under several names (a transformers model's tied embedding and head) is one meta tensor, as
+    ``functional_call(tie_weights=True)`` requires."""
+    made: dict[int, torch.Tensor] = {}
+
+    def meta(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            made[id(t)] = torch.empty_like(t, device="meta")
+        return made[id(t)]
+
+    tensors = {n: meta(t) for n, t in module.named_parameters(remove_duplicate=False)}
+    tensors.update({n: meta(t) for n, t in module.named_buffers(remove_duplicate=False)})
     on_meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
     with torch.no_grad():
         return torch.func.functional_call(
@@ -235,6 +272,9 @@ def deferred_outputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         ) from None
     leaves, spec = tree_flatten(out)
     call = Call(runner, args, kwargs, batch_size(args, kwargs), leaves, runner.device)
+    own = out.get("loss") if isinstance(out, Mapping) else None  # a transformers ModelOutput's
+    if isinstance(own, torch.Tensor) and own.dim() == 0:
+        call.own_loss = next(i for i, t in enumerate(leaves) if t is own)
     wrapped = [Deferred(t, call, i) if isinstance(t, torch.Tensor) else t for i, t in enumerate(leaves)]
     if not any(isinstance(t, Deferred) and t.requires_grad for t in wrapped):
         raise refuse(f"{type(module).__name__}'s forward returns no floating tensor to apply a loss to")

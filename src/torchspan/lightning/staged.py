@@ -120,15 +120,31 @@ class Runner:
             )
         return self._step(call.args if call.args else call.kwargs, rows_target, criterion, out.dtype)
 
+    def own_loss(self, call: Any) -> torch.Tensor:
+        """The step on the model's own loss (``model(**batch).loss``; ``call``: that forward, keyword
+        arguments with ``labels``), exact as ``spanned.train_step(batch)`` is; the global batch's loss."""
+        if call.args:
+            raise refuse(
+                "the model's own loss of a forward called with positional arguments; call it with keywords, "
+                "model(**batch) with labels in the batch"
+            )
+        return self._step(call.kwargs, None, None, call.metas[call.own_loss].dtype)
+
     def _step(
-        self, inputs: Any, target: torch.Tensor, criterion: nn.Module, dtype: torch.dtype
+        self, inputs: Any, target: torch.Tensor | None, criterion: nn.Module | None, dtype: torch.dtype
     ) -> torch.Tensor:
+        """The pipeline's step (``criterion`` None: the model's own loss), its gradients kept aside for the
+        returned loss's backward."""
         params = [p for p in self.spanned.module.parameters() if p.requires_grad and p.device.type != "meta"]
         earlier = [p.grad for p in params]
         for p in params:
             p.grad = None
         try:
-            value = self.spanned.train_step(inputs, target, criterion)
+            value = (
+                self.spanned.train_step(inputs)
+                if criterion is None
+                else self.spanned.train_step(inputs, target, criterion)
+            )
             grads = [None if p.grad is None else p.grad.as_subclass(torch.Tensor) for p in params]
         finally:
             for p, g in zip(params, earlier):
