@@ -95,6 +95,7 @@ ADVISED: dict[tuple[str, str], tuple[str, ...]] = {
     ("runtime/ranks/ownlooped.py", "balance"): ("span",),  # own forward, several stages per rank: refusals
     ("runtime/ranks/ownlooped.py", "schedule"): ("span",),
     ("runtime/ranks/ownlooped.py", "recompute"): ("span",),
+    ("runtime/ranks/owninterleaved.py", "schedule"): ("span",),  # a new path in an interleaved step
     ("schedule.py", "balance"): ("span",),  # interleaved-1f1b: stages not a multiple of the ranks
     ("runtime/ranks/checkpointio.py", "strict"): ("load_checkpoint",),
     ("lightning/core.py", "devices"): ("lightning.Trainer",),  # Lightning's own process count

@@ -45,7 +45,14 @@ def _check_one_stage_per_worker(lay: Layout, settings: Settings, shard: Any = No
     workers = lay.ranked[0].stages if lay.ranked is not None else len(set(lay.devices))
     looped = len(lay.groups) > workers
     if lay.ranked is not None and looped:  # several stages per rank: ranks.ownlooped
-        check_looped(len(lay.groups), workers, settings.schedule, settings.recompute, bool(shard))
+        check_looped(
+            len(lay.groups),
+            workers,
+            settings.schedule,
+            settings.recompute,
+            bool(shard),
+            settings.microbatches,
+        )
     elif looped and settings.schedule == "interleaved-1f1b":
         where = f"pp({workers}) ranks" if lay.ranked is not None else f"{workers} device(s)"
         raise ValueError(

@@ -115,6 +115,7 @@ class Forward:
         ] = []  # for each of ``sent``: how many of ``inbound`` were received before it
         self.loss: torch.Tensor | None = None
         self.recipes = Recipes()  # the glue's meta values, while the forward runs
+        self.turn: Any = None  # interleaved 1F1B: pauses the forward between chunks (``owninterleaved``)
         # id(meta layer output) -> (it, the layer). Meta ones only: every layer's outputs are meta on some
         # rank, where a refusal finds its name; kept alive (no weakref: swap_tensors refuses a tensor that has
         # one).

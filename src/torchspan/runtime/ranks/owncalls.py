@@ -26,6 +26,7 @@ from ...layers import buffer_slots
 from ..layercall import run_layer
 from .forwardstate import Forward, LayerCall, Path, Shortcut, real_arguments, sent_tensor
 from .metacalls import MISSING, guarded, shape_key
+from .owninterleaved import NEW_PATH
 from .routes import META, CallRoute, DivergedError, Seen, cut_advice, resolve_rebuilds, route_call
 from .taint import check_unchanged, container_sizes, meta_like
 from .together import every_rank
@@ -130,6 +131,8 @@ class OwnLayerCalls:
     def _record(self, st: Forward, c: LayerCall, failed: str | None) -> CallRoute:
         """A new branch's route, found with every rank of the pipeline (the same views: the same route or
         error)."""
+        if st.turn is not None:  # every rank records a new call together: not in the interleaved order
+            raise every_rank(DivergedError(NEW_PATH.format(mb=st.mb, where=f"layer {c.name!r}")))
         codes = c.codes(st.grad)
         local = c.stage == self.stage
         aliases = tuple(st.at.get(id(t)) if local and t.is_meta else None for t in c.tensors)

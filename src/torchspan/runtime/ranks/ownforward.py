@@ -22,7 +22,10 @@ replicas once placed (``ranks.stageshard``): every forward is then a collective 
 
 Several stages per rank (more stages than pipeline ranks) are placed looped, stage ``s`` on rank ``s % P``: a
 rank's stages are one group of layers here, the ranks run one common order and backward runs in segments
-(``ownlooped``). Schedules are ``torchspan.schedule``'s (GPipe, 1F1B, zero-bubble: ``splitgrad.run_actions``):
+(``ownlooped``); under ``schedule="interleaved-1f1b"`` each rank runs Megatron's order for its stages, each
+micro-batch's forward a thread paused between the rank's chunks, each chunk's backward on its own
+(``owninterleaved``).
+Schedules are ``torchspan.schedule``'s (GPipe, 1F1B, zero-bubble: ``splitgrad.run_actions``):
 this rank runs its stage's actions in order; a forward blocks where an argument from an earlier stage has not
 arrived yet. Exact: the loss is weighed against the whole batch on the last stage and every rank's
 gradients are those of one device. ``recompute`` recomputes this rank's layers in backward;
@@ -66,6 +69,7 @@ from .mesh import Mesh
 from .metacalls import Described, MetaCalls, TiedSwaps
 from .metaweights import fill, materialize_stage
 from .owncalls import OwnLayerCalls
+from .owninterleaved import NEW_PATH, Turn, Turns, chunk_backward, interleaved_plan, run_interleaved
 from .ownlooped import common_plan, rank_groups, stage_backward
 from .ownloss import stage_loss
 from .ownmessages import ForwardMessages
@@ -73,7 +77,7 @@ from .p2p import PeerError, RankTransport
 from .routes import check_last_stage
 from .stage import RankStage, StageExecutor
 from .taint import MetaTaint
-from .together import Together, explained, raised_everywhere
+from .together import Together, every_rank, explained, raised_everywhere
 
 __all__ = ["RankOwnForwardExecutor"]
 
@@ -124,6 +128,7 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
             self.ranks.mesh, info.rank, info.device, self.ranks.comm
         )  # values "own-fwd"/"own-eval", gradients "own-bwd"
         self._swaps = TiedSwaps({})
+        self._settled: set[Any] = set()  # signatures of the training steps run (their paths recorded)
         self._steps = MeteredSteps(meter)  # which training steps count saved activations (micro-batch shapes)
         self._meta_calls = MetaCalls()
         self._actions: tuple[Any, list[list[sched.Action]]] = (
@@ -227,6 +232,8 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
             st = self._fwd
             if st is None:
                 return original(*args, **kwargs)
+            if st.turn is not None and st.turn.reach(st, name):  # interleaved: this chunk's turn came
+                self._fwd = st
             with torch._C.DisableTorchFunction():  # inside a layer: plain torch (meta or real throughout)
                 return self._call(st, name, stage, original, args, kwargs)
 
@@ -248,7 +255,9 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
         )
         return self._steps.wants(signature), signature
 
-    def _forward(self, work: Work, mb: int, grad: bool, metering: bool = False) -> tuple[Any, Forward]:
+    def _forward(
+        self, work: Work, mb: int, grad: bool, metering: bool = False, turn: Turn | None = None
+    ) -> tuple[Any, Forward]:
         args, kwargs = work.chunks[mb]
         leaves = call_leaves(args, kwargs)[0]
         if not all(v.device == self.device for v in leaves if isinstance(v, torch.Tensor)):
@@ -258,6 +267,7 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
         st = Forward(
             mb, grad, self._paths[grad], metering, grad and recomputes(s.recompute, mb, s.microbatches)
         )
+        st.turn = turn
         self._fwd = st
         try:
             kept = self._kept | {id(t) for t in leaves if isinstance(t, torch.Tensor)}
@@ -283,6 +293,8 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
         so a rank that failed (``failure``, e.g. the loss refused on the last stage) stops every rank; raises
         ``failure``."""
         if _END not in st.node.next:
+            if st.turn is not None:
+                raise every_rank(RuntimeError(NEW_PATH.format(mb=st.mb, where="its end")))
             st.node.next[_END] = (None, st.node)  # type: ignore[assignment]
             if failure is None:
                 self._together.gather(None)
@@ -310,10 +322,15 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
             work.chunks, targets, self._transport
         )  # its verdict: the transport's gate
         metering, signature = self._metering(work)
+        # interleaved: once a step with these shapes has recorded its paths in the common order
+        interleave = (
+            self._looped and self.settings.schedule == "interleaved-1f1b" and signature in self._settled
+        )
         with self._layers_wrapped(), self.ranks.reducing() as reduction:
-            loss = self._run_schedule(work, targets, loss_fn, weights, metering)
+            loss = self._run_schedule(work, targets, loss_fn, weights, metering, interleave)
             if metering:
                 self._steps.done(signature)
+            self._settled.add(signature)
             reduction.finished(loss)
         # the last stage's loss (summed over replicas when there are any), carried to every rank of this
         # pipeline
@@ -327,6 +344,7 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
         loss_fn: Callable[..., Any],
         weights: Sequence[float],
         metering: bool,
+        interleave: bool = False,
     ) -> torch.Tensor:
         """This stage's actions of the schedule; returns the pipeline's summed loss (float64): the last
         stage's own, carried to the other stages after its last backward (one message to each, no
@@ -334,11 +352,7 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
         s, n = self.settings, self.mesh.stages
         losses: list[torch.Tensor] = []
         live: dict[int, Forward] = {}
-        key = (s.schedule, s.microbatches, n)
-        if self._actions[0] != key:  # the schedule is built once per (schedule, micro-batches)
-            build = common_plan if self._looped else sched.build  # looped: one order on every rank
-            self._actions = (key, build(s.schedule, s.microbatches, n))
-        plan = self._actions[1]
+        plan = self._plan(interleave)
         actions = plan[self.stage]
         self._messages.start_step(plan)
         carry = (
@@ -348,8 +362,8 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
         )
         summed: list[torch.Tensor] = []
 
-        def forward(mb: int) -> None:  # and the loss on the last stage
-            out, st = self._forward(work, mb, grad=True, metering=metering)
+        def forward(mb: int, turn: Turn | None = None) -> None:  # and the loss on the last stage
+            out, st = self._forward(work, mb, grad=True, metering=metering, turn=turn)
             try:
                 st.loss = (
                     stage_loss(out, targets[mb], loss_fn, weights[mb], self.device, s.precision)
@@ -368,17 +382,23 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
             ):  # the loss's receive waits posted from the first backward (after the gate)
                 self._messages.expect_loss(n - 1)
             pending = self._backward(live.pop(mb), split)
-            if mb == carry:  # every gradient message of the step is out: the loss follows them to every stage
-                summed.append(torch.stack(losses).sum())
-                for stage in range(n - 1):
-                    self._messages.send_loss(summed[0], stage)
+            if mb == carry:
+                self._carry(losses, summed)
             return pending
 
         ok = False
         try:
-            run_actions(
-                actions, self.recorder, self.device, forward, backward, merge=sched.merges_weights(s.schedule)
-            )
+            if interleave:
+                self._run_interleaved(actions, forward, live, losses, summed)
+            else:
+                run_actions(
+                    actions,
+                    self.recorder,
+                    self.device,
+                    forward,
+                    backward,
+                    merge=sched.merges_weights(s.schedule),
+                )
             if not self.ranks.last:
                 summed.append(self._messages.take_loss(n - 1))
             ok = True
@@ -390,6 +410,50 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
             self._messages.end_step()
             self._transport.finish(ok)
         return summed[0]
+
+    def _plan(self, interleave: bool) -> list[list[sched.Action]]:
+        """Every rank's actions of a training step (built once per schedule, micro-batches and order)."""
+        s, n = self.settings, self.mesh.stages
+        key = (s.schedule, s.microbatches, n, interleave)
+        if self._actions[0] != key:
+            if interleave:  # each rank its stages' actions in Megatron's order
+                plan = interleaved_plan(s.microbatches, len(self.groups), n)
+            elif self._looped:  # one order on every rank
+                plan = common_plan(s.schedule, s.microbatches, n)
+            else:
+                plan = sched.build(s.schedule, s.microbatches, n)
+            self._actions = (key, plan)
+        return self._actions[1]
+
+    def _carry(self, losses: list[torch.Tensor], summed: list[torch.Tensor]) -> None:
+        """After the last stage's last backward (every gradient message of the step is out): the summed loss
+        follows them to every other stage."""
+        summed.append(torch.stack(losses).sum())
+        for stage in range(self.mesh.stages - 1):
+            self._messages.send_loss(summed[0], stage)
+
+    def _run_interleaved(
+        self,
+        actions: Sequence[sched.Action],
+        forward: Callable[[int, Turn], None],
+        live: dict[int, Forward],
+        losses: list[torch.Tensor],
+        summed: list[torch.Tensor],
+    ) -> None:
+        """This rank's actions of interleaved 1F1B (``owninterleaved``): ``forward(mb, turn)`` in each
+        micro-batch's thread up to its next chunk of this rank, each chunk's backward here."""
+        n = self.mesh.stages
+        turns = Turns({name: c // n for c, g in enumerate(self.groups) for name in g if c % n == self.stage})
+
+        def backward(mb: int, c: int, last: bool) -> None:
+            if not self.ranks.last:
+                self._messages.expect_loss(n - 1)
+            if chunk_backward(live[mb], turns.of[mb], c, self._messages, self.device):
+                del live[mb]
+            if last and self.ranks.last:
+                self._carry(losses, summed)
+
+        run_interleaved(actions, n, turns, self.recorder, self.device, lambda t: forward(t.mb, t), backward)
 
     def forward(self, work: Work) -> list[Any]:
         """Outputs of every micro-batch on every rank of this pipeline (no autograd across processes)."""

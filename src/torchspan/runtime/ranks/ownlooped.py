@@ -1,14 +1,17 @@
 """Several stages per rank for the model's own forward across ranks (``ownforward``), and its backward.
 
 Placed looped (stage ``s`` on rank ``s % P``), a rank's stages are one group of layers to the own-forward
-executor: every rank still runs the model's whole forward once per micro-batch, its own layers for real, and a
-value now goes around the ring (stage 0 on rank 0, 1 on rank 1, 2 on rank 0 again). A forward of a micro-batch
-therefore waits for every rank's part of it, and so does its backward: every rank runs the micro-batches in
-one common order (the first stage's of ``schedule.build`` on ``P`` stages: GPipe, or 1F1B with ``P - 1``
-forwards ahead), since two ranks running one micro-batch's forward and another's backward would wait on each
-other. The backward runs in segments, latest first: the gradients of the values received after a send go out
-before that send's gradient is awaited (one autograd call for everything would wait for a gradient that the
-other rank can only compute from one this rank has not sent yet).
+executor: every rank still runs the model's whole forward once per micro-batch, its own layers for real, and
+a value now goes around the ring (stage 0 on rank 0, 1 on rank 1, 2 on rank 0 again). A forward of a micro-
+batch therefore waits for every rank's part of it, and so does its backward: under GPipe and 1F1B every rank
+runs the micro-batches in one common order (the first stage's of ``schedule.build`` on ``P`` stages: GPipe,
+or 1F1B with ``P - 1`` forwards ahead), since two ranks running one micro-batch's whole forward and another's
+backward would wait on each other. ``schedule="interleaved-1f1b"`` pauses each micro-batch's forward between
+a rank's chunks instead, and runs each rank's actions in Megatron's order (``owninterleaved``); zero-bubble
+and merged-weights are refused (``check_looped``). The backward runs in segments, latest first: the gradients
+of the values received after a send go out before that send's gradient is awaited (one autograd call for
+everything would wait for a gradient that the other rank can only compute from one this rank has not sent
+yet).
 
 Usage (``RankOwnForwardExecutor`` does this)::
 
@@ -31,11 +34,14 @@ from .ownmessages import ForwardMessages
 
 __all__ = ["LOOPED_SCHEDULES", "check_looped", "common_plan", "rank_groups", "stage_backward"]
 
-LOOPED_SCHEDULES = ("gpipe", "1f1b")
+LOOPED_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
-def check_looped(stages: int, ranks: int, schedule: str, recompute: str | None, shard: bool) -> None:
-    """``ValueError`` unless ``stages`` own-forward stages can run looped on ``ranks`` pipeline ranks."""
+def check_looped(
+    stages: int, ranks: int, schedule: str, recompute: str | None, shard: bool, microbatches: int = 0
+) -> None:
+    """``ValueError`` unless ``stages`` own-forward stages can run looped on ``ranks`` pipeline ranks
+    (``microbatches``: checked for interleaved 1F1B's rounds when given)."""
     fix = f"pass balance= with {ranks} entries (one stage per rank)"
     if stages % ranks:
         raise ValueError(
@@ -44,9 +50,11 @@ def check_looped(stages: int, ranks: int, schedule: str, recompute: str | None, 
     if schedule not in LOOPED_SCHEDULES:
         raise ValueError(
             f"schedule={schedule!r} with {stages} stages on pp({ranks}) ranks and the model's own forward: "
-            "each micro-batch's forward runs through all of a rank's stages in one call, so the ranks run "
-            f"micro-batches in one common order; pass schedule='1f1b' or 'gpipe', or {fix}"
+            "each micro-batch's forward runs through all of a rank's stages in one call, which splits no "
+            f"backward in two; pass schedule='interleaved-1f1b', '1f1b' or 'gpipe', or {fix}"
         )
+    if schedule == "interleaved-1f1b" and microbatches:
+        sched.looped_ranks(microbatches, stages, ranks)  # rounds of ``ranks`` micro-batches
     where = (
         f"with {stages} stages on pp({ranks}) ranks and the model's own forward is not supported (its "
         "backward "

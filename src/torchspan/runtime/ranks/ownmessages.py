@@ -90,10 +90,15 @@ class ForwardMessages:
             )
         return got
 
-    def post(self, t: torch.Tensor, stage: int) -> None:
-        """A gradient of a received value to ``stage`` as one raw message (``"own-bwd"``)."""
+    def post(self, t: torch.Tensor, stage: int, mb: int | None = None, seq: int = 0) -> None:
+        """A gradient of a received value to ``stage`` as one raw message (``"own-bwd"``; ``mb``: on the slot
+        of micro-batch ``mb``'s ``seq``-th value from ``stage`` that needs one, else in order)."""
         self.transport.post(
-            t.detach().contiguous().to(self.transport.comm_device), self.transport.peer(stage), "own-bwd"
+            t.detach().contiguous().to(self.transport.comm_device),
+            self.transport.peer(stage),
+            "own-bwd",
+            mb,
+            seq,
         )
 
     def send_loss(self, loss: torch.Tensor, stage: int) -> None:
@@ -127,9 +132,10 @@ class ForwardMessages:
         assert wait is not None
         return wait().reshape(()).to(self.transport.device)
 
-    def take(self, buf: torch.Tensor, stage: int) -> torch.Tensor:
-        """The next raw ``"own-bwd"`` message from ``stage``, into ``buf``."""
-        return self.transport.receive_into(buf, stage, self.stage, "own-bwd")
+    def take(self, buf: torch.Tensor, stage: int, mb: int | None = None, seq: int = 0) -> torch.Tensor:
+        """The next raw ``"own-bwd"`` message from ``stage`` (``mb``: the one on that slot, as ``post``), into
+        ``buf``."""
+        return self.transport.receive_into(buf, stage, self.stage, "own-bwd", mb, seq)
 
     def done(self, st: Forward) -> None:
         """After a forward: slots an earlier step used and this one did not are closed on both sides."""
