@@ -7,7 +7,7 @@ rank's chunks. Every rank's gradients and the loss equal one device's (float64) 
 uneven micro-batches; a step with shapes no earlier step had runs in the common 1F1B order (it records the
 forward's routes with every rank), the next one with those shapes interleaved, as the timeline shows. In
 process: the hand-off of the micro-batches' threads (order, a failure raised in the main thread, a stopped
-step unwinding).
+step unwinding), and interleaved 1F1B in one process (the threads taking Megatron's turns per worker).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from test_ranks_own_looped import _llama
 from test_ranks_pipeline import TOL, _check, _spawn
 
 import torchspan
+from torchspan import schedule as sched
 from torchspan.runtime.ranks import free_port
 from torchspan.runtime.ranks.owninterleaved import Turns, interleaved_plan
 from torchspan.runtime.ranks.ownlooped import check_looped, common_plan
@@ -123,3 +124,26 @@ def test_turns_hand_off_between_micro_batches_in_the_schedules_order() -> None:
     turns.close()
     assert log == ["a0", "a1", "end0", "end1"]
     assert not [t for t in threading.enumerate() if t.name.startswith("torchspan-own-microbatch")]
+
+
+def test_interleaved_own_forward_in_one_process_is_exact_in_megatrons_order() -> None:
+    """In one process the micro-batches' threads take Megatron's turns per worker: 4 stages on one CPU worker,
+    micro-batch 1's forward between micro-batch 0's backward stages, gradients equal one device's."""
+    model = _gpt2()
+    reference = copy.deepcopy(model)
+    spanned = torchspan.span(
+        model, devices=["cpu"] * 4, balance=[2, 2, 2, 2], microbatches=4, schedule="interleaved-1f1b"
+    )
+    assert spanned.mode == "own-forward"
+    inputs, labels = _inputs(21, 7, 6, False)
+    loss = spanned.train_step(inputs, labels, shifted_mean, loss_normalizer=shifted_tokens)
+    expected = shifted_mean(reference(**inputs), labels)
+    expected.backward()
+    torch.testing.assert_close(loss.double(), expected.detach(), **LOSS_TOL)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
+    order = sorted(
+        (e for e in spanned.timeline() if e.kind in ("forward", "backward")), key=lambda e: e.start
+    )
+    plan = sched.merged_order(sched.build("interleaved-1f1b", 4, 4, 1), [0, 1, 2, 3])
+    assert [(e.stage, e.microbatch, e.kind) for e in order] == [(a.stage, a.microbatch, a.kind) for a in plan]

@@ -21,12 +21,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import schedule as sched
 from ..layers import discovery
 from .executor import Executor, Settings
 from .layout import Layout
+from .local.looped import looped_workers
 from .local.pipelined import PipelinedExecutor
 from .local.serial import SerialExecutor
 from .local.threaded import OwnForwardExecutor
+from .local.worker import worker_groups
 from .memory import ActivationMeter
 from .ranks.ownforward import RankOwnForwardExecutor
 from .ranks.ownlooped import check_looped
@@ -39,12 +42,10 @@ __all__ = ["check_pipeline_sharding", "choose", "replica"]
 
 
 def _check_one_stage_per_worker(lay: Layout, settings: Settings, shard: Any = None) -> None:
-    """The model's own forward runs a micro-batch's whole forward in one call per rank (or thread): several
-    stages of one device cannot be interleaved with other micro-batches'; across ranks they run looped in one
-    common order (``ranks.ownlooped``, which checks them)."""
+    """The model's own forward with several stages per rank runs looped (``ranks.ownlooped``, which checks
+    them); in one process, ``interleaved-1f1b`` needs the stages looped over the devices' workers."""
     workers = lay.ranked[0].stages if lay.ranked is not None else len(set(lay.devices))
-    looped = len(lay.groups) > workers
-    if lay.ranked is not None and looped:  # several stages per rank: ranks.ownlooped
+    if lay.ranked is not None and len(lay.groups) > workers:  # several stages per rank: ranks.ownlooped
         check_looped(
             len(lay.groups),
             workers,
@@ -53,14 +54,29 @@ def _check_one_stage_per_worker(lay: Layout, settings: Settings, shard: Any = No
             bool(shard),
             settings.microbatches,
         )
-    elif looped and settings.schedule == "interleaved-1f1b":
-        where = f"pp({workers}) ranks" if lay.ranked is not None else f"{workers} device(s)"
-        raise ValueError(
-            f"{len(lay.groups)} stages on {where}: several stages per rank (looped, "
-            "schedule='interleaved-1f1b') run stage functions (an nn.Sequential or an fx-traceable model), "
-            f"not a model's own forward ({lay.why}); pass balance= with {workers} entries (one stage per "
-            "rank), or schedule='1f1b'"
+    elif lay.ranked is None and settings.schedule == "interleaved-1f1b":
+        _check_local_interleaved(lay, settings)
+
+
+def _check_local_interleaved(lay: Layout, settings: Settings) -> None:
+    """``ValueError`` unless the stages are looped over the workers (stage ``s`` on worker ``s % P``) and the
+    micro-batches come in rounds of ``P``: the threads then take Megatron's turns per worker
+    (``threaded``)."""
+    n = len(lay.groups)
+    p = looped_workers(worker_groups(lay.devices, per_stage=settings.workers == "stage"), n)
+    if p is None:
+        devices = [str(d) for d in lay.devices]
+        distinct = list(dict.fromkeys(devices))
+        fix = (
+            f"pass devices={[distinct[s % len(distinct)] for s in range(n)]}"
+            if n % len(distinct) == 0
+            else "give each device the same number of stages"
         )
+        raise ValueError(
+            f"schedule='interleaved-1f1b' runs stage s on worker s % P (looped); devices={devices} do not "
+            f"place the {n} stages so: {fix}, or use schedule='1f1b'"
+        )
+    sched.looped_ranks(settings.microbatches, n, p)
 
 
 def replica(

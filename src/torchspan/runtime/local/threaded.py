@@ -15,9 +15,12 @@ schedule allows, which bounds the micro-batches in flight per stage). Autograd r
 on its own per-device threads, which must never block: there, only the start of each backward
 takes turns on the last stage, and the hooks just mark the timeline.
 
-``schedule="zero-bubble"`` and ``"merged-weights"`` run here in 1F1B's order with whole backwards (each
-micro-batch's backward is one autograd call crossing the stages, which cannot be split in two); across
-ranks (``ranks.ownforward``) and with stage functions they are split.
+``schedule="interleaved-1f1b"`` with the stages looped over the devices (stage ``s`` on the worker of
+device ``s % P``) takes Megatron's turns per worker, a micro-batch's forward and backward waiting at each
+stage for that stage's turn as under any schedule. ``schedule="zero-bubble"`` and ``"merged-weights"``
+run here in 1F1B's order with whole backwards (each micro-batch's backward is one autograd call crossing
+the stages, which cannot be split in two); across ranks (``ranks.ownforward``) and with stage functions
+they are split.
 
 Recompute and precision are per micro-batch and per stage (``layercall``), entered inside each
 thread (autocast and grad mode are thread-local). Limitation: with ``recompute`` on a CPU stage
@@ -48,6 +51,7 @@ from ..lossweights import LossSpec, weighted_loss
 from ..memory import ActivationMeter
 from ..record import Recorder
 from ..ties import Hook
+from .looped import INTERLEAVED, looped_workers
 from .placed import PlacedModel
 from .turns import Flow, Turns, orders
 from .worker import Aborted, Mailbox, intra_op_threads, note_failure, run_workers, worker_groups
@@ -250,7 +254,10 @@ class OwnForwardExecutor(Executor):
         # split schedules run as 1F1B here: each micro-batch's backward is one autograd call across the
         # stages, not split
         schedule = "1f1b" if s.schedule in ("zero-bubble", "merged-weights") else s.schedule
-        self._run(sched.build(schedule, s.microbatches, n), "all" if self.ordered_backward else "start", job)
+        # interleaved: stages looped over the workers (choose checked it), Megatron's order per worker
+        workers = looped_workers(worker_groups(self.devices, per_stage=s.workers == "stage"), n)
+        plan = sched.build(schedule, s.microbatches, n, workers if schedule == INTERLEAVED else None)
+        self._run(plan, "all" if self.ordered_backward else "start", job)
         return torch.stack([t for t in losses if t is not None]).sum()
 
 
