@@ -2,17 +2,18 @@
 
 Placed looped (stage ``s`` on rank ``s % P``), each rank runs its actions in the order
 ``schedule.build("interleaved-1f1b", m, stages, P)`` gives its stages (``interleaved_plan``), as stage
-functions do: forwards of ``P`` micro-batches through the rank's first stage (chunk 0), then through chunk
-1, ..., then one forward and one backward at a time. A micro-batch's forward is one call of the model's own
+functions do: forwards of ``P`` micro-batches through the rank's first stage (chunk 0), then through chunk 1,
+..., then one forward and one backward at a time. A micro-batch's forward is one call of the model's own
 forward, so here it runs in a thread of its own (``Turn``) that pauses where it reaches a layer of a later
-chunk of this rank until the schedule's forward of that chunk comes. The rank's main thread walks the
-actions (``run_interleaved``): a forward starts or resumes the micro-batch's thread and waits until it
-pauses again or ends (with its loss, on the last rank), so one thread runs at a time, a hand-off without
-concurrency; a backward runs in the main thread for what crossed during that chunk's turn
-(``chunk_backward``): the gradients of the values the turn sent come back, those of the values it received
-go out. Each gradient message has a tag of its own (its micro-batch, its place among the pair's values
-needing one), so no order between micro-batches or chunks on a link is assumed. A micro-batch's graph is
-kept until its first chunk's backward (a value may cross from one chunk into a later one), then dropped.
+chunk of this rank until the schedule's forward of that chunk comes. The rank's main thread walks the actions
+(``run_interleaved``): a forward starts or resumes the micro-batch's thread and waits until it pauses again
+or ends (with its loss, on the last rank), so one thread runs at a time, a hand-off without concurrency; a
+backward runs in the main thread for what crossed during that chunk's turn (``chunk_backward``): the
+gradients of the values the turn sent come back, those of the values it received go out. Each gradient
+message has a tag of its own (its micro-batch, its place among the pair's values needing one), so no order
+between micro-batches or chunks on a link is assumed. Each backward call keeps the graph (a value made in one
+chunk may reach a later one); what only the chunk's sent values and loss reach goes when they are let go,
+after its backward.
 
 A forward taking a path no earlier step took records each new call's route with every rank (``together``),
 which needs every rank to meet the micro-batches' new calls in one order: a step whose micro-batch shapes no
@@ -49,6 +50,11 @@ NEW_PATH = (
     "records in the common 1F1B order first); make the forward's path depend on the shapes only (e.g. pass "
     "the same kind of attention_mask every step), or pass schedule='1f1b'"
 )
+
+
+_SPENT = torch.empty(
+    0
+)  # a sent value whose backward ran: the graph behind it goes once nothing else needs it
 
 
 class _Stop(BaseException):
@@ -214,6 +220,7 @@ def chunk_backward(
 
     if not later and st.loss is not None and st.loss.requires_grad:
         torch.autograd.backward([st.loss], retain_graph=True)
+        st.loss = None
     sends, hi = list(range(s_lo, s_hi)), i_hi
     while sends:
         k = st.sent_after[sends[-1]]
@@ -225,6 +232,7 @@ def chunk_backward(
             t, stage = st.sent[j]
             outs.append(t)
             grads.append(messages.take(torch.empty_like(t, device=device), stage, st.mb, sent_at[j]))
+            st.sent[j] = (_SPENT, stage)
         torch.autograd.backward(outs, grads, retain_graph=True)
     post(i_lo, hi)
     return chunk == min(turn.marks)
