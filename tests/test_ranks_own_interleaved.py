@@ -5,9 +5,10 @@ and ``schedule="interleaved-1f1b"``: each rank runs its actions in Megatron's or
 rank 0's chunk 0 before micro-batch 0 reaches its chunk 1), each micro-batch's forward paused between a
 rank's chunks. Every rank's gradients and the loss equal one device's (float64) at every step, 7 rows in 4
 uneven micro-batches; a step with shapes no earlier step had runs in the common 1F1B order (it records the
-forward's routes with every rank), the next one with those shapes interleaved, as the timeline shows. In
-process: the hand-off of the micro-batches' threads (order, a failure raised in the main thread, a stopped
-step unwinding), and interleaved 1F1B in one process (the threads taking Megatron's turns per worker).
+forward's routes with every rank), the next one with those shapes interleaved, as the timeline shows; one
+whose forward takes a new path (a padding mask first seen) is refused on every rank at once. In process: the
+hand-off of the micro-batches' threads (order, a failure raised in the main thread, a stopped step
+unwinding), and interleaved 1F1B in one process (the threads taking Megatron's turns per worker).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torchspan import schedule as sched
 from torchspan.runtime.ranks import free_port
 from torchspan.runtime.ranks.owninterleaved import Turns, interleaved_plan
 from torchspan.runtime.ranks.ownlooped import check_looped, common_plan
+from torchspan.runtime.ranks.routes import DivergedError
 
 transformers = pytest.importorskip("transformers")
 
@@ -63,12 +65,26 @@ def _steps(
         torch.testing.assert_close(spanned(**inputs).logits, reference(**inputs).logits, **TOL)
 
 
+def _new_path_refused() -> None:
+    """An attention mask with padding after steps without: its forward takes a path no step recorded, in an
+    interleaved step; every rank raises at once (none waits for another)."""
+    spanned = torchspan.span(_gpt2(), balance=[2, 2, 2, 2], microbatches=2, schedule="interleaved-1f1b")
+    ids = torch.randint(3, 40, (4, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(4, 6, dtype=torch.long)
+    for _ in range(2):  # the first records in the common order, the second interleaves
+        spanned.train_step({"input_ids": ids, "attention_mask": mask}, ids, shifted_mean)
+    mask[3, -2:] = 0
+    with pytest.raises(DivergedError, match="took a path at layer .* pass schedule='1f1b'"):
+        spanned.train_step({"input_ids": ids, "attention_mask": mask}, ids, shifted_mean)
+
+
 def _worker(rank: int, world: int, port: int) -> None:
     _join(rank, world, port)
     _steps(_gpt2, [2, 2, 2, 2], "gpt2 interleaved", rank)
     # 2 micro-batches: rank 0 runs all its forwards first (the receives of rank 1 posted at its first one)
     _steps(_gpt2, [2, 2, 2, 2], "gpt2 interleaved, 2 micro-batches", rank, m=2, rows=5, lengths=(6, 6))
     _steps(_llama, [1, 2, 2, 2], "llama interleaved", rank)  # the rotary embedding on rank 1, read by rank 0
+    _new_path_refused()
     with pytest.raises(ValueError, match=r"microbatches=3 is not a multiple of 2"):
         torchspan.span(_gpt2(), balance=[2, 2, 2, 2], microbatches=3, schedule="interleaved-1f1b")
     _leave()
