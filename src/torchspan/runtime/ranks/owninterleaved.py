@@ -52,9 +52,8 @@ NEW_PATH = (
 )
 
 
-_SPENT = torch.empty(
-    0
-)  # a sent value whose backward ran: the graph behind it goes once nothing else needs it
+# in place of a sent value whose backward ran: the graph behind it goes once nothing else needs it
+_SPENT = torch.empty(0)
 
 
 class _Stop(BaseException):
