@@ -89,7 +89,7 @@ ADVISED: dict[tuple[str, str], tuple[str, ...]] = {
     ),  # said only to them (join_launched_job(explicit=True))
     ("runtime/ranks/env.py", "world_size"): ("shard_batch", "rank_batches"),
     ("runtime/ranks/metaweights.py", "weights"): ("span", "DataParallelReplica"),
-    ("runtime/choose.py", "balance"): ("span",),  # several stages per rank refused for a model's own forward
+    ("runtime/choose.py", "devices"): ("span",),  # own forward, interleaved-1f1b on stages not looped
     ("runtime/local/looped.py", "devices"): ("span",),  # interleaved-1f1b on stages that are not looped
     ("runtime/ranks/looped.py", "balance"): ("span",),  # more stages than ranks, not a multiple
     ("runtime/ranks/ownlooped.py", "balance"): ("span",),  # own forward, several stages per rank: refusals

@@ -24,17 +24,16 @@ Several stages per rank (more stages than pipeline ranks) are placed looped, sta
 rank's stages are one group of layers here, the ranks run one common order and backward runs in segments
 (``ownlooped``); under ``schedule="interleaved-1f1b"`` each rank runs Megatron's order for its stages, each
 micro-batch's forward a thread paused between the rank's chunks, each chunk's backward on its own
-(``owninterleaved``).
-Schedules are ``torchspan.schedule``'s (GPipe, 1F1B, zero-bubble: ``splitgrad.run_actions``):
-this rank runs its stage's actions in order; a forward blocks where an argument from an earlier stage has not
-arrived yet. Exact: the loss is weighed against the whole batch on the last stage and every rank's
-gradients are those of one device. ``recompute`` recomputes this rank's layers in backward;
-``precision="bf16"`` autocasts them (a value crosses in the dtype its holder has: meta knows no autocast). A
-forward must take the same path on every rank (no branches on values other stages compute, which
-``meta`` cannot answer: such a model raises, naming the call). The ranks exchange at every new
-call and at the end of a forward the first time they reach them (``together``); a rank that fails
-where the others head for such an exchange (the first step) joins it with its error, so every rank
-of the pipeline raises it instead of waiting for a peer that stopped.
+(``owninterleaved``). Schedules are ``torchspan.schedule``'s (GPipe, 1F1B, zero-bubble:
+``splitgrad.run_actions``): this rank runs its stage's actions in order; a forward blocks where an argument
+from an earlier stage has not arrived yet. Exact: the loss is weighed against the whole batch on the last
+stage and every rank's gradients are those of one device. ``recompute`` recomputes this rank's layers in
+backward; ``precision="bf16"`` autocasts them (a value crosses in the dtype its holder has: meta knows no
+autocast). A forward must take the same path on every rank (no branches on values other stages compute, which
+``meta`` cannot answer: such a model raises, naming the call). The ranks exchange at every new call and at
+the end of a forward the first time they reach them (``together``); a rank that fails where the others head
+for such an exchange (the first step) joins it with its error, so every rank of the pipeline raises it
+instead of waiting for a peer that stopped.
 
 Usage (``span`` does this in a launched job)::
 
@@ -74,7 +73,7 @@ from .ownlooped import common_plan, rank_groups, stage_backward
 from .ownloss import stage_loss
 from .ownmessages import ForwardMessages
 from .p2p import PeerError, RankTransport
-from .routes import check_last_stage
+from .routes import DivergedError, check_last_stage
 from .stage import RankStage, StageExecutor
 from .taint import MetaTaint
 from .together import Together, every_rank, explained, raised_everywhere
@@ -294,7 +293,7 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
         ``failure``."""
         if _END not in st.node.next:
             if st.turn is not None:
-                raise every_rank(RuntimeError(NEW_PATH.format(mb=st.mb, where="its end")))
+                raise every_rank(DivergedError(NEW_PATH.format(mb=st.mb, where="its end")))
             st.node.next[_END] = (None, st.node)  # type: ignore[assignment]
             if failure is None:
                 self._together.gather(None)
