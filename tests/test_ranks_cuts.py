@@ -61,6 +61,25 @@ def shifted_tokens(labels: torch.Tensor) -> torch.Tensor:
     return (labels[:, 1:] != -100).sum()
 
 
+def step_like_one_device(
+    spanned: torchspan.Spanned,
+    reference: nn.Module,
+    inputs: dict,
+    labels: torch.Tensor,
+    label: str,
+    rank: int,
+) -> None:
+    """One ``train_step`` on the shifted token mean beside the same step of ``reference`` on one device:
+    the loss and this rank's gradients equal (gradients cleared first on both)."""
+    for p in [*spanned.module.parameters(), *reference.parameters()]:
+        p.grad = None
+    loss = spanned.train_step(inputs, labels, shifted_mean, loss_normalizer=shifted_tokens)
+    expected = shifted_mean(reference(**inputs), labels)
+    expected.backward()
+    torch.testing.assert_close(loss.double(), expected.detach(), **LOSS_TOL)
+    assert _check(spanned, reference, label, rank) > 0
+
+
 def _gpt2() -> nn.Module:
     cfg = transformers.GPT2Config(
         vocab_size=40,
@@ -127,13 +146,7 @@ def _train_and_compare(make, label: str, rank: int, encoder_decoder: bool, **spa
     spanned = torchspan.span(model, **span_args)
     for step, length in enumerate((7, 5)):  # a second sequence length: new shapes through the same routes
         inputs, labels = _inputs(10 + step, 5, length, encoder_decoder)  # 5 rows in 3 micro-batches
-        for p in [*spanned.module.parameters(), *reference.parameters()]:
-            p.grad = None
-        loss = spanned.train_step(inputs, labels, shifted_mean, loss_normalizer=shifted_tokens)
-        expected = shifted_mean(reference(**inputs), labels)
-        expected.backward()
-        torch.testing.assert_close(loss.double(), expected.detach(), **LOSS_TOL)
-        assert _check(spanned, reference, f"{label} step {step}", rank) > 0
+        step_like_one_device(spanned, reference, inputs, labels, f"{label} step {step}", rank)
     with torch.no_grad():
         inputs, _ = _inputs(30, 3, 6, encoder_decoder)
         torch.testing.assert_close(spanned(**inputs).logits, reference(**inputs).logits, **TOL)

@@ -14,52 +14,20 @@ ranks waiting for it, naming it.
 from __future__ import annotations
 
 import copy
-import os
 import traceback
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from test_ranks_pipeline import TOL, _check, _spawn
+from test_ranks_cuts import _join, _leave, step_like_one_device
+from test_ranks_pipeline import TOL, _spawn
 from torch import nn
 
 import torchspan
-from torchspan.runtime.ranks import free_port, init_distributed
+from torchspan.runtime.ranks import free_port
 
 transformers = pytest.importorskip("transformers")
-
-LOSS_TOL = dict(rtol=1e-6, atol=1e-7)
-
-
-def _join(rank: int, world: int, port: int) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
-    torch.set_num_threads(1)
-    transformers.logging.set_verbosity_error()
-    init_distributed(timeout=30)
-
-
-def _leave() -> None:
-    """Leave the job together: a rank exiting with its gloo groups alive can abort in their threads'
-    teardown."""
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-
-
-def shifted_mean(out, labels: torch.Tensor) -> torch.Tensor:
-    """The causal-LM token mean: position t predicts token t + 1 (the user's own loss on the logits)."""
-    logits = out.logits[:, :-1]
-    return nn.functional.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
-
-
-def shifted_tokens(labels: torch.Tensor) -> torch.Tensor:
-    return (labels[:, 1:] != -100).sum()
 
 
 def _mixtral(experts: str = "eager") -> nn.Module:
@@ -121,13 +89,7 @@ def _train_and_compare(make, label: str, rank: int, **span_args) -> None:
     for step, length in enumerate((7, 5)):  # a second sequence length: new call shapes, described again
         ids, labels, mask = _batch(10 + step, 5, length)  # 5 rows in 3 micro-batches: 2 + 2 + 1
         inputs = {"input_ids": ids, "attention_mask": mask}
-        for p in [*spanned.module.parameters(), *reference.parameters()]:
-            p.grad = None
-        loss = spanned.train_step(inputs, labels, shifted_mean, loss_normalizer=shifted_tokens)
-        expected = shifted_mean(reference(**inputs), labels)
-        expected.backward()
-        torch.testing.assert_close(loss.double(), expected.detach(), **LOSS_TOL)
-        assert _check(spanned, reference, f"{label} step {step}", rank) > 0
+        step_like_one_device(spanned, reference, inputs, labels, f"{label} step {step}", rank)
     with (
         torch.no_grad(),
         warnings.catch_warnings(record=True) as caught,

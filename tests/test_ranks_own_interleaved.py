@@ -19,9 +19,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_ranks_cuts import LOSS_TOL, _gpt2, _inputs, _join, _leave, shifted_mean, shifted_tokens
+from test_ranks_cuts import _gpt2, _inputs, _join, _leave, shifted_mean, step_like_one_device
 from test_ranks_own_looped import _llama
-from test_ranks_pipeline import TOL, _check, _spawn
+from test_ranks_pipeline import TOL, _spawn
 
 import torchspan
 from torchspan import schedule as sched
@@ -47,13 +47,7 @@ def _steps(
     spanned = torchspan.span(model, balance=balance, microbatches=m, schedule="interleaved-1f1b")
     for step, length in enumerate(lengths):
         inputs, labels = _inputs(20 + step, rows, length, False)  # uneven: 7 rows in 4 micro-batches
-        for p in [*spanned.module.parameters(), *reference.parameters()]:
-            p.grad = None
-        loss = spanned.train_step(inputs, labels, shifted_mean, loss_normalizer=shifted_tokens)
-        expected = shifted_mean(reference(**inputs), labels)
-        expected.backward()
-        torch.testing.assert_close(loss.double(), expected.detach(), **LOSS_TOL)
-        assert _check(spanned, reference, f"{label} step {step}", rank) > 0
+        step_like_one_device(spanned, reference, inputs, labels, f"{label} step {step}", rank)
         interleaved = step > 0 and length == lengths[step - 1]
         plan = interleaved_plan(m, 4, 2) if interleaved else common_plan("interleaved-1f1b", m, 2)
         order = _order(spanned)
@@ -152,12 +146,7 @@ def test_interleaved_own_forward_in_one_process_is_exact_in_megatrons_order() ->
     )
     assert spanned.mode == "own-forward"
     inputs, labels = _inputs(21, 7, 6, False)
-    loss = spanned.train_step(inputs, labels, shifted_mean, loss_normalizer=shifted_tokens)
-    expected = shifted_mean(reference(**inputs), labels)
-    expected.backward()
-    torch.testing.assert_close(loss.double(), expected.detach(), **LOSS_TOL)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
+    step_like_one_device(spanned, reference, inputs, labels, "one process", 0)
     order = sorted(
         (e for e in spanned.timeline() if e.kind in ("forward", "backward")), key=lambda e: e.start
     )
