@@ -14,14 +14,21 @@ slower at the small size, benchmarks/RESULTS.md); there the flat all-reduce afte
 Data-dependent models (mixture of experts): the reducer is told which parameters the last backward
 reaches (``find_unused_parameters``); one reached on no replica keeps its ``.grad`` untouched by DDP,
 so ``used`` (set by this module's own hooks) is summed over the replicas with the loss and ``leftover``
-names the parameters to reduce after (today's flat all-reduce).
+names the parameters to reduce after (today's flat all-reduce). A replica whose last backward reaches
+none of them (or has no output needing a gradient) must still launch the same buckets as the others:
+the reducer also holds a one-element ``sentinel`` parameter of its own, reached from a root made in
+``prepare`` and back-propagated by ``done`` after the stage's backward. Its hook is then the first one
+on such a replica (DDP marks every unreached parameter ready at the first hook: all buckets launch), and
+its bucket is the last (DDP buckets the parameters in reverse), so the reducer's wait for its
+all-reduces and the write-back into ``.grad`` happen in ``done``, not at the end of the stage's backward.
 
 Usage (``Reduction`` does this)::
 
     buckets = Bucketed(params, group)      # once per stage; params: its replicated, unsharded parameters
     buckets.prepare(outputs)               # right before the stage's last backward of the step
-    torch.autograd.backward(outputs, grads)   # buckets all-reduced during it, written back at its end
-    flags = buckets.used                   # 1.0 per parameter reached; sum over the replicas
+    torch.autograd.backward(outputs, grads)   # buckets all-reduced during it
+    flags = buckets.done()                 # the last bucket, the wait, the write-back into .grad
+                                           # flags: 1.0 per parameter reached; sum over the replicas
     rest = buckets.leftover(summed_flags)  # reduced by no bucket: reduce them as before
 """
 
@@ -36,32 +43,37 @@ from torch.nn.parallel import DistributedDataParallel
 __all__ = ["Bucketed"]
 
 
-def _sum_hook(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """A DDP comm hook: the bucket SUMmed over ``group`` (DDP's default divides by the group's size;
-    real annotations, as DDP checks them)."""
-    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
-
-
 class Bucketed:
-    """DDP's reducer over ``params`` (a stage's replicated parameters, all on one device) in ``group``."""
+    """DDP's reducer over ``params`` (a stage's replicated parameters, all on one device) in ``group``.
+
+    ``launched``: buckets all-reduced so far (the comm hook counts them), for tests and timelines."""
 
     def __init__(self, params: Sequence[nn.Parameter], group: Any) -> None:
         self.params = list(params)
+        first = self.params[0]
+        # a one-element parameter of its own, first (DDP buckets in reverse: its bucket is launched last)
+        self.sentinel = nn.Parameter(torch.zeros(1, dtype=first.dtype, device=first.device))
         holder = nn.Module()
-        holder.params = nn.ParameterList(
-            self.params
-        )  # the same tensors: the reducer hooks their accumulators
+        holder.params = nn.ParameterList([self.sentinel, *self.params])  # the reducer hooks accumulators
         self.ddp = DistributedDataParallel(
             holder,
             process_group=group,
             find_unused_parameters=True,
             init_sync=False,  # replicas already start identical (RankStage.start)
         )
-        self.ddp.register_comm_hook(group, _sum_hook)
+        self.launched = 0
+        self.ddp.register_comm_hook(group, self._sum_hook)
         self.used = torch.zeros(len(self.params), dtype=torch.float64)
         self._armed = False
+        self._root: torch.Tensor | None = None
         self._hooks = [p.register_post_accumulate_grad_hook(self._mark(i)) for i, p in enumerate(self.params)]
+
+    def _sum_hook(self, group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """A DDP comm hook: the bucket SUMmed over ``group`` (DDP's default divides by the group's size;
+        real annotations, as DDP checks them)."""
+        self.launched += 1
+        work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
 
     def _mark(self, i: int) -> Any:
         def hook(p: torch.Tensor) -> None:
@@ -71,21 +83,21 @@ class Bucketed:
         return hook
 
     def prepare(self, outputs: Sequence[torch.Tensor]) -> None:
-        """Arm the reducer for the backward from ``outputs`` (the stage's last of the step)."""
+        """Arm the reducer for the backward from ``outputs`` (the stage's last of the step; may be empty)."""
         self.used.zero_()
         self._armed = True
-        self.ddp.reducer.prepare_for_backward(list(outputs))
+        self.sentinel.grad = None
+        with torch.enable_grad():
+            self._root = self.sentinel.sum()
+        self.ddp.reducer.prepare_for_backward([*outputs, self._root])
 
     def done(self) -> torch.Tensor:
-        """After the armed backward: the ``used`` flags (to sum over the replicas); refuses a backward that
-        reached none of the parameters (the reducer would wait for them, and the other replicas with it)."""
+        """After the armed backward: the sentinel's backward (the reducer's last bucket, its wait and the
+        write-back into ``.grad``), then the ``used`` flags (to sum over the replicas)."""
+        root, self._root = self._root, None
+        if root is not None:
+            torch.autograd.backward([root])
         self._armed = False
-        if not bool(self.used.any()):
-            raise RuntimeError(
-                "a pipeline stage's last backward of the step reached none of its replicated parameters, "
-                "so its bucketed reduction cannot start; set "
-                "torchspan.runtime.ranks.stage.RankStage.bucketed = False for this model (the flat reduction)"
-            )
         return self.used.clone()
 
     def leftover(self, summed: torch.Tensor) -> list[nn.Parameter]:
@@ -98,4 +110,5 @@ class Bucketed:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._root = None
         self.ddp.reducer._remove_autograd_hooks()

@@ -406,10 +406,10 @@ class Reduction:
         self._launched: list[tuple[Any, Any]] = []
 
     def before_last(self, outputs: Sequence[torch.Tensor]) -> None:
-        """Right before this rank's last backward of the step (from ``outputs``; one stage per rank): its
-        replicated gradients are then reduced in DDP's buckets during that backward (``ranks.bucketed``)."""
-        first = self.ranks.stage == 0  # later stages: the reducer's wait would hold back the gradient sent
-        buckets = self.ranks.buckets_for(self.params) if outputs and first else None
+        """Right before this rank's last backward of the step (from ``outputs``, maybe none; one stage per
+        rank): its replicated gradients are then reduced in DDP's buckets during it (``ranks.bucketed``)."""
+        first = self.ranks.stage == 0  # the same answer on every replica of the stage
+        buckets = self.ranks.buckets_for(self.params) if first else None
         if buckets is not None:
             buckets.prepare(outputs)
             self.buckets = buckets
