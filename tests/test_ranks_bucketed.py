@@ -1,7 +1,8 @@
 """A pipeline stage's replicas reduce in DDP's buckets during the last backward (``ranks.bucketed``).
 
-4 gloo ranks, 2 stages x 2 replicas; the first stage reduces bucketed (a later stage's reducer would hold
-back the gradient it sends until its all-reduces end, so it stays flat). Each case trains one step twice
+4 gloo ranks, 2 stages x 2 replicas; every stage reduces bucketed under 1F1B, GPipe and zero-bubble (its
+last weight pass), a merged weight pass stays flat: the test fails unless the reducer took some parameter's
+gradient from the armed backward's hooks on every rank (``used``). Each case trains one step twice
 from the same parameters, bucketed (the default) and flat (``RankStage.bucketed = False``, one all-reduce
 per dtype after the backward): the gradients must be equal bit for bit, and both equal to one device's.
 The first stage holds a branch taken only for some rows (a data-dependent model, as a mixture of
@@ -56,8 +57,10 @@ def _step(bucketed: bool, schedule: str, x: torch.Tensor, y: torch.Tensor, repli
     RankStage.bucketed = bucketed
     spanned = torchspan.span(_model(), balance=[2, 2], microbatches=2, schedule=schedule)
     spanned.train_step(*shard_batch((x, y), replica, 2), nn.MSELoss(reduction="sum"))
-    used = spanned._executor.ranks._buckets is not None
-    return _grads(spanned), used
+    buckets = spanned._executor.ranks._buckets
+    # how many parameters' gradients the reducer took from the hooks of the armed backward
+    reduced = int(buckets.used.sum()) if buckets is not None and buckets.launched else 0
+    return _grads(spanned), reduced
 
 
 def _worker(rank: int, world: int, port: int) -> None:
@@ -68,13 +71,14 @@ def _worker(rank: int, world: int, port: int) -> None:
     y = torch.randn(8, 4, generator=g, dtype=torch.float64)
     # rows 4r, 4r+1 are replica r's first micro-batch, 4r+2, 4r+3 its last
     cases = {"earlier only": [0, 4], "one replica": [0, 2], "none": []}
-    for schedule in ("1f1b", "gpipe"):
+    for schedule in ("1f1b", "gpipe", "zero-bubble", "merged-weights"):
         for label, rows in cases.items():
             xs = x.clone()
             xs[rows, 0] = 100.0
             got, used = _step(True, schedule, xs, y, replica)
             flat, _ = _step(False, schedule, xs, y, replica)
-            assert used == (rank % 2 == 0), f"{schedule} {label}: rank {rank}: bucketed on the first stage"
+            bucketed = schedule != "merged-weights"  # a merged weight pass stays flat
+            assert (used > 0) == bucketed, f"{schedule} {label}: rank {rank}: {used} parameter(s) bucketed"
             reference = _model()
             for i in range(0, 8, 2):  # one device, micro-batch by micro-batch as the branch is taken
                 nn.MSELoss(reduction="sum")(reference(xs[i : i + 2]), y[i : i + 2]).backward()

@@ -89,6 +89,7 @@ class TrainStep:
         self.merging: dict[
             int, tuple[list[Pending], list[torch.Tensor]]
         ] = {}  # per stage: the run so far, its loss
+        self.arm_weights: dict[int, list[Any]] = {}  # stage -> its outputs: before_last at its last W
         self.expect: dict[
             int, list[int]
         ] = {}  # stage -> its forwards' micro-batches, to receive early (once per step)
@@ -198,8 +199,8 @@ class TrainStep:
                     for o, g in zip(st.outputs, grads_in)
                     if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
                 ]
-            if mb == self.carry and not split and self.before_last is not None:
-                self.before_last(s, [o for o, _ in pairs])  # a bucketed reduction armed for it
+            if mb == self.carry and self.before_last is not None:
+                self._arm(s, [o for o, _ in pairs], split)
             grads = self._input_pass(s, mb, st, pairs, split)
         loss = (self.summed() if s == self.last else self.carried[-1]) if mb == self.carry else None
         if s > 0:
@@ -210,6 +211,17 @@ class TrainStep:
             self.pending[(s, mb)] = (self.pending[(s, mb)][0], loss)
         elif loss is not None and self.finished is not None:
             self.finished(s, loss)
+
+    def _arm(self, s: int, outputs: list[Any], split: bool) -> None:
+        """Before stage ``s``'s last backward of the step (from ``outputs``): ``before_last`` (a bucketed
+        reduction armed) now when this backward adds the parameters' gradients (whole, or a first stage's
+        split one, which runs whole), else before its weight pass; never for merged weight passes (they add
+        a parameter's gradient once per micro-batch of the run: DDP's reducer takes one)."""
+        assert self.before_last is not None
+        if not split or not self.pipe.split or (s == 0 and self.merge_at is None):
+            self.before_last(s, outputs)
+        elif self.merge_at is None:
+            self.arm_weights[s] = outputs
 
     def _input_pass(
         self, s: int, mb: int, st: _Saved, pairs: list[tuple[Any, Any]], split: bool
@@ -237,6 +249,8 @@ class TrainStep:
         """The parameters' gradients of ``mb`` on stage ``s`` (zero-bubble's W); after the stage's last one,
         ``finished`` (a data-parallel reduction starts)."""
         pending, loss = self.pending.pop((s, mb))
+        if mb == self.carry and s in self.arm_weights and self.before_last is not None:
+            self.before_last(s, self.arm_weights.pop(s))  # DDP's hooks fire in this weight pass
         if self.merge_at is not None:  # merged weights: gather the run, take it as one pass at its end
             run, losses = self.merging.setdefault(s, ([], []))
             run.append(pending)

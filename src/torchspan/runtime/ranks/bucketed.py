@@ -1,15 +1,17 @@
 """A pipeline stage's replicas reduce through DDP's reducer, bucketed during the stage's last backward.
 
 torch's ``DistributedDataParallel`` holds the reducer: it hooks each parameter's gradient accumulator and,
-once armed, all-reduces buckets of gradients (25 MiB) as they become ready, while the backward still runs;
-the reduced buckets are written back into ``.grad`` when that backward ends. A pipeline stage arms it
-right before its last backward of the step (``prepare``), as ``torch.distributed.pipelining``'s stage does:
-by then ``.grad`` holds every earlier micro-batch's gradient, and the hooks fire once the last one is
-added. The buckets are SUMmed (a comm hook, nothing divided): the micro-batch and replica weights stay
-torchspan's. The stage's forward never goes through DDP (DDP's ``no_sync`` is read at forward time,
-which a 1F1B schedule interleaves with backwards). Only the first stage arms it: the reducer waits for its
-all-reduces when the backward ends, which on a later stage would hold back the gradient it sends (measured
-slower at the small size, benchmarks/RESULTS.md); there the flat all-reduce after the send stays.
+once armed, all-reduces buckets of gradients (25 MiB) as they become ready, while the backward still runs.
+A pipeline stage arms it right before its last backward of the step (``prepare``), as
+``torch.distributed.pipelining``'s stage does: by then ``.grad`` holds every earlier micro-batch's
+gradient, and the hooks fire once the last one is added (zero-bubble: before the last weight pass, where
+they fire). The buckets are SUMmed (a comm hook, nothing divided): the micro-batch and replica weights stay
+torchspan's. The stage's forward never goes through DDP (DDP's ``no_sync`` is read at forward time, which
+a 1F1B schedule interleaves with backwards). Every stage arms it: the reducer's wait for its all-reduces
+(and the write-back into ``.grad``) is in ``done``, after the stage has sent its input gradient upstream,
+so a later stage's bucketing does not hold back the previous stage (the sentinel below). It stays flat
+where a parameter's gradient is added more than once after the arming (merged weight passes), for tied
+parameters (their group spans stages) and for sharded and tensor-parallel stages (``RankStage.buckets_for``).
 
 Data-dependent models (mixture of experts): the reducer is told which parameters the last backward
 reaches (``find_unused_parameters``); one reached on no replica keeps its ``.grad`` untouched by DDP,

@@ -11,9 +11,9 @@
   Megatron's embedding group, every replica included). Replicas and tied copies start identical (broadcast).
 - **Weights**: with replicas, the last stages all-reduce the loss normalizer so every replica
   weighs its micro-batches against the global batch.
-- **Gradients**: the first stage's replicas SUM this step's gradients in DDP's buckets during its last
-  backward (``ranks.bucketed``, armed by ``Reduction.before_last``); else (later stages, ties, zero-bubble,
-  looped, own forward) one async flat SUM per dtype after it. Earlier steps' gradients stay accumulated.
+- **Gradients**: a stage's replicas SUM this step's gradients in DDP's buckets during its last backward
+  (``ranks.bucketed``, armed by ``Reduction.before_last``); else (ties, merged weights, own forward) one async
+  flat SUM per dtype after it. Earlier steps' gradients stay accumulated.
 - **Sharding** (``shard``, after ``start``): this stage's layers sharded by FSDP2 over its
   data-parallel group (``ranks.stageshard``); their gradients are reduce-scattered by FSDP2 at the
   same moment, the rest (ties, the model's own tensors) all-reduced as above.
@@ -408,8 +408,7 @@ class Reduction:
     def before_last(self, outputs: Sequence[torch.Tensor]) -> None:
         """Right before this rank's last backward of the step (from ``outputs``, maybe none; one stage per
         rank): its replicated gradients are then reduced in DDP's buckets during it (``ranks.bucketed``)."""
-        first = self.ranks.stage == 0  # the same answer on every replica of the stage
-        buckets = self.ranks.buckets_for(self.params) if first else None
+        buckets = self.ranks.buckets_for(self.params)  # the same answer on every replica of the stage
         if buckets is not None:
             buckets.prepare(outputs)
             self.buckets = buckets
