@@ -6,8 +6,9 @@ gradient from the armed backward's hooks on every rank (``used``). Each case tra
 from the same parameters, bucketed (the default) and flat (``RankStage.bucketed = False``, one all-reduce
 per dtype after the backward): the gradients must be equal bit for bit, and both equal to one device's.
 The first stage holds a branch taken only for some rows (a data-dependent model, as a mixture of
-experts): taken in an earlier micro-batch of both replicas but not in their last (the reducer leaves it:
-reduced after), taken by one replica only, or by none (its gradient stays ``None``, as on one device).
+experts): taken in an earlier micro-batch of both replicas but not in their last (given -0.0 after the
+backward: its earlier gradient summed in its bucket), taken by one replica only, or by none (its
+gradient stays ``None``, as on one device).
 """
 
 from __future__ import annotations

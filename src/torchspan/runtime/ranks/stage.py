@@ -402,7 +402,6 @@ class Reduction:
         self.ranks, self.params = ranks, params
         self.total: torch.Tensor | None = None
         self.buckets: Bucketed | None = None  # armed by before_last
-        self._flags: torch.Tensor | None = None
         self._launched: list[tuple[Any, Any]] = []
 
     def before_last(self, outputs: Sequence[torch.Tensor]) -> None:
@@ -417,10 +416,12 @@ class Reduction:
         """This rank ran its last backward (``loss``: its summed loss): start the SUMs in every group."""
         r = self.ranks
         if r.stage_group is not None:
-            flags = [self.buckets.done()] if self.buckets is not None else []
-            total = torch.cat([loss.detach().to(torch.float64).reshape(1).cpu(), *flags]).to(r.comm)
-            self._launched.append((dist.all_reduce(total, group=r.stage_group, async_op=True), None))
-            self.total, self._flags = total[:1], total[1:]
+            if self.buckets is not None:  # the loss summed in the reducer's last bucket
+                self.total = self.buckets.done(loss)
+            else:
+                total = loss.detach().to(torch.float64).reshape(1).to(r.comm)
+                self._launched.append((dist.all_reduce(total, group=r.stage_group, async_op=True), None))
+                self.total = total
             done = set(map(id, self.buckets.params)) if self.buckets is not None else set()
             replicated = [
                 p
@@ -442,12 +443,6 @@ class Reduction:
             if unpack is not None:
                 unpack()
         self._launched = []
-        if self.buckets is not None and self._flags is not None:  # reached on no replica: flat, now
-            for handle, unpack in self.ranks.launch(
-                self.buckets.leftover(self._flags.cpu()), self.ranks.stage_group
-            ):
-                handle.wait()
-                unpack()
 
 
 class StageExecutor(Executor):
