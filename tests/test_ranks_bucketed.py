@@ -66,6 +66,7 @@ def _step(bucketed: bool, schedule: str, x: torch.Tensor, y: torch.Tensor, repli
 
 def _worker(rank: int, world: int, port: int) -> None:
     _join(rank, world, port)
+    RankStage.bucket_later_above = 0  # later stages bucketed too, however small
     replica = rank // 2
     g = torch.Generator().manual_seed(11)
     x = torch.randn(8, 5, generator=g, dtype=torch.float64)
@@ -91,6 +92,9 @@ def _worker(rank: int, world: int, port: int) -> None:
                     assert torch.equal(grad, flat[name]), f"{schedule} {label}: rank {rank}: {name}"
                     torch.testing.assert_close(grad, want, rtol=1e-9, atol=1e-11)
     RankStage.bucketed = True
+    RankStage.bucket_later_above = 26 << 20  # the default: a later stage this small stays flat
+    _, used = _step(True, "1f1b", x, y, replica)
+    assert (used > 0) == (rank % 2 == 0), f"rank {rank}: {used} parameter(s) bucketed by default"
 
     # gradients accumulate over steps as without replicas (the earlier step's added back after)
     spanned = torchspan.span(_model(), balance=[2, 2], microbatches=2, schedule="1f1b")

@@ -12,8 +12,9 @@
 - **Weights**: with replicas, the last stages all-reduce the loss normalizer so every replica
   weighs its micro-batches against the global batch.
 - **Gradients**: a stage's replicas SUM this step's gradients in DDP's buckets during its last backward
-  (``ranks.bucketed``, armed by ``Reduction.before_last``); else (ties, merged weights, own forward) one async
-  flat SUM per dtype after it. Earlier steps' gradients stay accumulated.
+  (``ranks.bucketed``, armed by ``Reduction.before_last``; a later stage over ``bucket_later_above`` bytes);
+  else (ties, merged weights, own forward) one async flat SUM per dtype after it. Earlier steps' gradients
+  stay accumulated.
 - **Sharding** (``shard``, after ``start``): this stage's layers sharded by FSDP2 over its
   data-parallel group (``ranks.stageshard``); their gradients are reduce-scattered by FSDP2 at the
   same moment, the rest (ties, the model's own tensors) all-reduced as above.
@@ -67,6 +68,9 @@ class RankStage:
     """
 
     bucketed: bool = True  # replicas reduce in DDP's buckets during the last backward where it applies
+    # a later stage buckets over this many bytes of gradients: below, DDP's 1 and 25 MiB buckets are all
+    # ready only as its backward ends, so bucketing only delays the gradient it sends (RESULTS.md)
+    bucket_later_above: int = 26 << 20
 
     def __init__(
         self,
@@ -348,6 +352,8 @@ class RankStage:
         mine = [p for p in params if id(p) not in self._tie_of]
         if not mine or self.comm.type != self.device.type or any(isinstance(p, DTensor) for p in mine):
             return None  # tensor-parallel stages (DTensors) keep the flat reduction
+        if self.stage > 0 and sum(p.numel() * p.element_size() for p in mine) <= self.bucket_later_above:
+            return None
         if self._buckets is None or [id(p) for p in self._buckets.params] != [id(p) for p in mine]:
             self.drop_buckets()
             self._buckets = Bucketed(mine, self.stage_group)
