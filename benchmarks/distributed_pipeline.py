@@ -509,7 +509,7 @@ def _hybrid_size(rank: int, world: int, name: str, args: argparse.Namespace) -> 
             _model(size["width"], size["depth"]),
             balance=[n // 2, n - n // 2],
             microbatches=size["microbatches"],
-            schedule="1f1b",
+            schedule=args.hybrid_schedule,
         )
 
     ours, flat = spanned(), spanned()
@@ -541,7 +541,8 @@ def _hybrid_size(rank: int, world: int, name: str, args: argparse.Namespace) -> 
     times = _rounds(steps, args)
     if rank != 0:
         return ""
-    title = f"hybrid 2 stages x 2 replicas vs DDP on 4 processes ({name}: {_describe(size)})"
+    sched = "" if args.hybrid_schedule == "1f1b" else f", {args.hybrid_schedule}"
+    title = f"hybrid 2 stages x 2 replicas vs DDP on 4 processes ({name}: {_describe(size)}{sched})"
     med = {k: statistics.median(v) for k, v in times.items()}
     r = _per_round(times, "torchspan 2x2", "DDP x4")
     lines = [f"{title}:"] + [
@@ -551,7 +552,7 @@ def _hybrid_size(rank: int, world: int, name: str, args: argparse.Namespace) -> 
         f"  ratio torchspan 2x2 / DDP x4 = {med['torchspan 2x2'] / med['DDP x4']:.3f} (medians); "
         f"median of per-round ratios {r:.3f}"
     )
-    suffix = "" if name == "small" else f"_{name}"
+    suffix = ("" if name == "small" else f"_{name}") + sched.replace(", ", "_")
     lines.append(f"RATIO hybrid_2x2/torchspan_2x2_vs_DDP_x4{suffix} {r:.3f} - {title}")
     if args.flat_reduction:
         b = _per_round(times, "torchspan 2x2", "torchspan 2x2 flat")
@@ -560,7 +561,9 @@ def _hybrid_size(rank: int, world: int, name: str, args: argparse.Namespace) -> 
             f"{med['torchspan 2x2'] / med['torchspan 2x2 flat']:.3f} (medians); "
             f"median of per-round ratios {b:.3f}"
         )
-        lines.append(f"RATIO hybrid_2x2/bucketed_vs_flat_{name} {b:.3f} 1.0 {title}")
+        lines.append(
+            f"RATIO hybrid_2x2/bucketed_vs_flat_{name}{sched.replace(', ', '_')} {b:.3f} 1.0 {title}"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -630,6 +633,12 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="hybrid: also time the replicas' flat all-reduce after the backward against the default "
         "bucketed one (DDP's reducer), in the same rounds",
+    )
+    p.add_argument(
+        "--hybrid-schedule",
+        default="1f1b",
+        choices=("1f1b", "gpipe", "zero-bubble"),
+        help="hybrid: torchspan's schedule (default 1f1b)",
     )
     p.add_argument("--skip-hybrid", action="store_true", help="same as --only pipeline")
     return p
