@@ -92,20 +92,25 @@ def _worker(rank: int, world: int, port: int) -> None:
                     assert torch.equal(grad, flat[name]), f"{schedule} {label}: rank {rank}: {name}"
                     torch.testing.assert_close(grad, want, rtol=1e-9, atol=1e-11)
     RankStage.bucketed = True
-    RankStage.bucket_later_above = 26 << 20  # the default: a later stage this small stays flat
-    _, used = _step(True, "1f1b", x, y, replica)
-    assert (used > 0) == (rank % 2 == 0), f"rank {rank}: {used} parameter(s) bucketed by default"
 
-    # gradients accumulate over steps as without replicas (the earlier step's added back after)
+    # gradients accumulate over steps as without replicas (the earlier step's added back after); the loss
+    # (summed over the replicas in the reducer's last bucket) is the full batch's
     spanned = torchspan.span(_model(), balance=[2, 2], microbatches=2, schedule="1f1b")
     reference = copy.deepcopy(_model())
     for _ in range(2):
-        spanned.train_step(*shard_batch((x, y), replica, 2), nn.MSELoss(reduction="sum"))
-        nn.MSELoss(reduction="sum")(reference(x), y).backward()
+        loss = spanned.train_step(*shard_batch((x, y), replica, 2), nn.MSELoss(reduction="sum"))
+        want = nn.MSELoss(reduction="sum")(reference(x), y)
+        want.backward()
+        torch.testing.assert_close(loss.double(), want.detach(), rtol=1e-6, atol=1e-9)
+    assert spanned._executor.ranks._buckets.used.sum() > 0, f"rank {rank}: not bucketed"
     ref = dict(reference.named_parameters())
     for name, p in spanned.module.named_parameters():
         if p.device.type != "meta" and ref[name].grad is not None:
             torch.testing.assert_close(p.grad, ref[name].grad, rtol=1e-9, atol=1e-11)
+
+    RankStage.bucket_later_above = 26 << 20  # the default: a later stage this small stays flat
+    _, used = _step(True, "1f1b", x, y, replica)
+    assert (used > 0) == (rank % 2 == 0), f"rank {rank}: {used} parameter(s) bucketed by default"
     _leave()
 
 
