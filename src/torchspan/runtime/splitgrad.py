@@ -379,19 +379,31 @@ def run_actions(
     forward: Callable[[int], None],
     backward: Callable[[int, bool], Pending | None],
     merge: bool = False,
+    before_last: Callable[[], None] | None = None,
+    whole_input: bool = False,
 ) -> None:
     """One stage's schedule actions in order, each in its timeline block: ``forward(mb)``; ``backward(mb,
     split)`` (``split`` for zero-bubble's ``backward_input``, returning the ``Pending`` weight pass or
     ``None`` when it ran whole); ``backward_weight`` runs that pass later. ``merge``
     (``schedule.merges_weights``): a run of consecutive ``backward_weight`` actions is one
-    ``weights_together`` pass, at the run's last action.
+    ``weights_together`` pass, at the run's last action. ``before_last()``: called right before the last
+    action that adds to the weights' gradients (a backward or a weight pass; not with ``merge``, whose
+    pass adds a gradient per micro-batch), where a bucketed reduction is armed (``ranks.bucketed``);
+    ``whole_input``: this stage's ``backward_input`` runs whole (nothing before it to send a gradient to),
+    so it is the one adding to them.
 
     Usage: ``run_actions(sched.build("zero-bubble", 4, 2)[stage], recorder, device, fwd, bwd)``.
     """
     later: dict[int, Pending | None] = {}
     run: list[Pending] = []
     ends = sched.weight_run_ends(list(actions)) if merge else set()
-    for a in actions:
+    adding = (sched.BACKWARD, sched.BACKWARD_INPUT if whole_input else sched.BACKWARD_WEIGHT)
+    adds = [i for i, a in enumerate(actions) if a.kind in adding]
+    arm_at = adds[-1] if adds and before_last is not None and not merge else -1
+    for i, a in enumerate(actions):
+        if i == arm_at:
+            assert before_last is not None
+            before_last()
         if a.kind == sched.BACKWARD_WEIGHT:
             pending = later.pop(a.microbatch)
             if merge:

@@ -326,7 +326,8 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
             self._looped and self.settings.schedule == "interleaved-1f1b" and signature in self._settled
         )
         with self._layers_wrapped(), self.ranks.reducing() as reduction:
-            loss = self._run_schedule(work, targets, loss_fn, weights, metering, interleave)
+            arm = None if interleave or self._looped else (lambda: reduction.before_last([]))
+            loss = self._run_schedule(work, targets, loss_fn, weights, metering, interleave, arm)
             if metering:
                 self._steps.done(signature)
             self._settled.add(signature)
@@ -344,10 +345,12 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
         weights: Sequence[float],
         metering: bool,
         interleave: bool = False,
+        arm: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """This stage's actions of the schedule; returns the pipeline's summed loss (float64): the last
         stage's own, carried to the other stages after its last backward (one message to each, no
-        collective)."""
+        collective). ``arm()``: right before the last action adding to the weights' gradients (a stage's
+        replicas then reduce in DDP's buckets, ``ranks.bucketed``)."""
         s, n = self.settings, self.mesh.stages
         losses: list[torch.Tensor] = []
         live: dict[int, Forward] = {}
@@ -397,6 +400,8 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
                     forward,
                     backward,
                     merge=sched.merges_weights(s.schedule),
+                    before_last=arm,
+                    whole_input=self.stage == 0,  # its split backward runs whole (``_backward``)
                 )
             if not self.ranks.last:
                 summed.append(self._messages.take_loss(n - 1))

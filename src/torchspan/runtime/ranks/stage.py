@@ -13,7 +13,7 @@
   weighs its micro-batches against the global batch.
 - **Gradients**: a stage's replicas SUM this step's gradients in DDP's buckets during its last backward
   (``ranks.bucketed``, armed by ``Reduction.before_last``; a later stage over ``bucket_later_above`` bytes);
-  else (ties, merged weights, own forward) one async flat SUM per dtype after it. Earlier steps' gradients
+  else (ties, merged weights) one async flat SUM per dtype after it. Earlier steps' gradients
   stay accumulated.
 - **Sharding** (``shard``, after ``start``): this stage's layers sharded by FSDP2 over its
   data-parallel group (``ranks.stageshard``); their gradients are reduce-scattered by FSDP2 at the
