@@ -7,7 +7,7 @@ with padded labels (``ignore_index=-100``), and the model's own loss, ``self.mod
 returned (with ``accumulate_grad_batches`` 1 and 2). 11 sequences in batches of 4 (the last one 3 rows, 2 + 1
 micro-batches), every row a different number of real tokens. The weights after two epochs equal plain
 Lightning's on one device (1e-9), and the logged loss its value. Adding another output to the model's own loss
-is refused.
+is refused. Fabric's own loop, ``fabric.backward(model(**batch).loss)``, ends with the same weights.
 
 Usage: ``python -m pytest -q tests/test_lightning_pipeline_hf.py``
 """
@@ -27,7 +27,7 @@ from ranks_spawn import join_job, spawn  # noqa: E402
 from test_lightning import QUIET  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
-from torchspan.lightning import SpanStrategy  # noqa: E402
+from torchspan.lightning import SpanFabricStrategy, SpanStrategy  # noqa: E402
 from torchspan.lightning.deferred import PipelineLoopError  # noqa: E402
 from torchspan.runtime.ranks import free_port  # noqa: E402
 
@@ -128,6 +128,27 @@ def _worker(rank: int, world: int, port: int, folder: str) -> None:
         assert abs(got - wanted) < 1e-6 * abs(wanted), (name, got, wanted)
     with pytest.raises(PipelineLoopError, match="training_step"):
         _fit(Penalized(), SpanStrategy(devices=["cpu", "cpu"], microbatches=2))
+    _fabric(torch.load(Path(folder) / "own.pt", weights_only=False)["state"])
+
+
+def _fabric(want: dict) -> None:
+    """Fabric's own loop on the pipeline with the model's own loss: ``fabric.backward(model(**batch).loss)``
+    runs the step; this rank's stage ends as plain Lightning's run of ``Own``."""
+    fabric = L.Fabric(
+        strategy=SpanFabricStrategy(devices=["cpu", "cpu"], microbatches=2), accelerator="cpu", devices=1
+    )
+    fabric.launch()
+    lit = Own()
+    model, optimizer = fabric.setup(lit.model, torch.optim.SGD(lit.model.parameters(), lr=0.2))
+    for _ in range(2):
+        for batch in fabric.setup_dataloaders(DataLoader(_Tokens(), batch_size=4)):
+            optimizer.zero_grad()
+            fabric.backward(model(**batch).loss)
+            optimizer.step()
+    held = {f"model.{k}": v for k, v in lit.model.state_dict().items() if v.device.type != "meta"}
+    assert held and len(held) < len(want)
+    for key, value in held.items():
+        torch.testing.assert_close(value, want[key], **OWN, msg=lambda m, k=key: f"fabric: {k}: {m}")
 
 
 def test_gpt2_pipeline_across_ranks_is_plain_lightning(tmp_path: Path) -> None:
