@@ -33,6 +33,10 @@ MODELS = textwrap.dedent(
     def drift():
         torch.manual_seed(0)
         return Drift()
+
+    def dropped():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.ReLU(), nn.Linear(16, 4), nn.Dropout(0.1))
     """
 )
 
@@ -139,3 +143,18 @@ def test_verify_refuses_an_empty_vocab_as_plan_and_run_do(
 ) -> None:
     assert main(["verify", f"{models}:mlp", "--input-shape", "8,8", "--vocab", "0"]) == 2
     assert "--vocab 0 must be >= 1" in capsys.readouterr().err
+
+
+def test_verify_compares_a_model_with_dropout_without_it(
+    models: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Dropout's masks differ between a split batch and the whole one (every default transformers config has
+    it), so verify switches it off for the comparison and says so: PASS with a note, in both modes (it was
+    FAIL for every strategy, ``single`` included)."""
+    argv = ["verify", f"{models}:dropped", "--input-shape", "8,8", "--microbatches", "4"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "note: dropout off in 2 module(s) (1 p=0.3, 4 p=0.1)" in out
+    assert main([*argv, "--strategies", "single,local-pipeline", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["verdict"] == "PASS" and "dropout off in 2 module(s)" in result["notes"][0]

@@ -26,8 +26,9 @@ from ._common import UsageError, load_target, synthetic_batch
 __all__ = [
     "require_inputs",
     "build_model",
-    "build_without_cache",
+    "build_for_verify",
     "caches_off",
+    "dropout_off",
     "make_batch",
     "example_inputs",
     "model_dtype",
@@ -74,10 +75,37 @@ def caches_off(model: nn.Module) -> nn.Module:
     return model
 
 
-def build_without_cache(target: str) -> nn.Module:
-    """``load_target(target)`` with its caches off (``caches_off``): what each rank of ``verify --strategies``
-    builds (module-level, so ``functools.partial(build_without_cache, target)`` pickles)."""
-    return caches_off(load_target(target))
+def dropout_off(model: nn.Module) -> str | None:
+    """Every dropout module of ``model`` (``nn.Dropout`` and its kin) with ``p > 0`` set to ``p = 0``, and a
+    note naming them (``None`` when there are none): a batch split into micro-batches or shards draws other
+    masks than the whole batch does, so a step with dropout cannot equal one device's, and ``verify``
+    compares the computation without it (as transformers models ship it: ``GPT2Config``'s 0.1).
+    Usage: ``note = dropout_off(model)``."""
+    found = [
+        (name, m.p)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
+    ]
+    for name, _ in found:
+        model.get_submodule(name).p = 0.0
+    if not found:
+        return None
+    listed = ", ".join(f"{n or type(model).__name__} p={p:g}" for n, p in found[:4])
+    more = f" and {len(found) - 4} more" if len(found) > 4 else ""
+    return (
+        f"dropout off in {len(found)} module(s) ({listed}{more}) for the comparison: a batch split into "
+        "micro-batches or shards draws other masks than the whole batch, so no step with dropout equals one "
+        "device's; torchspan trains with it as given"
+    )
+
+
+def build_for_verify(target: str) -> nn.Module:
+    """``load_target(target)`` with its caches (``caches_off``) and dropout (``dropout_off``) off: what each
+    rank of ``verify --strategies`` builds (module-level, so ``functools.partial(build_for_verify, target)``
+    pickles)."""
+    model = caches_off(load_target(target))
+    dropout_off(model)
+    return model
 
 
 def _free_cpu_bytes() -> int | None:

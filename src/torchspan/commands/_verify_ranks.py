@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from rich.table import Table
 from ..parity_ranks import StepOptions, StrategyResult, compare_strategies, processes_for
 from ..training import mse_loss
 from ._common import UsageError, console, print_json
-from ._target import build_without_cache
+from ._target import build_for_verify
 
 __all__ = ["run_strategies"]
 
@@ -101,9 +101,10 @@ def run_strategies(
     x: Any,
     balance: list[int] | None,
     target: Callable[[Any], Any],
+    notes: Sequence[str] = (),
 ) -> int:
-    """Compare ``args.strategies`` with one device and print them (``target(output)``: the step's target); 0
-    when all pass, 1 otherwise."""
+    """Compare ``args.strategies`` with one device and print them (``target(output)``: the step's target;
+    ``notes``: printed under the heading); 0 when all pass, 1 otherwise."""
     names = _names(args.strategies)
     nproc = args.nproc_per_node
     if nproc < 1:
@@ -138,13 +139,15 @@ def run_strategies(
             f"microbatches={args.microbatches}, schedule={args.schedule}, "
             f"balance={list(balance) if balance else 'even'}, seed={args.seed}"
         )
+        for note in notes:
+            con.print(f"note: {note}")
     results = compare_strategies(
         model,
         x,
         target,
         mse_loss,
         names,
-        build=functools.partial(build_without_cache, args.target),
+        build=functools.partial(build_for_verify, args.target),
         nproc=nproc,
         options=options,
         atol=args.atol,
@@ -153,7 +156,7 @@ def run_strategies(
     )
     ok = all(r.ok for r in results)
     if args.json:
-        print_json(_as_json(args, options, results, ok))
+        print_json({**_as_json(args, options, results, ok), "notes": list(notes)})
         return 0 if ok else 1
     for r in results:
         if r.parity is not None:

@@ -43,7 +43,15 @@ from ._options import (
     add_seed_option,
     add_target_arguments,
 )
-from ._target import build_model, caches_off, example_inputs, first_call, require_data_devices, require_inputs
+from ._target import (
+    build_model,
+    caches_off,
+    dropout_off,
+    example_inputs,
+    first_call,
+    require_data_devices,
+    require_inputs,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -117,16 +125,17 @@ def run(args: argparse.Namespace) -> int:
     """``torchspan verify``: one step with ``span`` against one device (or ``--strategies``); 0 on PASS, 1
     otherwise."""
     balance = _check_options(args)
-    model = caches_off(
-        build_model(args.target)
-    )  # a transformers model's default use_cache=True: no cache in training
+    # a transformers model's default use_cache=True: no cache in training
+    model = caches_off(build_model(args.target))
+    dropped = [note] if (note := dropout_off(model)) else []
     reference = copy.deepcopy(model)
     x = _example(args, model)
     if args.strategies is not None:
         from ._verify_ranks import run_strategies
 
-        return run_strategies(args, model, x, balance, _random_like)
+        return run_strategies(args, model, x, balance, _random_like, dropped)
     spanned, notes = _span(model, args, balance)
+    notes = dropped + notes
     result = _parity(spanned, reference, x, args)
     zero = _zero_on_both_sides(model, reference)
     trained = [n for n, p in reference.named_parameters() if p.requires_grad]
