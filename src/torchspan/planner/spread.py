@@ -40,21 +40,30 @@ def spread_plan(
         settings = piped or settings
     tables = time_tables(prof)
     models = [CostModel(prof, m, s, c, tables) for m, s, c in settings]
-    fitting: list[tuple[float, float, CostModel, Evaluation]] = []
+    fitting: list[tuple[float, float, tuple[int, ...], CostModel, Evaluation]] = []
     for cuts in itertools.combinations(range(1, n_layers), n_devs - 1):
         bounds = (0, *cuts, n_layers)
         stages = [Stage(d, bounds[d], bounds[d + 1]) for d in range(n_devs)]
         for cm in models:
             ev = cm.evaluate(stages)
             if ev.fits:
-                fitting.append((ev.step_time, _slowest_stage(prof, bounds, cm.M), cm, ev))
+                fitting.append((ev.step_time, _slowest_stage(prof, bounds, cm.M), bounds, cm, ev))
     if not fitting:
         return None
-    # Stages sharing one device cost the same however the layers are cut; among plans within 2% of
-    # the fastest, take the most balanced one (slowest stage fastest): the one that pipelines on
-    # separate devices, and the one whose timeline shows a pipeline.
+    # Stages sharing one device (``cpu,cpu``) cost the same however the layers are cut, up to the cost
+    # model's small terms (which move with the CPU speed measured under load): take the most balanced cut
+    # (slowest stage fastest), the one whose timeline shows a pipeline. On separate devices, the most
+    # balanced among plans within 2% of the fastest: the one that pipelines.
     fastest = min(f[0] for f in fitting)
-    _, _, cm, ev = min((f for f in fitting if f[0] <= fastest * 1.02), key=lambda f: (f[1], f[0]))
+    if len({str(dev.device) for dev in prof.devices}) == 1:  # each cut at its fastest setting
+        best: dict[tuple[int, ...], tuple[float, float, tuple[int, ...], CostModel, Evaluation]] = {}
+        for f in fitting:
+            if f[2] not in best or f[0] < best[f[2]][0]:
+                best[f[2]] = f
+        near = list(best.values())
+    else:
+        near = [f for f in fitting if f[0] <= fastest * 1.02]
+    _, _, _, cm, ev = min(near, key=lambda f: (f[1], f[0]))
     return cm.to_plan(ev, "torchspan")
 
 
