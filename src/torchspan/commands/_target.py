@@ -81,13 +81,11 @@ def dropout_off(model: nn.Module) -> str | None:
     masks than the whole batch does, so a step with dropout cannot equal one device's, and ``verify``
     compares the computation without it (as transformers models ship it: ``GPT2Config``'s 0.1).
     Usage: ``note = dropout_off(model)``."""
-    found = [
-        (name, m.p)
-        for name, m in model.named_modules()
-        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
-    ]
-    for name, _ in found:
-        model.get_submodule(name).p = 0.0
+    found = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            found.append((name, m.p))
+            m.p = 0.0
     if not found:
         return None
     listed = ", ".join(f"{n or type(model).__name__} p={p:g}" for n, p in found[:4])

@@ -140,11 +140,7 @@ class Runner:
         for p in params:
             p.grad = None
         try:
-            value = (
-                self.spanned.train_step(inputs)
-                if criterion is None
-                else self.spanned.train_step(inputs, target, criterion)
-            )
+            value = self.spanned.train_step(inputs, target, criterion)  # None, None: the model's own loss
             grads = [None if p.grad is None else p.grad.as_subclass(torch.Tensor) for p in params]
         finally:
             for p, g in zip(params, earlier):

@@ -150,12 +150,16 @@ class OwnForwardExecutor(Executor):
         return hook
 
     # ------------------------------------------------------------------ running
+    def _worker_groups(self) -> list[list[int]]:
+        """The stages each worker thread runs (``worker_groups`` of the devices and ``workers=``)."""
+        return worker_groups(self.devices, per_stage=self.settings.workers == "stage")
+
     def _run(
         self, schedule: list[list[sched.Action]], backward: str, job: Callable[[Turns, int], None]
     ) -> None:
         """``job(turns, mb)`` for every micro-batch, one thread each; the first error is re-raised here."""
         m = self.settings.microbatches
-        groups = worker_groups(self.devices, per_stage=self.settings.workers == "stage")
+        groups = self._worker_groups()
         group_orders = orders(schedule, groups, backward=backward)
         threads = intra_op_threads(self.devices, groups, limit=m)
         local = self._local
@@ -255,8 +259,8 @@ class OwnForwardExecutor(Executor):
         # stages, not split
         schedule = "1f1b" if s.schedule in ("zero-bubble", "merged-weights") else s.schedule
         # interleaved: stages looped over the workers (choose checked it), Megatron's order per worker
-        workers = looped_workers(worker_groups(self.devices, per_stage=s.workers == "stage"), n)
-        plan = sched.build(schedule, s.microbatches, n, workers if schedule == INTERLEAVED else None)
+        workers = looped_workers(self._worker_groups(), n) if schedule == INTERLEAVED else None
+        plan = sched.build(schedule, s.microbatches, n, workers)
         self._run(plan, "all" if self.ordered_backward else "start", job)
         return torch.stack([t for t in losses if t is not None]).sum()
 

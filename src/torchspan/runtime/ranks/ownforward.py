@@ -326,7 +326,7 @@ class RankOwnForwardExecutor(OwnLayerCalls, StageExecutor):
             self._looped and self.settings.schedule == "interleaved-1f1b" and signature in self._settled
         )
         with self._layers_wrapped(), self.ranks.reducing() as reduction:
-            arm = None if interleave or self._looped else (lambda: reduction.before_last([]))
+            arm = None if self._looped else (lambda: reduction.before_last([]))  # looped: no replicas
             loss = self._run_schedule(work, targets, loss_fn, weights, metering, interleave, arm)
             if metering:
                 self._steps.done(signature)
